@@ -1,0 +1,24 @@
+"""Topic names and defaults shared by every component (overridable by environment)."""
+
+from __future__ import annotations
+
+import os
+
+TELEMETRY = "runwatch.telemetry"
+ANOMALIES = "runwatch.anomalies"
+ACTIONS = "runwatch.actions"
+DEADLETTER = "runwatch.deadletter"
+ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER)
+
+DEFAULT_PARTITIONS = 4
+
+BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
+SECRET_ENV = "RUNWATCH_ACTION_SECRET"
+
+# Pinned so that constructors never probe the broker (kafka-python 3.x returns at
+# once with an explicit api_version, even when nothing is listening).
+KAFKA_API_VERSION = (2, 8, 0)
+
+
+def bootstrap_from_env(default: str | None = None) -> str | None:
+    return os.environ.get(BOOTSTRAP_ENV, default)

@@ -1,0 +1,102 @@
+"""Versioned ClickHouse schema. Append a migration; never edit one that has shipped.
+
+Every table deduplicates on its id (ReplacingMergeTree, read with FINAL), because
+processing is at-least-once and a re-delivered batch must not double a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "telemetry, anomalies, actions, deadletter",
+        (
+            """
+            CREATE TABLE IF NOT EXISTS {db}.telemetry (
+                event_id String,
+                run_id LowCardinality(String),
+                rank UInt32,
+                kind LowCardinality(String),
+                ts DateTime64(3, 'UTC') CODEC(Delta, ZSTD(1)),
+                step Nullable(Int64),
+                loss Nullable(Float64) CODEC(ZSTD(1)),
+                grad_norm Nullable(Float64) CODEC(ZSTD(1)),
+                step_time_s Nullable(Float64) CODEC(ZSTD(1)),
+                payload String CODEC(ZSTD(3)),
+                inserted_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(inserted_at)
+            PARTITION BY toYYYYMM(ts)
+            ORDER BY (run_id, event_id)
+            TTL toDateTime(ts) + INTERVAL 90 DAY
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS {db}.anomalies (
+                anomaly_id String,
+                run_id LowCardinality(String),
+                ts DateTime64(3, 'UTC'),
+                step Nullable(Int64),
+                rank Nullable(UInt32),
+                detector LowCardinality(String),
+                metric LowCardinality(String),
+                value Nullable(Float64),
+                threshold Nullable(Float64),
+                score Nullable(Float64),
+                severity LowCardinality(String),
+                message String,
+                evidence String CODEC(ZSTD(3)),
+                inserted_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(inserted_at)
+            ORDER BY (run_id, anomaly_id)
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS {db}.actions (
+                action_id String,
+                run_id LowCardinality(String),
+                kind LowCardinality(String),
+                reason String,
+                anomaly_ids Array(String),
+                step Nullable(Int64),
+                onset_step Nullable(Int64),
+                target_step Nullable(Int64),
+                target_uri Nullable(String),
+                params String,
+                issued_at DateTime64(3, 'UTC'),
+                expires_at DateTime64(3, 'UTC'),
+                inserted_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(inserted_at)
+            ORDER BY (run_id, action_id)
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS {db}.deadletter (
+                id String,
+                ts DateTime64(3, 'UTC'),
+                source_topic LowCardinality(String),
+                partition Nullable(Int32),
+                offset Nullable(Int64),
+                run_key Nullable(String),
+                reason String,
+                raw String CODEC(ZSTD(3)),
+                inserted_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(inserted_at)
+            ORDER BY id
+            TTL toDateTime(ts) + INTERVAL 30 DAY
+            """,
+        ),
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1].version
