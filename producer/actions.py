@@ -98,6 +98,10 @@ class ActionListener:
 
     # -- what training code calls -------------------------------------------------
 
+    def attach(self, model: Any, optimizer: Any = None, restore: RestoreFn | None = None) -> None:
+        """Set what a rollback restores into, for listeners created before the model."""
+        self._restore = restore or torch_restore(model, optimizer)
+
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Block until the consumer has its partitions (useful before the first step)."""
         return self._ready.wait(timeout)

@@ -1,0 +1,1 @@
+"""The Faust worker, the embedded broker, the demo and the ``runwatch`` command line."""

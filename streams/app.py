@@ -1,0 +1,93 @@
+"""The Faust application: consumes telemetry as raw bytes, runs the processor, publishes.
+
+Built by ``create_app`` (not at import time) so that the bootstrap, config and secret
+come from the command line. ``run_worker`` starts it in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import faust
+
+from runwatch.detectors import RunwatchConfig
+from runwatch.producer import topics
+from runwatch.streams.processor import TelemetryProcessor
+
+log = logging.getLogger("runwatch.worker")
+
+DETECT_GROUP = "runwatch-detect"
+
+
+def faust_broker_url(bootstrap: str) -> str:
+    return ";".join(f"kafka://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
+
+
+def create_app(
+    bootstrap: str,
+    config: RunwatchConfig,
+    secret: bytes,
+    *,
+    app_id: str = DETECT_GROUP,
+    web_port: int = 6066,
+    ready_file: Path | None = None,
+) -> tuple[faust.App, TelemetryProcessor]:
+    app = faust.App(
+        app_id,
+        broker=faust_broker_url(bootstrap),
+        value_serializer="raw",
+        key_serializer="raw",
+        processing_guarantee="at_least_once",
+        # Tansu (and small clusters) join groups in about half the session timeout;
+        # Faust's 60 s default leaves a new worker idle for 30 s.
+        broker_session_timeout=6.0,
+        broker_heartbeat_interval=1.0,
+        broker_commit_interval=1.0,
+        consumer_auto_offset_reset="earliest",
+        topic_allow_declare=False,  # topics are created by `runwatch broker` / ensure_topics
+        topic_partitions=topics.DEFAULT_PARTITIONS,
+        store="memory://",
+        web_enabled=False,
+        web_port=web_port,
+    )
+    telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
+    anomalies = app.topic(topics.ANOMALIES, value_serializer="raw", key_serializer="raw")
+    actions = app.topic(topics.ACTIONS, value_serializer="raw", key_serializer="raw")
+    deadletter = app.topic(topics.DEADLETTER, value_serializer="raw", key_serializer="raw")
+    processor = TelemetryProcessor(config, secret)
+
+    @app.agent(telemetry)
+    async def detect(stream):  # noqa: ANN001 - Faust's stream type
+        async for event in stream.events():
+            msg = event.message
+            result = processor.process(event.value, event.key, msg.partition, msg.offset)
+            if result.deadletter is not None:
+                log.warning("dead letter at %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset,
+                            result.deadletter.reason)
+                await deadletter.send(key=event.key, value=result.deadletter.to_json())
+            for anomaly in result.anomalies:
+                await anomalies.send(key=anomaly.run_id.encode(), value=anomaly.to_json())
+            for action in result.actions:
+                await actions.send(key=action.run_id.encode(), value=action.to_json())
+
+    @app.timer(30.0)
+    async def report_counters() -> None:
+        c = processor.counters
+        log.info("processed=%d deadlettered=%d anomalies=%d actions=%s runs=%d",
+                 c.processed, c.deadlettered, c.anomalies, dict(c.actions), len(processor.monitors))
+
+    if ready_file is not None:
+        @app.on_partitions_assigned.connect
+        async def mark_ready(sender, assigned, **kwargs) -> None:  # noqa: ANN001
+            ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
+
+    return app, processor
+
+
+def run_worker(app: faust.App, loglevel: str = "WARNING") -> None:
+    """Run until SIGINT/SIGTERM (blocks; Faust installs the signal handlers)."""
+    from faust.worker import Worker
+
+    logging.getLogger("runwatch").setLevel(logging.INFO)
+    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

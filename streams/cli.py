@@ -1,0 +1,158 @@
+"""The ``runwatch`` command line: broker, worker, sink, demo, config."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+import orjson
+
+from runwatch.producer import topics
+
+BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"
+
+
+def _config(path: str | None):  # noqa: ANN202
+    from runwatch.detectors import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+@click.group()
+def main() -> None:
+    """runwatch: see training regressions while the run is still going, and act on them."""
+
+
+@main.command()
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, help="use this Kafka instead of starting one")
+@click.option("--port", type=int, default=None, help="port for the embedded broker (default: a free one)")
+@click.option("--partitions", type=int, default=topics.DEFAULT_PARTITIONS, show_default=True)
+def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
+    """Start the embedded Tansu broker and create the topics (or just create them on --bootstrap)."""
+    from runwatch.streams.broker import BrokerError, EmbeddedBroker, ensure_topics
+
+    try:
+        if bootstrap:
+            created = ensure_topics(bootstrap, partitions)
+            click.echo(f"topics on {bootstrap}: created {created or 'none (all present)'}")
+            return
+        with EmbeddedBroker(port=port) as embedded:
+            ensure_topics(embedded.bootstrap, partitions)
+            click.echo(f"embedded broker listening on {embedded.bootstrap}")
+            click.echo(f"export {topics.BOOTSTRAP_ENV}={embedded.bootstrap}")
+            click.echo("Ctrl-C to stop")
+            _wait_for_signal()
+        click.echo("broker stopped")
+    except BrokerError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="detector/policy YAML")
+@click.option("--web-port", type=int, default=6066, show_default=True, help="Faust's web port (one per worker)")
+@click.option("--ready-file", type=click.Path(dir_okay=False), help="written once partitions are assigned")
+@click.option("--loglevel", default="WARNING", show_default=True)
+def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: str | None, loglevel: str) -> None:
+    """Run the Faust detection worker (group runwatch-detect)."""
+    from runwatch.producer.signing import MissingSecretError, resolve_secret
+    from runwatch.streams.app import create_app, run_worker
+
+    config = _config(config_path)
+    try:
+        secret = resolve_secret()
+    except MissingSecretError as exc:
+        raise click.ClickException(str(exc)) from None
+    app, _ = create_app(bootstrap, config, secret, web_port=web_port,
+                        ready_file=Path(ready_file) if ready_file else None)
+    sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
+    run_worker(app, loglevel=loglevel)
+
+
+@main.command()
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
+@click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
+@click.option("--batch-size", type=int, default=2000, show_default=True)
+@click.option("--batch-interval", type=float, default=1.0, show_default=True, help="seconds")
+def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float) -> None:
+    """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink)."""
+    from runwatch.sinks import ClickHouseSink, SinkConsumer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = ClickHouseSink(dsn)
+    applied = store.migrate()
+    click.echo(f"ClickHouse {store.dsn}: schema v{store.schema_version()} (applied now: {applied or 'none'})")
+    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: consumer.stopping.set())
+    try:
+        consumer.run()
+    finally:
+        store.close()
+    click.echo(f"sink stopped: rows {dict(consumer.stats.rows)}, skipped {dict(consumer.stats.skipped)}")
+
+
+@main.command()
+@click.option("--scenario", type=click.Choice(["healthy", "nan", "grad-spike"]), default="nan", show_default=True)
+@click.option("--steps", type=click.IntRange(min=20), default=300, show_default=True)
+@click.option("--fault-step", type=int, default=None, help="default: just after half way")
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, help="use this Kafka instead of the embedded broker")
+@click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="ClickHouse DSN; default chdb:///.runwatch/clickhouse")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="detector/policy YAML")
+@click.option("--no-worker", is_flag=True, help="a worker is already running against --bootstrap")
+@click.option("--step-interval", type=float, default=0.02, show_default=True, help="minimum seconds per step")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the summary")
+def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | None, dsn: str | None,
+         config_path: str | None, no_worker: bool, step_interval: float, as_json: bool) -> None:
+    """Train a small model with a fault injected and watch runwatch catch it."""
+    from runwatch.streams.demo import DemoError, DemoOptions, run_demo
+    from runwatch.streams.demo_render import DemoConsole
+
+    if config_path:
+        _config(config_path)  # fail here, not in the worker process
+    opts = DemoOptions(scenario=scenario, steps=steps, fault_step=fault_step, bootstrap=bootstrap, dsn=dsn,
+                       config_path=Path(config_path) if config_path else None, start_worker=not no_worker,
+                       step_interval_s=step_interval)
+    console = DemoConsole(quiet=as_json, steps=steps)
+    try:
+        with console:
+            report = run_demo(opts, log=console.log, on_step=console.step)
+    except DemoError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        console.summary(report)
+
+
+@main.command()
+@click.option("--defaults", is_flag=True, help="print the default configuration")
+@click.argument("path", required=False, type=click.Path(exists=True, dir_okay=False))
+def config(defaults: bool, path: str | None) -> None:
+    """Validate a detector/policy YAML file, or print the defaults."""
+    from runwatch.detectors.config import defaults_yaml
+
+    if defaults or not path:
+        click.echo(defaults_yaml(), nl=False)
+        return
+    _config(path)
+    click.echo(f"{path}: valid")
+
+
+if __name__ == "__main__":
+    main()

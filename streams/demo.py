@@ -1,0 +1,202 @@
+"""``runwatch demo``: the whole loop on one machine.
+
+Starts what is missing (embedded broker, a Faust worker process, the ClickHouse sink
+in this process, since an embedded chdb path belongs to one process), trains a real
+model with a fault, takes the actions, waits until every published event is stored,
+shuts everything down and reports what happened, read back from ClickHouse.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runwatch.producer import ActionListener, RunWatch, topics
+from runwatch.sinks import ClickHouseSink, SinkConsumer
+from runwatch.streams.app import DETECT_GROUP
+from runwatch.streams.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
+from runwatch.streams.demo_training import TrainingConfig, default_fault_step, train
+
+STATE_DIR = Path(".runwatch")
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+@dataclass
+class DemoOptions:
+    scenario: str = "nan"
+    steps: int = 300
+    fault_step: int | None = None
+    bootstrap: str | None = None
+    dsn: str | None = None
+    config_path: Path | None = None
+    start_worker: bool = True
+    step_interval_s: float = 0.02
+    timeout_s: float = 120.0
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise DemoError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class WorkerProcess:
+    """``runwatch worker`` as a child process, stopped by pid."""
+
+    def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None):
+        self.ready_file = log_path.with_suffix(".ready")
+        self.ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", bootstrap,
+               "--web-port", str(free_port()), "--ready-file", str(self.ready_file)]
+        if config_path is not None:
+            cmd += ["--config", str(config_path)]
+        env = dict(os.environ, **{topics.SECRET_ENV: secret})
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> None:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise DemoError(f"the worker exited with {self.process.returncode}; see {self.log_path}")
+            return self.ready_file.exists()
+
+        wait_until(ready, timeout, "the worker to join its consumer group")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+        self.ready_file.unlink(missing_ok=True)
+
+
+def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
+             on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+    run_id = f"demo-{opts.scenario}-{uuid.uuid4().hex[:8]}"
+    fault_step = None if opts.scenario == "healthy" else (opts.fault_step or default_fault_step(opts.steps))
+    if fault_step is not None and not 1 <= fault_step <= opts.steps:
+        raise DemoError(f"fault step {fault_step} is outside 1..{opts.steps}")
+    secret = os.environ.get(topics.SECRET_ENV) or secrets.token_hex(32)
+    logs = STATE_DIR / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    with ExitStack() as stack:
+        bootstrap = opts.bootstrap or topics.bootstrap_from_env()
+        if bootstrap is None:
+            broker = EmbeddedBroker(log_path=logs / "broker.log").start()
+            stack.callback(broker.stop)
+            bootstrap = broker.bootstrap
+            log(f"embedded broker on {bootstrap}")
+        ensure_topics(bootstrap)
+
+        worker = None
+        if opts.start_worker:
+            worker = WorkerProcess(bootstrap, secret, logs / f"worker-{run_id}.log", opts.config_path)
+            stack.callback(worker.stop)
+
+        sink = ClickHouseSink(opts.dsn)
+        stack.callback(sink.close)
+        sink.migrate()
+        sink_consumer = SinkConsumer(sink, bootstrap, batch_interval_s=0.25)
+        sink_thread = threading.Thread(target=sink_consumer.run, name="runwatch-sink", daemon=True)
+        sink_thread.start()
+
+        def stop_sink() -> None:
+            sink_consumer.stopping.set()
+            sink_thread.join(30)
+
+        stack.callback(stop_sink)
+        log(f"ClickHouse sink writing to {sink.dsn}")
+
+        rw = RunWatch(run_id, bootstrap, run_start={"tags": {"scenario": opts.scenario}, "seed": 0})
+        listener = ActionListener(rw, secret=secret)
+        stack.callback(listener.close)
+        if worker is not None:
+            worker.wait_ready(60)
+            log("worker joined its consumer group")
+        wait_until(sink_consumer.assigned.is_set, 60, "the sink to join its consumer group")
+        wait_until(lambda: listener.wait_ready(0.1), 30, "the action listener")
+
+        cfg = TrainingConfig(scenario=opts.scenario, steps=opts.steps, fault_step=fault_step,
+                             step_interval_s=opts.step_interval_s, checkpoint_dir=STATE_DIR / "checkpoints")
+
+        def on_action(applied) -> None:  # noqa: ANN001
+            a = applied.action
+            extra = f" to step {applied.to_step}" if applied.to_step is not None else ""
+            log(f"trainer {applied.outcome} {a.kind}{extra}: {a.reason}")
+
+        result = train(cfg, rw, listener, on_step=on_step, on_action=on_action)
+        stats = rw.close(timeout=30, status="stopped" if result.stopped else "completed")
+
+        # Nothing is reported until every published event is stored: the worker has committed
+        # past the last acknowledged offset (Faust flushes its sends before committing), then
+        # the sink has stored past it and drained what the worker produced.
+        delivered = rw.delivered_offsets()
+        for partition, offset in delivered.items():
+            if worker is not None:
+                wait_until(lambda p=partition, o=offset: committed_offset(bootstrap, DETECT_GROUP, topics.TELEMETRY, p) > o,
+                           opts.timeout_s, "the worker to process every event", interval=0.25)
+            wait_until(lambda p=partition, o=offset: sink_consumer.stored_through(topics.TELEMETRY, p) > o,
+                       opts.timeout_s, "the sink to store every event")
+        caught_up = time.monotonic()
+        wait_until(lambda: sink_consumer.stats.last_empty_poll > caught_up + 0.3, 30, "the sink to drain")
+        stop_sink()
+
+        counts = sink.run_counts(run_id)
+        anomalies = [
+            {"detector": d, "step": s, "severity": sev, "rank": r, "message": m}
+            for d, s, sev, r, m in sink.query(
+                "SELECT detector, step, severity, rank, message FROM {db}.anomalies FINAL "
+                "WHERE run_id = %(run)s ORDER BY step, detector", {"run": run_id})
+        ]
+        actions = [
+            {"kind": k, "step": s, "action_id": a, "reason": why}
+            for k, s, a, why in sink.query(
+                "SELECT kind, step, action_id, reason FROM {db}.actions FINAL "
+                "WHERE run_id = %(run)s ORDER BY issued_at", {"run": run_id})
+        ]
+
+    return {
+        "run_id": run_id,
+        "scenario": opts.scenario,
+        "fault_step": fault_step,
+        "steps": opts.steps,
+        "steps_completed": result.steps_completed,
+        "steps_executed": result.steps_executed,
+        "final_loss": result.final_loss,
+        "nonfinite_steps_after_last_rollback": result.nonfinite_after_last_rollback if result.rollbacks else None,
+        "stopped": result.stopped,
+        "anomalies": anomalies,
+        "actions": actions,
+        "rollbacks": [{"from_step": r["from_step"], "to_step": r["to_step"], "action_id": r["action_id"]}
+                      for r in result.rollbacks],
+        "actions_ignored_by_trainer": dict(listener.ignored),
+        "clickhouse": {**counts, "telemetry_rows": counts["telemetry"], "dsn": sink.dsn},
+        "events_published": stats.published,
+        "events_dropped": stats.dropped,
+        "wall_time_s": round(time.monotonic() - started, 2),
+    }

@@ -1,0 +1,149 @@
+"""A real, small PyTorch training run with a fault injected at a known step.
+
+The model is a small MLP regressor on data generated locally from a fixed teacher
+network; batches are a pure function of the step, so a rollback replays the same data.
+Faults fire once (the first time their step is reached), as a corrupted batch would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runwatch.producer import ActionListener, AppliedAction, RunWatch, save_checkpoint
+
+SCENARIOS = ("healthy", "nan", "grad-spike")
+
+
+@dataclass
+class TrainingConfig:
+    scenario: str = "healthy"
+    steps: int = 300
+    fault_step: int | None = None
+    checkpoint_every: int = 25
+    step_interval_s: float = 0.02  # pace steps like a real (slower) model would
+    batch_size: int = 32
+    lr: float = 1e-3
+    clip: float = 1.0
+    seed: int = 0
+    checkpoint_dir: Path = Path(".runwatch/checkpoints")
+
+
+@dataclass
+class TrainingResult:
+    steps_completed: int = 0
+    steps_executed: int = 0
+    rollbacks: list[dict] = field(default_factory=list)
+    applied: list[AppliedAction] = field(default_factory=list)
+    final_loss: float | None = None
+    nonfinite_after_last_rollback: int = 0
+    stopped: bool = False
+
+
+def default_fault_step(steps: int) -> int:
+    return max(30, steps // 2 + 3)  # after warm-up, off the checkpoint grid
+
+
+class DemoModel(nn.Module):
+    def __init__(self, d_in: int = 32, hidden: int = 128):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)).squeeze(-1)
+
+
+def make_batch(teacher: nn.Module, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(batch_size, 32, generator=g)
+    with torch.no_grad():
+        y = teacher(x) + 0.05 * torch.randn(batch_size, generator=g)
+    return x, y
+
+
+def train(
+    cfg: TrainingConfig,
+    rw: RunWatch,
+    listener: ActionListener | None,
+    on_step: Callable[[int, float], None] | None = None,
+    on_action: Callable[[AppliedAction], None] | None = None,
+) -> TrainingResult:
+    if cfg.scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {cfg.scenario!r}; choose one of {', '.join(SCENARIOS)}")
+    torch.manual_seed(cfg.seed)
+    teacher = DemoModel()
+    model = DemoModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if listener is not None:
+        listener.attach(model, optimizer)
+    ckpt_dir = Path(cfg.checkpoint_dir) / rw.run_id
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(step: int) -> None:
+        path = ckpt_dir / f"step-{step:06d}.pt"
+        save_checkpoint(str(path), model, optimizer, step=step)
+        rw.checkpoint(step, str(path))
+
+    result = TrainingResult()
+    fault_fired = False
+    checkpoint(0)
+    step = 0
+    while step < cfg.steps:
+        step += 1
+        started = time.perf_counter()
+        x, y = make_batch(teacher, step, cfg.batch_size, cfg.seed)
+        inject = cfg.scenario != "healthy" and step == cfg.fault_step and not fault_fired
+        if inject and cfg.scenario == "grad-spike":
+            x = x * 200.0  # a corrupted batch: activations and gradients blow up for one step
+        loss = nn.functional.mse_loss(model(x), y)
+        if inject and cfg.scenario == "nan":
+            loss = loss * float("nan")  # e.g. a log(0) in a custom loss; poisons the weights
+        fault_fired = fault_fired or inject
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        optimizer.step()
+        loss_value = float(loss.detach())
+        result.steps_executed += 1
+        if result.rollbacks and not math.isfinite(loss_value):
+            result.nonfinite_after_last_rollback += 1
+        elapsed = time.perf_counter() - started
+        rw.step(
+            step,
+            loss=loss_value,
+            lr=[group["lr"] for group in optimizer.param_groups],
+            grad_norm=grad_norm,
+            grad_norm_clipped=min(grad_norm, cfg.clip) if math.isfinite(grad_norm) else grad_norm,
+            step_time_s=elapsed,
+            samples_per_s=cfg.batch_size / elapsed if elapsed > 0 else None,
+        )
+        result.final_loss = loss_value
+        if on_step is not None:
+            on_step(step, loss_value)
+        if step % cfg.checkpoint_every == 0 and math.isfinite(loss_value):
+            checkpoint(step)
+        if cfg.step_interval_s > elapsed:
+            time.sleep(cfg.step_interval_s - elapsed)
+        if listener is None:
+            continue
+        for applied in listener.poll(step):
+            result.applied.append(applied)
+            if on_action is not None:
+                on_action(applied)
+            if applied.kind == "rollback" and applied.outcome == "applied" and applied.to_step is not None:
+                result.rollbacks.append({"from_step": step, "to_step": applied.to_step, "action_id": applied.action.action_id})
+                result.nonfinite_after_last_rollback = 0
+                step = applied.to_step
+            elif applied.kind == "stop":
+                result.stopped = True
+        if result.stopped:
+            break
+    result.steps_completed = step
+    return result
