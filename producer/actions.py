@@ -221,6 +221,7 @@ class ActionListener:
                         api_version=topics.KAFKA_API_VERSION,
                         enable_auto_commit=False,
                         auto_offset_reset="earliest",
+                        fetch_max_wait_ms=20,  # an action should reach the loop within a step or two
                         client_id=f"runwatch-actions-{self.rw.run_id}",
                     )
                     partitions = consumer.partitions_for_topic(self._topic) or set()

@@ -76,6 +76,8 @@ class RunWatch:
         self._closed = False
         self._offsets: dict[int, int] = {}  # partition -> highest acknowledged offset
         self._failed_after_queue = 0  # queued events whose send failed (already counted as dropped)
+        self._close_deadline = float("inf")
+        self._final = False
         self._producer_config = dict(
             bootstrap_servers=self.bootstrap,
             api_version=topics.KAFKA_API_VERSION,
@@ -133,18 +135,23 @@ class RunWatch:
         return self.publish(ActionAckEvent(run_id=self.run_id, rank=self.rank, **fields))
 
     def close(self, timeout: float = 10.0, status: str = "completed", summary: dict | None = None) -> PublisherStats:
-        """Publish ``run_end`` (rank 0), deliver what is queued within ``timeout``, stop."""
+        """Publish ``run_end`` (rank 0), deliver what is queued within ``timeout``, stop.
+
+        Every event offered is then either ``published`` or ``dropped``, never both.
+        """
         if self._closed:
             return self.stats
         if self.rank == 0:
             self.publish(RunEndEvent(run_id=self.run_id, rank=self.rank, status=status, summary=summary or {}))
         self._closed = True
+        self._close_deadline = time.monotonic() + timeout
         self._closing.set()
-        self._thread.join(timeout)
+        self._thread.join(timeout + 5.0)
         with self._lock:
-            undelivered = self.stats.queued - self.stats.published - self._failed_after_queue
-        if undelivered > 0:
-            self._count_drop("undelivered_at_close", undelivered)
+            self._final = True  # late callbacks from a stuck client must not change the books
+            unaccounted = self.stats.queued - self.stats.published - self._failed_after_queue
+        if unaccounted > 0:
+            self._count_drop("undelivered_at_close", unaccounted)
         atexit.unregister(self.close)
         return self.stats
 
@@ -162,6 +169,8 @@ class RunWatch:
 
     def _on_sent(self, metadata: Any) -> None:
         with self._lock:
+            if self._final:
+                return
             self.stats.published += 1
             if metadata.offset > self._offsets.get(metadata.partition, -1):
                 self._offsets[metadata.partition] = metadata.offset
@@ -169,6 +178,8 @@ class RunWatch:
     def _on_failed(self, exc: BaseException) -> None:
         log.debug("runwatch: send failed: %r", exc)
         with self._lock:
+            if self._final:
+                return
             self._failed_after_queue += 1
         self._count_drop("send_failed")
 
@@ -184,6 +195,8 @@ class RunWatch:
             log.warning("runwatch: cannot create Kafka producer (%s); events will be dropped", exc)
             producer = None
         while True:
+            if self._closing.is_set() and time.monotonic() >= self._close_deadline:
+                break  # what is still queued is counted as undelivered by close()
             try:
                 event = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -200,9 +213,9 @@ class RunWatch:
             except Exception as exc:  # KafkaTimeoutError when no broker answers within max_block_ms
                 self._on_failed(exc)
         if producer is not None:
-            deadline = time.monotonic() + 5.0
+            remaining = max(0.1, self._close_deadline - time.monotonic()) if self._closing.is_set() else 1.0
             try:
-                producer.flush(timeout=max(0.1, deadline - time.monotonic()))
+                producer.flush(timeout=remaining)
             except Exception as exc:
                 log.debug("runwatch: flush failed: %r", exc)
             try:

@@ -1,0 +1,77 @@
+"""Real parts for integration tests: a Tansu broker process, a Faust worker process,
+the embedded ClickHouse engine. Every process is stopped by pid at the end."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from runwatch.producer import topics
+from runwatch.streams.broker import EmbeddedBroker, ensure_topics
+from runwatch.streams.demo import WorkerProcess
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory) -> Iterator[EmbeddedBroker]:
+    b = EmbeddedBroker(log_path=tmp_path_factory.mktemp("broker") / "broker.log").start()
+    try:
+        ensure_topics(b.bootstrap)
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture(scope="session")
+def secret() -> str:
+    return secrets.token_hex(16)
+
+
+@pytest.fixture(scope="session")
+def worker(broker, secret, tmp_path_factory) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(broker.bootstrap, secret, tmp_path_factory.mktemp("worker") / "worker.log")
+    try:
+        w.wait_ready(90)
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def chdb_dsn(tmp_path_factory) -> str:
+    # One embedded engine path per process (a chdb rule), shared by every test here.
+    return f"chdb://{tmp_path_factory.mktemp('clickhouse')}"
+
+
+def eventually(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_topic(bootstrap: str, topic: str, until: Callable[[list], bool], timeout: float = 30.0) -> list:
+    """Every record of ``topic`` from the beginning, polled until ``until(records)`` holds."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION,
+                             fetch_max_wait_ms=50)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        records: list = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=100).values():
+                records.extend(batch)
+            if until(records):
+                return records
+        raise AssertionError(f"timed out reading {topic}: {len(records)} records, condition not met")
+    finally:
+        consumer.close()
