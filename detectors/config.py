@@ -91,6 +91,8 @@ def load_config(path: str | Path | None = None) -> RunwatchConfig:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text (UTF-8) file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     try:

@@ -1,7 +1,7 @@
 """``RunMonitor``: all detector and policy state of one run, fed one event at a time.
 
-The same class runs inside the Faust worker and in offline replay; event timestamps
-are its only clock. Its state pickles, so a worker can snapshot and restore it.
+It runs inside the Faust worker and takes no I/O and no clock (event timestamps are its
+only time), so the same code can replay a recorded stream offline. Its state pickles.
 """
 
 from __future__ import annotations
@@ -110,6 +110,3 @@ class RunMonitor:
             evidence=finding.evidence,
             ts=event.ts,
         )
-
-
-

@@ -203,9 +203,10 @@ class Action(WireModel):
     signature: str = ""
 
     def body_bytes(self) -> bytes:
-        """Canonical bytes the signature covers: every field but the signature, keys sorted."""
-        body = self.model_dump(mode="json", exclude={"signature"})
-        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+        """Canonical bytes the signature covers: the message as sent (no null fields, NaN/Inf
+        as strings) without ``signature``, keys sorted at every level, no whitespace."""
+        sent = orjson.loads(self.model_dump_json(exclude={"signature"}, exclude_none=True))
+        return orjson.dumps(sent, option=orjson.OPT_SORT_KEYS)
 
     def is_expired(self, now: datetime) -> bool:
         return now >= self.expires_at

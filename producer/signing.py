@@ -36,4 +36,6 @@ def sign_action(action: Action, secret: bytes) -> Action:
 
 def verify_action(action: Action, secret: bytes) -> bool:
     expected = hmac.new(secret, action.body_bytes(), hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, action.signature)
+    # Bytes, not str: compare_digest raises on non-ASCII str, and a hostile message must be
+    # rejected, not crash the listener.
+    return hmac.compare_digest(expected.encode(), action.signature.encode(errors="replace"))

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
 from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase
 from runwatch.sinks.migrations import MIGRATIONS
 

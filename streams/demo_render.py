@@ -53,6 +53,6 @@ class DemoConsole:
         for r in report["rollbacks"]:
             out.print(f"rolled back at step {r['from_step']} to the checkpoint of step {r['to_step']}")
         ch = report["clickhouse"]
-        out.print(f"ClickHouse ({ch['dsn']}): telemetry {ch['telemetry']}, anomalies {ch['anomalies']}, "
+        out.print(f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies {ch['anomalies']}, "
                   f"actions {ch['actions']}, dead letters {ch['deadletter']}; "
                   f"events published {report['events_published']}, dropped {report['events_dropped']}")

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from runwatch.producer import ActionListener, AppliedAction, RunWatch, save_checkpoint
+from torch import nn
 
 SCENARIOS = ("healthy", "nan", "grad-spike")
 

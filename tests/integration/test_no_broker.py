@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from runwatch.producer import ActionListener, RunWatch
 from runwatch.streams.broker import free_port
 

@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 from kafka import KafkaProducer
-
 from runwatch.producer import StepEvent, topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION

@@ -1,0 +1,170 @@
+"""The worker's per-message logic, without Faust or a broker. A bad message must become a dead letter
+with a reason (and must not stop the stream); a NaN run must yield a signed rollback the trainer will
+accept, expiring ``action_ttl_s`` after issue; run_end must free the run's state."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from runwatch.detectors.config import RunwatchConfig
+from runwatch.producer.schema import CheckpointEvent, CheckpointRef, RunEndEvent, StepEvent
+from runwatch.producer.signing import verify_action
+from runwatch.producer.topics import TELEMETRY
+from runwatch.streams.processor import TelemetryProcessor
+
+SECRET = b"unit-test-secret"
+WALL = datetime(2030, 1, 1, 0, 0, 0, tzinfo=UTC)
+T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def proc() -> TelemetryProcessor:
+    return TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL)
+
+
+def _step(step: int, loss: float = 1.0, run_id: str = "run-1") -> bytes:
+    return StepEvent(run_id=run_id, step=step, loss=loss, ts=T0 + timedelta(seconds=step)).to_json()
+
+
+def test_importing_the_processor_needs_no_broker_or_faust():
+    code = (
+        "import sys, runwatch.streams.processor as p; "
+        "print(sorted(m for m in ('faust', 'kafka', 'aiokafka', 'clickhouse_connect') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "raw, reason_start, reason_has",
+    [
+        (b"\x00\x01 definitely not json", "not JSON", ""),
+        (b'{"kind":"step","run_id":"run-1"}', "schema:", "step"),
+        (b'{"kind":"step","run_id":"run-1","step":"abc"}', "schema:", "step"),
+        (b'{"kind":"step","step":3}', "schema:", "run_id"),
+        (b'{"kind":"nope","run_id":"run-1"}', "schema:", "nope"),
+        (b"[1,2,3]", "schema:", "object"),
+    ],
+)
+def test_malformed_message_is_dead_lettered_and_the_stream_goes_on(proc, raw, reason_start, reason_has):
+    result = proc.process(raw, key=b"run-1", partition=2, offset=41)
+    dl = result.deadletter
+    assert dl is not None
+    assert dl.reason.startswith(reason_start) and reason_has in dl.reason
+    assert dl.source_topic == TELEMETRY
+    assert (dl.partition, dl.offset, dl.key) == (2, 41, "run-1")
+    assert dl.raw == raw.decode(errors="replace")
+    assert result.anomalies == [] and result.actions == []
+    assert proc.counters.deadlettered == 1
+    assert proc.counters.processed == 0
+    assert proc.monitors == {}
+
+    ok = proc.process(_step(0), key=b"run-1", partition=2, offset=42)
+    assert ok.deadletter is None
+    assert proc.counters.processed == 1
+    assert proc.counters.deadlettered == 1
+    assert "run-1" in proc.monitors
+
+
+def test_key_not_matching_run_id_is_dead_lettered(proc):
+    result = proc.process(_step(0, run_id="run-1"), key=b"run-2", partition=0, offset=7)
+    assert result.deadletter is not None
+    assert "run-2" in result.deadletter.reason and "run-1" in result.deadletter.reason
+    assert proc.counters.deadlettered == 1
+    assert "run-1" not in proc.monitors  # the wrong partition must not grow state for the run
+
+
+def test_deadletter_is_itself_valid_wire_json(proc):
+    dl = proc.process(b"\xff\xfe not utf8", key=None).deadletter
+    data = json.loads(dl.to_json())
+    assert data["reason"].startswith("not JSON")
+    assert data["source_topic"] == TELEMETRY
+    assert "key" not in data
+
+
+def test_deadletters_are_counted(proc):
+    for i in range(5):
+        proc.process(b"garbage", offset=i)
+    proc.process(_step(0), key=b"run-1")
+    proc.process(b"{}", offset=6)
+    assert proc.counters.deadlettered == 6
+    assert proc.counters.processed == 1
+
+
+def _nan_run(proc: TelemetryProcessor):
+    results = []
+    for s in range(12):
+        if s == 4:
+            ckpt = CheckpointEvent(run_id="run-1", step=4, uri="/ckpt/4.pt", ts=T0 + timedelta(seconds=s))
+            results.append(proc.process(ckpt.to_json(), key=b"run-1"))
+        results.append(proc.process(_step(s, loss=math.nan if s >= 8 else 1.0), key=b"run-1"))
+    return results
+
+
+def test_nan_run_yields_a_signed_rollback(proc):
+    results = _nan_run(proc)
+    assert all(r.deadletter is None for r in results)
+    actions = [a for r in results for a in r.actions]
+    anomalies = [a for r in results for a in r.anomalies]
+    assert [(a.step, a.severity, a.detector) for a in anomalies] == [(8, "warning", "non_finite"),
+                                                                     (10, "critical", "non_finite")]
+    assert [a.kind for a in actions] == ["alert", "rollback"]
+    rollback = actions[1]
+    assert rollback.run_id == "run-1"
+    assert rollback.onset_step == 8
+    assert rollback.target_checkpoint == CheckpointRef(step=4, uri="/ckpt/4.pt")
+    assert rollback.anomaly_ids == [anomalies[1].anomaly_id]
+
+    assert verify_action(rollback, SECRET)
+    assert not verify_action(rollback, b"another-secret")
+    assert rollback.issued_at == WALL
+    assert rollback.expires_at - rollback.issued_at == timedelta(seconds=proc.config.policy.action_ttl_s)
+    assert not rollback.is_expired(WALL)
+
+    assert proc.counters.anomalies == 2
+    assert proc.counters.actions == {"alert": 1, "rollback": 1}
+    assert proc.counters.processed == 13
+
+
+def test_actions_use_the_configured_ttl():
+    cfg = RunwatchConfig.model_validate({"policy": {"action_ttl_s": 7.5}})
+    proc = TelemetryProcessor(cfg, SECRET, clock=lambda: WALL)
+    actions = [a for r in _nan_run(proc) for a in r.actions]
+    assert actions and all(a.expires_at - a.issued_at == timedelta(seconds=7.5) for a in actions)
+
+
+def test_reprocessing_the_same_bytes_gives_the_same_ids():
+    raws = [_step(s, loss=math.nan if s >= 3 else 1.0) for s in range(8)]
+
+    def run():
+        p = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL)
+        results = [p.process(r, key=b"run-1") for r in raws]
+        return ([a.anomaly_id for r in results for a in r.anomalies],
+                [a.action_id for r in results for a in r.actions])
+
+    assert run() == run()
+    assert len(run()[1]) == 2
+
+
+def test_run_end_removes_the_runs_monitor(proc):
+    proc.process(_step(0, run_id="run-1"), key=b"run-1")
+    proc.process(_step(0, run_id="run-2"), key=b"run-2")
+    assert set(proc.monitors) == {"run-1", "run-2"}
+    end = proc.process(RunEndEvent(run_id="run-1", status="completed").to_json(), key=b"run-1")
+    assert end.deadletter is None
+    assert set(proc.monitors) == {"run-2"}
+
+
+def test_runs_are_independent(proc):
+    for s in range(6):
+        proc.process(_step(s, loss=math.nan, run_id="bad"), key=b"bad")
+        out = proc.process(_step(s, loss=1.0, run_id="good"), key=b"good")
+        assert out.anomalies == [] and out.actions == []
+    assert proc.monitors["good"].policy.rollbacks == 0
+    assert proc.monitors["bad"].policy.rollbacks == 1

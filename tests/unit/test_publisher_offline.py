@@ -1,0 +1,128 @@
+"""RunWatch with no broker (bootstrap 127.0.0.1:1, where nothing listens). The training loop must never
+wait on the network or see an exception from it: construction and publishing return at once, what
+cannot be queued is dropped and counted by reason, and after close() every offered event is accounted
+for exactly once (published + dropped == offered), and stays so."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from runwatch.producer.publisher import RunWatch
+from runwatch.producer.schema import HeartbeatEvent
+
+NO_BROKER = "127.0.0.1:1"
+
+
+@pytest.fixture
+def make_rw():
+    created: list[RunWatch] = []
+
+    def make(**kwargs) -> RunWatch:
+        rw = RunWatch(kwargs.pop("run_id", "offline-run"), NO_BROKER, **kwargs)
+        created.append(rw)
+        return rw
+
+    yield make
+    for rw in created:
+        rw.close(timeout=0.1)  # no-op if the test closed it; keeps atexit from waiting
+
+
+def test_construction_returns_immediately(make_rw):
+    t = time.monotonic()
+    rw = make_rw()
+    assert time.monotonic() - t < 1.0
+    assert rw.stats.queued == 1  # rank 0 announces the run (run_start)
+
+
+def test_only_rank_zero_announces_the_run(make_rw):
+    rw = make_rw(rank=3, world_size=4)
+    assert rw.stats.queued == 0
+
+
+def test_empty_run_id_is_refused():
+    with pytest.raises(ValueError):
+        RunWatch("", NO_BROKER)
+
+
+def test_a_thousand_publishes_never_block_or_raise(make_rw):
+    rw = make_rw()
+    t = time.monotonic()
+    results = [rw.step(i, loss=1.0 / (i + 1), grad_norm=float("nan") if i % 7 == 0 else 2.0) for i in range(1000)]
+    elapsed = time.monotonic() - t
+    # blocking on the missing broker (max_block_ms=100 per send) would take ~100 s
+    assert elapsed < 2.0
+    assert all(results)
+    assert rw.stats.queued == 1001
+    assert rw.stats.published == 0
+
+
+def test_other_publish_helpers_never_raise(make_rw):
+    rw = make_rw()
+    assert rw.eval(10, loss=1.5, metrics={"acc": 0.5})
+    assert rw.heartbeat(10, phase="eval", time_in_phase_s=1.0)
+    ref = rw.checkpoint(10, "/ckpt/10.pt")
+    assert rw.checkpoints == [ref]
+    rw.checkpoint(11, "/ckpt/11.pt", ok=False)
+    assert rw.checkpoints == [ref]  # a failed checkpoint is never a rollback target
+    assert rw.ack(action_id="a1", action_kind="alert", outcome="applied")
+    assert rw.publish(HeartbeatEvent(run_id="offline-run"))
+
+
+def test_full_queue_drops_are_counted_by_reason(make_rw):
+    rw = make_rw(queue_size=10)
+    results = [rw.step(i, loss=1.0) for i in range(100)]
+    assert results.count(False) == rw.stats.drop_reasons["queue_full"]
+    # the queue holds at most 10 (run_start took one slot); the drain thread may free a few
+    assert rw.stats.drop_reasons["queue_full"] >= 100 - 10
+    assert rw.stats.queued + rw.stats.drop_reasons["queue_full"] == 101
+    assert rw.stats.dropped >= rw.stats.drop_reasons["queue_full"]
+
+
+def test_close_returns_promptly_and_accounts_for_every_event(make_rw):
+    rw = make_rw(queue_size=10)
+    offered = 1  # run_start
+    for i in range(100):
+        rw.step(i, loss=1.0)
+        offered += 1
+    t = time.monotonic()
+    stats = rw.close(timeout=2)
+    offered += 1  # run_end, published by close()
+    assert time.monotonic() - t < 5.0
+    assert stats.published == 0
+    assert stats.published + stats.dropped == offered
+    assert sum(stats.drop_reasons.values()) == stats.dropped
+    assert set(stats.drop_reasons) <= {"queue_full", "send_failed", "undelivered_at_close"}
+
+
+def test_close_with_a_backlog_returns_within_its_timeout(make_rw):
+    rw = make_rw()
+    for i in range(300):
+        rw.step(i, loss=1.0)
+    t = time.monotonic()
+    stats = rw.close(timeout=1)
+    assert time.monotonic() - t < 1 + 3.0  # the timeout, plus a bounded client shutdown
+    assert stats.published + stats.dropped == 302
+    assert stats.drop_reasons.get("undelivered_at_close", 0) > 0
+
+
+def test_stats_stay_final_after_close(make_rw):
+    # close() counts the backlog as undelivered; nothing may be counted a second time afterwards
+    rw = make_rw()
+    for i in range(50):
+        rw.step(i, loss=1.0)
+    rw.close(timeout=0.3)
+    snapshot = (rw.stats.published, rw.stats.dropped, dict(rw.stats.drop_reasons))
+    time.sleep(1.0)
+    assert rw.stats.published + rw.stats.dropped == 52
+    assert (rw.stats.published, rw.stats.dropped, dict(rw.stats.drop_reasons)) == snapshot
+
+
+def test_publish_after_close_is_dropped_as_closed(make_rw):
+    rw = make_rw(queue_size=10)
+    rw.close(timeout=2)
+    before = rw.stats.dropped
+    assert rw.step(1, loss=1.0) is False
+    assert rw.stats.drop_reasons["closed"] == 1
+    assert rw.stats.dropped == before + 1
+    assert rw.close(timeout=2) is rw.stats  # closing twice is harmless
