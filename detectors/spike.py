@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from river import stats
+
 from runwatch.detectors.config import SpikeConfig
 from runwatch.detectors.findings import Finding
 

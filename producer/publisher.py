@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from runwatch.producer import topics
 from runwatch.producer.schema import (
     ActionAckEvent,
@@ -78,6 +80,7 @@ class RunWatch:
         self._failed_after_queue = 0  # queued events whose send failed (already counted as dropped)
         self._close_deadline = float("inf")
         self._final = False
+        self._warned_invalid = False
         self._producer_config = dict(
             bootstrap_servers=self.bootstrap,
             api_version=topics.KAFKA_API_VERSION,
@@ -109,16 +112,28 @@ class RunWatch:
             self.stats.queued += 1
         return True
 
+    def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
+        # A bad argument is the caller's bug, but it must not crash hours of training:
+        # count it, warn once, carry on.
+        try:
+            event = model(run_id=self.run_id, rank=self.rank, **fields)
+        except ValidationError as exc:
+            self._count_drop("invalid")
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
+                            model.__name__, exc)
+            return False
+        return self.publish(event)
+
     def step(self, step: int, **fields: Any) -> bool:
-        return self.publish(StepEvent(run_id=self.run_id, rank=self.rank, step=step, **fields))
+        return self._build_and_publish(StepEvent, step=step, **fields)
 
     def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
-        return self.publish(EvalEvent(run_id=self.run_id, rank=self.rank, step=step, split=split, loss=loss, **fields))
+        return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
 
     def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0) -> bool:
-        return self.publish(
-            HeartbeatEvent(run_id=self.run_id, rank=self.rank, step=step, phase=phase, time_in_phase_s=time_in_phase_s)
-        )
+        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s)
 
     def checkpoint(self, step: int, path: str, ok: bool = True) -> CheckpointRef:
         """Register a checkpoint already written at ``path`` and announce it to the worker.
@@ -132,7 +147,7 @@ class RunWatch:
         return ref
 
     def ack(self, **fields: Any) -> bool:
-        return self.publish(ActionAckEvent(run_id=self.run_id, rank=self.rank, **fields))
+        return self._build_and_publish(ActionAckEvent, **fields)
 
     def close(self, timeout: float = 10.0, status: str = "completed", summary: dict | None = None) -> PublisherStats:
         """Publish ``run_end`` (rank 0), deliver what is queued within ``timeout``, stop.

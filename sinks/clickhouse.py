@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase
 from runwatch.sinks.migrations import MIGRATIONS
 

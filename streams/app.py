@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import faust
+
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
 from runwatch.streams.processor import TelemetryProcessor

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 import orjson
+
 from runwatch.producer import topics
 
 BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"

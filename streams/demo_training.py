@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from runwatch.producer import ActionListener, AppliedAction, RunWatch, save_checkpoint
 from torch import nn
+
+from runwatch.producer import ActionListener, AppliedAction, RunWatch, save_checkpoint
 
 SCENARIOS = ("healthy", "nan", "grad-spike")
 

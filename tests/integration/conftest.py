@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from runwatch.producer import topics
 from runwatch.streams.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.demo import WorkerProcess

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 from kafka import KafkaProducer
+
 from runwatch.producer import ActionListener, RunWatch, save_checkpoint, topics
 from runwatch.producer.schema import Action, CheckpointRef, decode_event, utc_now
 from runwatch.producer.signing import sign_action

@@ -7,6 +7,7 @@ import uuid
 import orjson
 import pytest
 from kafka import KafkaProducer
+
 from runwatch.producer import StepEvent, topics
 from runwatch.producer.schema import DeadLetter, decode_anomaly
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+
 from runwatch.producer import ActionListener, RunWatch
 from runwatch.streams.broker import free_port
 

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 from kafka import KafkaProducer
+
 from runwatch.producer import StepEvent, topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+
 from runwatch.detectors.config import ConfigError, RunwatchConfig, defaults_yaml, load_config
 
 

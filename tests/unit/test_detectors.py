@@ -10,6 +10,7 @@ import pickle
 
 import numpy as np
 import pytest
+
 from runwatch.detectors.config import NonFiniteConfig, SpikeConfig
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.spike import SpikeDetector

@@ -11,6 +11,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer.schema import CheckpointEvent, CheckpointRef, RunEndEvent, StepEvent
 from runwatch.producer.signing import verify_action

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from runwatch.producer.publisher import RunWatch
 from runwatch.producer.schema import HeartbeatEvent
 
@@ -126,3 +127,15 @@ def test_publish_after_close_is_dropped_as_closed(make_rw):
     assert rw.stats.drop_reasons["closed"] == 1
     assert rw.stats.dropped == before + 1
     assert rw.close(timeout=2) is rw.stats  # closing twice is harmless
+
+
+def test_invalid_arguments_are_counted_not_raised_into_the_loop():
+    """A typo'd field type or a negative step must not kill a long training run."""
+    rw = RunWatch("bad-args", "127.0.0.1:1", rank=1)
+    assert rw.step(-1, loss=1.0) is False
+    assert rw.step(3, loss="not a number") is False
+    assert rw.heartbeat(3, phase="napping") is False
+    assert rw.step(4, loss=1.0) is True
+    stats = rw.close(timeout=0.5)
+    assert stats.drop_reasons["invalid"] == 3
+    assert stats.published + stats.dropped == 4

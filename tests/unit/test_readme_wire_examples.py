@@ -33,6 +33,7 @@ def test_kcat_example_is_valid():
 
 def test_readme_configuration_block_is_the_defaults():
     import yaml
+
     from runwatch.detectors.config import RunwatchConfig
 
     block = re.search(r"```yaml\n(detectors:.*?)```", README.read_text(), flags=re.S).group(1)

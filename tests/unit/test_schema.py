@@ -8,6 +8,7 @@ import math
 from datetime import UTC, datetime
 
 import pytest
+
 from runwatch.producer.schema import (
     EVENT_KINDS,
     ActionAckEvent,

@@ -8,6 +8,7 @@ import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
 from runwatch.producer.schema import Action, CheckpointRef, decode_action
 from runwatch.producer.signing import MissingSecretError, resolve_secret, sign_action, verify_action
 from runwatch.producer.topics import SECRET_ENV
