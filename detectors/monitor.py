@@ -21,6 +21,7 @@ from runwatch.producer.schema import (
     CheckpointRef,
     StepEvent,
     TelemetryEvent,
+    newest_checkpoint_before,
 )
 
 _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
@@ -87,10 +88,7 @@ class RunMonitor:
 
     def _checkpoint_before(self, anomaly: Anomaly) -> CheckpointRef | None:
         onset = anomaly.evidence.get("onset_step", anomaly.step)
-        if onset is None:
-            return None
-        earlier = [c for c in self.checkpoints if c.step < onset]
-        return max(earlier, key=lambda c: c.step) if earlier else None
+        return None if onset is None else newest_checkpoint_before(self.checkpoints, onset)
 
     def _to_anomaly(self, finding: Finding, event: StepEvent) -> Anomaly:
         # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).

@@ -21,7 +21,14 @@ from typing import Any
 
 from runwatch.producer import topics
 from runwatch.producer.publisher import RunWatch
-from runwatch.producer.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
+from runwatch.producer.schema import (
+    Action,
+    CheckpointRef,
+    SchemaError,
+    decode_action,
+    newest_checkpoint_before,
+    utc_now,
+)
 from runwatch.producer.signing import resolve_secret, verify_action
 
 log = logging.getLogger(__name__)
@@ -158,8 +165,7 @@ class ActionListener:
         if target is not None and any(c.step == target.step and c.uri == target.uri for c in registered):
             return target
         onset = action.onset_step if action.onset_step is not None else action.step
-        candidates = [c for c in registered if onset is None or c.step < onset]
-        return max(candidates, key=lambda c: c.step) if candidates else None
+        return newest_checkpoint_before(registered, onset)
 
     def _rollback(self, action: Action, step: int | None) -> AppliedAction:
         ref = self.choose_checkpoint(action)

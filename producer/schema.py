@@ -185,6 +185,13 @@ class CheckpointRef(WireModel):
     uri: str
 
 
+def newest_checkpoint_before(checkpoints: list[CheckpointRef], onset_step: int | None) -> CheckpointRef | None:
+    """The rollback target both sides agree on: the newest checkpoint strictly before the onset
+    (a checkpoint taken at the faulty step may already hold its damage)."""
+    earlier = [c for c in checkpoints if onset_step is None or c.step < onset_step]
+    return max(earlier, key=lambda c: c.step) if earlier else None
+
+
 class Action(WireModel):
     """A signed instruction to the trainer and remediators, on ``runwatch.actions``."""
 
