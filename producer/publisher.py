@@ -228,9 +228,8 @@ class RunWatch:
             except Exception as exc:  # KafkaTimeoutError when no broker answers within max_block_ms
                 self._on_failed(exc)
         if producer is not None:
-            remaining = max(0.1, self._close_deadline - time.monotonic()) if self._closing.is_set() else 1.0
-            try:
-                producer.flush(timeout=remaining)
+            try:  # the loop only ends once close() has set the deadline
+                producer.flush(timeout=max(0.1, self._close_deadline - time.monotonic()))
             except Exception as exc:
                 log.debug("runwatch: flush failed: %r", exc)
             try:

@@ -29,13 +29,16 @@ def resolve_secret(secret: str | bytes | None = None) -> bytes:
     return value.encode() if isinstance(value, str) else value
 
 
+def _digest(action: Action, secret: bytes) -> str:
+    return hmac.new(secret, action.body_bytes(), hashlib.sha256).hexdigest()
+
+
 def sign_action(action: Action, secret: bytes) -> Action:
-    digest = hmac.new(secret, action.body_bytes(), hashlib.sha256).hexdigest()
-    return action.model_copy(update={"signature": digest})
+    return action.model_copy(update={"signature": _digest(action, secret)})
 
 
 def verify_action(action: Action, secret: bytes) -> bool:
-    expected = hmac.new(secret, action.body_bytes(), hashlib.sha256).hexdigest()
+    expected = _digest(action, secret)
     # Bytes, not str: compare_digest raises on non-ASCII str, and a hostile message must be
     # rejected, not crash the listener.
     return hmac.compare_digest(expected.encode(), action.signature.encode(errors="replace"))
