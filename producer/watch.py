@@ -98,11 +98,10 @@ class Watcher:
         self._update: UpdateNorms | None = None
         self._pending: _PendingStep | None = None
         self._closed = False
-        self._phase_before_wait = "train"
         self.heartbeat = Heartbeat(rw, heartbeat_s) if heartbeat_s else None
         self.clock = StepClock(
-            on_wait_begin=self._enter_dataload if self.heartbeat else None,
-            on_wait_end=self._leave_dataload if self.heartbeat else None,
+            on_wait_begin=(lambda: self.heartbeat.push("dataload")) if self.heartbeat else None,
+            on_wait_end=self.heartbeat.pop if self.heartbeat else None,
         )
         self._memory = MemorySampler(self.layout.device) if memory else None
         self._hook_handles: list[Any] = []
@@ -283,13 +282,6 @@ class Watcher:
         if p.categories is not None:
             fields["category_loss"] = p.categories.from_packed(values[i:])
         self.rw.step(p.step, **fields)
-
-    def _enter_dataload(self) -> None:
-        self._phase_before_wait = self.heartbeat.current[1]
-        self.heartbeat.enter("dataload")
-
-    def _leave_dataload(self) -> None:
-        self.heartbeat.enter(self._phase_before_wait)
 
 
 def _per_category_metrics(per_category: dict[str, Any] | CategoryLossBatch | None) -> dict[str, dict[str, float]]:

@@ -256,3 +256,35 @@ def test_watch_rejects_bad_arguments():
         Watcher(RecordingPublisher(), model, optimizer, clip=0.0, heartbeat_s=None)
     with pytest.raises(ValueError, match="no trainable"):
         Watcher(RecordingPublisher(), nn.Linear(2, 2).requires_grad_(False), optimizer, heartbeat_s=None)
+
+
+def test_data_wait_memory_and_heartbeat_phases_come_with_the_steps():
+    import time
+
+    model, x, y = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rw = RecordingPublisher()
+    watch = Watcher(rw, model, optimizer, heartbeat_s=0.02)
+
+    def slow_loader():
+        for _ in range(3):
+            time.sleep(0.05)  # a data loader that makes the step wait
+            yield x, y
+
+    for bx, by in watch.data(slow_loader()):
+        optimizer.zero_grad()
+        loss = backward(model, bx, by)
+        optimizer.step()
+        watch.end_step(loss, samples=len(bx))
+    with watch.phase("eval"):
+        time.sleep(0.06)
+    watch.close()
+    assert [e.step for e in rw.steps] == [0, 1, 2]
+    for event in rw.steps:
+        assert event.data_wait_s >= 0.045
+        assert event.step_time_s >= event.data_wait_s
+        assert event.memory is not None and event.memory.host_rss > 0  # /proc is there on Linux
+        assert event.memory.allocated is None  # no CUDA here: absent, not zero
+    phases = {phase for _, phase, _ in rw.heartbeats}
+    assert {"dataload", "eval"} <= phases
+    assert any(step == 2 and phase == "eval" for step, phase, _ in rw.heartbeats)
