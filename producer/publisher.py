@@ -2,19 +2,30 @@
 
 Every publish is a non-blocking put on a bounded in-memory queue; a daemon thread
 serialises and hands events to kafka-python. The training loop never waits on the
-network and never sees an exception from it: what cannot be queued or sent is
-dropped and counted in ``stats``.
+network and never sees an exception from it.
+
+When the broker does not take an event (no metadata within ``max_block_ms``, or no
+acknowledgement within ``delivery_timeout_ms``), the event goes to a bounded on-disk
+spool (:class:`~runwatch.producer.spool.DiskSpool`) instead, and so does every newer
+event while the spool holds anything, so order is kept. The same thread probes the
+broker with one spooled event at a time, backing off, and once one is acknowledged
+replays the spool head first in batches. What the spool's bound refuses or evicts,
+and what cannot be queued, is dropped and counted in ``stats``.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
+import os
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -30,16 +41,59 @@ from runwatch.producer.schema import (
     RunStartEvent,
     StepEvent,
 )
+from runwatch.producer.spool import OVERFLOW_POLICIES, DiskSpool, Overflow
+
+if TYPE_CHECKING:
+    from runwatch.producer.watch import Watcher
 
 log = logging.getLogger(__name__)
+
+SPOOL_DIR_ENV = "RUNWATCH_SPOOL_DIR"
+DEFAULT_SPOOL_BASE = Path(".runwatch") / "spool"
+DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
+
+_REPLAY_RECORDS = 500  # per replay batch once the broker answers
+_REPLAY_BYTES = 1 << 20
+_PROBE_BACKOFF_S = (0.2, 2.0)  # first and longest wait between probes of a broker that is down
+_APPEND_PER_TURN = 1000
 
 
 @dataclass
 class PublisherStats:
+    """Counts of what happened to the events of one ``RunWatch``.
+
+    After ``close()``: ``offered + spool_recovered == published + dropped + spooled_at_close``,
+    where offered is every event handed to ``publish`` (``queued`` plus the ones dropped
+    before queueing: ``queue_full``, ``closed``, ``invalid``).
+    """
+
     queued: int = 0
-    published: int = 0  # acknowledged by the broker
-    dropped: int = 0  # queue full, send failed, or not delivered by close()
+    published: int = 0  # distinct events acknowledged by the broker (replayed ones included)
+    dropped: int = 0  # never reached the broker and are not in the spool; by reason in drop_reasons
     drop_reasons: dict[str, int] = field(default_factory=dict)
+    spooled: int = 0  # events written to the disk spool because the broker did not take them
+    replayed: int = 0  # events sent from the spool and acknowledged (also counted in published)
+    spool_dropped: int = 0  # refused (drop_newest) or evicted (drop_oldest) by the spool's bound; in dropped too
+    spool_recovered: int = 0  # events found in the spool at start, left there by an earlier process
+    spooled_at_close: int = 0  # still in the spool after close(): not lost, the next RunWatch replays them
+    spool_bytes: int = 0  # live bytes in the spool now
+    duplicates_sent: int = 0  # acknowledged events that stayed spooled (an earlier one failed) and are sent again
+
+
+@dataclass
+class _Replay:
+    first: int  # spool index of the first record in the batch
+    futures: list
+    send_error: bool
+
+
+def default_spool_dir(run_id: str, rank: int) -> Path:
+    """``$RUNWATCH_SPOOL_DIR`` (default ``.runwatch/spool``) ``/<run_id>-r<rank>``, absolute."""
+    base = Path(os.environ.get(SPOOL_DIR_ENV) or DEFAULT_SPOOL_BASE)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+    if name != run_id:  # keep two run ids that differ only in odd characters apart
+        name += "-" + hashlib.sha1(run_id.encode()).hexdigest()[:8]
+    return (base / f"{name}-r{rank}").resolve()
 
 
 class RunWatch:
@@ -47,6 +101,12 @@ class RunWatch:
 
     Construction returns immediately whether or not a broker is reachable. Call
     :meth:`close` at the end of the run (it is also registered with ``atexit``).
+
+    Events the broker does not take go to a disk spool under ``spool_dir`` (default
+    :func:`default_spool_dir`; ``spool=False`` turns it off, and then they are dropped),
+    bounded by ``spool_max_bytes``; past the bound ``spool_overflow`` drops the newest
+    (default) or the oldest events. A ``RunWatch`` started with the same spool directory
+    (a restarted run) replays what an earlier process left there.
     """
 
     def __init__(
@@ -59,11 +119,18 @@ class RunWatch:
         queue_size: int = 10_000,
         max_block_ms: int = 100,
         linger_ms: int = 5,
+        delivery_timeout_ms: int = 3000,
         topic: str = topics.TELEMETRY,
         run_start: dict[str, Any] | None = None,
+        spool: bool = True,
+        spool_dir: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        spool_overflow: Overflow = "drop_newest",
     ):
         if not run_id:
             raise ValueError("run_id must be a non-empty string")
+        if spool_overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"spool_overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -71,22 +138,43 @@ class RunWatch:
         self.topic = topic
         self.stats = PublisherStats()
         self.checkpoints: list[CheckpointRef] = []
+        self.spool_path: Path | None = (Path(spool_dir).resolve() if spool_dir is not None
+                                        else default_spool_dir(run_id, rank)) if spool else None
+        self._spool_max_bytes = spool_max_bytes
+        self._spool_overflow: Overflow = spool_overflow
         self._key = run_id.encode()
         self._queue: queue.Queue[EventBase] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._closed = False
         self._offsets: dict[int, int] = {}  # partition -> highest acknowledged offset
-        self._failed_after_queue = 0  # queued events whose send failed (already counted as dropped)
+        self._dropped_after_queue = 0  # queued (or recovered) events counted as dropped
         self._close_deadline = float("inf")
         self._final = False
         self._warned_invalid = False
+        # Shared with kafka-python's sender thread (under _lock):
+        self._inflight: dict[int, bytes] = {}  # sequence -> value sent straight to the client, unresolved
+        self._failed: list[tuple[int, bytes]] = []  # (sequence, value) of direct sends that failed
+        self._spool_usable = spool  # False once opening the spool failed
+        # The drain thread's own state:
+        self._spool: DiskSpool | None = None
+        self._spooling = False  # new events go to the spool tail (it holds something)
+        self._replay: _Replay | None = None
+        self._broker_down = False
+        self._backoff = _PROBE_BACKOFF_S[0]
+        self._next_probe = 0.0
+        self._seq = 0
+        self._delivery_timeout_s = delivery_timeout_ms / 1000
         self._producer_config = dict(
             bootstrap_servers=self.bootstrap,
             api_version=topics.KAFKA_API_VERSION,
             max_block_ms=max_block_ms,
             linger_ms=linger_ms,
             acks=1,
+            # Short, so that a dead broker hands events to the spool within seconds and the
+            # client's own buffer (rate x delivery timeout) stays small.
+            delivery_timeout_ms=delivery_timeout_ms,
+            request_timeout_ms=max(500, (delivery_timeout_ms - linger_ms) // 2),
             reconnect_backoff_max_ms=1000,
             client_id=f"runwatch-{run_id}-r{rank}",
         )
@@ -101,12 +189,12 @@ class RunWatch:
     def publish(self, event: EventBase) -> bool:
         """Queue one event; never blocks. Returns False if it was dropped."""
         if self._closed:
-            self._count_drop("closed")
+            self._count_drop("closed", after_queue=False)
             return False
         try:
             self._queue.put_nowait(event)
         except queue.Full:
-            self._count_drop("queue_full")
+            self._count_drop("queue_full", after_queue=False)
             return False
         with self._lock:
             self.stats.queued += 1
@@ -118,7 +206,7 @@ class RunWatch:
         try:
             event = model(run_id=self.run_id, rank=self.rank, **fields)
         except ValidationError as exc:
-            self._count_drop("invalid")
+            self._count_drop("invalid", after_queue=False)
             if not self._warned_invalid:
                 self._warned_invalid = True
                 log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
@@ -149,10 +237,17 @@ class RunWatch:
     def ack(self, **fields: Any) -> bool:
         return self._build_and_publish(ActionAckEvent, **fields)
 
-    def close(self, timeout: float = 10.0, status: str = "completed", summary: dict | None = None) -> PublisherStats:
-        """Publish ``run_end`` (rank 0), deliver what is queued within ``timeout``, stop.
+    def watch(self, model: Any, optimizer: Any, **options: Any) -> Watcher:
+        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.watch.Watcher`."""
+        from runwatch.producer.watch import Watcher  # imports torch; the publisher alone does not
 
-        Every event offered is then either ``published`` or ``dropped``, never both.
+        return Watcher(self, model, optimizer, **options)
+
+    def close(self, timeout: float = 10.0, status: str = "completed", summary: dict | None = None) -> PublisherStats:
+        """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
+
+        Every event offered (or recovered from the spool) is then exactly one of
+        ``published``, ``dropped`` or ``spooled_at_close`` (on disk, replayed next time).
         """
         if self._closed:
             return self.stats
@@ -164,7 +259,9 @@ class RunWatch:
         self._thread.join(timeout + 5.0)
         with self._lock:
             self._final = True  # late callbacks from a stuck client must not change the books
-            unaccounted = self.stats.queued - self.stats.published - self._failed_after_queue
+            s = self.stats
+            unaccounted = (s.queued + s.spool_recovered - s.published - self._dropped_after_queue
+                           - s.spooled_at_close)
         if unaccounted > 0:
             self._count_drop("undelivered_at_close", unaccounted)
         atexit.unregister(self.close)
@@ -175,28 +272,40 @@ class RunWatch:
         with self._lock:
             return dict(self._offsets)
 
-    # -- background thread ----------------------------------------------------------
+    # -- books ------------------------------------------------------------------------
 
-    def _count_drop(self, reason: str, n: int = 1) -> None:
+    def _count_drop(self, reason: str, n: int = 1, *, after_queue: bool = True) -> None:
         with self._lock:
             self.stats.dropped += n
             self.stats.drop_reasons[reason] = self.stats.drop_reasons.get(reason, 0) + n
+            if after_queue:
+                self._dropped_after_queue += n
 
-    def _on_sent(self, metadata: Any) -> None:
+    def _acknowledged(self, metadata: Any) -> None:  # under _lock
+        if metadata.offset > self._offsets.get(metadata.partition, -1):
+            self._offsets[metadata.partition] = metadata.offset
+
+    # -- kafka-python's sender thread -----------------------------------------------------
+
+    def _on_sent(self, seq: int, metadata: Any) -> None:
         with self._lock:
-            if self._final:
-                return
+            if self._inflight.pop(seq, None) is None or self._final:
+                return  # spooled at close already (it will be a duplicate) or the books are closed
             self.stats.published += 1
-            if metadata.offset > self._offsets.get(metadata.partition, -1):
-                self._offsets[metadata.partition] = metadata.offset
+            self._acknowledged(metadata)
 
-    def _on_failed(self, exc: BaseException) -> None:
+    def _on_failed(self, seq: int, exc: BaseException) -> None:
         log.debug("runwatch: send failed: %r", exc)
         with self._lock:
-            if self._final:
+            value = self._inflight.pop(seq, None)
+            if value is None or self._final:
                 return
-            self._failed_after_queue += 1
+            if self._spool_usable:
+                self._failed.append((seq, value))  # the drain thread spools it, in order
+                return
         self._count_drop("send_failed")
+
+    # -- the drain thread -------------------------------------------------------------------
 
     def _make_producer(self) -> Any:
         from kafka import KafkaProducer
@@ -207,32 +316,256 @@ class RunWatch:
         try:
             producer = self._make_producer()
         except Exception as exc:  # bad bootstrap string and the like: count, never raise
-            log.warning("runwatch: cannot create Kafka producer (%s); events will be dropped", exc)
+            log.warning("runwatch: cannot create Kafka producer (%s); events will be spooled or dropped", exc)
             producer = None
+        try:
+            self._recover_spool()
+            self._run(producer)
+        except Exception:  # a bug here must not take the training loop down; close() counts the rest
+            log.exception("runwatch: publisher thread failed")
+        finally:
+            self._shutdown(producer)
+
+    def _run(self, producer: Any) -> None:
+        transition_since: float | None = None
         while True:
-            if self._closing.is_set() and time.monotonic() >= self._close_deadline:
-                break  # what is still queued is counted as undelivered by close()
+            now = time.monotonic()
+            closing = self._closing.is_set()
+            if closing and now >= self._close_deadline:
+                return  # what is left is spooled (or counted undelivered) by _shutdown / close()
+            with self._lock:
+                failed, inflight = bool(self._failed), len(self._inflight)
+            if failed and not self._spooling and transition_since is None:
+                transition_since = now
+                log.warning("runwatch: broker %s is not taking events; spooling them to %s",
+                            self.bootstrap, self.spool_path)
+            if transition_since is not None:
+                # Let the client resolve what it still holds (it fails in send order) before
+                # anything newer is spooled, so the spool keeps the events' order.
+                if inflight > 0 and now - transition_since < self._delivery_timeout_s + 5.0:
+                    time.sleep(0.01)
+                    continue
+                transition_since = None
+                self._spooling = self._absorb_failures()
+            if self._spooling:
+                if self._spool_turn(producer, closing):
+                    return
+                continue
             try:
                 event = self._queue.get(timeout=0.05)
             except queue.Empty:
-                if self._closing.is_set():
-                    break
+                if closing:
+                    return  # in-flight sends are flushed (and failures spooled) by _shutdown
                 continue
+            self._send_direct(producer, event.to_json())
+
+    def _send_direct(self, producer: Any, value: bytes) -> None:
+        self._seq += 1
+        seq = self._seq
+        with self._lock:
+            self._inflight[seq] = value
+        try:
             if producer is None:
-                self._on_failed(RuntimeError("no producer"))
-                continue
+                raise RuntimeError("no Kafka producer")
+            future = producer.send(self.topic, key=self._key, value=value)
+        except Exception as exc:  # KafkaTimeoutError when no broker answers within max_block_ms
+            self._on_failed(seq, exc)
+            return
+        future.add_callback(self._on_sent, seq)
+        future.add_errback(self._on_failed, seq)
+
+    def _spool_turn(self, producer: Any, closing: bool) -> bool:
+        """One turn of spooling mode; True when a closing publisher has nothing left to do."""
+        self._absorb_failures()
+        for _ in range(_APPEND_PER_TURN):
             try:
-                future = producer.send(self.topic, key=self._key, value=event.to_json())
-                future.add_callback(self._on_sent)
-                future.add_errback(self._on_failed)
-            except Exception as exc:  # KafkaTimeoutError when no broker answers within max_block_ms
-                self._on_failed(exc)
+                self._spool_event(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        spool = self._spool
+        if self._replay is not None:
+            if not all(f.is_done for f in self._replay.futures):
+                self._wait_for_event(0.01)
+                return False
+            self._finish_replay()
+        if spool is None or len(spool) == 0:
+            self._spooling = False
+            if self._broker_down:
+                log.warning("runwatch: broker %s is back; the spool is replayed", self.bootstrap)
+            self._broker_down = False
+            return False
+        if producer is None:
+            if closing and self._queue.empty():
+                return True
+            self._wait_for_event(0.05)
+            return False
+        wait = self._next_probe - time.monotonic()
+        if wait > 0:
+            self._wait_for_event(min(wait, 0.05))
+            return False
+        self._start_replay(producer)
+        return False
+
+    def _wait_for_event(self, timeout: float) -> None:
+        try:
+            self._spool_event(self._queue.get(timeout=timeout))
+        except queue.Empty:
+            pass
+
+    def _start_replay(self, producer: Any) -> None:
+        # While the broker is down, probe with the oldest record alone.
+        assert self._spool is not None
+        first, records = self._spool.peek(1 if self._broker_down else _REPLAY_RECORDS, _REPLAY_BYTES)
+        futures = []
+        send_error = False
+        for value in records:
+            try:
+                futures.append(producer.send(self.topic, key=self._key, value=value))
+            except Exception as exc:  # no metadata within max_block_ms
+                log.debug("runwatch: replay send failed: %r", exc)
+                send_error = True
+                break
+        self._replay = _Replay(first, futures, send_error)
+
+    def _finish_replay(self) -> None:
+        replay, self._replay = self._replay, None
+        assert replay is not None and self._spool is not None
+        prefix = 0
+        for f in replay.futures:
+            if not f.succeeded():
+                break
+            prefix += 1
+        later = sum(1 for f in replay.futures[prefix:] if f.succeeded())
+        try:
+            removed = self._spool.commit(replay.first + prefix)
+        except OSError as exc:
+            log.warning("runwatch: spool commit failed: %s", exc)
+            removed = 0
+        with self._lock:
+            if not self._final:
+                self.stats.published += removed
+                self.stats.replayed += removed
+                self.stats.duplicates_sent += later
+                for f in replay.futures:
+                    if f.succeeded():
+                        self._acknowledged(f.value)
+                self.stats.spool_bytes = self._spool.bytes
+        if prefix == len(replay.futures) and not replay.send_error:
+            self._broker_down = False
+            self._backoff = _PROBE_BACKOFF_S[0]
+            self._next_probe = 0.0
+        else:
+            self._broker_down = True
+            self._next_probe = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, _PROBE_BACKOFF_S[1])
+
+    # -- the spool -------------------------------------------------------------------------
+
+    def _open_spool(self) -> DiskSpool | None:
+        if self._spool is None and self._spool_usable and self.spool_path is not None:
+            try:
+                self._spool = DiskSpool(self.spool_path, self._spool_max_bytes, self._spool_overflow)
+            except (OSError, ValueError) as exc:
+                log.warning("runwatch: cannot use the spool at %s (%s); undeliverable events are dropped",
+                            self.spool_path, exc)
+                with self._lock:
+                    self._spool_usable = False
+        return self._spool
+
+    def _recover_spool(self) -> None:
+        """Replay first what an earlier process left in this run's spool."""
+        if self.spool_path is None or not any(self.spool_path.glob("*.seg")):
+            return
+        spool = self._open_spool()
+        if spool is not None and len(spool):
+            with self._lock:
+                self.stats.spool_recovered = len(spool)
+                self.stats.spool_bytes = spool.bytes
+            self._spooling = True
+            log.warning("runwatch: replaying %d events left in %s by an earlier process",
+                        len(spool), self.spool_path)
+
+    def _absorb_failures(self) -> bool:
+        """Spool the failed direct sends, oldest first; True if the spool holds anything."""
+        with self._lock:
+            failed, self._failed = sorted(self._failed, key=lambda f: f[0]), []
+        if failed:
+            self._broker_down = True
+            self._next_probe = time.monotonic() + self._backoff
+        spool = self._open_spool() if failed else self._spool
+        if spool is None:
+            if failed:
+                self._count_drop("send_failed", len(failed))
+            return False
+        for _seq, value in failed:
+            self._spool_value(value)
+        return len(spool) > 0
+
+    def _spool_event(self, event: EventBase) -> None:
+        if self._open_spool() is None:
+            self._count_drop("send_failed")
+            return
+        self._spool_value(event.to_json())
+
+    def _spool_value(self, value: bytes) -> None:
+        spool = self._spool
+        assert spool is not None
+        evicted_before = spool.stats.evicted
+        try:
+            ok = spool.append(value)
+        except OSError as exc:  # disk full and the like
+            log.warning("runwatch: spool write failed: %s", exc)
+            self._count_drop("spool_error")
+            return
+        evicted = spool.stats.evicted - evicted_before
+        if evicted:
+            self._count_drop("spool_evicted", evicted)
+        if not ok:
+            self._count_drop("spool_full")
+        with self._lock:
+            self.stats.spooled += ok
+            self.stats.spool_dropped += evicted + (not ok)
+            self.stats.spool_bytes = spool.bytes
+
+    def _shutdown(self, producer: Any) -> None:
         if producer is not None:
-            try:  # the loop only ends once close() has set the deadline
+            try:  # the loop only ends once close() has set the deadline (or on a bug)
                 producer.flush(timeout=max(0.1, self._close_deadline - time.monotonic()))
             except Exception as exc:
                 log.debug("runwatch: flush failed: %r", exc)
             try:
                 producer.close(timeout=1.0)
-            except Exception:
-                pass
+            except Exception:  # kafka-python's close raises when its flush times out, leaving its
+                try:           # sender thread running; stop that thread the way close() would have
+                    producer._sender.force_close()
+                except Exception:
+                    pass
+        try:
+            if self._replay is not None:
+                self._finish_replay()  # unresolved replay sends count as failed: they stay spooled
+            if self._spool_usable and self.spool_path is not None:
+                with self._lock:  # unresolved direct sends are spooled too (a late delivery is a duplicate)
+                    self._failed.extend(self._inflight.items())
+                    self._inflight.clear()
+                self._absorb_failures()
+                while True:
+                    try:
+                        self._spool_event(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+        except Exception:
+            log.exception("runwatch: could not spool what was left at close")
+        spool = self._spool
+        if spool is None:
+            return
+        try:
+            spool.close()
+            spool.remove_if_empty()
+        except OSError as exc:
+            log.warning("runwatch: closing the spool at %s failed: %s", self.spool_path, exc)
+        with self._lock:
+            self.stats.spooled_at_close = len(spool)
+            self.stats.spool_bytes = spool.bytes
+        if len(spool):
+            log.warning("runwatch: %d events stay in %s; a RunWatch with the same run id and rank replays them",
+                        len(spool), self.spool_path)

@@ -1,7 +1,8 @@
 """RunWatch with no broker (bootstrap 127.0.0.1:1, where nothing listens). The training loop must never
 wait on the network or see an exception from it: construction and publishing return at once, what
 cannot be queued is dropped and counted by reason, and after close() every offered event is accounted
-for exactly once (published + dropped == offered), and stays so."""
+for exactly once (published + dropped == offered), and stays so. The disk spool is off here
+(spool=False): these tests are about the drop path; tests/unit/test_spool.py covers the spool."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def make_rw():
     created: list[RunWatch] = []
 
     def make(**kwargs) -> RunWatch:
+        kwargs.setdefault("spool", False)
         rw = RunWatch(kwargs.pop("run_id", "offline-run"), NO_BROKER, **kwargs)
         created.append(rw)
         return rw
@@ -131,7 +133,7 @@ def test_publish_after_close_is_dropped_as_closed(make_rw):
 
 def test_invalid_arguments_are_counted_not_raised_into_the_loop():
     """A typo'd field type or a negative step must not kill a long training run."""
-    rw = RunWatch("bad-args", "127.0.0.1:1", rank=1)
+    rw = RunWatch("bad-args", "127.0.0.1:1", rank=1, spool=False)
     assert rw.step(-1, loss=1.0) is False
     assert rw.step(3, loss="not a number") is False
     assert rw.heartbeat(3, phase="napping") is False
