@@ -1,9 +1,11 @@
-"""What training code imports: the wire schema, the publisher and the action listener.
+"""What training code imports: the wire schema, the publisher, torch instrumentation and the action listener.
 
 Never imports Faust, river or ClickHouse; torch only lazily, where it is used.
 """
 
 from runwatch.producer.actions import ActionListener, AppliedAction, save_checkpoint
+from runwatch.producer.categories import CategoryLossBatch, category_loss
+from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.publisher import PublisherStats, RunWatch
 from runwatch.producer.schema import (
     Action,
@@ -19,6 +21,7 @@ from runwatch.producer.schema import (
     StepEvent,
     decode_event,
 )
+from runwatch.producer.watch import Watcher
 
 __all__ = [
     "Action",
@@ -26,9 +29,11 @@ __all__ = [
     "ActionListener",
     "Anomaly",
     "AppliedAction",
+    "CategoryLossBatch",
     "CheckpointEvent",
     "CheckpointRef",
     "EvalEvent",
+    "Heartbeat",
     "HeartbeatEvent",
     "PublisherStats",
     "RunEndEvent",
@@ -36,6 +41,8 @@ __all__ = [
     "RunWatch",
     "SchemaError",
     "StepEvent",
+    "Watcher",
+    "category_loss",
     "decode_event",
     "save_checkpoint",
 ]
