@@ -195,8 +195,9 @@ def test_stop_is_registered_at_exit_while_running(monkeypatch):
     assert registered == []
 
 
-def test_heartbeats_reach_a_real_runwatch_as_valid_events(clock):
-    rw = RunWatch("hb-run", "127.0.0.1:1", rank=1)  # nothing listens there: events stay queued
+def test_heartbeats_reach_a_real_runwatch_as_valid_events(clock, monkeypatch, tmp_path):
+    monkeypatch.setenv("RUNWATCH_SPOOL_DIR", str(tmp_path))  # what the broker does not take lands here
+    rw = RunWatch("hb-run", "127.0.0.1:1", rank=1)  # nothing listens there
     try:
         hb = Heartbeat(rw, clock=clock)
         hb.set_step(12)

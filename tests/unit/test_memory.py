@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -208,6 +210,40 @@ def test_missing_proc_cgroup_file_means_no_cgroup_fields(tmp_path):
 
 
 # -- CUDA --------------------------------------------------------------------------------------------
+
+
+class FakeCuda:
+    """The two calls the sampler makes, with the nested layout torch.cuda.memory_stats() flattens."""
+
+    def __init__(self, initialised: bool):
+        self.initialised = initialised
+        self.asked_for: list = []
+
+    def is_initialized(self) -> bool:
+        return self.initialised
+
+    def memory_stats_as_nested_dict(self, device=None):
+        self.asked_for.append(device)
+        return {
+            "allocated_bytes": {"all": {"current": 300, "peak": 500, "allocated": 900, "freed": 600}},
+            "reserved_bytes": {"all": {"current": 1024, "peak": 1024, "allocated": 1024, "freed": 0}},
+            "num_alloc_retries": 2,
+            "num_ooms": 0,
+        }
+
+
+def test_cuda_fields_map_from_the_allocator_and_only_once_cuda_is_in_use(monkeypatch, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cuda = FakeCuda(initialised=False)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    sampler = MemorySampler("cuda:1", proc_root=empty, cgroup_root=empty)
+    assert sampler.sample() is None  # CUDA not initialised: nothing to say, and nothing initialised
+    cuda.initialised = True
+    assert sampler.sample() == MemoryStats(allocated=300, reserved=1024, peak=500, alloc_retries=2, ooms=0)
+    assert cuda.asked_for == ["cuda:1"]
+    assert MemorySampler("cpu", proc_root=empty, cgroup_root=empty).sample() is None
+    assert cuda.asked_for == ["cuda:1"]  # a CPU sampler never asks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
