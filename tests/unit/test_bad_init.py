@@ -1,0 +1,169 @@
+"""The classic mel-scale mistake, as the step events of a real ``Watcher`` show it.
+
+The story: ``self.mel_scale = nn.Parameter(torch.randn(num_mels))`` on the root module and
+``x *= self.mel_scale`` on log-mel frames in dB before the first conv of a small audio
+transformer, trained with AdamW (warm-up to 1e-3) and clipping at 1.0; the fix is an additive
+``LearnableBias`` initialised to zeros ("our gradient is multiplied by 1.0 instead of the input
+magnitude").
+
+What a tiny version of that model shows, and what these tests pin down:
+
+* the bare parameter is reported under its owner, ``(root)`` (the story's per-module code
+  skipped it); the fix is reported under ``mel_bias``;
+* the randn scale's gradient carries the dB magnitude of the input (|x| ~ 50), the additive
+  fix's does not: at every step the owner's norm is 25x to 235x the fix's (seed 0), and the
+  fix's owner is the smallest module at every step while the bad owner never is;
+* the owner is NOT the module with the largest norm: owner / next largest stays below 0.09
+  at every step for seeds 0-4. The largest is the first conv, as the story saw ("insane by the
+  frontend conv layers"), and it is the first conv with the fix too, because the dB-scale
+  input, not the scale's init, makes it large. Per column i of the first layer W the scale
+  gets <W[:, i], a_i> where W[:, i] gets s_i * a_i (a_i = sum over positions of x_i * dL/dh),
+  so the scale only wins where W's columns align with a_i, which they do not here. Per-module
+  norms count only a module's own parameters (recurse=False); recursive norms would make the
+  root, which holds the scale, the largest module trivially, and the last test would fail.
+
+A ones-initialised scale gives owner norms within 0.07x to 4.5x of randn's (seeds 0-4), so
+grad norms tell multiplicative-on-dB from additive, not randn from ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runwatch.producer.gradstats import ROOT_MODULE
+from runwatch.producer.schema import StepEvent
+from runwatch.producer.watch import Watcher
+
+N_MELS, WIDTH, CLASSES = 40, 32, 4
+BATCH, FRAMES = 16, 32
+STEPS, WARMUP, PEAK_LR, CLIP = 40, 10, 1e-3, 1.0
+
+
+class RecordingPublisher:
+    """Stands in for RunWatch: validates every step event against the wire schema."""
+
+    def __init__(self):
+        self.steps: list[StepEvent] = []
+
+    def step(self, step: int, **fields) -> bool:
+        self.steps.append(StepEvent(run_id="unit", step=step, **fields))
+        return True
+
+    def eval(self, step: int, **fields) -> bool:
+        return True
+
+    def heartbeat(self, step, phase="train", time_in_phase_s=0.0) -> bool:
+        return True
+
+
+class LearnableBias(nn.Module):
+    """The story's fix: additive in log space, starts as a no-op."""
+
+    def __init__(self, n_channels: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(n_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class TinyAudioNet(nn.Module):
+    """Log-mel (batch, time, mels) -> conv frontend -> one transformer layer -> class logits."""
+
+    def __init__(self, fixed: bool):
+        super().__init__()
+        if fixed:
+            self.mel_bias = LearnableBias(N_MELS)
+        else:
+            self.mel_scale = nn.Parameter(torch.randn(N_MELS))  # the mistake: a bare parameter on the root
+        self.conv1 = nn.Conv1d(N_MELS, WIDTH, 3, padding=1)
+        self.conv2 = nn.Conv1d(WIDTH, WIDTH, 3, stride=2, padding=1)
+        self.encoder = nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True,
+                                                  norm_first=True)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mel_bias(x) if hasattr(self, "mel_bias") else x * self.mel_scale  # story: x *= self.mel_scale
+        x = F.gelu(self.conv1(x.transpose(1, 2)))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)
+        return self.head(self.norm(self.encoder(x).mean(dim=1)))
+
+
+def log_mel_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frames in dB, clamped to [-80, 0]: a -80..-70 floor, the class's band of bins 50 dB louder."""
+    labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
+    frames = -80 + 10 * torch.rand(BATCH, FRAMES, N_MELS, generator=generator)
+    band = N_MELS // CLASSES
+    for k in range(CLASSES):
+        rows = labels == k
+        frames[rows, :, k * band:(k + 1) * band] += 50 + 10 * torch.randn(int(rows.sum()), FRAMES, band,
+                                                                          generator=generator)
+    return frames.clamp(-80, 0), labels
+
+
+def train(fixed: bool, seed: int = 0) -> list[StepEvent]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: one thread is fastest and not at the mercy of a busy machine
+    try:
+        torch.manual_seed(seed)
+        model = TinyAudioNet(fixed)
+        data = torch.Generator().manual_seed(seed + 1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP))
+        rw = RecordingPublisher()
+        watch = Watcher(rw, model, optimizer, clip=CLIP, update_every=0, heartbeat_s=None, memory=False)
+        for _ in range(STEPS):
+            frames, labels = log_mel_batch(data)
+            loss = F.cross_entropy(model(frames), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()  # the Watcher's hooks measure and clip around it
+            warmup.step()
+            watch.end_step(loss, samples=BATCH)
+        watch.close()
+        return rw.steps
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[StepEvent]]:
+    return {"bad": train(fixed=False), "fixed": train(fixed=True)}
+
+
+def test_the_bare_mel_scale_is_reported_under_its_owner_and_the_fix_under_its_module(runs):
+    bad, fixed = runs["bad"], runs["fixed"]
+    assert len(bad) == len(fixed) == STEPS
+    modules = {"conv1", "conv2", "encoder.self_attn", "encoder.self_attn.out_proj", "encoder.linear1",
+               "encoder.linear2", "encoder.norm1", "encoder.norm2", "norm", "head"}
+    for event in bad:
+        assert set(event.module_grad_norms) == modules | {ROOT_MODULE}
+        assert event.clip_ratio is not None and event.nonfinite_grads == 0
+    for event in fixed:
+        assert set(event.module_grad_norms) == modules | {"mel_bias"}
+    assert bad[-1].lr == [pytest.approx(PEAK_LR)]  # past the warm-up
+
+
+def test_the_randn_scale_carries_the_db_magnitude_of_the_input_and_the_additive_fix_does_not(runs):
+    for bad, fixed in zip(runs["bad"], runs["fixed"], strict=True):
+        owner = bad.module_grad_norms[ROOT_MODULE]
+        fix = fixed.module_grad_norms["mel_bias"]
+        assert owner > 10 * fix, (bad.step, owner, fix)  # measured: 25x to 235x
+        assert min(fixed.module_grad_norms, key=fixed.module_grad_norms.get) == "mel_bias"
+        assert min(bad.module_grad_norms, key=bad.module_grad_norms.get) != ROOT_MODULE
+
+
+def test_the_largest_module_is_the_first_conv_not_the_owner_of_the_scale(runs):
+    for name, owner in (("bad", ROOT_MODULE), ("fixed", "mel_bias")):
+        events = runs[name]
+        largest = [max(e.module_grad_norms, key=e.module_grad_norms.get) for e in events]
+        assert owner not in largest
+        assert largest.count("conv1") > len(events) // 2, largest  # the frontend conv, as in the story
+    for event in runs["bad"]:
+        norms = event.module_grad_norms
+        next_largest = max(v for k, v in norms.items() if k != ROOT_MODULE)
+        assert norms[ROOT_MODULE] < 0.2 * next_largest  # measured: below 0.09
