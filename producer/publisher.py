@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from runwatch.producer import topics
+from runwatch.producer.metadata import collect_run_start, detect_rank_world
 from runwatch.producer.schema import (
     ActionAckEvent,
     CheckpointEvent,
@@ -102,6 +103,12 @@ class RunWatch:
     Construction returns immediately whether or not a broker is reachable. Call
     :meth:`close` at the end of the run (it is also registered with ``atexit``).
 
+    ``rank`` and ``world_size`` default to what torch.distributed or the launcher's
+    environment says. Rank 0 publishes ``run_start`` with metadata collected on the spot
+    (git sha and dirty flag, host, versions, GPUs, the ``config`` and its hash, ``seed``,
+    ``dataset_version``, ``tags``, ``baseline_key``, ``job_id``); ``collect_metadata=False``
+    skips the collection, and ``run_start`` overrides any field.
+
     Events the broker does not take go to a disk spool under ``spool_dir`` (default
     :func:`default_spool_dir`; ``spool=False`` turns it off, and then they are dropped),
     bounded by ``spool_max_bytes``; past the bound ``spool_overflow`` drops the newest
@@ -114,14 +121,21 @@ class RunWatch:
         run_id: str,
         bootstrap: str | None = None,
         *,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         queue_size: int = 10_000,
         max_block_ms: int = 100,
         linger_ms: int = 5,
         delivery_timeout_ms: int = 3000,
         topic: str = topics.TELEMETRY,
         run_start: dict[str, Any] | None = None,
+        config: Any = None,
+        seed: int | None = None,
+        dataset_version: str | None = None,
+        tags: dict[str, str] | None = None,
+        baseline_key: str | None = None,
+        job_id: str | None = None,
+        collect_metadata: bool = True,
         spool: bool = True,
         spool_dir: str | os.PathLike[str] | None = None,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
@@ -131,6 +145,10 @@ class RunWatch:
             raise ValueError("run_id must be a non-empty string")
         if spool_overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"spool_overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
+        if rank is None or world_size is None:
+            detected_rank, detected_world = detect_rank_world()
+            rank = detected_rank if rank is None else rank
+            world_size = detected_world if world_size is None else world_size
         self.run_id = run_id
         self.rank = rank
         self.world_size = world_size
@@ -182,7 +200,12 @@ class RunWatch:
         self._thread.start()
         atexit.register(self.close, 2.0)
         if rank == 0:
-            self.publish(RunStartEvent(run_id=run_id, rank=rank, world_size=world_size, **(run_start or {})))
+            # What the run is (code, machine, versions, config) is collected here, once, so every
+            # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
+            found = collect_run_start(world_size=world_size, config=config, seed=seed,
+                                      dataset_version=dataset_version, tags=tags, baseline_key=baseline_key,
+                                      job_id=job_id) if collect_metadata else {"world_size": world_size}
+            self.publish(RunStartEvent(run_id=run_id, rank=rank, **{**found, **(run_start or {})}))
 
     # -- what training code calls -------------------------------------------------
 

@@ -141,3 +141,36 @@ def test_invalid_arguments_are_counted_not_raised_into_the_loop():
     stats = rw.close(timeout=0.5)
     assert stats.drop_reasons["invalid"] == 3
     assert stats.published + stats.dropped == 4
+
+
+
+class CapturingRunWatch(RunWatch):
+    """Keeps a copy of every event offered, to look at what the constructor announces."""
+
+    def publish(self, event):
+        self.__dict__.setdefault("offered", []).append(event)
+        return super().publish(event)
+
+
+def test_rank_zero_publishes_collected_run_metadata(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rw = CapturingRunWatch("meta-run", NO_BROKER, spool=False, config={"lr": 3e-4, "layers": 12}, seed=7,
+                           tags={"team": "audio"}, baseline_key="audio-small", run_start={"dataset_version": "v3"})
+    rw.close(timeout=0.1)
+    event = rw.offered[0]
+    assert event.kind == "run_start"
+    assert (rw.rank, rw.world_size, event.world_size) == (0, 4, 4)
+    assert event.config == {"lr": 3e-4, "layers": 12} and len(event.config_hash) == 16
+    assert event.seed == 7 and event.tags == {"team": "audio"} and event.baseline_key == "audio-small"
+    assert event.dataset_version == "v3"  # run_start adds to (and overrides) what was collected
+    assert event.host and event.torch_version
+
+
+def test_rank_and_world_size_come_from_the_launcher_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rw = CapturingRunWatch("env-rank", NO_BROKER, spool=False)
+    rw.close(timeout=0.1)
+    assert (rw.rank, rw.world_size) == (3, 4)
+    assert "offered" not in rw.__dict__  # only rank 0 announces the run
