@@ -28,6 +28,7 @@ class SinkStats:
     skipped: Counter = field(default_factory=Counter)
     batches: int = 0
     write_errors: int = 0
+    commit_errors: int = 0  # offset commits that failed (broker unreachable, rebalance); rows were stored
     last_empty_poll: float = 0.0  # monotonic time of the last poll that returned nothing
 
 
@@ -41,6 +42,7 @@ class SinkConsumer:
         batch_size: int = 2000,
         batch_interval_s: float = 0.5,
         session_timeout_ms: int = 6000,
+        commit_timeout_ms: int = 5000,
     ):
         self.sink = sink
         self.bootstrap = bootstrap
@@ -48,6 +50,7 @@ class SinkConsumer:
         self.batch_size = batch_size
         self.batch_interval_s = batch_interval_s
         self.session_timeout_ms = session_timeout_ms
+        self.commit_timeout_ms = commit_timeout_ms
         self.stats = SinkStats()
         self.positions: dict[tuple[str, int], int] = {}  # next offset after what is stored
         self._lock = threading.Lock()
@@ -134,7 +137,12 @@ class SinkConsumer:
                 if self.stopping.wait(delay) and self.stats.write_errors > 20:
                     raise
                 delay = min(delay * 2, 10.0)
-        consumer.commit()
+        try:
+            consumer.commit(timeout_ms=self.commit_timeout_ms)
+        except Exception as exc:  # broker unreachable or group rebalanced: the rows are stored, and the
+            # next commit covers these offsets too; at worst they are re-delivered and deduplicated
+            self.stats.commit_errors += 1
+            log.warning("runwatch sink: offset commit failed (%r); carrying on", exc)
         self.stats.batches += 1
         with self._lock:
             for r in pending:

@@ -51,12 +51,18 @@ def tansu_binary() -> str:
 
 
 class EmbeddedBroker:
-    """A Tansu broker process on a free loopback port. Use as a context manager."""
+    """A Tansu broker process on a free loopback port. Use as a context manager.
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None):
+    ``advertised`` (host:port) is the address the broker tells clients to connect to, when it
+    is not the listening one: e.g. a :class:`~runwatch.streams.netcut.NetCut` proxy in front.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None,
+                 advertised: str | None = None):
         self.host = host
         self.port = port or free_port(host)
         self.log_path = log_path
+        self.advertised = advertised
         self.process: subprocess.Popen | None = None
 
     @property
@@ -67,7 +73,8 @@ class EmbeddedBroker:
         url = f"tcp://{self.host}:{self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
+            [tansu_binary(), "broker", "--listener-url", url,
+             "--advertised-listener-url", f"tcp://{self.advertised}" if self.advertised else url],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C to the demo must not kill the broker before we drain

@@ -25,6 +25,18 @@ def _config(path: str | None):  # noqa: ANN202
         raise click.ClickException(str(exc)) from None
 
 
+def _outage_window(_ctx, _param, value: str | None) -> tuple[float, float] | None:  # noqa: ANN001
+    if value is None:
+        return None
+    try:
+        start, end = (float(x) for x in value.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not START:END, e.g. 0.33:0.66") from None
+    if not 0.0 <= start < end <= 1.0:
+        raise click.BadParameter(f"{value!r}: need 0 <= START < END <= 1 (fractions of the run's steps)")
+    return start, end
+
+
 def _wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -116,9 +128,13 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="detector/policy YAML")
 @click.option("--no-worker", is_flag=True, help="a worker is already running against --bootstrap")
 @click.option("--step-interval", type=float, default=0.02, show_default=True, help="minimum seconds per step")
+@click.option("--broker-outage", metavar="START:END", callback=_outage_window,
+              help="cut every client off the (embedded) broker between these fractions of the run's steps, "
+                   "e.g. 0.33:0.66; the trainer spools to disk and replays")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the summary")
 def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | None, dsn: str | None,
-         config_path: str | None, no_worker: bool, step_interval: float, as_json: bool) -> None:
+         config_path: str | None, no_worker: bool, step_interval: float,
+         broker_outage: tuple[float, float] | None, as_json: bool) -> None:
     """Train a small model with a fault injected and watch runwatch catch it."""
     from runwatch.streams.demo import DemoError, DemoOptions, run_demo
     from runwatch.streams.demo_render import DemoConsole
@@ -127,7 +143,7 @@ def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | Non
         _config(config_path)  # fail here, not in the worker process
     opts = DemoOptions(scenario=scenario, steps=steps, fault_step=fault_step, bootstrap=bootstrap, dsn=dsn,
                        config_path=Path(config_path) if config_path else None, start_worker=not no_worker,
-                       step_interval_s=step_interval)
+                       step_interval_s=step_interval, broker_outage=broker_outage)
     console = DemoConsole(quiet=as_json, steps=steps)
     try:
         with console:

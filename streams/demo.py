@@ -27,6 +27,7 @@ from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.streams.app import DETECT_GROUP
 from runwatch.streams.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
 from runwatch.streams.demo_training import TrainingConfig, default_fault_step, train
+from runwatch.streams.netcut import NetCut
 
 STATE_DIR = Path(".runwatch")
 
@@ -46,6 +47,18 @@ class DemoOptions:
     start_worker: bool = True
     step_interval_s: float = 0.02
     timeout_s: float = 120.0
+    # (start, end) as fractions of the run's steps: the broker is unreachable for every client
+    # (trainer, worker, sink) in between. Needs the embedded broker.
+    broker_outage: tuple[float, float] | None = None
+
+
+def outage_steps(window: tuple[float, float], steps: int) -> tuple[int, int]:
+    """The steps at which the network to the broker is cut and restored."""
+    start, end = window
+    if not 0.0 <= start < end <= 1.0:
+        raise DemoError(f"broker outage window {start}:{end} must satisfy 0 <= start < end <= 1")
+    cut_at = max(1, round(start * steps))
+    return cut_at, max(cut_at + 1, round(end * steps))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
@@ -106,11 +119,26 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
 
     with ExitStack() as stack:
         bootstrap = opts.bootstrap or topics.bootstrap_from_env()
+        netcut: NetCut | None = None
+        if opts.broker_outage is not None:
+            if bootstrap is not None:
+                raise DemoError("--broker-outage needs the embedded broker (every client must reach it "
+                                "through the outage proxy); leave out --bootstrap and RUNWATCH_BOOTSTRAP")
+            cut_at, restore_at = outage_steps(opts.broker_outage, opts.steps)
         if bootstrap is None:
-            broker = EmbeddedBroker(log_path=logs / "broker.log").start()
+            proxy_port = free_port() if opts.broker_outage is not None else None
+            broker = EmbeddedBroker(log_path=logs / "broker.log",
+                                    advertised=f"127.0.0.1:{proxy_port}" if proxy_port else None).start()
             stack.callback(broker.stop)
             bootstrap = broker.bootstrap
-            log(f"embedded broker on {bootstrap}")
+            if proxy_port is not None:
+                netcut = NetCut(("127.0.0.1", broker.port), port=proxy_port).start()
+                stack.callback(netcut.stop)
+                bootstrap = netcut.bootstrap
+                log(f"embedded broker on {broker.bootstrap}, reached through the outage proxy on {bootstrap}; "
+                    f"it is cut from step {cut_at} to step {restore_at}")
+            else:
+                log(f"embedded broker on {bootstrap}")
         ensure_topics(bootstrap)
 
         worker = None
@@ -149,8 +177,26 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
             extra = f" to step {applied.to_step}" if applied.to_step is not None else ""
             log(f"trainer {applied.outcome} {a.kind}{extra}: {a.reason}")
 
-        result = train(cfg, rw, listener, on_step=on_step, on_action=on_action)
+        step_hook = on_step
+        if netcut is not None:
+            def step_hook(step: int, loss: float) -> None:
+                if step >= restore_at and netcut.is_cut:
+                    netcut.restore()
+                    log(f"broker reachable again at step {step} after {netcut.down_s:.1f}s; "
+                        f"{rw.stats.spooled} events spooled so far")
+                elif step >= cut_at and not netcut.cuts:
+                    netcut.cut()
+                    log(f"broker cut off at step {step}")
+                if on_step is not None:
+                    on_step(step, loss)
+
+        result = train(cfg, rw, listener, on_step=step_hook, on_action=on_action)
+        if netcut is not None and netcut.is_cut:  # the run ended (or stopped) inside the window
+            netcut.restore()
         stats = rw.close(timeout=30, status="stopped" if result.stopped else "completed")
+        if stats.spooled or stats.spool_recovered:
+            log(f"spool: {stats.spooled} events spooled, {stats.replayed} replayed, "
+                f"{stats.spool_dropped} dropped by its bound, {stats.spooled_at_close} left at close")
 
         # Nothing is reported until every published event is stored: the worker has committed
         # past the last acknowledged offset (Faust flushes its sends before committing), then
@@ -199,5 +245,17 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         "clickhouse_dsn": sink.dsn,
         "events_published": stats.published,
         "events_dropped": stats.dropped,
+        "spool": {
+            "path": str(rw.spool_path) if rw.spool_path else None,
+            "spooled": stats.spooled,
+            "replayed": stats.replayed,
+            "dropped": stats.spool_dropped,
+            "recovered": stats.spool_recovered,
+            "at_close": stats.spooled_at_close,
+            "duplicates_sent": stats.duplicates_sent,
+        },
+        "broker_outage": None if netcut is None else {
+            "from_step": cut_at, "to_step": restore_at, "down_s": round(netcut.down_s, 2),
+        },
         "wall_time_s": round(time.monotonic() - started, 2),
     }
