@@ -130,8 +130,6 @@ class RunWatchCallback(TrainerCallback):
         self._stepped = False
         self._unscale_with: Any = None  # the accelerated optimizer when its GradScaler is ours to drive
         self._max_grad_norm_taken: float | None = None
-        self._phase: contextlib.AbstractContextManager[Any] | None = None
-        self._phase_name = "train"
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """Give the loss of one micro-batch when the model's output does not carry it."""
@@ -256,17 +254,8 @@ class RunWatchCallback(TrainerCallback):
             self._set_phase("checkpoint")
 
     def _set_phase(self, name: str) -> None:
-        """Switch the heartbeat phase; the phase context managers are kept strictly nested."""
-        if self.watch is None or name == self._phase_name:
-            return
-        if self._phase is not None:
-            self._phase.__exit__(None, None, None)
-            self._phase = None
-            _restart_step_timer(self.watch)  # evaluation and saving are not the next step's time
-        if name != "train":
-            self._phase = self.watch.phase(name)
-            self._phase.__enter__()
-        self._phase_name = name
+        if self.watch is not None:
+            self.watch.set_phase(name)  # eval and checkpoint time stays out of the next step's time
 
     def _close_watch(self, args: TrainingArguments) -> None:
         if self._max_grad_norm_taken is not None:
@@ -325,7 +314,3 @@ def _split_eval_metrics(metrics: Mapping[str, Any]) -> tuple[str, float | None, 
     return split, loss, values
 
 
-def _restart_step_timer(watch: Watcher) -> None:
-    clock = getattr(watch, "clock", None)
-    if clock is not None and hasattr(clock, "start"):
-        clock.start()

@@ -40,7 +40,6 @@ Where each measurement sits in Lightning's loop (lightning 2.x, read from its so
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Mapping
@@ -85,8 +84,6 @@ class RunWatchCallback(Callback):
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._samples = 0
-        self._phase: contextlib.AbstractContextManager[Any] | None = None
-        self._phase_name = "train"
         self._metrics_before: dict[str, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -172,7 +169,6 @@ class RunWatchCallback(Callback):
             self._metrics_before = {}
             loss, metrics = _split_eval_metrics(logged)
             self.watch.eval(trainer.global_step, "val", loss, metrics)
-        _restart_step_timer(self.watch)  # validation time is not the next step's time
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -191,18 +187,8 @@ class RunWatchCallback(Callback):
         self._samples = 0
 
     def _set_phase(self, name: str) -> None:
-        """Switch the heartbeat phase; the phase context managers are kept strictly nested."""
-        if self.watch is None or name == self._phase_name:
-            return
-        if self._phase is not None:
-            self._phase.__exit__(None, None, None)
-            self._phase = None
-            if self._phase_name == "checkpoint":
-                _restart_step_timer(self.watch)  # the save is not the next step's time
-        if name != "train":
-            self._phase = self.watch.phase(name)
-            self._phase.__enter__()
-        self._phase_name = name
+        if self.watch is not None:
+            self.watch.set_phase(name)  # eval and checkpoint time stays out of the next step's time
 
     def _close_watch(self) -> None:
         if self.watch is None:
@@ -257,7 +243,3 @@ def _split_eval_metrics(logged: Mapping[str, Any]) -> tuple[float | None, dict[s
     return loss, metrics
 
 
-def _restart_step_timer(watch: Watcher) -> None:
-    clock = getattr(watch, "clock", None)
-    if clock is not None and hasattr(clock, "start"):
-        clock.start()

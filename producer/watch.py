@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     import torch
 
     from runwatch.producer.publisher import RunWatch
+
+# Time in these phases is not part of any step: it is left out of the next step's step_time_s.
+OFF_STEP_PHASES = frozenset({"eval", "checkpoint", "idle"})
 
 
 @dataclass
@@ -98,6 +102,12 @@ class Watcher:
         self._update: UpdateNorms | None = None
         self._pending: _PendingStep | None = None
         self._closed = False
+        self._lr: list[float] | None = None  # read before the step, as the step used it
+        self._data_wrapped = False
+        self._off_step_since: float | None = None  # start of the current eval/checkpoint/idle stretch
+        self._off_step_depth = 0
+        self._off_step_s = 0.0  # off-step time since the last end_step
+        self._set_phase_name = "train"
         self.heartbeat = Heartbeat(rw, heartbeat_s) if heartbeat_s else None
         self.clock = StepClock(
             on_wait_begin=(lambda: self.heartbeat.push("dataload")) if self.heartbeat else None,
@@ -118,6 +128,7 @@ class Watcher:
 
     def before_optimizer_step(self) -> None:
         """After backward (and AMP unscale), before ``optimizer.step()``."""
+        self._lr = [float(g["lr"]) for g in self.optimizer.param_groups]  # a scheduler may step before end_step
         clip = self.clip if self.clip is not None else self.external_clip
         self._grad = grad_norms(self.layout, clip, apply_clip=self.clip is not None)
         if self.update_every and self.step % self.update_every == 0:
@@ -142,10 +153,12 @@ class Watcher:
 
         step = self.step if step is None else step
         step_time, data_wait = self.clock.lap()
-        fields: dict[str, Any] = {
-            "lr": [float(g["lr"]) for g in self.optimizer.param_groups],
-            "data_wait_s": data_wait,
-        }
+        if step_time is not None:
+            step_time -= self._take_off_step_time()
+        lr, self._lr = self._lr, None
+        fields: dict[str, Any] = {"lr": lr if lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups]}
+        if self._data_wrapped:  # otherwise the source is missing: absent, not zero
+            fields["data_wait_s"] = data_wait
         if step_time is not None and step_time > 0:
             fields["step_time_s"] = step_time
             if samples:
@@ -191,11 +204,39 @@ class Watcher:
 
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Wrap the data iterator so the time spent waiting for batches is measured."""
+        self._data_wrapped = True
         return self.clock.wrap(iterable)
 
-    def phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
-        """Mark a phase (``eval``, ``checkpoint``, ...) for the heartbeat, as a context manager."""
-        return self.heartbeat.phase(name) if self.heartbeat else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """``with watch.phase("eval"): ...``: the heartbeat reports the phase, and time in
+        ``eval``/``checkpoint``/``idle`` is left out of the next step's step time."""
+        if self.heartbeat:
+            self.heartbeat.push(name)
+        off_step = name in OFF_STEP_PHASES
+        if off_step:
+            self._begin_off_step()
+        try:
+            yield
+        finally:
+            if off_step:
+                self._end_off_step()
+            if self.heartbeat:
+                self.heartbeat.pop()
+
+    def set_phase(self, name: str) -> None:
+        """Switch phase without a ``with`` block, for frameworks whose hooks start and end a
+        phase in different calls; the same accounting as :meth:`phase`."""
+        if name == self._set_phase_name:
+            return
+        if self.heartbeat:
+            self.heartbeat.enter(name)
+        was_off, now_off = self._set_phase_name in OFF_STEP_PHASES, name in OFF_STEP_PHASES
+        if now_off and not was_off:
+            self._begin_off_step()
+        elif was_off and not now_off:
+            self._end_off_step()
+        self._set_phase_name = name
 
     def eval(
         self,
@@ -219,6 +260,25 @@ class Watcher:
             handle.remove()
         if self.heartbeat:
             self.heartbeat.stop()
+
+    def _begin_off_step(self) -> None:
+        self._off_step_depth += 1
+        if self._off_step_depth == 1:
+            self._off_step_since = time.perf_counter()
+
+    def _end_off_step(self) -> None:
+        self._off_step_depth = max(0, self._off_step_depth - 1)
+        if self._off_step_depth == 0 and self._off_step_since is not None:
+            self._off_step_s += time.perf_counter() - self._off_step_since
+            self._off_step_since = None
+
+    def _take_off_step_time(self) -> float:
+        taken, self._off_step_s = self._off_step_s, 0.0
+        if self._off_step_since is not None:  # still inside one: count up to now, restart from now
+            now = time.perf_counter()
+            taken += now - self._off_step_since
+            self._off_step_since = now
+        return taken
 
     # -- the single device-to-host copy ---------------------------------------------------
 

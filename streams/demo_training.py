@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runwatch.producer import ActionListener, AppliedAction, RunWatch, save_checkpoint
+from runwatch.producer import ActionListener, AppliedAction, RunWatch, category_loss, save_checkpoint
 
 SCENARIOS = ("healthy", "nan", "grad-spike")
 
@@ -85,10 +85,13 @@ def train(
         listener.attach(model, optimizer)
     ckpt_dir = Path(cfg.checkpoint_dir) / rw.run_id
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    # runwatch clips (replacing clip_grad_norm_) and measures around optimizer.step()
+    watch = rw.watch(model, optimizer, clip=cfg.clip, update_every=10, heartbeat_s=1.0)
 
     def checkpoint(step: int) -> None:
         path = ckpt_dir / f"step-{step:06d}.pt"
-        save_checkpoint(str(path), model, optimizer, step=step)
+        with watch.phase("checkpoint"):
+            save_checkpoint(str(path), model, optimizer, step=step)
         rw.checkpoint(step, str(path))
 
     result = TrainingResult()
@@ -102,28 +105,22 @@ def train(
         inject = cfg.scenario != "healthy" and step == cfg.fault_step and not fault_fired
         if inject and cfg.scenario == "grad-spike":
             x = x * 200.0  # a corrupted batch: activations and gradients blow up for one step
-        loss = nn.functional.mse_loss(model(x), y)
+        per_sample = (model(x) - y) ** 2
+        loss = per_sample.mean()
         if inject and cfg.scenario == "nan":
             loss = loss * float("nan")  # e.g. a log(0) in a custom loss; poisons the weights
         fault_fired = fault_fired or inject
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
         optimizer.step()
         loss_value = float(loss.detach())
         result.steps_executed += 1
         if result.rollbacks and not math.isfinite(loss_value):
             result.nonfinite_after_last_rollback += 1
+        # two data categories (by the sign of the first feature), to show per-category loss
+        categories = category_loss(per_sample.detach(), (x[:, 0] > 0).long(), names=["neg", "pos"])
+        watch.end_step(loss, step=step, samples=cfg.batch_size, category_loss=categories)
         elapsed = time.perf_counter() - started
-        rw.step(
-            step,
-            loss=loss_value,
-            lr=[group["lr"] for group in optimizer.param_groups],
-            grad_norm=grad_norm,
-            grad_norm_clipped=min(grad_norm, cfg.clip) if math.isfinite(grad_norm) else grad_norm,
-            step_time_s=elapsed,
-            samples_per_s=cfg.batch_size / elapsed if elapsed > 0 else None,
-        )
         result.final_loss = loss_value
         if on_step is not None:
             on_step(step, loss_value)
@@ -145,5 +142,6 @@ def train(
                 result.stopped = True
         if result.stopped:
             break
+    watch.close()
     result.steps_completed = step
     return result

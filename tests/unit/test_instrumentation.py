@@ -288,3 +288,33 @@ def test_data_wait_memory_and_heartbeat_phases_come_with_the_steps():
     phases = {phase for _, phase, _ in rw.heartbeats}
     assert {"dataload", "eval"} <= phases
     assert any(step == 2 and phase == "eval" for step, phase, _ in rw.heartbeats)
+
+
+def test_eval_time_is_left_out_of_the_step_time_and_lr_is_the_one_the_step_used():
+    import time
+
+    model, x, y = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    rw = RecordingPublisher()
+    watch = Watcher(rw, model, optimizer, heartbeat_s=None)
+    for i in range(3):
+        optimizer.zero_grad()
+        loss = backward(model, x, y)
+        optimizer.step()
+        scheduler.step()  # before end_step, as Lightning and HF do
+        if i == 1:
+            with watch.phase("eval"):
+                time.sleep(0.2)
+        watch.end_step(loss)
+    watch.set_phase("checkpoint")
+    time.sleep(0.2)
+    watch.set_phase("train")
+    optimizer.zero_grad()
+    loss = backward(model, x, y)
+    optimizer.step()
+    watch.end_step(loss)
+    watch.close()
+    assert [e.lr for e in rw.steps] == [[0.1], [0.05], [0.025], [0.0125]]
+    assert all(e.step_time_s < 0.15 for e in rw.steps), [e.step_time_s for e in rw.steps]
+    assert all(e.data_wait_s is None for e in rw.steps)  # no wrapped loader: absent, not zero
