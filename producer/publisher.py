@@ -84,8 +84,23 @@ class PublisherStats:
 @dataclass
 class _Replay:
     first: int  # spool index of the first record in the batch
-    futures: list
-    send_error: bool
+    futures: list  # per record sent: kafka-python's future, or _REJECTED
+    send_error: bool  # a send raised (no metadata): the records after it were not sent
+
+    def done(self) -> bool:
+        return all(f is _REJECTED or f.is_done for f in self.futures)
+
+
+_REJECTED = object()
+
+
+def _rejected(exc: BaseException) -> bool:
+    """The broker or client refuses this record for what it is: sending it again cannot help."""
+    from kafka import errors
+
+    return isinstance(exc, (errors.MessageSizeTooLargeError, errors.RecordListTooLargeError,
+                            errors.CorruptRecordError, errors.InvalidRecordError,
+                            errors.UnsupportedForMessageFormatError))
 
 
 def default_spool_dir(run_id: str, rank: int) -> Path:
@@ -323,10 +338,10 @@ class RunWatch:
             value = self._inflight.pop(seq, None)
             if value is None or self._final:
                 return
-            if self._spool_usable:
+            if self._spool_usable and not _rejected(exc):
                 self._failed.append((seq, value))  # the drain thread spools it, in order
                 return
-        self._count_drop("send_failed")
+        self._count_drop("rejected" if _rejected(exc) else "send_failed")
 
     # -- the drain thread -------------------------------------------------------------------
 
@@ -407,14 +422,12 @@ class RunWatch:
                 break
         spool = self._spool
         if self._replay is not None:
-            if not all(f.is_done for f in self._replay.futures):
+            if not self._replay.done():
                 self._wait_for_event(0.01)
                 return False
             self._finish_replay()
         if spool is None or len(spool) == 0:
             self._spooling = False
-            if self._broker_down:
-                log.warning("runwatch: broker %s is back; the spool is replayed", self.bootstrap)
             self._broker_down = False
             return False
         if producer is None:
@@ -439,13 +452,16 @@ class RunWatch:
         # While the broker is down, probe with the oldest record alone.
         assert self._spool is not None
         first, records = self._spool.peek(1 if self._broker_down else _REPLAY_RECORDS, _REPLAY_BYTES)
-        futures = []
+        futures: list = []
         send_error = False
         for value in records:
             try:
                 futures.append(producer.send(self.topic, key=self._key, value=value))
-            except Exception as exc:  # no metadata within max_block_ms
+            except Exception as exc:  # no metadata within max_block_ms, or a record too large
                 log.debug("runwatch: replay send failed: %r", exc)
+                if _rejected(exc):
+                    futures.append(_REJECTED)
+                    continue
                 send_error = True
                 break
         self._replay = _Replay(first, futures, send_error)
@@ -453,27 +469,42 @@ class RunWatch:
     def _finish_replay(self) -> None:
         replay, self._replay = self._replay, None
         assert replay is not None and self._spool is not None
-        prefix = 0
+        # The records acknowledged (or refused for good) from the head on leave the spool;
+        # the first one that failed, and everything after it, stays for the next attempt.
+        outcomes: list[bool] = []  # per record of that prefix: True acknowledged, False rejected
         for f in replay.futures:
-            if not f.succeeded():
+            if f is _REJECTED or (f.failed() and _rejected(f.exception)):
+                outcomes.append(False)
+            elif f.succeeded():
+                outcomes.append(True)
+            else:
                 break
-            prefix += 1
-        later = sum(1 for f in replay.futures[prefix:] if f.succeeded())
+        prefix = len(outcomes)
+        later = sum(1 for f in replay.futures[prefix:] if f is not _REJECTED and f.succeeded())
+        head = self._spool.head_index  # records of the batch below it were evicted meanwhile (and counted)
         try:
-            removed = self._spool.commit(replay.first + prefix)
+            self._spool.commit(replay.first + prefix)
         except OSError as exc:
             log.warning("runwatch: spool commit failed: %s", exc)
-            removed = 0
+            outcomes = []
+        kept = outcomes[max(0, head - replay.first):]
+        acknowledged, rejected = kept.count(True), kept.count(False)
+        if rejected:
+            log.warning("runwatch: the broker refused %d spooled events for good; dropped", rejected)
+            self._count_drop("rejected", rejected)
         with self._lock:
             if not self._final:
-                self.stats.published += removed
-                self.stats.replayed += removed
+                self.stats.published += acknowledged
+                self.stats.replayed += acknowledged
                 self.stats.duplicates_sent += later
                 for f in replay.futures:
-                    if f.succeeded():
+                    if f is not _REJECTED and f.succeeded():
                         self._acknowledged(f.value)
                 self.stats.spool_bytes = self._spool.bytes
         if prefix == len(replay.futures) and not replay.send_error:
+            if self._broker_down:
+                log.warning("runwatch: broker %s is back; replaying %d spooled events",
+                            self.bootstrap, len(self._spool))
             self._broker_down = False
             self._backoff = _PROBE_BACKOFF_S[0]
             self._next_probe = 0.0
