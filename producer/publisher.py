@@ -42,7 +42,7 @@ from runwatch.producer.schema import (
     RunStartEvent,
     StepEvent,
 )
-from runwatch.producer.spool import OVERFLOW_POLICIES, DiskSpool, Overflow
+from runwatch.producer.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
 
 if TYPE_CHECKING:
     from runwatch.producer.watch import Watcher
@@ -160,6 +160,8 @@ class RunWatch:
             raise ValueError("run_id must be a non-empty string")
         if spool_overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"spool_overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
+        if spool_max_bytes <= HEADER_BYTES:
+            raise ValueError(f"spool_max_bytes must exceed {HEADER_BYTES}")
         if rank is None or world_size is None:
             detected_rank, detected_world = detect_rank_world()
             rank = detected_rank if rank is None else rank
@@ -422,8 +424,8 @@ class RunWatch:
                 break
         spool = self._spool
         if self._replay is not None:
-            if not self._replay.done():
-                self._wait_for_event(0.01)
+            if not self._replay.done():  # a probe of a dead broker may take delivery_timeout_ms
+                self._wait_for_event(0.05 if self._broker_down else 0.01)
                 return False
             self._finish_replay()
         if spool is None or len(spool) == 0:
