@@ -31,6 +31,7 @@ lint: setup
 
 bench: setup
 	$(PY) tests/benchmarks/bench_publish.py
+	$(PY) tests/benchmarks/bench_watch_overhead.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info
