@@ -20,6 +20,7 @@ asynchronous and read one step later, so the GPU is never made to wait.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     import torch
 
     from runwatch.producer.publisher import RunWatch
+
+log = logging.getLogger(__name__)
 
 # Time in these phases is not part of any step: it is left out of the next step's step_time_s.
 OFF_STEP_PHASES = frozenset({"eval", "checkpoint", "idle"})
@@ -102,6 +105,7 @@ class Watcher:
         self._update: UpdateNorms | None = None
         self._pending: _PendingStep | None = None
         self._closed = False
+        self.errors = 0  # failures inside runwatch's own calls, logged once, never raised
         self._lr: list[float] | None = None  # read before the step, as the step used it
         self._data_wrapped = False
         self._off_step_since: float | None = None  # start of the current eval/checkpoint/idle stretch
@@ -128,6 +132,10 @@ class Watcher:
 
     def before_optimizer_step(self) -> None:
         """After backward (and AMP unscale), before ``optimizer.step()``."""
+        with self._guard("before_optimizer_step"):
+            self._before_optimizer_step()
+
+    def _before_optimizer_step(self) -> None:
         self._lr = [float(g["lr"]) for g in self.optimizer.param_groups]  # a scheduler may step before end_step
         clip = self.clip if self.clip is not None else self.external_clip
         self._grad = grad_norms(self.layout, clip, apply_clip=self.clip is not None)
@@ -137,7 +145,8 @@ class Watcher:
     def after_optimizer_step(self) -> None:
         """Right after ``optimizer.step()``."""
         if self._probe.armed:
-            self._update = self._probe.measure()
+            with self._guard("after_optimizer_step"):
+                self._update = self._probe.measure()
 
     def end_step(
         self,
@@ -148,10 +157,18 @@ class Watcher:
         tokens: int | None = None,
         category_loss: CategoryLossBatch | None = None,
     ) -> None:
-        """Publish the step event. Never raises into the training loop for telemetry reasons."""
+        """Publish the step event (on CUDA: the previous one; this one at the next call or close)."""
+        step = self.step if step is None else step
+        with self._guard("end_step"):
+            self._end_step(loss, step, samples, tokens, category_loss)
+        self.step = step + 1
+        if self.heartbeat:
+            self.heartbeat.set_step(step)
+
+    def _end_step(self, loss: torch.Tensor | float | None, step: int, samples: int | None, tokens: int | None,
+                  category_loss: CategoryLossBatch | None) -> None:
         import torch
 
-        step = self.step if step is None else step
         step_time, data_wait = self.clock.lap()
         if step_time is not None:
             step_time -= self._take_off_step_time()
@@ -196,9 +213,6 @@ class Watcher:
             pieces.append(category_loss.packed())
 
         self._ship(pending, pieces)
-        self.step = step + 1
-        if self.heartbeat:
-            self.heartbeat.set_step(step)
 
     # -- helpers for the rest of the loop ----------------------------------------------------
 
@@ -255,11 +269,23 @@ class Watcher:
         if self._closed:
             return
         self._closed = True
-        self._flush_pending()
+        with self._guard("close"):
+            self._flush_pending()
         for handle in self._hook_handles:
             handle.remove()
         if self.heartbeat:
             self.heartbeat.stop()
+
+    @contextlib.contextmanager
+    def _guard(self, where: str) -> Iterator[None]:
+        """Telemetry must not end a training run: a failure is logged once and counted."""
+        try:
+            yield
+        except Exception as exc:
+            self.errors += 1
+            if self.errors == 1:
+                log.warning("runwatch: %s failed (further failures are only counted in watch.errors): %r",
+                            where, exc, exc_info=True)
 
     def _begin_off_step(self) -> None:
         self._off_step_depth += 1

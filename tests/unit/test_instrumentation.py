@@ -318,3 +318,22 @@ def test_eval_time_is_left_out_of_the_step_time_and_lr_is_the_one_the_step_used(
     assert [e.lr for e in rw.steps] == [[0.1], [0.05], [0.025], [0.0125]]
     assert all(e.step_time_s < 0.15 for e in rw.steps), [e.step_time_s for e in rw.steps]
     assert all(e.data_wait_s is None for e in rw.steps)  # no wrapped loader: absent, not zero
+
+
+def test_a_failure_inside_runwatch_is_counted_not_raised_into_training(caplog):
+    model, x, y = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rw = RecordingPublisher()
+    watch = Watcher(rw, model, optimizer, heartbeat_s=None)
+    optimizer.zero_grad()
+    loss = backward(model, x, y)
+    optimizer.step()
+    watch.end_step(loss, category_loss="not a category batch")  # a caller's slip
+    optimizer.zero_grad()
+    loss = backward(model, x, y)
+    optimizer.step()
+    watch.end_step(loss)
+    watch.close()
+    assert watch.errors == 1
+    assert "end_step failed" in caplog.text
+    assert [e.step for e in rw.steps] == [1]  # training went on and the next step was published
