@@ -36,27 +36,12 @@ from torch import nn
 from runwatch.producer.gradstats import ROOT_MODULE
 from runwatch.producer.schema import StepEvent
 from runwatch.producer.watch import Watcher
+from tests.unit.test_instrumentation import RecordingPublisher
 
 N_MELS, WIDTH, CLASSES = 40, 32, 4
 BATCH, FRAMES = 16, 32
 STEPS, WARMUP, PEAK_LR, CLIP = 40, 10, 1e-3, 1.0
 
-
-class RecordingPublisher:
-    """Stands in for RunWatch: validates every step event against the wire schema."""
-
-    def __init__(self):
-        self.steps: list[StepEvent] = []
-
-    def step(self, step: int, **fields) -> bool:
-        self.steps.append(StepEvent(run_id="unit", step=step, **fields))
-        return True
-
-    def eval(self, step: int, **fields) -> bool:
-        return True
-
-    def heartbeat(self, step, phase="train", time_in_phase_s=0.0) -> bool:
-        return True
 
 
 class LearnableBias(nn.Module):
