@@ -45,10 +45,117 @@ class SpikeConfig(Strict):
         return self
 
 
+class ModuleGradConfig(Strict):
+    """One module's gradient norm exploding while it stays a module-level, not run-level, event."""
+
+    enabled: bool = True
+    window: int = Field(default=100, ge=8, description="steps of per-module history for its typical norm")
+    warmup: int = Field(default=20, ge=4, description="steps observed before any finding")
+    z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(module norm) against its own history")
+    min_ratio: float = Field(default=5.0, ge=1.0, description="module norm / its typical norm must also reach this")
+    min_share: float = Field(
+        default=0.5, ge=0, le=1, description="the module's share of the squared global norm must reach this"
+    )
+    cooldown_steps: int = Field(default=20, ge=0, description="steps after a finding for that module before the next")
+
+
+class UpdateRatioConfig(Strict):
+    """Relative update norm (update / parameter norm) leaving its healthy band: vanishing or too large."""
+
+    enabled: bool = True
+    warmup: int = Field(default=5, ge=1, description="observations (update-norm steps) before any finding")
+    window: int = Field(default=50, ge=4, description="observations of history for the run's typical ratio")
+    factor: float = Field(default=10.0, gt=1, description="a ratio this many times above/below typical is out of band")
+    low: float = Field(default=1e-6, gt=0, description="absolute floor: below it the updates have vanished")
+    high: float = Field(default=1e-1, gt=0, description="absolute ceiling: above it the updates are too large")
+    patience: int = Field(default=3, ge=1, description="consecutive out-of-band observations before a finding")
+    cooldown_steps: int = Field(default=100, ge=0)
+
+
+class ThroughputConfig(Strict):
+    """A sustained level shift in step time (a slower run), not a single slow step."""
+
+    enabled: bool = True
+    warmup: int = Field(default=30, ge=4, description="steps before any finding")
+    delta: float = Field(default=0.002, gt=0, lt=1, description="ADWIN confidence parameter")
+    min_change: float = Field(default=0.3, gt=0, description="relative change of the mean step time that counts")
+    cooldown_steps: int = Field(default=100, ge=0)
+
+
+class DataWaitConfig(Strict):
+    """The data loader's share of step time growing: the input pipeline is becoming the bottleneck."""
+
+    enabled: bool = True
+    warmup: int = Field(default=30, ge=4, description="steps before any finding")
+    window: int = Field(default=30, ge=4, description="steps in the recent mean of the share")
+    min_share: float = Field(default=0.25, ge=0, le=1, description="recent data-wait share of step time must reach this")
+    min_increase: float = Field(default=0.15, ge=0, le=1, description="and exceed the run's baseline share by this")
+    cooldown_steps: int = Field(default=100, ge=0)
+
+
+class MemoryConfig(Strict):
+    """Memory growth, leak (allocated grows) versus fragmentation (reserved - allocated grows), and time to the limit."""
+
+    enabled: bool = True
+    window: int = Field(default=100, ge=8, description="steps in the rolling slope")
+    min_points: int = Field(default=30, ge=4, description="steps before any finding")
+    min_growth: float = Field(
+        default=0.1, gt=0, description="growth over the window, as a fraction of the current value, that counts"
+    )
+    min_r2: float = Field(default=0.6, ge=0, le=1, description="how straight the growth must be (a leak is steady)")
+    warn_horizon_s: float = Field(default=3600.0, gt=0, description="warning if the limit is projected within this")
+    critical_horizon_s: float = Field(default=600.0, gt=0, description="critical if projected within this")
+    cooldown_steps: int = Field(default=200, ge=0)
+
+
+class CategoryConfig(Strict):
+    """One data category's loss diverging while the mean loss still looks fine."""
+
+    enabled: bool = True
+    warmup: int = Field(default=30, ge=4, description="steps with the category before any finding")
+    window: int = Field(default=100, ge=8, description="steps of history for the category's typical loss")
+    z_threshold: float = Field(default=6.0, gt=0, description="robust z of the category's log loss")
+    min_ratio: float = Field(default=1.5, ge=1.0, description="category loss / its typical loss must also reach this")
+    patience: int = Field(default=5, ge=1, description="consecutive steps above the threshold (not one noisy batch)")
+    cooldown_steps: int = Field(default=100, ge=0)
+
+
+class GeneralizationConfig(Strict):
+    """Validation loss worsening while training loss keeps improving (overfitting, a leak in the eval data...)."""
+
+    enabled: bool = True
+    min_evals: int = Field(default=3, ge=2, description="evals before any finding")
+    patience: int = Field(default=2, ge=1, description="consecutive evals with val worse than its best")
+    min_rel_increase: float = Field(default=0.02, ge=0, description="val above its best by this fraction")
+    train_window: int = Field(default=50, ge=4, description="steps in the train-loss means compared across evals")
+
+
+class StallConfig(Strict):
+    """Heartbeats go on but the step does not move (phase-aware), or heartbeats stop."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=1, description="stalled after this many median step intervals ...")
+    min_stall_s: float = Field(default=5.0, ge=0, description="... and at least this long")
+    min_steps: int = Field(default=10, ge=2, description="steps seen before the median interval is trusted")
+    phase_allowance_s: dict[str, float] = Field(
+        default_factory=lambda: {"train": 0.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        description="extra seconds allowed while the last heartbeat reports this phase",
+    )
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0, description="no heartbeat for this long: the rank is silent")
+
+
 class DetectorsConfig(Strict):
     non_finite: NonFiniteConfig = NonFiniteConfig()
     loss_spike: SpikeConfig = SpikeConfig()
     grad_norm_spike: SpikeConfig = SpikeConfig()
+    module_grad_explosion: ModuleGradConfig = ModuleGradConfig()
+    update_ratio: UpdateRatioConfig = UpdateRatioConfig()
+    throughput_drift: ThroughputConfig = ThroughputConfig()
+    data_wait: DataWaitConfig = DataWaitConfig()
+    memory_growth: MemoryConfig = MemoryConfig()
+    category_divergence: CategoryConfig = CategoryConfig()
+    val_vs_train: GeneralizationConfig = GeneralizationConfig()
+    stall: StallConfig = StallConfig()
 
 
 ActionName = Literal["alert", "pause", "rollback", "stop"]
