@@ -7,9 +7,12 @@ only time), so the same code can replay a recorded stream offline. Its state pic
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.base import Detector
+from runwatch.detectors.config import RunwatchConfig, SpikeConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.policy import ActionDecision, ActionPolicy
@@ -19,12 +22,16 @@ from runwatch.producer.schema import (
     Anomaly,
     CheckpointEvent,
     CheckpointRef,
+    RunEndEvent,
+    RunStartEvent,
     StepEvent,
     TelemetryEvent,
     newest_checkpoint_before,
 )
 
 _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
+# Events about the run as a whole, not one rank's training: detectors do not see them.
+RUN_SCOPED_KINDS = (RunStartEvent, RunEndEvent, ActionAckEvent)
 
 
 @dataclass
@@ -33,33 +40,53 @@ class MonitorOutput:
     decisions: list[ActionDecision] = field(default_factory=list)
 
 
-class RankDetectors:
-    """The step detectors of one rank."""
+class _NonFinite(Detector):
+    name = "non_finite"
 
     def __init__(self, config: RunwatchConfig):
-        d = config.detectors
-        self.non_finite = NonFiniteDetector(d.non_finite) if d.non_finite.enabled else None
-        self.loss_spike = SpikeDetector("loss_spike", "loss", d.loss_spike) if d.loss_spike.enabled else None
-        self.grad_spike = (
-            SpikeDetector("grad_norm_spike", "grad_norm", d.grad_norm_spike) if d.grad_norm_spike.enabled else None
-        )
+        self._detector = NonFiniteDetector(config.detectors.non_finite)
 
-    def update(self, event: StepEvent) -> list[Finding]:
-        found = []
-        if self.non_finite is not None:
-            found.append(self.non_finite.update(event))
-        if self.loss_spike is not None:
-            found.append(self.loss_spike.update(event.loss, event.step, event.rank))
-        if self.grad_spike is not None:
-            found.append(self.grad_spike.update(event.grad_norm, event.step, event.rank))
-        return [f for f in found if f is not None]
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent):
+            return []
+        finding = self._detector.update(event)
+        return [finding] if finding is not None else []
+
+
+class _StepSpike(Detector):
+    """A spike detector on one scalar field of step events."""
+
+    def __init__(self, name: str, metric: str, config: SpikeConfig):
+        self.name = name
+        self.metric = metric
+        self._detector = SpikeDetector(name, metric, config)
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent):
+            return []
+        finding = self._detector.update(getattr(event, self.metric), event.step, event.rank)
+        return [finding] if finding is not None else []
+
+
+# Every detector, by its config section name; the monitor builds the enabled ones for each rank.
+DETECTORS: dict[str, Callable[[RunwatchConfig], Detector]] = {
+    "non_finite": _NonFinite,
+    "loss_spike": lambda c: _StepSpike("loss_spike", "loss", c.detectors.loss_spike),
+    "grad_norm_spike": lambda c: _StepSpike("grad_norm_spike", "grad_norm", c.detectors.grad_norm_spike),
+}
+
+
+def build_detectors(config: RunwatchConfig) -> list[Detector]:
+    return [make(config) for name, make in DETECTORS.items() if getattr(config.detectors, name).enabled]
 
 
 class RunMonitor:
+    """All detector and policy state of one run. ``observe`` each event in order; ``tick`` on a timer."""
+
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
         self.config = config
-        self.ranks: dict[int, RankDetectors] = {}
+        self.ranks: dict[int, list[Detector]] = {}
         self.policy = ActionPolicy(config.policy)
         self.checkpoints: list[CheckpointRef] = []
         self.events_seen = 0
@@ -70,29 +97,44 @@ class RunMonitor:
         out = MonitorOutput()
         if isinstance(event, StepEvent):
             self.last_step = event.step
-            detectors = self.ranks.get(event.rank)
-            if detectors is None:
-                detectors = self.ranks[event.rank] = RankDetectors(self.config)
-            for finding in detectors.update(event):
-                anomaly = self._to_anomaly(finding, event)
-                out.anomalies.append(anomaly)
-                decision = self.policy.decide(anomaly, event.ts, self._checkpoint_before(anomaly))
-                if decision is not None:
-                    out.decisions.append(decision)
         elif isinstance(event, CheckpointEvent):
             if event.ok:
                 self.checkpoints.append(CheckpointRef(step=event.step, uri=event.uri))
         elif isinstance(event, ActionAckEvent):
             self.policy.acknowledge(event.action_id)
+        if isinstance(event, RUN_SCOPED_KINDS):
+            return out
+        detectors = self.ranks.get(event.rank)
+        if detectors is None:
+            detectors = self.ranks[event.rank] = build_detectors(self.config)
+        for detector in detectors:
+            for finding in detector.update(event, event.ts):
+                self._emit(finding, event.ts, event.event_id, out)
         return out
+
+    def tick(self, now: datetime) -> MonitorOutput:
+        """Time-based checks (a stalled or silent rank) at ``now``: a timer online, event time offline."""
+        out = MonitorOutput()
+        for detectors in self.ranks.values():
+            for detector in detectors:
+                for finding in detector.tick(now):
+                    self._emit(finding, now, f"tick@{now.isoformat()}", out)
+        return out
+
+    def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:
+        anomaly = self._to_anomaly(finding, ts, cause)
+        out.anomalies.append(anomaly)
+        decision = self.policy.decide(anomaly, ts, self._checkpoint_before(anomaly))
+        if decision is not None:
+            out.decisions.append(decision)
 
     def _checkpoint_before(self, anomaly: Anomaly) -> CheckpointRef | None:
         onset = anomaly.evidence.get("onset_step", anomaly.step)
         return None if onset is None else newest_checkpoint_before(self.checkpoints, onset)
 
-    def _to_anomaly(self, finding: Finding, event: StepEvent) -> Anomaly:
+    def _to_anomaly(self, finding: Finding, ts: datetime, cause: str) -> Anomaly:
         # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).
-        key = f"{self.run_id}|{finding.detector}|{finding.metric}|{finding.rank}|{event.event_id}"
+        key = f"{self.run_id}|{finding.detector}|{finding.metric}|{finding.rank}|{cause}"
         return Anomaly(
             anomaly_id=uuid.uuid5(_ANOMALY_NAMESPACE, key).hex,
             run_id=self.run_id,
@@ -106,5 +148,5 @@ class RunMonitor:
             severity=finding.severity,
             message=finding.message,
             evidence=finding.evidence,
-            ts=event.ts,
+            ts=ts,
         )
