@@ -133,6 +133,8 @@ class MemorySampler:
         self._statm = str(statm) if statm.is_file() else None
         self._page_size = os.sysconf("SC_PAGE_SIZE")
         self.cgroup = find_cgroup_memory_files(proc_root, cgroup_root)
+        self._device_total: int | None = None  # asked once CUDA is in use: asking earlier would initialise it
+        self._device_total_asked = False
 
     def sample(self) -> MemoryStats | None:
         """Current figures in bytes; None if no source at all is available."""
@@ -178,4 +180,15 @@ class MemorySampler:
             "peak": allocated.get("peak"),
             "alloc_retries": stats.get("num_alloc_retries"),
             "ooms": stats.get("num_ooms"),
+            "device_total": self._cuda_device_total(torch),
         }
+
+    def _cuda_device_total(self, torch: Any) -> int | None:
+        # The capacity never changes: one properties lookup per sampler, not per step.
+        if not self._device_total_asked:
+            self._device_total_asked = True
+            try:
+                self._device_total = int(torch.cuda.get_device_properties(self.device).total_memory)
+            except Exception:
+                self._device_total = None
+        return self._device_total

@@ -87,6 +87,7 @@ class MemoryStats(WireModel):
     host_rss: int | None = None
     cgroup_usage: int | None = None
     cgroup_limit: int | None = None
+    device_total: int | None = None  # CUDA device capacity: the limit allocated/reserved grow towards
 
 
 class StepEvent(EventBase):
