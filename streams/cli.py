@@ -1,4 +1,4 @@
-"""The ``runwatch`` command line: broker, worker, sink, demo, config."""
+"""The ``runwatch`` command line: broker, worker, sink, demo, config, replay, evaluate, calibrate."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import click
 import orjson
 
 from runwatch.producer import topics
+from runwatch.streams import offline_cli
 
 BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"
 
@@ -168,6 +169,12 @@ def config(defaults: bool, path: str | None) -> None:
         return
     _config(path)
     click.echo(f"{path}: valid")
+
+
+# The offline commands: the same detector code as the worker, over recordings.
+main.add_command(offline_cli.replay)
+main.add_command(offline_cli.evaluate)
+main.add_command(offline_cli.calibrate)
 
 
 if __name__ == "__main__":

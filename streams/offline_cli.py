@@ -1,0 +1,133 @@
+"""``runwatch replay``, ``evaluate`` and ``calibrate``: the online detectors, run over recordings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import orjson
+
+CONFIG_HELP = "detector/policy YAML (default: the built-in defaults)"
+
+
+def _load_config(path: str | None):  # noqa: ANN202
+    from runwatch.detectors import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _dump(obj: object) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--tick", "tick_every_s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="seconds of event time between time-based checks")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def replay(path: str, config_path: str | None, tick_every_s: float, as_json: bool) -> None:
+    """Run the detectors over a recorded telemetry stream (JSONL), event timestamps as the clock."""
+    from runwatch.detectors.replay import ReplayError, replay_file
+
+    config = _load_config(config_path)
+    try:
+        result = replay_file(path, config, tick_every_s)
+    except ReplayError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _dump({
+            "events": result.events,
+            "steps": result.steps,
+            "runs": result.runs,
+            "anomalies": [a.model_dump(mode="json") for a in result.anomalies],
+            "actions": [{"kind": d.kind, "step": d.step, "reason": d.reason, "anomaly_ids": d.anomaly_ids}
+                        for d in result.decisions],
+        })
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"{path}: {result.events} events ({result.steps} steps) in {len(result.runs)} run(s), "
+                  f"{len(result.anomalies)} finding(s), {len(result.decisions)} action(s)")
+    if result.anomalies:
+        table = Table("step", "rank", "detector", "severity", "message")
+        for a in result.anomalies:
+            table.add_row(str(a.step), str(a.rank), a.detector, a.severity, a.message)
+        console.print(table)
+
+
+@click.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with `scenarios` and `summary`")
+def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
+    """Score the detectors on a labelled corpus (runwatch scenarios generate): recall, false alarms, delays."""
+    from runwatch.detectors.evaluate import evaluate_dir
+    from runwatch.detectors.replay import ReplayError
+
+    config = _load_config(config_path)
+    try:
+        evaluation = evaluate_dir(directory, config)
+    except ReplayError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _dump(evaluation.to_json())
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("scenario", "fault", "detected", "right detector", "delay (steps)", "delay (s)", "false alarms",
+                  "found by", title=f"runwatch evaluate {directory}")
+    for s in evaluation.scenarios:
+        ok = "[green]yes[/green]" if s.correct_detector else ("-" if s.fault == "healthy" else "[red]no[/red]")
+        table.add_row(s.name, s.fault, "-" if s.fault == "healthy" else ("yes" if s.detected else "no"), ok,
+                      "" if s.delay_steps is None else str(s.delay_steps),
+                      "" if s.delay_s is None else f"{s.delay_s:.1f}",
+                      str(s.false_alarms), ", ".join(s.found_by))
+    console = Console()
+    console.print(table)
+    summary = evaluation.summary
+    console.print(f"recall {summary['recall']}, false alarms per 10k healthy steps "
+                  f"{summary['false_alarms_per_10k_healthy_steps']}, median delay {summary['median_delay_steps']} steps")
+
+
+@click.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--target-false-alarms", type=click.FloatRange(min=0), required=True,
+              help="false alarms per 10,000 healthy steps allowed, per detector")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="start from this YAML instead of the defaults")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default="runwatch-calibrated.yaml",
+              show_default=True, help="where to write the proposed YAML")
+def calibrate(directory: str, target_false_alarms: float, config_path: str | None, out_path: str) -> None:
+    """Propose per-detector thresholds from the healthy runs' observed behaviour; writes a YAML."""
+    from runwatch.detectors.calibrate import calibrate as propose
+    from runwatch.detectors.calibrate import to_yaml
+    from runwatch.detectors.evaluate import Corpus
+    from runwatch.detectors.replay import ReplayError
+
+    base = _load_config(config_path)
+    try:
+        corpus = Corpus(directory)
+    except ReplayError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def progress(detector: str, knob: str, value: float, rate: float) -> None:
+        click.echo(f"  {detector}.{knob} = {value:g}: {rate:.2f} false alarms / 10k healthy steps", err=True)
+
+    try:
+        config, proposals = propose(corpus, target_false_alarms, base, progress)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    Path(out_path).write_text(to_yaml(config, proposals, target_false_alarms))
+    for p in proposals:
+        flag = "" if p.target_met else "  (target not met)"
+        click.echo(f"{p.detector}.{p.knob}: {p.default:g} -> {p.proposed:g}, "
+                   f"{p.false_alarms_per_10k:g} false alarms/10k{flag}")
+    click.echo(f"wrote {out_path}")
