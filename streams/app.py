@@ -13,11 +13,12 @@ import faust
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
-from runwatch.streams.processor import TelemetryProcessor
+from runwatch.streams.processor import ProcessResult, TelemetryProcessor
 
 log = logging.getLogger("runwatch.worker")
 
 DETECT_GROUP = "runwatch-detect"
+TICK_INTERVAL_S = 1.0  # as `runwatch replay --tick` does on event time
 
 
 def faust_broker_url(bootstrap: str) -> str:
@@ -57,6 +58,12 @@ def create_app(
     deadletter = app.topic(topics.DEADLETTER, value_serializer="raw", key_serializer="raw")
     processor = TelemetryProcessor(config, secret)
 
+    async def publish(result: ProcessResult) -> None:
+        for anomaly in result.anomalies:
+            await anomalies.send(key=anomaly.run_id.encode(), value=anomaly.to_json())
+        for action in result.actions:
+            await actions.send(key=action.run_id.encode(), value=action.to_json())
+
     @app.agent(telemetry)
     async def detect(stream):  # noqa: ANN001 - Faust's stream type
         async for event in stream.events():
@@ -66,10 +73,12 @@ def create_app(
                 log.warning("dead letter at %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset,
                             result.deadletter.reason)
                 await deadletter.send(key=event.key, value=result.deadletter.to_json())
-            for anomaly in result.anomalies:
-                await anomalies.send(key=anomaly.run_id.encode(), value=anomaly.to_json())
-            for action in result.actions:
-                await actions.send(key=action.run_id.encode(), value=action.to_json())
+            await publish(result)
+
+    @app.timer(TICK_INTERVAL_S)
+    async def tick() -> None:
+        # Stalled or silent ranks are found by time passing, not by an event arriving.
+        await publish(processor.tick())
 
     @app.timer(30.0)
     async def report_counters() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from runwatch.detectors import RunMonitor, RunwatchConfig
+from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
 from runwatch.detectors.policy import ActionDecision
 from runwatch.producer import topics
 from runwatch.producer.schema import (
@@ -73,6 +73,19 @@ class TelemetryProcessor:
         out = monitor.observe(event)
         if isinstance(event, RunEndEvent):
             del self.monitors[event.run_id]
+        return self._result(out)
+
+    def tick(self, now: datetime | None = None) -> ProcessResult:
+        """Time-based checks (stalled or silent ranks) for every run this worker holds."""
+        now = now or self._clock()
+        result = ProcessResult()
+        for monitor in list(self.monitors.values()):
+            part = self._result(monitor.tick(now))
+            result.anomalies.extend(part.anomalies)
+            result.actions.extend(part.actions)
+        return result
+
+    def _result(self, out: MonitorOutput) -> ProcessResult:
         result = ProcessResult(anomalies=out.anomalies, actions=[self._action(d) for d in out.decisions])
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:

@@ -169,3 +169,26 @@ def test_runs_are_independent(proc):
         assert out.anomalies == [] and out.actions == []
     assert proc.monitors["good"].policy.rollbacks == 0
     assert proc.monitors["bad"].policy.rollbacks == 1
+
+
+def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
+    from runwatch.detectors import monitor as monitor_module
+    from runwatch.detectors.findings import Finding
+
+    class FiresOnTick:
+        name = "fires_on_tick"
+
+        def update(self, event, now):
+            return []
+
+        def tick(self, now):
+            return [Finding(detector="stall", metric="step", step=3, severity="warning", message="stalled")]
+
+    monkeypatch.setattr(monitor_module, "build_detectors", lambda config: [FiresOnTick()])
+    processor = TelemetryProcessor(RunwatchConfig(), b"secret")
+    for run in ("run-a", "run-b"):
+        processor.process(StepEvent(run_id=run, step=3).to_json(), run.encode())
+    result = processor.tick(datetime(2026, 11, 21, 10, 0, tzinfo=UTC))
+    assert sorted(a.run_id for a in result.anomalies) == ["run-a", "run-b"]
+    assert [a.kind for a in result.actions] == ["alert", "alert"]  # the default policy alerts on warnings
+    assert all(a.signature for a in result.actions)
