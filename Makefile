@@ -32,6 +32,7 @@ lint: setup
 bench: setup
 	$(PY) tests/benchmarks/bench_publish.py
 	$(PY) tests/benchmarks/bench_watch_overhead.py
+	$(PY) tests/benchmarks/bench_detectors.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info
