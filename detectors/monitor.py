@@ -118,7 +118,9 @@ class RunMonitor:
         for detectors in self.ranks.values():
             for detector in detectors:
                 for finding in detector.tick(now):
-                    self._emit(finding, now, f"tick@{now.isoformat()}", out)
+                    # Keyed by what the finding is about (one per stall episode), not by the tick's
+                    # time, so online and offline ticks give the same anomaly id.
+                    self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
         return out
 
     def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:

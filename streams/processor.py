@@ -51,6 +51,7 @@ class TelemetryProcessor:
         self._secret = secret
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
         self.monitors: dict[str, RunMonitor] = {}
+        self._last_seen: dict[str, tuple[datetime, datetime]] = {}  # run -> (newest event ts, when it arrived)
         self.counters = WorkerCounters()
 
     def process(
@@ -71,16 +72,26 @@ class TelemetryProcessor:
         if monitor is None:
             monitor = self.monitors[event.run_id] = RunMonitor(event.run_id, self.config)
         out = monitor.observe(event)
+        previous = self._last_seen.get(event.run_id)
+        if previous is None or event.ts >= previous[0]:
+            self._last_seen[event.run_id] = (event.ts, self._clock())
         if isinstance(event, RunEndEvent):
             del self.monitors[event.run_id]
+            del self._last_seen[event.run_id]
         return self._result(out)
 
     def tick(self, now: datetime | None = None) -> ProcessResult:
-        """Time-based checks (stalled or silent ranks) for every run this worker holds."""
+        """Time-based checks (stalled or silent ranks) for every run this worker holds.
+
+        Each run is ticked on its own event time, carried forward by the wall clock since its
+        last event arrived: for a live run that is the wall clock, and a backlog read after a
+        restart is judged on the time its events were sent, as ``runwatch replay`` does.
+        """
         now = now or self._clock()
         result = ProcessResult()
-        for monitor in list(self.monitors.values()):
-            part = self._result(monitor.tick(now))
+        for run_id, monitor in list(self.monitors.items()):
+            event_ts, arrived = self._last_seen[run_id]
+            part = self._result(monitor.tick(event_ts + (now - arrived)))
             result.anomalies.extend(part.anomalies)
             result.actions.extend(part.actions)
         return result

@@ -192,3 +192,28 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
     assert sorted(a.run_id for a in result.anomalies) == ["run-a", "run-b"]
     assert [a.kind for a in result.actions] == ["alert", "alert"]  # the default policy alerts on warnings
     assert all(a.signature for a in result.actions)
+
+
+def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_clock(monkeypatch):
+    from runwatch.detectors import monitor as monitor_module
+
+    ticked = []
+
+    class RecordsTicks:
+        name = "records_ticks"
+
+        def update(self, event, now):
+            return []
+
+        def tick(self, now):
+            ticked.append(now)
+            return []
+
+    monkeypatch.setattr(monitor_module, "build_detectors", lambda config: [RecordsTicks()])
+    wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
+    processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
+    sent = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)  # a backlog from three hours ago, read now
+    processor.process(StepEvent(run_id="old", step=7, ts=sent).to_json(), b"old")
+    wall[0] += timedelta(seconds=10)
+    processor.tick()
+    assert ticked == [sent + timedelta(seconds=10)]  # not 3 h of silence: 10 s since that event arrived
