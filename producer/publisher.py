@@ -23,9 +23,11 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from runwatch.producer.watch import Watcher
 
 log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=EventBase)
 
 SPOOL_DIR_ENV = "RUNWATCH_SPOOL_DIR"
 DEFAULT_SPOOL_BASE = Path(".runwatch") / "spool"
@@ -112,7 +116,90 @@ def default_spool_dir(run_id: str, rank: int) -> Path:
     return (base / f"{name}-r{rank}").resolve()
 
 
-class RunWatch:
+class TelemetryPublisher:
+    """Builds one rank's wire events and hands each to :meth:`publish`.
+
+    Shared by :class:`RunWatch` (to Kafka) and
+    :class:`~runwatch.producer.recorder.JsonlRecorder` (to a JSONL file); a subclass
+    implements :meth:`publish`. ``clock`` stamps every event's ``ts`` (default: now).
+    """
+
+    run_id: str
+    rank: int
+    checkpoints: list[CheckpointRef]
+    clock: Callable[[], datetime] | None = None
+    _warned_invalid: bool = False
+
+    def publish(self, event: EventBase) -> bool:
+        raise NotImplementedError
+
+    def _count_invalid(self) -> None:
+        """An event with bad fields was dropped; subclasses count it."""
+
+    def _event(self, model: type[E], **fields: Any) -> E:
+        if self.clock is not None and "ts" not in fields:
+            fields["ts"] = self.clock()
+        return model(run_id=self.run_id, rank=self.rank, **fields)
+
+    def _run_start(self, world_size: int, run_start: dict[str, Any] | None, collect_metadata: bool,
+                   **metadata: Any) -> bool:
+        # What the run is (code, machine, versions, config) is collected here, once, so every
+        # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
+        if collect_metadata:
+            found = collect_run_start(world_size=world_size, **metadata)
+        else:  # nothing is collected; what the caller passed is still the run's
+            found = {"world_size": world_size, **{k: v for k, v in metadata.items() if v is not None
+                                                   and (k != "config" or isinstance(v, dict))}}
+        return self.publish(self._event(RunStartEvent, **{**found, **(run_start or {})}))
+
+    def _run_end(self, status: str, summary: dict | None) -> bool:
+        return self.publish(self._event(RunEndEvent, status=status, summary=summary or {}))
+
+    def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
+        # A bad argument is the caller's bug, but it must not crash hours of training:
+        # count it, warn once, carry on.
+        try:
+            event = self._event(model, **fields)
+        except ValidationError as exc:
+            self._count_invalid()
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
+                            model.__name__, exc)
+            return False
+        return self.publish(event)
+
+    def step(self, step: int, **fields: Any) -> bool:
+        return self._build_and_publish(StepEvent, step=step, **fields)
+
+    def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
+        return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
+
+    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0) -> bool:
+        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s)
+
+    def checkpoint(self, step: int, path: str, ok: bool = True) -> CheckpointRef:
+        """Register a checkpoint already written at ``path`` and announce it to the worker.
+
+        A rollback restores the newest registered checkpoint taken before the anomaly.
+        """
+        ref = CheckpointRef(step=step, uri=str(path))
+        if ok:
+            self.checkpoints.append(ref)
+        self.publish(self._event(CheckpointEvent, step=step, uri=str(path), ok=ok))
+        return ref
+
+    def ack(self, **fields: Any) -> bool:
+        return self._build_and_publish(ActionAckEvent, **fields)
+
+    def watch(self, model: Any, optimizer: Any, **options: Any) -> Watcher:
+        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.watch.Watcher`."""
+        from runwatch.producer.watch import Watcher  # imports torch; the publisher alone does not
+
+        return Watcher(self, model, optimizer, **options)
+
+
+class RunWatch(TelemetryPublisher):
     """Publishes one rank's telemetry for one run.
 
     Construction returns immediately whether or not a broker is reachable. Call
@@ -186,7 +273,6 @@ class RunWatch:
         self._dropped_after_queue = 0  # queued (or recovered) events counted as dropped
         self._close_deadline = float("inf")
         self._final = False
-        self._warned_invalid = False
         # Shared with kafka-python's sender thread (under _lock):
         self._inflight: dict[int, bytes] = {}  # sequence -> value sent straight to the client, unresolved
         self._failed: list[tuple[int, bytes]] = []  # (sequence, value) of direct sends that failed
@@ -217,12 +303,8 @@ class RunWatch:
         self._thread.start()
         atexit.register(self.close, 2.0)
         if rank == 0:
-            # What the run is (code, machine, versions, config) is collected here, once, so every
-            # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
-            found = collect_run_start(world_size=world_size, config=config, seed=seed,
-                                      dataset_version=dataset_version, tags=tags, baseline_key=baseline_key,
-                                      job_id=job_id) if collect_metadata else {"world_size": world_size}
-            self.publish(RunStartEvent(run_id=run_id, rank=rank, **{**found, **(run_start or {})}))
+            self._run_start(world_size, run_start, collect_metadata, config=config, seed=seed,
+                            dataset_version=dataset_version, tags=tags, baseline_key=baseline_key, job_id=job_id)
 
     # -- what training code calls -------------------------------------------------
 
@@ -240,48 +322,8 @@ class RunWatch:
             self.stats.queued += 1
         return True
 
-    def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
-        # A bad argument is the caller's bug, but it must not crash hours of training:
-        # count it, warn once, carry on.
-        try:
-            event = model(run_id=self.run_id, rank=self.rank, **fields)
-        except ValidationError as exc:
-            self._count_drop("invalid", after_queue=False)
-            if not self._warned_invalid:
-                self._warned_invalid = True
-                log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
-                            model.__name__, exc)
-            return False
-        return self.publish(event)
-
-    def step(self, step: int, **fields: Any) -> bool:
-        return self._build_and_publish(StepEvent, step=step, **fields)
-
-    def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
-        return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
-
-    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0) -> bool:
-        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s)
-
-    def checkpoint(self, step: int, path: str, ok: bool = True) -> CheckpointRef:
-        """Register a checkpoint already written at ``path`` and announce it to the worker.
-
-        A rollback restores the newest registered checkpoint taken before the anomaly.
-        """
-        ref = CheckpointRef(step=step, uri=str(path))
-        if ok:
-            self.checkpoints.append(ref)
-        self.publish(CheckpointEvent(run_id=self.run_id, rank=self.rank, step=step, uri=str(path), ok=ok))
-        return ref
-
-    def ack(self, **fields: Any) -> bool:
-        return self._build_and_publish(ActionAckEvent, **fields)
-
-    def watch(self, model: Any, optimizer: Any, **options: Any) -> Watcher:
-        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.watch.Watcher`."""
-        from runwatch.producer.watch import Watcher  # imports torch; the publisher alone does not
-
-        return Watcher(self, model, optimizer, **options)
+    def _count_invalid(self) -> None:
+        self._count_drop("invalid", after_queue=False)
 
     def close(self, timeout: float = 10.0, status: str = "completed", summary: dict | None = None) -> PublisherStats:
         """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
@@ -292,7 +334,7 @@ class RunWatch:
         if self._closed:
             return self.stats
         if self.rank == 0:
-            self.publish(RunEndEvent(run_id=self.run_id, rank=self.rank, status=status, summary=summary or {}))
+            self._run_end(status, summary)
         self._closed = True
         self._close_deadline = time.monotonic() + timeout
         self._closing.set()

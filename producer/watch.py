@@ -23,7 +23,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,14 @@ class _PendingStep:
 
 
 class Watcher:
-    """Instruments one model and optimizer for one rank; publishes through ``rw``."""
+    """Instruments one model and optimizer for one rank; publishes through ``rw``.
+
+    ``memory``: True samples this process (:class:`MemorySampler`), False turns memory off, or
+    any object with ``sample() -> MemoryStats | None``. ``clock``: seconds for step time, data
+    wait, off-step phases and the heartbeat's time in phase (default: the wall clock). With a
+    ``clock`` of its own the heartbeat thread is not started, since its interval is wall time:
+    the caller calls ``watch.heartbeat.beat()`` when that clock says so (a simulated run does).
+    """
 
     def __init__(
         self,
@@ -78,8 +85,9 @@ class Watcher:
         heartbeat_s: float | None = 5.0,
         flops_per_step: float | None = None,
         peak_flops_per_s: float | None = None,
-        memory: bool = True,
+        memory: bool | Any = True,
         first_step: int = 0,
+        clock: Callable[[], float] | None = None,
     ):
         if clip is not None and external_clip is not None:
             raise ValueError("give clip (runwatch clips) or external_clip (something else clips), not both")
@@ -112,19 +120,24 @@ class Watcher:
         self._off_step_depth = 0
         self._off_step_s = 0.0  # off-step time since the last end_step
         self._set_phase_name = "train"
-        self.heartbeat = Heartbeat(rw, heartbeat_s) if heartbeat_s else None
+        self._clock = clock or time.perf_counter
+        self.heartbeat = Heartbeat(rw, heartbeat_s, **({"clock": clock} if clock else {})) if heartbeat_s else None
         self.clock = StepClock(
+            self._clock,
             on_wait_begin=(lambda: self.heartbeat.push("dataload")) if self.heartbeat else None,
             on_wait_end=self.heartbeat.pop if self.heartbeat else None,
         )
-        self._memory = MemorySampler(self.layout.device) if memory else None
+        if isinstance(memory, bool):
+            self._memory = MemorySampler(self.layout.device) if memory else None
+        else:
+            self._memory = memory
         self._hook_handles: list[Any] = []
         if hooks:
             self._hook_handles = [
                 optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.before_optimizer_step()),
                 optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_optimizer_step()),
             ]
-        if self.heartbeat:
+        if self.heartbeat and clock is None:
             self.heartbeat.start()
         self.clock.start()
 
@@ -290,18 +303,18 @@ class Watcher:
     def _begin_off_step(self) -> None:
         self._off_step_depth += 1
         if self._off_step_depth == 1:
-            self._off_step_since = time.perf_counter()
+            self._off_step_since = self._clock()
 
     def _end_off_step(self) -> None:
         self._off_step_depth = max(0, self._off_step_depth - 1)
         if self._off_step_depth == 0 and self._off_step_since is not None:
-            self._off_step_s += time.perf_counter() - self._off_step_since
+            self._off_step_s += self._clock() - self._off_step_since
             self._off_step_since = None
 
     def _take_off_step_time(self) -> float:
         taken, self._off_step_s = self._off_step_s, 0.0
         if self._off_step_since is not None:  # still inside one: count up to now, restart from now
-            now = time.perf_counter()
+            now = self._clock()
             taken += now - self._off_step_since
             self._off_step_since = now
         return taken
