@@ -98,7 +98,9 @@ class MemoryConfig(Strict):
 
     enabled: bool = True
     window: int = Field(default=100, ge=8, description="steps in the rolling slope")
-    min_points: int = Field(default=30, ge=4, description="steps before any finding")
+    min_points: int = Field(
+        default=100, ge=8, description="samples in the fit before any finding (outlasts the allocator's warm-up)"
+    )
     min_growth: float = Field(
         default=0.1, gt=0, description="growth over the window, as a fraction of the current value, that counts"
     )
@@ -106,6 +108,14 @@ class MemoryConfig(Strict):
     warn_horizon_s: float = Field(default=3600.0, gt=0, description="warning if the limit is projected within this")
     critical_horizon_s: float = Field(default=600.0, gt=0, description="critical if projected within this")
     cooldown_steps: int = Field(default=200, ge=0)
+
+    @model_validator(mode="after")
+    def _points_fit(self) -> MemoryConfig:
+        if self.min_points > self.window:
+            raise ValueError(f"min_points ({self.min_points}) must not exceed window ({self.window})")
+        if self.critical_horizon_s > self.warn_horizon_s:
+            raise ValueError("critical_horizon_s must not exceed warn_horizon_s")
+        return self
 
 
 class CategoryConfig(Strict):

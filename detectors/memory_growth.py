@@ -1,0 +1,242 @@
+"""Memory that keeps growing: a leak (allocated grows) or fragmentation (reserved - allocated grows
+while allocated stays flat), with the projected time until the memory limit is reached.
+
+Per series, a rolling least-squares fit of bytes against event time (river ``Rolling(Cov)`` /
+``Rolling(Var)`` over the last ``window`` samples) gives the slope per second and how straight the
+growth is (r²). A fit alone also likes a warm-up ramp that has levelled off or a one-time step
+up, so growth only counts when it is also *ongoing*: the means of the window's four quarters rise
+one after the other, each by a fair share of the total, and the last quarter's lowest sample is
+above the first quarter's median (a sawtooth that frees its memory drops below it).
+
+Series: CUDA ``allocated`` (leak; limit: ``device_total``), ``reserved - allocated``
+(fragmentation; limit: ``device_total``) and the host's ``host_rss`` (leak; limit:
+``cgroup_limit``). On a CPU-only run ``host_rss`` is the only leak series.
+
+Severity: critical when the limit is projected within ``critical_horizon_s``, a warning within
+``warn_horizon_s``, and a warning too for steady growth of at least ``min_growth`` (a fraction of
+the current value) over the window even when no limit is known.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from datetime import datetime
+
+from river import stats, utils
+
+from runwatch.detectors.base import Detector
+from runwatch.detectors.config import MemoryConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+NAME = "memory_growth"
+_MIB = float(1 << 20)  # the fit works in MiB: byte counts squared lose precision in the rolling sums
+_SEVERITY = {"warning": 1, "critical": 2}
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class _Trend:
+    """Rolling linear fit of one series (MiB) against time (s), and the samples for the ongoing-growth check."""
+
+    def __init__(self, window: int):
+        self.cov = utils.Rolling(stats.Cov, window_size=window)  # its window holds the (t, MiB) samples
+        self.var_t = utils.Rolling(stats.Var, window_size=window)
+        self.var_v = utils.Rolling(stats.Var, window_size=window)
+        self.steps: deque[int] = deque(maxlen=window)
+        self.window = window
+        self.evicted_max = -math.inf  # highest sample that has left the window: the level to beat
+        self.last_step = -1
+        self.last_severity = 0
+        self.quiet_until = -1
+
+    def update(self, t: float, mib: float, step: int) -> None:
+        if len(self.steps) == self.window:
+            self.evicted_max = max(self.evicted_max, self.cov.window[0][0][1])
+        self.cov.update(t, mib)
+        self.var_t.update(t)
+        self.var_v.update(mib)
+        self.steps.append(step)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def fit(self) -> tuple[float, float]:
+        """(slope in MiB/s, r²)."""
+        var_t = self.var_t.get()
+        var_v = self.var_v.get()
+        if var_t <= 0 or var_v <= 0:
+            return 0.0, 0.0
+        cov = self.cov.get()
+        return cov / var_t, min(1.0, cov * cov / (var_t * var_v))
+
+    def recent_slope(self) -> float:
+        """Least-squares slope (MiB/s) over the newer half of the window: the current rate, when the
+        growth began inside the window or is speeding up."""
+        samples = list(self.cov.window)[len(self.cov.window) // 2:]
+        n = len(samples)
+        mean_t = sum(args[0] for args, _ in samples) / n
+        mean_v = sum(args[1] for args, _ in samples) / n
+        sxx = sum((args[0] - mean_t) ** 2 for args, _ in samples)
+        sxy = sum((args[0] - mean_t) * (args[1] - mean_v) for args, _ in samples)
+        return sxy / sxx if sxx > 0 else 0.0
+
+    def ongoing(self) -> bool:
+        """Growth through the whole window, to a level never seen before: not a ramp that levelled off,
+        a one-time step up, or a sawtooth that frees what it took (its next rise only returns to the old peak)."""
+        values = [args[1] for args, _ in self.cov.window]
+        n = len(values) // 4
+        quarters = [values[i * n:(i + 1) * n] for i in range(3)] + [values[3 * n:]]
+        means = [sum(q) / len(q) for q in quarters]
+        total = means[3] - means[0]
+        if total <= 0:
+            return False
+        if any(b - a < total / 6 for a, b in zip(means, means[1:], strict=False)):
+            return False
+        floor = min(quarters[3])
+        return floor > statistics.median(quarters[0]) and floor > self.evicted_max
+
+
+class MemoryGrowthDetector(Detector):
+    """Leak versus fragmentation, with the projected time to the memory limit (see the module doc)."""
+
+    name = NAME
+
+    def __init__(self, config: MemoryConfig):
+        self.config = config
+        self._t0: datetime | None = None
+        self._trends: dict[str, _Trend] = {}
+
+    def _trend(self, metric: str) -> _Trend:
+        trend = self._trends.get(metric)
+        if trend is None:
+            trend = self._trends[metric] = _Trend(self.config.window)
+        return trend
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent) or event.memory is None:
+            return []
+        mem = event.memory
+        if self._t0 is None:
+            self._t0 = event.ts
+        t = (event.ts - self._t0).total_seconds()
+        found: list[Finding] = []
+        leak_alloc = None
+        if mem.allocated is not None:
+            leak_alloc = self._observe(
+                "allocated", mem.allocated, t, event, used=mem.reserved or mem.allocated, limit=mem.device_total,
+                base=mem.allocated, kind="leak", found=found,
+            )
+            if mem.reserved is not None:
+                self._observe(
+                    "fragmentation", mem.reserved - mem.allocated, t, event, used=mem.reserved,
+                    limit=mem.device_total, base=mem.reserved, kind="fragmentation", found=found,
+                    allocated_growth=leak_alloc,
+                )
+        if mem.host_rss is not None:
+            self._observe(
+                "host_rss", mem.host_rss, t, event, used=mem.cgroup_usage or mem.host_rss, limit=mem.cgroup_limit,
+                base=mem.host_rss, kind="leak", found=found,
+            )
+        return found
+
+    def _observe(self, metric: str, value: int, t: float, event: StepEvent, *, used: int, limit: int | None,
+                 base: int, kind: str, found: list[Finding], allocated_growth: float | None = None) -> float | None:
+        """Feed one sample; append a finding if due. Returns the window's fitted growth (bytes), if known."""
+        trend = self._trend(metric)
+        if event.step <= trend.last_step:
+            return None  # a replayed or rolled-back step: the series would fold back on itself
+        trend.last_step = event.step
+        trend.update(t, value / _MIB, event.step)
+        cfg = self.config
+        if len(trend) < cfg.min_points:
+            return None
+        slope_mib, r2 = trend.fit()
+        span = trend.cov.window[-1][0][0] - trend.cov.window[0][0][0]
+        growth = slope_mib * span * _MIB
+        if slope_mib <= 0 or r2 < cfg.min_r2:
+            return growth
+        if allocated_growth is not None and allocated_growth > growth / 4:
+            return growth  # allocated grows too: that is the leak finding's, not fragmentation
+        # Project with the faster of the window's and its newer half's rate: a leak that began inside the
+        # window, or speeds up, must not look further from the limit than it is.
+        rate = max(slope_mib, trend.recent_slope()) * _MIB
+        severity, seconds_to_limit = self._severity(rate, growth / max(base, 1), used, limit)
+        if severity is None:
+            return growth
+        rank = _SEVERITY[severity]
+        if event.step <= trend.quiet_until and rank <= trend.last_severity:
+            return growth
+        if not trend.ongoing():
+            return growth
+        trend.last_severity = rank
+        trend.quiet_until = event.step + cfg.cooldown_steps
+        found.append(self._finding(metric, kind, severity, event, value, trend, rate, growth, base,
+                                   r2, limit, seconds_to_limit))
+        return growth
+
+    def _severity(self, slope: float, fraction: float, used: int, limit: int | None) -> tuple[str | None, float | None]:
+        cfg = self.config
+        seconds_to_limit = None
+        if limit is not None and limit > 0:
+            seconds_to_limit = max(0.0, (limit - used) / slope)
+            if seconds_to_limit <= cfg.critical_horizon_s:
+                return "critical", seconds_to_limit
+            if seconds_to_limit <= cfg.warn_horizon_s:
+                return "warning", seconds_to_limit
+        if fraction >= cfg.min_growth:
+            return "warning", seconds_to_limit
+        return None, seconds_to_limit
+
+    def _finding(self, metric: str, kind: str, severity: str, event: StepEvent, value: int, trend: _Trend,
+                 slope: float, growth: float, base: int, r2: float, limit: int | None,
+                 seconds_to_limit: float | None) -> Finding:
+        steps = len(trend)
+        what = {"allocated": "CUDA allocated memory", "fragmentation": "CUDA reserved-but-unallocated memory",
+                "host_rss": "host RSS"}[metric]
+        cause = "a leak" if kind == "leak" else "fragmentation (allocated stays flat)"
+        message = (f"{what} grows steadily, {cause}: +{_bytes(growth)} over the last {steps} steps "
+                   f"({growth / max(base, 1):.1%} of {_bytes(base)}, {_bytes(slope)}/s, r² {r2:.2f})")
+        if seconds_to_limit is not None:
+            message += f"; at this rate the {_bytes(limit)} limit is reached in {_duration(seconds_to_limit)}"
+        else:
+            message += "; no memory limit is known"
+        onset = trend.steps[0]
+        return Finding(
+            detector=NAME,
+            metric=metric,
+            step=event.step,
+            rank=event.rank,
+            severity=severity,
+            message=message,
+            value=float(value),
+            threshold=float(limit) if limit is not None else None,
+            score=growth / max(base, 1),
+            evidence={
+                "kind": kind,
+                "slope_bytes_per_s": slope,
+                "growth_bytes": growth,
+                "growth_fraction": growth / max(base, 1),
+                "r2": r2,
+                "window_steps": steps,
+                "seconds_to_limit": seconds_to_limit,
+                "limit_bytes": limit,
+                "onset_step": onset,
+            },
+        )
+
