@@ -124,9 +124,14 @@ class CategoryConfig(Strict):
     enabled: bool = True
     warmup: int = Field(default=30, ge=4, description="steps with the category before any finding")
     window: int = Field(default=100, ge=8, description="steps of history for the category's typical loss")
-    z_threshold: float = Field(default=6.0, gt=0, description="robust z of the category's log loss")
+    z_threshold: float = Field(
+        default=3.0, gt=0, description="robust z of the category's log loss (patience makes 3 a rare streak by chance)"
+    )
     min_ratio: float = Field(default=1.5, ge=1.0, description="category loss / its typical loss must also reach this")
-    patience: int = Field(default=5, ge=1, description="consecutive steps above the threshold (not one noisy batch)")
+    patience: int = Field(default=5, ge=1, description="consecutive observations above the threshold (not one noisy batch)")
+    min_count: int = Field(
+        default=16, ge=1, description="samples pooled, across steps if need be, into one observation of a category"
+    )
     cooldown_steps: int = Field(default=100, ge=0)
 
 

@@ -14,10 +14,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors.config import MemoryConfig
+from runwatch.detectors.category import CategoryDivergenceDetector
+from runwatch.detectors.config import CategoryConfig, MemoryConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.memory_growth import MemoryGrowthDetector
-from runwatch.producer.schema import MemoryStats, StepEvent
+from runwatch.producer.schema import CategoryLoss, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 GiB = 1 << 30
@@ -181,3 +182,86 @@ def test_memory_config_rejects_min_points_beyond_the_window():
     with pytest.raises(ValueError, match="min_points"):
         MemoryConfig(window=50, min_points=60)
     assert math.isfinite(MemoryConfig().warn_horizon_s)
+
+
+# -- category divergence --------------------------------------------------------------------------
+
+# Typical losses differ a lot ("legal" is always the hardest), and so do the shares of the batch.
+CATEGORY_BASE = {"web": 1.0, "code": 0.8, "math": 1.5, "books": 1.1, "wiki": 0.9, "chat": 1.2, "legal": 3.0,
+                 "news": 1.05}
+CATEGORY_WEIGHT = {"web": 4, "code": 2, "math": 1, "books": 1, "wiki": 1, "chat": 1, "legal": 0.5, "news": 1}
+
+
+def category_events(steps: int = 800, batch: int = 256, seed: int = 0, fault=None) -> list[StepEvent]:
+    """A decreasing training curve; each category's per-step mean is that of its ``count`` samples
+    (per-sample coefficient of variation 0.7), so small counts are noisy. ``fault(name, step)``
+    multiplies a category's loss."""
+    rng = random.Random(seed)
+    names = list(CATEGORY_BASE)
+    weights = [CATEGORY_WEIGHT[n] for n in names]
+    events = []
+    for step in range(steps):
+        counts = dict.fromkeys(names, 0)
+        for name in rng.choices(names, weights=weights, k=batch):
+            counts[name] += 1
+        curve = 0.6 + 0.4 * math.exp(-step / 300)
+        losses = {}
+        for name, count in counts.items():
+            if count:
+                factor = fault(name, step) if fault else 1.0
+                mean = CATEGORY_BASE[name] * curve * factor * math.exp(rng.gauss(0, 0.7 / math.sqrt(count)))
+                losses[name] = CategoryLoss(mean=mean, count=count)
+        loss = sum(c.mean * c.count for c in losses.values()) / batch
+        events.append(StepEvent(run_id="r", step=step, ts=at(step), loss=loss, category_loss=losses))
+    return events
+
+
+def gradual(category: str, onset: int, to: float = 3.0, over: int = 30):
+    return lambda name, step: 1 + (to - 1) * min(1.0, max(0.0, (step - onset) / over)) if name == category else 1.0
+
+
+def sudden(category: str, onset: int, to: float = 3.0):
+    return lambda name, step: to if name == category and step >= onset else 1.0
+
+
+@pytest.mark.parametrize("category", ["math", "legal", "code"])
+@pytest.mark.parametrize("shape", [gradual, sudden])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_diverging_category_is_named_while_the_mean_looks_fine(category, shape, seed):
+    found = feed(CategoryDivergenceDetector(CategoryConfig()), category_events(seed=seed, fault=shape(category, 400)))
+    assert found, "no finding"
+    first = found[0]
+    assert {f.evidence["category"] for f in found} == {category}
+    assert first.detector == "category_divergence" and first.metric == f"category_loss.{category}"
+    assert 400 < first.step <= 400 + (45 if shape is gradual else 15)
+    assert 400 <= first.evidence["onset_step"] < first.step
+    assert first.evidence["ratio"] >= 1.5
+    assert first.evidence["mean_loss_ratio"] < 1.5  # the run's mean barely moved: one of 8 categories
+    assert first.evidence["others_median_ratio"] < 1.25
+    assert repr(category) in first.message
+
+
+def test_a_category_sampled_a_few_times_per_step_is_pooled_and_still_caught():
+    found = feed(CategoryDivergenceDetector(CategoryConfig()), category_events(batch=16, fault=sudden("code", 400)))
+    assert found and found[0].evidence["category"] == "code"
+    assert 400 < found[0].step <= 460
+
+
+@pytest.mark.parametrize("batch", [256, 16, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_categories_do_not_fire_even_with_small_noisy_counts(batch, seed):
+    found = feed(CategoryDivergenceDetector(CategoryConfig()), category_events(steps=1000, batch=batch, seed=seed))
+    assert found == [], [f.message for f in found]
+
+
+@pytest.mark.parametrize("batch", [256, 16])
+def test_all_categories_rising_together_is_not_a_category_divergence(batch):
+    def everything(name, step):
+        return 1 + 2 * min(1.0, max(0.0, (step - 400) / 30))
+
+    assert feed(CategoryDivergenceDetector(CategoryConfig()), category_events(batch=batch, fault=everything)) == []
+
+
+def test_category_detector_pickles_mid_stream():
+    events = category_events(steps=600, fault=gradual("math", 400))
+    assert_pickles_mid_stream(lambda: CategoryDivergenceDetector(CategoryConfig()), events, split=410)

@@ -1,0 +1,157 @@
+"""One data category's loss diverging while the run's mean loss still looks fine.
+
+Each category is judged against its own history, so a category that is always harder is not an
+outlier: robust z of log(category loss) against its rolling median and IQR (river
+``RollingQuantile``). A per-step category mean over a handful of samples is noise, so samples are
+pooled across steps (count-weighted) until ``min_count`` of them make one observation.
+
+An observation diverges when its z reaches ``z_threshold`` and its ratio to the category's typical
+loss reaches ``min_ratio``; ``patience`` such observations in a row make a finding. The history
+does not learn from a diverging observation (a slow divergence must not become the new normal),
+except when the other categories moved too: when the median of their ratios to their own typical
+loss is up as well, the whole run's loss moved (that is the loss detectors' finding, not this
+one's) and every category learns the new level.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from datetime import datetime
+
+from river import stats
+
+from runwatch.detectors.base import Detector
+from runwatch.detectors.config import CategoryConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+NAME = "category_divergence"
+IQR_TO_SIGMA = 1.349
+MIN_SCALE = 0.02  # floor on the robust scale (log units): a nearly constant loss is not a hair trigger
+
+
+class _Category:
+    def __init__(self, window: int):
+        self.median = stats.RollingQuantile(q=0.5, window_size=window)
+        self.q25 = stats.RollingQuantile(q=0.25, window_size=window)
+        self.q75 = stats.RollingQuantile(q=0.75, window_size=window)
+        self.seen = 0
+        self.pool_sum = 0.0
+        self.pool_count = 0
+        self.last_ratio: float | None = None  # latest loss / typical, for the others' run-wide check
+        self.streak = 0
+        self.onset_step: int | None = None
+        self.quiet_until = -1
+
+    def learn(self, x: float) -> None:
+        self.median.update(x)
+        self.q25.update(x)
+        self.q75.update(x)
+        self.seen += 1
+
+
+class CategoryDivergenceDetector(Detector):
+    """Names the data category whose loss diverges from its own history while the others stay put."""
+
+    name = NAME
+
+    def __init__(self, config: CategoryConfig):
+        self.config = config
+        self._categories: dict[str, _Category] = {}
+        self._mean_median = stats.RollingQuantile(q=0.5, window_size=config.window)
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent) or not event.category_loss:
+            return []
+        cfg = self.config
+        mean_loss = self._mean_loss(event)
+        mean_ratio = None
+        if mean_loss is not None:
+            typical_mean = self._mean_median.get()
+            if typical_mean is not None:
+                mean_ratio = math.exp(math.log(mean_loss) - typical_mean)
+            self._mean_median.update(math.log(mean_loss))
+
+        # 1. pool each category's samples into observations; score the complete ones against history
+        scored: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
+        for name, loss in event.category_loss.items():
+            if loss.count <= 0 or not math.isfinite(loss.mean) or loss.mean <= 0:
+                continue  # non-finite losses are the non-finite detector's
+            cat = self._categories.get(name)
+            if cat is None:
+                cat = self._categories[name] = _Category(cfg.window)
+            cat.pool_sum += loss.mean * loss.count
+            cat.pool_count += loss.count
+            if cat.pool_count < cfg.min_count:
+                continue
+            x = math.log(cat.pool_sum / cat.pool_count)
+            cat.pool_sum, cat.pool_count = 0.0, 0
+            if cat.seen < cfg.warmup:
+                cat.learn(x)
+                continue
+            median = cat.median.get()
+            scale = max((cat.q75.get() - cat.q25.get()) / IQR_TO_SIGMA, MIN_SCALE)
+            ratio = math.exp(x - median)
+            cat.last_ratio = ratio
+            scored.append((name, cat, x, (x - median) / scale, ratio))
+
+        # 2. a divergence is one category's, not the run's: the others' median ratio must stay low
+        found: list[Finding] = []
+        for name, cat, x, z, ratio in scored:
+            diverging = z >= cfg.z_threshold and ratio >= cfg.min_ratio
+            others = [c.last_ratio for n, c in self._categories.items() if n != name and c.last_ratio is not None]
+            others_ratio = statistics.median(others) if others else None
+            run_wide = others_ratio is None or others_ratio >= 1.0 + (cfg.min_ratio - 1.0) / 2
+            if not diverging or run_wide:
+                cat.learn(x)
+                cat.streak, cat.onset_step = 0, None
+                continue
+            cat.streak += 1
+            if cat.onset_step is None:
+                cat.onset_step = event.step
+            if cat.streak < cfg.patience or event.step <= cat.quiet_until:
+                continue
+            cat.quiet_until = event.step + cfg.cooldown_steps
+            found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
+        return found
+
+    @staticmethod
+    def _mean_loss(event: StepEvent) -> float | None:
+        if event.loss is not None and math.isfinite(event.loss) and event.loss > 0:
+            return event.loss
+        total = sum(c.count for c in event.category_loss.values() if math.isfinite(c.mean))
+        if total <= 0:
+            return None
+        mean = sum(c.mean * c.count for c in event.category_loss.values() if math.isfinite(c.mean)) / total
+        return mean if mean > 0 else None
+
+    def _finding(self, event: StepEvent, name: str, cat: _Category, x: float, z: float, ratio: float,
+                 others_ratio: float | None, mean_ratio: float | None) -> Finding:
+        cfg = self.config
+        typical = math.exp(cat.median.get())
+        loss = math.exp(x)
+        mean_part = f"; the mean loss is at {mean_ratio:.2f}x its typical" if mean_ratio is not None else ""
+        return Finding(
+            detector=NAME,
+            metric=f"category_loss.{name}",
+            step=event.step,
+            rank=event.rank,
+            severity="warning",
+            message=(f"category {name!r} loss diverges: {loss:.4g} is {ratio:.2f}x its typical {typical:.4g} "
+                     f"(robust z {z:.1f}) for {cat.streak} observations since step {cat.onset_step}, while the "
+                     f"other categories are at {others_ratio:.2f}x theirs{mean_part}"),
+            value=loss,
+            threshold=typical * cfg.min_ratio,
+            score=z,
+            evidence={
+                "category": name,
+                "typical_loss": typical,
+                "ratio": ratio,
+                "robust_z": z,
+                "consecutive": cat.streak,
+                "onset_step": cat.onset_step,
+                "others_median_ratio": others_ratio,
+                "mean_loss_ratio": mean_ratio,
+            },
+        )
