@@ -54,7 +54,7 @@ class ModuleGradConfig(Strict):
     z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(module norm) against its own history")
     min_ratio: float = Field(default=5.0, ge=1.0, description="module norm / its typical norm must also reach this")
     min_share: float = Field(
-        default=0.5, ge=0, le=1, description="the module's share of the squared global norm must reach this"
+        default=0.1, ge=0, le=1, description="the module's share of the squared global norm must reach this"
     )
     cooldown_steps: int = Field(default=20, ge=0, description="steps after a finding for that module before the next")
 

@@ -1,0 +1,165 @@
+"""Relative update norm (|update| / |params|) leaving its healthy band: too large or vanishing.
+
+The band is the run's own typical ratio (rolling median of log ratio, river
+``RollingQuantile``) times / divided by ``factor``, bounded by the absolute ``low`` /
+``high`` limits, and ``patience`` consecutive out-of-band observations make a finding.
+
+A ratio change that the learning rate explains is planned, not a fault: for SGD and
+Adam the update is proportional to the LR, so a warm-up ramp or a step decay moves the
+ratio with the LR while the update per unit of LR (ratio / LR) stays in its own band.
+An out-of-band observation is excused when (a) ratio / LR is in band and (b) the LR
+moved like a schedule does since the last in-band observation: up by at most ``factor``
+(a ramp, not a jump), down by at most ``factor``**2 (a step decay), or to zero after
+having already annealed below its peak / ``factor``. A jump of the LR itself (x100) or
+its collapse (x1e-6) is not excused, nor is frozen weights (ratio 0 at an unchanged LR),
+nor anything above the absolute ``high``. Without LR in the events, only the band counts.
+
+Unexcused observations stay out of the history, so a fault is not learnt as normal,
+unless they last a full ``window`` (then they are the new normal).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+
+from river import stats
+
+from runwatch.detectors.base import Detector
+from runwatch.detectors.config import UpdateRatioConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+NAME = "update_ratio"
+
+
+def _lr_of(event: StepEvent) -> float | None:
+    """The largest LR over the parameter groups (the one that drives the global update norm)."""
+    lrs = [lr for lr in event.lr if math.isfinite(lr) and lr >= 0]
+    return max(lrs) if lrs else None
+
+
+class UpdateRatioDetector(Detector):
+    name = NAME
+
+    def __init__(self, config: UpdateRatioConfig):
+        self.config = config
+        self._log_factor = math.log(config.factor)
+        self._median = stats.RollingQuantile(q=0.5, window_size=config.window)  # log ratio
+        self._median_per_lr = stats.RollingQuantile(q=0.5, window_size=config.window)  # log(ratio / lr)
+        self.seen = 0  # observations in the history
+        self._per_lr_seen = 0
+        self._lr_ref: float | None = None  # LR at the last trusted (in-band or excused) observation
+        self._lr_peak = 0.0
+        self._streak = 0  # consecutive unexcused out-of-band observations
+        self._direction: str | None = None
+        self._onset_step = 0
+        self._quiet_until = -1
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent) or event.relative_update_norm is None:
+            return []
+        ratio = event.relative_update_norm
+        if not math.isfinite(ratio) or ratio < 0:
+            return []  # non-finite updates are the non-finite detector's
+        lr = _lr_of(event)
+        x = math.log(ratio) if ratio > 0 else -math.inf
+        if self.seen < self.config.warmup:
+            self._trust(x, lr)
+            return []
+
+        cfg = self.config
+        typical = self._median.get()
+        too_large = x > typical + self._log_factor or ratio > cfg.high
+        vanishing = x < typical - self._log_factor or ratio < cfg.low
+        if not (too_large or vanishing):
+            self._trust(x, lr)
+            return []
+        direction = "too_large" if too_large else "vanishing"
+        if self._explained(direction, ratio, x, lr):
+            self._trust(x, lr)
+            return []
+
+        if direction != self._direction or self._streak == 0:
+            self._streak = 0
+            self._direction = direction
+            self._onset_step = event.step
+        self._streak += 1
+        if self._streak >= cfg.window:  # it has lasted a full window: this is the run's new normal
+            self._trust(x, lr)
+        if self._streak < cfg.patience or event.step <= self._quiet_until:
+            return []
+        self._quiet_until = event.step + cfg.cooldown_steps
+        return [self._finding(event, ratio, typical, lr)]
+
+    def _trust(self, x: float, lr: float | None) -> None:
+        self._streak = 0
+        self._direction = None
+        if lr is not None:
+            self._lr_ref = lr
+            self._lr_peak = max(self._lr_peak, lr)
+        if not math.isfinite(x):
+            return  # a zero update (LR 0 at the start of a warm-up) has no log
+        self._median.update(x)
+        self.seen += 1
+        if lr:
+            self._median_per_lr.update(x - math.log(lr))
+            self._per_lr_seen += 1
+
+    def _explained(self, direction: str, ratio: float, x: float, lr: float | None) -> bool:
+        """Whether the LR schedule accounts for this out-of-band ratio (see the module docstring)."""
+        cfg = self.config
+        if ratio > cfg.high or lr is None or self._lr_ref is None or self._per_lr_seen == 0:
+            return False
+        if lr == 0:
+            # Zero LR, zero update: planned only at the end of an annealing schedule, not a sudden drop.
+            return ratio == 0 and self._lr_ref * cfg.factor <= self._lr_peak
+        if self._lr_ref == 0 or ratio == 0:
+            return False
+        per_lr = x - math.log(lr)
+        if abs(per_lr - self._median_per_lr.get()) > self._log_factor:
+            return False  # the optimizer did not do what the LR asked
+        change = lr / self._lr_ref
+        if direction == "too_large":
+            return change <= cfg.factor
+        return change >= 1 / cfg.factor**2
+
+    def _finding(self, event: StepEvent, ratio: float, typical_log: float, lr: float | None) -> Finding:
+        cfg = self.config
+        typical = math.exp(typical_log)
+        band_low = max(typical / cfg.factor, cfg.low)
+        band_high = min(typical * cfg.factor, cfg.high)
+        too_large = self._direction == "too_large"
+        times = ratio / typical if too_large else (typical / ratio if ratio > 0 else math.inf)
+        lr_note = ""
+        if lr is not None and self._lr_ref is not None:
+            lr_note = f"; LR {lr:.3g}, was {self._lr_ref:.3g} when last in band"
+        what = "too large" if too_large else "vanishing"
+        amount = f"{times:.3g}x {'above' if too_large else 'below'}" if ratio > 0 else "far below"
+        evidence = {
+            "direction": self._direction,
+            "typical": typical,
+            "band_low": band_low,
+            "band_high": band_high,
+            "consecutive": self._streak,
+            "lr": lr,
+            "lr_before": self._lr_ref,
+        }
+        if self._onset_step < event.step:
+            evidence["onset_step"] = self._onset_step
+        return Finding(
+            detector=NAME,
+            metric="relative_update_norm",
+            step=event.step,
+            rank=event.rank,
+            severity="critical" if ratio > cfg.high else "warning",
+            value=ratio,
+            threshold=band_high if too_large else band_low,
+            score=times if math.isfinite(times) else None,
+            message=(
+                f"updates {what}: relative update norm {ratio:.3g} is {amount} the run's typical "
+                f"{typical:.3g} (band {band_low:.3g}..{band_high:.3g}) for {self._streak} observations since step "
+                f"{self._onset_step}{lr_note}"
+            ),
+            evidence=evidence,
+        )
