@@ -15,10 +15,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors.category import CategoryDivergenceDetector
-from runwatch.detectors.config import CategoryConfig, MemoryConfig
+from runwatch.detectors.config import CategoryConfig, GeneralizationConfig, MemoryConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.generalization import ValVsTrainDetector
 from runwatch.detectors.memory_growth import MemoryGrowthDetector
-from runwatch.producer.schema import CategoryLoss, MemoryStats, StepEvent
+from runwatch.producer.schema import CategoryLoss, EvalEvent, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 GiB = 1 << 30
@@ -265,3 +266,78 @@ def test_all_categories_rising_together_is_not_a_category_divergence(batch):
 def test_category_detector_pickles_mid_stream():
     events = category_events(steps=600, fault=gradual("math", 400))
     assert_pickles_mid_stream(lambda: CategoryDivergenceDetector(CategoryConfig()), events, split=410)
+
+
+# -- validation vs train --------------------------------------------------------------------------
+
+
+def train_curve(step: int) -> float:
+    return 1 + 2 * math.exp(-step / 2000)
+
+
+def val_curve(step: int) -> float:
+    return 1.2 + 2 * math.exp(-step / 2000)
+
+
+def overfit_after(onset: int, per_1000_steps: float = 0.1):
+    return lambda s: val_curve(s) if s < onset else val_curve(onset) * (1 + per_1000_steps * (s - onset) / 1000)
+
+
+def eval_events(train=train_curve, val=val_curve, steps: int = 6000, every: int = 200, seed: int = 0,
+                train_noise: float = 0.05, val_noise: float = 0.01) -> list:
+    rng = random.Random(seed)
+    events = []
+    for step in range(steps):
+        events.append(StepEvent(run_id="r", step=step, ts=at(step), loss=train(step) * math.exp(rng.gauss(0, train_noise))))
+        if step and step % every == 0:
+            loss = val(step) * math.exp(rng.gauss(0, val_noise))
+            events.append(EvalEvent(run_id="r", step=step, ts=at(step + 0.5), split="val", loss=loss))
+    return events
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("val_noise", [0.01, 0.03])
+def test_val_worsening_while_train_improves_fires_once_with_its_best(seed, val_noise):
+    events = eval_events(val=overfit_after(3000, 0.1 if val_noise < 0.02 else 0.2), seed=seed, val_noise=val_noise)
+    found = feed(ValVsTrainDetector(GeneralizationConfig()), events)
+    assert len(found) == 1  # once per episode, not at every later eval
+    f = found[0]
+    assert f.detector == "val_vs_train" and f.metric == "eval_loss.val" and f.severity == "warning"
+    assert 2600 <= f.evidence["best_step"] <= 3200
+    assert f.evidence["best_step"] < f.step <= 4800  # within 9 evals of the turn
+    assert f.evidence["best_val"] < f.value
+    assert f.evidence["train_trend"] < 0  # the train loss improved since the best eval
+    assert f.evidence["onset_step"] == f.evidence["best_step"] + 1
+    assert f.evidence["consecutive_evals"] >= 2
+    assert "above its best" in f.message
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("val_noise", [0.01, 0.04, 0.08])
+def test_noisy_val_that_improves_overall_does_not_fire(seed, val_noise):
+    assert feed(ValVsTrainDetector(GeneralizationConfig()), eval_events(seed=seed, val_noise=val_noise)) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_val_and_train_worsening_together_is_not_this_detectors_finding(seed):
+    def worse(curve):
+        return lambda s: curve(s) if s < 3000 else curve(3000) * (1 + 0.2 * (s - 3000) / 1000)
+
+    events = eval_events(train=worse(train_curve), val=worse(val_curve), seed=seed)
+    assert feed(ValVsTrainDetector(GeneralizationConfig()), events) == []
+
+
+def test_a_new_best_rearms_the_detector_and_other_splits_are_separate():
+    det = ValVsTrainDetector(GeneralizationConfig())
+    events = eval_events(val=overfit_after(3000), steps=5000)
+    found = feed(det, events)
+    assert len(found) == 1
+    # a new best on "val" re-arms; a "test" split of its own has no history yet
+    assert det.update(EvalEvent(run_id="r", step=5000, ts=at(5000), split="val", loss=0.5), at(5000)) == []
+    assert det.update(EvalEvent(run_id="r", step=5000, ts=at(5000), split="test", loss=9.0), at(5000)) == []
+
+
+def test_val_vs_train_pickles_mid_stream():
+    events = eval_events(val=overfit_after(3000))
+    split = next(i for i, e in enumerate(events) if isinstance(e, EvalEvent) and e.step == 3400)
+    assert_pickles_mid_stream(lambda: ValVsTrainDetector(GeneralizationConfig()), events, split=split)
