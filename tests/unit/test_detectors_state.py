@@ -15,11 +15,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors.category import CategoryDivergenceDetector
-from runwatch.detectors.config import CategoryConfig, GeneralizationConfig, MemoryConfig
+from runwatch.detectors.config import CategoryConfig, GeneralizationConfig, MemoryConfig, StallConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.generalization import ValVsTrainDetector
 from runwatch.detectors.memory_growth import MemoryGrowthDetector
-from runwatch.producer.schema import CategoryLoss, EvalEvent, MemoryStats, StepEvent
+from runwatch.detectors.stall import StallDetector
+from runwatch.producer.schema import CategoryLoss, EvalEvent, HeartbeatEvent, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 GiB = 1 << 30
@@ -341,3 +342,136 @@ def test_val_vs_train_pickles_mid_stream():
     events = eval_events(val=overfit_after(3000))
     split = next(i for i, e in enumerate(events) if isinstance(e, EvalEvent) and e.step == 3400)
     assert_pickles_mid_stream(lambda: ValVsTrainDetector(GeneralizationConfig()), events, split=split)
+
+
+# -- stall ----------------------------------------------------------------------------------------
+
+
+def training_timeline(steps: int = 1500, step_s: float = 2.0, seed: int = 0, stop_after: int | None = None,
+                      heartbeats_after_stop: bool = True, eval_every: int = 500, eval_s: float = 240.0,
+                      ckpt_every: int = 1000, ckpt_s: float = 600.0, end_s: float | None = None,
+                      heartbeat_s: float = 10.0):
+    """(time, event or None) in time order: steps with jittered durations, a heartbeat every
+    ``heartbeat_s`` reporting the phase, evals and checkpoint saves that pause the steps, and a tick every second
+    (None). ``stop_after``: no step completes after this one (heartbeats go on, or not)."""
+    rng = random.Random(seed)
+    items: list[tuple[float, object]] = []
+    phases: list[tuple[float, float, str]] = []  # (start, end, phase) of the pauses
+    t = 0.0
+    for step in range(steps):
+        t += step_s * math.exp(rng.gauss(0, 0.2))
+        if stop_after is not None and step > stop_after:
+            break
+        items.append((t, StepEvent(run_id="r", step=step, ts=at(t), loss=1.0)))
+        for every, length, phase in ((eval_every, eval_s, "eval"), (ckpt_every, ckpt_s, "checkpoint")):
+            if step and step % every == 0:
+                phases.append((t, t + length, phase))
+                t += length
+    last_step_t = t
+    end = end_s if end_s is not None else t + 1
+    stepped = [(ts, e.step) for ts, e in items]
+    hb_end = end if heartbeats_after_stop else last_step_t
+    beat, done = heartbeat_s / 2, 0
+    while beat < hb_end:
+        while done < len(stepped) and stepped[done][0] <= beat:
+            done += 1
+        phase = next((p for start, stop, p in phases if start <= beat < stop), "train")
+        last = stepped[done - 1][1] if done else None
+        items.append((beat, HeartbeatEvent(run_id="r", ts=at(beat), step=last, phase=phase)))
+        beat += heartbeat_s
+    items += [(float(s), None) for s in range(1, int(end))]
+    items.sort(key=lambda item: (item[0], item[1] is None))
+    return items
+
+
+def drive(detector, items) -> list[Finding]:
+    found: list[Finding] = []
+    for t, event in items:
+        found += detector.tick(at(t)) if event is None else detector.update(event, event.ts)
+    return found
+
+
+def found_at(finding: Finding, items) -> float:
+    """When (seconds) a finding came out, by replaying until it appears."""
+    det = StallDetector(StallConfig())
+    for t, event in items:
+        out = det.tick(at(t)) if event is None else det.update(event, event.ts)
+        if finding in out:
+            return t
+    raise AssertionError("finding not reproduced")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_healthy_run_with_long_evals_and_checkpoint_saves_is_not_a_stall(seed):
+    assert drive(StallDetector(StallConfig()), training_timeline(seed=seed)) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("heartbeat_s", [1.0, 10.0])
+def test_steps_stopping_while_heartbeats_go_on_is_a_stall_found_within_three_step_intervals(seed, heartbeat_s):
+    items = training_timeline(seed=seed, steps=900, stop_after=700, end_s=3000, heartbeat_s=heartbeat_s)
+    found = drive(StallDetector(StallConfig()), items)
+    assert len(found) == 1  # once per episode
+    f = found[0]
+    assert f.detector == "stall" and f.evidence["kind"] == "stalled" and f.evidence["phase"] == "train"
+    assert f.step == 700 and f.severity == "warning"
+    median = f.evidence["median_step_interval_s"]
+    assert 1.5 < median < 2.5
+    assert f.evidence["allowed_s"] == pytest.approx(max(5.0, 3 * median))
+    last_progress = max(t for t, e in items if isinstance(e, StepEvent))
+    delay = found_at(f, items) - last_progress
+    # 3 median steps, or one heartbeat period when heartbeats are sparser (the phase of the pause is
+    # known from the first heartbeat after the last step), + the tick period
+    assert f.evidence["allowed_s"] < delay <= max(3 * median, heartbeat_s) + 1
+    assert f.evidence["seconds_since_progress"] > f.evidence["allowed_s"]
+
+
+def test_a_checkpoint_save_that_hangs_is_a_stall_after_its_phase_allowance():
+    items = training_timeline(steps=1001, ckpt_s=5000, eval_every=10**6)  # the save at step 1000 never returns
+    found = drive(StallDetector(StallConfig()), items)
+    assert len(found) == 1 and found[0].evidence["phase"] == "checkpoint"
+    assert found[0].step == 1000
+    assert 900 < found[0].evidence["seconds_since_progress"] <= 900 + 3 * 2.5 + 12  # + a heartbeat period
+
+
+def test_heartbeats_stopping_is_silence_not_a_stall():
+    items = training_timeline(steps=900, stop_after=700, heartbeats_after_stop=False, end_s=2000)
+    found = drive(StallDetector(StallConfig()), items)
+    assert [f.evidence["kind"] for f in found] == ["silent"]
+    assert found[0].severity == "critical" and found[0].step == 700
+    assert 60 < found[0].evidence["seconds_since_heard"] <= 62
+
+
+def test_a_stall_rearms_when_the_step_moves_and_a_rollback_is_movement():
+    det = StallDetector(StallConfig())
+    items = training_timeline(steps=300, eval_every=10**6, ckpt_every=10**6)
+    assert drive(det, items) == []
+    t = items[-1][0]
+    assert det.tick(at(t + 30)) == []  # no heartbeat since the last step: the phase of the pause is unknown
+    # the next heartbeat (train, still step 299) settles it: update checks on heartbeats too
+    stalled = det.update(HeartbeatEvent(run_id="r", ts=at(t + 31), step=299), at(t + 31))
+    assert [f.evidence["kind"] for f in stalled] == ["stalled"]
+    assert det.tick(at(t + 40)) == []  # once per episode
+    det.update(StepEvent(run_id="r", step=120, ts=at(t + 41)), at(t + 41))  # rolled back: movement
+    assert det.step == 120
+    assert det.tick(at(t + 42)) == []
+    assert det.update(HeartbeatEvent(run_id="r", ts=at(t + 44), step=120), at(t + 44)) == []
+    assert [f.evidence["kind"] for f in det.tick(at(t + 50))] == ["stalled"]
+
+
+def test_no_stall_before_the_pace_is_known():
+    det = StallDetector(StallConfig(min_steps=10))
+    for step in range(5):
+        det.update(StepEvent(run_id="r", step=step, ts=at(step)), at(step))
+    det.update(HeartbeatEvent(run_id="r", ts=at(30), step=4), at(30))
+    assert det.tick(at(50)) == []  # a compile or warm-up of unknown length
+
+
+def test_stall_detector_pickles_mid_stream():
+    items = training_timeline(steps=900, stop_after=700, end_s=3000)
+    straight = drive(StallDetector(StallConfig()), items)
+    split = len(items) // 2
+    first = StallDetector(StallConfig())
+    before = drive(first, items[:split])
+    assert before + drive(pickle.loads(pickle.dumps(first)), items[split:]) == straight
+    assert straight

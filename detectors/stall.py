@@ -1,0 +1,173 @@
+"""A stalled rank (heartbeats keep coming, the step does not move) or a silent one (heartbeats stop).
+
+Progress is the step moving: a step event (or a heartbeat's ``step``, the last completed step)
+with a step beyond the current one; a step going *back* (a rollback, a resume from a checkpoint)
+counts as movement too, so a rolled-back run is not judged stalled until it catches up. The
+typical pace is the rolling median of step intervals from step event timestamps (river
+``RollingQuantile`` over the last 100), trusted after ``min_steps`` steps.
+
+Stalled: ``now - last progress > max(min_stall_s, factor x median step interval) +
+phase_allowance_s[phase]``, the phase of the latest heartbeat, so a long checkpoint save or an eval
+is not a stall. That phase must come from a heartbeat sent after the last progress (an eval that
+began after the last step is only known from the next heartbeat), unless the rank sends none, and
+the clock restarts when a new phase is first reported (after an eval, the next train step has its
+ordinary allowance from then; ``time_in_phase_s`` cannot say this, as a resumed outer phase keeps
+its original start). Silent: no event at all from the rank for ``heartbeat_timeout_s`` (armed by its
+first heartbeat: a producer that sends none is never called silent). One finding per episode: a
+stall re-arms when the step moves, silence when the rank is heard again.
+
+Detection delay: with ``tick`` called at least every ``d`` seconds (and on each heartbeat, which
+``update`` checks too), a stall is found at most ``max(allowed_s, heartbeat period) + d`` after the
+last progress: within ``factor`` (3) x the median step interval plus the phase allowance (or
+``min_stall_s`` for very fast steps), plus ``d``, or one heartbeat period where heartbeats are
+sparser than that.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from river import stats
+
+from runwatch.detectors.base import Detector
+from runwatch.detectors.config import StallConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+
+NAME = "stall"
+INTERVAL_WINDOW = 100  # step intervals in the rolling median
+
+
+class StallDetector(Detector):
+    """Phase-aware stall and silence of one rank, checked on ``tick(now)`` (see the module doc)."""
+
+    name = NAME
+
+    def __init__(self, config: StallConfig):
+        self.config = config
+        self.rank: int | None = None
+        self.step: int | None = None  # the current (last completed) step
+        self.progress_at: datetime | None = None
+        self._last_step_event: tuple[int, datetime] | None = None
+        self._intervals = stats.RollingQuantile(q=0.5, window_size=INTERVAL_WINDOW)
+        self.intervals_seen = 0
+        self.phase = "train"
+        self.phase_seen_at: datetime | None = None  # the first heartbeat that reported the current phase
+        self.heard_at: datetime | None = None  # the latest event of any kind
+        self.heartbeats = 0
+        self.heartbeat_at: datetime | None = None
+        self.ended = False
+        self._stall_fired = False
+        self._silence_fired = False
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if isinstance(event, RunEndEvent):
+            self.ended = True
+            return []
+        self.rank = event.rank
+        if self.heard_at is None or event.ts > self.heard_at:
+            self.heard_at = event.ts
+        self._silence_fired = False
+        if isinstance(event, StepEvent):
+            self._step_event(event)
+            return []
+        if isinstance(event, HeartbeatEvent):
+            self.heartbeats += 1
+            if event.phase != self.phase or self.phase_seen_at is None:
+                self.phase_seen_at = event.ts
+            self.phase = event.phase
+            if self.heartbeat_at is None or event.ts > self.heartbeat_at:
+                self.heartbeat_at = event.ts
+            if event.step is not None and (self.step is None or event.step > self.step):
+                self._progress(event.step, event.ts)
+            return self.tick(now)
+        return []
+
+    def _step_event(self, event: StepEvent) -> None:
+        previous = self._last_step_event
+        if previous is not None and event.step > previous[0]:
+            dt = (event.ts - previous[1]).total_seconds() / (event.step - previous[0])
+            if dt >= 0:
+                self._intervals.update(dt)
+                self.intervals_seen += 1
+        if previous is None or event.step != previous[0]:
+            self._last_step_event = (event.step, event.ts)
+        if self.step is None or event.step > self.step or (previous is not None and event.step < previous[0]):
+            self._progress(event.step, event.ts)
+
+    def _progress(self, step: int, ts: datetime) -> None:
+        self.step = step
+        if self.progress_at is None or ts > self.progress_at:
+            self.progress_at = ts
+        self._stall_fired = False
+
+    def median_interval_s(self) -> float | None:
+        return self._intervals.get() if self.intervals_seen >= self.config.min_steps else None
+
+    def allowed_s(self) -> float | None:
+        median = self.median_interval_s()
+        if median is None:
+            return None
+        cfg = self.config
+        return max(cfg.min_stall_s, cfg.factor * median) + cfg.phase_allowance_s.get(self.phase, 0.0)
+
+    def tick(self, now: datetime) -> list[Finding]:
+        if self.ended or self.heard_at is None:
+            return []
+        cfg = self.config
+        silent_s = (now - self.heard_at).total_seconds()
+        if self.heartbeats and silent_s > cfg.heartbeat_timeout_s:
+            if self._silence_fired:
+                return []
+            self._silence_fired = True
+            return [self._finding("silent", now, silent_s)]
+        allowed = self.allowed_s()
+        if allowed is None or self.progress_at is None or self._stall_fired:
+            return []
+        # The clock runs from the last progress or from when the current phase was first reported,
+        # whichever is later: the first step after a long eval gets its normal time, not none.
+        start = self.progress_at if self.phase_seen_at is None else max(self.progress_at, self.phase_seen_at)
+        if (now - start).total_seconds() <= allowed:
+            return []
+        if self.heartbeats and (self.heartbeat_at is None or self.heartbeat_at <= self.progress_at):
+            return []  # no heartbeat since the last step yet: the phase of this pause is still unknown
+        self._stall_fired = True
+        return [self._finding("stalled", now, silent_s)]
+
+    def _finding(self, kind: str, now: datetime, silent_s: float) -> Finding:
+        cfg = self.config
+        since = (now - self.progress_at).total_seconds() if self.progress_at is not None else None
+        allowed = self.allowed_s()
+        median = self.median_interval_s()
+        allowance = cfg.phase_allowance_s.get(self.phase, 0.0)
+        if kind == "silent":
+            message = (f"rank {self.rank} has been silent for {silent_s:.0f} s (no heartbeat or event; timeout "
+                       f"{cfg.heartbeat_timeout_s:.0f} s): last step {self.step}, last phase {self.phase!r}")
+            value, threshold, severity = silent_s, cfg.heartbeat_timeout_s, "critical"
+        else:
+            heard = "while heartbeats continue" if self.heartbeats else "(this rank sends no heartbeats)"
+            message = (f"rank {self.rank} is stalled: no step completed for {since:.0f} s since step {self.step} "
+                       f"{heard} (phase {self.phase!r}; allowed {allowed:.0f} s = max("
+                       f"{cfg.min_stall_s:g} s, {cfg.factor:g} x median step {median:.3g} s) + {allowance:g} s)")
+            value, threshold, severity = since, allowed, "warning"
+        return Finding(
+            detector=NAME,
+            metric="heartbeat" if kind == "silent" else "step_progress",
+            step=self.step,
+            rank=self.rank,
+            severity=severity,
+            message=message,
+            value=value,
+            threshold=threshold,
+            score=value / threshold if threshold else None,
+            evidence={
+                "kind": kind,
+                "phase": self.phase,
+                "seconds_since_progress": since,
+                "seconds_since_heard": silent_s,
+                "allowed_s": allowed,
+                "median_step_interval_s": median,
+                "phase_allowance_s": allowance,
+                "last_step": self.step,
+            },
+        )
