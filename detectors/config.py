@@ -77,7 +77,7 @@ class ThroughputConfig(Strict):
 
     enabled: bool = True
     warmup: int = Field(default=30, ge=4, description="steps before any finding")
-    delta: float = Field(default=0.002, gt=0, lt=1, description="ADWIN confidence parameter")
+    delta: float = Field(default=0.01, gt=0, lt=1, description="ADWIN confidence parameter")
     min_change: float = Field(default=0.3, gt=0, description="relative change of the mean step time that counts")
     cooldown_steps: int = Field(default=100, ge=0)
 

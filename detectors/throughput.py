@@ -1,0 +1,147 @@
+"""A sustained level shift in step time (the run got slower), not a single slow step.
+
+river ``ADWIN(clock=1)`` watches the step time as a robust z of log(step time) against
+the rolling median / IQR (river ``RollingQuantile``), clipped to +-4: on that scale a
+checkpoint step 5x slower counts as one bounded outlier, and ADWIN's bound (whose
+variance-free term assumes values of order one) reacts within a few steps to a shift.
+ADWIN only raises the question; the answer comes from medians. While a drift is pending,
+the change point is the split of the recent steps that best separates two means
+(least squares, on the clipped z), and a finding needs the median step time after it to
+exceed the median before it by ``min_change`` (relative), by at least three robust
+standard errors, over at least ``MIN_AFTER`` steps. Isolated slow steps move no median;
+noise does not pass the standard-error test.
+
+After a finding the history restarts from the new level, so one slowdown is one finding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from datetime import datetime
+
+import numpy as np
+from river import drift, stats
+
+from runwatch.detectors.base import Detector
+from runwatch.detectors.config import ThroughputConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+NAME = "throughput_drift"
+WINDOW = 100  # steps of history for the robust scale and the "before" median
+SEGMENT = 200  # recent steps searched for the change point
+MIN_BEFORE = 10
+MIN_AFTER = 5
+PENDING_STEPS = 40  # how long an ADWIN signal keeps the median test running
+CLIP_Z = 4.0
+MIN_SCALE_LOG = 0.02  # a very steady step time still has 2% noise, as far as significance goes
+IQR_TO_SIGMA = 1.349
+
+
+class ThroughputDetector(Detector):
+    name = NAME
+
+    def __init__(self, config: ThroughputConfig):
+        self.config = config
+        self._q25 = stats.RollingQuantile(q=0.25, window_size=WINDOW)
+        self._median = stats.RollingQuantile(q=0.5, window_size=WINDOW)
+        self._q75 = stats.RollingQuantile(q=0.75, window_size=WINDOW)
+        self._adwin = drift.ADWIN(delta=config.delta, clock=1)
+        self._log_t: deque[float] = deque(maxlen=SEGMENT)
+        self._z: deque[float] = deque(maxlen=SEGMENT)
+        self._steps: deque[int] = deque(maxlen=SEGMENT)
+        self.seen = 0
+        self._pending_until = -1
+        self._quiet_until = -1
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent):
+            return []
+        t = event.step_time_s
+        if t is None or not math.isfinite(t) or t <= 0:
+            return []
+        y = math.log(t)
+        if self.seen >= MIN_BEFORE:
+            median = self._median.get()
+            scale = max((self._q75.get() - self._q25.get()) / IQR_TO_SIGMA, MIN_SCALE_LOG)
+            z = min(max((y - median) / scale, -CLIP_Z), CLIP_Z)
+            self._adwin.update(z)
+            if self._adwin.drift_detected:
+                self._pending_until = event.step + PENDING_STEPS
+        else:
+            z = 0.0
+        self._q25.update(y)
+        self._median.update(y)
+        self._q75.update(y)
+        self._log_t.append(y)
+        self._z.append(z)
+        self._steps.append(event.step)
+        self.seen += 1
+        if event.step > self._pending_until or self.seen < self.config.warmup or event.step <= self._quiet_until:
+            return []
+        finding = self._test(event)
+        if finding is None:
+            return []
+        self._quiet_until = event.step + self.config.cooldown_steps
+        self._pending_until = -1
+        self._restart()
+        return [finding]
+
+    def _restart(self) -> None:
+        """The new level is the reference from here on."""
+        self._adwin = drift.ADWIN(delta=self.config.delta, clock=1)
+        self._log_t.clear()
+        self._z.clear()
+        self._steps.clear()
+        self.seen = 0
+
+    def _test(self, event: StepEvent) -> Finding | None:
+        z = np.fromiter(self._z, dtype=np.float64)
+        n = len(z)
+        if n < MIN_BEFORE + MIN_AFTER:
+            return None
+        c = np.cumsum(z)
+        k = np.arange(MIN_BEFORE, n - MIN_AFTER + 1)  # split: k steps before, n - k after
+        before_mean = c[k - 1] / k
+        after_mean = (c[-1] - c[k - 1]) / (n - k)
+        gain = np.where(after_mean > before_mean, k * (n - k) / n * (after_mean - before_mean) ** 2, -1.0)
+        best = int(np.argmax(gain))
+        if gain[best] <= 0:
+            return None
+        split = int(k[best])
+        y = np.fromiter(self._log_t, dtype=np.float64)
+        before = y[max(0, split - WINDOW):split]
+        after = y[split:]
+        q25, before_med, q75 = np.quantile(before, (0.25, 0.5, 0.75))
+        after_med = float(np.median(after))
+        shift = after_med - float(before_med)
+        change = math.expm1(shift)
+        scale = max(float(q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)
+        stderr = 1.2533 * scale * math.sqrt(1 / len(after) + 1 / len(before))  # of a difference of medians
+        if change < self.config.min_change or shift < 3 * stderr:
+            return None
+        before_s, after_s = math.exp(before_med), math.exp(after_med)
+        onset = self._steps[split]
+        return Finding(
+            detector=NAME,
+            metric="step_time_s",
+            step=event.step,
+            rank=event.rank,
+            severity="warning",
+            value=after_s,
+            threshold=before_s * (1 + self.config.min_change),
+            score=change,
+            message=(
+                f"step time rose from {before_s:.4g}s to {after_s:.4g}s (+{change:.0%}, throughput "
+                f"x{before_s / after_s:.2f}) since about step {onset}, over {len(after)} steps"
+            ),
+            evidence={
+                "before_s": before_s,
+                "after_s": after_s,
+                "change": change,
+                "onset_step": onset,
+                "steps_after": len(after),
+                "robust_scale_log": scale,
+            },
+        )
