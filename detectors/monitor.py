@@ -12,11 +12,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.category import CategoryDivergenceDetector
 from runwatch.detectors.config import RunwatchConfig, SpikeConfig
+from runwatch.detectors.data_wait import DataWaitDetector
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.generalization import ValVsTrainDetector
+from runwatch.detectors.memory_growth import MemoryGrowthDetector
+from runwatch.detectors.module_grad import ModuleGradDetector
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.policy import ActionDecision, ActionPolicy
 from runwatch.detectors.spike import SpikeDetector
+from runwatch.detectors.stall import StallDetector
+from runwatch.detectors.throughput import ThroughputDetector
+from runwatch.detectors.update_ratio import UpdateRatioDetector
 from runwatch.producer.schema import (
     ActionAckEvent,
     Anomaly,
@@ -73,6 +81,14 @@ DETECTORS: dict[str, Callable[[RunwatchConfig], Detector]] = {
     "non_finite": _NonFinite,
     "loss_spike": lambda c: _StepSpike("loss_spike", "loss", c.detectors.loss_spike),
     "grad_norm_spike": lambda c: _StepSpike("grad_norm_spike", "grad_norm", c.detectors.grad_norm_spike),
+    "module_grad_explosion": lambda c: ModuleGradDetector(c.detectors.module_grad_explosion),
+    "update_ratio": lambda c: UpdateRatioDetector(c.detectors.update_ratio),
+    "throughput_drift": lambda c: ThroughputDetector(c.detectors.throughput_drift),
+    "data_wait": lambda c: DataWaitDetector(c.detectors.data_wait),
+    "memory_growth": lambda c: MemoryGrowthDetector(c.detectors.memory_growth),
+    "category_divergence": lambda c: CategoryDivergenceDetector(c.detectors.category_divergence),
+    "val_vs_train": lambda c: ValVsTrainDetector(c.detectors.val_vs_train),
+    "stall": lambda c: StallDetector(c.detectors.stall),
 }
 
 
