@@ -2,8 +2,8 @@
 
 Per module: robust z of log(norm) against the module's own median / IQR, plus a minimum
 ratio to its typical norm, plus a minimum share of the squared global norm (the sum of
-squares of the module norms), plus standing out from the rest of the model: the module's
-growth over its typical norm must exceed the median module's growth by sqrt(min_ratio).
+squares of the module norms), plus standing out from the rest of the model: z and ratio
+must also hold for the module's growth beyond the median module's growth this step.
 That last test is what leaves a run-wide gradient spike (every module up together, a
 dominant module included) to the grad-norm spike detector; the share alone cannot, since
 a module that is large all along keeps its share when everything rises.
@@ -187,11 +187,16 @@ class ModuleGradDetector(Detector):
                 & (dev >= self._reported + self._log_ratio)
             )
             if candidate.any():
-                rest = float(np.median(dev[finite & ready]))  # how the typical module moved this step
-                for col in np.flatnonzero(candidate & (dev - rest >= half)).tolist():
+                # The same thresholds once more, on the growth beyond the typical module's this step:
+                # a run-wide rise lifts every module and is not one module exploding.
+                rest = max(float(np.median(dev[finite & ready])), 0.0)
+                relative = dev - rest
+                rel_z = relative / scale
+                candidate &= (relative >= self._log_ratio) & (rel_z >= cfg.z_threshold)
+                for col in np.flatnonzero(candidate).tolist():
                     findings.append(self._finding(
                         event, col, float(v[col]), float(median[col]), float(scale[col]), float(dev[col]),
-                        float(z[col]), float(sq[col]) / global_sq, rest,
+                        float(rel_z[col]), float(sq[col]) / global_sq, rest,
                     ))
                     self._quiet_until[col] = step + cfg.cooldown_steps
                     self._reported[col] = dev[col]
@@ -240,12 +245,12 @@ class ModuleGradDetector(Detector):
             rank=event.rank,
             severity="critical" if ratio >= cfg.min_ratio**2 else "warning",
             value=value,
-            threshold=typical * math.exp(max(cfg.z_threshold * scale, self._log_ratio)),
+            threshold=typical * math.exp(rest + max(cfg.z_threshold * scale, self._log_ratio)),
             score=z,
             message=(
-                f"module {name} gradient norm {value:.4g} is {ratio:.1f}x its typical {typical:.4g} "
-                f"(robust z {z:.1f}) and {share:.0%} of the squared global norm, while the median module "
-                f"is at {math.exp(rest):.2f}x{since}"
+                f"module {name} gradient norm {value:.4g} is {ratio:.1f}x its typical {typical:.4g} and "
+                f"{share:.0%} of the squared global norm, while the median module is at {math.exp(rest):.2f}x "
+                f"(robust z {z:.1f}){since}"
             ),
             evidence=evidence,
         )
