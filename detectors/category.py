@@ -1,16 +1,19 @@
 """One data category's loss diverging while the run's mean loss still looks fine.
 
-Each category is judged against its own history, so a category that is always harder is not an
-outlier: robust z of log(category loss) against its rolling median and IQR (river
-``RollingQuantile``). A per-step category mean over a handful of samples is noise, so samples are
-pooled across steps (count-weighted) until ``min_count`` of them make one observation.
+Each category is judged by its loss relative to the run's mean loss over the same steps, against
+its own history of that relative level: the shared movement of training (the loss falling, an LR
+change, a run-wide bump) cancels out, and a category that is always harder is not an outlier. The
+statistic is a robust z of log((category loss + floor) / (mean loss + floor)) against its rolling
+median and IQR (river ``RollingQuantile``); the floor (a quarter of the run's typical loss) keeps
+a well-learned category near zero loss from turning tiny absolute noise into huge log noise. A
+per-step category mean over a handful of samples is noise, so samples are pooled across steps
+(count-weighted) until ``min_count`` of them make one observation.
 
 An observation diverges when its z reaches ``z_threshold`` and its ratio to the category's typical
-loss reaches ``min_ratio``; ``patience`` such observations in a row make a finding. The history
-does not learn from a diverging observation (a slow divergence must not become the new normal),
-except when the other categories moved too: when the median of their ratios to their own typical
-loss is up as well, the whole run's loss moved (that is the loss detectors' finding, not this
-one's) and every category learns the new level.
+relative level reaches ``min_ratio``; ``patience`` such observations in a row make a finding. The
+history does not learn from a diverging observation (a slow divergence must not become the new
+normal), except when the other categories moved too: when the median of their ratios is up as
+well, the categories' balance moved as a whole and every category learns the new level.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from runwatch.producer.schema import StepEvent, TelemetryEvent
 NAME = "category_divergence"
 IQR_TO_SIGMA = 1.349
 MIN_SCALE = 0.02  # floor on the robust scale (log units): a nearly constant loss is not a hair trigger
+# A well-learned category's loss sits near 0, where log() turns tiny absolute noise into huge
+# relative noise and hides a real divergence; losses are offset by this fraction of the run's
+# typical mean loss before the log.
+LOSS_FLOOR_FRACTION = 0.25
 
 
 class _Category:
@@ -39,6 +46,7 @@ class _Category:
         self.seen = 0
         self.pool_sum = 0.0
         self.pool_count = 0
+        self.pool_mean_sum = 0.0  # the run's mean loss over the same steps, count-weighted
         self.last_ratio: float | None = None  # latest loss / typical, for the others' run-wide check
         self.streak = 0
         self.onset_step: int | None = None
@@ -73,6 +81,8 @@ class CategoryDivergenceDetector(Detector):
                 mean_ratio = math.exp(math.log(mean_loss) - typical_mean)
             self._mean_median.update(math.log(mean_loss))
 
+        floor = self._floor()
+
         # 1. pool each category's samples into observations; score the complete ones against history
         scored: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
         for name, loss in event.category_loss.items():
@@ -81,12 +91,17 @@ class CategoryDivergenceDetector(Detector):
             cat = self._categories.get(name)
             if cat is None:
                 cat = self._categories[name] = _Category(cfg.window)
+            if mean_loss is None:
+                continue
             cat.pool_sum += loss.mean * loss.count
+            cat.pool_mean_sum += mean_loss * loss.count
             cat.pool_count += loss.count
             if cat.pool_count < cfg.min_count:
                 continue
-            x = math.log(cat.pool_sum / cat.pool_count)
-            cat.pool_sum, cat.pool_count = 0.0, 0
+            # The category relative to the run's mean over the same steps: the shared trend of
+            # training (a falling loss, an LR change, a run-wide bump) cancels out.
+            x = math.log(cat.pool_sum / cat.pool_count + floor) - math.log(cat.pool_mean_sum / cat.pool_count + floor)
+            cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
             if cat.seen < cfg.warmup:
                 cat.learn(x)
                 continue
@@ -116,6 +131,10 @@ class CategoryDivergenceDetector(Detector):
             found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
         return found
 
+    def _floor(self) -> float:
+        typical_log_mean = self._mean_median.get()
+        return LOSS_FLOOR_FRACTION * math.exp(typical_log_mean) if typical_log_mean is not None else 0.0
+
     @staticmethod
     def _mean_loss(event: StepEvent) -> float | None:
         if event.loss is not None and math.isfinite(event.loss) and event.loss > 0:
@@ -129,8 +148,9 @@ class CategoryDivergenceDetector(Detector):
     def _finding(self, event: StepEvent, name: str, cat: _Category, x: float, z: float, ratio: float,
                  others_ratio: float | None, mean_ratio: float | None) -> Finding:
         cfg = self.config
-        typical = math.exp(cat.median.get())
-        loss = math.exp(x)
+        floor = self._floor()
+        typical = math.exp(cat.median.get()) - floor
+        loss = math.exp(x) - floor
         mean_part = f"; the mean loss is at {mean_ratio:.2f}x its typical" if mean_ratio is not None else ""
         return Finding(
             detector=NAME,
