@@ -162,7 +162,8 @@ class StallConfig(Strict):
 class DetectorsConfig(Strict):
     non_finite: NonFiniteConfig = NonFiniteConfig()
     loss_spike: SpikeConfig = SpikeConfig()
-    grad_norm_spike: SpikeConfig = SpikeConfig()
+    # grad norms are heavier-tailed than losses (an LR warm-up peak doubles them): a spike needs 3x
+    grad_norm_spike: SpikeConfig = SpikeConfig(min_ratio=3.0)
     module_grad_explosion: ModuleGradConfig = ModuleGradConfig()
     update_ratio: UpdateRatioConfig = UpdateRatioConfig()
     throughput_drift: ThroughputConfig = ThroughputConfig()

@@ -23,7 +23,7 @@ from runwatch.producer.schema import Anomaly, TelemetryEvent
 
 LABELS_FILE = "labels.json"
 # Which evidence key of a finding must equal which label field, where the label has it.
-MATCHED_ATTRIBUTES = ("module", "category", "kind")
+MATCHED_ATTRIBUTES = ("module", "category", "kind", "phase")
 
 
 class ScenarioLabel(BaseModel):
@@ -37,6 +37,7 @@ class ScenarioLabel(BaseModel):
     module: str | None = None
     category: str | None = None
     kind: str | None = None
+    phase: str | None = None
     steps: int | None = None
 
     @property

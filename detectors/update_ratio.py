@@ -138,6 +138,7 @@ class UpdateRatioDetector(Detector):
         amount = f"{times:.3g}x {'above' if too_large else 'below'}" if ratio > 0 else "far below"
         evidence = {
             "direction": self._direction,
+            "kind": self._direction,  # what evaluation labels call it
             "typical": typical,
             "band_low": band_low,
             "band_high": band_high,

@@ -811,6 +811,9 @@ def label_for(sc: Scenario, outcome: ScenarioOutcome) -> dict[str, Any]:
         value = getattr(sc, key)
         if value is not None:
             label[key] = value
+    if sc.fault == "stall":  # the scenario's kind is the phase it hangs in; the finding's kind is "stalled"
+        label["phase"] = label.pop("kind")
+        label["kind"] = "stalled"
     if sc.magnitude is not None:
         label["magnitude"] = sc.magnitude if math.isfinite(sc.magnitude) else str(sc.magnitude)
     label.update({k: v for k, v in outcome.notes.items() if v is not None})
