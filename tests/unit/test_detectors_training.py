@@ -125,6 +125,22 @@ def test_run_wide_gradient_spike_is_left_to_the_grad_norm_detector():
             assert found == [], [f.message for f in found]
 
 
+def test_modules_growing_at_different_rates_during_lr_warmup_stay_silent():
+    """Early in training every gradient grows as the LR warms up, the first layer faster than the rest
+    (x8 over 50 steps while the median module grows x3): that is the run, not one module exploding."""
+    first = MODULES.index("layers.0.attn")
+
+    def warmup_growth(i: int, norms: np.ndarray) -> np.ndarray:
+        ramp = min(max(i - 20, 0), 50) / 50
+        norms *= 3.0**ramp
+        norms[first] *= (8 / 3) ** ramp
+        return norms
+
+    for seed in range(4):
+        found = run(ModuleGradDetector(ModuleGradConfig()), module_stream(seed, n=400, fault=warmup_growth))
+        assert found == [], [f.message for f in found]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_healthy_modules_with_one_large_module_all_along_stay_silent(seed):
     found = run(ModuleGradDetector(ModuleGradConfig()), module_stream(seed, n=1500, dominant=True, sigma=0.35))
