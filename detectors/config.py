@@ -150,11 +150,11 @@ class StallConfig(Strict):
 
     enabled: bool = True
     factor: float = Field(default=3.0, gt=1, description="stalled after this many median step intervals ...")
-    min_stall_s: float = Field(default=5.0, ge=0, description="... and at least this long")
     min_steps: int = Field(default=10, ge=2, description="steps seen before the median interval is trusted")
     phase_allowance_s: dict[str, float] = Field(
-        default_factory=lambda: {"train": 0.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
-        description="extra seconds allowed while the last heartbeat reports this phase",
+        default_factory=lambda: {"train": 10.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        description="... plus this many seconds for the phase of the latest heartbeat (train: more than the "
+                    "producer's 5 s heartbeat period, so a pause is reported as an eval or data wait in time)",
     )
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, description="no heartbeat for this long: the rank is silent")
 

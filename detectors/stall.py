@@ -6,26 +6,26 @@ counts as movement too, so a rolled-back run is not judged stalled until it catc
 typical pace is the rolling median of step intervals from step event timestamps (river
 ``RollingQuantile`` over the last 100), trusted after ``min_steps`` steps.
 
-Stalled: ``now - last progress > max(min_stall_s, factor x median step interval) +
-phase_allowance_s[phase]``, the phase of the latest heartbeat, so a long checkpoint save or an eval
-is not a stall. That phase must come from a heartbeat sent after the last progress (an eval that
-began after the last step is only known from the next heartbeat), unless the rank sends none, and
-the clock restarts when a new phase is first reported (after an eval, the next train step has its
-ordinary allowance from then; ``time_in_phase_s`` cannot say this, as a resumed outer phase keeps
-its original start). Silent: no event at all from the rank for ``heartbeat_timeout_s`` (armed by its
-first heartbeat: a producer that sends none is never called silent). One finding per episode: a
-stall re-arms when the step moves, silence when the rank is heard again.
+Stalled: ``now - start > factor x median step interval + phase_allowance_s[phase]``, where the
+phase is the latest heartbeat's, so a long checkpoint save or an eval is not a stall, and ``start``
+is the last progress or the start of the current phase, whichever is later (an eval's start is its
+heartbeat's time minus ``time_in_phase_s``; a resumed train phase counts from its first report, so
+the first step after a long eval gets its ordinary allowance). The train phase's allowance (10 s
+by default) must exceed the producer's heartbeat period (5 s), so that a pause that is really an
+eval or a data wait is reported as such before its train allowance runs out; the producer also
+beats at once when an eval, checkpoint or idle phase begins or ends. Silent: no event at all from
+the rank for ``heartbeat_timeout_s`` (armed by its first heartbeat: a producer that sends none is
+never called silent). One finding per episode: a stall re-arms when the step moves, silence when
+the rank is heard again.
 
 Detection delay: with ``tick`` called at least every ``d`` seconds (and on each heartbeat, which
-``update`` checks too), a stall is found at most ``max(allowed_s, heartbeat period) + d`` after the
-last progress: within ``factor`` (3) x the median step interval plus the phase allowance (or
-``min_stall_s`` for very fast steps), plus ``d``, or one heartbeat period where heartbeats are
-sparser than that.
+``update`` checks too), a stall is found within ``factor`` (3) x the median step interval plus the
+phase allowance after it began, plus ``d``.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from river import stats
 
@@ -74,7 +74,10 @@ class StallDetector(Detector):
         if isinstance(event, HeartbeatEvent):
             self.heartbeats += 1
             if event.phase != self.phase or self.phase_seen_at is None:
-                self.phase_seen_at = event.ts
+                # An eval, checkpoint or data wait started time_in_phase_s before this heartbeat; a
+                # resumed train phase keeps its original start, so it counts from this report.
+                self.phase_seen_at = (event.ts if event.phase == "train"
+                                      else event.ts - timedelta(seconds=event.time_in_phase_s))
             self.phase = event.phase
             if self.heartbeat_at is None or event.ts > self.heartbeat_at:
                 self.heartbeat_at = event.ts
@@ -109,7 +112,7 @@ class StallDetector(Detector):
         if median is None:
             return None
         cfg = self.config
-        return max(cfg.min_stall_s, cfg.factor * median) + cfg.phase_allowance_s.get(self.phase, 0.0)
+        return cfg.factor * median + cfg.phase_allowance_s.get(self.phase, 0.0)
 
     def tick(self, now: datetime) -> list[Finding]:
         if self.ended or self.heard_at is None:
@@ -130,7 +133,10 @@ class StallDetector(Detector):
         if (now - start).total_seconds() <= allowed:
             return []
         if self.heartbeats and (self.heartbeat_at is None or self.heartbeat_at <= self.progress_at):
-            return []  # no heartbeat since the last step yet: the phase of this pause is still unknown
+            # No heartbeat since the last step: the pause's phase is unknown, or heartbeats stopped
+            # too (silence, below). The train allowance outlasts a heartbeat period, so this wait
+            # does not delay finding a rank that hangs while it still beats.
+            return []
         self._stall_fired = True
         return [self._finding("stalled", now, silent_s)]
 
@@ -147,8 +153,8 @@ class StallDetector(Detector):
         else:
             heard = "while heartbeats continue" if self.heartbeats else "(this rank sends no heartbeats)"
             message = (f"rank {self.rank} is stalled: no step completed for {since:.0f} s since step {self.step} "
-                       f"{heard} (phase {self.phase!r}; allowed {allowed:.0f} s = max("
-                       f"{cfg.min_stall_s:g} s, {cfg.factor:g} x median step {median:.3g} s) + {allowance:g} s)")
+                       f"{heard} (phase {self.phase!r}; allowed {allowed:.0f} s = {cfg.factor:g} x median step "
+                       f"{median:.3g} s + {allowance:g} s for the phase)")
             value, threshold, severity = since, allowed, "warning"
         return Finding(
             detector=NAME,

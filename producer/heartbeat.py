@@ -19,6 +19,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PHASES: tuple[str, ...] = ("train", "eval", "checkpoint", "dataload", "idle")
+# Entering or leaving these sends a heartbeat at once: the worker must know that a pause is an
+# eval or a checkpoint save before the train phase's stall allowance runs out. (Not dataload,
+# which changes on every batch.)
+ANNOUNCED_PHASES = frozenset({"eval", "checkpoint", "idle"})
 
 
 def _checked(phase: str) -> str:
@@ -54,6 +58,7 @@ class Heartbeat:
         self._outer: list[tuple[str, float]] = []  # states that push() covered, restored by pop()
         self._lifecycle = threading.Lock()  # start/stop only, never on the per-step path
         self._stopping = threading.Event()
+        self._wake = threading.Event()  # set to beat before the interval is up (and to stop)
         self._thread: threading.Thread | None = None
         self._warned = False
 
@@ -65,18 +70,23 @@ class Heartbeat:
 
     def enter(self, phase: str) -> None:
         """Switch to ``phase`` and restart the time-in-phase count (even if it is the current phase)."""
+        previous = self._state[0]
         self._state = (_checked(phase), self._clock())
+        self._announce_if(previous, phase)
 
     def push(self, phase: str) -> None:
         """Enter ``phase``, remembering the current phase and its start time for :meth:`pop`."""
         new_state = (_checked(phase), self._clock())
         self._outer.append(self._state)
         self._state = new_state
+        self._announce_if(phase)
 
     def pop(self) -> None:
         """Return to the phase (and its original start time) that the matching :meth:`push` covered."""
         if self._outer:  # an unmatched pop is a caller's slip; not worth crashing training over
+            left = self._state[0]
             self._state = self._outer.pop()
+            self._announce_if(left)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[Heartbeat]:
@@ -123,6 +133,7 @@ class Heartbeat:
         with self._lifecycle:
             thread, self._thread = self._thread, None
             self._stopping.set()
+            self._wake.set()
             atexit.unregister(self.stop)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -139,8 +150,14 @@ class Heartbeat:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def _announce_if(self, *phases: str) -> None:
+        if ANNOUNCED_PHASES.intersection(phases):
+            self._wake.set()
+
     def _run(self, stopping: threading.Event) -> None:
         while True:
             self.beat()
-            if stopping.wait(self.interval_s):
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if stopping.is_set():
                 return

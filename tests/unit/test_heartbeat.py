@@ -207,3 +207,34 @@ def test_heartbeats_reach_a_real_runwatch_as_valid_events(clock, monkeypatch, tm
         assert (rw.stats.queued, rw.stats.dropped) == (1, 0)  # an invalid event would be dropped as "invalid"
     finally:
         rw.close(timeout=0.1)
+
+
+def test_an_eval_or_checkpoint_is_announced_at_once_not_at_the_next_interval():
+    import threading
+
+    class Collect:
+        def __init__(self):
+            self.beats = []
+            self.got = threading.Event()
+
+        def heartbeat(self, step, phase="train", time_in_phase_s=0.0):
+            self.beats.append(phase)
+            self.got.set()
+            return True
+
+    rw = Collect()
+    hb = Heartbeat(rw, interval_s=60.0)
+    hb.start()
+    try:
+        assert rw.got.wait(2.0)  # the first beat, at start
+        rw.got.clear()
+        with hb.phase("dataload"):
+            pass  # per-batch phases are not announced
+        with hb.phase("eval"):
+            assert rw.got.wait(2.0), "entering eval must beat at once"
+            assert rw.beats[-1] == "eval"
+            rw.got.clear()
+        assert rw.got.wait(2.0), "leaving eval must beat at once"
+        assert rw.beats == ["train", "eval", "train"]
+    finally:
+        hb.stop()
