@@ -17,7 +17,8 @@ from runwatch.detectors.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.policy import ActionDecision
 from runwatch.producer.schema import Anomaly, SchemaError, StepEvent, TelemetryEvent, decode_event
 
-MAX_TICKS_PER_GAP = 100_000  # a recording with a days-long gap must not tick forever
+TICK_EVERY_S = 0.25  # the worker's timer period (streams/app.py), on event time
+MAX_TICKS_PER_GAP = 400_000  # a recording with a days-long gap must not tick forever
 
 
 class ReplayError(ValueError):
@@ -61,7 +62,7 @@ def _ticks(monitor: RunMonitor, last, now, every: timedelta) -> Iterator[Monitor
 
 
 def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = None,
-           tick_every_s: float = 1.0) -> ReplayResult:
+           tick_every_s: float = TICK_EVERY_S) -> ReplayResult:
     """Feed ``events`` (in order) to one ``RunMonitor`` per run, ticking on event time."""
     config = config or RunwatchConfig()
     every = timedelta(seconds=tick_every_s)
@@ -86,5 +87,5 @@ def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = Non
     return result
 
 
-def replay_file(path: str | Path, config: RunwatchConfig | None = None, tick_every_s: float = 1.0) -> ReplayResult:
+def replay_file(path: str | Path, config: RunwatchConfig | None = None, tick_every_s: float = TICK_EVERY_S) -> ReplayResult:
     return replay(read_events(path), config, tick_every_s)

@@ -18,7 +18,7 @@ from runwatch.streams.processor import ProcessResult, TelemetryProcessor
 log = logging.getLogger("runwatch.worker")
 
 DETECT_GROUP = "runwatch-detect"
-TICK_INTERVAL_S = 1.0  # as `runwatch replay --tick` does on event time
+TICK_INTERVAL_S = 0.25  # as `runwatch replay --tick` does on event time
 
 
 def faust_broker_url(bootstrap: str) -> str:

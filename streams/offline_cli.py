@@ -27,8 +27,8 @@ def _dump(obj: object) -> None:
 @click.command()
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--tick", "tick_every_s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
-              help="seconds of event time between time-based checks")
+@click.option("--tick", "tick_every_s", type=click.FloatRange(min=0.01), default=0.25, show_default=True,
+              help="seconds of event time between time-based checks (the worker's timer period)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def replay(path: str, config_path: str | None, tick_every_s: float, as_json: bool) -> None:
     """Run the detectors over a recorded telemetry stream (JSONL), event timestamps as the clock."""
