@@ -121,7 +121,9 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
 
 
 @main.command()
-@click.option("--scenario", type=click.Choice(["healthy", "nan", "grad-spike"]), default="nan", show_default=True)
+@click.option("--scenario", default="nan", show_default=True,
+              help="healthy, nan or grad-spike: the small demo model, with rollback; or any scenario name of "
+                   "`runwatch scenarios generate` (e.g. stall_hang_train), streamed live on a simulated clock")
 @click.option("--steps", type=click.IntRange(min=20), default=300, show_default=True)
 @click.option("--fault-step", type=int, default=None, help="default: just after half way")
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, help="use this Kafka instead of the embedded broker")
@@ -139,7 +141,14 @@ def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | Non
     """Train a small model with a fault injected and watch runwatch catch it."""
     from runwatch.streams.demo import DemoError, DemoOptions, run_demo
     from runwatch.streams.demo_render import DemoConsole
+    from runwatch.streams.demo_training import SCENARIOS as DEMO_SCENARIOS
+    from runwatch.streams.scenarios import SCENARIOS
 
+    if scenario not in DEMO_SCENARIOS and scenario not in SCENARIOS:
+        raise click.BadParameter(f"{scenario!r}; choose one of {', '.join([*DEMO_SCENARIOS, *SCENARIOS])}",
+                                 param_hint="--scenario")
+    if scenario in SCENARIOS:
+        steps = SCENARIOS[scenario].n_steps(False)  # a recorded scenario has its own length
     if config_path:
         _config(config_path)  # fail here, not in the worker process
     opts = DemoOptions(scenario=scenario, steps=steps, fault_step=fault_step, bootstrap=bootstrap, dsn=dsn,

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from runwatch.producer import ActionListener, RunWatch, topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.streams.app import DETECT_GROUP
 from runwatch.streams.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
-from runwatch.streams.demo_training import TrainingConfig, default_fault_step, train
+from runwatch.streams.demo_training import TrainingConfig, TrainingResult, default_fault_step, train
 from runwatch.streams.netcut import NetCut
+from runwatch.streams.scenarios import SCENARIOS, SimulatedClock, run_scenario
 
 STATE_DIR = Path(".runwatch")
 
@@ -106,9 +108,25 @@ class WorkerProcess:
         self.ready_file.unlink(missing_ok=True)
 
 
+def _run_recorded_scenario(name: str, rw: RunWatch,
+                           on_step: Callable[[int, float], None] | None) -> tuple[TrainingResult, int | None]:
+    """One of `runwatch scenarios generate`'s real training runs, streamed live to the worker.
+
+    It runs on a simulated clock that starts now (a 3-minute hang takes no real time): the
+    events carry simulated timestamps and the worker judges time on event time, as replay does.
+    """
+    sim = SimulatedClock(start=datetime.now(UTC))
+    rw.clock = sim.now
+    outcome = run_scenario(SCENARIOS[name], rw, sim, on_step=on_step)
+    result = TrainingResult(steps_completed=outcome.steps, steps_executed=outcome.steps)
+    return result, outcome.onset_step
+
+
 def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
              on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     run_id = f"demo-{opts.scenario}-{uuid.uuid4().hex[:8]}"
+    if opts.scenario in SCENARIOS and opts.broker_outage is not None:
+        raise DemoError("--broker-outage works with the healthy, nan and grad-spike scenarios")
     fault_step = None if opts.scenario == "healthy" else (opts.fault_step or default_fault_step(opts.steps))
     if fault_step is not None and not 1 <= fault_step <= opts.steps:
         raise DemoError(f"fault step {fault_step} is outside 1..{opts.steps}")
@@ -190,7 +208,10 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
                 if on_step is not None:
                     on_step(step, loss)
 
-        result = train(cfg, rw, listener, on_step=step_hook, on_action=on_action)
+        if opts.scenario in SCENARIOS:
+            result, fault_step = _run_recorded_scenario(opts.scenario, rw, step_hook)
+        else:
+            result = train(cfg, rw, listener, on_step=step_hook, on_action=on_action)
         if netcut is not None and netcut.is_cut:  # the run ended (or stopped) inside the window
             netcut.restore()
         stats = rw.close(timeout=30, status="stopped" if result.stopped else "completed")

@@ -68,3 +68,19 @@ def test_healthy_run_raises_nothing(tmp_path):
     assert report["anomalies"] == [] and report["actions"] == [] and report["rollbacks"] == []
     assert report["steps_completed"] == STEPS
     assert_nothing_lost(report)
+
+
+def test_a_recorded_fault_scenario_runs_live_and_is_caught(tmp_path):
+    report = run_demo("stall_hang_train", tmp_path)  # a 3-minute hang, on a simulated clock
+    stalls = [a for a in report["anomalies"] if a["detector"] == "stall"]
+    assert stalls and stalls[0]["step"] == report["fault_step"]
+    assert {a["detector"] for a in report["anomalies"]} == {"stall"}  # nothing else cried wolf
+    assert report["events_dropped"] == 0
+    assert report["clickhouse"]["telemetry_rows"] == report["events_published"]
+
+
+def test_an_unknown_scenario_is_refused_with_the_choices(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "runwatch.streams.cli", "demo", "--scenario", "no-such-thing"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "stall_hang_train" in proc.stderr and "grad-spike" in proc.stderr
