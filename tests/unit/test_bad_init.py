@@ -31,51 +31,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from runwatch.producer.gradstats import ROOT_MODULE
 from runwatch.producer.schema import StepEvent
 from runwatch.producer.watch import Watcher
+from runwatch.streams.scenarios import TinyAudioNet  # the corpus's bad_init_audio model
 from tests.unit.test_instrumentation import RecordingPublisher
 
-N_MELS, WIDTH, CLASSES = 40, 32, 4
+N_MELS, CLASSES = 40, 4  # TinyAudioNet's defaults
 BATCH, FRAMES = 16, 32
 STEPS, WARMUP, PEAK_LR, CLIP = 40, 10, 1e-3, 1.0
 
-
-
-class LearnableBias(nn.Module):
-    """The story's fix: additive in log space, starts as a no-op."""
-
-    def __init__(self, n_channels: int):
-        super().__init__()
-        self.bias = nn.Parameter(torch.zeros(n_channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.bias
-
-
-class TinyAudioNet(nn.Module):
-    """Log-mel (batch, time, mels) -> conv frontend -> one transformer layer -> class logits."""
-
-    def __init__(self, fixed: bool):
-        super().__init__()
-        if fixed:
-            self.mel_bias = LearnableBias(N_MELS)
-        else:
-            self.mel_scale = nn.Parameter(torch.randn(N_MELS))  # the mistake: a bare parameter on the root
-        self.conv1 = nn.Conv1d(N_MELS, WIDTH, 3, padding=1)
-        self.conv2 = nn.Conv1d(WIDTH, WIDTH, 3, stride=2, padding=1)
-        self.encoder = nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True,
-                                                  norm_first=True)
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.mel_bias(x) if hasattr(self, "mel_bias") else x * self.mel_scale  # story: x *= self.mel_scale
-        x = F.gelu(self.conv1(x.transpose(1, 2)))
-        x = F.gelu(self.conv2(x)).transpose(1, 2)
-        return self.head(self.norm(self.encoder(x).mean(dim=1)))
 
 
 def log_mel_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
