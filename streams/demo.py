@@ -29,7 +29,8 @@ from runwatch.streams.app import DETECT_GROUP
 from runwatch.streams.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
 from runwatch.streams.demo_training import TrainingConfig, TrainingResult, default_fault_step, train
 from runwatch.streams.netcut import NetCut
-from runwatch.streams.scenarios import SCENARIOS, SimulatedClock, run_scenario
+from runwatch.streams.scenario_clocks import SimulatedClock
+from runwatch.streams.scenarios import SCENARIOS, run_scenario
 
 STATE_DIR = Path(".runwatch")
 
