@@ -130,8 +130,20 @@ def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig |
     return RunwatchConfig.model_validate(proposed.model_dump()), proposals
 
 
-def to_yaml(config: RunwatchConfig, proposals: list[KnobProposal], target: float) -> str:
+def resolution_per_10k(corpus: Corpus) -> float:
+    """The smallest non-zero false-alarm rate the corpus can show: one alarm in all its healthy steps.
+    A target below it cannot be confirmed, only not contradicted."""
+    steps = sum(sum(1 for e in corpus.events[label.name] if e.kind == "step")
+                for label in corpus.labels if label.healthy)
+    return 10_000 / steps if steps else float("inf")
+
+
+def to_yaml(config: RunwatchConfig, proposals: list[KnobProposal], target: float,
+            resolution: float | None = None) -> str:
     header = [f"# runwatch calibrate: target <= {target} false alarms per 10,000 healthy steps, per detector"]
+    if resolution is not None and target < resolution:
+        header.append(f"# caution: one alarm in these healthy runs is already {resolution:.3g} per 10k steps; "
+                      "record more healthy steps to confirm a target this low")
     for p in proposals:
         note = "" if p.target_met else "  (target not met on this corpus)"
         caught = f", catches {p.faults_caught}/{p.faults_labelled} labelled faults" if p.faults_labelled else ""

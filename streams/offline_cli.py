@@ -108,7 +108,7 @@ def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
 def calibrate(directory: str, target_false_alarms: float, config_path: str | None, out_path: str) -> None:
     """Propose per-detector thresholds from the healthy runs' observed behaviour; writes a YAML."""
     from runwatch.detectors.calibrate import calibrate as propose
-    from runwatch.detectors.calibrate import to_yaml
+    from runwatch.detectors.calibrate import resolution_per_10k, to_yaml
     from runwatch.detectors.evaluate import Corpus
     from runwatch.detectors.replay import ReplayError
 
@@ -125,7 +125,11 @@ def calibrate(directory: str, target_false_alarms: float, config_path: str | Non
         config, proposals = propose(corpus, target_false_alarms, base, progress)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    Path(out_path).write_text(to_yaml(config, proposals, target_false_alarms))
+    resolution = resolution_per_10k(corpus)
+    if target_false_alarms < resolution:
+        click.echo(f"caution: one false alarm in these healthy runs is already {resolution:.3g} per 10k steps; "
+                   f"a target of {target_false_alarms:g} can only be confirmed with more healthy steps", err=True)
+    Path(out_path).write_text(to_yaml(config, proposals, target_false_alarms, resolution))
     for p in proposals:
         flag = "" if p.target_met else "  (target not met)"
         click.echo(f"{p.detector}.{p.knob}: {p.default:g} -> {p.proposed:g}, "

@@ -153,3 +153,14 @@ def test_cli_replay_evaluate_calibrate(tmp_path):
 
     out = runner.invoke(main, ["evaluate", str(tmp_path / "nowhere")])
     assert out.exit_code != 0
+
+
+def test_calibrate_warns_when_the_corpus_cannot_resolve_the_target(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    corpus_dir = write_corpus(tmp_path / "corpus")
+    out = CliRunner().invoke(main, ["calibrate", str(corpus_dir), "--target-false-alarms", "1",
+                                    "--out", str(tmp_path / "c.yaml")])
+    assert out.exit_code == 0, out.output
+    # 3 healthy runs of 300 steps: one alarm is already 11.1 per 10k steps
+    assert "11.1 per 10k" in out.output
+    assert "caution" in (tmp_path / "c.yaml").read_text().splitlines()[1]
