@@ -33,6 +33,7 @@ bench: setup
 	$(PY) tests/benchmarks/bench_publish.py
 	$(PY) tests/benchmarks/bench_watch_overhead.py
 	$(PY) tests/benchmarks/bench_detectors.py
+	$(PY) tests/benchmarks/bench_latency.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info

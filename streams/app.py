@@ -13,6 +13,7 @@ import faust
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
+from runwatch.streams import transport
 from runwatch.streams.processor import ProcessResult, TelemetryProcessor
 
 log = logging.getLogger("runwatch.worker")
@@ -22,7 +23,8 @@ TICK_INTERVAL_S = 0.25  # as `runwatch replay --tick` does on event time
 
 
 def faust_broker_url(bootstrap: str) -> str:
-    return ";".join(f"kafka://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
+    # runwatch:// is Faust's Kafka transport with a short fetch wait (streams/transport.py)
+    return ";".join(f"{transport.SCHEME}://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
 
 
 def create_app(
