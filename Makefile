@@ -34,6 +34,7 @@ bench: setup
 	$(PY) tests/benchmarks/bench_watch_overhead.py
 	$(PY) tests/benchmarks/bench_detectors.py
 	$(PY) tests/benchmarks/bench_latency.py
+	$(PY) tests/benchmarks/bench_throughput.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info

@@ -27,16 +27,9 @@ def faust_broker_url(bootstrap: str) -> str:
     return ";".join(f"{transport.SCHEME}://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
 
 
-def create_app(
-    bootstrap: str,
-    config: RunwatchConfig,
-    secret: bytes,
-    *,
-    app_id: str = DETECT_GROUP,
-    web_port: int = 6066,
-    ready_file: Path | None = None,
-) -> tuple[faust.App, TelemetryProcessor]:
-    app = faust.App(
+def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> faust.App:
+    """A Faust app with runwatch's settings (raw bytes, short fetch wait, quick group joins)."""
+    return faust.App(
         app_id,
         broker=faust_broker_url(bootstrap),
         value_serializer="raw",
@@ -54,6 +47,26 @@ def create_app(
         web_enabled=False,
         web_port=web_port,
     )
+
+
+def mark_ready_on_assignment(app: faust.App, ready_file: Path) -> None:
+    """Write the assigned partitions to ``ready_file`` once the group has given us some."""
+
+    @app.on_partitions_assigned.connect
+    async def mark_ready(sender, assigned, **kwargs) -> None:  # noqa: ANN001
+        ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
+
+
+def create_app(
+    bootstrap: str,
+    config: RunwatchConfig,
+    secret: bytes,
+    *,
+    app_id: str = DETECT_GROUP,
+    web_port: int = 6066,
+    ready_file: Path | None = None,
+) -> tuple[faust.App, TelemetryProcessor]:
+    app = faust_app(bootstrap, app_id, web_port)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     anomalies = app.topic(topics.ANOMALIES, value_serializer="raw", key_serializer="raw")
     actions = app.topic(topics.ACTIONS, value_serializer="raw", key_serializer="raw")
@@ -89,9 +102,7 @@ def create_app(
                  c.processed, c.deadlettered, c.anomalies, dict(c.actions), len(processor.monitors))
 
     if ready_file is not None:
-        @app.on_partitions_assigned.connect
-        async def mark_ready(sender, assigned, **kwargs) -> None:  # noqa: ANN001
-            ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
+        mark_ready_on_assignment(app, ready_file)
 
     return app, processor
 
