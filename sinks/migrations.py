@@ -97,6 +97,34 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        2,
+        "remediations",
+        (
+            # One row per command run or webhook post by `runwatch remediate`. Keyed by a per-execution
+            # id, so a repeated execution of the same (action, target) would show as a second row.
+            """
+            CREATE TABLE IF NOT EXISTS {db}.remediations (
+                execution_id String,
+                action_id String,
+                run_id LowCardinality(String),
+                kind LowCardinality(String),
+                target LowCardinality(String),
+                target_key String,
+                argv Array(String),
+                url String,
+                status LowCardinality(String),
+                exit_code Nullable(Int32),
+                output String CODEC(ZSTD(3)),
+                started_at DateTime64(3, 'UTC'),
+                finished_at DateTime64(3, 'UTC'),
+                inserted_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(inserted_at)
+            ORDER BY (run_id, action_id, target_key, execution_id)
+            """,
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
