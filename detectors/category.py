@@ -115,8 +115,7 @@ class CategoryDivergenceDetector(Detector):
         found: list[Finding] = []
         for name, cat, x, z, ratio in scored:
             diverging = z >= cfg.z_threshold and ratio >= cfg.min_ratio
-            others = [c.last_ratio for n, c in self._categories.items() if n != name and c.last_ratio is not None]
-            others_ratio = statistics.median(others) if others else None
+            others_ratio = self._others_ratio(name) if diverging else None  # only needed then: per-event cost
             run_wide = others_ratio is None or others_ratio >= 1.0 + (cfg.min_ratio - 1.0) / 2
             if not diverging or run_wide:
                 cat.learn(x)
@@ -130,6 +129,10 @@ class CategoryDivergenceDetector(Detector):
             cat.quiet_until = event.step + cfg.cooldown_steps
             found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
         return found
+
+    def _others_ratio(self, name: str) -> float | None:
+        others = [c.last_ratio for n, c in self._categories.items() if n != name and c.last_ratio is not None]
+        return statistics.median(others) if others else None
 
     def _floor(self) -> float:
         typical_log_mean = self._mean_median.get()
