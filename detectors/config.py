@@ -194,6 +194,15 @@ class PolicyConfig(Strict):
     cooldown_s: float = Field(default=60.0, ge=0, description="same action for the same detector, at most once per")
     max_rollbacks: int = Field(default=3, ge=0, description="after this many rollbacks a rollback becomes a stop")
     action_ttl_s: float = Field(default=120.0, gt=0, description="actions expire this long after issue")
+    lr_scale_on_rollback: float = Field(
+        default=0.5, gt=0, le=1, description="each rollback multiplies the LR by this (cumulative: 0.5, 0.25, ...)"
+    )
+    skip_data_window: bool = Field(
+        default=False, description="a rollback tells the trainer to skip the batches from the checkpoint to the anomaly"
+    )
+    escalate_after_s: float = Field(
+        default=600.0, ge=0, description="a detector still alerting this long after its first alert: stop (0: off)"
+    )
 
 
 class RunwatchConfig(Strict):

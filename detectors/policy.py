@@ -1,6 +1,27 @@
-"""From findings to actions: rules, cooldown, one rollback in flight, rollback cap.
+"""From findings to actions: rules, cooldown, one rollback in flight, rollback cap, LR scale,
+skipping the data window, escalation.
 
 Pure: the caller passes ``now`` (event time online and offline alike).
+
+Rollback. Each rollback's ``params`` carry ``lr_scale``, the cumulative factor relative to the
+run's LR before any rollback (``lr_scale_on_rollback`` to the power of the rollback's number:
+0.5, 0.25, ...), and with ``skip_data_window`` the inclusive step range ``skip_steps`` =
+``[checkpoint step + 1, anomaly step]`` (from the onset when no checkpoint is known) whose
+batches the trainer should not replay. After ``max_rollbacks`` rollbacks the next one is a
+``stop`` (``params.cause = "max_rollbacks"``), and after a stop nothing more is issued.
+
+Escalation ("alert, then stop if nothing changes"). A finding that the rules turn into an
+``alert`` opens an *episode* for its detector when the alert is issued. Every later finding of
+that detector that the rules also turn into an alert (issued, or held back by the cooldown)
+continues the episode, unless it comes more than ``escalate_after_s`` after the previous one:
+a detector quiet that long has cleared, and the finding opens a new episode. A rollback (issued
+for any detector) clears every episode: the run changed. "Nothing changes" therefore means: the
+same detector fires again at least ``escalate_after_s`` after the episode's first alert, never
+quiet for longer than ``escalate_after_s`` in between, with no rollback in between. That finding
+becomes a ``stop`` (``params.cause = "escalation"``) instead of an alert. A stall fires once per
+episode, so a stall that simply persists is escalated by :meth:`ActionPolicy.tick` when the caller
+also reports progress with :meth:`ActionPolicy.observe_progress` (a completed step of the stalled
+rank clears its stall episode). ``escalate_after_s = 0`` turns escalation off.
 """
 
 from __future__ import annotations
@@ -14,6 +35,7 @@ from runwatch.detectors.config import PolicyConfig, PolicyRule
 from runwatch.producer.schema import SEVERITY_RANK, Anomaly, CheckpointRef
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
+STALL_DETECTOR = "stall"  # fires once per episode: a persisting stall is escalated by tick()
 
 
 @dataclass(frozen=True)
@@ -31,6 +53,20 @@ class ActionDecision:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class AlertEpisode:
+    """One detector alerting, from its first alert until it clears (see the module doc)."""
+
+    detector: str
+    first_alert_at: datetime
+    last_seen_at: datetime
+    anomaly_id: str  # the latest finding's
+    run_id: str
+    step: int | None
+    rank: int | None
+    message: str
+
+
 def decision_id(run_id: str, kind: str, anomaly_ids: list[str]) -> str:
     # Deterministic, so re-processing the same events after a restart yields the same id
     # and every consumer's deduplication on action_id holds.
@@ -44,6 +80,7 @@ class ActionPolicy:
         self.stopped = False
         self._pending_rollback: tuple[str, datetime] | None = None  # action id, issued at (event time)
         self._last_issued: dict[tuple[str, str], datetime] = {}
+        self.episodes: dict[str, AlertEpisode] = {}
 
     def _rule_for(self, anomaly: Anomaly) -> PolicyRule | None:
         for rule in self.config.rules:
@@ -66,6 +103,73 @@ class ActionPolicy:
             return False
         return True
 
+    # -- escalation ---------------------------------------------------------------------
+
+    def _escalation_on(self) -> bool:
+        return self.config.escalate_after_s > 0
+
+    def _continue_episode(self, anomaly: Anomaly, now: datetime) -> AlertEpisode | None:
+        """The open episode this alert-level finding continues (updated), or None if there is none."""
+        episode = self.episodes.get(anomaly.detector)
+        if episode is None:
+            return None
+        if (now - episode.last_seen_at).total_seconds() > self.config.escalate_after_s:
+            del self.episodes[anomaly.detector]  # quiet long enough: the condition cleared
+            return None
+        episode.last_seen_at = max(episode.last_seen_at, now)
+        episode.anomaly_id, episode.step, episode.rank = anomaly.anomaly_id, anomaly.step, anomaly.rank
+        episode.message = anomaly.message
+        return episode
+
+    def _due(self, episode: AlertEpisode, now: datetime) -> bool:
+        return (now - episode.first_alert_at).total_seconds() >= self.config.escalate_after_s
+
+    def _escalate(self, episode: AlertEpisode, now: datetime) -> ActionDecision:
+        since = (now - episode.first_alert_at).total_seconds()
+        decision = ActionDecision(
+            action_id=decision_id(episode.run_id, "stop", [episode.anomaly_id]),
+            run_id=episode.run_id,
+            kind="stop",
+            reason=(f"escalated: {episode.detector} still firing {since:.0f} s after its first alert "
+                    f"(escalate_after_s {self.config.escalate_after_s:g}): {episode.message}"),
+            anomaly_ids=[episode.anomaly_id],
+            step=episode.step,
+            params={"cause": "escalation", "detector": episode.detector,
+                    "alerting_since": episode.first_alert_at.isoformat(), "alerting_s": since},
+        )
+        self.stopped = True
+        self.episodes.clear()
+        return decision
+
+    def observe_progress(self, rank: int | None) -> None:
+        """A rank completed a step: its stall episode (if any) has cleared."""
+        episode = self.episodes.get(STALL_DETECTOR)
+        if episode is not None and (episode.rank is None or episode.rank == rank):
+            del self.episodes[STALL_DETECTOR]
+
+    def tick(self, now: datetime) -> list[ActionDecision]:
+        """Escalate a stall that persists (no progress since its alert) for ``escalate_after_s``."""
+        if self.stopped or not self._escalation_on():
+            return []
+        episode = self.episodes.get(STALL_DETECTOR)
+        if episode is None or not self._due(episode, now):
+            return []
+        return [self._escalate(episode, now)]
+
+    # -- deciding -----------------------------------------------------------------------
+
+    def _rollback_params(self, anomaly: Anomaly, onset: int | None, checkpoint: CheckpointRef | None) -> dict:
+        params: dict[str, Any] = {
+            "lr_scale": self.config.lr_scale_on_rollback ** (self.rollbacks + 1),
+            "lr_scale_per_rollback": self.config.lr_scale_on_rollback,
+            "rollback_number": self.rollbacks + 1,
+        }
+        if self.config.skip_data_window and anomaly.step is not None:
+            first = checkpoint.step + 1 if checkpoint is not None else onset
+            if first is not None and first <= anomaly.step:
+                params["skip_steps"] = [first, anomaly.step]
+        return params
+
     def decide(
         self, anomaly: Anomaly, now: datetime, checkpoint: CheckpointRef | None = None
     ) -> ActionDecision | None:
@@ -76,12 +180,23 @@ class ActionPolicy:
             return None
         kind = rule.action
         onset = anomaly.evidence.get("onset_step", anomaly.step)
+        reason = anomaly.message
+        params: dict[str, Any] = {}
+        episode: AlertEpisode | None = None
         if kind == "rollback":
             if self.rollback_pending(now):
                 return None  # events still in flight from before the rollback took effect
             if self.rollbacks >= self.config.max_rollbacks:
                 kind = "stop"
+                reason = f"rollback cap reached ({self.config.max_rollbacks} rollbacks): {anomaly.message}"
+                params = {"cause": "max_rollbacks", "rollbacks": self.rollbacks}
+            else:
+                params = self._rollback_params(anomaly, onset, checkpoint)
         else:
+            if kind == "alert" and self._escalation_on():
+                episode = self._continue_episode(anomaly, now)
+                if episode is not None and self._due(episode, now):
+                    return self._escalate(episode, now)
             last = self._last_issued.get((kind, anomaly.detector))
             if last is not None and now - last < timedelta(seconds=self.config.cooldown_s):
                 return None
@@ -89,16 +204,23 @@ class ActionPolicy:
             action_id=decision_id(anomaly.run_id, kind, [anomaly.anomaly_id]),
             run_id=anomaly.run_id,
             kind=kind,
-            reason=anomaly.message,
+            reason=reason,
             anomaly_ids=[anomaly.anomaly_id],
             step=anomaly.step,
             onset_step=onset,
             target_checkpoint=checkpoint if kind == "rollback" else None,
+            params=params,
         )
         self._last_issued[(kind, anomaly.detector)] = now
         if kind == "rollback":
             self.rollbacks += 1
             self._pending_rollback = (decision.action_id, now)
+            self.episodes.clear()  # the run changed: every alerting condition starts over
         elif kind == "stop":
             self.stopped = True
+        elif kind == "alert" and episode is None and self._escalation_on():
+            self.episodes[anomaly.detector] = AlertEpisode(
+                detector=anomaly.detector, first_alert_at=now, last_seen_at=now, anomaly_id=anomaly.anomaly_id,
+                run_id=anomaly.run_id, step=anomaly.step, rank=anomaly.rank, message=anomaly.message,
+            )
         return decision

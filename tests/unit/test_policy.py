@@ -228,3 +228,112 @@ def test_pending_rollback_expires_after_action_ttl():
     second = policy.decide(_anomaly("n3"), _at(121))
     assert second is not None and second.kind == "rollback"
     assert policy.rollbacks == 2
+
+
+# -- LR scale, data window, cap, escalation -------------------------------------------------------
+
+
+def test_rollback_lr_scale_is_cumulative():
+    policy = ActionPolicy(PolicyConfig(lr_scale_on_rollback=0.5, max_rollbacks=3))
+    scales = []
+    for i in range(3):
+        decision = policy.decide(_anomaly(f"nan-{i}", step=10 * i + 2, onset=10 * i), _at(10 * i))
+        assert decision.kind == "rollback"
+        scales.append(decision.params["lr_scale"])
+        assert decision.params["rollback_number"] == i + 1
+        policy.acknowledge(decision.action_id)
+    assert scales == [0.5, 0.25, 0.125]
+    stop = policy.decide(_anomaly("nan-9", step=92, onset=90), _at(100))
+    assert stop.kind == "stop" and stop.params == {"cause": "max_rollbacks", "rollbacks": 3}
+    assert "rollback cap reached (3 rollbacks)" in stop.reason
+
+
+def test_lr_scale_one_leaves_the_lr_alone():
+    decision = ActionPolicy(PolicyConfig(lr_scale_on_rollback=1.0)).decide(_anomaly(), _at(0))
+    assert decision.params["lr_scale"] == 1.0
+
+
+def test_skip_window_from_the_checkpoint_to_the_anomaly():
+    policy = ActionPolicy(PolicyConfig(skip_data_window=True))
+    decision = policy.decide(_anomaly(step=12, onset=10), _at(0), checkpoint=CheckpointRef(step=4, uri="/c/4"))
+    assert decision.params["skip_steps"] == [5, 12]  # inclusive: the batches trained after the checkpoint
+    policy.acknowledge(decision.action_id)
+    no_ckpt = policy.decide(_anomaly("an-2", step=30, onset=27), _at(10))
+    assert no_ckpt.params["skip_steps"] == [27, 30]  # no known checkpoint: from the onset
+
+
+def test_no_skip_window_by_default():
+    decision = ActionPolicy(PolicyConfig()).decide(_anomaly(), _at(0), checkpoint=CheckpointRef(step=4, uri="/c"))
+    assert "skip_steps" not in decision.params
+
+
+WARN = dict(detector="loss_spike", severity="warning")
+
+
+def test_recurring_alert_escalates_to_stop_after_escalate_after_s():
+    policy = ActionPolicy(PolicyConfig(cooldown_s=60, escalate_after_s=600))
+    kinds = []
+    for i, t in enumerate([0, 30, 200, 400, 430]):
+        decision = policy.decide(_anomaly(f"s{i}", **WARN), _at(t))
+        kinds.append(decision.kind if decision else None)
+    assert kinds == ["alert", None, "alert", "alert", None]  # held back by the cooldown, yet they continue the episode
+    stop = policy.decide(_anomaly("s5", **WARN), _at(600))
+    assert stop.kind == "stop" and stop.params["cause"] == "escalation"
+    assert stop.params["detector"] == "loss_spike" and stop.params["alerting_s"] == 600
+    assert stop.anomaly_ids == ["s5"] and policy.stopped
+    # deterministic id, like every other action
+    again = ActionPolicy(PolicyConfig(cooldown_s=60, escalate_after_s=600))
+    for i, t in enumerate([0, 30, 200, 400, 430, 600]):
+        last = again.decide(_anomaly(f"s{i}", **WARN), _at(t))
+    assert last.action_id == stop.action_id
+
+
+def test_escalation_needs_the_condition_to_persist():
+    policy = ActionPolicy(PolicyConfig(cooldown_s=60, escalate_after_s=600))
+    assert policy.decide(_anomaly("a", **WARN), _at(0)).kind == "alert"
+    # quiet for longer than escalate_after_s: cleared, a new episode starts with an alert
+    assert policy.decide(_anomaly("b", **WARN), _at(700)).kind == "alert"
+    assert policy.decide(_anomaly("c", **WARN), _at(1200)).kind == "alert"
+    assert policy.decide(_anomaly("d", **WARN), _at(1300)).kind == "stop"  # 600 s after the alert at 700
+    # another detector's alerts do not continue this one's episode
+    other = ActionPolicy(PolicyConfig(cooldown_s=0, escalate_after_s=600))
+    other.decide(_anomaly("x", **WARN), _at(0))
+    assert other.decide(_anomaly("y", detector="grad_norm_spike", severity="warning"), _at(650)).kind == "alert"
+
+
+def test_a_rollback_in_between_resets_escalation():
+    policy = ActionPolicy(PolicyConfig(cooldown_s=0, escalate_after_s=600))
+    policy.decide(_anomaly("w1", **WARN), _at(0))
+    policy.decide(_anomaly("w2", **WARN), _at(300))
+    rollback = policy.decide(_anomaly("nan"), _at(400))
+    assert rollback.kind == "rollback"
+    assert policy.decide(_anomaly("w3", **WARN), _at(650)).kind == "alert"  # a new episode from 650
+    assert policy.decide(_anomaly("w4", **WARN), _at(1249)).kind == "alert"
+    assert policy.decide(_anomaly("w5", **WARN), _at(1250)).kind == "stop"
+
+
+def test_escalation_off_with_zero():
+    policy = ActionPolicy(PolicyConfig(cooldown_s=0, escalate_after_s=0))
+    assert [policy.decide(_anomaly(f"a{t}", **WARN), _at(t)).kind for t in range(0, 5000, 100)] == ["alert"] * 50
+    assert policy.tick(_at(10_000)) == []
+
+
+def _stall(anomaly_id: str, rank: int = 1) -> Anomaly:
+    return Anomaly(anomaly_id=anomaly_id, run_id="run-1", step=50, rank=rank, detector="stall", metric="step_progress",
+                   severity="warning", message="stalled", evidence={"kind": "stalled"}, ts=T0)
+
+
+def test_persisting_stall_escalates_on_tick_unless_the_rank_progresses():
+    policy = ActionPolicy(PolicyConfig(escalate_after_s=600))
+    assert policy.decide(_stall("st1"), _at(0)).kind == "alert"
+    assert policy.tick(_at(599)) == []
+    [stop] = policy.tick(_at(600))
+    assert stop.kind == "stop" and stop.params["detector"] == "stall" and stop.anomaly_ids == ["st1"]
+    assert policy.tick(_at(700)) == [] and policy.stopped
+
+    moving = ActionPolicy(PolicyConfig(escalate_after_s=600))
+    moving.decide(_stall("st1", rank=1), _at(0))
+    moving.observe_progress(0)  # another rank's progress does not clear rank 1's stall
+    moving.observe_progress(1)
+    assert moving.tick(_at(900)) == []
+    assert moving.decide(_stall("st2"), _at(1000)).kind == "alert"  # a new stall: a new episode
