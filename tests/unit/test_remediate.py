@@ -224,3 +224,16 @@ def test_run_command_timeout_and_missing_program():
     assert status == "timeout" and "killed" in out
     status, code, out = run_command(["/nonexistent/runwatch-program"], 5)
     assert (status, code) == ("failed", None) and "could not start" in out
+
+
+def test_readme_example_config_is_valid(tmp_path):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("**Remediation.**"):]
+    example = section[section.index("```yaml\n") + 8:section.index("```\n", section.index("```yaml\n") + 8)]
+    path = tmp_path / "remediation.yaml"
+    path.write_text(example)
+    config = load_remediation_config(path)
+    assert [c.argv[0] for c in config.commands_for("stop")] == ["scancel", "kubectl"]
+    assert len(config.webhooks_for("alert")) == 1
