@@ -3,6 +3,7 @@ restores the model and optimizer from the checkpoint registered before the anoma
 
 from __future__ import annotations
 
+import threading
 import uuid
 from datetime import timedelta
 
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.integration
 
 
 def make_action(run_id: str, kind: str, secret: str, *, onset: int, ttl_s: float = 60, issued_delta_s: float = 0,
-                target: CheckpointRef | None = None) -> Action:
+                target: CheckpointRef | None = None, params: dict | None = None) -> Action:
     issued = utc_now() + timedelta(seconds=issued_delta_s)
     action = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind=kind, reason="test", step=onset + 2,
-                    onset_step=onset, target_checkpoint=target, issued_at=issued,
+                    onset_step=onset, target_checkpoint=target, params=params or {}, issued_at=issued,
                     expires_at=issued + timedelta(seconds=ttl_s))
     return sign_action(action, secret.encode())
 
@@ -105,3 +106,50 @@ def test_rollback_without_an_earlier_checkpoint_fails_visibly(broker, tmp_path):
     assert "no registered checkpoint" in applied[0].detail
     listener.close()
     rw.close()
+
+
+def _send(bootstrap: str, *actions: Action) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
+    for action in actions:
+        producer.send(topics.ACTIONS, key=action.run_id.encode(), value=action.to_json())
+    producer.flush()
+    producer.close()
+
+
+def test_rollback_scales_the_lr_and_pause_holds_until_resume(broker, tmp_path):
+    secret = "lr-and-pause"
+    run_id = f"al-{uuid.uuid4().hex[:8]}"
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rw = RunWatch(run_id, broker.bootstrap, rank=2, world_size=4)
+    listener = ActionListener(rw, model, optimizer, secret=secret)
+    assert listener.wait_ready(30)
+    save_checkpoint(str(tmp_path / "c5.pt"), model, optimizer)
+    rw.checkpoint(5, str(tmp_path / "c5.pt"))
+
+    rollback = make_action(run_id, "rollback", secret, onset=8, params={"lr_scale": 0.5, "skip_steps": [6, 10]})
+    _send(broker.bootstrap, rollback)
+    applied = []
+    eventually(lambda: applied.extend(listener.poll(step=11)) or applied, 30, "the rollback")
+    assert (applied[0].outcome, applied[0].to_step, applied[0].skip_steps) == ("applied", 5, (6, 10))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+    pause, resume = make_action(run_id, "pause", secret, onset=12), make_action(run_id, "resume", secret, onset=12)
+    _send(broker.bootstrap, pause)
+    sender = threading.Timer(1.0, _send, (broker.bootstrap, resume))
+    sender.start()
+    paused = []
+    eventually(lambda: paused.extend(listener.poll(step=12)) or paused, 30, "the pause and the resume")
+    sender.join()
+    assert [r.kind for r in paused] == ["pause", "resume"]
+    assert f"until resume {resume.action_id}" in paused[0].detail
+    assert paused[1].detail == f"ended pause {pause.action_id}"
+    listener.close()
+    rw.close()
+
+    key = run_id.encode()
+    records = read_topic(broker.bootstrap, topics.TELEMETRY,
+                         lambda rs: sum(b'"action_ack"' in r.value for r in rs if r.key == key) >= 3)
+    acks = [decode_event(r.value) for r in records if r.key == key and b'"action_ack"' in r.value]
+    assert [(a.action_id, a.rank) for a in acks] == [(rollback.action_id, 2), (pause.action_id, 2),
+                                                      (resume.action_id, 2)]
