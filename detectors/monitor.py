@@ -113,6 +113,7 @@ class RunMonitor:
         out = MonitorOutput()
         if isinstance(event, StepEvent):
             self.last_step = event.step
+            self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
         elif isinstance(event, CheckpointEvent):
             if event.ok:
                 self.checkpoints.append(CheckpointRef(step=event.step, uri=event.uri))
@@ -137,6 +138,7 @@ class RunMonitor:
                     # Keyed by what the finding is about (one per stall episode), not by the tick's
                     # time, so online and offline ticks give the same anomaly id.
                     self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
+        out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
         return out
 
     def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:

@@ -337,3 +337,25 @@ def test_persisting_stall_escalates_on_tick_unless_the_rank_progresses():
     moving.observe_progress(1)
     assert moving.tick(_at(900)) == []
     assert moving.decide(_stall("st2"), _at(1000)).kind == "alert"  # a new stall: a new episode
+
+
+def test_a_stall_that_persists_escalates_to_stop_through_the_monitor_ticks():
+    from datetime import UTC, datetime, timedelta
+
+    from runwatch.producer.schema import HeartbeatEvent
+
+    t0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
+    config = RunwatchConfig.model_validate({"policy": {"escalate_after_s": 120}})
+    monitor = RunMonitor("run-1", config)
+    for s in range(30):  # a steady 1 s pace, heartbeats every 5 s
+        monitor.observe(StepEvent(run_id="run-1", step=s, loss=1.0, ts=t0 + timedelta(seconds=s)))
+        if s % 5 == 0:
+            monitor.observe(HeartbeatEvent(run_id="run-1", step=s, ts=t0 + timedelta(seconds=s)))
+    kinds = []
+    for second in range(30, 400):  # the step stops; heartbeats go on
+        now = t0 + timedelta(seconds=second)
+        if second % 5 == 0:
+            out = monitor.observe(HeartbeatEvent(run_id="run-1", step=29, ts=now))
+            kinds += [d.kind for d in out.decisions]
+        kinds += [d.kind for d in monitor.tick(now).decisions]
+    assert kinds == ["alert", "stop"]  # alerted once at the stall, stopped when nothing changed
