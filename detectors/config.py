@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from runwatch.configfile import ConfigError as ConfigError  # re-exported: callers catch it from here
+from runwatch.configfile import load_yaml_model
 
 
 class Strict(BaseModel):
@@ -210,28 +213,9 @@ class RunwatchConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def load_config(path: str | Path | None = None) -> RunwatchConfig:
     """Read and validate a YAML config; ``None`` gives the defaults."""
-    if path is None:
-        return RunwatchConfig()
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not a text (UTF-8) file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    try:
-        return RunwatchConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError(f"invalid config {path}:\n" + "\n".join(lines)) from None
+    return RunwatchConfig() if path is None else load_yaml_model(path, RunwatchConfig)
 
 
 def defaults_yaml() -> str:

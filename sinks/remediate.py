@@ -44,9 +44,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from runwatch.configfile import ConfigError as ConfigError  # re-exported: callers catch it from here
+from runwatch.configfile import load_yaml_model
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, ActionKind, SchemaError, decode_action, utc_now
 from runwatch.producer.signing import verify_action
@@ -63,10 +64,6 @@ ALLOWED_FIELDS = ACTION_FIELDS + RUN_FIELDS
 OUTPUT_LIMIT = 4000  # characters of a command's output (its tail) or a webhook's response kept
 
 STATUSES = ("ok", "failed", "refused", "timeout")
-
-
-class ConfigError(ValueError):
-    pass
 
 
 class RefusedValue(ValueError):
@@ -224,18 +221,7 @@ class RemediationConfig(Strict):
 
 
 def load_remediation_config(path: str | Path) -> RemediationConfig:
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read remediation config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    try:
-        return RemediationConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '<file>'}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError(f"invalid remediation config {path}:\n" + "\n".join(lines)) from None
+    return load_yaml_model(path, RemediationConfig, "remediation config")
 
 
 # -- values, payloads, executions ------------------------------------------------------------

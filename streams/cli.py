@@ -129,14 +129,10 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
                    "(give it a ClickHouse server shared with the sink to resolve {job_id}/{host}/{pod} from run_start)")
 def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
+    from runwatch.configfile import ConfigError
     from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.sinks import ClickHouseSink
-    from runwatch.sinks.remediate import (
-        ConfigError,
-        RemediateConsumer,
-        RemediationStore,
-        load_remediation_config,
-    )
+    from runwatch.sinks.remediate import RemediateConsumer, RemediationStore, load_remediation_config
 
     try:
         config = load_remediation_config(config_path)
