@@ -111,6 +111,14 @@ class StepEvent(EventBase):
     mfu: float | None = None
     memory: MemoryStats | None = None
     nonfinite_grads: int | None = Field(default=None, ge=0)
+    # True: grad_norm, grad_norm_clipped, module_grad_norms, param_norm and update_norm cover only
+    # this rank's shard of the parameters (FSDP/ZeRO style); the worker's cross-rank join takes the
+    # root of the sum of squares. Absent/False: every rank holds the full (replicated) figures.
+    grad_sharded: bool | None = None
+    # Seconds of this rank's own work in the step (from the step's start until it was ready to
+    # synchronise gradients with its peers), without the time spent waiting for slower peers.
+    # What straggler detection compares; absent where it is not measured.
+    compute_s: float | None = Field(default=None, ge=0)
 
 
 class EvalEvent(EventBase):
@@ -127,6 +135,9 @@ class HeartbeatEvent(EventBase):
     step: int | None = None
     phase: Phase = "train"
     time_in_phase_s: float = Field(default=0.0, ge=0)
+    # True: this rank has done its part of the current step and waits for its peers (its gradient
+    # synchronisation is launched); False: it is still working on it; absent: not measured.
+    in_sync: bool | None = None
 
 
 class CheckpointEvent(EventBase):
