@@ -5,12 +5,17 @@ tensor and copies it to the host once per step. No per-parameter ``.item()``, no
 snapshot of the weights. Norms are 2-norms; the per-module norm of a module is the
 norm of the concatenation of the gradients of the parameters it owns directly
 (``recurse=False``), so module norms combine into the global norm by sum of squares.
+
+Sharded models (ZeRO/FSDP style, each rank owning a subset of the parameters): a
+``ParamLayout`` built with ``shard=`` holds only this rank's parameters, so every norm here
+covers that shard, and the shards' norms combine into the model's by sum of squares too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -68,29 +73,49 @@ class UpdateNorms:
     update: torch.Tensor  # norm of (after - before) over all trainable parameters
 
 
-class ParamLayout:
-    """Trainable parameters in a fixed order, each tagged with the module that owns it."""
+ShardSpec = Iterable[str] | Callable[[str, Any], bool]
 
-    def __init__(self, model: torch.nn.Module):
+
+class ParamLayout:
+    """Trainable parameters in a fixed order, each tagged with the module that owns it.
+
+    ``shard``: the parameters this rank owns, as parameter names (``model.named_parameters()``
+    names; a tied parameter may be named by any of its names) or a callable ``(name, param) ->
+    bool``. Only those are kept; a module that owns none of them has no entry. ``n_params`` still
+    counts every trainable parameter of the model (each rank computes with the whole model).
+    """
+
+    def __init__(self, model: torch.nn.Module, shard: ShardSpec | None = None):
         import torch
 
+        select = _shard_selector(model, shard) if shard is not None else None
+        self.sharded = select is not None
         self.module_names: list[str] = []
         self.params: list[torch.Tensor] = []
         owners: list[int] = []
         seen: set[int] = set()
+        n_params = 0
         for name, module in model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+            own = [(f"{name}.{pname}" if name else pname, p) for pname, p in module.named_parameters(recurse=False)
+                   if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for _, p in own)  # a shared (tied) parameter counts once, for its first owner
+            n_params += sum(p.numel() for _, p in own)
+            if select is not None:
+                own = [(pname, p) for pname, p in own if select(pname, p)]
             if not own:
                 continue
-            seen.update(id(p) for p in own)  # a shared (tied) parameter counts once, for its first owner
             self.module_names.append(name or ROOT_MODULE)
             owners.extend([len(self.module_names) - 1] * len(own))
-            self.params.extend(own)
+            self.params.extend(p for _, p in own)
         if not self.params:
+            if select is not None and n_params:
+                raise ValueError("shard selects none of the model's trainable parameters: pass the names "
+                                 "(as model.named_parameters() gives them) or a predicate of the parameters "
+                                 "this rank owns")
             raise ValueError("the model has no trainable parameters to watch")
         self.device = self.params[0].device
         self.owner_index = torch.tensor(owners, dtype=torch.long, device=self.device)
-        self.n_params = sum(p.numel() for p in self.params)
+        self.n_params = n_params
 
     def grads(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Gradients that exist this step and the owner index of each."""
@@ -100,6 +125,24 @@ class ParamLayout:
         present = [i for i, g in enumerate(grads) if g is not None]
         index = self.owner_index[torch_tensor(present, self.device)] if present else self.owner_index[:0]
         return [grads[i] for i in present], index
+
+
+def _shard_selector(model: torch.nn.Module, shard: ShardSpec) -> Callable[[str, Any], bool]:
+    """``shard`` as a predicate ``(name, param) -> bool``; names are checked against the model."""
+    if callable(shard):
+        return shard
+    if isinstance(shard, str):
+        raise TypeError("shard must be an iterable of parameter names or a callable, not a single string")
+    wanted = set(shard)
+    aliases: dict[int, set[str]] = {}  # a tied parameter answers to each of its names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), set()).add(name)
+    known = set().union(*aliases.values()) if aliases else set()
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise ValueError(f"shard names parameters the model does not have: {', '.join(unknown[:5])}"
+                         + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+    return lambda _name, p: not wanted.isdisjoint(aliases.get(id(p), ()))
 
 
 def torch_tensor(values: list[int], device: torch.device) -> torch.Tensor:

@@ -4,6 +4,10 @@ The worker tells a hung rank (heartbeats go on, the step does not move) from a l
 checkpoint save (phase ``checkpoint``) and from a dead one (heartbeats stop). The
 training thread only sets attributes; the daemon thread reads them every ``interval_s``
 and publishes, so the loop never waits on anything.
+
+With an ``in_sync`` provider (the Watcher sets one for a DDP model) each heartbeat also says
+whether the rank has done its part of the current step and waits for its peers: a hung rank's
+peers say True while it says False. Without one (or when it answers None) the field is left out.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Heartbeat:
 
     Call :meth:`set_step` after each completed step and mark phases with :meth:`phase`
     (a context manager) or :meth:`enter`. Phase changes belong to the training thread.
+    ``in_sync``: a callable returning True/False/None, called on the heartbeat thread at each
+    beat; its answer goes out as ``in_sync`` (left out when None).
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class Heartbeat:
         clock: Callable[[], float] = time.monotonic,
         *,
         initial_phase: str = "train",
+        in_sync: Callable[[], bool | None] | None = None,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
@@ -61,6 +68,7 @@ class Heartbeat:
         self._wake = threading.Event()  # set to beat before the interval is up (and to stop)
         self._thread: threading.Thread | None = None
         self._warned = False
+        self.in_sync = in_sync
 
     # -- called from the training loop ------------------------------------------------------
 
@@ -108,13 +116,29 @@ class Heartbeat:
     def beat(self) -> bool:
         """Publish one heartbeat now; False if it was not queued. Never raises."""
         step, phase, seconds = self.current
+        in_sync = self._in_sync()
         try:
-            return bool(self.rw.heartbeat(step, phase, seconds))
+            if in_sync is None:  # keeps publishers that predate in_sync working
+                return bool(self.rw.heartbeat(step, phase, seconds))
+            return bool(self.rw.heartbeat(step, phase, seconds, in_sync=in_sync))
         except Exception as exc:  # the publisher should not raise; if it does, keep beating
             if not self._warned:
                 self._warned = True
                 log.warning("runwatch: heartbeat failed (further failures are not logged): %r", exc)
             return False
+
+    def _in_sync(self) -> bool | None:
+        provider = self.in_sync
+        if provider is None:
+            return None
+        try:
+            value = provider()
+        except Exception as exc:  # a measurement that fails is absent, not a reason to stop beating
+            if not self._warned:
+                self._warned = True
+                log.warning("runwatch: in_sync failed (further failures are not logged): %r", exc)
+            return None
+        return None if value is None else bool(value)
 
     def start(self) -> None:
         """Start the thread (a no-op if it runs); it beats at once, then every ``interval_s``."""

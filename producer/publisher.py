@@ -175,8 +175,12 @@ class TelemetryPublisher:
     def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
         return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
 
-    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0) -> bool:
-        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s)
+    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0,
+                  in_sync: bool | None = None) -> bool:
+        """``in_sync``: this rank has done its part of the current step and waits for its peers
+        (True), is still working on it (False), or it is not measured (None: left out)."""
+        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s,
+                                       in_sync=in_sync)
 
     def checkpoint(self, step: int, path: str, ok: bool = True) -> CheckpointRef:
         """Register a checkpoint already written at ``path`` and announce it to the worker.

@@ -15,6 +15,20 @@ over the gradients, which clipping needs anyway; parameter and update norms ever
 ``update_every`` steps from a device copy of the weights kept across that one step.
 All figures of a step travel to the host in one small copy; on CUDA that copy is
 asynchronous and read one step later, so the GPU is never made to wait.
+
+Several ranks:
+
+- ``DistributedDataParallel``: when ``model`` is the DDP wrapper, a comm hook times each
+  step's gradient synchronisation (:mod:`runwatch.producer.ddp_timing`): step events carry
+  ``compute_s`` (this rank's own work, without the wait for slower peers) and heartbeats
+  ``in_sync`` (waiting for peers right now). ``sync_timing=False`` turns it off.
+- Sharded parameters (ZeRO, FSDP with whole parameters per rank): ``shard=`` names the
+  parameters this rank owns (names or a ``(name, param) -> bool`` predicate). Only those are
+  measured and step events say ``grad_sharded=True``; the worker joins the ranks' norms by the
+  root of the sum of squares. runwatch cannot clip a shard (the factor needs the global norm),
+  so ``clip=`` is refused: clip with the framework (``model.clip_grad_norm_``) and pass
+  ``external_clip``. Clip ratio, clipped norm and the update ratios need the global figures too:
+  they are left to the worker's join.
 """
 
 from __future__ import annotations
@@ -28,7 +42,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runwatch.producer.categories import CategoryLossBatch
-from runwatch.producer.gradstats import GradNorms, ParamLayout, UpdateNorms, UpdateProbe, grad_norms
+from runwatch.producer.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
+from runwatch.producer.gradstats import (
+    GradNorms,
+    ParamLayout,
+    ShardSpec,
+    UpdateNorms,
+    UpdateProbe,
+    grad_norms,
+)
 from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.memory import MemorySampler
 from runwatch.producer.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
@@ -59,6 +81,8 @@ class _PendingStep:
     has_loss: bool = False
     categories: CategoryLossBatch | None = None
     module_names: list[str] = field(default_factory=list)
+    sync: SyncRound | None = None  # DDP: the step's sync marks, for compute_s
+    off_step: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of off-step stretches
 
 
 class Watcher:
@@ -69,6 +93,10 @@ class Watcher:
     wait, off-step phases and the heartbeat's time in phase (default: the wall clock). With a
     ``clock`` of its own the heartbeat thread is not started, since its interval is wall time:
     the caller calls ``watch.heartbeat.beat()`` when that clock says so (a simulated run does).
+
+    ``shard``: the parameters this rank owns in a sharded model (see the module doc); with it,
+    ``clip`` is refused. ``sync_timing``: time DDP's gradient sync when ``model`` is a
+    ``DistributedDataParallel`` (registers a comm hook; see :mod:`runwatch.producer.ddp_timing`).
     """
 
     def __init__(
@@ -88,7 +116,13 @@ class Watcher:
         memory: bool | Any = True,
         first_step: int = 0,
         clock: Callable[[], float] | None = None,
+        shard: ShardSpec | None = None,
+        sync_timing: bool = True,
     ):
+        if shard is not None and clip is not None:
+            raise ValueError("clip= cannot be used with shard=: clipping a sharded model needs the global gradient "
+                             "norm across ranks. Clip with your framework (e.g. FSDP's model.clip_grad_norm_) "
+                             "and pass external_clip= instead")
         if clip is not None and external_clip is not None:
             raise ValueError("give clip (runwatch clips) or external_clip (something else clips), not both")
         for name, value in (("clip", clip), ("external_clip", external_clip)):
@@ -105,7 +139,7 @@ class Watcher:
         self.module_norms = module_norms
         self.flops_per_step = flops_per_step
         self.step = first_step  # the number the next end_step() publishes
-        self.layout = ParamLayout(model)
+        self.layout = ParamLayout(model, shard)
         self._probe = UpdateProbe(self.layout)
         self._cuda = self.layout.device.type == "cuda"
         self._peak = peak_flops(self.layout.device, override=peak_flops_per_s)
@@ -119,9 +153,17 @@ class Watcher:
         self._off_step_since: float | None = None  # start of the current eval/checkpoint/idle stretch
         self._off_step_depth = 0
         self._off_step_s = 0.0  # off-step time since the last end_step
+        self._off_spans: list[tuple[float, float]] = []  # the same stretches as (start, end), for compute_s
         self._set_phase_name = "train"
         self._clock = clock or time.perf_counter
         self.heartbeat = Heartbeat(rw, heartbeat_s, **({"clock": clock} if clock else {})) if heartbeat_s else None
+        self.sync_timer: DDPSyncTimer | None = None
+        if sync_timing and is_ddp(model):
+            timer = DDPSyncTimer(self._clock, self.layout.device)
+            if timer.register(model):
+                self.sync_timer = timer
+                if self.heartbeat:
+                    self.heartbeat.in_sync = timer.in_sync
         self.clock = StepClock(
             self._clock,
             on_wait_begin=(lambda: self.heartbeat.push("dataload")) if self.heartbeat else None,
@@ -183,8 +225,10 @@ class Watcher:
         import torch
 
         step_time, data_wait = self.clock.lap()
+        sync = self.sync_timer.close_round() if self.sync_timer is not None else None
         if step_time is not None:
             step_time -= self._take_off_step_time()
+        off_spans, self._off_spans = self._off_spans, []
         lr, self._lr = self._lr, None
         fields: dict[str, Any] = {"lr": lr if lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups]}
         if self._data_wrapped:  # otherwise the source is missing: absent, not zero
@@ -202,10 +246,13 @@ class Watcher:
         memory = self._memory.sample() if self._memory else None
         if memory is not None:
             fields["memory"] = memory
+        if self.layout.sharded:
+            fields["grad_sharded"] = True
 
         pieces: list[torch.Tensor] = []
         pending = _PendingStep(step=step, fields=fields, host=torch.empty(0), categories=category_loss,
-                               module_names=self.layout.module_names if self.module_norms else [])
+                               module_names=self.layout.module_names if self.module_norms else [],
+                               sync=sync, off_step=off_spans)
         if isinstance(loss, torch.Tensor):
             pieces.append(loss.detach().reshape(-1)[:1].double())
             pending.has_loss = True
@@ -214,7 +261,8 @@ class Watcher:
         grad, self._grad = self._grad, None
         if grad is not None:
             pending.grad = True
-            pending.clipped = self.clip is not None or self.external_clip is not None
+            # A shard's clip factor would need the global norm: left to the worker's join.
+            pending.clipped = (self.clip is not None or self.external_clip is not None) and not self.layout.sharded
             pieces.append(torch.stack([grad.total, grad.clip_coef, grad.nonfinite.double()]))
             if self.module_norms:
                 pieces.append(grad.modules)
@@ -308,7 +356,9 @@ class Watcher:
     def _end_off_step(self) -> None:
         self._off_step_depth = max(0, self._off_step_depth - 1)
         if self._off_step_depth == 0 and self._off_step_since is not None:
-            self._off_step_s += self._clock() - self._off_step_since
+            now = self._clock()
+            self._off_step_s += now - self._off_step_since
+            self._off_spans.append((self._off_step_since, now))
             self._off_step_since = None
 
     def _take_off_step_time(self) -> float:
@@ -316,6 +366,7 @@ class Watcher:
         if self._off_step_since is not None:  # still inside one: count up to now, restart from now
             now = self._clock()
             taken += now - self._off_step_since
+            self._off_spans.append((self._off_step_since, now))
             self._off_step_since = now
         return taken
 
@@ -374,12 +425,17 @@ class Watcher:
             i += 2
             fields["param_norm"] = param
             fields["update_norm"] = update
-            if param > 0:
-                fields["relative_update_norm"] = update / param
-            if clipped_norm is not None and clipped_norm > 0 and math.isfinite(clipped_norm):
-                fields["effective_lr_ratio"] = update / clipped_norm
+            if not self.layout.sharded:  # a shard's ratios are not the model's: the worker's join has those
+                if param > 0:
+                    fields["relative_update_norm"] = update / param
+                if clipped_norm is not None and clipped_norm > 0 and math.isfinite(clipped_norm):
+                    fields["effective_lr_ratio"] = update / clipped_norm
         if p.categories is not None:
             fields["category_loss"] = p.categories.from_packed(values[i:])
+        if p.sync is not None and self.sync_timer is not None:
+            compute = self.sync_timer.compute_s(p.sync, p.off_step)
+            if compute is not None:
+                fields["compute_s"] = compute
         self.rw.step(p.step, **fields)
 
 

@@ -337,3 +337,56 @@ def test_a_failure_inside_runwatch_is_counted_not_raised_into_training(caplog):
     assert watch.errors == 1
     assert "end_step failed" in caplog.text
     assert [e.step for e in rw.steps] == [1]  # training went on and the next step was published
+
+
+def test_three_shards_combine_into_the_full_model_by_root_sum_of_squares():
+    names = [n for n, p in make()[0].named_parameters() if p.requires_grad]
+    shards = [names[i::3] for i in range(3)]  # round robin: blocks.*.fc weight and bias land apart
+    assert {"blocks.0.fc.weight", "blocks.0.fc.bias"} <= set(names)
+
+    def run(shard):  # noqa: ANN001
+        model, x, y = make()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rw = RecordingPublisher()
+        watch = Watcher(rw, model, optimizer, update_every=1, heartbeat_s=None, memory=False, shard=shard,
+                        external_clip=0.05 if shard is not None else None)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = backward(model, x, y)
+            optimizer.step()
+            watch.end_step(loss)
+        watch.close()
+        return rw.steps
+
+    full = run(None)
+    # the callable form selects the same parameters as the names
+    parts = [run(shards[0]), run(shards[1]), run(lambda name, _p: name in shards[2])]
+    for i, event in enumerate(full):
+        events = [p[i] for p in parts]
+        assert all(e.grad_sharded for e in events) and not event.grad_sharded
+
+        def rss(values):  # noqa: ANN001
+            return math.sqrt(sum(v * v for v in values))
+
+        for key in ("grad_norm", "param_norm", "update_norm"):
+            assert rss(getattr(e, key) for e in events) == pytest.approx(getattr(event, key), rel=1e-6), key
+        for module, value in event.module_grad_norms.items():
+            assert rss(e.module_grad_norms.get(module, 0.0) for e in events) == pytest.approx(value, rel=1e-6)
+        # a module owning no parameter of a shard is absent there, not zero
+        for shard, e in zip(shards, events, strict=True):
+            owners = {n.rsplit(".", 1)[0] if "." in n else ROOT_MODULE for n in shard}
+            assert set(e.module_grad_norms) == owners
+        # a shard's clip factor and ratios need the global norm: left to the join
+        assert all(e.clip_ratio is None and e.grad_norm_clipped is None and e.relative_update_norm is None
+                   for e in events)
+
+
+def test_shard_rejects_clip_unknown_names_and_an_empty_selection():
+    model, _, _ = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="external_clip"):
+        Watcher(RecordingPublisher(), model, optimizer, clip=1.0, shard=["head.weight"], heartbeat_s=None)
+    with pytest.raises(ValueError, match="does not have: head.wieght"):
+        Watcher(RecordingPublisher(), model, optimizer, shard=["head.wieght"], heartbeat_s=None)
+    with pytest.raises(ValueError, match="selects none"):
+        Watcher(RecordingPublisher(), model, optimizer, shard=["frozen.weight"], heartbeat_s=None)
