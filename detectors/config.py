@@ -162,6 +162,34 @@ class StallConfig(Strict):
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, description="no heartbeat for this long: the rank is silent")
 
 
+class StragglerConfig(Strict):
+    """One rank consistently slower than its peers (scored as NVIDIA's straggler detector does)."""
+
+    enabled: bool = True
+    score_threshold: float = Field(
+        default=0.75, gt=0, lt=1, description="fastest rank's median step work / this rank's below this: a straggler"
+    )
+    window: int = Field(default=50, ge=4, description="steps in each rank's rolling median")
+    min_steps: int = Field(default=10, ge=2, description="steps of a rank before it is scored")
+    patience: int = Field(default=5, ge=1, description="joined steps in a row under the threshold before a finding")
+    min_gap_s: float = Field(
+        default=0.005, ge=0, description="and this rank's median is at least this much slower (tiny steps are noisy)"
+    )
+
+
+class HungRankConfig(Strict):
+    """A rank that stops stepping while its heartbeat goes on, when its peers advance or wait on it."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=1, description="hung after this many median step intervals ...")
+    phase_allowance_s: dict[str, float] = Field(
+        default_factory=lambda: {"train": 10.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        description="... plus this many seconds for the phase of the rank's latest heartbeat",
+    )
+    floor_s: float = Field(default=5.0, ge=0, description="and never sooner than this")
+    min_steps: int = Field(default=5, ge=2, description="step intervals seen before the median is trusted")
+
+
 class DetectorsConfig(Strict):
     non_finite: NonFiniteConfig = NonFiniteConfig()
     loss_spike: SpikeConfig = SpikeConfig()
@@ -175,6 +203,17 @@ class DetectorsConfig(Strict):
     category_divergence: CategoryConfig = CategoryConfig()
     val_vs_train: GeneralizationConfig = GeneralizationConfig()
     stall: StallConfig = StallConfig()
+    straggler: StragglerConfig = StragglerConfig()
+    hung_rank: HungRankConfig = HungRankConfig()
+
+
+class JoinConfig(Strict):
+    """The per-step join of a run's ranks in the worker."""
+
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="a step is joined without the ranks that have not reported it this long "
+                                        "after the first did (and those ranks are not waited for until they report)"
+    )
 
 
 ActionName = Literal["alert", "pause", "rollback", "stop"]
@@ -210,6 +249,7 @@ class PolicyConfig(Strict):
 
 class RunwatchConfig(Strict):
     detectors: DetectorsConfig = DetectorsConfig()
+    join: JoinConfig = JoinConfig()
     policy: PolicyConfig = PolicyConfig()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from runwatch.detectors.base import Detector
@@ -17,12 +17,15 @@ from runwatch.detectors.config import RunwatchConfig, SpikeConfig
 from runwatch.detectors.data_wait import DataWaitDetector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.generalization import ValVsTrainDetector
+from runwatch.detectors.hung_rank import HungRankDetector
 from runwatch.detectors.memory_growth import MemoryGrowthDetector
 from runwatch.detectors.module_grad import ModuleGradDetector
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.policy import ActionDecision, ActionPolicy
+from runwatch.detectors.rank_join import Joined, StepJoin
 from runwatch.detectors.spike import SpikeDetector
 from runwatch.detectors.stall import StallDetector
+from runwatch.detectors.straggler import StragglerDetector
 from runwatch.detectors.throughput import ThroughputDetector
 from runwatch.detectors.update_ratio import UpdateRatioDetector
 from runwatch.producer.schema import (
@@ -30,6 +33,8 @@ from runwatch.producer.schema import (
     Anomaly,
     CheckpointEvent,
     CheckpointRef,
+    EvalEvent,
+    JoinedStep,
     RunEndEvent,
     RunStartEvent,
     StepEvent,
@@ -42,10 +47,14 @@ _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
 RUN_SCOPED_KINDS = (RunStartEvent, RunEndEvent, ActionAckEvent)
 
 
+RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
+
+
 @dataclass
 class MonitorOutput:
     anomalies: list[Anomaly] = field(default_factory=list)
     decisions: list[ActionDecision] = field(default_factory=list)
+    joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
 
 
 class _NonFinite(Detector):
@@ -92,8 +101,18 @@ DETECTORS: dict[str, Callable[[RunwatchConfig], Detector]] = {
 }
 
 
-def build_detectors(config: RunwatchConfig) -> list[Detector]:
-    return [make(config) for name, make in DETECTORS.items() if getattr(config.detectors, name).enabled]
+# Which view each detector watches. The model's health is one for the whole run, so it is judged on
+# the joined step (one finding, not one per rank); the machine's (throughput, data, memory,
+# liveness, a NaN on one rank) is each rank's own. In a single-rank run both views are its rank.
+JOINED_VIEW = frozenset({
+    "loss_spike", "grad_norm_spike", "module_grad_explosion", "update_ratio", "category_divergence", "val_vs_train",
+})
+RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW
+
+
+def build_detectors(config: RunwatchConfig, names: frozenset[str] = frozenset(DETECTORS)) -> list[Detector]:
+    return [make(config) for name, make in DETECTORS.items()
+            if name in names and getattr(config.detectors, name).enabled]
 
 
 class RunMonitor:
@@ -103,15 +122,34 @@ class RunMonitor:
         self.run_id = run_id
         self.config = config
         self.ranks: dict[int, list[Detector]] = {}
+        self.joined_detectors = build_detectors(config, JOINED_VIEW)
+        self.join = StepJoin(run_id, config.join.timeout_s)
+        d = config.detectors
+        self.straggler = StragglerDetector(d.straggler) if d.straggler.enabled else None
+        self.hung = HungRankDetector(d.hung_rank, d.stall.heartbeat_timeout_s) if d.hung_rank.enabled else None
         self.policy = ActionPolicy(config.policy)
         self.checkpoints: list[CheckpointRef] = []
         self.events_seen = 0
         self.last_step: int | None = None
+        self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
+
+    def _seen_before(self, event_id: str) -> bool:
+        if event_id in self._recent_ids:
+            return True
+        self._recent_ids[event_id] = None
+        if len(self._recent_ids) > RECENT_EVENT_IDS:
+            del self._recent_ids[next(iter(self._recent_ids))]
+        return False
 
     def observe(self, event: TelemetryEvent) -> MonitorOutput:
-        self.events_seen += 1
         out = MonitorOutput()
-        if isinstance(event, StepEvent):
+        if self._seen_before(event.event_id):  # redelivered (a producer retry, a worker restart)
+            self.join.duplicates += 1
+            return out
+        self.events_seen += 1
+        if isinstance(event, RunStartEvent):
+            self.join.set_world_size(event.world_size)
+        elif isinstance(event, StepEvent):
             self.last_step = event.step
             self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
         elif isinstance(event, CheckpointEvent):
@@ -119,19 +157,51 @@ class RunMonitor:
                 self.checkpoints.append(CheckpointRef(step=event.step, uri=event.uri))
         elif isinstance(event, ActionAckEvent):
             self.policy.acknowledge(event.action_id)
+        if self.hung is not None:
+            self.hung.update(event)
         if isinstance(event, RUN_SCOPED_KINDS):
             return out
         detectors = self.ranks.get(event.rank)
         if detectors is None:
-            detectors = self.ranks[event.rank] = build_detectors(self.config)
+            detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW)
         for detector in detectors:
             for finding in detector.update(event, event.ts):
                 self._emit(finding, event.ts, event.event_id, out)
+        if isinstance(event, StepEvent):
+            if self.straggler is not None:
+                self.straggler.update(event)
+            for joined in self.join.add(event):
+                self._observe_joined(joined, out)
+        elif isinstance(event, EvalEvent):  # evals are the run's, not a rank's: the joined view's
+            for detector in self.joined_detectors:
+                for finding in detector.update(event, event.ts):
+                    self._emit(self._run_level(finding), event.ts, event.event_id, out)
         return out
 
+    def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
+        event = joined.event
+        if joined.record is not None:
+            out.joined.append(joined.record)
+        for detector in self.joined_detectors:
+            for finding in detector.update(event, event.ts):
+                self._emit(self._run_level(finding), event.ts, event.event_id, out)
+        if self.straggler is not None:
+            for finding in self.straggler.check(event.step):
+                self._emit(finding, event.ts, event.event_id, out)
+
+    def _run_level(self, finding: Finding) -> Finding:
+        """A joined-view finding is about the run, not the rank whose figures the join started from."""
+        return replace(finding, rank=None) if self.join.world_size > 1 and finding.rank is not None else finding
+
     def tick(self, now: datetime) -> MonitorOutput:
-        """Time-based checks (a stalled or silent rank) at ``now``: a timer online, event time offline."""
+        """Time-based checks at ``now`` (a timer online, event time offline): steps whose join timed
+        out, stalled or silent ranks, a hung rank, and the escalation of what persists."""
         out = MonitorOutput()
+        for joined in self.join.expire(now):
+            self._observe_joined(joined, out)
+        if self.hung is not None:
+            for finding in self.hung.tick(now):
+                self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
         for detectors in self.ranks.values():
             for detector in detectors:
                 for finding in detector.tick(now):

@@ -18,8 +18,8 @@ a detector quiet that long has cleared, and the finding opens a new episode. A r
 for any detector) clears every episode: the run changed. "Nothing changes" therefore means: the
 same detector fires again at least ``escalate_after_s`` after the episode's first alert, never
 quiet for longer than ``escalate_after_s`` in between, with no rollback in between. That finding
-becomes a ``stop`` (``params.cause = "escalation"``) instead of an alert. A stall fires once per
-episode, so a stall that simply persists is escalated by :meth:`ActionPolicy.tick` when the caller
+becomes a ``stop`` (``params.cause = "escalation"``) instead of an alert. A stall or a hung rank fires once per
+episode, so one that simply persists is escalated by :meth:`ActionPolicy.tick` when the caller
 also reports progress with :meth:`ActionPolicy.observe_progress` (a completed step of the stalled
 rank clears its stall episode). ``escalate_after_s = 0`` turns escalation off.
 """
@@ -35,7 +35,8 @@ from runwatch.detectors.config import PolicyConfig, PolicyRule
 from runwatch.producer.schema import SEVERITY_RANK, Anomaly, CheckpointRef
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
-STALL_DETECTOR = "stall"  # fires once per episode: a persisting stall is escalated by tick()
+# Detectors that fire once per episode (a stall, a hung rank): what persists is escalated by tick().
+EPISODIC_DETECTORS = ("stall", "hung_rank")
 
 
 @dataclass(frozen=True)
@@ -142,19 +143,21 @@ class ActionPolicy:
         return decision
 
     def observe_progress(self, rank: int | None) -> None:
-        """A rank completed a step: its stall episode (if any) has cleared."""
-        episode = self.episodes.get(STALL_DETECTOR)
-        if episode is not None and (episode.rank is None or episode.rank == rank):
-            del self.episodes[STALL_DETECTOR]
+        """A rank completed a step: its stall or hang episode (if any) has cleared."""
+        for detector in EPISODIC_DETECTORS:
+            episode = self.episodes.get(detector)
+            if episode is not None and (episode.rank is None or episode.rank == rank):
+                del self.episodes[detector]
 
     def tick(self, now: datetime) -> list[ActionDecision]:
-        """Escalate a stall that persists (no progress since its alert) for ``escalate_after_s``."""
+        """Escalate a stall or a hang that persists (no progress since its alert) for ``escalate_after_s``."""
         if self.stopped or not self._escalation_on():
             return []
-        episode = self.episodes.get(STALL_DETECTOR)
-        if episode is None or not self._due(episode, now):
-            return []
-        return [self._escalate(episode, now)]
+        for detector in EPISODIC_DETECTORS:
+            episode = self.episodes.get(detector)
+            if episode is not None and self._due(episode, now):
+                return [self._escalate(episode, now)]
+        return []
 
     # -- deciding -----------------------------------------------------------------------
 

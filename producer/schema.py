@@ -192,6 +192,43 @@ class Anomaly(WireModel):
     ts: datetime
 
 
+class JoinedStep(WireModel):
+    """One step of a run across its ranks, as the worker's join combined it (``runwatch.joined``).
+
+    Gradient norms: the root of the sum of squares of the ranks' figures when they report shards
+    (``grad_sharded``), else the largest (replicas agree). Loss: the mean over the ranks. Step time
+    and memory: the extremes and the rank that has them. Throughput: the sum. ``complete`` is
+    False when the join timed out without every rank (``ranks_missing``).
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str = Field(min_length=1)
+    step: int = Field(ge=0)
+    generation: int = Field(default=0, ge=0, description="rollbacks seen before this step (steps repeat after one)")
+    ts: datetime
+    world_size: int = Field(ge=1)
+    complete: bool
+    ranks_reported: list[int]
+    ranks_missing: list[int] = Field(default_factory=list)
+    loss_mean: float | None = None
+    grad_norm: float | None = None
+    grad_sharded: bool = False
+    step_time_max_s: float | None = None
+    step_time_max_rank: int | None = None
+    step_time_min_s: float | None = None
+    compute_max_s: float | None = None
+    compute_max_rank: int | None = None
+    compute_min_s: float | None = None
+    memory_max_bytes: int | None = None
+    memory_max_rank: int | None = None
+    memory_min_bytes: int | None = None
+    memory_min_rank: int | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    late_events: int = Field(default=0, ge=0, description="events of this run that came after their step was joined")
+    duplicate_events: int = Field(default=0, ge=0, description="events of this run delivered more than once")
+
+
 class CheckpointRef(WireModel):
     step: int = Field(ge=0)
     uri: str

@@ -8,7 +8,8 @@ TELEMETRY = "runwatch.telemetry"
 ANOMALIES = "runwatch.anomalies"
 ACTIONS = "runwatch.actions"
 DEADLETTER = "runwatch.deadletter"
-ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER)
+JOINED = "runwatch.joined"  # per-step cross-rank joins, for ClickHouse/Grafana
+ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)
 
 DEFAULT_PARTITIONS = 4
 

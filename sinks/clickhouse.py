@@ -14,11 +14,11 @@ from typing import Any
 
 import orjson
 
-from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase
+from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
 from runwatch.sinks.migrations import MIGRATIONS
 
 DEFAULT_DSN_PATH = Path(".runwatch") / "clickhouse"
-TABLES = ("telemetry", "anomalies", "actions", "deadletter")
+TABLES = ("telemetry", "anomalies", "actions", "deadletter", "joined_steps")
 
 TELEMETRY_COLUMNS = (
     "event_id", "run_id", "rank", "kind", "ts", "step", "loss", "grad_norm", "step_time_s", "payload",
@@ -32,6 +32,7 @@ ACTION_COLUMNS = (
     "params", "issued_at", "expires_at",
 )
 DEADLETTER_COLUMNS = ("id", "ts", "source_topic", "partition", "offset", "run_key", "reason", "raw")
+JOINED_COLUMNS = tuple(name for name in JoinedStep.model_fields if name != "schema_version")
 
 
 def default_dsn() -> str:
@@ -136,6 +137,11 @@ class ClickHouseSink:
             ident = hashlib.sha1(f"{d.source_topic}|{d.partition}|{d.offset}|{d.raw}".encode()).hexdigest()
             rows.append((ident, _utc(d.ts), d.source_topic, d.partition, d.offset, d.key, d.reason, d.raw))
         return self._insert("deadletter", _unique(rows), DEADLETTER_COLUMNS)
+
+    def write_joined(self, joined: Iterable[JoinedStep]) -> int:
+        rows = [tuple(_utc(j.ts) if c == "ts" else getattr(j, c) for c in JOINED_COLUMNS) for j in joined]
+        rows = list({(r[0], r[2], r[1]): r for r in rows}.values())  # (run_id, generation, step): the newest
+        return self._insert("joined_steps", rows, JOINED_COLUMNS)
 
     # -- reads ----------------------------------------------------------------------------
 

@@ -14,7 +14,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from runwatch.producer import topics
-from runwatch.producer.schema import DeadLetter, SchemaError, decode_action, decode_anomaly, decode_event
+from runwatch.producer.schema import (
+    DeadLetter,
+    JoinedStep,
+    SchemaError,
+    decode_action,
+    decode_anomaly,
+    decode_event,
+)
 from runwatch.sinks.clickhouse import ClickHouseSink
 
 log = logging.getLogger(__name__)
@@ -63,7 +70,7 @@ class SinkConsumer:
             return self.positions.get((topic, partition), 0)
 
     def _decode_batch(self, records: list) -> dict[str, list]:
-        batch: dict[str, list] = {"telemetry": [], "anomalies": [], "actions": [], "deadletter": []}
+        batch: dict[str, list] = {"telemetry": [], "anomalies": [], "actions": [], "deadletter": [], "joined": []}
         for r in records:
             try:
                 if r.topic == topics.TELEMETRY:
@@ -74,6 +81,8 @@ class SinkConsumer:
                     batch["actions"].append(decode_action(r.value))
                 elif r.topic == topics.DEADLETTER:
                     batch["deadletter"].append(DeadLetter.model_validate_json(r.value))
+                elif r.topic == topics.JOINED:
+                    batch["joined"].append(JoinedStep.model_validate_json(r.value))
             except (SchemaError, ValueError):
                 # Malformed telemetry is the worker's to dead-letter; the sink just skips it.
                 self.stats.skipped[r.topic] += 1
@@ -84,6 +93,7 @@ class SinkConsumer:
         self.stats.rows["anomalies"] += self.sink.write_anomalies(batch["anomalies"])
         self.stats.rows["actions"] += self.sink.write_actions(batch["actions"])
         self.stats.rows["deadletter"] += self.sink.write_deadletters(batch["deadletter"])
+        self.stats.rows["joined_steps"] += self.sink.write_joined(batch["joined"])
 
     def run(self) -> None:
         """Consume until ``stopping`` is set; flushes the last batch before returning."""

@@ -125,6 +125,47 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        3,
+        "joined_steps",
+        (
+            # One row per (run, generation, step): the worker's cross-rank join of a multi-rank run.
+            """
+            CREATE TABLE IF NOT EXISTS {db}.joined_steps (
+                run_id LowCardinality(String),
+                generation UInt32,
+                step Int64,
+                ts DateTime64(3, 'UTC') CODEC(Delta, ZSTD(1)),
+                world_size UInt32,
+                complete Bool,
+                ranks_reported Array(UInt32),
+                ranks_missing Array(UInt32),
+                loss_mean Nullable(Float64),
+                grad_norm Nullable(Float64),
+                grad_sharded Bool,
+                step_time_max_s Nullable(Float64),
+                step_time_max_rank Nullable(UInt32),
+                step_time_min_s Nullable(Float64),
+                compute_max_s Nullable(Float64),
+                compute_max_rank Nullable(UInt32),
+                compute_min_s Nullable(Float64),
+                memory_max_bytes Nullable(Int64),
+                memory_max_rank Nullable(UInt32),
+                memory_min_bytes Nullable(Int64),
+                memory_min_rank Nullable(UInt32),
+                samples_per_s Nullable(Float64),
+                tokens_per_s Nullable(Float64),
+                late_events UInt64,
+                duplicate_events UInt64,
+                inserted_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(inserted_at)
+            PARTITION BY toYYYYMM(ts)
+            ORDER BY (run_id, generation, step)
+            TTL toDateTime(ts) + INTERVAL 90 DAY
+            """,
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

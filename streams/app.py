@@ -71,6 +71,7 @@ def create_app(
     anomalies = app.topic(topics.ANOMALIES, value_serializer="raw", key_serializer="raw")
     actions = app.topic(topics.ACTIONS, value_serializer="raw", key_serializer="raw")
     deadletter = app.topic(topics.DEADLETTER, value_serializer="raw", key_serializer="raw")
+    joined = app.topic(topics.JOINED, value_serializer="raw", key_serializer="raw")
     processor = TelemetryProcessor(config, secret)
 
     async def publish(result: ProcessResult) -> None:
@@ -78,6 +79,8 @@ def create_app(
             await anomalies.send(key=anomaly.run_id.encode(), value=anomaly.to_json())
         for action in result.actions:
             await actions.send(key=action.run_id.encode(), value=action.to_json())
+        for step in result.joined:
+            await joined.send(key=step.run_id.encode(), value=step.to_json())
 
     @app.agent(telemetry)
     async def detect(stream):  # noqa: ANN001 - Faust's stream type
@@ -89,6 +92,12 @@ def create_app(
                             result.deadletter.reason)
                 await deadletter.send(key=event.key, value=result.deadletter.to_json())
             await publish(result)
+
+    @app.on_partitions_assigned.connect
+    async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
+        owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
+        for run in processor.keep_partitions(owned):
+            log.info("run %s moved to another worker", run)
 
     @app.timer(TICK_INTERVAL_S)
     async def tick() -> None:

@@ -19,6 +19,7 @@ from runwatch.producer.schema import (
     Action,
     Anomaly,
     DeadLetter,
+    JoinedStep,
     RunEndEvent,
     SchemaError,
     action_expiry,
@@ -35,6 +36,7 @@ class ProcessResult:
     deadletter: DeadLetter | None = None
     anomalies: list[Anomaly] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
+    joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
 
 
 @dataclass
@@ -52,6 +54,7 @@ class TelemetryProcessor:
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
         self.monitors: dict[str, RunMonitor] = {}
         self._last_seen: dict[str, tuple[datetime, datetime]] = {}  # run -> (newest event ts, when it arrived)
+        self._partition: dict[str, int] = {}  # run -> the telemetry partition its events come from
         self.counters = WorkerCounters()
 
     def process(
@@ -75,10 +78,23 @@ class TelemetryProcessor:
         previous = self._last_seen.get(event.run_id)
         if previous is None or event.ts >= previous[0]:
             self._last_seen[event.run_id] = (event.ts, self._clock())
+        if partition is not None:
+            self._partition[event.run_id] = partition
         if isinstance(event, RunEndEvent):
             del self.monitors[event.run_id]
             del self._last_seen[event.run_id]
+            self._partition.pop(event.run_id, None)
         return self._result(out)
+
+    def keep_partitions(self, partitions: set[int]) -> list[str]:
+        """After a rebalance: drop the runs whose partition this worker no longer owns (their new
+        owner rebuilds them), so timers only ever judge runs this worker holds. Returns them."""
+        dropped = [run for run, p in self._partition.items() if p not in partitions]
+        for run in dropped:
+            self.monitors.pop(run, None)
+            self._last_seen.pop(run, None)
+            del self._partition[run]
+        return dropped
 
     def tick(self, now: datetime | None = None) -> ProcessResult:
         """Time-based checks (stalled or silent ranks) for every run this worker holds.
@@ -94,10 +110,12 @@ class TelemetryProcessor:
             part = self._result(monitor.tick(event_ts + (now - arrived)))
             result.anomalies.extend(part.anomalies)
             result.actions.extend(part.actions)
+            result.joined.extend(part.joined)
         return result
 
     def _result(self, out: MonitorOutput) -> ProcessResult:
-        result = ProcessResult(anomalies=out.anomalies, actions=[self._action(d) for d in out.decisions])
+        result = ProcessResult(anomalies=out.anomalies, actions=[self._action(d) for d in out.decisions],
+                               joined=out.joined)
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:
             log.info("anomaly run=%s step=%s %s: %s", anomaly.run_id, anomaly.step, anomaly.detector, anomaly.message)

@@ -49,3 +49,27 @@ def test_duplicated_deliveries_are_stored_once(broker, chdb_dsn):
         assert rows[6][1] != rows[6][1]  # the NaN loss is stored as NaN, not null or zero
     finally:
         sink.close()
+
+
+def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
+    from datetime import UTC, datetime
+
+    from runwatch.producer.schema import JoinedStep
+
+    sink = ClickHouseSink(chdb_dsn)
+    try:
+        sink.migrate()
+        run_id = f"joined-{uuid.uuid4().hex[:8]}"
+        rows = [JoinedStep(run_id=run_id, step=s, generation=g, ts=datetime.now(UTC), world_size=3,
+                           complete=s != 4, ranks_reported=[0, 1] if s == 4 else [0, 1, 2],
+                           ranks_missing=[2] if s == 4 else [], grad_norm=float(s), step_time_max_s=0.5,
+                           step_time_max_rank=2)
+                for g in (0, 1) for s in range(5)]
+        assert sink.write_joined(rows + rows[:3]) == 10  # a redelivered batch adds nothing
+        sink.write_joined(rows[:3])
+        got = sink.query("SELECT generation, step, complete, ranks_missing, step_time_max_rank FROM "
+                         "{db}.joined_steps FINAL WHERE run_id = %(r)s ORDER BY generation, step", {"r": run_id})
+        assert len(got) == 10
+        assert got[4] == (0, 4, False, [2], 2) and got[5][:3] == (1, 0, True)
+    finally:
+        sink.close()

@@ -184,7 +184,8 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
         def tick(self, now):
             return [Finding(detector="stall", metric="step", step=3, severity="warning", message="stalled")]
 
-    monkeypatch.setattr(monitor_module, "build_detectors", lambda config: [FiresOnTick()])
+    monkeypatch.setattr(monitor_module, "build_detectors",
+                        lambda config, names: [FiresOnTick()] if names == monitor_module.RANK_VIEW else [])
     processor = TelemetryProcessor(RunwatchConfig(), b"secret")
     for run in ("run-a", "run-b"):
         processor.process(StepEvent(run_id=run, step=3).to_json(), run.encode())
@@ -209,7 +210,8 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
             ticked.append(now)
             return []
 
-    monkeypatch.setattr(monitor_module, "build_detectors", lambda config: [RecordsTicks()])
+    monkeypatch.setattr(monitor_module, "build_detectors",
+                        lambda config, names: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
     wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
     processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
     sent = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)  # a backlog from three hours ago, read now
@@ -217,3 +219,24 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
     wall[0] += timedelta(seconds=10)
     processor.tick()
     assert ticked == [sent + timedelta(seconds=10)]  # not 3 h of silence: 10 s since that event arrived
+
+
+def test_a_rebalance_drops_only_the_runs_of_partitions_this_worker_lost(proc):
+    proc.process(_step(0, run_id="stays"), key=b"stays", partition=1)
+    proc.process(_step(0, run_id="moves"), key=b"moves", partition=3)
+    assert proc.keep_partitions({0, 1}) == ["moves"]
+    assert set(proc.monitors) == {"stays"}
+    assert proc.tick().anomalies == []  # the timer no longer judges the run it gave away
+
+
+def test_multi_rank_steps_come_out_joined(proc):
+    from runwatch.producer.schema import RunStartEvent
+
+    proc.process(RunStartEvent(run_id="dist", world_size=2).to_json(), key=b"dist")
+    first = proc.process(StepEvent(run_id="dist", rank=0, step=0, grad_norm=3.0, grad_sharded=True).to_json(),
+                         key=b"dist")
+    assert first.joined == []
+    second = proc.process(StepEvent(run_id="dist", rank=1, step=0, grad_norm=4.0, grad_sharded=True).to_json(),
+                          key=b"dist")
+    (joined,) = second.joined
+    assert joined.grad_norm == pytest.approx(5.0) and joined.ranks_reported == [0, 1]

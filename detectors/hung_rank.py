@@ -1,0 +1,164 @@
+"""A hung rank: its heartbeat goes on, its step does not move, and its peers advance or wait on it.
+
+The per-rank ``stall`` detector sees one rank alone; in lockstep training a hang on one rank
+stalls every rank, so that alone cannot say *which* rank hangs. This detector looks across the
+run's ranks, on ``tick(now)``:
+
+- **behind**: the rank's last completed step is behind another live rank's, and it has made no
+  progress for longer than allowed (ranks that do not synchronise every step keep going);
+- **peers_waiting**: every other live rank is at the same step and reports ``in_sync`` (it has
+  launched its gradient synchronisation and waits; the producer's DDP comm hook measures it),
+  while this rank does not, for longer than allowed.
+
+Allowed: ``max(floor_s, factor x the run's median step interval + phase_allowance_s[phase])``,
+with the phase of the rank's latest heartbeat (a rank saving a checkpoint for 5 minutes while its
+peers wait is not hung), counted from its last progress or the start of that phase, whichever is
+later. The median pools every rank's step-event intervals (river ``RollingQuantile``); nothing
+fires before ``min_steps`` intervals. Only ranks with a heartbeat since their last progress count
+(one that stops beating is the stall detector's ``silent``: dead), and a rank is live while it
+was heard within ``silent_after_s``. One finding per rank per episode; progress re-arms it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from river import stats
+
+from runwatch.detectors.config import HungRankConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+
+NAME = "hung_rank"
+INTERVAL_WINDOW = 100
+
+
+class _RankState:
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.progress_at: datetime | None = None
+        self.last_step_event: tuple[int, datetime] | None = None
+        self.heard_at: datetime | None = None
+        self.heartbeat_at: datetime | None = None
+        self.phase = "train"
+        self.phase_since: datetime | None = None
+        self.in_sync: bool | None = None
+        self.fired = False
+
+
+class HungRankDetector:
+    """Across the ranks of one run (see the module doc). ``update`` with every rank's events."""
+
+    name = NAME
+
+    def __init__(self, config: HungRankConfig, silent_after_s: float):
+        self.config = config
+        self.silent_after = timedelta(seconds=silent_after_s)
+        self.ranks: dict[int, _RankState] = {}
+        self._intervals = stats.RollingQuantile(q=0.5, window_size=INTERVAL_WINDOW)
+        self.intervals_seen = 0
+        self.ended = False
+
+    def update(self, event: TelemetryEvent) -> None:
+        if isinstance(event, RunEndEvent):
+            self.ended = True
+            return
+        state = self.ranks.get(event.rank)
+        if state is None:
+            state = self.ranks[event.rank] = _RankState()
+        if state.heard_at is None or event.ts > state.heard_at:
+            state.heard_at = event.ts
+        if isinstance(event, StepEvent):
+            previous = state.last_step_event
+            if previous is not None and event.step > previous[0]:
+                dt = (event.ts - previous[1]).total_seconds() / (event.step - previous[0])
+                if dt >= 0:
+                    self._intervals.update(dt)
+                    self.intervals_seen += 1
+            state.last_step_event = (event.step, event.ts)
+            if state.step is None or event.step != state.step:  # forward, or back after a rollback
+                self._progress(state, event.step, event.ts)
+            state.in_sync = None  # a new step: not waiting for anything yet
+        elif isinstance(event, HeartbeatEvent):
+            if event.phase != state.phase:  # staying in train keeps counting from the last progress
+                state.phase_since = event.ts if event.phase == "train" else (
+                    event.ts - timedelta(seconds=event.time_in_phase_s))
+            state.phase = event.phase
+            if state.heartbeat_at is None or event.ts > state.heartbeat_at:
+                state.heartbeat_at = event.ts
+                state.in_sync = event.in_sync
+            if event.step is not None and (state.step is None or event.step > state.step):
+                self._progress(state, event.step, event.ts)
+
+    @staticmethod
+    def _progress(state: _RankState, step: int, ts: datetime) -> None:
+        state.step = step
+        if state.progress_at is None or ts > state.progress_at:
+            state.progress_at = ts
+        state.fired = False
+
+    def median_interval_s(self) -> float | None:
+        return self._intervals.get() if self.intervals_seen >= self.config.min_steps else None
+
+    def allowed_s(self, phase: str) -> float | None:
+        median = self.median_interval_s()
+        if median is None:
+            return None
+        cfg = self.config
+        return max(cfg.floor_s, cfg.factor * median + cfg.phase_allowance_s.get(phase, 0.0))
+
+    def tick(self, now: datetime) -> list[Finding]:
+        if self.ended:
+            return []
+        live = {r: s for r, s in self.ranks.items()
+                if s.heard_at is not None and now - s.heard_at <= self.silent_after and s.step is not None}
+        if len(live) < 2:
+            return []
+        findings = []
+        for rank, state in live.items():
+            if state.fired or state.progress_at is None:
+                continue
+            if state.heartbeat_at is None or state.heartbeat_at <= state.progress_at:
+                continue  # no heartbeat since its last step: nothing says it is alive and stuck
+            allowed = self.allowed_s(state.phase)
+            if allowed is None:
+                continue
+            start = state.progress_at if state.phase_since is None else max(state.progress_at, state.phase_since)
+            waited = (now - start).total_seconds()
+            if waited <= allowed:
+                continue
+            peers = {r: s for r, s in live.items() if r != rank}
+            ahead = sorted(r for r, s in peers.items() if s.step > state.step)
+            waiting = all(s.step == state.step and s.in_sync is True for s in peers.values())
+            if ahead:
+                kind = "behind"
+                why = f"ranks {ahead} have moved on to step {max(peers[r].step for r in ahead)}"
+            elif waiting and state.in_sync is not True:
+                kind = "peers_waiting"
+                why = f"ranks {sorted(peers)} wait for it in the gradient synchronisation"
+            else:
+                continue
+            state.fired = True
+            findings.append(Finding(
+                detector=NAME,
+                metric="step_progress",
+                step=state.step,
+                rank=rank,
+                severity="critical",
+                message=(f"rank {rank} is hung: no step completed for {waited:.0f} s since step {state.step} while "
+                         f"its heartbeat continues, and {why} (phase {state.phase!r}; allowed {allowed:.0f} s)"),
+                value=waited,
+                threshold=allowed,
+                score=waited / allowed if allowed else None,
+                evidence={
+                    "kind": kind,
+                    "phase": state.phase,
+                    "last_step": state.step,
+                    "seconds_since_progress": waited,
+                    "allowed_s": allowed,
+                    "median_step_interval_s": self.median_interval_s(),
+                    "peer_steps": {str(r): s.step for r, s in sorted(peers.items())},
+                    "in_sync": state.in_sync,
+                },
+            ))
+        return findings

@@ -1,0 +1,106 @@
+"""A straggler: one rank consistently slower than its peers.
+
+Scored like NVIDIA's straggler detector (nvidia-resiliency-ext): each rank's rolling median of
+its own work per step, and ``score = fastest rank's median / this rank's median``; under
+``score_threshold`` (0.75) for ``patience`` joined steps in a row, the rank is named.
+
+What is timed matters. In lockstep training (DDP, FSDP) every rank's *step time* is the same:
+the fast ranks wait inside the gradient synchronisation for the slowest. So the rank's work is
+``compute_s`` (time from the step's start until the rank was ready to synchronise, measured by
+the producer's DDP comm hook) where the rank reports it, else its step time (ranks that do not
+synchronise every step, where step time does differ). One finding per episode: a rank re-arms
+when its score is back over the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+
+from river import stats
+
+from runwatch.detectors.config import StragglerConfig
+from runwatch.detectors.findings import Finding
+from runwatch.producer.schema import StepEvent
+
+NAME = "straggler"
+
+
+class _RankTiming:
+    def __init__(self, window: int):
+        self.median = stats.RollingQuantile(q=0.5, window_size=window)
+        self.count = 0
+        self.metric = "step_time_s"
+        self.streak = 0
+        self.fired = False
+
+
+class StragglerDetector:
+    """Per-rank work times in (``update`` with each rank's step event), ``check`` on each joined step."""
+
+    name = NAME
+
+    def __init__(self, config: StragglerConfig):
+        self.config = config
+        self.ranks: dict[int, _RankTiming] = {}
+
+    def update(self, event: StepEvent) -> None:
+        value, metric = event.compute_s, "compute_s"
+        if value is None:
+            value, metric = event.step_time_s, "step_time_s"
+        if value is None or not math.isfinite(value):
+            return
+        timing = self.ranks.get(event.rank)
+        if timing is None:
+            timing = self.ranks[event.rank] = _RankTiming(self.config.window)
+        timing.median.update(value)
+        timing.count += 1
+        timing.metric = metric
+
+    def scores(self) -> dict[int, float]:
+        """Each scored rank's ``fastest median / its median`` (1.0 for the fastest)."""
+        medians = {r: t.median.get() for r, t in self.ranks.items() if t.count >= self.config.min_steps}
+        if len(medians) < 2:
+            return {}
+        fastest = min(medians.values())
+        return {r: (fastest / m if m > 0 else 1.0) for r, m in medians.items()}
+
+    def check(self, step: int | None) -> list[Finding]:
+        cfg = self.config
+        scores = self.scores()
+        if not scores:
+            return []
+        medians = {r: self.ranks[r].median.get() for r in scores}
+        fastest_rank = min(medians, key=medians.get)
+        findings = []
+        for rank, score in scores.items():
+            timing = self.ranks[rank]
+            slow = score < cfg.score_threshold and medians[rank] - medians[fastest_rank] >= cfg.min_gap_s
+            if not slow:
+                timing.streak = 0
+                timing.fired = False
+                continue
+            timing.streak += 1
+            if timing.streak < cfg.patience or timing.fired:
+                continue
+            timing.fired = True
+            findings.append(Finding(
+                detector=NAME,
+                metric=timing.metric,
+                step=step,
+                rank=rank,
+                severity="warning",
+                message=(f"rank {rank} is a straggler: median {timing.metric} {medians[rank]:.3g} s against "
+                         f"{medians[fastest_rank]:.3g} s on the fastest rank {fastest_rank} (score {score:.2f} < "
+                         f"{cfg.score_threshold:g} for {timing.streak} steps)"),
+                value=score,
+                threshold=cfg.score_threshold,
+                score=score,
+                evidence={
+                    "median_s": medians[rank],
+                    "fastest_rank": fastest_rank,
+                    "fastest_median_s": medians[fastest_rank],
+                    "timed": timing.metric,
+                    "rank_medians_s": {str(r): m for r, m in sorted(medians.items())},
+                },
+            ))
+        return findings
