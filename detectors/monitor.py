@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.category import CategoryDivergenceDetector
@@ -34,6 +34,7 @@ from runwatch.producer.schema import (
     CheckpointEvent,
     CheckpointRef,
     EvalEvent,
+    HeartbeatEvent,
     JoinedStep,
     RunEndEvent,
     RunStartEvent,
@@ -132,6 +133,7 @@ class RunMonitor:
         self.events_seen = 0
         self.last_step: int | None = None
         self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
+        self.phases: dict[int, tuple[str, datetime]] = {}  # rank -> (its latest heartbeat's phase, when)
 
     def _seen_before(self, event_id: str) -> bool:
         if event_id in self._recent_ids:
@@ -157,6 +159,9 @@ class RunMonitor:
                 self.checkpoints.append(CheckpointRef(step=event.step, uri=event.uri))
         elif isinstance(event, ActionAckEvent):
             self.policy.acknowledge(event.action_id)
+        elif isinstance(event, HeartbeatEvent):
+            self.phases[event.rank] = (event.phase, event.ts)
+            self._share_peer_phases(event.ts)
         if self.hung is not None:
             self.hung.update(event)
         if isinstance(event, RUN_SCOPED_KINDS):
@@ -177,6 +182,20 @@ class RunMonitor:
                 for finding in detector.update(event, event.ts):
                     self._emit(self._run_level(finding), event.ts, event.event_id, out)
         return out
+
+    def _share_peer_phases(self, now: datetime) -> None:
+        """Give each rank's stall detector the largest phase allowance among its live peers."""
+        if len(self.phases) < 2:
+            return
+        stall = self.config.detectors.stall
+        live = timedelta(seconds=stall.heartbeat_timeout_s)
+        allowance = {r: stall.phase_allowance_s.get(phase, 0.0) for r, (phase, at) in self.phases.items()
+                     if now - at <= live}
+        for rank, detectors in self.ranks.items():
+            peers = [a for r, a in allowance.items() if r != rank]
+            for detector in detectors:
+                if isinstance(detector, StallDetector):
+                    detector.peer_allowance_s = max(peers, default=0.0)
 
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
         event = joined.event
@@ -202,6 +221,7 @@ class RunMonitor:
         if self.hung is not None:
             for finding in self.hung.tick(now):
                 self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
+        self._share_peer_phases(now)
         for detectors in self.ranks.values():
             for detector in detectors:
                 for finding in detector.tick(now):

@@ -57,6 +57,9 @@ class StallDetector(Detector):
         self.heartbeats = 0
         self.heartbeat_at: datetime | None = None
         self.ended = False
+        # Set by the run's monitor: the largest phase allowance among the live peers. In lockstep
+        # training every rank waits while one saves a checkpoint or evaluates; that is no stall.
+        self.peer_allowance_s = 0.0
         self._stall_fired = False
         self._silence_fired = False
 
@@ -107,12 +110,15 @@ class StallDetector(Detector):
     def median_interval_s(self) -> float | None:
         return self._intervals.get() if self.intervals_seen >= self.config.min_steps else None
 
+    def allowance_s(self) -> float:
+        """The phase allowance: this rank's phase's, or a peer's if larger (``peer_allowance_s``)."""
+        return max(self.config.phase_allowance_s.get(self.phase, 0.0), self.peer_allowance_s)
+
     def allowed_s(self) -> float | None:
         median = self.median_interval_s()
         if median is None:
             return None
-        cfg = self.config
-        return cfg.factor * median + cfg.phase_allowance_s.get(self.phase, 0.0)
+        return self.config.factor * median + self.allowance_s()
 
     def tick(self, now: datetime) -> list[Finding]:
         if self.ended or self.heard_at is None:
@@ -145,7 +151,7 @@ class StallDetector(Detector):
         since = (now - self.progress_at).total_seconds() if self.progress_at is not None else None
         allowed = self.allowed_s()
         median = self.median_interval_s()
-        allowance = cfg.phase_allowance_s.get(self.phase, 0.0)
+        allowance = self.allowance_s()
         if kind == "silent":
             message = (f"rank {self.rank} has been silent for {silent_s:.0f} s (no heartbeat or event; timeout "
                        f"{cfg.heartbeat_timeout_s:.0f} s): last step {self.step}, last phase {self.phase!r}")

@@ -18,7 +18,7 @@ from runwatch.streams.processor import ProcessResult, TelemetryProcessor
 
 log = logging.getLogger("runwatch.worker")
 
-DETECT_GROUP = "runwatch-detect"
+DETECT_GROUP = topics.DETECT_GROUP
 TICK_INTERVAL_S = 0.25  # as `runwatch replay --tick` does on event time
 
 

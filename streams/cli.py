@@ -80,9 +80,13 @@ def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="detector/policy YAML")
 @click.option("--web-port", type=int, default=6066, show_default=True, help="Faust's web port (one per worker)")
 @click.option("--ready-file", type=click.Path(dir_okay=False), help="written once partitions are assigned")
+@click.option("--group", default=topics.DETECT_GROUP, show_default=True,
+              help="consumer group (Faust app id): workers of one group share the runs; another group is a "
+                   "separate deployment, e.g. with another config")
 @click.option("--loglevel", default="WARNING", show_default=True)
-def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: str | None, loglevel: str) -> None:
-    """Run the Faust detection worker (group runwatch-detect)."""
+def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: str | None, group: str,
+           loglevel: str) -> None:
+    """Run the Faust detection worker."""
     from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.streams.app import create_app, run_worker
 
@@ -91,7 +95,7 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: s
         secret = resolve_secret()
     except MissingSecretError as exc:
         raise click.ClickException(str(exc)) from None
-    app, _ = create_app(bootstrap, config, secret, web_port=web_port,
+    app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port,
                         ready_file=Path(ready_file) if ready_file else None)
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)

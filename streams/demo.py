@@ -76,13 +76,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
 class WorkerProcess:
     """``runwatch worker`` as a child process, stopped by pid."""
 
-    def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None):
+    def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None,
+                 group: str | None = None):
         self.ready_file = log_path.with_suffix(".ready")
         self.ready_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", bootstrap,
                "--web-port", str(free_port()), "--ready-file", str(self.ready_file)]
         if config_path is not None:
             cmd += ["--config", str(config_path)]
+        if group is not None:
+            cmd += ["--group", group]
         env = dict(os.environ, **{topics.SECRET_ENV: secret})
         self.log_path = log_path
         self._log = open(log_path, "ab")

@@ -263,3 +263,30 @@ def test_monitor_drops_a_redelivered_event():
     monitor.observe(event)
     monitor.observe(event)
     assert monitor.events_seen == 2 and monitor.join.duplicates == 1  # run_start + the step once
+
+
+def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
+    monitor = _monitor(3)
+    for n in range(20):
+        for rank in range(3):
+            monitor.observe(step(rank, n, n * 0.2))
+    findings = []
+    # rank 0 saves a checkpoint for 5 minutes; ranks 1 and 2 wait for it in the gradient sync
+    for t in range(4, 300, 2):
+        monitor.observe(HeartbeatEvent(run_id=RUN, rank=0, step=19, ts=at(t), phase="checkpoint",
+                                       time_in_phase_s=t - 3.8))
+        for rank in (1, 2):
+            findings += monitor.observe(beat(rank, 19, t + 0.1, in_sync=True)).anomalies
+        findings += monitor.tick(at(t + 0.5)).anomalies
+    assert findings == []
+    # the same wait with nobody in a checkpoint is a stall of every rank
+    stalled = _monitor(3)
+    for n in range(20):
+        for rank in range(3):
+            stalled.observe(step(rank, n, n * 0.2))
+    found = []
+    for t in range(4, 60, 2):
+        for rank in range(3):
+            found += stalled.observe(beat(rank, 19, t + 0.1, in_sync=rank != 0)).anomalies
+        found += stalled.tick(at(t + 0.5)).anomalies
+    assert {(a.detector, a.rank) for a in found} >= {("stall", 1), ("stall", 2), ("hung_rank", 0)}
