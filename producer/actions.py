@@ -25,9 +25,27 @@ consumer group), applies it at its own next :meth:`poll` and acknowledges it wit
   arrive meanwhile are applied after the pause, in order. With ``heartbeat=`` the pause is
   reported as the ``idle`` phase, so it is not taken for a stall.
 - ``stop`` is handed to the loop (``poll`` returns it and stops there), which exits gracefully.
-  With ``stop_exit_after_s`` a watchdog then ends the process with ``os._exit(stop_exit_code)``
-  if it is still alive that long after the stop (a loop stuck in a collective, a hung shutdown);
-  :meth:`ActionListener.stop_deadline` arms the same watchdog by hand.
+  With ``stop_exit_after_s`` a watchdog ends the process with ``os._exit(stop_exit_code)`` if it
+  is still alive that long after the stop was *received*: it is armed by the consumer thread on
+  receipt, since a rank blocked in a collective or hung elsewhere never reaches ``poll``.
+  :meth:`ActionListener.stop_deadline` arms the same watchdog by hand; arming it again keeps one
+  watchdog, with the earlier deadline.
+
+Several ranks (``sync``, on by default when torch.distributed runs with more than one rank):
+each rank's consumer receives an action at its own moment, so left alone one rank could roll
+back a step before another, with a different checkpoint. Instead rank 0 leads: at each ``poll``
+it broadcasts how many actions it is about to apply (one small tensor per poll) and, only when
+there are some, their ids; every other rank waits (up to ``sync_timeout_s``) until its own
+consumer has accepted those ids and applies exactly those, in rank 0's order. So every rank
+rolls back at the same ``poll`` (the same step) to the same checkpoint. Actions a rank received
+that rank 0 has not announced wait for a later poll; one that does not arrive in time is acked
+``failed`` on that rank (never a hang). The broadcasts run on a gloo group of their own, so this
+works under NCCL too; creating it is collective: every rank must construct its listener at the
+same point, and with ``sync`` on ``poll`` is a collective too: every rank calls it equally often
+(once per step). A pause is applied by every rank at the same poll; each rank's pause then ends
+when its own consumer sees the resume (or stop) or its timeout passes, so the ranks resume within
+a consumer's delay of each other and meet at the next collective; the resume itself is announced
+and acknowledged like any action.
 """
 
 from __future__ import annotations
@@ -38,7 +56,7 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,7 +156,13 @@ class ActionListener:
         stop_exit_code: int = 1,
         topic: str = topics.ACTIONS,
         consume: bool = True,
+        sync: bool | str = "auto",
+        sync_timeout_s: float = 30.0,
     ):
+        """``sync``: apply actions at the same poll on every rank (see the module doc): True, False,
+        or "auto" (on when torch.distributed is initialised with more than one rank). Construct the
+        listener at the same point on every rank when it is on. ``sync_timeout_s``: how long a
+        rank waits for an action rank 0 announced before it gives that action up as failed."""
         self.rw = rw
         self._secret = resolve_secret(secret)
         if restore is None and model is not None:
@@ -150,12 +174,27 @@ class ActionListener:
         self._pause_timeout_s = pause_timeout_s
         self._stop_exit_after_s = stop_exit_after_s
         self._stop_exit_code = stop_exit_code
+        self._watchdog_lock = threading.Condition()
+        self._watchdog: threading.Thread | None = None
         self._watchdog_disarmed = threading.Event()
+        self._watchdog_deadline = 0.0
+        self._watchdog_code = stop_exit_code
+        self._watchdog_timeout_s = 0.0
         self._topic = topic
         self._accepted: queue.Queue[Action] = queue.Queue()
-        self._deferred: deque[Action] = deque()  # arrived during a pause: applied after it, in order
+        # Taken from the queue, not applied yet, in arrival order, with an arrival number: actions that
+        # came during a pause (applied after it), and on a rank other than 0, actions rank 0 has not
+        # announced yet.
+        self._pending: dict[str, tuple[int, Action]] = {}
+        self._arrivals = 0
+        self._taken_seq: dict[str, int] = {}  # arrival number of each action taken to apply, until applied
+        self._given_up: set[str] = set()  # announced ids this rank stopped waiting for
         self._ended_pause: dict[str, str] = {}  # resume/stop action id -> the pause it ended
         self._seen: set[str] = set()
+        self._sync_timeout_s = sync_timeout_s
+        self._sync_group: Any = None
+        self.sync_leader = True  # rank 0, or no sync: decides what to apply on its own
+        self._setup_sync(sync)
         self.ignored: Counter[str] = Counter()
         self.applied: list[AppliedAction] = []
         self._stop = threading.Event()
@@ -179,8 +218,17 @@ class ActionListener:
         """Block until the consumer has its partitions (useful before the first step)."""
         return self._ready.wait(timeout)
 
+    @property
+    def synced(self) -> bool:
+        """Whether actions are applied in step with the other ranks (see the module doc)."""
+        return self._sync_group is not None
+
     def poll(self, step: int | None = None) -> list[AppliedAction]:
-        """Apply every action that arrived since the last call; returns what was done."""
+        """Apply every action that arrived since the last call; returns what was done.
+
+        With ``sync`` on this is a collective: every rank calls it, equally often."""
+        if self._sync_group is not None:
+            return self._poll_synced(step)
         results = []
         while True:
             action = self._next_nowait()
@@ -190,34 +238,57 @@ class ActionListener:
             if result is not None:
                 results.append(result)
                 if action.kind == "stop":
-                    if self._stop_exit_after_s is not None:
-                        self.stop_deadline(self._stop_exit_after_s)
+                    self._arm_on_stop()
                     break
         return results
 
     def stop_deadline(self, timeout_s: float, exit_code: int | None = None) -> threading.Thread:
         """Hard-exit fallback after a stop: a daemon thread calls ``os._exit(exit_code)`` unless the
         process has exited within ``timeout_s`` (a graceful exit ends the thread with the process)
-        or :meth:`disarm_stop_deadline` was called."""
+        or :meth:`disarm_stop_deadline` was called. Armed already: the one watchdog keeps the
+        earlier deadline (and its exit code); no second one is started."""
         code = self._stop_exit_code if exit_code is None else exit_code
-        self._watchdog_disarmed.clear()
-
-        def watchdog() -> None:
-            if self._watchdog_disarmed.wait(timeout_s):
-                return
-            msg = f"runwatch: still running {timeout_s:g} s after a stop action; exiting with code {code}\n"
-            try:
-                sys.stderr.write(msg)
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-
-        thread = threading.Thread(target=watchdog, name="runwatch-stop-watchdog", daemon=True)
-        thread.start()
-        return thread
+        deadline = time.monotonic() + timeout_s
+        with self._watchdog_lock:
+            thread = self._watchdog
+            if thread is not None and thread.is_alive() and not self._watchdog_disarmed.is_set():
+                if deadline < self._watchdog_deadline:
+                    self._watchdog_deadline, self._watchdog_code, self._watchdog_timeout_s = deadline, code, timeout_s
+                    self._watchdog_lock.notify_all()
+                return thread
+            self._watchdog_disarmed = disarmed = threading.Event()
+            self._watchdog_deadline, self._watchdog_code, self._watchdog_timeout_s = deadline, code, timeout_s
+            thread = threading.Thread(target=self._watchdog_run, args=(disarmed,), name="runwatch-stop-watchdog",
+                                      daemon=True)
+            self._watchdog = thread
+            thread.start()
+            return thread
 
     def disarm_stop_deadline(self) -> None:
-        self._watchdog_disarmed.set()
+        with self._watchdog_lock:
+            self._watchdog_disarmed.set()
+            self._watchdog_lock.notify_all()
+
+    def _watchdog_run(self, disarmed: threading.Event) -> None:
+        with self._watchdog_lock:
+            while True:
+                if disarmed.is_set():
+                    return
+                remaining = self._watchdog_deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._watchdog_lock.wait(remaining)
+            code, timeout_s = self._watchdog_code, self._watchdog_timeout_s
+        msg = f"runwatch: still running {timeout_s:g} s after a stop action; exiting with code {code}\n"
+        try:
+            sys.stderr.write(msg)
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+    def _arm_on_stop(self) -> None:
+        if self._stop_exit_after_s is not None:
+            self.stop_deadline(self._stop_exit_after_s)
 
     def close(self) -> None:
         self._stop.set()
@@ -225,17 +296,160 @@ class ActionListener:
             self._thread.join(5.0)
 
     def _next_nowait(self) -> Action | None:
-        if self._deferred:
-            return self._deferred.popleft()
-        try:
-            return self._accepted.get_nowait()
-        except queue.Empty:
+        while not self._pending:
+            if not self._pull():
+                return None
+        return self._take(next(iter(self._pending)))
+
+    def _take(self, action_id: str) -> Action | None:
+        """Take ``action_id`` out of ``_pending`` to apply it, noting its arrival number (for a pause)."""
+        entry = self._pending.pop(action_id, None)
+        if entry is None:
             return None
+        self._taken_seq[action_id] = entry[0]
+        return entry[1]
+
+    def _pull(self, timeout: float | None = None) -> bool:
+        """Move one action from the consumer's queue to ``_pending`` (waiting up to ``timeout``);
+        False if the queue stayed empty."""
+        try:
+            action = self._accepted.get(timeout=timeout) if timeout else self._accepted.get_nowait()
+        except queue.Empty:
+            return False
+        if action.action_id not in self._given_up:  # given up on this rank once: never applied here
+            self._arrivals += 1
+            self._pending[action.action_id] = (self._arrivals, action)
+        return True
+
+    # -- applying in step with the other ranks ----------------------------------------
+
+    def _setup_sync(self, sync: bool | str) -> None:
+        if sync not in (True, False, "auto"):
+            raise ValueError(f"sync must be True, False or 'auto', got {sync!r}")
+        if sync is False:
+            return
+        if sync == "auto" and "torch.distributed" not in sys.modules:
+            return  # nothing imported torch.distributed, so no process group is running
+        try:
+            import torch.distributed as dist
+
+            running = dist.is_available() and dist.is_initialized()
+        except ImportError:
+            running = False
+        if not running:
+            if sync is True:
+                raise ValueError("sync=True needs torch.distributed initialised (init_process_group) first")
+            return
+        if dist.get_world_size() <= 1:
+            return
+        # Collective: every rank creates its listener at the same point. gloo, so that the small
+        # broadcasts work on CPU tensors whatever backend the training itself uses (NCCL).
+        self._sync_group = dist.new_group(backend="gloo")
+        self.sync_leader = dist.get_rank() == 0
+
+    def _poll_synced(self, step: int | None) -> list[AppliedAction]:
+        results: list[AppliedAction] = []
+        while True:  # rounds: what arrives during a pause is announced in the next round of this poll
+            if self._sync_group is None:  # the broadcast failed in an earlier round: on our own from here
+                return results + self.poll(step)
+            batch: list[Action | tuple[str, bytes]]
+            if self.sync_leader:
+                batch = list(self._leader_batch())
+                self._announce([(a.action_id, a.to_json()) for a in batch])  # applied here even if that failed
+            else:
+                announced = self._announce(None)
+                if announced is None:
+                    continue
+                batch = self._await(announced)
+            if not batch:
+                return results
+            for item in batch:
+                if isinstance(item, tuple):
+                    result = self._give_up(item, step)
+                else:
+                    result = self._apply(item, step, check_expiry=False)  # rank 0 checked: all ranks agree
+                if result is not None:
+                    results.append(result)
+                    if result.kind == "stop":
+                        self._arm_on_stop()
+                        return results
+
+    def _leader_batch(self) -> list[Action]:
+        """Rank 0's actions for this round: everything received, up to and including a stop."""
+        while self._pull():
+            pass
+        batch = []
+        while self._pending:
+            action = self._next_nowait()
+            if action is None:
+                break
+            if action.is_expired(utc_now()):
+                self.ignored["expired"] += 1
+                continue
+            batch.append(action)
+            if action.kind == "stop":
+                break
+        return batch
+
+    def _announce(self, payload: list[tuple[str, bytes]] | None) -> list[tuple[str, bytes]] | None:
+        """Rank 0 sends ``payload`` (ids and signed bodies), the others receive it; None if the group failed."""
+        import torch
+        import torch.distributed as dist
+
+        try:
+            count = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+            dist.broadcast(count, src=0, group=self._sync_group)
+            if int(count.item()) == 0:
+                return []
+            box: list[Any] = [payload]
+            dist.broadcast_object_list(box, src=0, group=self._sync_group)
+            return list(box[0])
+        except Exception as exc:
+            log.error("runwatch: the action listeners' broadcast failed (%r); this rank applies actions on its "
+                      "own from now on", exc)
+            self._sync_group = None
+            return None
+
+    def _await(self, announced: list[tuple[str, bytes]]) -> list[Action | tuple[str, bytes]]:
+        """The announced actions from this rank's own consumer, in rank 0's order; an (id, body)
+        pair for each that did not arrive within ``sync_timeout_s``."""
+        deadline = time.monotonic() + self._sync_timeout_s
+        while self._pull():
+            pass
+        out: list[Action | tuple[str, bytes]] = []
+        for action_id, body in announced:
+            while action_id not in self._pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._pull(timeout=min(0.05, remaining))
+            action = self._take(action_id)
+            out.append(action if action is not None else (action_id, body))
+        return out
+
+    def _give_up(self, item: tuple[str, bytes], step: int | None) -> AppliedAction | None:
+        action_id, body = item
+        self._given_up.add(action_id)
+        self._seen.add(action_id)  # a late copy is a duplicate, not a new action
+        try:
+            action = decode_action(body)  # rank 0's copy, only to report what was missed
+        except SchemaError:
+            self.ignored["malformed"] += 1
+            return None
+        detail = (f"rank 0 applied it, but this rank's consumer had not received it {self._sync_timeout_s:g} s "
+                  "after rank 0 announced it; not applied here")
+        return self._record(AppliedAction(action, "failed", from_step=step, detail=detail), step)
 
     # -- acting ---------------------------------------------------------------------
 
-    def _apply(self, action: Action, step: int | None) -> AppliedAction | None:
-        if action.is_expired(utc_now()):  # it may have waited in the queue
+    def _apply(self, action: Action, step: int | None, check_expiry: bool = True) -> AppliedAction | None:
+        try:
+            return self._apply_now(action, step, check_expiry)
+        finally:
+            self._taken_seq.pop(action.action_id, None)
+
+    def _apply_now(self, action: Action, step: int | None, check_expiry: bool) -> AppliedAction | None:
+        if check_expiry and action.is_expired(utc_now()):  # it may have waited in the queue
             self.ignored["expired"] += 1
             return None
         if action.kind == "rollback":
@@ -249,6 +463,10 @@ class ActionListener:
         else:  # alert, stop: the training loop decides what a stop means for it
             ended = self._ended_pause.pop(action.action_id, None)
             result = AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None)
+        return self._record(result, step)
+
+    def _record(self, result: AppliedAction, step: int | None) -> AppliedAction:
+        action = result.action
         self.applied.append(result)
         self.rw.ack(
             action_id=action.action_id,
@@ -309,25 +527,38 @@ class ActionListener:
         timeout = float(action.params.get("timeout_s", self._pause_timeout_s))
         started = time.monotonic()
         deadline = started + timeout
+        after = self._taken_seq.get(action.action_id, self._arrivals)  # only what arrived after the pause ends it
         if self._heartbeat is not None:
             self._heartbeat.push("idle")
         try:
-            while time.monotonic() < deadline:
-                try:
-                    nxt = self._accepted.get(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    continue
-                self._deferred.append(nxt)  # applied (and acknowledged) after the pause, in order
-                if nxt.kind in ("resume", "stop"):
-                    self._ended_pause[nxt.action_id] = action.action_id
+            while True:
+                # Arrivals stay in _pending: applied (and acknowledged) after the pause, in order.
+                ender = self._pause_ender(after)
+                if ender is not None:
+                    self._ended_pause[ender.action_id] = action.action_id
                     waited = time.monotonic() - started
                     return AppliedAction(action, "applied", from_step=step,
-                                         detail=f"paused {waited:.1f} s until {nxt.kind} {nxt.action_id}")
-            return AppliedAction(action, "applied", from_step=step,
-                                 detail=f"pause timed out after {timeout:g} s; resuming")
+                                         detail=f"paused {waited:.1f} s until {ender.kind} {ender.action_id}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return AppliedAction(action, "applied", from_step=step,
+                                         detail=f"pause timed out after {timeout:g} s; resuming")
+                self._pull(timeout=min(0.1, remaining))
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.pop()
+
+    def _pause_ender(self, after: int) -> Action | None:
+        """The first resume or stop that arrived after arrival number ``after`` with no other pause
+        before it (a later pause is ended by what follows it)."""
+        for seq, pending in self._pending.values():
+            if seq <= after:
+                continue
+            if pending.kind == "pause":
+                return None
+            if pending.kind in ("resume", "stop"):
+                return pending
+        return None
 
     # -- background thread ----------------------------------------------------------
 
@@ -349,6 +580,9 @@ class ActionListener:
             self.ignored["duplicate"] += 1
         else:
             self._seen.add(action.action_id)
+            if action.kind == "stop":
+                # Armed on receipt: a rank blocked in a collective or hung never reaches poll().
+                self._arm_on_stop()
             self._accepted.put(action)
 
     def _consume(self) -> None:
