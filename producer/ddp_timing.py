@@ -26,7 +26,14 @@ CUDA: the hook runs when the CPU launches the all-reduce, which can be well ahea
 there the times are CUDA events on the current stream (the step's start at ``end_step``, the last
 bucket in the hook), read when the Watcher publishes the step, after its own deferred copy has
 completed. ``in_sync`` then asks the GPU whether it has reached the last bucket of a step and not
-yet the end of that step (the CPU may already be a step ahead).
+yet the end of that step (the CPU may already be a step ahead). Off-step time (eval, checkpoint)
+is taken out as the CPU measured it, which is exact only where that phase ends in a sync.
+
+What compute_s does not separate: a collective of the rank's own before its last bucket (DDP
+broadcasts to rebuild its buckets in the second step's forward, so that step's compute_s
+includes waiting for peers; so would a user's all-reduce of the loss before backward). Steps
+that launch no gradient sync (``no_sync()`` micro-steps folded into one step are fine: the step
+ends with a syncing backward) have no compute_s.
 """
 
 from __future__ import annotations
