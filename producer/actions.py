@@ -50,6 +50,7 @@ and acknowledged like any action.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -396,14 +397,17 @@ class ActionListener:
         import torch
         import torch.distributed as dist
 
+        # A rank that waits here for a peer (one that is slow, or hung before its poll) is in sync.
+        waiting = getattr(self._heartbeat, "waiting_for_peers", None)
         try:
-            count = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-            dist.broadcast(count, src=0, group=self._sync_group)
-            if int(count.item()) == 0:
-                return []
-            box: list[Any] = [payload]
-            dist.broadcast_object_list(box, src=0, group=self._sync_group)
-            return list(box[0])
+            with waiting() if waiting is not None else contextlib.nullcontext():
+                count = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+                dist.broadcast(count, src=0, group=self._sync_group)
+                if int(count.item()) == 0:
+                    return []
+                box: list[Any] = [payload]
+                dist.broadcast_object_list(box, src=0, group=self._sync_group)
+                return list(box[0])
         except Exception as exc:
             log.error("runwatch: the action listeners' broadcast failed (%r); this rank applies actions on its "
                       "own from now on", exc)

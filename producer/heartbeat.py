@@ -8,6 +8,7 @@ and publishes, so the loop never waits on anything.
 With an ``in_sync`` provider (the Watcher sets one for a DDP model) each heartbeat also says
 whether the rank has done its part of the current step and waits for its peers: a hung rank's
 peers say True while it says False. Without one (or when it answers None) the field is left out.
+Inside :meth:`Heartbeat.waiting_for_peers` (the action listener's per-step broadcast) it is True.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._warned = False
         self.in_sync = in_sync
+        self._waiting = 0  # > 0 inside waiting_for_peers()
 
     # -- called from the training loop ------------------------------------------------------
 
@@ -105,6 +107,15 @@ class Heartbeat:
         finally:
             self.pop()
 
+    @contextmanager
+    def waiting_for_peers(self) -> Iterator[None]:
+        """Mark a wait in a collective with the other ranks: heartbeats meanwhile say ``in_sync``."""
+        self._waiting += 1
+        try:
+            yield
+        finally:
+            self._waiting -= 1
+
     @property
     def current(self) -> tuple[int | None, str, float]:
         """``(last completed step, phase, seconds in phase)``."""
@@ -128,6 +139,8 @@ class Heartbeat:
             return False
 
     def _in_sync(self) -> bool | None:
+        if self._waiting:
+            return True
         provider = self.in_sync
         if provider is None:
             return None

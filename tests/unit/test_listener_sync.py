@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from test_actions_unit import SECRET, RecordingPublisher, action, deliver
 
 from runwatch.producer.actions import ActionListener, save_checkpoint
+from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.schema import Action, CheckpointRef
 
 WORLD = 3
@@ -41,7 +42,9 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rw = RecordingPublisher(run_id="run-u", rank=rank)
-    listener = ActionListener(rw, model, optimizer, secret=SECRET, consume=False, sync_timeout_s=SYNC_TIMEOUT_S)
+    heartbeat = Heartbeat(rw, interval_s=60)  # not started: beats by hand below
+    listener = ActionListener(rw, model, optimizer, secret=SECRET, consume=False, sync_timeout_s=SYNC_TIMEOUT_S,
+                              heartbeat=heartbeat)
     leader = rank == 0
     torch.manual_seed(100 + rank)  # each rank's training drifts its own way until the rollback
 
@@ -68,6 +71,13 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
         if i == 12:  # everyone pauses; the resume reaches each rank at its own moment
             deliver(listener, plan["pause"])
             later(0.3 + 0.1 * rank, plan["resume"])
+        if i == 11:
+            heartbeat.beat()  # between polls: in_sync not measured
+        if i == 13:  # rank 0 is late to this poll: the others wait for it inside poll, in sync
+            if leader:
+                time.sleep(0.3)
+            else:
+                threading.Timer(0.15, heartbeat.beat).start()
         if i == 14:
             deliver(listener, plan["stop"])
         started = time.monotonic()
@@ -84,8 +94,10 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
         optimizer.step()
         time.sleep(POLL_S)
     acks = [(a.action_id, a.outcome, a.rank) for a in rw.acks()]
+    beats = [(e.step, e.in_sync) for e in rw.events if e.kind == "heartbeat"]
     dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"log": log, "acks": acks, "synced": listener.synced}))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"log": log, "acks": acks, "beats": beats,
+                                                                 "synced": listener.synced}))
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +215,10 @@ def test_arming_again_keeps_one_watchdog_and_the_earlier_deadline():
         listener.disarm_stop_deadline()
     first.join(5)
     assert not first.is_alive()
+
+
+def test_a_rank_waiting_inside_poll_for_a_late_rank_0_says_in_sync(ranks):
+    results, _plan, _ref = ranks
+    assert results[0]["beats"] == [[None, None]]
+    for r in results[1:]:
+        assert r["beats"] == [[None, None], [None, True]], r["beats"]
