@@ -1,0 +1,154 @@
+"""One rank of a real multi-process training run (torch.distributed, gloo, DDP on CPU) for the
+multi-rank integration tests. Run as ``python dist_train.py --rank R --world W --port P ...``.
+
+Each rank publishes through ``RunWatch`` + ``rw.watch`` to the real broker and acts on actions
+with an ``ActionListener`` (synchronised across ranks). Faults, chosen by ``--fault``:
+
+- ``none``: a healthy run; with ``--shard`` every rank measures only its round-robin shard of the
+  parameters (partial norms), and rank 0 writes the norm of the full gradient of each step;
+- ``slow:R:S``: rank R sleeps S seconds before each forward (a straggler);
+- ``long_checkpoint:STEP:S``: rank 0's checkpoint at STEP takes S seconds longer;
+- ``hang:R:STEP``: rank R stops before the forward of STEP and sleeps (its heartbeat goes on);
+- ``kill:R:STEP``: rank R SIGKILLs itself at STEP; the others wait, heartbeating, as ranks stuck
+  in a collective do;
+- ``bad_batch:B``: the batch numbered B makes the gradients explode (skipping it cures the run);
+- ``bad_step:STEP``: every pass through STEP explodes (a rollback cannot cure it).
+
+Each rank writes ``result-R.json`` in ``--out``: its status, the actions it applied, final LR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runwatch.producer import RunWatch
+from runwatch.producer.actions import ActionListener, save_checkpoint
+
+STOP_EXIT_CODE = 3
+BASE_LR = 0.05
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--fault", action="append", default=[], help="KIND:ARGS (repeatable)")
+    p.add_argument("--shard", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (real steps are slow)")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--stop-exit-after-s", type=float, default=2.0)
+    return p.parse_args()
+
+
+def batch(batch_id: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * batch_id + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True)
+
+
+def main() -> int:
+    args = parse()
+    faults = {kind: params for kind, *params in (f.split(":") for f in args.fault)}
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=timedelta(seconds=120))
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR)
+    names = [name for name, _ in ddp.named_parameters()]
+    shard = {n for i, n in enumerate(names) if i % args.world == args.rank} if args.shard else None
+
+    rw = RunWatch(args.run_id, bootstrap=args.bootstrap, rank=args.rank, world_size=args.world, spool=False)
+    watch = rw.watch(ddp, optimizer, heartbeat_s=0.5, update_every=0, shard=shard)
+    listener = ActionListener(rw, model, optimizer, heartbeat=watch.heartbeat,
+                              stop_exit_after_s=args.stop_exit_after_s, stop_exit_code=STOP_EXIT_CODE)
+    listener.wait_ready(30)
+    dist.barrier()
+
+    result: dict = {"rank": args.rank, "applied": [], "full_grad_norms": {}, "status": "completed"}
+    out = args.out / f"result-{args.rank}.json"
+
+    def write() -> None:
+        result["lr"] = optimizer.param_groups[0]["lr"]
+        out.write_text(json.dumps(result))
+
+    step, batch_id, skip = 0, 0, None
+    try:
+        while step < args.steps:
+            applied_now = listener.poll(step)
+            stop = False
+            for applied in applied_now:
+                result["applied"].append({"kind": applied.kind, "outcome": applied.outcome, "at": step,
+                                          "to_step": applied.to_step, "lr_scale": applied.lr_scale,
+                                          "skip": applied.skip_steps})
+                if applied.kind == "rollback" and applied.outcome == "applied":
+                    step, skip = applied.to_step + 1, applied.skip_steps
+                    batch_id = step  # replay the same data from there, except the window to skip
+                elif applied.kind == "stop":
+                    stop = True
+            if stop:
+                result["status"] = "stopped"
+                break
+            if skip is not None and skip[0] <= batch_id <= skip[1]:
+                batch_id = skip[1] + 1
+            x, y = batch(batch_id, args.rank)
+            if "slow" in faults and args.rank == int(faults["slow"][0]):
+                time.sleep(float(faults["slow"][1]))
+            if "hang" in faults and args.rank == int(faults["hang"][0]) and step == int(faults["hang"][1]):
+                write()
+                time.sleep(600)  # hung: no step, the heartbeat thread goes on
+            if "kill" in faults and args.rank == int(faults["kill"][0]) and step == int(faults["kill"][1]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if ("bad_batch" in faults and batch_id == int(faults["bad_batch"][0])) or (
+                    "bad_step" in faults and step == int(faults["bad_step"][0])):
+                loss = loss * 1e6  # the gradients explode
+            loss.backward()
+            time.sleep(args.step_sleep)
+            if args.shard and args.rank == 0:
+                grads = [p.grad for p in ddp.parameters()]
+                result["full_grad_norms"][step] = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.end_step(loss, step=step, samples=len(x))
+            if args.rank == 0 and step > 0 and step % args.checkpoint_every == 0:
+                with watch.phase("checkpoint"):
+                    path = args.out / f"ckpt-{step}.pt"
+                    save_checkpoint(str(path), model, optimizer)
+                    if "long_checkpoint" in faults and step == int(faults["long_checkpoint"][0]):
+                        time.sleep(float(faults["long_checkpoint"][1]))
+                rw.checkpoint(step, str(path))
+            step += 1
+            batch_id += 1
+    except RuntimeError as exc:  # a peer died inside a collective: wait as a stuck rank would
+        result["status"] = "failed"
+        result["error"] = repr(exc)
+        write()
+        time.sleep(120)  # the stop watchdog ends it (os._exit) once the worker's stop arrives
+    write()
+    watch.close()
+    listener.close()
+    rw.close(status=result["status"] if result["status"] != "failed" else "failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Many ranks, one run: real 3-rank torch.distributed (gloo, DDP on CPU) training against the real
+broker and a real Faust worker. The join, the straggler, a hung rank escalated to a stop that every
+rank honours, a killed rank, a rollback that cures the run, one that cannot (the cap), and a long
+checkpoint that is not a stall."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runwatch.producer import topics
+from runwatch.producer.schema import Action, Anomaly, JoinedStep
+from runwatch.streams.broker import free_port
+from runwatch.streams.demo import WorkerProcess
+
+from .conftest import read_topic
+
+pytestmark = pytest.mark.integration
+
+WORLD = 3
+SCRIPT = Path(__file__).with_name("dist_train.py")
+STOP_EXIT_CODE = 3  # dist_train.STOP_EXIT_CODE: the stop watchdog's hard exit
+
+# The test worker's config: the defaults with timeouts scaled down to test-sized runs, and a
+# rollback for a gradient explosion.
+CONFIG = {
+    "detectors": {
+        "stall": {"phase_allowance_s": {"train": 3.0, "dataload": 3.0, "eval": 900.0, "checkpoint": 900.0,
+                                        "idle": 3600.0}, "heartbeat_timeout_s": 4.0, "min_steps": 5},
+        "hung_rank": {"phase_allowance_s": {"train": 2.0, "dataload": 2.0, "eval": 900.0, "checkpoint": 900.0,
+                                            "idle": 3600.0}, "floor_s": 1.0},
+        "straggler": {"min_steps": 10, "patience": 5},
+    },
+    "join": {"timeout_s": 3.0},
+    "policy": {
+        "rules": [
+            {"detector": "non_finite", "min_severity": "critical", "action": "rollback"},
+            {"detector": "grad_norm_spike", "min_severity": "warning", "action": "rollback"},
+            {"detector": "*", "min_severity": "warning", "action": "alert"},
+        ],
+        "escalate_after_s": 3.0,
+        "max_rollbacks": 2,
+        "skip_data_window": True,
+        "cooldown_s": 1.0,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def dist_worker(broker, secret, tmp_path_factory):
+    """A worker of its own group (the session's default-config worker may be running too)."""
+    folder = tmp_path_factory.mktemp("dist-worker")
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    worker = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", config, group="runwatch-detect-dist")
+    try:
+        worker.wait_ready(90)
+        yield worker
+    finally:
+        worker.stop()
+
+
+class Run:
+    """Three ranks of ``dist_train.py`` as child processes, killed by pid at the end."""
+
+    def __init__(self, broker, secret: str, folder: Path, *faults: str, steps: int = 60, shard: bool = False,
+                 stop_exit_after_s: float = 20.0, step_sleep: float = 0.0):
+        self.run_id = f"dist-{uuid.uuid4().hex[:8]}"
+        self.folder = folder
+        self.bootstrap = broker.bootstrap
+        port = free_port()
+        env = {**__import__("os").environ, topics.SECRET_ENV: secret}
+        self.procs = []
+        for rank in range(WORLD):
+            cmd = [sys.executable, str(SCRIPT), "--rank", str(rank), "--world", str(WORLD), "--port", str(port),
+                   "--bootstrap", broker.bootstrap, "--run-id", self.run_id, "--out", str(folder),
+                   "--steps", str(steps), "--stop-exit-after-s", str(stop_exit_after_s),
+                   "--step-sleep", str(step_sleep)]
+            cmd += [arg for f in faults for arg in ("--fault", f)]
+            if shard:
+                cmd.append("--shard")
+            log = open(folder / f"rank{rank}.log", "wb")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True))
+
+    def wait(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    def result(self, rank: int) -> dict:
+        return json.loads((self.folder / f"result-{rank}.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+
+    def anomalies(self, until, timeout: float = 60.0) -> list[Anomaly]:
+        return self._read(topics.ANOMALIES, Anomaly, until, timeout)
+
+    def actions(self, until, timeout: float = 60.0) -> list[Action]:
+        return self._read(topics.ACTIONS, Action, until, timeout)
+
+    def joined(self, until, timeout: float = 60.0) -> list[JoinedStep]:
+        return self._read(topics.JOINED, JoinedStep, until, timeout)
+
+    def _read(self, topic: str, model, until, timeout: float) -> list:  # noqa: ANN001
+        def mine(records: list) -> list:
+            out = []
+            for r in records:
+                item = model.model_validate_json(r.value)
+                if item.run_id == self.run_id:
+                    out.append(item)
+            return out
+
+        return mine(read_topic(self.bootstrap, topic, lambda records: bool(until(mine(records))), timeout))
+
+
+@pytest.fixture
+def run_factory(broker, secret, dist_worker, tmp_path):
+    runs: list[Run] = []
+
+    def start(*faults: str, **options) -> Run:
+        folder = tmp_path / f"run{len(runs)}"
+        folder.mkdir()
+        run = Run(broker, secret, folder, *faults, **options)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.kill()
+
+
+def test_joined_sharded_norms_a_straggler_and_a_long_checkpoint_that_is_no_stall(run_factory):
+    run = run_factory("slow:2:0.03", "long_checkpoint:20:6", steps=60, shard=True)
+    codes = run.wait(180)
+    assert codes == [0, 0, 0], run.logs()
+    full = {int(k): v for k, v in run.result(0)["full_grad_norms"].items()}
+    assert len(full) == 60
+    joined = run.joined(lambda got: {j.step for j in got} >= set(full))
+    by_step = {j.step: j for j in joined}
+    for step, norm in full.items():
+        j = by_step[step]
+        assert j.complete and j.ranks_reported == [0, 1, 2] and j.grad_sharded
+        assert j.grad_norm == pytest.approx(norm, rel=1e-5), step
+    anomalies = run.anomalies(lambda got: any(a.detector == "straggler" for a in got))
+    stragglers = [a for a in anomalies if a.detector == "straggler"]
+    assert [a.rank for a in stragglers] == [2]
+    assert stragglers[0].evidence["timed"] == "compute_s"
+    # rank 0 saved for 6 s while ranks 1 and 2 waited for it: neither a stall nor a hang
+    assert [a for a in anomalies if a.detector in ("stall", "hung_rank")] == []
+    assert all(run.result(r)["status"] == "completed" for r in range(WORLD))
+
+
+def test_a_hung_rank_is_named_and_the_escalated_stop_ends_every_rank(run_factory):
+    run = run_factory("hang:1:25", steps=400, stop_exit_after_s=2.0)
+    codes = run.wait(120)
+    assert codes == [STOP_EXIT_CODE] * WORLD, run.logs()  # all three, hard exit: none could stop gracefully
+    anomalies = run.anomalies(lambda got: any(a.detector == "hung_rank" for a in got))
+    (hung,) = [a for a in anomalies if a.detector == "hung_rank"]
+    assert hung.rank == 1 and hung.evidence["kind"] == "peers_waiting" and hung.step == 24
+    # within the documented timeout: max(floor, 3 x median step + train allowance), plus the
+    # heartbeat period (0.5 s) and the worker's tick (0.25 s)
+    assert hung.threshold < hung.value <= hung.threshold + 1.0
+    actions = run.actions(lambda got: any(a.kind == "stop" for a in got))
+    (stop,) = [a for a in actions if a.kind == "stop"]
+    assert stop.params["cause"] == "escalation"
+
+
+def test_a_killed_rank_is_found_dead_from_its_missing_heartbeats(run_factory):
+    run = run_factory("kill:2:25", steps=400, stop_exit_after_s=2.0)
+    anomalies = run.anomalies(lambda got: any(a.detector == "stall" and a.evidence.get("kind") == "silent"
+                                              for a in got), timeout=90)
+    silent = [a for a in anomalies if a.detector == "stall" and a.evidence["kind"] == "silent"]
+    assert [a.rank for a in silent] == [2]
+    assert silent[0].threshold == 4.0 and 4.0 < silent[0].value <= 5.0
+    codes = run.wait(60)
+    assert codes[2] == -9 and codes[:2] == [STOP_EXIT_CODE] * 2, run.logs()
+
+
+def test_a_grad_explosion_is_rolled_back_with_the_lr_scaled_and_the_run_finishes_healthy(run_factory):
+    run = run_factory("bad_batch:35", steps=60, step_sleep=0.1)
+    codes = run.wait(180)
+    assert codes == [0, 0, 0], run.logs()
+    results = [run.result(r) for r in range(WORLD)]
+    for result in results:
+        assert result["status"] == "completed"
+        (rollback,) = [a for a in result["applied"] if a["kind"] != "alert"]
+        assert rollback["kind"] == "rollback" and rollback["outcome"] == "applied"
+        assert rollback["to_step"] == 30 and rollback["lr_scale"] == 0.5 and rollback["skip"] == [31, 35]
+        assert result["lr"] == pytest.approx(0.05 * 0.5)
+    # every rank applied every action at the same step
+    assert len({json.dumps([(a["kind"], a["at"]) for a in r["applied"]]) for r in results}) == 1
+    actions = run.actions(lambda got: any(a.kind == "rollback" for a in got))
+    assert [a.kind for a in actions if a.kind in ("rollback", "stop")] == ["rollback"]
+
+
+def test_a_fault_that_repeats_after_each_rollback_reaches_the_cap_and_stops(run_factory):
+    run = run_factory("bad_step:35", steps=200, step_sleep=0.1)
+    codes = run.wait(240)
+    assert codes == [0, 0, 0], run.logs()  # stopped gracefully
+    for rank in range(WORLD):
+        result = run.result(rank)
+        assert result["status"] == "stopped"
+        applied = [a for a in result["applied"] if a["kind"] != "alert"]
+        assert [a["kind"] for a in applied] == ["rollback", "rollback", "stop"]
+        assert [a["lr_scale"] for a in applied[:2]] == [0.5, 0.25]
+    assert len({json.dumps([(a["kind"], a["at"]) for a in run.result(r)["applied"]]) for r in range(WORLD)}) == 1
+    actions = run.actions(lambda got: any(a.kind == "stop" for a in got))
+    (stop,) = [a for a in actions if a.kind == "stop"]
+    assert stop.params["cause"] == "max_rollbacks"
