@@ -133,6 +133,9 @@ class RunMonitor:
         self.events_seen = 0
         self.last_step: int | None = None
         self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
+        # From run_start: job_id, host, pod (a tag) for actions' params, so a remediator's
+        # `scancel {job_id}` needs no lookup.
+        self.job: dict[str, str] = {}
         self.phases: dict[int, tuple[str, datetime]] = {}  # rank -> (its latest heartbeat's phase, when)
 
     def _seen_before(self, event_id: str) -> bool:
@@ -151,6 +154,8 @@ class RunMonitor:
         self.events_seen += 1
         if isinstance(event, RunStartEvent):
             self.join.set_world_size(event.world_size)
+            self.job = {name: value for name, value in (
+                ("job_id", event.job_id), ("host", event.host), ("pod", event.tags.get("pod"))) if value}
         elif isinstance(event, StepEvent):
             self.last_step = event.step
             self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared

@@ -135,11 +135,17 @@ class TelemetryProcessor:
             step=decision.step,
             onset_step=decision.onset_step,
             target_checkpoint=decision.target_checkpoint,
-            params=decision.params,
+            params=self._with_job(decision),
             issued_at=issued,
             expires_at=action_expiry(issued, self.config.policy.action_ttl_s),
         )
         return sign_action(action, self._secret)
+
+    def _with_job(self, decision: ActionDecision) -> dict:
+        """The run's job_id, host and pod (from its run_start) join the action's params, signed with it."""
+        monitor = self.monitors.get(decision.run_id)
+        job = monitor.job if monitor is not None else {}
+        return {**job, **decision.params} if job else decision.params
 
     @staticmethod
     def _deadletter(reason: str, raw: bytes, key: bytes | None, partition: int | None, offset: int | None) -> DeadLetter:

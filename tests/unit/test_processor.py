@@ -240,3 +240,17 @@ def test_multi_rank_steps_come_out_joined(proc):
                           key=b"dist")
     (joined,) = second.joined
     assert joined.grad_norm == pytest.approx(5.0) and joined.ranks_reported == [0, 1]
+
+
+def test_actions_carry_the_runs_job_id_for_remediation(proc):
+    from runwatch.producer.schema import RunStartEvent
+
+    proc.process(RunStartEvent(run_id="job-run", job_id="81234", host="node7", tags={"pod": "trainer-0"}).to_json(),
+                 key=b"job-run")
+    actions = []
+    for s in range(5):
+        actions += proc.process(_step(s, loss=math.nan, run_id="job-run"), key=b"job-run").actions
+    assert actions
+    assert all(a.params["job_id"] == "81234" and a.params["host"] == "node7" and a.params["pod"] == "trainer-0"
+               for a in actions)
+    assert all(verify_action(a, proc._secret) for a in actions)
