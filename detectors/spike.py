@@ -1,6 +1,7 @@
 """Upward spikes in a positive, heavy-tailed metric (loss, grad norm).
 
-Robust z of log(value) against a rolling median and IQR (river ``RollingQuantile``),
+Robust z of log(value) against a rolling median and IQR (river ``RollingQuantile``'s numbers,
+from one sorted window: ``rolling_quantile.RollingQuantiles``),
 which tolerates the heavy tails of grad norms far better than a mean/std scorer.
 A finding needs both the z threshold and a minimum ratio to the median, so a very
 flat series does not turn noise into alarms.
@@ -10,10 +11,9 @@ from __future__ import annotations
 
 import math
 
-from river import stats
-
 from runwatch.detectors.config import SpikeConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.rolling_quantile import RollingQuantiles
 
 IQR_TO_SIGMA = 1.349  # IQR of a standard normal
 
@@ -23,33 +23,33 @@ class SpikeDetector:
         self.name = name
         self.metric = metric
         self.config = config
-        self._median = stats.RollingQuantile(q=0.5, window_size=config.window)
-        self._q25 = stats.RollingQuantile(q=0.25, window_size=config.window)
-        self._q75 = stats.RollingQuantile(q=0.75, window_size=config.window)
+        self._history = RollingQuantiles(config.window)  # log values
         self.seen = 0
         self._quiet_until = -1
+        self._quiet_from = 0  # the cooldown covers [_quiet_from, _quiet_until]: a rollback's replay is outside it
 
     def update(self, value: float | None, step: int, rank: int | None = None) -> Finding | None:
         if value is None or not math.isfinite(value) or value <= 0:
             return None  # non-finite values belong to the non-finite detector
         x = math.log(value)
         finding = None
-        if self.seen >= self.config.warmup and step > self._quiet_until:
+        if self.seen >= self.config.warmup and not self._quiet_from <= step <= self._quiet_until:
             finding = self._score(x, value, step, rank)
-        self._median.update(x)
-        self._q25.update(x)
-        self._q75.update(x)
+        self._history.update(x)
         self.seen += 1
         if finding is not None:
-            self._quiet_until = step + self.config.cooldown_steps
+            self._quiet_from, self._quiet_until = step + 1, step + self.config.cooldown_steps
         return finding
 
     def _score(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
-        median = self._median.get()
-        scale = max((self._q75.get() - self._q25.get()) / IQR_TO_SIGMA, self.config.min_scale)
-        z = (x - median) / scale
+        history = self._history
+        median = history.get(0.5)
         ratio = math.exp(x - median)
-        if z < self.config.z_threshold or ratio < self.config.min_ratio:
+        if ratio < self.config.min_ratio:
+            return None  # (the usual case: no need for the quartiles)
+        scale = max((history.get(0.75) - history.get(0.25)) / IQR_TO_SIGMA, self.config.min_scale)
+        z = (x - median) / scale
+        if z < self.config.z_threshold:
             return None
         typical = math.exp(median)
         return Finding(
