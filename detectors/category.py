@@ -4,7 +4,8 @@ Each category is judged by its loss relative to the run's mean loss over the sam
 its own history of that relative level: the shared movement of training (the loss falling, an LR
 change, a run-wide bump) cancels out, and a category that is always harder is not an outlier. The
 statistic is a robust z of log((category loss + floor) / (mean loss + floor)) against its rolling
-median and IQR (river ``RollingQuantile``); the floor (a quarter of the run's typical loss) keeps
+median and IQR (river ``RollingQuantile``'s numbers, from one sorted window per category:
+``rolling_quantile.RollingQuantiles``); the floor (a quarter of the run's typical loss) keeps
 a well-learned category near zero loss from turning tiny absolute noise into huge log noise. A
 per-step category mean over a handful of samples is noise, so samples are pooled across steps
 (count-weighted) until ``min_count`` of them make one observation.
@@ -22,11 +23,10 @@ import math
 import statistics
 from datetime import datetime
 
-from river import stats
-
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import CategoryConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
 
 NAME = "category_divergence"
@@ -40,9 +40,7 @@ LOSS_FLOOR_FRACTION = 0.25
 
 class _Category:
     def __init__(self, window: int):
-        self.median = stats.RollingQuantile(q=0.5, window_size=window)
-        self.q25 = stats.RollingQuantile(q=0.25, window_size=window)
-        self.q75 = stats.RollingQuantile(q=0.75, window_size=window)
+        self.history = RollingQuantiles(window)  # x, the log relative level
         self.seen = 0
         self.pool_sum = 0.0
         self.pool_count = 0
@@ -53,9 +51,7 @@ class _Category:
         self.quiet_until = -1
 
     def learn(self, x: float) -> None:
-        self.median.update(x)
-        self.q25.update(x)
-        self.q75.update(x)
+        self.history.update(x)
         self.seen += 1
 
 
@@ -67,7 +63,10 @@ class CategoryDivergenceDetector(Detector):
     def __init__(self, config: CategoryConfig):
         self.config = config
         self._categories: dict[str, _Category] = {}
-        self._mean_median = stats.RollingQuantile(q=0.5, window_size=config.window)
+        self._mean_history = RollingQuantiles(config.window)  # log of the run's mean loss
+        # ratio = exp(x - median) reaches min_ratio only if x - median reaches about log(min_ratio); the
+        # margin covers exp's rounding, so this prefilter never skips an observation that diverges.
+        self._log_min_ratio = math.log(config.min_ratio) - 1e-9
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or not event.category_loss:
@@ -75,49 +74,62 @@ class CategoryDivergenceDetector(Detector):
         cfg = self.config
         mean_loss = self._mean_loss(event)
         mean_ratio = None
+        typical_mean = self._mean_history.get(0.5)
         if mean_loss is not None:
-            typical_mean = self._mean_median.get()
+            log_mean = math.log(mean_loss)
             if typical_mean is not None:
-                mean_ratio = math.exp(math.log(mean_loss) - typical_mean)
-            self._mean_median.update(math.log(mean_loss))
+                mean_ratio = math.exp(log_mean - typical_mean)
+            self._mean_history.update(log_mean)
+            typical_mean = self._mean_history.get(0.5)
+        # A quarter of the run's typical loss offsets the losses before the log (see the module doc).
+        floor = LOSS_FLOOR_FRACTION * math.exp(typical_mean) if typical_mean is not None else 0.0
 
-        floor = self._floor()
-
-        # 1. pool each category's samples into observations; score the complete ones against history
-        scored: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
+        # 1. pool each category's samples into observations; score the complete ones against history.
+        # An observation that does not diverge is learnt at once (its category's history is read by no
+        # other category); a diverging one waits for the others' ratios of this step.
+        categories = self._categories
+        min_count, warmup = cfg.min_count, cfg.warmup
+        log_min_ratio = self._log_min_ratio
+        diverging: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
         for name, loss in event.category_loss.items():
-            if loss.count <= 0 or not math.isfinite(loss.mean) or loss.mean <= 0:
+            count, mean = loss.count, loss.mean
+            if count <= 0 or not math.isfinite(mean) or mean <= 0:
                 continue  # non-finite losses are the non-finite detector's
-            cat = self._categories.get(name)
+            cat = categories.get(name)
             if cat is None:
-                cat = self._categories[name] = _Category(cfg.window)
+                cat = categories[name] = _Category(cfg.window)
             if mean_loss is None:
                 continue
-            cat.pool_sum += loss.mean * loss.count
-            cat.pool_mean_sum += mean_loss * loss.count
-            cat.pool_count += loss.count
-            if cat.pool_count < cfg.min_count:
+            cat.pool_sum += mean * count
+            cat.pool_mean_sum += mean_loss * count
+            cat.pool_count += count
+            if cat.pool_count < min_count:
                 continue
             # The category relative to the run's mean over the same steps: the shared trend of
             # training (a falling loss, an LR change, a run-wide bump) cancels out.
             x = math.log(cat.pool_sum / cat.pool_count + floor) - math.log(cat.pool_mean_sum / cat.pool_count + floor)
             cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
-            if cat.seen < cfg.warmup:
+            if cat.seen < warmup:
                 cat.learn(x)
                 continue
-            median = cat.median.get()
-            scale = max((cat.q75.get() - cat.q25.get()) / IQR_TO_SIGMA, MIN_SCALE)
+            history = cat.history
+            median = history.get(0.5)
             ratio = math.exp(x - median)
             cat.last_ratio = ratio
-            scored.append((name, cat, x, (x - median) / scale, ratio))
+            if x - median >= log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
+                scale = max((history.get(0.75) - history.get(0.25)) / IQR_TO_SIGMA, MIN_SCALE)
+                z = (x - median) / scale
+                if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
+                    diverging.append((name, cat, x, z, ratio))
+                    continue
+            cat.learn(x)
+            cat.streak, cat.onset_step = 0, None
 
         # 2. a divergence is one category's, not the run's: the others' median ratio must stay low
         found: list[Finding] = []
-        for name, cat, x, z, ratio in scored:
-            diverging = z >= cfg.z_threshold and ratio >= cfg.min_ratio
-            others_ratio = self._others_ratio(name) if diverging else None  # only needed then: per-event cost
-            run_wide = others_ratio is None or others_ratio >= 1.0 + (cfg.min_ratio - 1.0) / 2
-            if not diverging or run_wide:
+        for name, cat, x, z, ratio in diverging:
+            others_ratio = self._others_ratio(name)
+            if others_ratio is None or others_ratio >= 1.0 + (cfg.min_ratio - 1.0) / 2:
                 cat.learn(x)
                 cat.streak, cat.onset_step = 0, None
                 continue
@@ -135,7 +147,7 @@ class CategoryDivergenceDetector(Detector):
         return statistics.median(others) if others else None
 
     def _floor(self) -> float:
-        typical_log_mean = self._mean_median.get()
+        typical_log_mean = self._mean_history.get(0.5)
         return LOSS_FLOOR_FRACTION * math.exp(typical_log_mean) if typical_log_mean is not None else 0.0
 
     @staticmethod
@@ -152,7 +164,7 @@ class CategoryDivergenceDetector(Detector):
                  others_ratio: float | None, mean_ratio: float | None) -> Finding:
         cfg = self.config
         floor = self._floor()
-        typical = math.exp(cat.median.get()) - floor
+        typical = math.exp(cat.history.get(0.5)) - floor
         loss = math.exp(x) - floor
         mean_part = f"; the mean loss is at {mean_ratio:.2f}x its typical" if mean_ratio is not None else ""
         return Finding(
