@@ -2,7 +2,7 @@
 while allocated stays flat), with the projected time until the memory limit is reached.
 
 Per series, a rolling least-squares fit of bytes against event time (river ``Rolling(Cov)`` /
-``Rolling(Var)`` over the last ``window`` samples) gives the slope per second and how straight the
+``Rolling(Var)``'s arithmetic, fused in ``_Trend``, over the last ``window`` samples) gives the slope per second and how straight the
 growth is (r²). A fit alone also likes a warm-up ramp that has levelled off or a one-time step
 up, so growth only counts when it is also *ongoing*: the means of the window's four quarters rise
 one after the other, each by a fair share of the total, and the last quarter's lowest sample is
@@ -23,8 +23,6 @@ import math
 import statistics
 from collections import deque
 from datetime import datetime
-
-from river import stats, utils
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import MemoryConfig
@@ -52,25 +50,59 @@ def _duration(seconds: float) -> str:
 
 
 class _Trend:
-    """Rolling linear fit of one series (MiB) against time (s), and the samples for the ongoing-growth check."""
+    """Rolling linear fit of one series (MiB) against time (s), and the samples for the ongoing-growth check.
+
+    The fit's statistics are river's ``Rolling(Cov)``, ``Rolling(Var)`` of t and ``Rolling(Var)`` of the
+    value, fused: the same Welford updates and reverts, in the same order, give the same numbers bit for
+    bit, but the means of t and of the value (which river keeps twice, in the covariance and in each
+    variance) are updated once, and there is no call through river's wrappers for each of them.
+    """
 
     def __init__(self, window: int):
-        self.cov = utils.Rolling(stats.Cov, window_size=window)  # its window holds the (t, MiB) samples
-        self.var_t = utils.Rolling(stats.Var, window_size=window)
-        self.var_v = utils.Rolling(stats.Var, window_size=window)
-        self.steps: deque[int] = deque(maxlen=window)
         self.window = window
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (t, MiB), oldest first
+        self.steps: deque[int] = deque(maxlen=window)
+        self.n = 0.0
+        self.mean_t = 0.0
+        self.mean_v = 0.0
+        self.sum_sq_t = 0.0  # Welford's S of t and of the value
+        self.sum_sq_v = 0.0
+        self.cov = 0.0  # running covariance (ddof 1), as river's Cov
         self.evicted_max = -math.inf  # highest sample that has left the window: the level to beat
         self.last_step = -1
         self.last_severity = 0
         self.quiet_until = -1
 
     def update(self, t: float, mib: float, step: int) -> None:
-        if len(self.steps) == self.window:
-            self.evicted_max = max(self.evicted_max, self.cov.window[0][0][1])
-        self.cov.update(t, mib)
-        self.var_t.update(t)
-        self.var_v.update(mib)
+        samples = self.samples
+        n = self.n
+        mean_t, mean_v, cov = self.mean_t, self.mean_v, self.cov
+        if len(samples) == self.window:
+            old_t, old_v = samples[0]
+            if old_v > self.evicted_max:
+                self.evicted_max = old_v
+            # river's revert of the oldest sample: Mean.revert, Cov.revert, Var.revert
+            n -= 1.0
+            dt = old_t - mean_t
+            dv = old_v - mean_v
+            mean_t -= (1.0 / n) * dt
+            mean_v -= (1.0 / n) * dv
+            denom = n - 1
+            cov -= (dt * (old_v - mean_v) - cov) / (denom if denom > 1 else 1)
+            self.sum_sq_t -= dt * (old_t - mean_t)
+            self.sum_sq_v -= dv * (old_v - mean_v)
+        # river's update: Mean.update, Cov.update, Var.update
+        n += 1.0
+        dt = t - mean_t
+        dv = mib - mean_v
+        mean_t += (1.0 / n) * dt
+        mean_v += (1.0 / n) * dv
+        denom = n - 1
+        cov += (dt * (mib - mean_v) - cov) / (denom if denom > 1 else 1)
+        self.sum_sq_t += dt * (t - mean_t)
+        self.sum_sq_v += dv * (mib - mean_v)
+        self.n, self.mean_t, self.mean_v, self.cov = n, mean_t, mean_v, cov
+        samples.append((t, mib))
         self.steps.append(step)
 
     def __len__(self) -> int:
@@ -78,28 +110,31 @@ class _Trend:
 
     def fit(self) -> tuple[float, float]:
         """(slope in MiB/s, r²)."""
-        var_t = self.var_t.get()
-        var_v = self.var_v.get()
+        n = self.n
+        if n <= 1:
+            return 0.0, 0.0
+        var_t = self.sum_sq_t / (n - 1)
+        var_v = self.sum_sq_v / (n - 1)
         if var_t <= 0 or var_v <= 0:
             return 0.0, 0.0
-        cov = self.cov.get()
+        cov = self.cov
         return cov / var_t, min(1.0, cov * cov / (var_t * var_v))
 
     def recent_slope(self) -> float:
         """Least-squares slope (MiB/s) over the newer half of the window: the current rate, when the
         growth began inside the window or is speeding up."""
-        samples = list(self.cov.window)[len(self.cov.window) // 2:]
+        samples = list(self.samples)[len(self.samples) // 2:]
         n = len(samples)
-        mean_t = sum(args[0] for args, _ in samples) / n
-        mean_v = sum(args[1] for args, _ in samples) / n
-        sxx = sum((args[0] - mean_t) ** 2 for args, _ in samples)
-        sxy = sum((args[0] - mean_t) * (args[1] - mean_v) for args, _ in samples)
+        mean_t = sum(t for t, _ in samples) / n
+        mean_v = sum(v for _, v in samples) / n
+        sxx = sum((t - mean_t) ** 2 for t, _ in samples)
+        sxy = sum((t - mean_t) * (v - mean_v) for t, v in samples)
         return sxy / sxx if sxx > 0 else 0.0
 
     def ongoing(self) -> bool:
         """Growth through the whole window, to a level never seen before: not a ramp that levelled off,
         a one-time step up, or a sawtooth that frees what it took (its next rise only returns to the old peak)."""
-        values = [args[1] for args, _ in self.cov.window]
+        values = [v for _, v in self.samples]
         n = len(values) // 4
         quarters = [values[i * n:(i + 1) * n] for i in range(3)] + [values[3 * n:]]
         means = [sum(q) / len(q) for q in quarters]
@@ -167,7 +202,7 @@ class MemoryGrowthDetector(Detector):
         if len(trend) < cfg.min_points:
             return None
         slope_mib, r2 = trend.fit()
-        span = trend.cov.window[-1][0][0] - trend.cov.window[0][0][0]
+        span = trend.samples[-1][0] - trend.samples[0][0]
         growth = slope_mib * span * _MIB
         if slope_mib <= 0 or r2 < cfg.min_r2:
             return growth
