@@ -71,6 +71,8 @@ class ModuleGradDetector(Detector):
         self._streak = np.zeros(0, dtype=np.int64)  # consecutive suspect steps
         self._streak_start = np.zeros(0, dtype=np.int64)
         self._reported = np.zeros(0)  # log ratio last reported in the current streak (-inf: none)
+        self._any_streak = False  # some module is in a suspect streak (self._streak.any())
+        self._bound: np.ndarray | None = None  # see _suspect_bound (None: to be computed)
 
     # -- columns ------------------------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class ModuleGradDetector(Detector):
             self._streak_start = _grow(self._streak_start, n, 0)
             self._reported = _grow(self._reported, n, -np.inf)
             self._rows = np.arange(len(self._names))
+        self._bound = None
         self._order = names
         self._cols = np.asarray(cols, dtype=np.intp)
         self._identity = cols == list(range(len(self._names)))
@@ -105,26 +108,51 @@ class ModuleGradDetector(Detector):
     def _refresh(self) -> None:
         """Median and robust scale of every module's stored history (empty slots are NaN and sort last)."""
         self._since_refresh = 0
-        n = np.maximum(np.minimum(self._count, self.config.window), 1)
+        window = self.config.window
         ordered = np.sort(self._buf, axis=1)
-        rows = self._rows
+        count = self._count
+        if len(count) and int(count.min()) >= window:
+            # Every history is full (the usual case): the same ranks in every row, plain column reads.
+            def quantile(q: float) -> np.ndarray:
+                at = (window - 1) * q
+                lo = math.floor(at)
+                hi = min(lo + 1, window - 1)
+                frac = at - lo
+                return ordered[:, lo] * (1 - frac) + ordered[:, hi] * frac
+        else:
+            n = np.maximum(np.minimum(count, window), 1)
+            rows = self._rows
 
-        def quantile(q: float) -> np.ndarray:
-            at = (n - 1) * q
-            lo = np.floor(at).astype(np.intp)
-            hi = np.minimum(lo + 1, n - 1)
-            frac = at - lo
-            return ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
+            def quantile(q: float) -> np.ndarray:
+                at = (n - 1) * q
+                lo = np.floor(at).astype(np.intp)
+                hi = np.minimum(lo + 1, n - 1)
+                frac = at - lo
+                return ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
 
         q25, self._median, q75 = quantile(0.25), quantile(0.5), quantile(0.75)
         self._scale = np.maximum((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)
-        self._ready = self._count >= self.config.warmup
+        self._ready = count >= self.config.warmup
         self._all_ready = bool(self._ready.all())
-        if self._since_snapshot >= self.config.window:
+        if self._since_snapshot >= window:
             self._since_snapshot = 0
             self._old = self._snap
             self._snap = (self._median, self._scale, self._ready)
             self._any_old = bool(self._old[2].any())
+        self._bound = None
+
+    def _suspect_bound(self) -> np.ndarray:
+        """Per module, the lowest baseline its deviation can be scored against this step: the current
+        median, or the lagged one where that is lower (and ready). ``x - bound`` is then, value for value,
+        the largest deviation the scoring can see (x - median or x - lagged median, the very same
+        subtraction), so when it stays under the suspect level for every module, no module is a suspect.
+        Modules without a history (NaN median) cannot be suspects: +inf takes them out of the bound."""
+        median = self._median
+        if self._any_old:
+            old_median, _, old_ready = self._old
+            median = np.where(old_ready & (old_median < median), old_median, median)
+        self._bound = np.where(np.isnan(median), np.inf, median)
+        return self._bound
 
     # -- per event ----------------------------------------------------------------------------
 
@@ -137,16 +165,17 @@ class ModuleGradDetector(Detector):
         if names != self._order:
             self._columns_for(names)
         values = np.fromiter(norms.values(), dtype=np.float64, count=len(names))
+        positive = min(norms.values()) > 0  # (a NaN may hide from min(); it then shows in x below)
         if self._identity:
             v = values
         else:
             v = np.full(len(self._names), np.nan)  # modules absent from this event: neither scored nor stored
             v[self._cols] = values
-        with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.log(v)  # 0 -> -inf, negative / NaN -> NaN; non-finite grads are the non-finite detector's
-        finite = np.isfinite(x)
-        sq = np.where(finite, v * v, 0.0)
-        global_sq = float(sq.sum())
+        if positive:
+            x = np.log(v)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                x = np.log(v)  # 0 -> -inf, negative / NaN -> NaN; non-finite grads are the non-finite detector's
 
         self._since_refresh += 1
         self._since_snapshot += 1
@@ -154,6 +183,45 @@ class ModuleGradDetector(Detector):
             not self._all_ready and bool(((self._count >= cfg.warmup) & ~self._ready).any())
         ):
             self._refresh()
+
+        half = self._log_ratio / 2
+        if self._identity:
+            bound = self._bound if self._bound is not None else self._suspect_bound()
+            if (x - bound).max() < half:  # False for a NaN (then the full scoring below decides)
+                # The usual step: no module is near a suspect, so none is scored, and every finite value
+                # is stored (what the full scoring below concludes, at a fraction of its cost).
+                if self._any_streak:
+                    self._streak[:] = 0
+                    self._reported[:] = -np.inf
+                    self._any_streak = False
+                if positive:  # no NaN (it would have failed the test above) and no log(0)
+                    self._buf[self._rows, self._pos] = x
+                    self._pos += 1
+                    self._count += 1
+                    self._pos[self._pos >= cfg.window] = 0
+                else:
+                    self._store(np.isfinite(x), x)
+                return []
+        return self._score(event, v, x, half)
+
+    def _store(self, store: np.ndarray, x: np.ndarray) -> None:
+        if store.all():
+            self._buf[self._rows, self._pos] = x
+            self._pos += 1
+            self._count += 1
+        else:
+            idx = np.flatnonzero(store)
+            self._buf[idx, self._pos[idx]] = x[idx]
+            self._pos[idx] += 1
+            self._count[idx] += 1
+        self._pos[self._pos >= self.config.window] = 0
+
+    def _score(self, event: StepEvent, v: np.ndarray, x: np.ndarray, half: float) -> list[Finding]:
+        """The full scoring of one step's module norms ``v`` (log: ``x``) against their histories."""
+        cfg = self.config
+        finite = np.isfinite(x)
+        sq = np.where(finite, v * v, 0.0)
+        global_sq = float(sq.sum())
 
         median, scale, ready = self._median, self._scale, self._ready
         dev = x - median  # log(norm / typical)
@@ -169,7 +237,6 @@ class ModuleGradDetector(Detector):
                 z = dev / scale
                 ready = ready | use_old
 
-        half = self._log_ratio / 2
         suspect = finite & ready & (z >= cfg.z_threshold / 2) & (dev >= half)
         findings: list[Finding] = []
         step = event.step
@@ -206,18 +273,9 @@ class ModuleGradDetector(Detector):
             self._streak[:] = 0
             self._reported[:] = -np.inf
 
+        self._any_streak = bool(self._streak.any())
         # Keep suspects out of the history unless they have lasted a full window (a new normal).
-        store = finite & (~suspect | (self._streak >= cfg.window))
-        if store.all():
-            self._buf[self._rows, self._pos] = x
-            self._pos += 1
-            self._count += 1
-        else:
-            idx = np.flatnonzero(store)
-            self._buf[idx, self._pos[idx]] = x[idx]
-            self._pos[idx] += 1
-            self._count[idx] += 1
-        self._pos[self._pos >= cfg.window] = 0
+        self._store(finite & (~suspect | (self._streak >= cfg.window)), x)
         return findings
 
     def _finding(self, event: StepEvent, col: int, value: float, median: float, scale: float, dev: float,
