@@ -31,6 +31,7 @@ class DataWaitDetector(Detector):
     def __init__(self, config: DataWaitConfig):
         self.config = config
         self._recent: deque[tuple[int, float, float, float]] = deque(maxlen=config.window)  # step, share, wait, time
+        self._shares: deque[float] = deque(maxlen=config.window)  # the shares of _recent, for the per-step mean
         self.seen = 0
         self.baseline: float | None = None
         self._reported: float | None = None  # mean share at the last finding of the current episode
@@ -46,11 +47,12 @@ class DataWaitDetector(Detector):
             return []
         share = min(wait / step_time, 1.0)
         self._recent.append((event.step, share, wait, step_time))
+        self._shares.append(share)
         self.seen += 1
         cfg = self.config
         if self.seen < cfg.warmup or len(self._recent) < cfg.window:
             return []
-        mean = sum(r[1] for r in self._recent) / len(self._recent)
+        mean = sum(self._shares) / len(self._shares)  # the same additions in the same order as over _recent
         baseline = self.baseline
         self.baseline = mean if baseline is None else min(baseline, mean)
         if baseline is None:

@@ -1,7 +1,8 @@
 """A sustained level shift in step time (the run got slower), not a single slow step.
 
 river ``ADWIN(clock=1)`` watches the step time as a robust z of log(step time) against
-the rolling median / IQR (river ``RollingQuantile``), clipped to +-4: on that scale a
+the rolling median / IQR (river ``RollingQuantile``'s numbers, from one sorted window:
+``rolling_quantile.RollingQuantiles``), clipped to +-4: on that scale a
 checkpoint step 5x slower counts as one bounded outlier, and ADWIN's bound (whose
 variance-free term assumes values of order one) reacts within a few steps to a shift.
 ADWIN only raises the question; the answer comes from medians. While a drift is pending,
@@ -21,11 +22,12 @@ from collections import deque
 from datetime import datetime
 
 import numpy as np
-from river import drift, stats
+from river import drift
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import ThroughputConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
 
 NAME = "throughput_drift"
@@ -44,9 +46,7 @@ class ThroughputDetector(Detector):
 
     def __init__(self, config: ThroughputConfig):
         self.config = config
-        self._q25 = stats.RollingQuantile(q=0.25, window_size=WINDOW)
-        self._median = stats.RollingQuantile(q=0.5, window_size=WINDOW)
-        self._q75 = stats.RollingQuantile(q=0.75, window_size=WINDOW)
+        self._history = RollingQuantiles(WINDOW)  # log step times
         self._adwin = drift.ADWIN(delta=config.delta, clock=1)
         self._log_t: deque[float] = deque(maxlen=SEGMENT)
         self._z: deque[float] = deque(maxlen=SEGMENT)
@@ -63,17 +63,16 @@ class ThroughputDetector(Detector):
             return []
         y = math.log(t)
         if self.seen >= MIN_BEFORE:
-            median = self._median.get()
-            scale = max((self._q75.get() - self._q25.get()) / IQR_TO_SIGMA, MIN_SCALE_LOG)
+            history = self._history
+            median = history.get(0.5)
+            scale = max((history.get(0.75) - history.get(0.25)) / IQR_TO_SIGMA, MIN_SCALE_LOG)
             z = min(max((y - median) / scale, -CLIP_Z), CLIP_Z)
             self._adwin.update(z)
             if self._adwin.drift_detected:
                 self._pending_until = event.step + PENDING_STEPS
         else:
             z = 0.0
-        self._q25.update(y)
-        self._median.update(y)
-        self._q75.update(y)
+        self._history.update(y)
         self._log_t.append(y)
         self._z.append(z)
         self._steps.append(event.step)

@@ -1,8 +1,8 @@
 """Relative update norm (|update| / |params|) leaving its healthy band: too large or vanishing.
 
-The band is the run's own typical ratio (rolling median of log ratio, river
-``RollingQuantile``) times / divided by ``factor``, bounded by the absolute ``low`` /
-``high`` limits, and ``patience`` consecutive out-of-band observations make a finding.
+The band is the run's own typical ratio (rolling median of log ratio: river ``RollingQuantile``'s
+numbers, from ``rolling_quantile.RollingQuantiles``) times / divided by ``factor``, bounded by the
+absolute ``low`` / ``high`` limits, and ``patience`` consecutive out-of-band observations make a finding.
 
 A ratio change that the learning rate explains is planned, not a fault: for SGD and
 Adam the update is proportional to the LR, so a warm-up ramp or a step decay moves the
@@ -23,11 +23,10 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
-from river import stats
-
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import UpdateRatioConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
 
 NAME = "update_ratio"
@@ -45,8 +44,8 @@ class UpdateRatioDetector(Detector):
     def __init__(self, config: UpdateRatioConfig):
         self.config = config
         self._log_factor = math.log(config.factor)
-        self._median = stats.RollingQuantile(q=0.5, window_size=config.window)  # log ratio
-        self._median_per_lr = stats.RollingQuantile(q=0.5, window_size=config.window)  # log(ratio / lr)
+        self._median = RollingQuantiles(config.window)  # log ratio
+        self._median_per_lr = RollingQuantiles(config.window)  # log(ratio / lr)
         self.seen = 0  # observations in the history
         self._per_lr_seen = 0
         self._lr_ref: float | None = None  # LR at the last trusted (in-band or excused) observation
@@ -69,7 +68,7 @@ class UpdateRatioDetector(Detector):
             return []
 
         cfg = self.config
-        typical = self._median.get()
+        typical = self._median.get(0.5)
         too_large = x > typical + self._log_factor or ratio > cfg.high
         vanishing = x < typical - self._log_factor or ratio < cfg.low
         if not (too_large or vanishing):
@@ -117,7 +116,7 @@ class UpdateRatioDetector(Detector):
         if self._lr_ref == 0 or ratio == 0:
             return False
         per_lr = x - math.log(lr)
-        if abs(per_lr - self._median_per_lr.get()) > self._log_factor:
+        if abs(per_lr - self._median_per_lr.get(0.5)) > self._log_factor:
             return False  # the optimizer did not do what the LR asked
         change = lr / self._lr_ref
         if direction == "too_large":
