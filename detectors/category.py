@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_left, insort
 from datetime import datetime
 
 from runwatch.detectors.base import Detector
@@ -67,6 +68,7 @@ class CategoryDivergenceDetector(Detector):
         # ratio = exp(x - median) reaches min_ratio only if x - median reaches about log(min_ratio); the
         # margin covers exp's rounding, so this prefilter never skips an observation that diverges.
         self._log_min_ratio = math.log(config.min_ratio) - 1e-9
+        self._median_plan = self._mean_history.full_plan(0.5)  # every window here has config.window
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or not event.category_loss:
@@ -86,10 +88,12 @@ class CategoryDivergenceDetector(Detector):
 
         # 1. pool each category's samples into observations; score the complete ones against history.
         # An observation that does not diverge is learnt at once (its category's history is read by no
-        # other category); a diverging one waits for the others' ratios of this step.
+        # other category); a diverging one waits for the others' ratios of this step. The hot loop reads
+        # each category's sorted window directly: RollingQuantiles.update and get(0.5), inlined.
         categories = self._categories
-        min_count, warmup = cfg.min_count, cfg.warmup
+        min_count, warmup, window = cfg.min_count, cfg.warmup, cfg.window
         log_min_ratio = self._log_min_ratio
+        lo, hi, frac = self._median_plan
         diverging: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
         for name, loss in event.category_loss.items():
             count, mean = loss.count, loss.mean
@@ -97,23 +101,34 @@ class CategoryDivergenceDetector(Detector):
                 continue  # non-finite losses are the non-finite detector's
             cat = categories.get(name)
             if cat is None:
-                cat = categories[name] = _Category(cfg.window)
+                cat = categories[name] = _Category(window)
             if mean_loss is None:
                 continue
-            cat.pool_sum += mean * count
-            cat.pool_mean_sum += mean_loss * count
-            cat.pool_count += count
-            if cat.pool_count < min_count:
-                continue
-            # The category relative to the run's mean over the same steps: the shared trend of
-            # training (a falling loss, an LR change, a run-wide bump) cancels out.
-            x = math.log(cat.pool_sum / cat.pool_count + floor) - math.log(cat.pool_mean_sum / cat.pool_count + floor)
-            cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
-            if cat.seen < warmup:
-                cat.learn(x)
-                continue
+            if cat.pool_count == 0 and count >= min_count:
+                # (the pool is empty: its sums would be 0.0 + these very products)
+                x = math.log(mean * count / count + floor) - math.log(mean_loss * count / count + floor)
+            else:
+                cat.pool_sum += mean * count
+                cat.pool_mean_sum += mean_loss * count
+                cat.pool_count += count
+                if cat.pool_count < min_count:
+                    continue
+                # The category relative to the run's mean over the same steps: the shared trend of
+                # training (a falling loss, an LR change, a run-wide bump) cancels out.
+                pooled = cat.pool_count
+                x = math.log(cat.pool_sum / pooled + floor) - math.log(cat.pool_mean_sum / pooled + floor)
+                cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
             history = cat.history
-            median = history.get(0.5)
+            if cat.seen < warmup:
+                history.update(x)
+                cat.seen += 1
+                continue
+            ordered = history.ordered
+            if len(ordered) == window:
+                low = ordered[lo]
+                median = low + (ordered[hi] - low) * frac
+            else:
+                median = history.get(0.5)
             ratio = math.exp(x - median)
             cat.last_ratio = ratio
             if x - median >= log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
@@ -122,7 +137,12 @@ class CategoryDivergenceDetector(Detector):
                 if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
                     diverging.append((name, cat, x, z, ratio))
                     continue
-            cat.learn(x)
+            values = history.values
+            if len(values) == window:
+                del ordered[bisect_left(ordered, values.popleft())]
+            values.append(x)
+            insort(ordered, x)
+            cat.seen += 1
             cat.streak, cat.onset_step = 0, None
 
         # 2. a divergence is one category's, not the run's: the others' median ratio must stay low

@@ -20,22 +20,23 @@ from collections import deque
 class RollingQuantiles:
     """The rolling window of the last ``window_size`` values, kept sorted; ``get(q)`` as river's ``RollingQuantile(q)``."""
 
-    __slots__ = ("_full", "_sorted", "_values", "window_size")
+    __slots__ = ("_full", "ordered", "values", "window_size")
 
     def __init__(self, window_size: int):
         if window_size < 1:
             raise ValueError("window_size must be at least 1")
         self.window_size = window_size
-        self._values: deque[float] = deque()  # arrival order, to know which value leaves the window
-        self._sorted: list[float] = []
+        # A hot loop may read (not write) these two directly, with ``full_plan``.
+        self.values: deque[float] = deque()  # arrival order, to know which value leaves the window
+        self.ordered: list[float] = []  # the same values, sorted
         self._full: dict[float, tuple[int, int, float]] = {}  # q -> (lower, higher, frac) of a full window
 
     def __len__(self) -> int:
-        return len(self._sorted)
+        return len(self.ordered)
 
     def update(self, x: float) -> None:
-        values = self._values
-        ordered = self._sorted
+        values = self.values
+        ordered = self.ordered
         if len(values) == self.window_size:
             del ordered[bisect_left(ordered, values.popleft())]
         values.append(x)
@@ -43,7 +44,7 @@ class RollingQuantiles:
 
     def get(self, q: float) -> float | None:
         """The ``q`` quantile of the window (None while it is empty)."""
-        ordered = self._sorted
+        ordered = self.ordered
         n = len(ordered)
         if n == self.window_size:
             plan = self._full.get(q)
@@ -57,13 +58,18 @@ class RollingQuantiles:
         low = ordered[lo]
         return low + (ordered[hi] - low) * frac
 
+    def full_plan(self, q: float) -> tuple[int, int, float]:
+        """(lower rank, higher rank, fraction) of ``q`` once the window is full: the quantile is then
+        ``ordered[lo] + (ordered[hi] - ordered[lo]) * frac``, as ``get(q)`` computes it."""
+        return _plan(q, self.window_size, full=True)
+
     # The state pickles as plain data (``__slots__`` has no ``__dict__``).
     def __getstate__(self) -> tuple[int, list[float], list[float]]:
-        return self.window_size, list(self._values), self._sorted
+        return self.window_size, list(self.values), self.ordered
 
     def __setstate__(self, state: tuple[int, list[float], list[float]]) -> None:
-        self.window_size, values, self._sorted = state
-        self._values = deque(values)
+        self.window_size, values, self.ordered = state
+        self.values = deque(values)
         self._full = {}
 
 
