@@ -41,6 +41,19 @@ def _grow(a: np.ndarray, n: int, fill: float | int | bool) -> np.ndarray:
     return np.concatenate([a, np.full(n, fill, dtype=a.dtype)])
 
 
+def _plan(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Columns and weights of the 25/50/75% quantiles of ``n`` sorted values: each quantile is
+    ``ordered[lo] * (1 - frac) + ordered[hi] * frac``, pairs of (lo, hi) and of (1 - frac, frac)."""
+    columns, weights = [], []
+    for q in (0.25, 0.5, 0.75):
+        at = (n - 1) * q
+        lo = math.floor(at)
+        frac = at - lo
+        columns += [lo, min(lo + 1, n - 1)]
+        weights += [1 - frac, frac]
+    return np.array(columns, dtype=np.intp), np.array(weights)
+
+
 class ModuleGradDetector(Detector):
     name = NAME
 
@@ -54,7 +67,10 @@ class ModuleGradDetector(Detector):
         self._identity = True  # the cached order is exactly columns 0..n-1
         self._rows = np.zeros(0, dtype=np.intp)
         self._buf = np.full((0, config.window), np.nan)  # log norms, one ring buffer per module
-        self._pos = np.zeros(0, dtype=np.intp)
+        self._pos = np.zeros(0, dtype=np.intp)  # next slot per module (not kept while _upos >= 0)
+        # While every module has stored every step since they all started (the usual case), they have
+        # one history length and one next slot, this (-1: they do not; see _pos and _count).
+        self._upos = 0
         self._count = np.zeros(0, dtype=np.int64)  # values stored so far (not capped)
         # current robust baseline, and lagged snapshots of it (taken every `window` events)
         self._median = np.zeros(0)
@@ -64,6 +80,9 @@ class ModuleGradDetector(Detector):
         self._snap = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
         self._old = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
         self._any_old = False
+        self._old_all_ready = False
+        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # history length -> _plan(n)
+        self._all_full = False  # every module's history holds `window` values
         self._since_refresh = 0
         self._since_snapshot = 0
         # per-module episode state
@@ -87,12 +106,16 @@ class ModuleGradDetector(Detector):
         n = len(self._names) - len(self._pos)
         if n:
             self._buf = np.vstack([self._buf, np.full((n, self.config.window), np.nan)])
+            if self._upos >= 0 and self._count.any():  # the new modules start afresh, the others do not
+                self._pos[:] = self._upos
+                self._upos = -1
             self._pos = _grow(self._pos, n, 0)
             self._count = _grow(self._count, n, 0)
             self._median = _grow(self._median, n, 0.0)
             self._scale = _grow(self._scale, n, 1.0)
             self._ready = _grow(self._ready, n, False)
             self._all_ready = False
+            self._all_full = False
             self._snap = tuple(_grow(a, n, f) for a, f in zip(self._snap, (0.0, 1.0, False), strict=True))
             self._old = tuple(_grow(a, n, f) for a, f in zip(self._old, (0.0, 1.0, False), strict=True))
             self._quiet_until = _grow(self._quiet_until, n, -1)
@@ -111,14 +134,22 @@ class ModuleGradDetector(Detector):
         window = self.config.window
         ordered = np.sort(self._buf, axis=1)
         count = self._count
-        if len(count) and int(count.min()) >= window:
-            # Every history is full (the usual case): the same ranks in every row, plain column reads.
-            def quantile(q: float) -> np.ndarray:
-                at = (window - 1) * q
-                lo = math.floor(at)
-                hi = min(lo + 1, window - 1)
-                frac = at - lo
-                return ordered[:, lo] * (1 - frac) + ordered[:, hi] * frac
+        n = None  # one history length for every module, if they have
+        if self._upos >= 0:
+            n = max(min(int(count[0]), window), 1)
+        elif self._all_full or int(count.min()) >= window:
+            self._all_full = True  # (it stays so until a module is added)
+            n = window
+        if n is not None:
+            # The same ranks in every row (the usual case): the three quantiles come from one gather of
+            # their six columns and the same interpolation as below, elementwise.
+            plan = self._plans.get(n)
+            if plan is None:
+                plan = self._plans[n] = _plan(n)
+            columns, weights = plan
+            q = ordered[:, columns] * weights
+            q = q[:, 0::2] + q[:, 1::2]
+            q25, self._median, q75 = q[:, 0], q[:, 1], q[:, 2]
         else:
             n = np.maximum(np.minimum(count, window), 1)
             rows = self._rows
@@ -130,15 +161,17 @@ class ModuleGradDetector(Detector):
                 frac = at - lo
                 return ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
 
-        q25, self._median, q75 = quantile(0.25), quantile(0.5), quantile(0.75)
+            q25, self._median, q75 = quantile(0.25), quantile(0.5), quantile(0.75)
         self._scale = np.maximum((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)
-        self._ready = count >= self.config.warmup
-        self._all_ready = bool(self._ready.all())
+        if not self._all_ready:  # (once all are ready, they stay ready until a module is added)
+            self._ready = count >= self.config.warmup
+            self._all_ready = bool(self._ready.all())
         if self._since_snapshot >= window:
             self._since_snapshot = 0
             self._old = self._snap
             self._snap = (self._median, self._scale, self._ready)
             self._any_old = bool(self._old[2].any())
+            self._old_all_ready = bool(self._old[2].all())
         self._bound = None
 
     def _suspect_bound(self) -> np.ndarray:
@@ -150,8 +183,14 @@ class ModuleGradDetector(Detector):
         median = self._median
         if self._any_old:
             old_median, _, old_ready = self._old
-            median = np.where(old_ready & (old_median < median), old_median, median)
-        self._bound = np.where(np.isnan(median), np.inf, median)
+            if self._old_all_ready:  # no NaN among the lagged medians of ready modules: the lower of each pair
+                median = np.minimum(old_median, median)  # (where equal, either: x - either is the same value)
+            else:
+                median = np.where(old_ready & (old_median < median), old_median, median)
+        if self._all_ready:  # every history holds a value: no NaN median
+            self._bound = median
+        else:
+            self._bound = np.where(np.isnan(median), np.inf, median)
         return self._bound
 
     # -- per event ----------------------------------------------------------------------------
@@ -194,22 +233,30 @@ class ModuleGradDetector(Detector):
                     self._streak[:] = 0
                     self._reported[:] = -np.inf
                     self._any_streak = False
-                if positive:  # no NaN (it would have failed the test above) and no log(0)
-                    self._buf[self._rows, self._pos] = x
-                    self._pos += 1
+                if positive and self._upos >= 0:  # every module stores (no NaN, no log(0)), in step
+                    self._buf[:, self._upos] = x
+                    self._upos = (self._upos + 1) % cfg.window
                     self._count += 1
-                    self._pos[self._pos >= cfg.window] = 0
                 else:
-                    self._store(np.isfinite(x), x)
+                    self._store(np.isfinite(x) if not positive else np.ones(len(x), dtype=bool), x)
                 return []
         return self._score(event, v, x, half)
 
     def _store(self, store: np.ndarray, x: np.ndarray) -> None:
+        """Append ``x`` to the histories of the modules in ``store``."""
         if store.all():
+            if self._upos >= 0:
+                self._buf[:, self._upos] = x
+                self._upos = (self._upos + 1) % self.config.window
+                self._count += 1
+                return
             self._buf[self._rows, self._pos] = x
             self._pos += 1
             self._count += 1
         else:
+            if self._upos >= 0:  # some modules fall out of step from here on
+                self._pos[:] = self._upos
+                self._upos = -1
             idx = np.flatnonzero(store)
             self._buf[idx, self._pos[idx]] = x[idx]
             self._pos[idx] += 1
