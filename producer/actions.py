@@ -38,8 +38,9 @@ it broadcasts how many actions it is about to apply (one small tensor per poll) 
 there are some, their ids; every other rank waits (up to ``sync_timeout_s``) until its own
 consumer has accepted those ids and applies exactly those, in rank 0's order. So every rank
 rolls back at the same ``poll`` (the same step) to the same checkpoint. Actions a rank received
-that rank 0 has not announced wait for a later poll; one that does not arrive in time is acked
-``failed`` on that rank (never a hang). The broadcasts run on a gloo group of their own, so this
+that rank 0 has not announced wait for a later poll; one that does not arrive in time is applied
+from rank 0's copy (broadcast with the ids, and verified with the secret here), so no rank diverges
+and none hangs; a copy that does not verify is acked ``failed``. The broadcasts run on a gloo group of their own, so this
 works under NCCL too; creating it is collective: every rank must construct its listener at the
 same point, and with ``sync`` on ``poll`` is a collective too: every rank calls it equally often
 (once per step). A pause is applied by every rank at the same poll; each rank's pause then ends
@@ -436,12 +437,16 @@ class ActionListener:
         self._given_up.add(action_id)
         self._seen.add(action_id)  # a late copy is a duplicate, not a new action
         try:
-            action = decode_action(body)  # rank 0's copy, only to report what was missed
+            action = decode_action(body)  # rank 0's copy
         except SchemaError:
             self.ignored["malformed"] += 1
             return None
+        if action.run_id == self.rw.run_id and verify_action(action, self._secret):
+            # Signed with our secret for our run: apply rank 0's copy, so that this rank does not
+            # diverge from the others (a rank that skips a rollback trains on different weights).
+            return self._apply(action, step, check_expiry=False)
         detail = (f"rank 0 applied it, but this rank's consumer had not received it {self._sync_timeout_s:g} s "
-                  "after rank 0 announced it; not applied here")
+                  "after rank 0 announced it, and rank 0's copy does not verify here; not applied")
         return self._record(AppliedAction(action, "failed", from_step=step, detail=detail), step)
 
     # -- acting ---------------------------------------------------------------------
