@@ -265,11 +265,16 @@ def test_monitor_drops_a_redelivered_event():
     assert monitor.events_seen == 2 and monitor.join.duplicates == 1  # run_start + the step once
 
 
-def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
+def _three_ranks_after_20_steps() -> RunMonitor:
     monitor = _monitor(3)
     for n in range(20):
         for rank in range(3):
             monitor.observe(step(rank, n, n * 0.2))
+    return monitor
+
+
+def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
+    monitor = _three_ranks_after_20_steps()
     findings = []
     # rank 0 saves a checkpoint for 5 minutes; ranks 1 and 2 wait for it in the gradient sync
     for t in range(4, 300, 2):
@@ -280,10 +285,7 @@ def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
         findings += monitor.tick(at(t + 0.5)).anomalies
     assert findings == []
     # the same wait with nobody in a checkpoint is a stall of every rank
-    stalled = _monitor(3)
-    for n in range(20):
-        for rank in range(3):
-            stalled.observe(step(rank, n, n * 0.2))
+    stalled = _three_ranks_after_20_steps()
     found = []
     for t in range(4, 60, 2):
         for rank in range(3):
