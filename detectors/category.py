@@ -40,6 +40,9 @@ LOSS_FLOOR_FRACTION = 0.25
 
 
 class _Category:
+    __slots__ = ("history", "last_ratio", "onset_step", "pool_count", "pool_mean_sum", "pool_sum", "quiet_until",
+                 "seen", "streak")
+
     def __init__(self, window: int):
         self.history = RollingQuantiles(window)  # x, the log relative level
         self.seen = 0
@@ -132,7 +135,8 @@ class CategoryDivergenceDetector(Detector):
             ratio = math.exp(x - median)
             cat.last_ratio = ratio
             if x - median >= log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
-                scale = max((history.get(0.75) - history.get(0.25)) / IQR_TO_SIGMA, MIN_SCALE)
+                q25, _, q75 = history.quartiles()
+                scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE)
                 z = (x - median) / scale
                 if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
                     diverging.append((name, cat, x, z, ratio))

@@ -58,6 +58,9 @@ class _Trend:
     variance) are updated once, and there is no call through river's wrappers for each of them.
     """
 
+    __slots__ = ("cov", "evicted_max", "last_severity", "last_step", "mean_t", "mean_v", "n", "quiet_until", "samples",
+                 "steps", "sum_sq_t", "sum_sq_v", "window")
+
     def __init__(self, window: int):
         self.window = window
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (t, MiB), oldest first
@@ -173,36 +176,34 @@ class MemoryGrowthDetector(Detector):
         found: list[Finding] = []
         leak_alloc = None
         if mem.allocated is not None:
-            leak_alloc = self._observe(
-                "allocated", mem.allocated, t, event, used=mem.reserved or mem.allocated, limit=mem.device_total,
-                base=mem.allocated, kind="leak", found=found,
-            )
+            # (arguments: metric, value, t, event, used, limit, base, kind, found, allocated_growth)
+            leak_alloc = self._observe("allocated", mem.allocated, t, event, mem.reserved or mem.allocated,
+                                       mem.device_total, mem.allocated, "leak", found, None)
             if mem.reserved is not None:
-                self._observe(
-                    "fragmentation", mem.reserved - mem.allocated, t, event, used=mem.reserved,
-                    limit=mem.device_total, base=mem.reserved, kind="fragmentation", found=found,
-                    allocated_growth=leak_alloc,
-                )
+                self._observe("fragmentation", mem.reserved - mem.allocated, t, event, mem.reserved,
+                              mem.device_total, mem.reserved, "fragmentation", found, leak_alloc)
         if mem.host_rss is not None:
-            self._observe(
-                "host_rss", mem.host_rss, t, event, used=mem.cgroup_usage or mem.host_rss, limit=mem.cgroup_limit,
-                base=mem.host_rss, kind="leak", found=found,
-            )
+            self._observe("host_rss", mem.host_rss, t, event, mem.cgroup_usage or mem.host_rss, mem.cgroup_limit,
+                          mem.host_rss, "leak", found, None)
         return found
 
-    def _observe(self, metric: str, value: int, t: float, event: StepEvent, *, used: int, limit: int | None,
-                 base: int, kind: str, found: list[Finding], allocated_growth: float | None = None) -> float | None:
+    def _observe(self, metric: str, value: int, t: float, event: StepEvent, used: int, limit: int | None,
+                 base: int, kind: str, found: list[Finding], allocated_growth: float | None) -> float | None:
         """Feed one sample; append a finding if due. Returns the window's fitted growth (bytes), if known."""
-        trend = self._trend(metric)
-        if event.step <= trend.last_step:
+        trend = self._trends.get(metric)
+        if trend is None:
+            trend = self._trend(metric)
+        step = event.step
+        if step <= trend.last_step:
             return None  # a replayed or rolled-back step: the series would fold back on itself
-        trend.last_step = event.step
-        trend.update(t, value / _MIB, event.step)
+        trend.last_step = step
+        trend.update(t, value / _MIB, step)
         cfg = self.config
-        if len(trend) < cfg.min_points:
+        samples = trend.samples
+        if len(samples) < cfg.min_points:
             return None
         slope_mib, r2 = trend.fit()
-        span = trend.samples[-1][0] - trend.samples[0][0]
+        span = samples[-1][0] - samples[0][0]
         growth = slope_mib * span * _MIB
         if slope_mib <= 0 or r2 < cfg.min_r2:
             return growth

@@ -20,7 +20,7 @@ from collections import deque
 class RollingQuantiles:
     """The rolling window of the last ``window_size`` values, kept sorted; ``get(q)`` as river's ``RollingQuantile(q)``."""
 
-    __slots__ = ("_full", "ordered", "values", "window_size")
+    __slots__ = ("_full", "_quartile_plans", "ordered", "values", "window_size")
 
     def __init__(self, window_size: int):
         if window_size < 1:
@@ -30,6 +30,7 @@ class RollingQuantiles:
         self.values: deque[float] = deque()  # arrival order, to know which value leaves the window
         self.ordered: list[float] = []  # the same values, sorted
         self._full: dict[float, tuple[int, int, float]] = {}  # q -> (lower, higher, frac) of a full window
+        self._quartile_plans: tuple[tuple[int, int, float], ...] | None = None
 
     def __len__(self) -> int:
         return len(self.ordered)
@@ -58,6 +59,20 @@ class RollingQuantiles:
         low = ordered[lo]
         return low + (ordered[hi] - low) * frac
 
+    def quartiles(self) -> tuple[float, float, float]:
+        """(``get(0.25)``, ``get(0.5)``, ``get(0.75)``) in one call; the window must not be empty."""
+        ordered = self.ordered
+        n = len(ordered)
+        if n == self.window_size:
+            plans = self._quartile_plans
+            if plans is None:
+                plans = self._quartile_plans = tuple(_plan(q, n, full=True) for q in (0.25, 0.5, 0.75))
+        else:
+            plans = tuple(_plan(q, n, full=False) for q in (0.25, 0.5, 0.75))
+        (lo1, hi1, f1), (lo2, hi2, f2), (lo3, hi3, f3) = plans
+        a, b, c = ordered[lo1], ordered[lo2], ordered[lo3]
+        return a + (ordered[hi1] - a) * f1, b + (ordered[hi2] - b) * f2, c + (ordered[hi3] - c) * f3
+
     def full_plan(self, q: float) -> tuple[int, int, float]:
         """(lower rank, higher rank, fraction) of ``q`` once the window is full: the quantile is then
         ``ordered[lo] + (ordered[hi] - ordered[lo]) * frac``, as ``get(q)`` computes it."""
@@ -71,6 +86,7 @@ class RollingQuantiles:
         self.window_size, values, self.ordered = state
         self.values = deque(values)
         self._full = {}
+        self._quartile_plans = None
 
 
 def _plan(q: float, n: int, full: bool) -> tuple[int, int, float]:

@@ -42,12 +42,12 @@ class SpikeDetector:
         return finding
 
     def _score(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
-        history = self._history
-        median = history.get(0.5)
+        median = self._history.get(0.5)
         ratio = math.exp(x - median)
         if ratio < self.config.min_ratio:
             return None  # (the usual case: no need for the quartiles)
-        scale = max((history.get(0.75) - history.get(0.25)) / IQR_TO_SIGMA, self.config.min_scale)
+        q25, _, q75 = self._history.quartiles()
+        scale = max((q75 - q25) / IQR_TO_SIGMA, self.config.min_scale)
         z = (x - median) / scale
         if z < self.config.z_threshold:
             return None

@@ -63,9 +63,8 @@ class ThroughputDetector(Detector):
             return []
         y = math.log(t)
         if self.seen >= MIN_BEFORE:
-            history = self._history
-            median = history.get(0.5)
-            scale = max((history.get(0.75) - history.get(0.25)) / IQR_TO_SIGMA, MIN_SCALE_LOG)
+            q25, median, q75 = self._history.quartiles()
+            scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)
             z = min(max((y - median) / scale, -CLIP_Z), CLIP_Z)
             self._adwin.update(z)
             if self._adwin.drift_detected:

@@ -41,6 +41,8 @@ def test_same_numbers_as_river_while_filling_and_sliding(window, shape):
         mine.update(x)
         if i % 17 == 5:
             mine = pickle.loads(pickle.dumps(mine))
+        quartiles = (river[0.25].get(), river[0.5].get(), river[0.75].get())
+        assert all(same(a, b) for a, b in zip(mine.quartiles(), quartiles, strict=True)), i
         assert len(mine) == min(i + 1, window)
         for q, r in river.items():
             assert same(mine.get(q), r.get()), (i, q)
@@ -49,3 +51,13 @@ def test_same_numbers_as_river_while_filling_and_sliding(window, shape):
 def test_window_must_hold_a_value():
     with pytest.raises(ValueError):
         RollingQuantiles(0)
+
+
+def test_quartiles_are_the_three_gets():
+    rng = random.Random(5)
+    window = RollingQuantiles(20)
+    for i in range(60):
+        window.update(rng.gauss(0, 1))
+        if i % 7 == 3:
+            window = pickle.loads(pickle.dumps(window))
+        assert window.quartiles() == (window.get(0.25), window.get(0.5), window.get(0.75))
