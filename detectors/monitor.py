@@ -167,7 +167,7 @@ class RunMonitor:
         elif isinstance(event, HeartbeatEvent):
             self.phases[event.rank] = (event.phase, event.ts)
             self._share_peer_phases(event.ts)
-        if self.hung is not None:
+        if self.hung is not None and self.join.world_size > 1:  # compares ranks: nothing to do for one
             self.hung.update(event)
         if isinstance(event, RUN_SCOPED_KINDS):
             return out
@@ -178,7 +178,7 @@ class RunMonitor:
             for finding in detector.update(event, event.ts):
                 self._emit(finding, event.ts, event.event_id, out)
         if isinstance(event, StepEvent):
-            if self.straggler is not None:
+            if self.straggler is not None and self.join.world_size > 1:
                 self.straggler.update(event)
             for joined in self.join.add(event):
                 self._observe_joined(joined, out)

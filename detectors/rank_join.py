@@ -74,6 +74,19 @@ class StepJoin:
     def add(self, event: StepEvent) -> list[Joined]:
         """Take one rank's step event; returns the steps it completes (in step order)."""
         rank = event.rank
+        if rank == 0 and self.world_size == 1 and not self._pending and not self.absent:
+            # A single-rank run (the common case, on the worker's hot path): nothing to wait for.
+            last = self._last_step.get(0)
+            generation = self._generation.get(0, 0) + (last is not None and event.step < last)
+            self._generation[0] = generation
+            self._last_step[0] = event.step
+            key = self._last_key[0] = (generation, event.step)
+            if self._emitted is not None and key <= self._emitted:
+                self.late += 1
+                return []
+            self._emitted = key
+            self.joined += 1
+            return [Joined(event=event, record=None)]
         self.set_world_size(rank + 1)
         self.absent.discard(rank)
         last = self._last_step.get(rank)
