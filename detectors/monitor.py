@@ -209,7 +209,7 @@ class RunMonitor:
         for detector in self.joined_detectors:
             for finding in detector.update(event, event.ts):
                 self._emit(self._run_level(finding), event.ts, event.event_id, out)
-        if self.straggler is not None:
+        if self.straggler is not None and self.join.world_size > 1:
             for finding in self.straggler.check(event.step):
                 self._emit(finding, event.ts, event.event_id, out)
 
