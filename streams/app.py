@@ -91,7 +91,8 @@ def create_app(
                 log.warning("dead letter at %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset,
                             result.deadletter.reason)
                 await deadletter.send(key=event.key, value=result.deadletter.to_json())
-            await publish(result)
+            if result.anomalies or result.actions or result.joined:  # most events produce nothing
+                await publish(result)
 
     @app.on_partitions_assigned.connect
     async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
