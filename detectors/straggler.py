@@ -9,7 +9,7 @@ the fast ranks wait inside the gradient synchronisation for the slowest. So the 
 ``compute_s`` (time from the step's start until the rank was ready to synchronise, measured by
 the producer's DDP comm hook) where the rank reports it, else its step time (ranks that do not
 synchronise every step, where step time does differ). One finding per episode: a rank re-arms
-when its score is back over the threshold.
+when its score has been back over the threshold for ``patience`` joined steps.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class _RankTiming:
         self.median = stats.RollingQuantile(q=0.5, window_size=window)
         self.count = 0
         self.metric = "step_time_s"
-        self.streak = 0
+        self.streak = 0  # joined steps in a row under the threshold
+        self.healthy = 0  # ... and over it
         self.fired = False
 
 
@@ -77,8 +78,11 @@ class StragglerDetector:
             slow = score < cfg.score_threshold and medians[rank] - medians[fastest_rank] >= cfg.min_gap_s
             if not slow:
                 timing.streak = 0
-                timing.fired = False
+                timing.healthy += 1
+                if timing.healthy >= cfg.patience:  # re-armed only after as long a recovery as the alert needed
+                    timing.fired = False
                 continue
+            timing.healthy = 0
             timing.streak += 1
             if timing.streak < cfg.patience or timing.fired:
                 continue

@@ -162,7 +162,7 @@ def test_joined_sharded_norms_a_straggler_and_a_long_checkpoint_that_is_no_stall
         assert j.grad_norm == pytest.approx(norm, rel=1e-5), step
     anomalies = run.anomalies(lambda got: any(a.detector == "straggler" for a in got))
     stragglers = [a for a in anomalies if a.detector == "straggler"]
-    assert [a.rank for a in stragglers] == [2]
+    assert {a.rank for a in stragglers} == {2}
     assert stragglers[0].evidence["timed"] == "compute_s"
     # rank 0 saved for 6 s while ranks 1 and 2 waited for it: neither a stall nor a hang
     assert [a for a in anomalies if a.detector in ("stall", "hung_rank")] == []

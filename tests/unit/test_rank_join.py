@@ -292,3 +292,15 @@ def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
             found += stalled.observe(beat(rank, 19, t + 0.1, in_sync=rank != 0)).anomalies
         found += stalled.tick(at(t + 0.5)).anomalies
     assert {(a.detector, a.rank) for a in found} >= {("stall", 1), ("stall", 2), ("hung_rank", 0)}
+
+
+def test_straggler_one_step_back_over_the_threshold_does_not_start_a_new_episode():
+    detector = StragglerDetector(StragglerConfig(min_steps=5, patience=4, window=5))
+    found = []
+    for n in range(60):
+        blip = n in (30, 31, 32)  # the slow rank has three quick steps: its median dips for a moment
+        for rank in range(2):
+            slow = rank == 1 and not blip
+            detector.update(step(rank, n, n, step_time_s=0.5 if slow else 0.2))
+        found += [f.rank for f in detector.check(n)]
+    assert found == [1]
