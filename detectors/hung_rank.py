@@ -114,6 +114,12 @@ class HungRankDetector:
                 if s.heard_at is not None and now - s.heard_at <= self.silent_after and s.step is not None}
         if len(live) < 2:
             return []
+        # Per tick, linear in the ranks: the two highest steps, and how many ranks wait in sync at each step.
+        highest = sorted(((s.step, r) for r, s in live.items()), reverse=True)[:2]
+        in_sync_at: dict[int, int] = {}
+        for s in live.values():
+            if s.in_sync is True:
+                in_sync_at[s.step] = in_sync_at.get(s.step, 0) + 1
         findings = []
         for rank, state in live.items():
             if state.fired or state.progress_at is None:
@@ -127,15 +133,14 @@ class HungRankDetector:
             waited = (now - start).total_seconds()
             if waited <= allowed:
                 continue
-            peers = {r: s for r, s in live.items() if r != rank}
-            ahead = sorted(r for r, s in peers.items() if s.step > state.step)
-            waiting = all(s.step == state.step and s.in_sync is True for s in peers.values())
-            if ahead:
+            peer_top = next(step for step, r in highest if r != rank)
+            if peer_top > state.step:
                 kind = "behind"
-                why = f"ranks {ahead} have moved on to step {max(peers[r].step for r in ahead)}"
-            elif waiting and state.in_sync is not True:
-                kind = "peers_waiting"
-                why = f"ranks {sorted(peers)} wait for it in the gradient synchronisation"
+                ahead = sorted(r for r, s in live.items() if r != rank and s.step > state.step)
+                why = f"ranks {ahead} have moved on to step {peer_top}"
+            elif state.in_sync is not True and in_sync_at.get(state.step, 0) == len(live) - 1:
+                kind = "peers_waiting"  # every other rank is at this step and waits in the gradient sync
+                why = f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
             else:
                 continue
             state.fired = True
@@ -157,7 +162,7 @@ class HungRankDetector:
                     "seconds_since_progress": waited,
                     "allowed_s": allowed,
                     "median_step_interval_s": self.median_interval_s(),
-                    "peer_steps": {str(r): s.step for r, s in sorted(peers.items())},
+                    "peer_steps": {str(r): s.step for r, s in sorted(live.items()) if r != rank},
                     "in_sync": state.in_sync,
                 },
             ))

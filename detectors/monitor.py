@@ -194,13 +194,15 @@ class RunMonitor:
             return
         stall = self.config.detectors.stall
         live = timedelta(seconds=stall.heartbeat_timeout_s)
-        allowance = {r: stall.phase_allowance_s.get(phase, 0.0) for r, (phase, at) in self.phases.items()
-                     if now - at <= live}
+        # The two largest allowances: each rank's peers' largest is the first, or the second for
+        # the rank that holds the first (linear in the ranks, on every heartbeat).
+        top = sorted(((stall.phase_allowance_s.get(phase, 0.0), r) for r, (phase, at) in self.phases.items()
+                      if now - at <= live), reverse=True)[:2]
         for rank, detectors in self.ranks.items():
-            peers = [a for r, a in allowance.items() if r != rank]
+            peers = [a for a, r in top if r != rank]
             for detector in detectors:
                 if isinstance(detector, StallDetector):
-                    detector.peer_allowance_s = max(peers, default=0.0)
+                    detector.peer_allowance_s = peers[0] if peers else 0.0
 
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
         event = joined.event

@@ -56,9 +56,7 @@ class StepJoin:
         self.timeout = timedelta(seconds=timeout_s)
         self.world_size = 1  # raised by run_start and by any higher rank seen
         self.absent: set[int] = set()  # ranks left out of a timed-out join and silent since
-        self._generation: dict[int, int] = {}
-        self._last_step: dict[int, int] = {}
-        self._last_key: dict[int, Key] = {}
+        self._last_key: dict[int, Key] = {}  # rank -> its newest (generation, step)
         self._pending: dict[Key, _Pending] = {}
         self._emitted: Key | None = None  # the newest key emitted
         self.late = 0
@@ -74,32 +72,19 @@ class StepJoin:
     def add(self, event: StepEvent) -> list[Joined]:
         """Take one rank's step event; returns the steps it completes (in step order)."""
         rank = event.rank
-        if rank == 0 and self.world_size == 1 and not self._pending and not self.absent:
-            # A single-rank run (the common case, on the worker's hot path): nothing to wait for.
-            last = self._last_step.get(0)
-            generation = self._generation.get(0, 0) + (last is not None and event.step < last)
-            self._generation[0] = generation
-            self._last_step[0] = event.step
-            key = self._last_key[0] = (generation, event.step)
-            if self._emitted is not None and key <= self._emitted:
-                self.late += 1
-                return []
+        key = self._advance(rank, event.step)
+        # A single-rank run (the common case, on the worker's hot path) has nothing to wait for.
+        single = rank == 0 and self.world_size == 1 and not self._pending and not self.absent
+        if not single:
+            self.set_world_size(rank + 1)
+            self.absent.discard(rank)
+        if self._emitted is not None and key <= self._emitted:
+            self.late += 1
+            return [] if single else self.expire(event.ts)
+        if single:
             self._emitted = key
             self.joined += 1
             return [Joined(event=event, record=None)]
-        self.set_world_size(rank + 1)
-        self.absent.discard(rank)
-        last = self._last_step.get(rank)
-        generation = self._generation.get(rank, 0)
-        if last is not None and event.step < last:
-            generation += 1  # the rank went back: a rollback or a resume
-            self._generation[rank] = generation
-        self._last_step[rank] = event.step
-        key = (generation, event.step)
-        self._last_key[rank] = key
-        if self._emitted is not None and key <= self._emitted:
-            self.late += 1
-            return self.expire(event.ts)
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = _Pending(first_ts=event.ts)
@@ -110,6 +95,14 @@ class StepJoin:
         if self.expected() <= pending.events.keys():
             return self._emit_through(key, event.ts)
         return self.expire(event.ts)
+
+    def _advance(self, rank: int, step: int) -> Key:
+        """The (generation, step) key of a rank's new step: a step going back (a rollback, a resume)
+        starts the rank's next generation."""
+        last = self._last_key.get(rank)
+        generation = 0 if last is None else last[0] + (step < last[1])
+        key = self._last_key[rank] = (generation, step)
+        return key
 
     def expire(self, now: datetime) -> list[Joined]:
         """Emit the steps that have waited ``timeout_s`` (and every earlier one), as partial."""
