@@ -7,6 +7,7 @@ already has a comm hook trains on without timing."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -87,7 +88,6 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     other(torch.randn(4, 32)).sum().backward()
     untimed.end_step(None)
     untimed.close()
-    dist.destroy_process_group()
 
     result = {
         "steps": [(e.step, e.step_time_s, e.compute_s) for e in rw.steps],
@@ -97,6 +97,13 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         "untimed": {"timer": untimed.sync_timer is not None, "compute_s": untimed_rw.steps[0].compute_s},
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Leave together, with no DDP reducer alive, then skip interpreter teardown: gloo's threads
+    # torn down by the interpreter at exit occasionally abort the process ("terminate called
+    # without an active exception") after everything this test checks is written.
+    dist.barrier()
+    del ddp, other
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 def _allreduce(bucket):  # noqa: ANN001, ANN202

@@ -8,6 +8,7 @@ process whose main thread never reaches poll()."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -95,9 +96,12 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
         time.sleep(POLL_S)
     acks = [(a.action_id, a.outcome, a.rank) for a in rw.acks()]
     beats = [(e.step, e.in_sync) for e in rw.events if e.kind == "heartbeat"]
-    dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"log": log, "acks": acks, "beats": beats,
                                                                  "synced": listener.synced}))
+    # Leave together and skip interpreter teardown, which can abort on gloo's threads (see test_ddp_timing).
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
