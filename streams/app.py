@@ -1,4 +1,5 @@
-"""The Faust application: consumes telemetry as raw bytes, runs the processor, publishes.
+"""The Faust application: consumes telemetry as raw bytes, has the detector process run the
+processor on it (streams/detector_process.py), and publishes the results.
 
 Built by ``create_app`` (not at import time) so that the bootstrap, config and secret
 come from the command line. ``run_worker`` starts it in this process.
@@ -6,6 +7,7 @@ come from the command line. ``run_worker`` starts it in this process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -14,12 +16,17 @@ import faust
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
 from runwatch.streams import transport
-from runwatch.streams.processor import ProcessResult, TelemetryProcessor
+from runwatch.streams.detector_process import DetectorProcess, Outgoing
 
 log = logging.getLogger("runwatch.worker")
 
 DETECT_GROUP = topics.DETECT_GROUP
 TICK_INTERVAL_S = 0.25  # as `runwatch replay --tick` does on event time
+# Events go to the detector process in batches: up to this many, or what arrived within this wait
+# (the wait adds at most that much to detection latency; a backlog fills batches at once).
+BATCH_MAX_EVENTS = 500
+BATCH_WAIT_S = 0.01
+MAX_BATCHES_IN_FLIGHT = 2  # one being detected while the next is gathered
 
 
 def faust_broker_url(bootstrap: str) -> str:
@@ -54,7 +61,11 @@ def mark_ready_on_assignment(app: faust.App, ready_file: Path) -> None:
 
     @app.on_partitions_assigned.connect
     async def mark_ready(sender, assigned, **kwargs) -> None:  # noqa: ANN001
-        ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
+        write_ready_file(ready_file, assigned)
+
+
+def write_ready_file(ready_file: Path, assigned) -> None:  # noqa: ANN001 - a set of Faust TPs
+    ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
 
 
 def create_app(
@@ -65,56 +76,67 @@ def create_app(
     app_id: str = DETECT_GROUP,
     web_port: int = 6066,
     ready_file: Path | None = None,
-) -> tuple[faust.App, TelemetryProcessor]:
+) -> tuple[faust.App, DetectorProcess]:
+    """The worker: a Faust agent that batches telemetry to the detector process and publishes what
+    comes back. Events are acknowledged (their offsets committed) only once their results are sent."""
     app = faust_app(bootstrap, app_id, web_port)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
-    anomalies = app.topic(topics.ANOMALIES, value_serializer="raw", key_serializer="raw")
-    actions = app.topic(topics.ACTIONS, value_serializer="raw", key_serializer="raw")
-    deadletter = app.topic(topics.DEADLETTER, value_serializer="raw", key_serializer="raw")
-    joined = app.topic(topics.JOINED, value_serializer="raw", key_serializer="raw")
-    processor = TelemetryProcessor(config, secret)
+    out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
+                  for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED)}
+    detectors = DetectorProcess(config, secret)
 
-    async def publish(result: ProcessResult) -> None:
-        for anomaly in result.anomalies:
-            await anomalies.send(key=anomaly.run_id.encode(), value=anomaly.to_json())
-        for action in result.actions:
-            await actions.send(key=action.run_id.encode(), value=action.to_json())
-        for step in result.joined:
-            await joined.send(key=step.run_id.encode(), value=step.to_json())
+    async def publish(records: list[Outgoing]) -> None:
+        for record in records:
+            await out_topics[record.topic].send(key=record.key, value=record.value)
+
+    async def complete(stream, inflight: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
+        # In order: publish a batch's records, then acknowledge its events, while the next batch runs.
+        while True:
+            batch, reply = await inflight.get()
+            await publish((await reply).records)
+            for event in batch:
+                await stream.ack(event)
 
     @app.agent(telemetry)
-    async def detect(stream):  # noqa: ANN001 - Faust's stream type
-        async for event in stream.events():
-            msg = event.message
-            result = processor.process(event.value, event.key, msg.partition, msg.offset)
-            if result.deadletter is not None:
-                log.warning("dead letter at %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset,
-                            result.deadletter.reason)
-                await deadletter.send(key=event.key, value=result.deadletter.to_json())
-            if result.anomalies or result.actions or result.joined:  # most events produce nothing
-                await publish(result)
+    async def detect(stream):  # noqa: ANN001
+        inflight: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
+        completer = asyncio.ensure_future(complete(stream, inflight))
+        await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
+        try:
+            async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
+                raw = [(e.value, e.key, e.message.partition, e.message.offset) for e in batch]
+                await inflight.put((batch, detectors.submit("events", raw)))
+                if completer.done():
+                    completer.result()  # the detector process failed: crash the agent with its error
+        finally:
+            completer.cancel()
 
     @app.on_partitions_assigned.connect
     async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
-        for run in processor.keep_partitions(owned):
+        # (the reply also says the detector process is up: only then is the worker ready)
+        reply = await detectors.submit("keep_partitions", owned)
+        for run in reply.dropped_runs:
             log.info("run %s moved to another worker", run)
+        if ready_file is not None:
+            write_ready_file(ready_file, assigned)
 
     @app.timer(TICK_INTERVAL_S)
     async def tick() -> None:
         # Stalled or silent ranks are found by time passing, not by an event arriving.
-        await publish(processor.tick())
+        await publish((await detectors.submit("tick")).records)
 
     @app.timer(30.0)
     async def report_counters() -> None:
-        c = processor.counters
-        log.info("processed=%d deadlettered=%d anomalies=%d actions=%s runs=%d",
-                 c.processed, c.deadlettered, c.anomalies, dict(c.actions), len(processor.monitors))
+        c = detectors.counters
+        log.info("processed=%d deadlettered=%d anomalies=%d actions=%s", c.processed, c.deadlettered,
+                 c.anomalies, dict(c.actions))
 
-    if ready_file is not None:
-        mark_ready_on_assignment(app, ready_file)
+    @app.on_before_shutdown.connect
+    async def stop_detectors(sender, **kwargs) -> None:  # noqa: ANN001
+        detectors.close()
 
-    return app, processor
+    return app, detectors
 
 
 def run_worker(app: faust.App, loglevel: str = "WARNING") -> None:

@@ -1,0 +1,230 @@
+"""The worker's detectors in a child process, so that Kafka I/O and detection use two cores.
+
+Faust's consumer, the event loop and the detectors would otherwise share one interpreter lock:
+every microsecond of detector work was a microsecond the worker could not fetch. Here the
+``TelemetryProcessor`` lives in a spawned child; the worker sends it batches of raw events
+and gets back the records to publish, already serialised. Requests are answered in the
+order they were sent (one queue each way), so a caller matches replies to requests by
+position, and a run's events are processed in offset order.
+
+The child exits when asked, when its parent process goes away, or on the first error; the
+parent then fails every pending request with ``DetectorProcessError`` (the worker crashes
+and its unacknowledged events are read again by its successor: nothing is lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from runwatch.detectors import RunwatchConfig
+from runwatch.producer import topics
+from runwatch.streams.processor import ProcessResult, TelemetryProcessor, WorkerCounters
+
+log = logging.getLogger("runwatch.worker")
+
+_POLL_S = 0.5  # how often each side checks that the other is still there
+_START_TIMEOUT_S = 120.0
+
+
+class DetectorProcessError(RuntimeError):
+    """The detector process failed or exited; the message carries its traceback or exit code."""
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One record for the worker to publish."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+@dataclass
+class Reply:
+    records: list[Outgoing] = field(default_factory=list)
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+    dropped_runs: list[str] = field(default_factory=list)  # for a `keep_partitions` request
+
+
+RawEvent = tuple[bytes, bytes | None, int | None, int | None]  # value, key, partition, offset
+
+
+def outgoing(result: ProcessResult, key: bytes | None = None) -> list[Outgoing]:
+    """A processing result as the records to publish: the dead letter, anomalies, actions, joined steps."""
+    records = []
+    if result.deadletter is not None:
+        records.append(Outgoing(topics.DEADLETTER, key, result.deadletter.to_json()))
+    records.extend(Outgoing(topics.ANOMALIES, a.run_id.encode(), a.to_json()) for a in result.anomalies)
+    records.extend(Outgoing(topics.ACTIONS, a.run_id.encode(), a.to_json()) for a in result.actions)
+    records.extend(Outgoing(topics.JOINED, s.run_id.encode(), s.to_json()) for s in result.joined)
+    return records
+
+
+def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
+    """One request, as the child runs it (also usable in-process, e.g. by tests)."""
+    reply = Reply()
+    if kind == "events":
+        for raw, key, partition, offset in payload:
+            result = processor.process(raw, key, partition, offset)
+            if result.deadletter is not None:
+                log.warning("dead letter at %s[%s]@%s: %s", topics.TELEMETRY, partition, offset,
+                            result.deadletter.reason)
+            if result.deadletter is not None or result.anomalies or result.actions or result.joined:
+                reply.records.extend(outgoing(result, key))
+    elif kind == "tick":
+        reply.records = outgoing(processor.tick())
+    elif kind == "keep_partitions":
+        reply.dropped_runs = processor.keep_partitions(payload)
+    else:
+        raise ValueError(f"unknown request {kind!r}")
+    reply.counters = processor.counters
+    return reply
+
+
+def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int) -> None:
+    """The child's loop: one request at a time, answered in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
+    logging.getLogger("runwatch").setLevel(logging.INFO)
+    try:
+        processor = TelemetryProcessor(RunwatchConfig.model_validate_json(config_json), secret)
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
+        replies.put(("error", traceback.format_exc()))
+        return
+    replies.put(("ready", None))
+    while True:
+        try:
+            request = requests.get(timeout=_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return  # the worker is gone (killed): nobody is left to answer
+            continue
+        if request is None:
+            return
+        try:
+            replies.put(("ok", handle(processor, *request)))
+        except Exception:  # noqa: BLE001
+            replies.put(("error", traceback.format_exc()))
+            return
+
+
+class DetectorProcess:
+    """The parent's handle: ``submit`` returns a future for the reply; ``close`` stops the child."""
+
+    def __init__(self, config: RunwatchConfig, secret: bytes):
+        ctx = multiprocessing.get_context("spawn")  # (fork is unsafe once Faust's threads run)
+        self._requests = ctx.Queue()
+        self._replies = ctx.Queue()
+        self._process = ctx.Process(
+            target=_serve, name="runwatch-detectors", daemon=True,
+            args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid()),
+        )
+        self._pending: deque[asyncio.Future] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._failure: DetectorProcessError | None = None
+        self._closing = False
+        self.counters = WorkerCounters()  # as of the latest reply
+        self._process.start()
+        self._reader = threading.Thread(target=self._read, name="runwatch-detector-replies", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Block until the child has built its processor (it imports the detectors: a second or two)."""
+        if not self._ready.wait(timeout):
+            raise DetectorProcessError(f"the detector process did not start within {timeout} s")
+        if self._failure is not None:
+            raise self._failure
+
+    def submit(self, kind: str, payload: Any = None) -> asyncio.Future:
+        """Send a request (from the event loop); the future resolves to its ``Reply``."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        future = loop.create_future()
+        if self._failure is not None:
+            future.set_exception(self._failure)
+            return future
+        self._pending.append(future)
+        self._requests.put((kind, payload))
+        return future
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the child to finish its current request and exit; kill it if it does not."""
+        self._closing = True
+        if self._process.is_alive():
+            self._requests.put(None)
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        self._fail(DetectorProcessError("the detector process was closed"))
+
+    # -- the reader thread ------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                status, body = self._replies.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    code = self._process.exitcode
+                    self._fail(DetectorProcessError(f"the detector process exited with code {code}"))
+                    return
+                continue
+            except (EOFError, OSError):
+                self._fail(DetectorProcessError("the detector process's reply queue closed"))
+                return
+            if status == "ready":
+                self._ready.set()
+            elif status == "ok":
+                self._resolve(body)
+            else:
+                self._fail(DetectorProcessError(f"the detector process failed:\n{body}"))
+                return
+
+    def _resolve(self, reply: Reply) -> None:
+        def resolve() -> None:
+            self.counters = reply.counters
+            future = self._pending.popleft()
+            if not future.done():
+                future.set_result(reply)
+
+        self._call_in_loop(resolve)
+
+    def _fail(self, error: DetectorProcessError) -> None:
+        if self._failure is None:
+            self._failure = error
+            if not self._closing:
+                log.error("%s", error)
+        self._ready.set()
+
+        def fail_pending() -> None:
+            while self._pending:
+                future = self._pending.popleft()
+                if not future.done():
+                    future.set_exception(error)
+
+        self._call_in_loop(fail_pending)
+
+    def _call_in_loop(self, fn: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:
+            pass  # the loop closed meanwhile: nobody is waiting any more
