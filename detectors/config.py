@@ -159,7 +159,19 @@ class StallConfig(Strict):
         description="... plus this many seconds for the phase of the latest heartbeat (train: more than the "
                     "producer's 5 s heartbeat period, so a pause is reported as an eval or data wait in time)",
     )
-    heartbeat_timeout_s: float = Field(default=60.0, gt=0, description="no heartbeat for this long: the rank is silent")
+    heartbeat_timeout_s: float = Field(
+        default=30.0, gt=0, description="no event at all for at least this long: the rank is silent (dead)"
+    )
+    heartbeat_misses: float = Field(
+        default=6.0, gt=1, description="... or for this many of the rank's heartbeat periods (its heartbeats' "
+                                       "interval_s), where that is longer"
+    )
+
+    def silent_after_s(self, heartbeat_interval_s: float | None) -> float:
+        """How long a rank whose heartbeats come every ``heartbeat_interval_s`` may go unheard."""
+        if heartbeat_interval_s is None:
+            return self.heartbeat_timeout_s
+        return max(self.heartbeat_timeout_s, self.heartbeat_misses * heartbeat_interval_s)
 
 
 class StragglerConfig(Strict):

@@ -16,7 +16,7 @@ peers wait is not hung), counted from its last progress or the start of that pha
 later. The median pools every rank's step-event intervals (river ``RollingQuantile``); nothing
 fires before ``min_steps`` intervals. Only ranks with a heartbeat since their last progress count
 (one that stops beating is the stall detector's ``silent``: dead), and a rank is live while it
-was heard within ``silent_after_s``. One finding per rank per episode; progress re-arms it.
+was heard within the stall detector's silence timeout for it (``StallConfig.silent_after_s``). One finding per rank per episode; progress re-arms it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 
 from river import stats
 
-from runwatch.detectors.config import HungRankConfig
+from runwatch.detectors.config import HungRankConfig, StallConfig
 from runwatch.detectors.findings import Finding
 from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
 
@@ -43,6 +43,7 @@ class _RankState:
         self.phase = "train"
         self.phase_since: datetime | None = None
         self.in_sync: bool | None = None
+        self.heartbeat_interval_s: float | None = None
         self.fired = False
 
 
@@ -51,9 +52,9 @@ class HungRankDetector:
 
     name = NAME
 
-    def __init__(self, config: HungRankConfig, silent_after_s: float):
+    def __init__(self, config: HungRankConfig, stall: StallConfig):
         self.config = config
-        self.silent_after = timedelta(seconds=silent_after_s)
+        self._stall = stall  # its silence timeout says which ranks are alive
         self.ranks: dict[int, _RankState] = {}
         self._intervals = stats.RollingQuantile(q=0.5, window_size=INTERVAL_WINDOW)
         self.intervals_seen = 0
@@ -87,6 +88,8 @@ class HungRankDetector:
             if state.heartbeat_at is None or event.ts > state.heartbeat_at:
                 state.heartbeat_at = event.ts
                 state.in_sync = event.in_sync
+                if event.interval_s is not None:
+                    state.heartbeat_interval_s = event.interval_s
             if event.step is not None and (state.step is None or event.step > state.step):
                 self._progress(state, event.step, event.ts)
 
@@ -110,8 +113,8 @@ class HungRankDetector:
     def tick(self, now: datetime) -> list[Finding]:
         if self.ended:
             return []
-        live = {r: s for r, s in self.ranks.items()
-                if s.heard_at is not None and now - s.heard_at <= self.silent_after and s.step is not None}
+        live = {r: s for r, s in self.ranks.items() if s.heard_at is not None and s.step is not None
+                and (now - s.heard_at).total_seconds() <= self._stall.silent_after_s(s.heartbeat_interval_s)}
         if len(live) < 2:
             return []
         # Per tick, linear in the ranks: the two highest steps, and how many ranks wait in sync at each step.

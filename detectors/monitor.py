@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.category import CategoryDivergenceDetector
@@ -127,7 +127,7 @@ class RunMonitor:
         self.join = StepJoin(run_id, config.join.timeout_s)
         d = config.detectors
         self.straggler = StragglerDetector(d.straggler) if d.straggler.enabled else None
-        self.hung = HungRankDetector(d.hung_rank, d.stall.heartbeat_timeout_s) if d.hung_rank.enabled else None
+        self.hung = HungRankDetector(d.hung_rank, d.stall) if d.hung_rank.enabled else None
         self.policy = ActionPolicy(config.policy)
         self.checkpoints: list[CheckpointRef] = []
         self.events_seen = 0
@@ -136,7 +136,8 @@ class RunMonitor:
         # From run_start: job_id, host, pod (a tag) for actions' params, so a remediator's
         # `scancel {job_id}` needs no lookup.
         self.job: dict[str, str] = {}
-        self.phases: dict[int, tuple[str, datetime]] = {}  # rank -> (its latest heartbeat's phase, when)
+        # rank -> its latest heartbeat's phase, when, and how long the rank may go unheard
+        self.phases: dict[int, tuple[str, datetime, float]] = {}
 
     def _seen_before(self, event_id: str) -> bool:
         if event_id in self._recent_ids:
@@ -165,7 +166,8 @@ class RunMonitor:
         elif isinstance(event, ActionAckEvent):
             self.policy.acknowledge(event.action_id)
         elif isinstance(event, HeartbeatEvent):
-            self.phases[event.rank] = (event.phase, event.ts)
+            self.phases[event.rank] = (event.phase, event.ts,
+                                       self.config.detectors.stall.silent_after_s(event.interval_s))
             self._share_peer_phases(event.ts)
         if self.hung is not None and self.join.world_size > 1:  # compares ranks: nothing to do for one
             self.hung.update(event)
@@ -192,12 +194,11 @@ class RunMonitor:
         """Give each rank's stall detector the largest phase allowance among its live peers."""
         if len(self.phases) < 2:
             return
-        stall = self.config.detectors.stall
-        live = timedelta(seconds=stall.heartbeat_timeout_s)
+        allowances = self.config.detectors.stall.phase_allowance_s
         # The two largest allowances: each rank's peers' largest is the first, or the second for
         # the rank that holds the first (linear in the ranks, on every heartbeat).
-        top = sorted(((stall.phase_allowance_s.get(phase, 0.0), r) for r, (phase, at) in self.phases.items()
-                      if now - at <= live), reverse=True)[:2]
+        top = sorted(((allowances.get(phase, 0.0), r) for r, (phase, at, live_s) in self.phases.items()
+                      if (now - at).total_seconds() <= live_s), reverse=True)[:2]
         for rank, detectors in self.ranks.items():
             peers = [a for a, r in top if r != rank]
             for detector in detectors:

@@ -14,9 +14,10 @@ the first step after a long eval gets its ordinary allowance). The train phase's
 by default) must exceed the producer's heartbeat period (5 s), so that a pause that is really an
 eval or a data wait is reported as such before its train allowance runs out; the producer also
 beats at once when an eval, checkpoint or idle phase begins or ends. Silent: no event at all from
-the rank for ``heartbeat_timeout_s`` (armed by its first heartbeat: a producer that sends none is
-never called silent). One finding per episode: a stall re-arms when the step moves, silence when
-the rank is heard again.
+the rank for ``max(heartbeat_timeout_s, heartbeat_misses x its heartbeat period)`` (30 s, or 6
+periods; the period is the heartbeats' ``interval_s``), armed by its first heartbeat: a producer
+that sends none is never called silent. One finding per episode: a stall re-arms when the step
+moves, silence when the rank is heard again.
 
 Detection delay: with ``tick`` called at least every ``d`` seconds (and on each heartbeat, which
 ``update`` checks too), a stall is found within ``factor`` (3) x the median step interval plus the
@@ -56,6 +57,7 @@ class StallDetector(Detector):
         self.heard_at: datetime | None = None  # the latest event of any kind
         self.heartbeats = 0
         self.heartbeat_at: datetime | None = None
+        self.heartbeat_interval_s: float | None = None  # the producer's period, from its heartbeats
         self.ended = False
         # Set by the run's monitor: the largest phase allowance among the live peers. In lockstep
         # training every rank waits while one saves a checkpoint or evaluates; that is no stall.
@@ -84,6 +86,8 @@ class StallDetector(Detector):
             self.phase = event.phase
             if self.heartbeat_at is None or event.ts > self.heartbeat_at:
                 self.heartbeat_at = event.ts
+                if event.interval_s is not None:
+                    self.heartbeat_interval_s = event.interval_s
             if event.step is not None and (self.step is None or event.step > self.step):
                 self._progress(event.step, event.ts)
             return self.tick(now)
@@ -120,12 +124,14 @@ class StallDetector(Detector):
             return None
         return self.config.factor * median + self.allowance_s()
 
+    def silent_after_s(self) -> float:
+        return self.config.silent_after_s(self.heartbeat_interval_s)
+
     def tick(self, now: datetime) -> list[Finding]:
         if self.ended or self.heard_at is None:
             return []
-        cfg = self.config
         silent_s = (now - self.heard_at).total_seconds()
-        if self.heartbeats and silent_s > cfg.heartbeat_timeout_s:
+        if self.heartbeats and silent_s > self.silent_after_s():
             if self._silence_fired:
                 return []
             self._silence_fired = True
@@ -153,9 +159,12 @@ class StallDetector(Detector):
         median = self.median_interval_s()
         allowance = self.allowance_s()
         if kind == "silent":
+            timeout = self.silent_after_s()
+            period = (f"; heartbeats every {self.heartbeat_interval_s:g} s" if self.heartbeat_interval_s is not None
+                      else "")
             message = (f"rank {self.rank} has been silent for {silent_s:.0f} s (no heartbeat or event; timeout "
-                       f"{cfg.heartbeat_timeout_s:.0f} s): last step {self.step}, last phase {self.phase!r}")
-            value, threshold, severity = silent_s, cfg.heartbeat_timeout_s, "critical"
+                       f"{timeout:.0f} s{period}): last step {self.step}, last phase {self.phase!r}")
+            value, threshold, severity = silent_s, timeout, "critical"
         else:
             heard = "while heartbeats continue" if self.heartbeats else "(this rank sends no heartbeats)"
             message = (f"rank {self.rank} is stalled: no step completed for {since:.0f} s since step {self.step} "
@@ -180,6 +189,7 @@ class StallDetector(Detector):
                 "allowed_s": allowed,
                 "median_step_interval_s": median,
                 "phase_allowance_s": allowance,
+                "silent_after_s": self.silent_after_s(),
                 "last_step": self.step,
             },
         )

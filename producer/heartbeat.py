@@ -129,9 +129,9 @@ class Heartbeat:
         step, phase, seconds = self.current
         in_sync = self._in_sync()
         try:
-            if in_sync is None:  # keeps publishers that predate in_sync working
-                return bool(self.rw.heartbeat(step, phase, seconds))
-            return bool(self.rw.heartbeat(step, phase, seconds, in_sync=in_sync))
+            if in_sync is None:  # (left out when not measured)
+                return bool(self.rw.heartbeat(step, phase, seconds, interval_s=self.interval_s))
+            return bool(self.rw.heartbeat(step, phase, seconds, in_sync=in_sync, interval_s=self.interval_s))
         except Exception as exc:  # the publisher should not raise; if it does, keep beating
             if not self._warned:
                 self._warned = True

@@ -138,6 +138,9 @@ class HeartbeatEvent(EventBase):
     # True: this rank has done its part of the current step and waits for its peers (its gradient
     # synchronisation is launched); False: it is still working on it; absent: not measured.
     in_sync: bool | None = None
+    # The producer's heartbeat period: the worker calls a rank silent (dead) after a number of
+    # missed periods rather than one fixed time; absent: only the configured floor applies.
+    interval_s: float | None = Field(default=None, gt=0)
 
 
 class CheckpointEvent(EventBase):

@@ -41,7 +41,7 @@ class Recorder:
         self.steps.append(StepEvent(run_id="ddp", rank=self.rank, step=step, **fields))
         return True
 
-    def heartbeat(self, step, phase="train", time_in_phase_s=0.0, in_sync=None) -> bool:  # noqa: ANN001
+    def heartbeat(self, step, phase="train", time_in_phase_s=0.0, in_sync=None, interval_s=None) -> bool:  # noqa: ANN001
         event = HeartbeatEvent(run_id="ddp", rank=self.rank, step=step, phase=phase,
                                time_in_phase_s=time_in_phase_s, in_sync=in_sync)
         self.heartbeats.append((time.perf_counter(), event.step, event.in_sync))

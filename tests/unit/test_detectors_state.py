@@ -350,9 +350,9 @@ def test_val_vs_train_pickles_mid_stream():
 def training_timeline(steps: int = 1500, step_s: float = 2.0, seed: int = 0, stop_after: int | None = None,
                       heartbeats_after_stop: bool = True, eval_every: int = 500, eval_s: float = 240.0,
                       ckpt_every: int = 1000, ckpt_s: float = 600.0, end_s: float | None = None,
-                      heartbeat_s: float = 10.0):
+                      heartbeat_s: float = 10.0, declare_interval: bool = False):
     """(time, event or None) in time order: steps with jittered durations, a heartbeat every
-    ``heartbeat_s`` reporting the phase, evals and checkpoint saves that pause the steps, and a tick every second
+    ``heartbeat_s`` reporting the phase (and its period, if ``declare_interval``), evals and checkpoint saves that pause the steps, and a tick every second
     (None). ``stop_after``: no step completes after this one (heartbeats go on, or not)."""
     rng = random.Random(seed)
     items: list[tuple[float, object]] = []
@@ -377,7 +377,8 @@ def training_timeline(steps: int = 1500, step_s: float = 2.0, seed: int = 0, sto
             done += 1
         phase = next((p for start, stop, p in phases if start <= beat < stop), "train")
         last = stepped[done - 1][1] if done else None
-        items.append((beat, HeartbeatEvent(run_id="r", ts=at(beat), step=last, phase=phase)))
+        items.append((beat, HeartbeatEvent(run_id="r", ts=at(beat), step=last, phase=phase,
+                                           interval_s=heartbeat_s if declare_interval else None)))
         beat += heartbeat_s
     items += [(float(s), None) for s in range(1, int(end))]
     items.sort(key=lambda item: (item[0], item[1] is None))
@@ -438,7 +439,22 @@ def test_heartbeats_stopping_is_silence_not_a_stall():
     found = drive(StallDetector(StallConfig()), items)
     assert [f.evidence["kind"] for f in found] == ["silent"]
     assert found[0].severity == "critical" and found[0].step == 700
-    assert 60 < found[0].evidence["seconds_since_heard"] <= 62
+    assert 30 < found[0].evidence["seconds_since_heard"] <= 32  # heartbeat_timeout_s, the floor
+
+
+def test_the_silence_timeout_follows_the_producers_heartbeat_period():
+    # A 10-minute eval: no steps, only heartbeats, which this producer sends every 40 s.
+    slow_beats = dict(steps=900, heartbeat_s=40.0, eval_every=500, eval_s=600.0)
+    undeclared = drive(StallDetector(StallConfig()), training_timeline(**slow_beats))
+    assert [f.evidence["kind"] for f in undeclared] == ["silent"] * len(undeclared) and undeclared  # the 30 s floor
+    # Declared in the heartbeats (interval_s), the period sets the timeout: 6 x 40 s, no false alarm.
+    assert drive(StallDetector(StallConfig()), training_timeline(**slow_beats, declare_interval=True)) == []
+    dead = training_timeline(steps=900, heartbeat_s=40.0, declare_interval=True, stop_after=700,
+                             heartbeats_after_stop=False, end_s=3000)
+    found = drive(StallDetector(StallConfig()), dead)
+    assert [f.evidence["kind"] for f in found] == ["silent"]
+    assert found[0].evidence["silent_after_s"] == 240.0
+    assert 240 < found[0].evidence["seconds_since_heard"] <= 242
 
 
 def test_a_stall_rearms_when_the_step_moves_and_a_rollback_is_movement():

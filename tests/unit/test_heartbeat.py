@@ -28,7 +28,7 @@ class RecordingRunWatch:
         self.fail = fail
         self._changed = threading.Condition()
 
-    def heartbeat(self, step, phase="train", time_in_phase_s=0.0):
+    def heartbeat(self, step, phase="train", time_in_phase_s=0.0, interval_s=None):
         with self._changed:
             self.calls.append((step, phase, time_in_phase_s))
             self._changed.notify_all()
@@ -217,7 +217,7 @@ def test_an_eval_or_checkpoint_is_announced_at_once_not_at_the_next_interval():
             self.beats = []
             self.got = threading.Event()
 
-        def heartbeat(self, step, phase="train", time_in_phase_s=0.0):
+        def heartbeat(self, step, phase="train", time_in_phase_s=0.0, interval_s=None):
             self.beats.append(phase)
             self.got.set()
             return True

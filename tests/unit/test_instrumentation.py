@@ -32,7 +32,7 @@ class RecordingPublisher:
         self.evals.append({"step": step, **fields})
         return True
 
-    def heartbeat(self, step, phase="train", time_in_phase_s=0.0) -> bool:
+    def heartbeat(self, step, phase="train", time_in_phase_s=0.0, interval_s=None) -> bool:
         self.heartbeats.append((step, phase, time_in_phase_s))
         return True
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors import RunMonitor, RunwatchConfig
-from runwatch.detectors.config import HungRankConfig, StragglerConfig
+from runwatch.detectors.config import HungRankConfig, StallConfig, StragglerConfig
 from runwatch.detectors.hung_rank import HungRankDetector
 from runwatch.detectors.rank_join import StepJoin
 from runwatch.detectors.straggler import StragglerDetector
@@ -184,7 +184,7 @@ def test_straggler_stays_quiet_on_even_ranks_and_rearms_after_recovery():
 
 def test_hung_rank_peers_waiting_in_sync():
     cfg = RunwatchConfig()
-    detector = HungRankDetector(HungRankConfig(floor_s=1.0), silent_after_s=cfg.detectors.stall.heartbeat_timeout_s)
+    detector = HungRankDetector(HungRankConfig(floor_s=1.0), cfg.detectors.stall)
     for n in range(20):
         for rank in range(3):
             detector.update(step(rank, n, n * 0.5))
@@ -204,7 +204,7 @@ def test_hung_rank_peers_waiting_in_sync():
 
 
 def test_hung_rank_behind_while_others_advance_and_nothing_without_evidence():
-    detector = HungRankDetector(HungRankConfig(), silent_after_s=60.0)
+    detector = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
         for rank in range(2):
             detector.update(step(rank, n, n))
@@ -216,7 +216,7 @@ def test_hung_rank_behind_while_others_advance_and_nothing_without_evidence():
         findings += detector.tick(at(t + 0.5))
     assert [(f.rank, f.evidence["kind"]) for f in findings] == [(1, "behind")]
     # all ranks stuck together without in_sync evidence: not pinned on anyone
-    other = HungRankDetector(HungRankConfig(), silent_after_s=60.0)
+    other = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
         for rank in range(2):
             other.update(step(rank, n, n))
@@ -227,7 +227,7 @@ def test_hung_rank_behind_while_others_advance_and_nothing_without_evidence():
 
 
 def test_a_checkpoint_phase_is_not_a_hang():
-    detector = HungRankDetector(HungRankConfig(), silent_after_s=60.0)
+    detector = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
         for rank in range(2):
             detector.update(step(rank, n, n))
