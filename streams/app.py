@@ -26,7 +26,7 @@ TICK_INTERVAL_S = 0.25  # as `runwatch replay --tick` does on event time
 # (the wait adds at most that much to detection latency; a backlog fills batches at once).
 BATCH_MAX_EVENTS = 500
 BATCH_WAIT_S = 0.01
-MAX_BATCHES_IN_FLIGHT = 2  # one being detected while the next is gathered
+MAX_BATCHES_IN_FLIGHT = 6  # batches sent to the detector process and not yet answered (a few, so it never idles)
 
 
 def faust_broker_url(bootstrap: str) -> str:
