@@ -40,7 +40,7 @@ LOSS_FLOOR_FRACTION = 0.25
 
 
 class _Category:
-    __slots__ = ("history", "last_ratio", "onset_step", "pool_count", "pool_mean_sum", "pool_sum", "quiet_until",
+    __slots__ = ("history", "last_ratio", "onset_step", "pool_count", "pool_mean_sum", "pool_sum", "quiet_from", "quiet_until",
                  "seen", "streak")
 
     def __init__(self, window: int):
@@ -53,6 +53,7 @@ class _Category:
         self.streak = 0
         self.onset_step: int | None = None
         self.quiet_until = -1
+        self.quiet_from = 0  # the cooldown covers [quiet_from, quiet_until]: a rollback's replay is outside it
 
     def learn(self, x: float) -> None:
         self.history.update(x)
@@ -160,9 +161,9 @@ class CategoryDivergenceDetector(Detector):
             cat.streak += 1
             if cat.onset_step is None:
                 cat.onset_step = event.step
-            if cat.streak < cfg.patience or event.step <= cat.quiet_until:
+            if cat.streak < cfg.patience or cat.quiet_from <= event.step <= cat.quiet_until:
                 continue
-            cat.quiet_until = event.step + cfg.cooldown_steps
+            cat.quiet_from, cat.quiet_until = event.step + 1, event.step + cfg.cooldown_steps
             found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
         return found
 

@@ -87,6 +87,7 @@ class ModuleGradDetector(Detector):
         self._since_snapshot = 0
         # per-module episode state
         self._quiet_until = np.zeros(0, dtype=np.int64)
+        self._quiet_from = np.zeros(0, dtype=np.int64)  # cooldowns cover [from, until]: a rollback's replay is outside
         self._streak = np.zeros(0, dtype=np.int64)  # consecutive suspect steps
         self._streak_start = np.zeros(0, dtype=np.int64)
         self._reported = np.zeros(0)  # log ratio last reported in the current streak (-inf: none)
@@ -119,6 +120,7 @@ class ModuleGradDetector(Detector):
             self._snap = tuple(_grow(a, n, f) for a, f in zip(self._snap, (0.0, 1.0, False), strict=True))
             self._old = tuple(_grow(a, n, f) for a, f in zip(self._old, (0.0, 1.0, False), strict=True))
             self._quiet_until = _grow(self._quiet_until, n, -1)
+            self._quiet_from = _grow(self._quiet_from, n, 0)
             self._streak = _grow(self._streak, n, 0)
             self._streak_start = _grow(self._streak_start, n, 0)
             self._reported = _grow(self._reported, n, -np.inf)
@@ -305,7 +307,7 @@ class ModuleGradDetector(Detector):
                 & (rel_z >= cfg.z_threshold)
                 & (relative >= self._log_ratio)
                 & (sq >= cfg.min_share * global_sq)
-                & (self._quiet_until < step)
+                & ((self._quiet_until < step) | (step < self._quiet_from))
                 # within one explosion, report again only once it has grown by another min_ratio
                 & (dev >= self._reported + self._log_ratio)
             )
@@ -314,7 +316,7 @@ class ModuleGradDetector(Detector):
                     event, col, float(v[col]), float(median[col]), float(scale[col]), float(dev[col]),
                     float(rel_z[col]), float(sq[col]) / global_sq, rest,
                 ))
-                self._quiet_until[col] = step + cfg.cooldown_steps
+                self._quiet_from[col], self._quiet_until[col] = step + 1, step + cfg.cooldown_steps
                 self._reported[col] = dev[col]
         elif self._streak.any():
             self._streak[:] = 0

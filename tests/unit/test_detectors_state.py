@@ -490,3 +490,13 @@ def test_stall_detector_pickles_mid_stream():
     before = drive(first, items[:split])
     assert before + drive(pickle.loads(pickle.dumps(first)), items[split:]) == straight
     assert straight
+
+
+def test_a_category_divergence_replayed_after_a_rollback_is_found_again():
+    # A rollback sends the steps back: the cooldown after a finding does not cover the replayed steps.
+    events = category_events(steps=440, fault=sudden("code", 400))
+    det = CategoryDivergenceDetector(CategoryConfig())
+    first = [f.step for f in feed(det, events)]
+    assert first and 400 <= first[0] < 410
+    replay = [f.step for f in feed(det, events[390:])]  # rolled back to step 390
+    assert replay[:1] == first[:1]

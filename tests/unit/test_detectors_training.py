@@ -385,3 +385,34 @@ def test_detectors_ignore_other_events_and_empty_steps(det):
     assert det.update(HeartbeatEvent(run_id="r", step=3, ts=T0), T0) == []
     assert det.update(StepEvent(run_id="r", step=3, ts=T0), T0) == []
     assert det.tick(T0) == []
+
+
+# -- after a rollback --------------------------------------------------------------------------------
+# A rollback sends the steps back to the checkpoint. A detector's cooldown covers the steps after its
+# finding, not the replayed ones before it: a fault that comes back on the replay is found again (the
+# policy then counts the rollbacks against its cap).
+
+def test_a_module_explosion_replayed_after_a_rollback_is_found_again():
+    target = MODULES.index("layers.5.mlp")
+
+    def bad_batch(i: int, norms: np.ndarray) -> np.ndarray:
+        if 400 <= i < 403:
+            norms[target] *= 30
+        return norms
+
+    events = list(module_stream(0, n=410, fault=bad_batch))
+    det = ModuleGradDetector(ModuleGradConfig())
+    assert [f.step for f in run(det, events)][:1] == [400]
+    replay = run(det, events[390:])  # rolled back to step 390: the same bad batch at 400
+    assert [f.step for f in replay][:1] == [400]
+
+
+def test_an_update_ratio_fault_replayed_after_a_rollback_is_found_again():
+    def lr_bug(i: int, lr: float, ratio: float) -> tuple[float, float]:
+        return (lr * 100, ratio * 100) if i >= 3000 else (lr, ratio)
+
+    events = list(update_stream(1, constant_lr, n=3030, fault=lr_bug))
+    det = UpdateRatioDetector(UpdateRatioConfig())
+    assert [f.step for f in run(det, events)] == [3020]
+    replay = run(det, events[2900:])  # rolled back to step 2900; the LR bug comes back at 3000
+    assert [f.step for f in replay] == [3020]
