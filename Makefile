@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.runwatch-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup clients demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -17,10 +17,37 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[embedded,dev,lightning,hf]"
 	touch $(STAMP)
 
+# Non-Python clients for tests/integration/test_non_python_client.py, which runs the examples of
+# docs/publishing-without-python.md: Node.js with kafkajs (pinned; it has no dependencies) and
+# Debian's kcat. Installed with apt-get when missing and we are root; otherwise a message says what
+# to install (the test fails in CI, skips elsewhere).
+KAFKAJS_VERSION := 2.2.4
+CLIENTS_DIR := .runwatch/clients
+CLIENTS_STAMP := $(CLIENTS_DIR)/kafkajs-$(KAFKAJS_VERSION).installed
+define apt_install
+if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; \
+else \
+  echo "runwatch: the integration tests need $(1) (Debian: sudo apt-get install $(1))" >&2; \
+fi
+endef
+
+clients: $(CLIENTS_STAMP)
+	@command -v kcat >/dev/null || { $(call apt_install,kcat); }
+
+$(CLIENTS_STAMP):
+	@command -v npm >/dev/null || { $(call apt_install,nodejs npm); }
+	@if command -v npm >/dev/null; then \
+	  npm install --prefix $(CLIENTS_DIR) --no-save --no-package-lock --no-audit --no-fund --loglevel=error \
+	    kafkajs@$(KAFKAJS_VERSION) && touch $@; \
+	else \
+	  echo "runwatch: no npm, so no kafkajs: the non-Python client test cannot run" >&2; \
+	fi
+
 demo: setup
 	$(VENV)/bin/runwatch demo --scenario nan
 
-test: setup
+test: setup clients
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test-fast: setup

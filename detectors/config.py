@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runwatch.configfile import ConfigError as ConfigError  # re-exported: callers catch it from here
 from runwatch.configfile import load_yaml_model
+from runwatch.producer.schema import WireLimits
 
 
 class Strict(BaseModel):
@@ -263,6 +264,8 @@ class RunwatchConfig(Strict):
     detectors: DetectorsConfig = DetectorsConfig()
     join: JoinConfig = JoinConfig()
     policy: PolicyConfig = PolicyConfig()
+    # What the worker accepts from the telemetry topic (docs/wire-format.md); the rest is dead-lettered.
+    limits: WireLimits = WireLimits()
 
 
 def load_config(path: str | Path | None = None) -> RunwatchConfig:

@@ -138,6 +138,9 @@ class RunMonitor:
         self.job: dict[str, str] = {}
         # rank -> its latest heartbeat's phase, when, and how long the rank may go unheard
         self.phases: dict[int, tuple[str, datetime, float]] = {}
+        # When rank 0's run_end came: from then on only the join goes on (other ranks' last steps may
+        # still be on their way), until the worker lets the run go a join timeout later.
+        self.ended_at: datetime | None = None
 
     def _seen_before(self, event_id: str) -> bool:
         if event_id in self._recent_ids:
@@ -153,6 +156,10 @@ class RunMonitor:
             self.join.duplicates += 1
             return out
         self.events_seen += 1
+        if isinstance(event, RunEndEvent):
+            self.ended_at = event.ts
+        if self.ended_at is not None and not isinstance(event, StepEvent):
+            return out  # the run is over: nothing but its last steps' join is judged
         if isinstance(event, RunStartEvent):
             self.join.set_world_size(event.world_size)
             self.job = {name: value for name, value in (
@@ -190,6 +197,13 @@ class RunMonitor:
                     self._emit(self._run_level(finding), event.ts, event.event_id, out)
         return out
 
+    def finish(self) -> MonitorOutput:
+        """The run is let go: its steps still waiting for a rank are joined as they are."""
+        out = MonitorOutput()
+        for joined in self.join.flush():
+            self._observe_joined(joined, out)
+        return out
+
     def _share_peer_phases(self, now: datetime) -> None:
         """Give each rank's stall detector the largest phase allowance among its live peers."""
         if len(self.phases) < 2:
@@ -203,7 +217,7 @@ class RunMonitor:
             peers = [a for a, r in top if r != rank]
             for detector in detectors:
                 if isinstance(detector, StallDetector):
-                    detector.peer_allowance_s = peers[0] if peers else 0.0
+                    detector.set_peer_allowance(peers[0] if peers else 0.0, now)
 
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
         event = joined.event
@@ -226,6 +240,8 @@ class RunMonitor:
         out = MonitorOutput()
         for joined in self.join.expire(now):
             self._observe_joined(joined, out)
+        if self.ended_at is not None:
+            return out  # an ended run stalls, hangs and escalates no more
         if self.hung is not None:
             for finding in self.hung.tick(now):
                 self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)

@@ -111,6 +111,13 @@ class StepJoin:
             return []
         return self._emit_through(max(due), now)
 
+    def flush(self) -> list[Joined]:
+        """Emit every step still waiting, as partial (the run is over)."""
+        if not self._pending:
+            return []
+        last = max(self._pending)
+        return self._emit_through(last, self._pending[last].first_ts)
+
     def _emit_through(self, last: Key, now: datetime) -> list[Joined]:
         out = []
         for key in sorted(k for k in self._pending if k <= last):

@@ -62,6 +62,9 @@ class StallDetector(Detector):
         # Set by the run's monitor: the largest phase allowance among the live peers. In lockstep
         # training every rank waits while one saves a checkpoint or evaluates; that is no stall.
         self.peer_allowance_s = 0.0
+        # When a peer's larger allowance last ended (its checkpoint or eval finished): the ranks that
+        # waited for it count their own allowance from then, as a rank does after its own long phase.
+        self.peer_released_at: datetime | None = None
         self._stall_fired = False
         self._silence_fired = False
 
@@ -114,6 +117,11 @@ class StallDetector(Detector):
     def median_interval_s(self) -> float | None:
         return self._intervals.get() if self.intervals_seen >= self.config.min_steps else None
 
+    def set_peer_allowance(self, allowance_s: float, now: datetime) -> None:
+        if allowance_s < self.peer_allowance_s:
+            self.peer_released_at = now
+        self.peer_allowance_s = allowance_s
+
     def allowance_s(self) -> float:
         """The phase allowance: this rank's phase's, or a peer's if larger (``peer_allowance_s``)."""
         return max(self.config.phase_allowance_s.get(self.phase, 0.0), self.peer_allowance_s)
@@ -141,7 +149,8 @@ class StallDetector(Detector):
             return []
         # The clock runs from the last progress or from when the current phase was first reported,
         # whichever is later: the first step after a long eval gets its normal time, not none.
-        start = self.progress_at if self.phase_seen_at is None else max(self.progress_at, self.phase_seen_at)
+        # (A peer's long phase that just ended counts as this rank's: it waited for that peer.)
+        start = max(t for t in (self.progress_at, self.phase_seen_at, self.peer_released_at) if t is not None)
         if (now - start).total_seconds() <= allowed:
             return []
         if self.heartbeats and (self.heartbeat_at is None or self.heartbeat_at <= self.progress_at):

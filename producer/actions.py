@@ -1,10 +1,22 @@
 """``ActionListener``: the trainer's side of the action topic.
 
 A daemon thread consumes ``runwatch.actions`` and keeps only actions that are
-signed with the shared secret, addressed to this run, unexpired, issued after the
-listener started (minus a clock-skew allowance) and not seen before. Everything else
-is counted in ``ignored`` by reason. Training code calls :meth:`poll` once per step;
-it never waits on the network (except while paused, which is the point of a pause).
+addressed to this run, signed with the shared secret, unexpired, issued neither before the
+listener started nor in the future (both with a clock-skew allowance, ``clock_skew_s``) and
+neither seen before nor applied before a restart. Everything else is counted in ``ignored``
+by reason: ``other_run``, ``malformed``, ``bad_signature``, ``future``, ``expired``,
+``stale``, ``duplicate`` (delivered again to this listener), ``already_applied`` (handled
+before the trainer restarted, or by another rank, see below). Training code calls
+:meth:`poll` once per step; it never waits on the network (except while paused, which is
+the point of a pause).
+
+Applied action ids survive a restart: the id of every action this rank acknowledged (applied
+or failed) is written to a small per-rank state file, by default beside the rank's spool
+directory, ``$RUNWATCH_SPOOL_DIR/<run_id>-r<rank>.actions`` (``state_path=`` chooses another
+file, one per rank; ``state_path=False`` keeps nothing). It is rewritten atomically (temporary
+file, fsync, rename) before the acknowledgement is sent and keeps the newest
+``state_max_ids`` ids. A listener started with the file loads it, so an action redelivered to
+a restarted trainer (which the start-time allowance would accept) is not applied twice.
 
 Actions are per run, not per rank: every rank's listener reads every action of its run (no
 consumer group), applies it at its own next :meth:`poll` and acknowledges it with its own rank.
@@ -46,12 +58,16 @@ same point, and with ``sync`` on ``poll`` is a collective too: every rank calls 
 (once per step). A pause is applied by every rank at the same poll; each rank's pause then ends
 when its own consumer sees the resume (or stop) or its timeout passes, so the ranks resume within
 a consumer's delay of each other and meet at the next collective; the resume itself is announced
-and acknowledged like any action.
+and acknowledged like any action. When rank 0 announces actions, the ranks also agree (one small
+all-reduce) on which of them some rank already applied before a restart (its state file has the
+id): those are applied by no rank and counted ``already_applied``, so no rank applies an action
+twice, none waits for it, and the ranks stay in step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -62,10 +78,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from runwatch.producer import topics
-from runwatch.producer.publisher import RunWatch
+from runwatch.producer.publisher import RunWatch, default_spool_dir
 from runwatch.producer.schema import (
     Action,
     CheckpointRef,
@@ -80,6 +97,8 @@ log = logging.getLogger(__name__)
 
 RestoreFn = Callable[[CheckpointRef], None]
 LR_SCALE_KEY = "runwatch_lr_scale"  # in each param group: the rollback LR scale its LR already carries
+STATE_SUFFIX = ".actions"
+STATE_MAX_IDS = 10_000  # applied action ids kept in the state file (the newest)
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,100 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extra: Any) 
     torch.save(state, path)
 
 
+def default_state_path(rw: Any) -> Path:
+    """Where a listener keeps the ids of the actions it applied: beside the rank's spool directory
+    (``rw.spool_path``, else :func:`~runwatch.producer.publisher.default_spool_dir`), with
+    ``.actions`` appended to its name."""
+    spool = getattr(rw, "spool_path", None)
+    base = Path(spool) if spool is not None else default_spool_dir(rw.run_id, rw.rank)
+    return base.with_name(base.name + STATE_SUFFIX)
+
+
+class AppliedIds:
+    """The ids of the actions a rank acknowledged, newest last, kept in a JSON file that is
+    rewritten atomically (temporary file, fsync, rename) and bounded to the newest ``max_ids``.
+    ``path=None``: in memory only. Never raises into training: a file that cannot be read or
+    written is logged (and ``errors`` counts it), and the listener goes on without it."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, max_ids: int = STATE_MAX_IDS, *,
+                 run_id: str = "", rank: int = 0):
+        if max_ids < 1:
+            raise ValueError(f"state_max_ids must be at least 1, got {max_ids}")
+        self.path = Path(path).resolve() if path is not None else None
+        self.max_ids = max_ids
+        self.errors = 0
+        self._run_id, self._rank = run_id, rank
+        self._ids: dict[str, None] = {}  # insertion-ordered: oldest first
+        self._lock = threading.Lock()
+        self.loaded = self._load()
+
+    def __contains__(self, action_id: object) -> bool:
+        with self._lock:
+            return action_id in self._ids
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._ids)
+
+    def add(self, *action_ids: str) -> None:
+        """Remember ``action_ids`` and write the file before returning."""
+        with self._lock:
+            for action_id in action_ids:
+                self._ids.pop(action_id, None)
+                self._ids[action_id] = None
+            while len(self._ids) > self.max_ids:
+                del self._ids[next(iter(self._ids))]
+            self._write()
+
+    def _load(self) -> int:
+        if self.path is None:
+            return 0
+        try:
+            data = json.loads(self.path.read_bytes())
+            ids = data["applied"]
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise ValueError("'applied' is not a list of strings")
+        except FileNotFoundError:
+            return 0
+        except Exception as exc:
+            self.errors += 1
+            log.warning("runwatch: cannot read the applied actions in %s (%r); starting without them",
+                        self.path, exc)
+            return 0
+        for action_id in ids[-self.max_ids:]:
+            self._ids[action_id] = None
+        return len(self._ids)
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        body = json.dumps({"run_id": self._run_id, "rank": self._rank, "applied": list(self._ids)}).encode()
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            with contextlib.suppress(OSError):  # the rename itself survives a crash too
+                dir_fd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+        except Exception as exc:
+            self.errors += 1
+            log.warning("runwatch: cannot write the applied actions to %s (%r); a restarted trainer may "
+                        "apply them again", self.path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 def torch_restore(model: Any, optimizer: Any = None) -> RestoreFn:
     def restore(ref: CheckpointRef) -> None:
         import torch
@@ -160,11 +273,18 @@ class ActionListener:
         consume: bool = True,
         sync: bool | str = "auto",
         sync_timeout_s: float = 30.0,
+        state_path: str | os.PathLike[str] | bool | None = None,
+        state_max_ids: int = STATE_MAX_IDS,
     ):
         """``sync``: apply actions at the same poll on every rank (see the module doc): True, False,
         or "auto" (on when torch.distributed is initialised with more than one rank). Construct the
         listener at the same point on every rank when it is on. ``sync_timeout_s``: how long a
-        rank waits for an action rank 0 announced before it gives that action up as failed."""
+        rank waits for an action rank 0 announced before it gives that action up as failed.
+
+        ``clock_skew_s``: how far before the listener's start and how far in the future an
+        action's ``issued_at`` may lie. ``state_path``: the file that keeps the ids of the actions
+        this rank applied, across restarts (None: :func:`default_state_path`; False: none; give each
+        rank its own), bounded to the newest ``state_max_ids``."""
         self.rw = rw
         self._secret = resolve_secret(secret)
         if restore is None and model is not None:
@@ -172,7 +292,8 @@ class ActionListener:
         self._restore = restore
         self._optimizer = optimizer
         self._heartbeat = heartbeat
-        self._not_before = utc_now() - timedelta(seconds=clock_skew_s)
+        self._clock_skew = timedelta(seconds=clock_skew_s)
+        self._not_before = utc_now() - self._clock_skew
         self._pause_timeout_s = pause_timeout_s
         self._stop_exit_after_s = stop_exit_after_s
         self._stop_exit_code = stop_exit_code
@@ -193,6 +314,11 @@ class ActionListener:
         self._given_up: set[str] = set()  # announced ids this rank stopped waiting for
         self._ended_pause: dict[str, str] = {}  # resume/stop action id -> the pause it ended
         self._seen: set[str] = set()
+        if state_path is True:
+            state_path = None
+        path = None if state_path is False else (default_state_path(rw) if state_path is None else state_path)
+        # Acknowledged here, in this process or before a restart: never applied again.
+        self.applied_ids = AppliedIds(path, state_max_ids, run_id=rw.run_id, rank=rw.rank)
         self._sync_timeout_s = sync_timeout_s
         self._sync_group: Any = None
         self.sync_leader = True  # rank 0, or no sync: decides what to apply on its own
@@ -318,7 +444,11 @@ class ActionListener:
             action = self._accepted.get(timeout=timeout) if timeout else self._accepted.get_nowait()
         except queue.Empty:
             return False
-        if action.action_id not in self._given_up:  # given up on this rank once: never applied here
+        if action.action_id in self._given_up:  # given up on this rank once: never applied here
+            pass
+        elif action.action_id in self.applied_ids:  # dropped by the ranks (see _drop_applied) while it was queued
+            self.ignored["already_applied"] += 1
+        else:
             self._arrivals += 1
             self._pending[action.action_id] = (self._arrivals, action)
         return True
@@ -357,7 +487,10 @@ class ActionListener:
             batch: list[Action | tuple[str, bytes]]
             if self.sync_leader:
                 batch = list(self._leader_batch())
-                self._announce([(a.action_id, a.to_json()) for a in batch])  # applied here even if that failed
+                announced = self._announce([(a.action_id, a.to_json()) for a in batch])
+                if announced is not None:  # None: the group failed; all of it is applied here
+                    keep = {action_id for action_id, _ in announced}
+                    batch = [a for a in batch if a.action_id in keep]
             else:
                 announced = self._announce(None)
                 if announced is None:
@@ -394,7 +527,9 @@ class ActionListener:
         return batch
 
     def _announce(self, payload: list[tuple[str, bytes]] | None) -> list[tuple[str, bytes]] | None:
-        """Rank 0 sends ``payload`` (ids and signed bodies), the others receive it; None if the group failed."""
+        """Rank 0 sends ``payload`` (ids and signed bodies), the others receive it; None if the group failed.
+        Then every rank says which of those it already applied (before a restart): what any rank
+        applied is dropped everywhere (see :meth:`_drop_applied`), and the rest is returned."""
         import torch
         import torch.distributed as dist
 
@@ -408,12 +543,33 @@ class ActionListener:
                     return []
                 box: list[Any] = [payload]
                 dist.broadcast_object_list(box, src=0, group=self._sync_group)
-                return list(box[0])
+                announced = list(box[0])
+                done = torch.tensor([int(action_id in self.applied_ids) for action_id, _ in announced],
+                                    dtype=torch.int64)
+                dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self._sync_group)
         except Exception as exc:
             log.error("runwatch: the action listeners' broadcast failed (%r); this rank applies actions on its "
                       "own from now on", exc)
             self._sync_group = None
             return None
+        return self._drop_applied(announced, [bool(flag) for flag in done.tolist()])
+
+    def _drop_applied(self, announced: list[tuple[str, bytes]], done: list[bool]) -> list[tuple[str, bytes]]:
+        """Drop the announced actions that some rank already applied (``done``): counted
+        ``already_applied`` where this rank holds a copy, remembered as handled, so that a copy
+        arriving later is refused on arrival and no rank waits for one."""
+        dropped = [action_id for (action_id, _), flag in zip(announced, done, strict=True) if flag]
+        if not dropped:
+            return announced
+        for action_id in dropped:
+            held = self._pending.pop(action_id, None) is not None or self.sync_leader  # rank 0 took it already
+            self._taken_seq.pop(action_id, None)
+            if held and action_id not in self.applied_ids:  # one that is there was counted on arrival
+                self.ignored["already_applied"] += 1
+        self.applied_ids.add(*(i for i in dropped if i not in self.applied_ids))
+        log.info("runwatch: not applying %d action(s) that a rank applied before a restart: %s", len(dropped),
+                 ", ".join(dropped))
+        return [item for item, flag in zip(announced, done, strict=True) if not flag]
 
     def _await(self, announced: list[tuple[str, bytes]]) -> list[Action | tuple[str, bytes]]:
         """The announced actions from this rank's own consumer, in rank 0's order; an (id, body)
@@ -477,6 +633,7 @@ class ActionListener:
     def _record(self, result: AppliedAction, step: int | None) -> AppliedAction:
         action = result.action
         self.applied.append(result)
+        self.applied_ids.add(action.action_id)  # on disk before the ack: a restart never applies it again
         self.rw.ack(
             action_id=action.action_id,
             action_kind=action.kind,
@@ -573,26 +730,40 @@ class ActionListener:
 
     def _accept(self, raw: bytes) -> None:
         try:
+            reason = self._judge(raw)
+        except Exception as exc:  # whatever a message holds, the consumer goes on with the next one
+            log.debug("runwatch: cannot judge an action: %r", exc)
+            reason = "malformed"
+        if reason is not None:
+            self.ignored[reason] += 1
+
+    def _judge(self, raw: bytes) -> str | None:
+        """Why the action in ``raw`` is ignored, or None once it is accepted (queued for poll)."""
+        try:
             action = decode_action(raw)
         except SchemaError:
-            self.ignored["malformed"] += 1
-            return
+            return "malformed"
         if action.run_id != self.rw.run_id:
-            return  # another run's action on a shared partition: not ours to count
+            return "other_run"  # another run's action on a shared partition
+        now = utc_now()
         if not verify_action(action, self._secret):
-            self.ignored["bad_signature"] += 1
-        elif action.is_expired(utc_now()):
-            self.ignored["expired"] += 1
-        elif action.issued_at < self._not_before:
-            self.ignored["stale"] += 1
-        elif action.action_id in self._seen:
-            self.ignored["duplicate"] += 1
-        else:
-            self._seen.add(action.action_id)
-            if action.kind == "stop":
-                # Armed on receipt: a rank blocked in a collective or hung never reaches poll().
-                self._arm_on_stop()
-            self._accepted.put(action)
+            return "bad_signature"
+        if action.issued_at > now + self._clock_skew:
+            return "future"  # signed, but not issued yet by our clock: never take it on trust
+        if action.is_expired(now):
+            return "expired"
+        if action.issued_at < self._not_before:
+            return "stale"
+        if action.action_id in self._seen:
+            return "duplicate"
+        if action.action_id in self.applied_ids:
+            return "already_applied"  # before a restart (a copy in this process is a duplicate)
+        self._seen.add(action.action_id)
+        if action.kind == "stop":
+            # Armed on receipt: a rank blocked in a collective or hung never reaches poll().
+            self._arm_on_stop()
+        self._accepted.put(action)
+        return None
 
     def _consume(self) -> None:
         from kafka import KafkaConsumer, TopicPartition

@@ -444,9 +444,9 @@ class RunWatch(TelemetryPublisher):
                 if closing:
                     return  # in-flight sends are flushed (and failures spooled) by _shutdown
                 continue
-            self._send_direct(producer, event.to_json())
+            self._send_direct(producer, event.to_json(), _timestamp_ms(event))
 
-    def _send_direct(self, producer: Any, value: bytes) -> None:
+    def _send_direct(self, producer: Any, value: bytes, timestamp_ms: int | None = None) -> None:
         self._seq += 1
         seq = self._seq
         with self._lock:
@@ -454,7 +454,7 @@ class RunWatch(TelemetryPublisher):
         try:
             if producer is None:
                 raise RuntimeError("no Kafka producer")
-            future = producer.send(self.topic, key=self._key, value=value)
+            future = producer.send(self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms)
         except Exception as exc:  # KafkaTimeoutError when no broker answers within max_block_ms
             self._on_failed(seq, exc)
             return
@@ -672,3 +672,14 @@ class RunWatch(TelemetryPublisher):
         if len(spool):
             log.warning("runwatch: %d events stay in %s; a RunWatch with the same run id and rank replays them",
                         len(spool), self.spool_path)
+
+
+def _timestamp_ms(event: EventBase) -> int | None:
+    """The record's timestamp is the event's own ``ts``: the worker checks ``ts`` against the record
+    timestamp, so a run on a simulated clock (the demo's scenarios) stays consistent with itself.
+    A replayed spool record is stamped at its replay instead (its ``ts`` is then in the past,
+    within the worker's allowance)."""
+    try:
+        return int(event.ts.timestamp() * 1000)
+    except (OverflowError, ValueError, OSError):
+        return None

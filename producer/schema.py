@@ -9,12 +9,13 @@ field is a validation error, which the worker routes to the dead-letter topic.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 SCHEMA_VERSION = 1
 
@@ -44,12 +45,35 @@ class WireModel(BaseModel):
         return self.model_dump_json(exclude_none=True).encode()
 
 
+def _parse_time(value: Any) -> Any:
+    """ISO 8601 text to a datetime (strict decoding takes no other form); datetimes pass."""
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"not an ISO 8601 time: {value[:40]!r}") from None
+    return value
+
+
+def _wire_float(value: Any) -> Any:
+    """The strings that stand for non-finite floats on the wire; everything else as it is."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    return value
+
+
+_NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+# A float on the wire: a JSON number, or "NaN"/"Infinity"/"-Infinity" (never other text).
+WireFloat = Annotated[float, BeforeValidator(_wire_float)]
+WireTime = Annotated[datetime, BeforeValidator(_parse_time)]
+
+
 class EventBase(WireModel):
     schema_version: int = SCHEMA_VERSION
     event_id: str = Field(default_factory=new_id, min_length=1)
     run_id: str = Field(min_length=1)
     rank: int = Field(default=0, ge=0)
-    ts: datetime = Field(default_factory=utc_now)
+    ts: WireTime = Field(default_factory=utc_now)
 
 
 class RunStartEvent(EventBase):
@@ -72,7 +96,7 @@ class RunStartEvent(EventBase):
 
 
 class CategoryLoss(WireModel):
-    mean: float
+    mean: WireFloat
     count: int = Field(ge=0)
 
 
@@ -93,22 +117,22 @@ class MemoryStats(WireModel):
 class StepEvent(EventBase):
     kind: Literal["step"] = "step"
     step: int = Field(ge=0)
-    loss: float | None = None
-    lr: list[float] = Field(default_factory=list)
-    grad_norm: float | None = None
-    grad_norm_clipped: float | None = None
-    clip_ratio: float | None = None
-    param_norm: float | None = None
-    update_norm: float | None = None
-    relative_update_norm: float | None = None
-    effective_lr_ratio: float | None = None
-    module_grad_norms: dict[str, float] = Field(default_factory=dict)
+    loss: WireFloat | None = None
+    lr: list[WireFloat] = Field(default_factory=list)
+    grad_norm: WireFloat | None = None
+    grad_norm_clipped: WireFloat | None = None
+    clip_ratio: WireFloat | None = None
+    param_norm: WireFloat | None = None
+    update_norm: WireFloat | None = None
+    relative_update_norm: WireFloat | None = None
+    effective_lr_ratio: WireFloat | None = None
+    module_grad_norms: dict[str, WireFloat] = Field(default_factory=dict)
     category_loss: dict[str, CategoryLoss] = Field(default_factory=dict)
-    step_time_s: float | None = None
-    data_wait_s: float | None = None
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None
+    step_time_s: WireFloat | None = None
+    data_wait_s: WireFloat | None = None
+    samples_per_s: WireFloat | None = None
+    tokens_per_s: WireFloat | None = None
+    mfu: WireFloat | None = None
     memory: MemoryStats | None = None
     nonfinite_grads: int | None = Field(default=None, ge=0)
     # True: grad_norm, grad_norm_clipped, module_grad_norms, param_norm and update_norm cover only
@@ -118,29 +142,29 @@ class StepEvent(EventBase):
     # Seconds of this rank's own work in the step (from the step's start until it was ready to
     # synchronise gradients with its peers), without the time spent waiting for slower peers.
     # What straggler detection compares; absent where it is not measured.
-    compute_s: float | None = Field(default=None, ge=0)
+    compute_s: WireFloat | None = Field(default=None, ge=0)
 
 
 class EvalEvent(EventBase):
     kind: Literal["eval"] = "eval"
     step: int = Field(ge=0)
     split: str = "val"
-    loss: float | None = None
-    metrics: dict[str, float] = Field(default_factory=dict)
-    per_category: dict[str, dict[str, float]] = Field(default_factory=dict)
+    loss: WireFloat | None = None
+    metrics: dict[str, WireFloat] = Field(default_factory=dict)
+    per_category: dict[str, dict[str, WireFloat]] = Field(default_factory=dict)
 
 
 class HeartbeatEvent(EventBase):
     kind: Literal["heartbeat"] = "heartbeat"
     step: int | None = None
     phase: Phase = "train"
-    time_in_phase_s: float = Field(default=0.0, ge=0)
+    time_in_phase_s: WireFloat = Field(default=0.0, ge=0)
     # True: this rank has done its part of the current step and waits for its peers (its gradient
     # synchronisation is launched); False: it is still working on it; absent: not measured.
     in_sync: bool | None = None
     # The producer's heartbeat period: the worker calls a rank silent (dead) after a number of
     # missed periods rather than one fixed time; absent: only the configured floor applies.
-    interval_s: float | None = Field(default=None, gt=0)
+    interval_s: WireFloat | None = Field(default=None, gt=0)
 
 
 class CheckpointEvent(EventBase):
@@ -271,16 +295,63 @@ class Action(WireModel):
         return now >= self.expires_at
 
 
+DEADLETTER_RAW_MAX_BYTES = 4096  # a dead letter carries at most this much of the message it stands for
+_DEADLETTER_TEXT_MAX = 2000  # reason and traceback: enough to act on, never the message again
+
+
 class DeadLetter(WireModel):
-    """Why a message could not be processed, with the original bytes (as text where possible)."""
+    """Why a message could not be processed: the reason, where it came from, its size and hash,
+    and at most the first ``DEADLETTER_RAW_MAX_BYTES`` of it, so that a dead letter always fits
+    on its topic whatever was sent. ``stage`` says who refused it: ``decode`` (the worker's
+    validation), ``detector`` (an error while a detector handled a valid event: ``detector_error``)
+    or ``sink`` (a row ClickHouse refused)."""
 
     reason: str
     source_topic: str
     partition: int | None = None
     offset: int | None = None
     key: str | None = None
-    raw: str
+    stage: Literal["decode", "detector", "sink"] = "decode"
+    size: int = Field(default=0, ge=0, description="bytes of the original message value (0 for a null value)")
+    sha256: str | None = Field(default=None, description="hex SHA-256 of the original value; absent for a null value")
+    raw: str = Field(description="the first bytes of the value, as UTF-8 with replacement characters")
+    raw_truncated: bool = False
+    traceback: str | None = None
     ts: datetime = Field(default_factory=utc_now)
+
+    @classmethod
+    def for_message(
+        cls,
+        reason: str,
+        raw: bytes | None,
+        *,
+        source_topic: str,
+        partition: int | None = None,
+        offset: int | None = None,
+        key: bytes | None = None,
+        stage: Literal["decode", "detector", "sink"] = "decode",
+        traceback: str | None = None,
+    ) -> DeadLetter:
+        """A dead letter for ``raw`` (a message value, possibly None) that is bounded in size."""
+        value = raw if raw is not None else b""
+        head = value[:DEADLETTER_RAW_MAX_BYTES]
+        return cls(
+            reason=_clip(reason, _DEADLETTER_TEXT_MAX),
+            source_topic=source_topic,
+            partition=partition,
+            offset=offset,
+            key=_clip(key.decode(errors="replace"), 256) if key is not None else None,
+            stage=stage,
+            size=len(value),
+            sha256=hashlib.sha256(value).hexdigest() if raw is not None else None,
+            raw=head.decode(errors="replace"),
+            raw_truncated=len(value) > len(head),
+            traceback=_clip(traceback, 4 * _DEADLETTER_TEXT_MAX) if traceback else None,
+        )
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class SchemaError(ValueError):
@@ -291,7 +362,46 @@ class SchemaError(ValueError):
         self.reason = reason
 
 
-def _loads(raw: bytes | str) -> Any:
+SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+# Present in every telemetry event, whatever its kind: a missing one is refused, never defaulted
+# (a defaulted event_id would defeat deduplication, a defaulted ts or rank would lie).
+REQUIRED_FIELDS = ("schema_version", "event_id", "run_id", "rank", "ts", "kind")
+
+
+class WireLimits(BaseModel):
+    """What the worker and the sink accept from the telemetry topic; anything outside is dead-lettered.
+
+    One list, documented in docs/wire-format.md. Configurable under ``limits:`` in the worker's YAML.
+    Times are checked against the *receive time*: the Kafka record's timestamp (the producing
+    client's send time, or the broker's append time on a LogAppendTime topic), so that re-reading a
+    backlog later gives the same verdicts.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_message_bytes: int = Field(default=1_048_576, ge=1024, description="size of one message value")
+    max_depth: int = Field(default=32, ge=4, le=512, description="nesting of JSON objects and arrays")
+    max_string_chars: int = Field(default=4096, ge=64, description="any one string (names, uris, ids)")
+    max_id_chars: int = Field(default=256, ge=16, description="run_id and event_id")
+    max_modules: int = Field(default=10_000, ge=1, description="entries of module_grad_norms")
+    max_categories: int = Field(default=1_000, ge=1, description="entries of category_loss / per_category")
+    max_metrics: int = Field(default=1_000, ge=1, description="entries of lr, metrics, summary, tags, gpu_names")
+    max_step: int = Field(default=10**12, ge=1, le=2**62, description="largest step number")
+    max_world_size: int = Field(default=16_384, ge=1, le=10**6, description="largest world size; rank < this")
+    max_duration_s: float = Field(default=7 * 86400.0, gt=0, description="step, data-wait, compute, phase times")
+    max_interval_s: float = Field(default=3600.0, gt=0, description="a heartbeat's declared period")
+    max_memory_bytes: int = Field(default=2**50, ge=2**30, description="any memory figure (1 PiB)")
+    max_rate: float = Field(default=1e12, gt=0, description="samples/s, tokens/s")
+    max_future_s: float = Field(default=300.0, ge=0, description="ts may be this far after the receive time")
+    max_past_s: float = Field(default=7 * 86400.0, gt=0, description="ts may be this far before the receive time")
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+def _loads(raw: bytes | str | None) -> Any:
+    if raw is None:
+        raise SchemaError("null value (a Kafka tombstone): a telemetry message must be a JSON object")
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -306,15 +416,208 @@ def _describe(exc: ValidationError) -> str:
     return "schema: " + "; ".join(parts)
 
 
-def decode_event(raw: bytes | str) -> TelemetryEvent:
-    """Parse one telemetry message; raises ``SchemaError`` with a one-line reason."""
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects/arrays deeper than ``limit`` (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+def _longest_string(value: Any) -> int:
+    """Length of the longest string (key or value) in a decoded JSON value."""
+    longest, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            longest = max(longest, len(item))
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                longest = max(longest, len(k))
+                stack.append(v)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return longest
+
+
+# Known fields whose decoded shape is already fixed by the schema (flat maps of numbers): the
+# generic depth/string walk skips them, which keeps it off the hot path of a step event.
+_TYPED_FLAT = frozenset({"module_grad_norms", "category_loss", "memory", "lr", "metrics", "per_category"})
+_STEP_FIELDS = frozenset(StepEvent.model_fields) - {"event_id", "run_id"}
+
+
+def _check_free_form(key: str, value: Any, lim: WireLimits) -> str | None:
+    if isinstance(value, str):
+        if len(value) > lim.max_string_chars:
+            return f"{key}: a string of {len(value)} characters (limit {lim.max_string_chars})"
+    elif isinstance(value, dict | list):
+        if _depth_exceeds(value, lim.max_depth - 1):
+            return f"{key}: nested deeper than {lim.max_depth} levels"
+        if _longest_string(value) > lim.max_string_chars:
+            return f"{key}: holds a string longer than {lim.max_string_chars} characters"
+        if len(value) > lim.max_metrics and key != "config":
+            return f"{key}: {len(value)} entries (limit {lim.max_metrics})"
+    return None
+
+
+def _check_time(ts: datetime, received_at: datetime | None, limits: WireLimits) -> str | None:
+    if ts.tzinfo is None or ts.utcoffset() is None:
+        return "ts: needs a timezone (ISO 8601 with Z or +00:00)"
+    if received_at is None:
+        return None
+    ahead = (ts - received_at).total_seconds()
+    if ahead > limits.max_future_s:
+        return (f"ts: {ts.isoformat()} is {ahead:.0f} s after the receive time {received_at.isoformat()} "
+                f"(allowed: {limits.max_future_s:.0f} s)")
+    if -ahead > limits.max_past_s:
+        return (f"ts: {ts.isoformat()} is {-ahead:.0f} s before the receive time {received_at.isoformat()} "
+                f"(allowed: {limits.max_past_s:.0f} s)")
+    return None
+
+
+def _out_of_range(name: str, value: float | int | None, upper: float, *, positive: bool = False) -> str | None:
+    # One chained comparison is False for NaN, infinities and anything outside [0, upper].
+    if value is None or (0 <= value <= upper and (value > 0 or not positive)):
+        return None
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"{name}: must be finite, got {value}"
+    if value < 0 or (positive and value == 0):
+        return f"{name}: must be {'positive' if positive else 'non-negative'}, got {value}"
+    return f"{name}: {value} is above the limit {upper:g}"
+
+
+def _check_limits(event: Any, data: dict, received_at: datetime | None, lim: WireLimits) -> str | None:
+    """The bounds pydantic's types do not say: sizes, ranges, finiteness, the time window."""
+    if len(event.run_id) > lim.max_id_chars or len(event.event_id) > lim.max_id_chars:
+        return f"run_id/event_id: longer than {lim.max_id_chars} characters"
+    if event.rank >= lim.max_world_size:
+        return f"rank: {event.rank} is not below the maximum world size {lim.max_world_size}"
+    problem = _check_time(event.ts, received_at, lim)
+    if problem:
+        return problem
+    # Unknown fields (kept from a newer producer) and free-form maps: nesting and string length. A step
+    # event's own fields are numbers and flat maps whose shape the schema fixed: only its extras are walked.
+    skip = _STEP_FIELDS if event.kind == "step" else _TYPED_FLAT
+    for key in data.keys() - skip:
+        problem = _check_free_form(key, data[key], lim)
+        if problem:
+            return problem
+    step = getattr(event, "step", None)
+    if step is not None and step > lim.max_step:
+        return f"step: {step} is above the limit {lim.max_step}"
+    kind = event.kind
+    if kind == "step":
+        return _check_step(event, lim)
+    if kind == "heartbeat":
+        return (_out_of_range("time_in_phase_s", event.time_in_phase_s, lim.max_duration_s)
+                or _out_of_range("interval_s", event.interval_s, lim.max_interval_s, positive=True))
+    if kind == "run_start":
+        if event.world_size > lim.max_world_size:
+            return f"world_size: {event.world_size} is above the limit {lim.max_world_size}"
+        if len(event.gpu_names) > lim.max_metrics or len(event.tags) > lim.max_metrics:
+            return f"gpu_names/tags: more than {lim.max_metrics} entries"
+    elif kind == "eval":
+        if len(event.metrics) > lim.max_metrics:
+            return f"metrics: {len(event.metrics)} entries (limit {lim.max_metrics})"
+        if len(event.per_category) > lim.max_categories or any(
+                len(m) > lim.max_metrics for m in event.per_category.values()):
+            return f"per_category: more than {lim.max_categories} categories or {lim.max_metrics} metrics each"
+    elif kind == "run_end":
+        if len(event.summary) > lim.max_metrics:
+            return f"summary: {len(event.summary)} entries (limit {lim.max_metrics})"
+    elif kind == "checkpoint":
+        if len(event.uri) > lim.max_string_chars:
+            return f"uri: longer than {lim.max_string_chars} characters"
+    return None
+
+
+def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
+    modules, categories = event.module_grad_norms, event.category_loss
+    if len(modules) > lim.max_modules:
+        return f"module_grad_norms: {len(modules)} modules (limit {lim.max_modules})"
+    if len(categories) > lim.max_categories:
+        return f"category_loss: {len(categories)} categories (limit {lim.max_categories})"
+    if len(event.lr) > lim.max_metrics:
+        return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
+    problem = (_out_of_range("step_time_s", event.step_time_s, lim.max_duration_s)
+               or _out_of_range("data_wait_s", event.data_wait_s, lim.max_duration_s)
+               or _out_of_range("compute_s", event.compute_s, lim.max_duration_s)
+               or _out_of_range("samples_per_s", event.samples_per_s, lim.max_rate)
+               or _out_of_range("tokens_per_s", event.tokens_per_s, lim.max_rate)
+               or _out_of_range("mfu", event.mfu, 100.0))
+    if problem:
+        return problem
+    if event.memory is not None:
+        for name, value in event.memory.__dict__.items():
+            if type(value) is int and not 0 <= value <= lim.max_memory_bytes:
+                return _out_of_range(f"memory.{name}", value, lim.max_memory_bytes)
+    for name, cat in categories.items():
+        if cat.count > 2**53:
+            return f"category_loss.{name}.count: {cat.count} is above 2^53"
+    if (modules and max(map(len, modules)) > lim.max_string_chars) or (
+            categories and max(map(len, categories)) > lim.max_string_chars):
+        return f"module/category name longer than {lim.max_string_chars} characters"
+    return None
+
+
+def record_time(timestamp_s: float | None) -> datetime | None:
+    """A Kafka record's timestamp (seconds since the epoch) as the UTC ``received_at`` that
+    ``decode_event`` bounds ``ts`` by; None when absent or unusable (then ``ts`` is not bounded)."""
+    if timestamp_s is None or not timestamp_s > 0:
+        return None
+    try:
+        return datetime.fromtimestamp(timestamp_s, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def decode_event(
+    raw: bytes | str | None,
+    *,
+    received_at: datetime | None = None,
+    limits: WireLimits = DEFAULT_LIMITS,
+    key: bytes | None = None,
+) -> TelemetryEvent:
+    """Parse and check one telemetry message; raises ``SchemaError`` with a one-line reason.
+
+    Strict: every field of ``REQUIRED_FIELDS`` present, no coercion between types (a step must be
+    a JSON integer, a loss a number or one of "NaN"/"Infinity"/"-Infinity", ``ts`` an ISO 8601
+    string with a timezone), a supported ``schema_version``, and the bounds of ``limits``.
+    ``received_at`` (the record's timestamp) bounds ``ts``; None skips that check (offline replay).
+    ``key``: the Kafka key, which must be the run id (it decides the partition, hence which worker
+    owns the run); None skips that check.
+    """
+    if raw is not None and len(raw) > limits.max_message_bytes:
+        raise SchemaError(f"message of {len(raw)} bytes (limit {limits.max_message_bytes})")
     data = _loads(raw)
     if not isinstance(data, dict):
         raise SchemaError(f"schema: expected a JSON object, got {type(data).__name__}")
+    missing = [name for name in REQUIRED_FIELDS if name not in data]
+    if missing:
+        raise SchemaError(f"schema: missing required field(s) {', '.join(missing)}")
+    version = data["schema_version"]
+    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaError(f"schema_version: {version!r} is not supported (supported: "
+                          f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})")
     try:
-        return _telemetry_adapter.validate_python(data)
+        event = _telemetry_adapter.validate_python(data, strict=True)
     except ValidationError as exc:
         raise SchemaError(_describe(exc)) from None
+    problem = _check_limits(event, data, received_at, limits)
+    if problem:
+        raise SchemaError(f"limits: {problem}")
+    if key is not None and key != event.run_id.encode():
+        raise SchemaError(f"key {key[:100]!r} does not match run_id {event.run_id[:100]!r}")
+    return event
 
 
 def decode_anomaly(raw: bytes | str) -> Anomaly:

@@ -18,6 +18,9 @@ class MissingSecretError(RuntimeError):
     pass
 
 
+MIN_SECRET_BYTES = 32  # HMAC-SHA256's key should be at least its output's size; shorter is guessable
+
+
 def resolve_secret(secret: str | bytes | None = None) -> bytes:
     """The given secret, else ``$RUNWATCH_ACTION_SECRET``; refusing to run unsigned."""
     value = secret if secret is not None else os.environ.get(SECRET_ENV)
@@ -26,7 +29,14 @@ def resolve_secret(secret: str | bytes | None = None) -> bytes:
             f"no action secret: pass one explicitly or set {SECRET_ENV} to the same value "
             "for the worker and the trainer"
         )
-    return value.encode() if isinstance(value, str) else value
+    secret_bytes = value.encode() if isinstance(value, str) else value
+    if len(secret_bytes) < MIN_SECRET_BYTES:
+        raise MissingSecretError(
+            f"the action secret is {len(secret_bytes)} bytes; at least {MIN_SECRET_BYTES} are needed (HMAC-SHA256). "
+            f"Generate one with: python -c 'import secrets; print(secrets.token_hex(32))' and give {SECRET_ENV} "
+            "that value for the worker, the trainers and the remediator"
+        )
+    return secret_bytes
 
 
 def _digest(action: Action, secret: bytes) -> str:

@@ -2,20 +2,32 @@
 
 One code path for the embedded engine (``chdb:///path``) and a server
 (``http(s)://user:pass@host:8123``): clickhouse-connect picks the transport from the DSN.
+
+``store`` is what the sink consumer uses: it never lets one row hold up the others. A row
+that cannot be built (a value out of its column's range, a field that cannot be serialised)
+or that ClickHouse refuses is reported back with the reason, having stored all the others
+(a refused batch is split in halves until the offending rows are found). Only when
+ClickHouse cannot be reached at all does it raise ``ClickHouseUnavailable``: then nothing can
+be concluded about the rows, and the caller retries the whole batch later.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import logging
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
 from runwatch.sinks.migrations import MIGRATIONS
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DSN_PATH = Path(".runwatch") / "clickhouse"
 TABLES = ("telemetry", "anomalies", "actions", "deadletter", "joined_steps")
@@ -31,8 +43,57 @@ ACTION_COLUMNS = (
     "action_id", "run_id", "kind", "reason", "anomaly_ids", "step", "onset_step", "target_step", "target_uri",
     "params", "issued_at", "expires_at",
 )
-DEADLETTER_COLUMNS = ("id", "ts", "source_topic", "partition", "offset", "run_key", "reason", "raw")
+DEADLETTER_COLUMNS = (
+    "id", "ts", "source_topic", "partition", "offset", "run_key", "reason", "stage", "size", "sha256", "raw",
+    "raw_truncated", "traceback",
+)
 JOINED_COLUMNS = tuple(name for name in JoinedStep.model_fields if name != "schema_version")
+
+
+class IntRange(NamedTuple):
+    """The values a ClickHouse integer column holds (``type`` as in the migrations)."""
+
+    type: str
+    min: int
+    max: int
+
+
+INT32 = IntRange("Int32", -(2**31), 2**31 - 1)
+INT64 = IntRange("Int64", -(2**63), 2**63 - 1)
+UINT32 = IntRange("UInt32", 0, 2**32 - 1)
+UINT64 = IntRange("UInt64", 0, 2**64 - 1)
+
+# Every integer column the sink writes, with the range ClickHouse can hold (arrays: each element).
+# Steps and byte counts are Int64, ranks, world sizes and generations UInt32. A value outside is
+# refused by the sink before it reaches ClickHouse (the row is dead-lettered, the others stored);
+# the worker's validation refuses telemetry well inside these at the edge (producer.schema.WireLimits).
+# tests/integration/test_sink_poison.py checks this table against the migrated schema.
+COLUMN_BOUNDS: dict[str, dict[str, IntRange]] = {
+    "telemetry": {"rank": UINT32, "step": INT64},
+    "anomalies": {"step": INT64, "rank": UINT32},
+    "actions": {"step": INT64, "onset_step": INT64, "target_step": INT64},
+    "deadletter": {"partition": INT32, "offset": INT64, "size": UINT64},
+    "joined_steps": {
+        "step": INT64, "generation": UINT32, "world_size": UINT32, "ranks_reported": UINT32, "ranks_missing": UINT32,
+        "step_time_max_rank": UINT32, "compute_max_rank": UINT32, "memory_max_bytes": INT64,
+        "memory_max_rank": UINT32, "memory_min_bytes": INT64, "memory_min_rank": UINT32, "late_events": UINT64,
+        "duplicate_events": UINT64,
+    },
+}
+
+REASON_MAX_CHARS = 500  # of ClickHouse's error message in a dead letter's reason
+
+
+class ClickHouseUnavailable(Exception):  # noqa: N818 - a state, not a bug
+    """ClickHouse cannot be reached (connection refused, timeout, client closed): retry later."""
+
+
+@dataclass
+class StoreResult:
+    """What ``ClickHouseSink.store`` did: rows stored, and the items refused as (index, reason)."""
+
+    stored: int = 0
+    refused: list[tuple[int, str]] = field(default_factory=list)
 
 
 def default_dsn() -> str:
@@ -48,6 +109,124 @@ def _unique(rows: Iterable[tuple], key_index: int = 0) -> list[tuple]:
     for row in rows:
         seen.setdefault(row[key_index], row)
     return list(seen.values())
+
+
+def _text(raw: bytes | bytearray | memoryview | str) -> str:
+    if isinstance(raw, str):
+        return raw
+    return bytes(raw).decode("utf-8", errors="replace")
+
+
+def _first_line(text: str, limit: int = REASON_MAX_CHARS) -> str:
+    line = next((part.strip() for part in str(text).splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def error_reason(exc: BaseException) -> str:
+    """A one-line reason for a refused row: the error's type and the first line of its message
+    (clickhouse-connect's client-side ``DataError`` says which column; its cause says why)."""
+    message = _first_line(str(exc))
+    reason = f"{type(exc).__name__}: {message}"
+    cause = exc.__cause__
+    detail = _first_line(str(cause), 200) if cause is not None else ""
+    if detail and detail not in message and message not in detail:
+        kind = type(cause)
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+        reason += f" ({name}: {detail})"
+    return reason
+
+
+def out_of_bounds(table: str, columns: Sequence[str], row: Sequence[Any]) -> str | None:
+    """Why ``row`` cannot be stored in ``table`` as it stands (an integer outside its column's
+    range, a non-integer in an integer column), or None."""
+    bounds = COLUMN_BOUNDS.get(table, {})
+    for name, value in zip(columns, row, strict=True):
+        bound = bounds.get(name)
+        if bound is None or value is None:
+            continue
+        for v in value if isinstance(value, list | tuple) else (value,):
+            if not isinstance(v, int):
+                return f"{table}.{name}: {type(v).__name__} {_first_line(repr(v), 100)} in a {bound.type} column"
+            if not bound.min <= v <= bound.max:
+                shown = str(v) if v.bit_length() <= 256 else f"an integer of {v.bit_length()} bits"
+                return f"{table}.{name}: {shown} is out of range for {bound.type} [{bound.min}, {bound.max}]"
+    return None
+
+
+# -- rows (each may raise: a value that cannot be serialised is a fault of that row alone) ---------
+
+def event_row(e: EventBase, raw: bytes | str | None = None) -> tuple:
+    """The telemetry row of ``e``; ``payload`` is ``raw`` (the bytes received, as UTF-8 text) when
+    given, else ``e`` re-serialised (for events made in process, never received)."""
+    payload = _text(raw) if raw is not None else e.to_json().decode()
+    return (
+        e.event_id, e.run_id, e.rank, e.kind, _utc(e.ts),
+        getattr(e, "step", None), getattr(e, "loss", None), getattr(e, "grad_norm", None),
+        getattr(e, "step_time_s", None), payload,
+    )
+
+
+def anomaly_row(a: Anomaly) -> tuple:
+    return (a.anomaly_id, a.run_id, _utc(a.ts), a.step, a.rank, a.detector, a.metric, a.value, a.threshold,
+            a.score, a.severity, a.message, orjson.dumps(a.evidence, default=str).decode())
+
+
+def action_row(a: Action) -> tuple:
+    target = a.target_checkpoint
+    return (
+        a.action_id, a.run_id, a.kind, a.reason, list(a.anomaly_ids), a.step, a.onset_step,
+        target.step if target else None, target.uri if target else None,
+        orjson.dumps(a.params, default=str).decode(), _utc(a.issued_at), _utc(a.expires_at),
+    )
+
+
+def deadletter_id(d: DeadLetter) -> str:
+    """Stable per message and stage, so that a re-delivered dead letter replaces its earlier copy.
+    (Letters of stage ``decode`` keep the id they had before stages existed.)"""
+    ident = f"{d.source_topic}|{d.partition}|{d.offset}|{d.raw}"
+    if d.stage != "decode":
+        ident += f"|{d.stage}"
+    return hashlib.sha1(ident.encode(errors="replace")).hexdigest()
+
+
+def deadletter_row(d: DeadLetter) -> tuple:
+    return (deadletter_id(d), _utc(d.ts), d.source_topic, d.partition, d.offset, d.key, d.reason, d.stage, d.size,
+            d.sha256, d.raw, d.raw_truncated, d.traceback)
+
+
+def joined_row(j: JoinedStep) -> tuple:
+    return tuple(_utc(j.ts) if c == "ts" else getattr(j, c) for c in JOINED_COLUMNS)
+
+
+def _joined_key(row: tuple) -> tuple:
+    return (row[0], row[2], row[1])  # (run_id, generation, step)
+
+
+@dataclass(frozen=True)
+class _Table:
+    columns: tuple[str, ...]
+    build: Callable[[Any], tuple]
+    key: Callable[[tuple], Any]
+    keep_last: bool = False  # of rows with one key in a batch, store the last (else the first)
+
+
+_TABLE_SPECS: dict[str, _Table] = {
+    "telemetry": _Table(TELEMETRY_COLUMNS, lambda item: event_row(*item), lambda r: r[0]),
+    "anomalies": _Table(ANOMALY_COLUMNS, anomaly_row, lambda r: r[0]),
+    "actions": _Table(ACTION_COLUMNS, action_row, lambda r: r[0]),
+    "deadletter": _Table(DEADLETTER_COLUMNS, deadletter_row, lambda r: r[0]),
+    "joined_steps": _Table(JOINED_COLUMNS, joined_row, _joined_key, keep_last=True),
+}
+
+# Errors raised on our side while serialising rows for an insert: the data is at fault, never the
+# connection (clickhouse-connect raises DataError for a value its column type cannot hold).
+_CLIENT_ROW_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OverflowError, struct.error, RecursionError)
+try:
+    from clickhouse_connect.driver.exceptions import DataError as _DataError
+
+    _CLIENT_ROW_ERRORS += (_DataError,)
+except ImportError:  # pragma: no cover - clickhouse-connect is a dependency
+    pass
 
 
 class ClickHouseSink:
@@ -102,46 +281,130 @@ class ClickHouseSink:
             self.client.insert(f"{self.database}.{table}", rows, column_names=list(columns))
         return len(rows)
 
-    def write_events(self, events: Iterable[EventBase]) -> int:
-        rows = []
-        for e in events:
-            rows.append((
-                e.event_id, e.run_id, e.rank, e.kind, _utc(e.ts),
-                getattr(e, "step", None), getattr(e, "loss", None), getattr(e, "grad_norm", None),
-                getattr(e, "step_time_s", None), e.to_json().decode(),
-            ))
+    def write_events(self, events: Iterable[EventBase], raws: Iterable[bytes | str | None] | None = None) -> int:
+        """Store telemetry events; ``raws`` (parallel to ``events``) are the bytes each was received
+        as, stored as its ``payload``. Without them (events made in process) the payload is the
+        event re-serialised."""
+        events = list(events)
+        raw_list = list(raws) if raws is not None else [None] * len(events)
+        if len(raw_list) != len(events):
+            raise ValueError(f"{len(events)} events but {len(raw_list)} raw values")
+        rows = [event_row(e, raw) for e, raw in zip(events, raw_list, strict=True)]
         return self._insert("telemetry", _unique(rows), TELEMETRY_COLUMNS)
 
     def write_anomalies(self, anomalies: Iterable[Anomaly]) -> int:
-        rows = [
-            (a.anomaly_id, a.run_id, _utc(a.ts), a.step, a.rank, a.detector, a.metric, a.value, a.threshold,
-             a.score, a.severity, a.message, orjson.dumps(a.evidence, default=str).decode())
-            for a in anomalies
-        ]
-        return self._insert("anomalies", _unique(rows), ANOMALY_COLUMNS)
+        return self._insert("anomalies", _unique(anomaly_row(a) for a in anomalies), ANOMALY_COLUMNS)
 
     def write_actions(self, actions: Iterable[Action]) -> int:
-        rows = []
-        for a in actions:
-            target = a.target_checkpoint
-            rows.append((
-                a.action_id, a.run_id, a.kind, a.reason, list(a.anomaly_ids), a.step, a.onset_step,
-                target.step if target else None, target.uri if target else None,
-                orjson.dumps(a.params, default=str).decode(), _utc(a.issued_at), _utc(a.expires_at),
-            ))
-        return self._insert("actions", _unique(rows), ACTION_COLUMNS)
+        return self._insert("actions", _unique(action_row(a) for a in actions), ACTION_COLUMNS)
 
     def write_deadletters(self, letters: Iterable[DeadLetter]) -> int:
-        rows = []
-        for d in letters:
-            ident = hashlib.sha1(f"{d.source_topic}|{d.partition}|{d.offset}|{d.raw}".encode()).hexdigest()
-            rows.append((ident, _utc(d.ts), d.source_topic, d.partition, d.offset, d.key, d.reason, d.raw))
-        return self._insert("deadletter", _unique(rows), DEADLETTER_COLUMNS)
+        return self._insert("deadletter", _unique(deadletter_row(d) for d in letters), DEADLETTER_COLUMNS)
 
     def write_joined(self, joined: Iterable[JoinedStep]) -> int:
-        rows = [tuple(_utc(j.ts) if c == "ts" else getattr(j, c) for c in JOINED_COLUMNS) for j in joined]
-        rows = list({(r[0], r[2], r[1]): r for r in rows}.values())  # (run_id, generation, step): the newest
+        rows = list({_joined_key(r): r for r in (joined_row(j) for j in joined)}.values())  # the newest
         return self._insert("joined_steps", rows, JOINED_COLUMNS)
+
+    # -- writes that isolate refused rows (the sink consumer's) ---------------------------------
+
+    def store(self, table: str, items: Sequence[Any]) -> StoreResult:
+        """Store ``items`` in ``table`` and report those that cannot be stored, never blocking the rest.
+
+        ``items`` are what the ``write_*`` method of the table takes; for ``telemetry``,
+        ``(event, raw)`` pairs (``raw``: the bytes received). An item is refused, with a one-line
+        reason, when its row cannot be built (a value cannot be serialised, an integer is outside
+        its column's range: ``COLUMN_BOUNDS``) or ClickHouse refuses it (found by splitting the
+        batch). Items with the same key share one row (the tables deduplicate on it anyway) and its
+        verdict. Raises ``ClickHouseUnavailable`` if ClickHouse cannot be reached; rows already
+        stored by then are stored again, harmlessly, when the caller retries.
+        """
+        spec = _TABLE_SPECS[table]
+        result = StoreResult()
+        rows: list[tuple] = []
+        owners: list[list[int]] = []  # items behind each row
+        slot: dict[Any, int] = {}
+        for i, item in enumerate(items):
+            try:
+                row = spec.build(item)
+                problem = out_of_bounds(table, spec.columns, row)
+            except Exception as exc:  # noqa: BLE001 - any failure to build the row is this row's
+                problem = f"the sink could not serialise the row: {error_reason(exc)}"
+            if problem:
+                result.refused.append((i, problem))
+                continue
+            key = spec.key(row)
+            if key in slot:
+                owners[slot[key]].append(i)
+                if spec.keep_last:
+                    rows[slot[key]] = row
+                continue
+            slot[key] = len(rows)
+            rows.append(row)
+            owners.append([i])
+        refused_rows = self.insert_isolating(table, rows, spec.columns)
+        for j, reason in refused_rows:
+            result.refused.extend((i, f"ClickHouse refused the row: {reason}") for i in owners[j])
+        result.stored = len(rows) - len(refused_rows)
+        result.refused.sort()
+        return result
+
+    def insert_isolating(self, table: str, rows: Sequence[tuple], columns: Sequence[str]) -> list[tuple[int, str]]:
+        """Insert ``rows``; where ClickHouse refuses, split in halves until the refused rows are
+        found. Returns (index in ``rows``, reason) of each refused row; all the others are stored.
+
+        On an error, a probe (``SELECT 1``) tells the two cases apart: if ClickHouse answers, the
+        data is at fault (a type or range error, a parse error on the server...) and the batch is
+        split; if it does not, it is down or unreachable and ``ClickHouseUnavailable`` is raised.
+        A single row is declared refused only after a second try, unless the error was raised on
+        our side while serialising it (clickhouse-connect's ``DataError`` and the like), which a
+        retry cannot change.
+        """
+        refused: list[tuple[int, str]] = []
+        pending = [(0, len(rows))]
+        while pending:
+            lo, hi = pending.pop()
+            error = self._try_insert(table, rows[lo:hi], columns)
+            if error is None:
+                continue
+            self._raise_if_unavailable(error)
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                pending.extend(((mid, hi), (lo, mid)))  # the first half first
+                continue
+            if not isinstance(error, _CLIENT_ROW_ERRORS):
+                retry = self._try_insert(table, rows[lo:hi], columns)
+                if retry is None:
+                    continue
+                self._raise_if_unavailable(retry)
+                error = retry
+            log.warning("runwatch sink: ClickHouse refused a row of %s: %s", table, error_reason(error))
+            refused.append((lo, error_reason(error)))
+        refused.sort()
+        return refused
+
+    def _try_insert(self, table: str, rows: Sequence[tuple], columns: Sequence[str]) -> Exception | None:
+        try:
+            self._insert(table, list(rows), columns)
+        except Exception as exc:  # noqa: BLE001 - classified by the caller
+            return exc
+        return None
+
+    def reachable(self) -> bool:
+        """Whether ClickHouse answers a trivial query (twice tried: the embedded engine can report
+        a stale error from the statement before once)."""
+        for _ in range(2):
+            try:
+                self.client.query("SELECT 1")
+                return True
+            except Exception:  # noqa: BLE001, S112 - any failure means "not now"
+                continue
+        return False
+
+    def _raise_if_unavailable(self, error: Exception) -> None:
+        if isinstance(error, _CLIENT_ROW_ERRORS):
+            return  # raised before anything was sent: says nothing about the connection
+        if not self.reachable():
+            raise ClickHouseUnavailable(f"{type(error).__name__}: {_first_line(str(error))}") from error
 
     # -- reads ----------------------------------------------------------------------------
 

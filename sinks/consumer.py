@@ -3,6 +3,11 @@
 Offsets are committed only after a batch is in ClickHouse, so a crash or a
 ClickHouse outage re-delivers rather than loses; the tables deduplicate on ids.
 Detection never waits on this loop: it is a separate group on the same topics.
+
+A message whose row ClickHouse refuses (or that cannot be serialised) never holds up
+the rest: the batch is split until it is found, the others are stored, and it goes to
+``runwatch.deadletter`` (stage ``sink``, with the reason) and straight into the
+deadletter table. Its offset is committed only once that dead letter is published.
 """
 
 from __future__ import annotations
@@ -12,29 +17,43 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from runwatch.producer import topics
 from runwatch.producer.schema import (
+    DEFAULT_LIMITS,
     DeadLetter,
     JoinedStep,
-    SchemaError,
+    WireLimits,
     decode_action,
     decode_anomaly,
     decode_event,
+    record_time,
 )
-from runwatch.sinks.clickhouse import ClickHouseSink
+from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
 
 log = logging.getLogger(__name__)
 
 SINK_GROUP = "runwatch-sink"
 
+# topic -> the table its messages are stored in
+TOPIC_TABLES = {
+    topics.TELEMETRY: "telemetry",
+    topics.ANOMALIES: "anomalies",
+    topics.ACTIONS: "actions",
+    topics.DEADLETTER: "deadletter",
+    topics.JOINED: "joined_steps",
+}
+
 
 @dataclass
 class SinkStats:
-    rows: Counter = field(default_factory=Counter)
-    skipped: Counter = field(default_factory=Counter)
+    rows: Counter = field(default_factory=Counter)  # rows stored, by table
+    skipped: Counter = field(default_factory=Counter)  # messages that do not decode, by topic (the worker's to dead-letter)
+    deadlettered: Counter = field(default_factory=Counter)  # messages refused by ClickHouse or unserialisable, by topic
+    deadletter_errors: int = 0  # of those, dead letters that could not be published: their offsets were not committed
     batches: int = 0
-    write_errors: int = 0
+    write_errors: int = 0  # writes that failed because ClickHouse was unreachable (the batch was retried)
     commit_errors: int = 0  # offset commits that failed (broker unreachable, rebalance); rows were stored
     last_empty_poll: float = 0.0  # monotonic time of the last poll that returned nothing
 
@@ -50,7 +69,14 @@ class SinkConsumer:
         batch_interval_s: float = 0.5,
         session_timeout_ms: int = 6000,
         commit_timeout_ms: int = 5000,
+        deadletter_timeout_s: float = 10.0,
+        deadletter_producer: Any = None,
+        limits: WireLimits = DEFAULT_LIMITS,
     ):
+        """``deadletter_producer``: a kafka-python ``KafkaProducer`` for the sink's dead letters
+        (default: one on ``bootstrap``, made by ``run``; one given here is not closed by it).
+        ``limits``: the worker's (``limits:`` in its YAML), so that both accept the same telemetry."""
+        self.limits = limits
         self.sink = sink
         self.bootstrap = bootstrap
         self.group_id = group_id
@@ -58,42 +84,183 @@ class SinkConsumer:
         self.batch_interval_s = batch_interval_s
         self.session_timeout_ms = session_timeout_ms
         self.commit_timeout_ms = commit_timeout_ms
+        self.deadletter_timeout_s = deadletter_timeout_s
         self.stats = SinkStats()
         self.positions: dict[tuple[str, int], int] = {}  # next offset after what is stored
         self._lock = threading.Lock()
         self.stopping = threading.Event()
         self.assigned = threading.Event()
+        self._given_producer = deadletter_producer
+        self._producer: Any = deadletter_producer
+        self._publish_delay = 0.5
 
     def stored_through(self, topic: str, partition: int) -> int:
         """Next offset of ``topic[partition]`` not yet stored (0 if none)."""
         with self._lock:
             return self.positions.get((topic, partition), 0)
 
-    def _decode_batch(self, records: list) -> dict[str, list]:
-        batch: dict[str, list] = {"telemetry": [], "anomalies": [], "actions": [], "deadletter": [], "joined": []}
+    # -- one batch ---------------------------------------------------------------------------
+
+    def _decode_batch(self, records: list) -> dict[str, list[tuple[Any, Any]]]:
+        """(record, item) per table, ``item`` being what ``ClickHouseSink.store`` takes."""
+        batch: dict[str, list[tuple[Any, Any]]] = {table: [] for table in TOPIC_TABLES.values()}
         for r in records:
+            table = TOPIC_TABLES.get(r.topic)
+            if table is None:
+                continue
             try:
                 if r.topic == topics.TELEMETRY:
-                    batch["telemetry"].append(decode_event(r.value))
+                    # the same verdict as the worker's: same limits, same receive time (the record's)
+                    item: Any = (decode_event(r.value, received_at=record_time(r.timestamp / 1000 if r.timestamp is not None else None), limits=self.limits,
+                                              key=r.key),
+                                 r.value)
                 elif r.topic == topics.ANOMALIES:
-                    batch["anomalies"].append(decode_anomaly(r.value))
+                    item = decode_anomaly(r.value)
                 elif r.topic == topics.ACTIONS:
-                    batch["actions"].append(decode_action(r.value))
+                    item = decode_action(r.value)
                 elif r.topic == topics.DEADLETTER:
-                    batch["deadletter"].append(DeadLetter.model_validate_json(r.value))
-                elif r.topic == topics.JOINED:
-                    batch["joined"].append(JoinedStep.model_validate_json(r.value))
-            except (SchemaError, ValueError):
+                    item = DeadLetter.model_validate_json(r.value)
+                else:
+                    item = JoinedStep.model_validate_json(r.value)
+            except Exception:  # noqa: BLE001 - whatever was sent, it must not stop the sink
                 # Malformed telemetry is the worker's to dead-letter; the sink just skips it.
                 self.stats.skipped[r.topic] += 1
+                continue
+            batch[table].append((r, item))
         return batch
 
-    def _write(self, batch: dict[str, list]) -> None:
-        self.stats.rows["telemetry"] += self.sink.write_events(batch["telemetry"])
-        self.stats.rows["anomalies"] += self.sink.write_anomalies(batch["anomalies"])
-        self.stats.rows["actions"] += self.sink.write_actions(batch["actions"])
-        self.stats.rows["deadletter"] += self.sink.write_deadletters(batch["deadletter"])
-        self.stats.rows["joined_steps"] += self.sink.write_joined(batch["joined"])
+    def _write(self, batch: dict[str, list[tuple[Any, Any]]]) -> list[tuple[Any, str]]:
+        """Store the batch; returns (record, reason) of each message that cannot be stored.
+        Raises ``ClickHouseUnavailable`` when ClickHouse cannot be reached."""
+        refused: list[tuple[Any, str]] = []
+        for table, entries in batch.items():
+            if not entries:
+                continue
+            result = self.sink.store(table, [item for _, item in entries])
+            self.stats.rows[table] += result.stored
+            refused.extend((entries[i][0], reason) for i, reason in result.refused)
+        return refused
+
+    def _deadletters(self, refused: list[tuple[Any, str]]) -> list[tuple[Any, DeadLetter]]:
+        letters = []
+        for r, reason in refused:
+            letter = DeadLetter.for_message(reason, r.value, source_topic=r.topic, partition=r.partition,
+                                            offset=r.offset, key=r.key, stage="sink")
+            log.warning("runwatch sink: %s[%d]@%d refused, dead-lettered: %s", r.topic, r.partition, r.offset, reason)
+            letters.append((r, letter))
+        if letters:
+            # Visible in the table at once, whatever becomes of the topic copy (same id: idempotent).
+            result = self.sink.store("deadletter", [letter for _, letter in letters])
+            for i, reason in result.refused:  # cannot happen with a well-formed DeadLetter; say so if it does
+                log.error("runwatch sink: dead letter for %s[%d]@%d not stored in ClickHouse: %s",
+                          letters[i][0].topic, letters[i][0].partition, letters[i][0].offset, reason)
+        return letters
+
+    def _publish(self, letters: list[tuple[Any, DeadLetter]]) -> dict[tuple[str, int], int]:
+        """Publish the dead letters and wait for them; returns, per (topic, partition), the first
+        offset whose dead letter could not be published (nothing is committed from there on)."""
+        failed: dict[tuple[str, int], int] = {}
+        if not letters:
+            return failed
+        sent = []
+        for r, letter in letters:
+            try:
+                if self._producer is None:
+                    raise RuntimeError("no Kafka producer for dead letters")
+                outcome: Any = self._producer.send(topics.DEADLETTER, key=r.key, value=letter.to_json())
+            except Exception as exc:  # noqa: BLE001 - metadata timeout, buffer full, closed producer
+                outcome = exc
+            sent.append((r, outcome))
+        if self._producer is not None:
+            try:
+                self._producer.flush(timeout=self.deadletter_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the futures below say which ones failed
+                log.warning("runwatch sink: flushing dead letters failed (%r)", exc)
+        for r, outcome in sent:
+            if isinstance(outcome, Exception):
+                error: Any = outcome
+            elif not outcome.is_done:
+                error = "not delivered in time"
+            elif outcome.failed():
+                error = outcome.exception
+            else:
+                self.stats.deadlettered[r.topic] += 1
+                continue
+            self.stats.deadletter_errors += 1
+            log.error("runwatch sink: dead letter for %s[%d]@%d could not be published (%s); "
+                      "not committing past it", r.topic, r.partition, r.offset, error)
+            key = (r.topic, r.partition)
+            failed[key] = min(failed.get(key, r.offset), r.offset)
+        return failed
+
+    def _flush(self, consumer, pending: list) -> bool:
+        """Store ``pending``, publish its dead letters, commit. Returns False when a dead letter
+        could not be published (its partition is rewound to it and not committed past it)."""
+        batch = self._decode_batch(pending)
+        delay = 0.5
+        while True:
+            try:
+                letters = self._deadletters(self._write(batch))
+                break
+            except ClickHouseUnavailable as exc:  # ClickHouse down: keep the batch, retry, never commit past it
+                self.stats.write_errors += 1
+                log.warning("runwatch sink: ClickHouse unreachable (%s); retrying in %.1fs", exc, delay)
+                if self.stopping.wait(delay) and self.stats.write_errors > 20:
+                    raise
+                delay = min(delay * 2, 10.0)
+        failed = self._publish(letters)
+        self._commit(consumer, pending, failed)
+        self.stats.batches += 1
+        if failed:
+            self.stopping.wait(self._publish_delay)  # the rewound messages come again after a pause
+            self._publish_delay = min(self._publish_delay * 2, 10.0)
+            return False
+        self._publish_delay = 0.5
+        return True
+
+    def _commit(self, consumer, pending: list, failed: dict[tuple[str, int], int]) -> None:
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        upto: dict[tuple[str, int], int] = {}
+        for r in pending:
+            key = (r.topic, r.partition)
+            upto[key] = max(upto.get(key, 0), r.offset + 1)
+        for key, offset in failed.items():
+            upto[key] = offset
+            try:  # read it (and what follows, stored again harmlessly) once more
+                consumer.seek(TopicPartition(*key), offset)
+            except Exception as exc:  # noqa: BLE001 - partition revoked: its next owner reads it from the commit
+                log.warning("runwatch sink: cannot rewind %s[%d] to %d (%r)", key[0], key[1], offset, exc)
+        try:
+            consumer.commit(offsets={TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in upto.items()},
+                            timeout_ms=self.commit_timeout_ms)
+        except Exception as exc:  # broker unreachable or group rebalanced: the rows are stored, and the
+            # next commit covers these offsets too; at worst they are re-delivered and deduplicated
+            self.stats.commit_errors += 1
+            log.warning("runwatch sink: offset commit failed (%r); carrying on", exc)
+        with self._lock:
+            for key, offset in upto.items():
+                if offset > self.positions.get(key, 0):
+                    self.positions[key] = offset
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _make_producer(self) -> Any:
+        from kafka import KafkaProducer
+
+        timeout_ms = int(self.deadletter_timeout_s * 1000)
+        return KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            api_version=topics.KAFKA_API_VERSION,
+            acks="all",
+            linger_ms=0,
+            max_block_ms=timeout_ms,
+            request_timeout_ms=max(500, timeout_ms // 2),
+            delivery_timeout_ms=timeout_ms,
+            reconnect_backoff_max_ms=1000,
+            client_id="runwatch-sink",
+        )
 
     def run(self) -> None:
         """Consume until ``stopping`` is set; flushes the last batch before returning."""
@@ -110,6 +277,8 @@ class SinkConsumer:
             heartbeat_interval_ms=1000,
             client_id="runwatch-sink",
         )
+        if self._given_producer is None:
+            self._producer = self._make_producer()
         pending: list = []
         started = time.monotonic()
         try:
@@ -124,38 +293,20 @@ class SinkConsumer:
                 pending.extend(got)
                 due = time.monotonic() - started >= self.batch_interval_s
                 if pending and (len(pending) >= self.batch_size or due or stopping):
-                    self._flush(consumer, pending)
+                    complete = self._flush(consumer, pending)
                     pending = []
                     started = time.monotonic()
+                    if stopping and not complete:
+                        break  # what was not committed is read again by the next sink
                 elif not pending:
                     started = time.monotonic()
                 if stopping and not got and not pending:
                     break
         finally:
             consumer.close()
-
-    def _flush(self, consumer, pending: list) -> None:
-        batch = self._decode_batch(pending)
-        delay = 0.5
-        while True:
-            try:
-                self._write(batch)
-                break
-            except Exception as exc:  # ClickHouse down: keep the batch, retry, never commit past it
-                self.stats.write_errors += 1
-                log.warning("runwatch sink: ClickHouse write failed (%s); retrying in %.1fs", exc, delay)
-                if self.stopping.wait(delay) and self.stats.write_errors > 20:
-                    raise
-                delay = min(delay * 2, 10.0)
-        try:
-            consumer.commit(timeout_ms=self.commit_timeout_ms)
-        except Exception as exc:  # broker unreachable or group rebalanced: the rows are stored, and the
-            # next commit covers these offsets too; at worst they are re-delivered and deduplicated
-            self.stats.commit_errors += 1
-            log.warning("runwatch sink: offset commit failed (%r); carrying on", exc)
-        self.stats.batches += 1
-        with self._lock:
-            for r in pending:
-                key = (r.topic, r.partition)
-                if r.offset + 1 > self.positions.get(key, 0):
-                    self.positions[key] = r.offset + 1
+            if self._given_producer is None and self._producer is not None:
+                try:
+                    self._producer.close(timeout=5)
+                except Exception as exc:  # noqa: BLE001 - closing must not hide why we stopped
+                    log.warning("runwatch sink: closing the dead-letter producer failed (%r)", exc)
+                self._producer = None

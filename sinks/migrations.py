@@ -166,6 +166,23 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        4,
+        "deadletter: stage, size, sha256, raw_truncated, traceback",
+        (
+            # Bounded dead letters (issue 11): who refused the message (decode = the worker's validation,
+            # detector = an error while handling a valid event, sink = a row ClickHouse refused), the size
+            # and SHA-256 of the whole original value, whether `raw` holds only its first bytes, and the
+            # traceback of a detector error. Rows written before this migration read as stage 'decode'.
+            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS stage LowCardinality(String) DEFAULT 'decode' "
+            "AFTER reason",
+            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS size UInt64 DEFAULT 0 AFTER stage",
+            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS sha256 Nullable(String) AFTER size",
+            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS raw_truncated Bool DEFAULT false AFTER raw",
+            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS traceback Nullable(String) CODEC(ZSTD(3)) "
+            "AFTER raw_truncated",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

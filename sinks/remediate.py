@@ -5,20 +5,28 @@ whose HMAC signature and expiry check out, it runs the command templates of the 
 match the action's kind, as argument lists without a shell, and posts Slack-compatible JSON
 to the webhooks that want that kind.
 
-Safety: a template's placeholders come only from an allow-list (``ACTION_FIELDS``,
-``RUN_FIELDS`` and the config's own ``vars``); each value must match ``SAFE_VALUE`` (no
-spaces, no shell metacharacters, no leading ``-`` that a command would read as an option,
-no ``..``) or the command is refused, not run. The program (``argv[0]``) is never a
+Values: a template's placeholders come only from an allow-list (``ACTION_FIELDS``,
+``RUN_FIELDS`` and the config's own ``vars``). Every filled-in value must full-match its field's
+pattern (``DEFAULT_FIELD_PATTERNS``, or the config's ``fields``) and must not be empty, too long,
+or hold control characters; and unless the field's config names the hazard in ``allow``, it must
+not start with ``-`` or ``/``, contain ``://``, ``@``, ``..`` or whitespace (``HAZARDS``). A value
+that fails is ``refused``: the command is not run. The program (``argv[0]``) is never a
 placeholder, and the action secret is removed from the commands' environment.
+
+Targets: ``job_id``, ``host`` and ``pod`` are *self-declared*: they come from the trainer's own
+``run_start`` (the worker copies them into the signed action's ``params``, so the signature
+proves nothing about them). They are taken from the platform's ``targets`` mapping (inline or
+``targets_file``) when it has the run, and then only from there; otherwise from the action's
+``params``, else from the run's newest ``run_start`` in ClickHouse ``telemetry`` (field, then
+tag). A command that uses a self-declared value runs only after its ``verify`` command (argv, no
+shell, with a timeout, the same placeholders) exits 0 and prints the run id and nothing else on
+each non-empty line of its stdout; otherwise it is recorded ``unverified`` and not run. A command
+using them with neither ``verify`` nor a mapping is a config error. See docs/remediation.md.
 
 Idempotency: every execution is a row in ClickHouse ``remediations``; on start the
 (action, target) pairs already recorded are loaded, and a pair that is recorded (ok, failed,
-refused or timed out) is never run again, whether the action arrives twice or the
+refused, unverified or timed out) is never run again, whether the action arrives twice or the
 remediator restarted. Kafka offsets are committed only after the rows are stored.
-
-``job_id``, ``host`` and ``pod`` are taken from the action's signed ``params`` if present,
-else from the run's newest ``run_start`` event in ClickHouse ``telemetry`` (as written by
-``runwatch sink`` to the same ClickHouse): its field of that name, else its tag of that name.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import signal
 import string
 import subprocess
 import threading
+import unicodedata
 import urllib.error
 import urllib.request
 import uuid
@@ -40,11 +49,21 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from runwatch.configfile import ConfigError as ConfigError  # re-exported: callers catch it from here
 from runwatch.configfile import load_yaml_model
@@ -56,23 +75,98 @@ log = logging.getLogger(__name__)
 
 REMEDIATE_GROUP = "runwatch-remediate"
 
-# A filled-in value: letters, digits and . _ : / @ -, 1..200 characters, not starting with "-".
-SAFE_VALUE = re.compile(r"[A-Za-z0-9._:/@][A-Za-z0-9._:/@-]{0,199}")
 ACTION_FIELDS = ("run_id", "action_id", "kind", "step", "onset_step", "target_step")
+# Self-declared by the trainer (its run_start) unless the platform's targets mapping gives them.
 RUN_FIELDS = ("job_id", "host", "pod")
 ALLOWED_FIELDS = ACTION_FIELDS + RUN_FIELDS
 OUTPUT_LIMIT = 4000  # characters of a command's output (its tail) or a webhook's response kept
+MAX_VALUE_LENGTH = 256  # no filled-in value is longer, whatever its pattern says
 
-STATUSES = ("ok", "failed", "refused", "timeout")
+STATUSES = ("ok", "failed", "refused", "unverified", "timeout")
+
+# Full-match patterns per field (Python regexes, ASCII classes); the config's `fields` replace them.
+DEFAULT_FIELD_PATTERNS: dict[str, str] = {
+    "job_id": r"^[0-9]+(_[0-9]+)?$",  # a SLURM job id, optionally an array task (1234_7)
+    "host": r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$",  # a host name (".." is a hazard below)
+    "pod": r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",  # a Kubernetes object name
+    "run_id": r"^[A-Za-z0-9._-]{1,200}$",
+    "action_id": r"^[A-Za-z0-9._-]{1,200}$",
+    "kind": r"^[a-z]{1,32}$",
+    "step": r"^[0-9]{1,19}$",
+    "onset_step": r"^[0-9]{1,19}$",
+    "target_step": r"^[0-9]{1,19}$",
+}
+
+Hazard = Literal["leading_dash", "absolute_path", "url", "at_sign", "dot_dot", "whitespace"]
+
+# What turns an argument into something else: refused for every field unless its config's
+# `allow` names the hazard (and its pattern matches the value too).
+HAZARDS: dict[str, tuple[Callable[[str], bool], str]] = {
+    "leading_dash": (lambda v: v.startswith("-"), "starts with '-' (would read as an option)"),
+    "absolute_path": (lambda v: v.startswith("/"), "is an absolute path"),
+    "url": (lambda v: "://" in v, "looks like a URL ('://')"),
+    "at_sign": (lambda v: "@" in v, "contains '@' (an @file argument or user@host)"),
+    "dot_dot": (lambda v: ".." in v, "contains '..'"),
+    "whitespace": (lambda v: any(c.isspace() for c in v), "contains whitespace"),
+}
+
+# `vars` are the platform's own literals (it could as well write them into the template): a
+# looser check, done once at config load.
+SAFE_VAR = re.compile(r"[A-Za-z0-9._:/@][A-Za-z0-9._:/@-]{0,199}")
 
 
 class RefusedValue(ValueError):
     """A placeholder whose value is missing or unsafe: the command is not run."""
 
 
-def unsafe_reason(value: str) -> str | None:
-    """Why ``value`` may not go into a command line, or ``None`` if it may."""
-    if not SAFE_VALUE.fullmatch(value):
+def _has_control(value: str) -> bool:
+    # Cc control, Cf format (zero-width, bidi), Cs/Co/Cn; line/paragraph separators too.
+    return any(unicodedata.category(c)[0] == "C" or unicodedata.category(c) in ("Zl", "Zp") for c in value)
+
+
+class FieldRule(BaseModel):
+    """A field's full-match pattern and the hazards it may carry anyway."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pattern: str
+    allow: list[Hazard] = Field(default_factory=list)
+    _regex: re.Pattern[str] = PrivateAttr()
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern, re.ASCII)
+        except re.error as exc:
+            raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
+        return pattern
+
+    def model_post_init(self, _context: Any) -> None:
+        self._regex = re.compile(self.pattern, re.ASCII)
+
+    def reason(self, value: str) -> str | None:
+        """Why ``value`` may not go into a command line as this field, or ``None`` if it may."""
+        if not value:
+            return "is empty"
+        if len(value) > MAX_VALUE_LENGTH:
+            return f"is longer than {MAX_VALUE_LENGTH} characters"
+        if _has_control(value):
+            return "contains control characters"
+        for name, (present, what) in HAZARDS.items():
+            if name not in self.allow and present(value):
+                return what
+        if not self._regex.fullmatch(value):
+            return f"does not match the pattern {self.pattern}"
+        return None
+
+
+DEFAULT_FIELD_RULES: dict[str, FieldRule] = {name: FieldRule(pattern=p) for name, p in DEFAULT_FIELD_PATTERNS.items()}
+
+
+def unsafe_var_reason(value: str) -> str | None:
+    """Why a config ``vars`` value may not go into a command line, or ``None`` if it may."""
+    if not SAFE_VAR.fullmatch(value):
         if not value:
             return "is empty"
         if len(value) > 200:
@@ -102,9 +196,18 @@ def template_fields(arg: str) -> list[str]:
     return names
 
 
-def fill_argv(argv: list[str], values: Mapping[str, str | None]) -> list[str]:
+def argv_fields(argv: list[str]) -> list[str]:
+    """Placeholder names used anywhere in ``argv``, each once, in order."""
+    return list(dict.fromkeys(name for arg in argv[1:] for name in template_fields(arg)))
+
+
+def fill_argv(argv: list[str], values: Mapping[str, str | None],
+              rules: Mapping[str, FieldRule] | None = None) -> list[str]:
     """The argument list with placeholders replaced; raises ``RefusedValue`` if any value is
-    missing or unsafe (checked per value, so literal text in the template may be anything)."""
+    missing or unsafe (checked per value against its field's rule, so literal text in the
+    template may be anything). A placeholder without a rule is a config ``vars`` value, checked
+    at load."""
+    rules = DEFAULT_FIELD_RULES if rules is None else rules
     out = []
     for arg in argv:
         parts = []
@@ -117,7 +220,8 @@ def fill_argv(argv: list[str], values: Mapping[str, str | None]) -> list[str]:
             value = values[name]
             if value is None:
                 raise RefusedValue(f"{{{name}}} is unknown for this action")
-            reason = unsafe_reason(value)
+            rule = rules.get(name)
+            reason = rule.reason(value) if rule is not None else unsafe_var_reason(value)
             if reason:
                 raise RefusedValue(f"{{{name}}} = {value[:60]!r} {reason}")
             parts.append(value)
@@ -132,26 +236,118 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class CommandTemplate(Strict):
+def check_argv_template(argv: list[str]) -> list[str]:
+    if not argv[0] or template_fields(argv[0]) or "{" in argv[0] or "}" in argv[0]:
+        raise ValueError("argv[0] (the program) must be a literal, non-empty name or path")
+    for arg in argv[1:]:
+        template_fields(arg)  # raises on a malformed template
+    return argv
+
+
+class VerifyCommand(Strict):
+    """Run before a command that uses self-declared targets: it must exit 0 within ``timeout_s``
+    and print the run id (and nothing else) on each non-empty line of its stdout."""
+
     argv: list[str] = Field(min_length=1, description="program and arguments; {placeholders} allowed after argv[0]")
-    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    timeout_s: float = Field(default=10.0, gt=0, le=300)
 
     @field_validator("argv")
     @classmethod
     def _check_argv(cls, argv: list[str]) -> list[str]:
-        if not argv[0] or template_fields(argv[0]) or "{" in argv[0] or "}" in argv[0]:
-            raise ValueError("argv[0] (the program) must be a literal, non-empty name or path")
-        for arg in argv[1:]:
-            template_fields(arg)  # raises on a malformed template
-        return argv
+        return check_argv_template(argv)
+
+
+class CommandTemplate(Strict):
+    argv: list[str] = Field(min_length=1, description="program and arguments; {placeholders} allowed after argv[0]")
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    verify: VerifyCommand | None = Field(default=None, description="default: the rule's verify")
+
+    @field_validator("argv")
+    @classmethod
+    def _check_argv(cls, argv: list[str]) -> list[str]:
+        return check_argv_template(argv)
 
     def key(self) -> str:
         return "command:" + hashlib.sha1(orjson.dumps(self.argv)).hexdigest()[:16]
+
+    def declared_fields(self) -> list[str]:
+        """The self-declared fields (``RUN_FIELDS``) this command's argv uses."""
+        return [name for name in argv_fields(self.argv) if name in RUN_FIELDS]
 
 
 class Rule(Strict):
     kinds: list[ActionKind] = Field(min_length=1)
     commands: list[CommandTemplate] = Field(min_length=1)
+    verify: VerifyCommand | None = Field(default=None, description="for its commands that have none of their own")
+
+    @model_validator(mode="after")
+    def _inherit_verify(self) -> Rule:
+        for command in self.commands:
+            if command.verify is None and self.verify is not None:
+                command.verify = self.verify
+        return self
+
+
+class Target(Strict):
+    """Where a run really runs, as the platform knows it."""
+
+    job_id: str | None = None
+    host: str | None = None
+    pod: str | None = None
+
+    @field_validator("job_id", "host", "pod", mode="before")
+    @classmethod
+    def _number_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    def values(self) -> dict[str, str | None]:
+        return {name: getattr(self, name) for name in RUN_FIELDS}
+
+
+TARGETS_ADAPTER = TypeAdapter(dict[str, Target])
+
+
+def read_targets_file(path: Path) -> dict[str, Target]:
+    """A YAML mapping of run id -> {job_id, host, pod}; raises ``ValueError`` saying what is wrong."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        return TARGETS_ADAPTER.validate_python(data or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<file>"
+        raise ValueError(f"{path}: {where}: {first['msg']}") from None
+
+
+class TargetsFile:
+    """The platform's mapping file, re-read when its modification time or size changes; if a
+    re-read fails (a half-written file), the last good contents stay in use."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = read_targets_file(path)  # raises: a config pointing at a bad file is refused
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def get(self, run_id: str) -> Target | None:
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self.entries = read_targets_file(self.path)
+            except ValueError as exc:
+                log.warning("remediate: targets file re-read failed (%s); keeping its last good contents", exc)
+        return self.entries.get(run_id)
 
 
 class Webhook(Strict):
@@ -181,27 +377,98 @@ class Webhook(Strict):
 
 class RemediationConfig(Strict):
     vars: dict[str, str] = Field(default_factory=dict, description="fixed placeholder values")
+    fields: dict[str, FieldRule] = Field(
+        default_factory=dict, description="field -> full-match pattern, or {pattern, allow: [hazards]}")
+    targets: dict[str, Target] | None = Field(
+        default=None, description="platform mapping: run id -> {job_id, host, pod}, overriding the run's own")
+    targets_file: str | None = Field(default=None, description="absolute path of a YAML file like `targets`")
     rules: list[Rule] = Field(default_factory=list)
     webhooks: list[Webhook] = Field(default_factory=list)
 
+    _rules: dict[str, FieldRule] = PrivateAttr(default_factory=dict)
+    _targets_file: TargetsFile | None = PrivateAttr(default=None)
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _pattern_shorthand(cls, fields: Any) -> Any:
+        if isinstance(fields, dict):
+            return {k: {"pattern": v} if isinstance(v, str) else v for k, v in fields.items()}
+        return fields
+
     @model_validator(mode="after")
-    def _check_placeholders(self) -> RemediationConfig:
+    def _check(self) -> RemediationConfig:
         for name, value in self.vars.items():
             if not name.isidentifier() or name in ALLOWED_FIELDS:
                 raise ValueError(f"vars.{name}: must be a plain name other than {', '.join(ALLOWED_FIELDS)}")
-            reason = unsafe_reason(value)
+            reason = unsafe_var_reason(value)
             if reason:
                 raise ValueError(f"vars.{name} = {value!r} {reason}")
+        for name in self.fields:
+            if name not in ALLOWED_FIELDS:
+                raise ValueError(f"fields.{name}: patterns are for {', '.join(ALLOWED_FIELDS)} "
+                                 "(vars are checked as written)")
+        self._rules = {**DEFAULT_FIELD_RULES, **self.fields}
+
         allowed = set(ALLOWED_FIELDS) | set(self.vars)
-        for rule in self.rules:
-            for command in rule.commands:
-                for arg in command.argv[1:]:
-                    for name in template_fields(arg):
+        mapped = self.targets is not None or self.targets_file is not None
+        by_key: dict[str, CommandTemplate] = {}
+        for r, rule in enumerate(self.rules):
+            for c, command in enumerate(rule.commands):
+                where = f"rules.{r}.commands.{c} {command.argv}"
+                templates = [("", command.argv)] + ([("verify ", command.verify.argv)] if command.verify else [])
+                for what, argv in templates:
+                    for name in argv_fields(argv):
                         if name not in allowed:
-                            raise ValueError(
-                                f"{{{name}}} in {command.argv}: allowed placeholders are "
-                                f"{', '.join(sorted(allowed))}")
+                            raise ValueError(f"{where}: {what}{{{name}}}: allowed placeholders are "
+                                             f"{', '.join(sorted(allowed))}")
+                declared = command.declared_fields()
+                if command.verify is not None:
+                    missing = [n for n in declared if n not in argv_fields(command.verify.argv)]
+                    if missing:
+                        raise ValueError(
+                            f"{where}: its verify command {command.verify.argv} must use every self-declared "
+                            f"field the command uses, so that it checks that target: missing "
+                            f"{', '.join('{' + n + '}' for n in missing)}")
+                elif declared and not mapped:
+                    raise ValueError(
+                        f"{where} uses {', '.join('{' + n + '}' for n in declared)}, which the trainer declares "
+                        "itself (run_start), with neither a `verify` command (whose output must be the run id) "
+                        "nor a platform `targets`/`targets_file` mapping: any run could aim it at another "
+                        "team's job. Add one; see docs/remediation.md")
+                earlier = by_key.setdefault(command.key(), command)
+                if earlier.verify != command.verify:
+                    raise ValueError(f"{where} appears twice with different verify commands")
+
+        for run_id, target in (self.targets or {}).items():
+            for name, value in target.values().items():
+                reason = None if value is None else self._rules[name].reason(value)
+                if reason:
+                    raise ValueError(f"targets.{run_id}.{name} = {value!r} {reason}")
+        if self.targets_file is not None:
+            path = Path(self.targets_file)
+            if not path.is_absolute():
+                raise ValueError(f"targets_file {self.targets_file!r} must be an absolute path")
+            try:
+                self._targets_file = TargetsFile(path)
+            except ValueError as exc:
+                raise ValueError(f"targets_file: {exc}") from None
         return self
+
+    def field_rules(self) -> dict[str, FieldRule]:
+        """Every field's rule: the defaults with the config's ``fields`` over them."""
+        return self._rules or dict(DEFAULT_FIELD_RULES)
+
+    @property
+    def has_mapping(self) -> bool:
+        return self.targets is not None or self.targets_file is not None
+
+    def target_for(self, run_id: str) -> Target | None:
+        """The platform's entry for ``run_id`` (the file's over the inline one), if any."""
+        if self._targets_file is not None:
+            entry = self._targets_file.get(run_id)
+            if entry is not None:
+                return entry
+        return (self.targets or {}).get(run_id)
 
     def commands_for(self, kind: str) -> list[CommandTemplate]:
         """Every command of every rule matching ``kind``, an identical template once."""
@@ -227,26 +494,32 @@ def load_remediation_config(path: str | Path) -> RemediationConfig:
 # -- values, payloads, executions ------------------------------------------------------------
 
 
-def placeholder_values(action: Action, run_meta: Mapping[str, Any], fixed: Mapping[str, str]) -> dict[str, str | None]:
-    """Every allowed placeholder's value for ``action`` (``None`` where unknown)."""
-    target = action.target_checkpoint
+def placeholder_values(action: Action, run_meta: Mapping[str, Any], fixed: Mapping[str, str],
+                       target: Target | None = None) -> dict[str, str | None]:
+    """Every allowed placeholder's value for ``action`` (``None`` where unknown). With the
+    platform's ``target`` for the run, ``job_id``/``host``/``pod`` come only from it; without, from
+    the run's own declarations: the action's ``params``, else ``run_meta`` (run_start field, then tag)."""
+    checkpoint = action.target_checkpoint
     values: dict[str, str | None] = {
         "run_id": action.run_id,
         "action_id": action.action_id,
         "kind": action.kind,
         "step": None if action.step is None else str(action.step),
         "onset_step": None if action.onset_step is None else str(action.onset_step),
-        "target_step": None if target is None else str(target.step),
+        "target_step": None if checkpoint is None else str(checkpoint.step),
     }
-    tags = run_meta.get("tags") if isinstance(run_meta.get("tags"), dict) else {}
-    for name in RUN_FIELDS:
-        value = action.params.get(name)
-        if value is None:
-            value = run_meta.get(name)
-        if value is None:
-            value = tags.get(name)
-        # Only scalars become text; anything else is refused as unknown.
-        values[name] = str(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
+    if target is not None:
+        values.update(target.values())
+    else:
+        tags = run_meta.get("tags") if isinstance(run_meta.get("tags"), dict) else {}
+        for name in RUN_FIELDS:
+            value = action.params.get(name)
+            if value is None:
+                value = run_meta.get(name)
+            if value is None:
+                value = tags.get(name)
+            # Only scalars become text; anything else is refused as unknown.
+            values[name] = str(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
     values.update(fixed)
     return values
 
@@ -293,7 +566,7 @@ class Execution:
     kind: str
     target: str  # command | webhook
     target_key: str
-    status: str  # ok | failed | refused | timeout
+    status: str  # ok | failed | refused | unverified | timeout
     argv: list[str] = field(default_factory=list)
     url: str = ""
     exit_code: int | None = None  # a command's exit status; a webhook's HTTP status
@@ -322,15 +595,18 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != topics.SECRET_ENV}
 
 
-def run_command(argv: list[str], timeout_s: float) -> tuple[str, int | None, str]:
-    """Run ``argv`` without a shell; returns (status, exit code, output tail)."""
+def _spawn(argv: list[str], timeout_s: float, *, merge_stderr: bool) -> tuple[str, int | None, bytes, bytes]:
+    """Run ``argv`` without a shell, its own session, stdin closed; returns (status, exit code,
+    stdout, stderr). Status is ok, failed (non-zero exit or could not start: then stderr says
+    why) or timeout (the whole process group killed)."""
     try:
         proc = subprocess.Popen(argv, shell=False, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+                                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, env=child_env(),
+                                start_new_session=True)
     except OSError as exc:
-        return "failed", None, f"could not start {argv[0]!r}: {exc.strerror or exc}"
+        return "failed", None, b"", f"could not start {argv[0]!r}: {exc.strerror or exc}".encode()
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         # Its own session: kill the whole group, so a grandchild holding the pipe cannot hang us.
         try:
@@ -338,12 +614,46 @@ def run_command(argv: list[str], timeout_s: float) -> tuple[str, int | None, str
         except ProcessLookupError:
             pass
         try:
-            out, _ = proc.communicate(timeout=5)
+            out, err = proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:
-            out = b""
-        return "timeout", proc.returncode, _tail(out.decode(errors="replace")) + f"\n[killed after {timeout_s}s]"
-    status = "ok" if proc.returncode == 0 else "failed"
-    return status, proc.returncode, _tail(out.decode(errors="replace"))
+            out, err = b"", b""
+        return "timeout", proc.returncode, out or b"", err or b""
+    return ("ok" if proc.returncode == 0 else "failed"), proc.returncode, out or b"", err or b""
+
+
+def run_command(argv: list[str], timeout_s: float) -> tuple[str, int | None, str]:
+    """Run ``argv`` without a shell; returns (status, exit code, output tail)."""
+    status, code, out, err = _spawn(argv, timeout_s, merge_stderr=True)
+    if code is None and status == "failed":
+        return status, code, err.decode(errors="replace")
+    text = _tail(out.decode(errors="replace"))
+    return status, code, text + (f"\n[killed after {timeout_s}s]" if status == "timeout" else "")
+
+
+def run_verify(argv: list[str], timeout_s: float) -> tuple[str, int | None, str, str]:
+    """Run a verify command without a shell; returns (status, exit code, stdout, stderr tail).
+    Only stdout counts as its answer: an error message on stderr that echoes the target can
+    never verify it."""
+    status, code, out, err = _spawn(argv, timeout_s, merge_stderr=False)
+    return status, code, out.decode(errors="replace"), _tail(err.decode(errors="replace"))
+
+
+def verify_problem(run_id: str, status: str, code: int | None, stdout: str, stderr: str) -> str | None:
+    """Why a verify command's result does not show that the target belongs to ``run_id``, or
+    ``None`` if it does: it exited 0 and every non-empty line of its stdout, stripped, is the run id
+    (at least one line). A substring would not do: run "x" must not match a comment "x-team:run-9"."""
+    if status == "timeout":
+        return "timed out"
+    if status != "ok":
+        detail = stderr.strip()[-300:]
+        return (f"exited {code}" if code is not None else "did not start") + (f": {detail}" if detail else "")
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        return f"printed nothing; expected the run id {run_id!r}"
+    for line in lines:
+        if line != run_id:
+            return f"printed {line[:120]!r}, not the run id {run_id!r}: the target is not this run's"
+    return None
 
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[str, int | None, str]:
@@ -371,7 +681,7 @@ class Remediator:
 
     ``record`` stores one execution (and must not return before it is stored);
     ``lookup_run`` gives a run's ``run_start`` fields; ``done`` is what is already recorded,
-    as (action_id, target_key) pairs."""
+    as (action_id, target_key) pairs; ``runner`` runs a command, ``verifier`` a verify command."""
 
     def __init__(
         self,
@@ -383,6 +693,7 @@ class Remediator:
         done: Iterable[tuple[str, str]] = (),
         runner: Callable[[list[str], float], tuple[str, int | None, str]] = run_command,
         poster: Callable[[str, dict[str, Any], float], tuple[str, int | None, str]] = post_webhook,
+        verifier: Callable[[list[str], float], tuple[str, int | None, str, str]] = run_verify,
         now: Callable[[], datetime] = utc_now,
     ):
         self.config = config
@@ -390,6 +701,7 @@ class Remediator:
         self._record = record
         self._lookup_run = lookup_run
         self._runner = runner
+        self._verifier = verifier
         self._poster = poster
         self._now = now
         self.done: set[tuple[str, str]] = set(done)
@@ -424,27 +736,69 @@ class Remediator:
             self.ignored["duplicate" if planned else "no_rule"] += 1
             return []
         values: dict[str, str | None] = {}
+        mapped = False
         if commands:
-            values = placeholder_values(action, self._lookup_run(action.run_id) or {}, self.config.vars)
+            target = self.config.target_for(action.run_id)
+            mapped = target is not None
+            # The platform's mapping, when it has the run, replaces what the run says about itself.
+            meta = {} if mapped else (self._lookup_run(action.run_id) or {})
+            values = placeholder_values(action, meta, self.config.vars, target)
         done: list[Execution] = []
         for command in commands:
-            done.append(self._finish(action, self._run(action, command, values)))
+            done.append(self._finish(action, self._run(action, command, values, mapped)))
         for hook in hooks:
             done.append(self._finish(action, self._post(action, hook, done)))
         return done
 
-    def _run(self, action: Action, command: CommandTemplate, values: Mapping[str, str | None]) -> Execution:
+    def _run(self, action: Action, command: CommandTemplate, values: Mapping[str, str | None],
+             mapped: bool) -> Execution:
         base = dict(action_id=action.action_id, run_id=action.run_id, kind=action.kind, target="command",
                     target_key=command.key())
         started = utc_now()
+        rules = self.config.field_rules()
         try:
-            argv = fill_argv(command.argv, values)
+            argv = fill_argv(command.argv, values, rules)
         except RefusedValue as exc:
             return Execution(**base, status="refused", argv=list(command.argv), output=str(exc),
                              started_at=started, finished_at=utc_now())
+        declared = [] if mapped else command.declared_fields()
+        if command.verify is not None:
+            problem = self._check_target(action, command.verify, values, rules, mapped)
+            if problem is not None:
+                status, output = problem
+                return Execution(**base, status=status, argv=argv, output=output, started_at=started,
+                                 finished_at=utc_now())
+        elif declared:
+            # Reachable only with a targets mapping that lacks this run (a config without one is refused).
+            names = ", ".join("{" + n + "}" for n in declared)
+            return Execution(**base, status="unverified", argv=argv, started_at=started, finished_at=utc_now(),
+                             output=f"not run: {names} self-declared by the run, which is not in the targets "
+                                    f"mapping, and the command has no verify")
         status, code, output = self._runner(argv, command.timeout_s)
         return Execution(**base, status=status, argv=argv, exit_code=code, output=output,
                          started_at=started, finished_at=utc_now())
+
+    def _check_target(self, action: Action, verify: VerifyCommand, values: Mapping[str, str | None],
+                      rules: Mapping[str, FieldRule], mapped: bool) -> tuple[str, str] | None:
+        """``None`` if ``verify`` shows the target belongs to the run, else (status, reason)."""
+        try:
+            vargv = fill_argv(verify.argv, values, rules)
+        except RefusedValue as exc:
+            return "refused", f"verify not run: {exc}"
+        shown = " ".join(vargv)
+        if not mapped:
+            # A verify command that echoes its target would "verify" a run named like the target.
+            for name in argv_fields(verify.argv):
+                if name in RUN_FIELDS and values.get(name) == action.run_id:
+                    return "unverified", (f"not run: the run id equals its own declared {{{name}}}, so verify "
+                                          f"`{shown}` cannot tell them apart; map the run in `targets`")
+        status, code, stdout, stderr = self._verifier(vargv, verify.timeout_s)
+        problem = verify_problem(action.run_id, status, code, stdout, stderr)
+        if problem is None:
+            return None
+        if status == "timeout":
+            problem += f" after {verify.timeout_s}s"
+        return "unverified", _tail(f"not run: verify `{shown}` {problem}")
 
     def _post(self, action: Action, hook: Webhook, commands: list[Execution]) -> Execution:
         started = utc_now()
@@ -523,6 +877,7 @@ class RemediateConsumer:
         session_timeout_ms: int = 6000,
         runner: Callable[[list[str], float], tuple[str, int | None, str]] = run_command,
         poster: Callable[[str, dict[str, Any], float], tuple[str, int | None, str]] = post_webhook,
+        verifier: Callable[[list[str], float], tuple[str, int | None, str, str]] = run_verify,
     ):
         self.store = store
         self.bootstrap = bootstrap
@@ -534,7 +889,8 @@ class RemediateConsumer:
         self.commit_errors = 0
         self._meta: dict[str, Mapping[str, Any]] = {}
         self.remediator = Remediator(config, secret, record=self._record, lookup_run=self._lookup_run,
-                                     done=store.done_keys(), runner=runner, poster=poster)
+                                     done=store.done_keys(), runner=runner, poster=poster,
+                                     verifier=verifier)
 
     def _lookup_run(self, run_id: str) -> Mapping[str, Any]:
         if run_id not in self._meta:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import faust
@@ -16,7 +17,8 @@ import faust
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
 from runwatch.streams import transport
-from runwatch.streams.detector_process import DetectorProcess, Outgoing
+from runwatch.streams.detector_process import REPLY_TIMEOUT_S, DetectorProcess, DetectorProcessError, Outgoing
+from runwatch.streams.health import CommitSensor, WorkerHealth, serve_health
 
 log = logging.getLogger("runwatch.worker")
 
@@ -68,54 +70,104 @@ def write_ready_file(ready_file: Path, assigned) -> None:  # noqa: ANN001 - a se
     ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
 
 
+MAX_BATCHES_AWAITING_DELIVERY = 64  # batches whose records are sent, waiting for the broker's acknowledgement
+DELIVERY_TIMEOUT_S = 60.0  # the producer retries within this; a record still undelivered fails the worker
+
+
 def create_app(
     bootstrap: str,
     config: RunwatchConfig,
     secret: bytes,
     *,
     app_id: str = DETECT_GROUP,
-    web_port: int = 6066,
+    web_port: int | None = 6066,
+    web_host: str = "0.0.0.0",
     ready_file: Path | None = None,
+    detector_timeout_s: float = REPLY_TIMEOUT_S,
+    delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
-    comes back. Events are acknowledged (their offsets committed) only once their results are sent."""
-    app = faust_app(bootstrap, app_id, web_port)
+    comes back. Events are acknowledged (their offsets committed) only once their results are
+    delivered. Whatever stops progress (the detector process dies or stops answering, results cannot
+    be published) fails the worker: it exits non-zero and its successor reads the events again.
+    ``web_port`` serves the health endpoint (streams/health.py); None turns it off."""
+    app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
                   for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED)}
-    detectors = DetectorProcess(config, secret)
+    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s)
+    health = WorkerHealth(detectors)
+    app.sensors.add(CommitSensor(health))
 
-    async def publish(records: list[Outgoing]) -> None:
-        for record in records:
-            await out_topics[record.topic].send(key=record.key, value=record.value)
+    async def fail(reason: str, exc: BaseException) -> None:
+        health.fail(reason)
+        await app.crash(exc)
+        raise exc
 
-    async def complete(stream, inflight: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
-        # In order: publish a batch's records, then acknowledge its events, while the next batch runs.
+    async def send(records: list[Outgoing]) -> list[asyncio.Future]:
+        """Hand the records to the producer in order; returns their delivery futures."""
+        try:
+            return [await out_topics[r.topic].send(key=r.key, value=r.value) for r in records]
+        except Exception as exc:  # noqa: BLE001 - refused before sending (e.g. too large): never acked
+            health.publish_failures += 1
+            await fail(f"cannot publish results ({len(records)} records): {exc!r}; their events stay "
+                       "uncommitted", exc)
+            raise
+
+    async def acknowledge(stream, delivered: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
+        # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
+        # acknowledged every record they produced. The producer retries transient errors itself; what
+        # still fails fails the worker, and the events are read again by its successor.
         while True:
-            batch, reply = await inflight.get()
-            await publish((await reply).records)
+            batch, futures = await delivered.get()
+            try:
+                await asyncio.wait_for(asyncio.gather(*futures), delivery_timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                health.publish_failures += 1
+                await fail(f"results of {len(batch)} events were not delivered: {exc!r}; those events stay "
+                           "uncommitted", exc)
             for event in batch:
                 await stream.ack(event)
+            health.last_ack = time.monotonic()
+
+    async def complete(stream, inflight: asyncio.Queue, delivered: asyncio.Queue) -> None:  # noqa: ANN001
+        # In order: send a batch's records, then hand the batch to the acknowledger, while the next runs.
+        while True:
+            batch, reply = await inflight.get()
+            try:
+                records = (await reply).records
+            except DetectorProcessError as exc:
+                await fail(str(exc).splitlines()[0], exc)
+            await delivered.put((batch, await send(records)))
 
     @app.agent(telemetry)
     async def detect(stream):  # noqa: ANN001
         inflight: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
-        completer = asyncio.ensure_future(complete(stream, inflight))
+        delivered: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
+        completer = asyncio.ensure_future(complete(stream, inflight, delivered))
+        acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
         await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
         try:
             async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
-                raw = [(e.value, e.key, e.message.partition, e.message.offset) for e in batch]
+                raw = [(e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
+                       for e in batch]
                 await inflight.put((batch, detectors.submit("events", raw)))
-                if completer.done():
-                    completer.result()  # the detector process failed: crash the agent with its error
+                for task in (completer, acknowledger):
+                    if task.done():
+                        task.result()  # the detector process or publishing failed: crash with its error
         finally:
             completer.cancel()
+            acknowledger.cancel()
 
     @app.on_partitions_assigned.connect
     async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
+        health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
         # (the reply also says the detector process is up: only then is the worker ready)
-        reply = await detectors.submit("keep_partitions", owned)
+        try:
+            reply = await detectors.submit("keep_partitions", owned)
+        except DetectorProcessError as exc:
+            await fail(str(exc).splitlines()[0], exc)
         for run in reply.dropped_runs:
             log.info("run %s moved to another worker", run)
         if ready_file is not None:
@@ -124,13 +176,36 @@ def create_app(
     @app.timer(TICK_INTERVAL_S)
     async def tick() -> None:
         # Stalled or silent ranks are found by time passing, not by an event arriving.
-        await publish((await detectors.submit("tick")).records)
+        try:
+            records = (await detectors.submit("tick")).records
+        except DetectorProcessError as exc:
+            await fail(str(exc).splitlines()[0], exc)
+        if records:
+            try:
+                await asyncio.wait_for(asyncio.gather(*await send(records)), delivery_timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                health.publish_failures += 1
+                await fail(f"timer findings were not delivered: {exc!r}", exc)
 
     @app.timer(30.0)
     async def report_counters() -> None:
         c = detectors.counters
-        log.info("processed=%d deadlettered=%d anomalies=%d actions=%s", c.processed, c.deadlettered,
-                 c.anomalies, dict(c.actions))
+        log.info("processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s", c.processed,
+                 c.deadlettered, c.detector_errors, c.anomalies, dict(c.actions))
+
+    if web_port is not None:
+        runners: list = []
+
+        @app.task
+        async def health_endpoint() -> None:
+            runners.append(await serve_health(health, web_host, web_port))
+
+        @app.on_before_shutdown.connect
+        async def stop_health(sender, **kwargs) -> None:  # noqa: ANN001
+            if health.failure is not None:
+                return  # a failing worker keeps saying why until the process ends
+            for runner in runners:
+                await runner.cleanup()
 
     @app.on_before_shutdown.connect
     async def stop_detectors(sender, **kwargs) -> None:  # noqa: ANN001

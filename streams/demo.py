@@ -8,6 +8,7 @@ shuts everything down and reports what happened, read back from ClickHouse.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -77,15 +78,17 @@ class WorkerProcess:
     """``runwatch worker`` as a child process, stopped by pid."""
 
     def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None,
-                 group: str | None = None):
+                 group: str | None = None, extra_args: tuple[str, ...] = ()):
         self.ready_file = log_path.with_suffix(".ready")
         self.ready_file.unlink(missing_ok=True)
+        self.web_port = free_port()
         cmd = [sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", bootstrap,
-               "--web-port", str(free_port()), "--ready-file", str(self.ready_file)]
+               "--web-port", str(self.web_port), "--web-host", "127.0.0.1", "--ready-file", str(self.ready_file)]
         if config_path is not None:
             cmd += ["--config", str(config_path)]
         if group is not None:
             cmd += ["--group", group]
+        cmd += list(extra_args)
         env = dict(os.environ, **{topics.SECRET_ENV: secret})
         self.log_path = log_path
         self._log = open(log_path, "ab")
@@ -99,6 +102,26 @@ class WorkerProcess:
             return self.ready_file.exists()
 
         wait_until(ready, timeout, "the worker to join its consumer group")
+
+        def answering() -> bool:  # (the ready file can come before the health endpoint listens)
+            try:
+                self.health("/livez", timeout=1.0)
+                return True
+            except OSError:
+                return False
+
+        wait_until(answering, timeout, "the worker's health endpoint")
+
+    def health(self, path: str = "/health", timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+        """GET the worker's health endpoint: (HTTP status, JSON body)."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}{path}", timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.process.poll() is None:

@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ log = logging.getLogger("runwatch.worker")
 
 _POLL_S = 0.5  # how often each side checks that the other is still there
 _START_TIMEOUT_S = 120.0
+# A request unanswered this long means the child is frozen or stuck (a batch of 500 events takes
+# tens of milliseconds): it is killed and the worker fails, so a supervisor restarts it.
+REPLY_TIMEOUT_S = 30.0
 
 
 class DetectorProcessError(RuntimeError):
@@ -56,7 +60,7 @@ class Reply:
     dropped_runs: list[str] = field(default_factory=list)  # for a `keep_partitions` request
 
 
-RawEvent = tuple[bytes, bytes | None, int | None, int | None]  # value, key, partition, offset
+RawEvent = tuple[bytes | None, bytes | None, int | None, int | None, float | None]  # value, key, partition, offset, timestamp
 
 
 def outgoing(result: ProcessResult, key: bytes | None = None) -> list[Outgoing]:
@@ -64,6 +68,7 @@ def outgoing(result: ProcessResult, key: bytes | None = None) -> list[Outgoing]:
     records = []
     if result.deadletter is not None:
         records.append(Outgoing(topics.DEADLETTER, key, result.deadletter.to_json()))
+    records.extend(Outgoing(topics.DEADLETTER, (d.key or "").encode(), d.to_json()) for d in result.errors)
     records.extend(Outgoing(topics.ANOMALIES, a.run_id.encode(), a.to_json()) for a in result.anomalies)
     records.extend(Outgoing(topics.ACTIONS, a.run_id.encode(), a.to_json()) for a in result.actions)
     records.extend(Outgoing(topics.JOINED, s.run_id.encode(), s.to_json()) for s in result.joined)
@@ -74,12 +79,13 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     """One request, as the child runs it (also usable in-process, e.g. by tests)."""
     reply = Reply()
     if kind == "events":
-        for raw, key, partition, offset in payload:
-            result = processor.process(raw, key, partition, offset)
+        for raw, key, partition, offset, timestamp in payload:
+            result = processor.process(raw, key, partition, offset, timestamp)
             if result.deadletter is not None:
                 log.warning("dead letter at %s[%s]@%s: %s", topics.TELEMETRY, partition, offset,
-                            result.deadletter.reason)
-            if result.deadletter is not None or result.anomalies or result.actions or result.joined:
+                            result.deadletter.reason[:300])
+            if (result.deadletter is not None or result.anomalies or result.actions or result.joined
+                    or result.errors):
                 reply.records.extend(outgoing(result, key))
     elif kind == "tick":
         reply.records = outgoing(processor.tick())
@@ -121,7 +127,8 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
 class DetectorProcess:
     """The parent's handle: ``submit`` returns a future for the reply; ``close`` stops the child."""
 
-    def __init__(self, config: RunwatchConfig, secret: bytes):
+    def __init__(self, config: RunwatchConfig, secret: bytes, reply_timeout_s: float = REPLY_TIMEOUT_S):
+        self.reply_timeout_s = reply_timeout_s
         ctx = multiprocessing.get_context("spawn")  # (fork is unsafe once Faust's threads run)
         self._requests = ctx.Queue()
         self._replies = ctx.Queue()
@@ -130,6 +137,8 @@ class DetectorProcess:
             args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid()),
         )
         self._pending: deque[asyncio.Future] = deque()
+        self._sent_at: deque[float] = deque()  # monotonic send time of each pending request
+        self._last_reply = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._failure: DetectorProcessError | None = None
@@ -159,8 +168,32 @@ class DetectorProcess:
             future.set_exception(self._failure)
             return future
         self._pending.append(future)
+        self._sent_at.append(time.monotonic())
         self._requests.put((kind, payload))
         return future
+
+    def oldest_pending_s(self) -> float:
+        """How long the oldest unanswered request has waited (0 when none is pending)."""
+        try:
+            return max(0.0, time.monotonic() - self._sent_at[0])
+        except IndexError:
+            return 0.0
+
+    def health(self) -> dict[str, Any]:
+        """For the worker's health endpoint."""
+        return {
+            "alive": self._process.is_alive() and self._failure is None,
+            "pid": self._process.pid,
+            "ready": self._ready.is_set() and self._failure is None,
+            "pending_requests": len(self._sent_at),
+            "oldest_pending_s": round(self.oldest_pending_s(), 3),
+            "last_reply_age_s": round(time.monotonic() - self._last_reply, 3),
+            "failure": str(self._failure).splitlines()[0] if self._failure is not None else None,
+        }
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the child to finish its current request and exit; kill it if it does not."""
@@ -184,6 +217,13 @@ class DetectorProcess:
                     code = self._process.exitcode
                     self._fail(DetectorProcessError(f"the detector process exited with code {code}"))
                     return
+                waited = self.oldest_pending_s()
+                if waited > self.reply_timeout_s:
+                    self._fail(DetectorProcessError(
+                        f"the detector process (pid {self._process.pid}) has not answered for {waited:.0f} s "
+                        f"(limit {self.reply_timeout_s:.0f} s): frozen or stuck; it was killed"))
+                    self._process.kill()
+                    return
                 continue
             except (EOFError, OSError):
                 self._fail(DetectorProcessError("the detector process's reply queue closed"))
@@ -199,6 +239,8 @@ class DetectorProcess:
     def _resolve(self, reply: Reply) -> None:
         def resolve() -> None:
             self.counters = reply.counters
+            self._last_reply = time.monotonic()
+            self._sent_at.popleft()
             future = self._pending.popleft()
             if not future.done():
                 future.set_result(reply)
@@ -213,6 +255,7 @@ class DetectorProcess:
         self._ready.set()
 
         def fail_pending() -> None:
+            self._sent_at.clear()
             while self._pending:
                 future = self._pending.popleft()
                 if not future.done():

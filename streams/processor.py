@@ -7,10 +7,12 @@ Bytes in; dead letters, anomalies and signed actions out. Per-run state is a
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+import traceback
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
 from runwatch.detectors.policy import ActionDecision
@@ -20,10 +22,12 @@ from runwatch.producer.schema import (
     Anomaly,
     DeadLetter,
     JoinedStep,
-    RunEndEvent,
+    RunStartEvent,
     SchemaError,
+    TelemetryEvent,
     action_expiry,
     decode_event,
+    record_time,
     utc_now,
 )
 from runwatch.producer.signing import sign_action
@@ -37,6 +41,7 @@ class ProcessResult:
     anomalies: list[Anomaly] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
+    errors: list[DeadLetter] = field(default_factory=list)  # detector_error records (a run's state was reset)
 
 
 @dataclass
@@ -45,72 +50,151 @@ class WorkerCounters:
     deadlettered: int = 0
     anomalies: int = 0
     actions: Counter = field(default_factory=Counter)
+    detector_errors: int = 0  # events or ticks whose handling raised: the run's state was reset
+    runs: int = 0  # runs held now
+    tick_deferred: int = 0  # runs whose tick was left to the next one (the tick's time budget ran out)
+
+
+# A tick judges runs until this much wall time has passed, then leaves the rest to the next tick
+# (round robin), so that one slow run cannot freeze the other runs' timers.
+TICK_BUDGET_S = 0.1
 
 
 class TelemetryProcessor:
-    def __init__(self, config: RunwatchConfig, secret: bytes, clock: Callable[[], datetime] = utc_now):
+    def __init__(self, config: RunwatchConfig, secret: bytes, clock: Callable[[], datetime] = utc_now,
+                 perf_clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self._secret = secret
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
+        self._perf = perf_clock
         self.monitors: dict[str, RunMonitor] = {}
         self._last_seen: dict[str, tuple[datetime, datetime]] = {}  # run -> (newest event ts, when it arrived)
         self._partition: dict[str, int] = {}  # run -> the telemetry partition its events come from
+        self._tick_order: deque[str] = deque()  # runs in the order the next tick judges them
+        # After run_end a multi-rank run is kept this long for its other ranks' last steps.
+        self._linger = timedelta(seconds=config.join.timeout_s)
         self.counters = WorkerCounters()
 
     def process(
-        self, raw: bytes, key: bytes | None = None, partition: int | None = None, offset: int | None = None
+        self,
+        raw: bytes | None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        offset: int | None = None,
+        timestamp: float | None = None,
     ) -> ProcessResult:
+        """One telemetry message. ``timestamp`` is the Kafka record's (seconds since the epoch): the
+        receive time that an event's ``ts`` must lie near (``limits.max_future_s`` / ``max_past_s``)."""
+        received = record_time(timestamp)
         try:
-            event = decode_event(raw)
+            event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
         except SchemaError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(exc.reason, raw, key, partition, offset))
-        if key is not None and key != event.run_id.encode():
-            # The key decides the partition, hence which worker owns the run's state.
-            self.counters.deadlettered += 1
-            reason = f"key {key!r} does not match run_id {event.run_id!r}"
-            return ProcessResult(deadletter=self._deadletter(reason, raw, key, partition, offset))
         self.counters.processed += 1
-        monitor = self.monitors.get(event.run_id)
+        run_id = event.run_id
+        try:
+            return self._observe(event, received, partition)
+        except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
+            return self._reset_run(run_id, exc, raw, key, partition, offset)
+
+    def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None) -> ProcessResult:
+        run_id = event.run_id
+        monitor = self.monitors.get(run_id)
+        flushed = None
+        if monitor is not None and monitor.ended_at is not None and isinstance(event, RunStartEvent):
+            flushed = monitor.finish()  # the run starts again under its id (a resumed job): a new monitor
+            self._forget(run_id)
+            monitor = None
         if monitor is None:
-            monitor = self.monitors[event.run_id] = RunMonitor(event.run_id, self.config)
+            monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
+            self._tick_order.append(run_id)
         out = monitor.observe(event)
-        previous = self._last_seen.get(event.run_id)
-        if previous is None or event.ts >= previous[0]:
-            self._last_seen[event.run_id] = (event.ts, self._clock())
+        if flushed is not None:
+            out.joined[:0] = flushed.joined
+            out.anomalies[:0] = flushed.anomalies
+            out.decisions[:0] = flushed.decisions
+        # The run's clock: its newest event time, never ahead of when the record was sent (one event
+        # with a skewed clock must not make the run's other ranks look silent).
+        ts = event.ts if received is None else min(event.ts, received + _CLOCK_SLACK)
+        previous = self._last_seen.get(run_id)
+        if previous is None or ts >= previous[0]:
+            self._last_seen[run_id] = (ts, self._clock())
         if partition is not None:
-            self._partition[event.run_id] = partition
-        if isinstance(event, RunEndEvent):
-            del self.monitors[event.run_id]
-            del self._last_seen[event.run_id]
-            self._partition.pop(event.run_id, None)
-        return self._result(out)
+            self._partition[run_id] = partition
+        result = self._result(out)
+        if monitor.ended_at is not None and monitor.join.world_size <= 1:
+            self._forget(run_id)  # nobody else's steps to wait for
+        return result
+
+    def _forget(self, run_id: str) -> None:
+        self.monitors.pop(run_id, None)
+        self._last_seen.pop(run_id, None)
+        self._partition.pop(run_id, None)
+        # (_tick_order drops it lazily)
+
+    def _reset_run(self, run_id: str, exc: BaseException, raw: bytes | None, key: bytes | None,
+                   partition: int | None, offset: int | None) -> ProcessResult:
+        """A detector raised: drop the run's state (its detectors re-warm from the next event) and
+        dead-letter a ``detector_error`` with the traceback; every other run goes on."""
+        self.counters.detector_errors += 1
+        self._forget(run_id)
+        trace = traceback.format_exc()
+        log.error("detector error on run %s (its state is reset): %r", run_id, exc)
+        letter = DeadLetter.for_message(
+            f"detector_error: {type(exc).__name__}: {exc}", raw, source_topic=topics.TELEMETRY,
+            partition=partition, offset=offset, key=key if key is not None else run_id.encode(),
+            stage="detector", traceback=trace)
+        return ProcessResult(errors=[letter])
 
     def keep_partitions(self, partitions: set[int]) -> list[str]:
         """After a rebalance: drop the runs whose partition this worker no longer owns (their new
         owner rebuilds them), so timers only ever judge runs this worker holds. Returns them."""
         dropped = [run for run, p in self._partition.items() if p not in partitions]
         for run in dropped:
-            self.monitors.pop(run, None)
-            self._last_seen.pop(run, None)
-            del self._partition[run]
+            self._forget(run)
         return dropped
 
     def tick(self, now: datetime | None = None) -> ProcessResult:
-        """Time-based checks (stalled or silent ranks) for every run this worker holds.
+        """Time-based checks (stalled or silent ranks) for the runs this worker holds.
 
         Each run is ticked on its own event time, carried forward by the wall clock since its
         last event arrived: for a live run that is the wall clock, and a backlog read after a
         restart is judged on the time its events were sent, as ``runwatch replay`` does.
+        Runs are judged in round-robin order until ``TICK_BUDGET_S`` has passed; the rest wait
+        for the next tick (0.25 s later), so one slow run cannot hold up every other's timer.
         """
         now = now or self._clock()
         result = ProcessResult()
-        for run_id, monitor in list(self.monitors.items()):
+        started = self._perf()
+        order = self._tick_order
+        judged: set[str] = set()
+        for _ in range(len(order)):
+            if self._perf() - started > TICK_BUDGET_S:
+                self.counters.tick_deferred += 1
+                break
+            run_id = order.popleft()
+            monitor = self.monitors.get(run_id)
+            if monitor is None or run_id in judged:
+                continue  # ended, moved away, or listed twice (ended and started again): dropped here
+            judged.add(run_id)
+            order.append(run_id)
             event_ts, arrived = self._last_seen[run_id]
-            part = self._result(monitor.tick(event_ts + (now - arrived)))
+            run_now = event_ts + (now - arrived)
+            try:
+                if monitor.ended_at is not None and run_now - monitor.ended_at > self._linger:
+                    # run_end came a join timeout ago: whatever ranks still owe is not coming
+                    part = self._result(monitor.finish())
+                    self._forget(run_id)
+                else:
+                    part = self._result(monitor.tick(run_now))
+            except Exception as exc:  # noqa: BLE001
+                result.errors.extend(self._reset_run(run_id, exc, None, None, self._partition.get(run_id), None).errors)
+                continue
             result.anomalies.extend(part.anomalies)
             result.actions.extend(part.actions)
             result.joined.extend(part.joined)
+        self.counters.runs = len(self.monitors)
         return result
 
     def _result(self, out: MonitorOutput) -> ProcessResult:
@@ -148,12 +232,10 @@ class TelemetryProcessor:
         return {**job, **decision.params} if job else decision.params
 
     @staticmethod
-    def _deadletter(reason: str, raw: bytes, key: bytes | None, partition: int | None, offset: int | None) -> DeadLetter:
-        return DeadLetter(
-            reason=reason,
-            source_topic=topics.TELEMETRY,
-            partition=partition,
-            offset=offset,
-            key=key.decode(errors="replace") if key is not None else None,
-            raw=raw.decode(errors="replace"),
-        )
+    def _deadletter(reason: str, raw: bytes | None, key: bytes | None, partition: int | None,
+                    offset: int | None) -> DeadLetter:
+        return DeadLetter.for_message(reason, raw, source_topic=topics.TELEMETRY, partition=partition,
+                                      offset=offset, key=key)
+
+
+_CLOCK_SLACK = timedelta(seconds=1)

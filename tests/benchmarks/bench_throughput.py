@@ -82,7 +82,7 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
             reply = submit(kind, payload)
             if kind == "events":
                 clock.begin()
-                reply.add_done_callback(lambda _f: [clock(p, o) for _v, _k, p, o in payload])
+                reply.add_done_callback(lambda _f: [clock(p, o) for _v, _k, p, o, _ts in payload])
             return reply
 
         detectors.submit = timed_submit
@@ -99,7 +99,7 @@ def fill(bootstrap: str, n: int, runs: int) -> dict[int, int]:
     producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, acks=1,
                              linger_ms=20, batch_size=256 * 1024)
     last: dict[int, int] = {}
-    t0 = datetime(2026, 11, 21, tzinfo=UTC)
+    t0 = datetime.now(UTC) - timedelta(hours=1)  # (ts must lie near the record timestamp: now)
     futures = []
     for i in range(n):
         run, step = f"bench-{i % runs}", i // runs

@@ -75,3 +75,14 @@ def read_topic(bootstrap: str, topic: str, until: Callable[[list], bool], timeou
         raise AssertionError(f"timed out reading {topic}: {len(records)} records, condition not met")
     finally:
         consumer.close()
+
+
+def publish_actions(bootstrap: str, actions: list) -> None:
+    """Put signed actions on the action topic, keyed by run id, as the worker does."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
+    for a in actions:
+        producer.send(topics.ACTIONS, key=a.run_id.encode(), value=a.to_json())
+    producer.flush(timeout=30)
+    producer.close(timeout=10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 
 import orjson
 import pytest
@@ -20,10 +21,11 @@ def test_malformed_messages_are_deadlettered_and_processing_continues(broker, wo
     run_id = f"dl-{uuid.uuid4().hex[:8]}"
     key = run_id.encode()
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
+    head = {"schema_version": 1, "rank": 0, "ts": datetime.now(UTC).isoformat(), "kind": "step", "run_id": run_id}
     bad = {
         "not-json": b"this is { not json",
-        "missing-step": orjson.dumps({"kind": "step", "run_id": run_id, "loss": 1.0}),
-        "wrong-type": orjson.dumps({"kind": "step", "run_id": run_id, "step": "eleven"}),
+        "missing-step": orjson.dumps({**head, "event_id": "m1", "loss": 1.0}),
+        "wrong-type": orjson.dumps({**head, "event_id": "m2", "step": "eleven"}),
     }
     for raw in bad.values():
         producer.send(topics.TELEMETRY, key=key, value=raw)

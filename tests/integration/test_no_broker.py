@@ -19,7 +19,7 @@ def test_training_loop_is_not_blocked_without_a_broker(tmp_path):
     dead = f"127.0.0.1:{free_port()}"  # nothing listens here
     t0 = time.perf_counter()
     rw = RunWatch("no-broker-run", dead, max_block_ms=200, spool_dir=tmp_path / "spool")
-    listener = ActionListener(rw, secret="x")
+    listener = ActionListener(rw, secret="x" * 32)
     construct_s = time.perf_counter() - t0
 
     torch.manual_seed(0)

@@ -33,7 +33,9 @@ def test_a_recorded_scenario_gives_the_same_findings_online_and_offline(broker, 
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION, acks=1)
     try:
         for event in events:  # one key: one partition, so the worker sees the recorded order
-            producer.send(topics.TELEMETRY, key=run_id.encode(), value=event.to_json())
+            # a recording replayed keeps its timestamps: the record's is the event's (docs/wire-format.md)
+            producer.send(topics.TELEMETRY, key=run_id.encode(), value=event.to_json(),
+                          timestamp_ms=int(event.ts.timestamp() * 1000))
         producer.flush(timeout=30)
     finally:
         producer.close()

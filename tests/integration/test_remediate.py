@@ -1,7 +1,8 @@
 """`runwatch remediate` against the real broker, the real embedded ClickHouse, a real local HTTP
-server as the chat webhook and a real command: a signed action delivered twice runs its command and
-posts once, a forged one does nothing, every execution is recorded, and a restarted remediator
-does not repeat what is recorded."""
+server as the chat webhook and a real command (verified by a stand-in scheduler): a signed action
+delivered twice runs its command and posts once, a forged one does nothing, every execution is
+recorded, and a restarted remediator does not repeat what is recorded. Targets that are not the
+run's and unsafe values: test_remediate_targets.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kafka import KafkaProducer
 
 from runwatch.producer import RunStartEvent, topics
 from runwatch.producer.schema import Action, utc_now
@@ -27,12 +27,22 @@ from runwatch.producer.signing import sign_action
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.remediate import RemediateConsumer, RemediationStore, load_remediation_config
 
-from .conftest import eventually
+from .conftest import eventually, publish_actions
 
 pytestmark = pytest.mark.integration
 
 # Appends its arguments as one line to the marker file: proof of each run, no shell involved.
 MARKER_SCRIPT = "import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + chr(10))"
+# A stand-in for `squeue -h -j JOB -w HOST -o %k`: the comment the job was launched with (the run
+# id), nothing if the job is not on that host, an error for an unknown job.
+SQUEUE_SCRIPT = (
+    "import json, sys\n"
+    "job = json.load(open(sys.argv[1])).get(sys.argv[2])\n"
+    "if job is None:\n"
+    "    sys.exit(print('slurm_load_jobs error: Invalid job id specified', file=sys.stderr) or 1)\n"
+    "if job['host'] == sys.argv[3]:\n"
+    "    print(job['comment'])\n"
+)
 
 
 class Webhook:
@@ -70,13 +80,18 @@ class Webhook:
         return [p for p in self.posts if p["json"].get("runwatch", {}).get("action_id") == action_id]
 
 
-def _write_config(tmp_path: Path, hook_url: str, marker: Path) -> Path:
+def _write_config(tmp_path: Path, hook_url: str, marker: Path, jobs: dict[str, dict[str, str]]) -> Path:
+    """``jobs``: the stand-in scheduler's jobs, job id -> {host, comment}."""
+    jobs_file = tmp_path / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs))
     path = tmp_path / "remediation.yaml"
     path.write_text(yaml.safe_dump({
         "vars": {"marker": str(marker)},
         "rules": [{"kinds": ["stop"], "commands": [
             {"argv": [sys.executable, "-c", MARKER_SCRIPT, "{marker}", "{action_id}", "{job_id}", "{host}"],
-             "timeout_s": 20},
+             "timeout_s": 20,
+             "verify": {"argv": [sys.executable, "-c", SQUEUE_SCRIPT, str(jobs_file), "{job_id}", "{host}"],
+                        "timeout_s": 20}},
         ]}],
         "webhooks": [{"url": hook_url, "kinds": ["stop", "alert"]}],
     }))
@@ -89,14 +104,6 @@ def _action(run_id: str, kind: str, secret: bytes, **params) -> Action:
                     reason="non-finite loss for 3 step(s)", step=12, params=params,
                     issued_at=now, expires_at=now + timedelta(seconds=120))
     return sign_action(action, secret)
-
-
-def _publish(bootstrap: str, actions: list[Action]) -> None:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
-    for a in actions:
-        producer.send(topics.ACTIONS, key=a.run_id.encode(), value=a.to_json())
-    producer.flush()
-    producer.close()
 
 
 def _marker_lines(marker: Path, action_id: str) -> list[str]:
@@ -120,12 +127,13 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
     sentinel = _action(run_id, "alert", secret)  # same partition, after the rest: all handled when it is
 
     with Webhook() as hook:
-        config = load_remediation_config(_write_config(tmp_path, hook.url, marker))
+        config = load_remediation_config(
+            _write_config(tmp_path, hook.url, marker, {"4242": {"host": "node-7.cluster", "comment": run_id}}))
         consumer = RemediateConsumer(config, secret, store, broker.bootstrap, group_id=f"rem-{run_id}")
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            _publish(broker.bootstrap, [stop, forged, stop, sentinel])  # the stop arrives twice
+            publish_actions(broker.bootstrap, [stop, forged, stop, sentinel])  # the stop arrives twice
             eventually(lambda: hook.for_action(sentinel.action_id), 30, "the sentinel action's webhook post")
         finally:
             consumer.stopping.set()
@@ -175,7 +183,7 @@ def test_remediate_command_line(broker, tmp_path):
     run_id = f"remediate-cli-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "ran.txt"
     with Webhook() as hook:
-        config = _write_config(tmp_path, hook.url, marker)
+        config = _write_config(tmp_path, hook.url, marker, {"777": {"host": "gpu-3", "comment": run_id}})
         args = [sys.executable, "-m", "runwatch.streams.cli", "remediate", "--bootstrap", broker.bootstrap,
                 "--config", str(config), "--dsn", f"chdb://{tmp_path / 'clickhouse'}"]
         env = {k: v for k, v in os.environ.items() if k != topics.SECRET_ENV}
@@ -184,7 +192,7 @@ def test_remediate_command_line(broker, tmp_path):
 
         stop = _action(run_id, "stop", secret.encode(), job_id="777", host="gpu-3")  # signed params
         sentinel = _action(run_id, "alert", secret.encode())
-        _publish(broker.bootstrap, [stop, stop, sentinel])
+        publish_actions(broker.bootstrap, [stop, stop, sentinel])
         proc = subprocess.Popen(args, env={**env, topics.SECRET_ENV: secret}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         try:

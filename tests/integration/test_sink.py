@@ -73,3 +73,43 @@ def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
         assert got[4] == (0, 4, False, [2], 2) and got[5][:3] == (1, 0, True)
     finally:
         sink.close()
+
+
+def test_the_stored_payload_is_the_bytes_received(broker, chdb_dsn):
+    """Not a re-serialisation: whitespace, key order, number spelling, escapes and unicode survive."""
+    from datetime import UTC, datetime
+
+    from runwatch.streams.broker import committed_offset
+
+    run_id = f"payload-{uuid.uuid4().hex[:8]}"
+    ts = datetime.now(UTC).isoformat()
+    raws = [
+        (f'{{ "ts" : "{ts}",\n  "kind":"step",   "step" : 7, "loss": 1.50e0, "rank":0,\n'
+         f'  "run_id": "{run_id}", "schema_version": 1, "event_id": "ev-{run_id}-1",\n'
+         '  "note": "caf\\u00e9 \u2603 \U0001f525 \u00fcber", "nested": {"b": 1, "a": [1.0, 2.00]} }\n').encode(),
+        f'{{"event_id":"ev-{run_id}-2","run_id":"{run_id}","schema_version":1,"rank":0,"ts":"{ts}",'
+        f'"kind":"heartbeat","phase":"idle","step":7,"\u540d\u524d":"\u30c6\u30b9\u30c8"}}'.encode(),
+    ]
+    sink = ClickHouseSink(chdb_dsn)
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
+    try:
+        sink.migrate()
+        sent = [producer.send(topics.TELEMETRY, key=run_id.encode(), value=raw).get(timeout=30) for raw in raws]
+        producer.flush()
+        group = f"sink-payload-{run_id}"
+        consumer = SinkConsumer(sink, broker.bootstrap, group_id=group, batch_interval_s=0.2)
+        thread = threading.Thread(target=consumer.run, daemon=True)
+        thread.start()
+        try:
+            eventually(lambda: sink.run_counts(run_id)["telemetry"] == 2, 60, "the sink to store both events")
+            eventually(lambda: committed_offset(broker.bootstrap, group, topics.TELEMETRY, sent[-1].partition)
+                       > sent[-1].offset, 30, "the commit")
+        finally:
+            consumer.stopping.set()
+            thread.join(30)
+        rows = sink.query("SELECT event_id, payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s ORDER BY event_id",
+                          {"r": run_id})
+        assert [payload.encode() for _, payload in rows] == raws
+    finally:
+        producer.close()
+        sink.close()

@@ -2,10 +2,14 @@
 consumer thread would (signed bytes), and what it does is checked on a real torch model and
 optimizer. Rollback restores and scales the LR relative to the scale the restored state carries;
 the data window to skip follows the restored checkpoint; a pause blocks until a resume or its
-timeout; a stop arms the hard-exit watchdog; every rank applies and acknowledges with its rank."""
+timeout; a stop arms the hard-exit watchdog; every rank applies and acknowledges with its rank.
+Poison: a signed action dated in the future is ignored, an action applied before a restart is not
+applied again (the per-rank state file, bounded), and every ignored action is counted by reason."""
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -18,13 +22,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from runwatch.producer.actions import LR_SCALE_KEY, ActionListener, save_checkpoint, scale_lr
+from runwatch.producer.actions import (
+    LR_SCALE_KEY,
+    ActionListener,
+    AppliedIds,
+    default_state_path,
+    save_checkpoint,
+    scale_lr,
+)
 from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.publisher import TelemetryPublisher
 from runwatch.producer.schema import Action, CheckpointRef, utc_now
 from runwatch.producer.signing import sign_action
 
-SECRET = "unit-secret"
+SECRET = "unit-secret-of-at-least-32-bytes-0123"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,8 +58,8 @@ class RecordingPublisher(TelemetryPublisher):
 
 
 def action(kind: str, run_id: str = "run-u", *, onset: int = 15, step: int = 17, params: dict | None = None,
-           target: CheckpointRef | None = None, secret: str = SECRET) -> Action:
-    issued = utc_now()
+           target: CheckpointRef | None = None, secret: str = SECRET, issued_delta_s: float = 0) -> Action:
+    issued = utc_now() + timedelta(seconds=issued_delta_s)
     a = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind=kind, reason="test", step=step, onset_step=onset,
                target_checkpoint=target, params=params or {}, issued_at=issued,
                expires_at=issued + timedelta(seconds=60))
@@ -180,7 +191,7 @@ def test_forged_and_foreign_actions_are_not_applied():
     rw = RecordingPublisher()
     listener = make(rw)
     deliver(listener, action("stop", secret="wrong"), action("stop", run_id="other-run"))
-    assert listener.poll(step=1) == [] and dict(listener.ignored) == {"bad_signature": 1}
+    assert listener.poll(step=1) == [] and dict(listener.ignored) == {"bad_signature": 1, "other_run": 1}
     assert rw.acks() == []
 
 
@@ -254,3 +265,143 @@ def test_stop_watchdog_hard_exits_a_process_that_does_not_exit(mode):
         assert "exiting with code 7" in child.stderr
     else:  # a process that exits by itself is not held up by the watchdog
         assert child.returncode == 0 and "exiting with code" not in child.stderr
+
+
+# -- poison: future-dated, redelivered after a restart, other runs' -------------------------------
+
+
+def test_a_signed_action_dated_in_the_future_is_ignored_and_counted():
+    rw = RecordingPublisher()
+    listener = make(rw, state_path=False)
+    future = action("stop", issued_delta_s=2 * 3600)  # validly signed, and not even expired
+    assert utc_now() < future.expires_at
+    deliver(listener, future)
+    assert listener.poll(step=1) == [] and dict(listener.ignored) == {"future": 1}
+    assert rw.acks() == [] and listener._watchdog is None  # not even the stop watchdog was armed
+    # Within the clock-skew allowance (30 s, the one that takes actions issued before the start) it is applied.
+    skewed = action("alert", issued_delta_s=20)
+    deliver(listener, skewed)
+    assert [a.action.action_id for a in listener.poll(step=2)] == [skewed.action_id]
+    # The allowance is the listener's clock_skew_s
+    strict = make(RecordingPublisher(), state_path=False, clock_skew_s=5)
+    deliver(strict, action("alert", issued_delta_s=20), action("alert", issued_delta_s=-20))
+    assert strict.poll(step=1) == [] and dict(strict.ignored) == {"future": 1, "stale": 1}
+
+
+def test_a_restarted_listener_with_the_same_state_file_does_not_apply_again(tmp_path):
+    state = tmp_path / "ckpt" / "rank0.actions"  # a directory that does not exist yet
+    stop, rollback = action("stop"), action("rollback")  # no checkpoint registered: the rollback fails
+    first_rw = RecordingPublisher()
+    first = make(first_rw, state_path=state)
+    deliver(first, rollback, stop)
+    assert [(a.kind, a.outcome) for a in first.poll(step=5)] == [("rollback", "failed"), ("stop", "applied")]
+    assert json.loads(state.read_text())["applied"] == [rollback.action_id, stop.action_id]
+    first.close()
+
+    # The trainer restarts 5 s later: both actions are within the start-time allowance, and come again.
+    restarted_rw = RecordingPublisher()
+    restarted = make(restarted_rw, state_path=str(state))
+    deliver(restarted, rollback, stop, stop)
+    assert restarted.poll(step=0) == [] and restarted_rw.acks() == []
+    assert dict(restarted.ignored) == {"already_applied": 3}
+    fresh = action("alert")  # a new action is applied as ever, and kept too
+    deliver(restarted, fresh)
+    assert [a.action.action_id for a in restarted.poll(step=1)] == [fresh.action_id]
+    assert json.loads(state.read_text())["applied"][-1] == fresh.action_id
+
+    # The control: without the state file the same redelivery is applied again.
+    forgetful = make(RecordingPublisher(), state_path=False)
+    deliver(forgetful, stop)
+    assert [a.kind for a in forgetful.poll(step=0)] == ["stop"]
+    assert not list(tmp_path.glob("**/*.tmp-*"))  # atomic writes leave no temporary file behind
+
+
+def test_the_default_state_file_is_per_rank_beside_the_spool(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNWATCH_SPOOL_DIR", str(tmp_path))
+    stop = action("stop")
+    rank0, rank1 = RecordingPublisher(rank=0), RecordingPublisher(rank=1)
+    assert default_state_path(rank0) == tmp_path.resolve() / "run-u-r0.actions"
+    first = make(rank0)
+    deliver(first, stop)
+    assert [a.kind for a in first.poll(step=1)] == ["stop"]
+    assert json.loads((tmp_path / "run-u-r0.actions").read_text()) == {"run_id": "run-u", "rank": 0,
+                                                                        "applied": [stop.action_id]}
+    other_rank = make(rank1)  # its own file: what rank 0 applied says nothing about rank 1
+    deliver(other_rank, stop)
+    assert [a.kind for a in other_rank.poll(step=1)] == ["stop"]
+    again = make(RecordingPublisher(rank=0))
+    deliver(again, stop)
+    assert again.poll(step=1) == [] and dict(again.ignored) == {"already_applied": 1}
+    # A RunWatch's own spool directory is the anchor when it has one.
+    rw = RecordingPublisher()
+    rw.spool_path = tmp_path / "elsewhere" / "spool"
+    assert default_state_path(rw) == tmp_path / "elsewhere" / "spool.actions"
+
+
+def test_the_state_file_keeps_only_the_newest_ids(tmp_path):
+    path = tmp_path / "ids.actions"
+    ids = AppliedIds(path, max_ids=5)
+    for i in range(8):
+        ids.add(f"a{i}")
+    assert json.loads(path.read_text())["applied"] == ["a3", "a4", "a5", "a6", "a7"]
+    assert AppliedIds(path, max_ids=5).ids() == ["a3", "a4", "a5", "a6", "a7"]
+    assert AppliedIds(path, max_ids=2).ids() == ["a6", "a7"]  # a smaller bound keeps the newest
+
+    state = tmp_path / "listener.actions"
+    listener = make(RecordingPublisher(), state_path=state, state_max_ids=3)
+    alerts = [action("alert") for _ in range(5)]
+    for a in alerts:
+        deliver(listener, a)
+    assert len(listener.poll(step=1)) == 5
+    assert json.loads(state.read_text())["applied"] == [a.action_id for a in alerts[2:]]
+    restarted = make(RecordingPublisher(), state_path=state, state_max_ids=3)
+    deliver(restarted, *alerts)
+    # only the oldest, evicted from the bounded file, would be applied again
+    assert [a.action.action_id for a in restarted.poll(step=1)] == [a.action_id for a in alerts[:2]]
+    assert restarted.ignored["already_applied"] == 3
+    with pytest.raises(ValueError):
+        AppliedIds(path, max_ids=0)
+
+
+def test_an_unreadable_or_unwritable_state_file_never_stops_training(tmp_path, caplog):
+    state = tmp_path / "bad.actions"
+    state.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions"):
+        listener = make(RecordingPublisher(), state_path=state)
+    assert listener.applied_ids.errors == 1 and "cannot read" in caplog.text
+    stop = action("stop")
+    deliver(listener, stop)
+    assert [a.kind for a in listener.poll(step=1)] == ["stop"]
+    assert json.loads(state.read_text())["applied"] == [stop.action_id]  # rewritten whole
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions"):
+        unwritable = make(RecordingPublisher(), state_path=blocked / "sub" / "x.actions")  # its parent is a file
+        deliver(unwritable, action("alert"))
+        assert [a.kind for a in unwritable.poll(step=1)] == ["alert"]
+    assert unwritable.applied_ids.errors == 2  # read, then write
+    assert "cannot write" in caplog.text and "may apply them again" in caplog.text
+
+
+def test_every_ignored_action_is_counted_by_reason_and_none_stops_the_consumer():
+    rw = RecordingPublisher()
+    listener = make(rw, state_path=False)
+    first = action("alert")
+    naive = action("stop").model_copy(update={"issued_at": utc_now().replace(tzinfo=None),
+                                              "expires_at": (utc_now() + timedelta(seconds=60)).replace(tzinfo=None)})
+    naive = sign_action(naive, SECRET.encode())
+    deliver(listener,
+            action("stop", run_id="other-run"), action("alert", run_id="another", secret="theirs"),
+            action("stop", secret="wrong"),
+            action("stop", issued_delta_s=3600),
+            action("stop", issued_delta_s=-120),  # expired
+            action("stop", issued_delta_s=-50),  # issued before the start (minus 30 s), not expired yet
+            first, first)
+    listener._accept(None)  # a null value
+    listener._accept(b"\xff\x00")
+    listener._accept(naive.to_json())  # a timestamp without a timezone: refused, never raised
+    assert [a.action.action_id for a in listener.poll(step=1)] == [first.action_id]
+    assert dict(listener.ignored) == {"other_run": 2, "bad_signature": 1, "future": 1, "expired": 1, "stale": 1,
+                                      "duplicate": 1, "malformed": 3}

@@ -23,11 +23,11 @@ from runwatch.producer.signing import verify_action
 from runwatch.streams.detector_process import DetectorProcess, DetectorProcessError, handle
 from runwatch.streams.processor import TelemetryProcessor
 
-SECRET = b"unit-test-secret"
+SECRET = b"unit-test-secret-at-least-32-bytes-0123"
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 
-def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int]]:
+def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int, float]]:
     """A run whose loss goes NaN from step 8 (a checkpoint at 4): an alert, then a rollback."""
     events = []
     for s in range(12):
@@ -35,7 +35,7 @@ def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int]]:
             events.append(CheckpointEvent(run_id=run_id, step=4, uri="/ckpt/4.pt", ts=T0 + timedelta(seconds=s)))
         events.append(StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 8 else 1.0,
                                 ts=T0 + timedelta(seconds=s)))
-    return [(e.to_json(), run_id.encode(), 0, offset) for offset, e in enumerate(events)]
+    return [(e.to_json(), run_id.encode(), 0, offset, e.ts.timestamp()) for offset, e in enumerate(events)]
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def _gather(*futures):
 
 
 def test_replies_come_back_in_order_with_the_records_the_processor_gives(detectors):
-    events = _nan_run() + [(b"not json", b"run-1", 0, 99)]
+    events = _nan_run() + [(b"not json", b"run-1", 0, 99, None)]
 
     async def run():
         # Three requests in flight at once, answered in the order they were sent.
@@ -84,8 +84,8 @@ def test_replies_come_back_in_order_with_the_records_the_processor_gives(detecto
 
 
 def test_keep_partitions_drops_the_runs_of_lost_partitions(detectors):
-    a = [(e, k, 0, o) for e, k, _p, o in _nan_run("run-a")[:3]]
-    b = [(e, k, 1, o) for e, k, _p, o in _nan_run("run-b")[:3]]
+    a = [(e, k, 0, o, t) for e, k, _p, o, t in _nan_run("run-a")[:3]]
+    b = [(e, k, 1, o, t) for e, k, _p, o, t in _nan_run("run-b")[:3]]
 
     async def run():
         return await _gather(detectors.submit("events", a + b), detectors.submit("keep_partitions", {1}))

@@ -3,7 +3,8 @@ thread would feed them: an action the other ranks receive later (or earlier) tha
 applied by all three at the same poll, a rollback restores the same checkpoint everywhere, an
 action a rank never receives is applied from rank 0's signed copy after the timeout instead of
 hanging it, and a pause holds every rank until its resume. And the stop watchdog: armed on receipt, it ends a
-process whose main thread never reaches poll()."""
+process whose main thread never reaches poll(). After a restart, an action that one rank applied before it
+(its state file says so) is applied by no rank, nobody waits for it, and the ranks stay in step."""
 
 from __future__ import annotations
 
@@ -226,3 +227,70 @@ def test_a_rank_waiting_inside_poll_for_a_late_rank_0_says_in_sync(ranks):
     assert results[0]["beats"] == [[None, None]]
     for r in results[1:]:
         assert r["beats"] == [[None, None], [None, True]], r["beats"]
+
+
+# -- a restart: one rank remembers an action the others do not ----------------------------------------
+
+RESTART_POLLS = 10
+RESTART_SYNC_TIMEOUT_S = 5.0  # long, so that a wait for the dropped action would show
+
+
+def _restarted_rank(rank: int, init_file: str, out_dir: str, actions_json: str, state_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=30))
+    plan = {k: Action.model_validate_json(v) for k, v in json.loads(actions_json).items()}
+    rw = RecordingPublisher(run_id="run-u", rank=rank)
+    state = Path(state_dir, f"r{rank}.actions")
+    listener = ActionListener(rw, torch.nn.Linear(2, 2), secret=SECRET, consume=False,
+                              sync_timeout_s=RESTART_SYNC_TIMEOUT_S, state_path=state)
+    loaded = len(listener.applied_ids)
+    log = []
+    for i in range(RESTART_POLLS):
+        if i == 2 and rank != 2:  # the action from before the restart, redelivered; rank 2 gets it late
+            deliver(listener, plan["old"])
+        if i == 5 and rank == 2:
+            deliver(listener, plan["old"])
+        if i == 4:
+            deliver(listener, plan["fresh"])
+        if i == 7:
+            deliver(listener, plan["stop"])
+        started = time.monotonic()
+        results = listener.poll(step=i)
+        waited = time.monotonic() - started
+        log += [{"poll": i, "kind": r.kind, "id": r.action.action_id, "outcome": r.outcome} for r in results]
+        log.append({"poll": i, "waited": waited})
+        if any(r.kind == "stop" for r in results):
+            break
+        time.sleep(POLL_S)
+    Path(out_dir, f"restart{rank}.json").write_text(json.dumps({
+        "log": log, "ignored": dict(listener.ignored), "loaded": loaded, "synced": listener.synced,
+        "acks": [a.action_id for a in rw.acks()], "state": json.loads(state.read_text())["applied"]}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_an_action_one_rank_applied_before_a_restart_is_applied_by_none_and_nobody_waits(tmp_path):
+    plan = {"old": action("rollback", params={"lr_scale": 0.5}), "fresh": action("alert"), "stop": action("stop")}
+    # Before the restart rank 1 applied "old" and wrote it down; rank 0's and rank 2's files were lost.
+    Path(tmp_path, "r1.actions").write_text(json.dumps({"applied": ["something-older", plan["old"].action_id]}))
+    actions_json = json.dumps({k: v.model_dump_json() for k, v in plan.items()})
+    started = time.monotonic()
+    ctx = mp.start_processes(_restarted_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path), actions_json,
+                                                    str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    while not ctx.join(timeout=1):  # raises if a rank failed
+        assert time.monotonic() - started < 90, "ranks did not finish"
+    results = [json.loads((tmp_path / f"restart{r}.json").read_text()) for r in range(WORLD)]
+    assert all(r["synced"] for r in results)
+    assert [r["loaded"] for r in results] == [0, 2, 0]
+    for rank, r in enumerate(results):
+        applied = [(e["poll"], e["kind"]) for e in r["log"] if "kind" in e]
+        assert applied == [(4, "alert"), (7, "stop")], (rank, r["log"])  # the old rollback nowhere, in step
+        assert r["acks"] == [plan["fresh"].action_id, plan["stop"].action_id]
+        # rank 0 held it when the ranks agreed, rank 1 refused it on arrival, rank 2 when it came late
+        assert r["ignored"] == {"already_applied": 1}, (rank, r["ignored"])
+        assert plan["old"].action_id in r["state"] and r["state"][-2:] == [plan["fresh"].action_id,
+                                                                          plan["stop"].action_id]
+        # nobody waited for the dropped action
+        assert max(e["waited"] for e in r["log"] if "waited" in e) < RESTART_SYNC_TIMEOUT_S / 2, r["log"]

@@ -67,7 +67,7 @@ def test_replay_finds_a_nan_at_its_onset_with_event_time(tmp_path):
 def test_replay_names_the_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = StepEvent(run_id="r", step=0, ts=T0).to_json().decode()
-    path.write_text(good + "\n" + '{"kind": "step", "run_id": "r"}\n')
+    path.write_text(good + "\n" + '{"schema_version": 1, "event_id": "x", "rank": 0, "ts": "2024-01-01T00:00:00Z", "kind": "step", "run_id": "r"}\n')
     with pytest.raises(ReplayError, match=r"bad.jsonl:2: schema: step"):
         read_events(path)
 

@@ -18,9 +18,12 @@ from runwatch.producer.signing import verify_action
 from runwatch.producer.topics import TELEMETRY
 from runwatch.streams.processor import TelemetryProcessor
 
-SECRET = b"unit-test-secret"
+SECRET = b"unit-test-secret-at-least-32-bytes-0123"
 WALL = datetime(2030, 1, 1, 0, 0, 0, tzinfo=UTC)
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+
+# The fields every telemetry event must carry, minus run_id and kind (which tests vary).
+HEAD = b'{"schema_version":1,"event_id":"e","rank":0,"ts":"2024-05-01T12:00:00Z",'
 
 
 @pytest.fixture
@@ -46,10 +49,10 @@ def test_importing_the_processor_needs_no_broker_or_faust():
     "raw, reason_start, reason_has",
     [
         (b"\x00\x01 definitely not json", "not JSON", ""),
-        (b'{"kind":"step","run_id":"run-1"}', "schema:", "step"),
-        (b'{"kind":"step","run_id":"run-1","step":"abc"}', "schema:", "step"),
-        (b'{"kind":"step","step":3}', "schema:", "run_id"),
-        (b'{"kind":"nope","run_id":"run-1"}', "schema:", "nope"),
+        (HEAD + b'"kind":"step","run_id":"run-1"}', "schema:", "step"),
+        (HEAD + b'"kind":"step","run_id":"run-1","step":"abc"}', "schema:", "step"),
+        (HEAD + b'"kind":"step","step":3}', "schema:", "run_id"),
+        (HEAD + b'"kind":"nope","run_id":"run-1"}', "schema:", "nope"),
         (b"[1,2,3]", "schema:", "object"),
     ],
 )
@@ -254,3 +257,143 @@ def test_actions_carry_the_runs_job_id_for_remediation(proc):
     assert all(a.params["job_id"] == "81234" and a.params["host"] == "node7" and a.params["pod"] == "trainer-0"
                for a in actions)
     assert all(verify_action(a, proc._secret) for a in actions)
+
+
+# -- isolation: one run's failure is that run's alone ---------------------------------------------
+
+
+def _explode_on(monkeypatch, run_id: str, step: int) -> None:
+    """A detector bug: the monitor raises on one step of one run (and only there)."""
+    from runwatch.detectors.monitor import RunMonitor
+
+    original = RunMonitor.observe
+
+    def observe(self, event):
+        if self.run_id == run_id and getattr(event, "step", None) == step:
+            raise ZeroDivisionError("a detector divided by zero")
+        return original(self, event)
+
+    monkeypatch.setattr(RunMonitor, "observe", observe)
+
+
+def test_a_detector_error_resets_only_its_run_and_is_dead_lettered_with_the_traceback(proc, monkeypatch):
+    _explode_on(monkeypatch, "bad-run", 5)
+    for s in range(5):
+        assert proc.process(_step(s, run_id="bad-run"), key=b"bad-run").errors == []
+        proc.process(_step(s, run_id="good-run"), key=b"good-run")
+    result = proc.process(_step(5, run_id="bad-run"), key=b"bad-run", partition=3, offset=77)
+    [letter] = result.errors
+    assert letter.stage == "detector" and letter.reason.startswith("detector_error: ZeroDivisionError")
+    assert "a detector divided by zero" in letter.traceback and (letter.partition, letter.offset) == (3, 77)
+    assert letter.sha256 and letter.size == len(_step(5, run_id="bad-run"))
+    assert "bad-run" not in proc.monitors and "good-run" in proc.monitors  # only its own state went
+    assert proc.counters.detector_errors == 1
+    # the other run goes on and still finds its fault; the reset run starts again from its next event
+    for s in range(5, 12):
+        out = proc.process(_step(s, loss=math.nan if s >= 8 else 1.0, run_id="good-run"), key=b"good-run")
+    assert [a.kind for a in out.actions] == [] and proc.counters.actions["rollback"] == 1
+    assert proc.process(_step(6, run_id="bad-run"), key=b"bad-run").errors == []
+    assert "bad-run" in proc.monitors
+
+
+def test_a_timer_error_resets_only_its_run(proc, monkeypatch):
+    from runwatch.detectors.monitor import RunMonitor
+
+    for run in ("a", "b"):
+        proc.process(_step(0, run_id=run), key=run.encode())
+    original = RunMonitor.tick
+
+    def tick(self, now):
+        if self.run_id == "a":
+            raise OverflowError("date value out of range")
+        return original(self, now)
+
+    monkeypatch.setattr(RunMonitor, "tick", tick)
+    result = proc.tick(WALL + timedelta(seconds=1))
+    assert [e.reason for e in result.errors] == ["detector_error: OverflowError: date value out of range"]
+    assert set(proc.monitors) == {"b"}
+
+
+def test_a_tick_stops_at_its_budget_and_the_next_one_goes_on_where_it_stopped(monkeypatch):
+    from runwatch.detectors.monitor import RunMonitor
+
+    clock = {"t": 0.0}
+    proc = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL, perf_clock=lambda: clock["t"])
+    for i in range(10):
+        proc.process(_step(0, run_id=f"r{i}"), key=f"r{i}".encode())
+    judged: list[str] = []
+    original = RunMonitor.tick
+
+    def slow_tick(self, now):
+        judged.append(self.run_id)
+        clock["t"] += 0.04  # each run takes 40 ms: the 100 ms budget covers three
+        return original(self, now)
+
+    monkeypatch.setattr(RunMonitor, "tick", slow_tick)
+    proc.tick()
+    assert judged == ["r0", "r1", "r2"] and proc.counters.tick_deferred == 1
+    proc.tick()
+    assert judged[3:] == ["r3", "r4", "r5"]  # round robin: nobody waits for more than a few ticks
+    for _ in range(3):
+        proc.tick()
+    assert set(judged) == {f"r{i}" for i in range(10)}
+
+
+def test_one_event_from_a_skewed_clock_does_not_move_the_run_clock_ahead(proc):
+    """A step stamped 200 s ahead (within max_future_s) of its record's timestamp: the run's clock
+    stays at the record's time, so the run's other ranks do not look silent at the next tick."""
+    sent = T0.timestamp()
+    proc.process(_step(0), key=b"run-1", timestamp=sent)
+    ahead = StepEvent(run_id="run-1", step=1, ts=T0 + timedelta(seconds=200)).to_json()
+    assert proc.process(ahead, key=b"run-1", timestamp=sent + 1).deadletter is None
+    assert proc._last_seen["run-1"][0] <= T0 + timedelta(seconds=2)
+
+
+def test_a_timestamp_far_from_the_record_time_is_dead_lettered(proc):
+    sent = T0.timestamp()
+    for ts, word in ((T0 + timedelta(days=30000), "after"), (T0 - timedelta(days=8), "before")):
+        raw = StepEvent(run_id="run-1", step=1, ts=ts).to_json()
+        letter = proc.process(raw, key=b"run-1", timestamp=sent).deadletter
+        assert letter is not None and letter.reason.startswith("limits: ts:") and word in letter.reason
+    assert "run-1" not in proc.monitors
+
+
+def test_a_rank_whose_last_steps_come_after_run_end_is_still_joined(proc):
+    """run_end (rank 0) can overtake another rank's last steps on the partition: the run is kept for a
+    join timeout, so they are joined; then it is let go, and a step still missing a rank is joined as
+    partial, not dropped."""
+    from runwatch.producer.schema import RunStartEvent
+
+    def ev(e) -> bytes:
+        return e.to_json()
+
+    proc.process(ev(RunStartEvent(run_id="run-1", world_size=2, ts=T0)), key=b"run-1")
+    joined = []
+    for s in range(5):
+        for rank in (0, 1):
+            joined += proc.process(ev(StepEvent(run_id="run-1", rank=rank, step=s, loss=1.0,
+                                                ts=T0 + timedelta(seconds=s))), key=b"run-1").joined
+    # rank 0's last two steps and its run_end, then rank 1's step 5 only (its step 6 never comes)
+    for s in (5, 6):
+        proc.process(ev(StepEvent(run_id="run-1", rank=0, step=s, loss=1.0, ts=T0 + timedelta(seconds=s))),
+                     key=b"run-1")
+    proc.process(ev(RunEndEvent(run_id="run-1", rank=0, ts=T0 + timedelta(seconds=6.5))), key=b"run-1")
+    joined += proc.process(ev(StepEvent(run_id="run-1", rank=1, step=5, loss=1.0, ts=T0 + timedelta(seconds=5))),
+                           key=b"run-1").joined
+    assert [(j.step, j.complete) for j in joined] == [(s, True) for s in range(6)]
+    assert "run-1" in proc.monitors
+    assert proc.tick(WALL + timedelta(seconds=1)).anomalies == []  # an ended run is not judged stalled
+    late = proc.tick(WALL + timedelta(seconds=60))  # a join timeout after run_end: let go
+    assert [(j.step, j.complete, j.ranks_missing) for j in late.joined] == [(6, False, [1])]
+    assert "run-1" not in proc.monitors
+
+
+def test_a_run_started_again_under_its_id_right_after_run_end_gets_a_fresh_monitor(proc):
+    from runwatch.producer.schema import RunStartEvent
+
+    proc.process(RunStartEvent(run_id="run-1", world_size=2, ts=T0).to_json(), key=b"run-1")
+    proc.process(RunEndEvent(run_id="run-1", ts=T0 + timedelta(seconds=1)).to_json(), key=b"run-1")
+    ended = proc.monitors["run-1"]
+    proc.process(RunStartEvent(run_id="run-1", world_size=4, ts=T0 + timedelta(seconds=2)).to_json(), key=b"run-1")
+    resumed = proc.monitors["run-1"]
+    assert resumed is not ended and resumed.ended_at is None and resumed.join.world_size == 4

@@ -294,6 +294,31 @@ def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
     assert {(a.detector, a.rank) for a in found} >= {("stall", 1), ("stall", 2), ("hung_rank", 0)}
 
 
+def test_ranks_that_waited_for_a_peers_checkpoint_get_their_allowance_from_its_end():
+    """The peer's checkpoint ends (its heartbeat says train) and a tick comes before the waiting
+    ranks' next step events: they waited for the peer, they did not stall; a real hang after it is
+    still found, one train allowance (10 s) + 3 median steps after the checkpoint ended."""
+    monitor = _three_ranks_after_20_steps()
+    findings = []
+    for t in range(4, 60, 2):  # a 56 s checkpoint on rank 0; ranks 1 and 2 wait in the sync
+        monitor.observe(HeartbeatEvent(run_id=RUN, rank=0, step=19, ts=at(t), phase="checkpoint",
+                                       time_in_phase_s=t - 3.8))
+        for rank in (1, 2):
+            findings += monitor.observe(beat(rank, 19, t + 0.1, in_sync=True)).anomalies
+        findings += monitor.tick(at(t + 0.5)).anomalies
+    findings += monitor.observe(beat(0, 19, 60.0)).anomalies  # the checkpoint is over
+    findings += monitor.tick(at(60.1)).anomalies  # ... before ranks 1 and 2 report their step
+    assert [a for a in findings if a.detector == "stall"] == []
+    # nobody steps after it: a stall, counted from the checkpoint's end
+    late = []
+    for t in range(61, 80):
+        for rank in range(3):
+            late += monitor.observe(beat(rank, 19, t, in_sync=rank != 0)).anomalies
+        late += monitor.tick(at(t + 0.5)).anomalies
+    stalls = [a for a in late if a.detector == "stall"]
+    assert stalls and min(a.ts for a in stalls) >= at(60 + 10)
+
+
 def test_straggler_one_step_back_over_the_threshold_does_not_start_a_new_episode():
     detector = StragglerDetector(StragglerConfig(min_steps=5, patience=4, window=5))
     found = []

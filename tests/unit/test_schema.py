@@ -28,6 +28,9 @@ from runwatch.producer.schema import (
 
 TS = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
+# The fields every telemetry event must carry, minus run_id and kind (which tests vary).
+HEAD = b'{"schema_version":1,"event_id":"e","rank":0,"ts":"2024-05-01T12:00:00Z",'
+
 
 def _examples():
     common = dict(run_id="run-1", rank=1, ts=TS)
@@ -89,7 +92,7 @@ def test_non_finite_floats_are_written_as_strings():
 
 def test_unknown_fields_from_a_newer_producer_are_kept():
     raw = (
-        b'{"kind":"step","run_id":"r","step":4,"loss":1.0,'
+        HEAD + b'"kind":"step","run_id":"r","step":4,"loss":1.0,'
         b'"future_metric":3.5,"future_block":{"a":[1,2]}}'
     )
     event = decode_event(raw)
@@ -115,32 +118,32 @@ def _reason(raw) -> str:
 
 
 def test_step_without_step_names_the_field():
-    reason = _reason(b'{"kind":"step","run_id":"r","loss":1.0}')
+    reason = _reason(HEAD + b'"kind":"step","run_id":"r","loss":1.0}')
     assert reason.startswith("schema:")
     assert "step.step" in reason and "required" in reason.lower()
 
 
 def test_event_without_run_id_names_the_field():
-    assert "run_id" in _reason(b'{"kind":"heartbeat"}')
-    assert "run_id" in _reason(b'{"kind":"step","step":1}')
+    assert "run_id" in _reason(HEAD + b'"kind":"heartbeat"}')
+    assert "run_id" in _reason(HEAD + b'"kind":"step","step":1}')
 
 
 def test_empty_run_id_is_rejected():
-    assert "run_id" in _reason(b'{"kind":"step","run_id":"","step":1}')
+    assert "run_id" in _reason(HEAD + b'"kind":"step","run_id":"","step":1}')
 
 
-@pytest.mark.parametrize("raw", [b"not json at all", b'{"kind":"step",', b"", b"\xff\xfe\x00"])
+@pytest.mark.parametrize("raw", [b"not json at all", HEAD + b'"kind":"step",', b"", b"\xff\xfe\x00"])
 def test_bytes_that_are_not_json(raw):
     assert _reason(raw).startswith("not JSON")
 
 
 def test_wrong_type_names_the_field():
-    reason = _reason(b'{"kind":"step","run_id":"r","step":"abc"}')
+    reason = _reason(HEAD + b'"kind":"step","run_id":"r","step":"abc"}')
     assert "step.step" in reason and "integer" in reason
 
 
 def test_negative_step_is_rejected():
-    assert "step" in _reason(b'{"kind":"step","run_id":"r","step":-1}')
+    assert "step" in _reason(HEAD + b'"kind":"step","run_id":"r","step":-1}')
 
 
 @pytest.mark.parametrize("raw", [b'[{"kind":"step","run_id":"r","step":1}]', b'"step"', b"42", b"null"])
@@ -150,7 +153,7 @@ def test_json_that_is_not_an_object(raw):
 
 
 def test_unknown_kind():
-    reason = _reason(b'{"kind":"telemetry_v9","run_id":"r"}')
+    reason = _reason(HEAD + b'"kind":"telemetry_v9","run_id":"r"}')
     assert "telemetry_v9" in reason
 
 
@@ -169,3 +172,71 @@ def test_decode_action_and_anomaly_raise_schema_error():
                        b'"ts":"2024-01-01T00:00:00Z"}')
     with pytest.raises(SchemaError):
         decode_anomaly(b"[1, 2]")
+
+
+# -- strict decoding and the limits (docs/wire-format.md) ------------------------------------------
+
+RECEIVED = datetime(2026, 11, 21, 9, 30, 5, tzinfo=UTC)
+
+
+def _strict(**fields) -> bytes:
+    import orjson
+
+    event = {"schema_version": 1, "event_id": "e1", "run_id": "r", "rank": 0, "ts": "2026-11-21T09:30:00Z",
+             "kind": "step", "step": 1, "loss": 2.0}
+    event.update(fields)
+    return orjson.dumps({k: v for k, v in event.items() if v is not ...})
+
+
+def _refusal(raw: bytes, **kwargs) -> str:
+    with pytest.raises(SchemaError) as info:
+        decode_event(raw, received_at=RECEIVED, **kwargs)
+    return info.value.reason
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"event_id": ...}, "event_id"), ({"rank": ...}, "rank"), ({"ts": ...}, "ts"),
+    ({"schema_version": ...}, "schema_version"),
+    ({"step": "5"}, "step"), ({"step": 2.0}, "step"), ({"step": True}, "step"), ({"rank": True}, "rank"),
+    ({"loss": "2.0"}, "loss"), ({"ts": 12345}, "ts"), ({"ts": "2026-11-21T09:30:00"}, "timezone"),
+    ({"ts": "2026-11-21"}, "timezone"), ({"ts": "2099-01-01T00:00:00Z"}, "after the receive time"),
+    ({"ts": "9999-12-31T00:00:00Z"}, "after the receive time"), ({"ts": "1970-01-01T00:00:00Z"}, "before"),
+    ({"schema_version": 0}, "schema_version"), ({"schema_version": 2}, "schema_version"),
+    ({"schema_version": True}, "schema_version"), ({"schema_version": 1.0}, "schema_version"),
+    ({"memory": {"allocated": -1}}, "memory.allocated"), ({"step_time_s": -0.1}, "step_time_s"),
+    ({"step_time_s": "NaN"}, "step_time_s"), ({"data_wait_s": "Infinity"}, "data_wait_s"),
+    ({"rank": 10**6}, "rank"), ({"step": 2**63}, "step"), ({"memory": {"reserved": 2**60}}, "memory.reserved"),
+    ({"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nested deeper"),
+    ({"module_grad_norms": {f"m{i}": 1.0 for i in range(10_001)}}, "module_grad_norms"),
+    ({"run_id": "r" * 300}, "run_id"), ({"note": "n" * 5000}, "note"),
+])
+def test_strict_decoding_refuses_and_names_the_field(fields, says):
+    assert says in _refusal(_strict(**fields))
+
+
+@pytest.mark.parametrize("kind, fields, says", [
+    ("heartbeat", {"interval_s": "Infinity"}, "interval_s"), ("heartbeat", {"interval_s": 1e12}, "interval_s"),
+    ("heartbeat", {"interval_s": 0}, "interval_s"), ("run_start", {"world_size": 10**7}, "world_size"),
+])
+def test_bounds_of_other_kinds(kind, fields, says):
+    assert says in _refusal(_strict(kind=kind, step=..., loss=..., **fields))
+
+
+def test_the_non_finite_strings_and_unknown_fields_are_still_accepted():
+    event = decode_event(_strict(loss="NaN", grad_norm="-Infinity", future_field={"a": [1, 2]}),
+                         received_at=RECEIVED)
+    assert math.isnan(event.loss) and event.grad_norm == -math.inf and event.future_field == {"a": [1, 2]}
+
+
+def test_null_values_oversized_messages_and_a_wrong_key_are_refused():
+    assert "null value" in _refusal(None)
+    assert "limit" in _refusal(b"x" * 2_000_000)
+    assert "does not match run_id" in _refusal(_strict(), key=b"other")
+
+
+def test_limits_are_configurable():
+    from runwatch.producer.schema import WireLimits
+
+    raw = _strict(rank=20_000)
+    assert "rank" in _refusal(raw)
+    assert decode_event(raw, received_at=RECEIVED, limits=WireLimits(max_world_size=100_000)).rank == 20_000

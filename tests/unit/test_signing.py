@@ -118,15 +118,29 @@ def test_resolve_secret_refuses_to_run_unsigned(monkeypatch):
         resolve_secret("")
 
 
+FROM_ENV = "from-env-" + "e" * 24
+EXPLICIT = "explicit-" + "x" * 23
+
+
 def test_resolve_secret_reads_the_environment(monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "from-env")
-    assert resolve_secret() == b"from-env"
+    monkeypatch.setenv(SECRET_ENV, FROM_ENV)
+    assert resolve_secret() == FROM_ENV.encode()
 
 
 def test_explicit_secret_wins_over_the_environment(monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "from-env")
-    assert resolve_secret("explicit") == b"explicit"
-    assert resolve_secret(b"raw-bytes") == b"raw-bytes"
+    monkeypatch.setenv(SECRET_ENV, FROM_ENV)
+    assert resolve_secret(EXPLICIT) == EXPLICIT.encode()
+    assert resolve_secret(EXPLICIT.encode()) == EXPLICIT.encode()
+
+
+@pytest.mark.parametrize("short", ["x", "a" * 31, b"\x00" * 31])
+def test_a_secret_shorter_than_32_bytes_is_refused_with_how_to_make_one(short):
+    with pytest.raises(MissingSecretError, match=r"at least 32 are needed.*token_hex"):
+        resolve_secret(short)
+
+
+def test_a_32_byte_secret_is_accepted():
+    assert resolve_secret("s" * 32) == b"s" * 32
 
 
 def test_secret_env_name():

@@ -1,0 +1,136 @@
+"""The worker's health endpoint (``--web-port``), for a supervisor's liveness and readiness probes.
+
+- ``GET /livez``: 200 while the worker can make progress: not failed, and its detector process
+  alive and answering (no request waiting longer than ``stuck_after_s``); else 503.
+- ``GET /readyz``: 200 when live, partitions are assigned and the detector process is ready.
+- ``GET /health``: the figures behind both, as JSON (partitions, age of the last offset commit and
+  of the last acknowledged batch, the detector process, counters).
+
+A worker that cannot make progress does not wait for a probe: it exits non-zero by itself (see
+``WorkerHealth.fail``); the endpoint tells a supervisor (or a person) before that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from faust.sensors import Sensor
+
+from runwatch.streams.detector_process import DetectorProcess
+
+log = logging.getLogger("runwatch.worker")
+
+STUCK_AFTER_S = 5.0  # a detector request waiting longer than this: not live (it is killed at 30 s)
+EXIT_GRACE_S = 15.0  # a failed worker that has not exited by itself this long after failing is ended
+
+
+class WorkerHealth:
+    """What the worker knows about its own progress; read by the health endpoint."""
+
+    def __init__(self, detectors: DetectorProcess, stuck_after_s: float = STUCK_AFTER_S):
+        self.detectors = detectors
+        self.stuck_after_s = stuck_after_s
+        self.started = time.monotonic()
+        self.partitions: list[str] = []
+        self.last_commit: float | None = None
+        self.last_ack: float | None = None
+        self.publish_failures = 0  # publish attempts that failed (each retried before the worker fails)
+        self.failure: str | None = None
+        self._exit_timer: threading.Timer | None = None
+
+    def fail(self, reason: str, exit_code: int = 1, grace_s: float = EXIT_GRACE_S) -> None:
+        """The worker cannot make progress: say so, and make sure the process ends non-zero. Faust's
+        own crash path shuts down in order, which can hang on a stuck broker or child; this timer
+        ends the process if it is still here ``grace_s`` later."""
+        if self.failure is None:
+            self.failure = reason
+            log.error("worker failing: %s", reason)
+            self._exit_timer = threading.Timer(grace_s, _hard_exit, args=(exit_code, reason))
+            self._exit_timer.daemon = True
+            self._exit_timer.start()
+
+    def live(self) -> tuple[bool, str]:
+        if self.failure is not None:
+            return False, self.failure
+        detector = self.detectors.health()
+        if not detector["alive"]:
+            return False, f"detector process not alive: {detector['failure'] or 'exited'}"
+        if detector["oldest_pending_s"] > self.stuck_after_s:
+            return False, f"detector process has not answered for {detector['oldest_pending_s']:.1f} s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        live, why = self.live()
+        if not live:
+            return False, why
+        if not self.detectors.health()["ready"]:
+            return False, "detector process starting"
+        if not self.partitions:
+            return False, "no partitions assigned"
+        return True, "ok"
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        live, live_why = self.live()
+        ready, ready_why = self.ready()
+        counters = self.detectors.counters
+        return {
+            "live": live,
+            "ready": ready,
+            "reason": live_why if not live else ready_why,
+            "pid": os.getpid(),
+            "uptime_s": round(now - self.started, 3),
+            "partitions": self.partitions,
+            "last_commit_age_s": None if self.last_commit is None else round(now - self.last_commit, 3),
+            "last_ack_age_s": None if self.last_ack is None else round(now - self.last_ack, 3),
+            "publish_failures": self.publish_failures,
+            "detector_process": self.detectors.health(),
+            "counters": {**asdict(counters), "actions": dict(counters.actions)},
+        }
+
+
+def _hard_exit(code: int, reason: str) -> None:
+    log.critical("worker did not stop within its grace period after failing (%s); exiting %d", reason, code)
+    logging.shutdown()
+    os._exit(code)
+
+
+class CommitSensor(Sensor):
+    """Records when the worker's consumer last committed offsets (Faust's sensor hook)."""
+
+    def __init__(self, health: WorkerHealth, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._health = health
+
+    def on_commit_completed(self, consumer: Any, state: Any) -> None:
+        self._health.last_commit = time.monotonic()
+
+
+async def serve_health(health: WorkerHealth, host: str, port: int) -> web.AppRunner:
+    """Start the endpoint on the running loop; the caller cleans the runner up."""
+
+    def probe(check: Any) -> Any:
+        async def handler(_request: web.Request) -> web.Response:
+            ok, why = check()
+            return web.json_response({"ok": ok, "reason": why}, status=200 if ok else 503)
+        return handler
+
+    async def full(_request: web.Request) -> web.Response:
+        snap = health.snapshot()
+        return web.json_response(snap, status=200 if snap["live"] else 503)
+
+    app = web.Application()
+    app.router.add_get("/livez", probe(health.live))
+    app.router.add_get("/readyz", probe(health.ready))
+    app.router.add_get("/health", full)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("health endpoint on http://%s:%d/health", host, port)
+    return runner
