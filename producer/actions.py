@@ -628,6 +628,8 @@ class ActionListener:
         else:  # alert, stop: the training loop decides what a stop means for it
             ended = self._ended_pause.pop(action.action_id, None)
             result = AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None)
+            if action.kind == "stop" and hasattr(self.rw, "note_stop"):
+                self.rw.note_stop(action)  # run_end then says "stopped", with this action's id and cause
         return self._record(result, step)
 
     def _record(self, result: AppliedAction, step: int | None) -> AppliedAction:
