@@ -1,4 +1,5 @@
-"""What training code imports: the wire schema, the publisher, torch instrumentation and the action listener.
+"""What training code imports: the wire schema, the publisher (and its offline twin, the JSONL
+recorder), torch instrumentation and the action listener.
 
 Never imports Faust, river or ClickHouse; torch only lazily, where it is used.
 """
@@ -7,6 +8,7 @@ from runwatch.producer.actions import ActionListener, AppliedAction, save_checkp
 from runwatch.producer.categories import CategoryLossBatch, category_loss
 from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.publisher import PublisherStats, RunWatch
+from runwatch.producer.recorder import JsonlRecorder
 from runwatch.producer.schema import (
     Action,
     ActionAckEvent,
@@ -35,6 +37,7 @@ __all__ = [
     "EvalEvent",
     "Heartbeat",
     "HeartbeatEvent",
+    "JsonlRecorder",
     "PublisherStats",
     "RunEndEvent",
     "RunStartEvent",

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=EventBase)
+P = TypeVar("P", bound="TelemetryPublisher")
 
 SPOOL_DIR_ENV = "RUNWATCH_SPOOL_DIR"
 DEFAULT_SPOOL_BASE = Path(".runwatch") / "spool"
@@ -129,6 +130,8 @@ class TelemetryPublisher:
     checkpoints: list[CheckpointRef]
     clock: Callable[[], datetime] | None = None
     _warned_invalid: bool = False
+    stopped_by: dict[str, str] | None = None  # the applied stop action's id and cause (see note_stop)
+    _watchers: tuple[Watcher, ...] | list[Watcher] = ()  # made by watch(), closed by close()
 
     def publish(self, event: EventBase) -> bool:
         raise NotImplementedError
@@ -152,8 +155,49 @@ class TelemetryPublisher:
                                                    and (k != "config" or isinstance(v, dict))}}
         return self.publish(self._event(RunStartEvent, **{**found, **(run_start or {})}))
 
-    def _run_end(self, status: str, summary: dict | None) -> bool:
-        return self.publish(self._event(RunEndEvent, status=status, summary=summary or {}))
+    def _run_end(self, status: str | None, summary: dict | None) -> bool:
+        status, summary = self._end_status(status, summary)
+        return self.publish(self._event(RunEndEvent, status=status, summary=summary))
+
+    def note_stop(self, action: Any) -> None:
+        """A stop action was applied (the :class:`~runwatch.producer.actions.ActionListener` calls
+        this): a later ``close()`` with no explicit status ends the run as ``stopped``, with the
+        action's id and cause (``params["cause"]``, else ``"stop"``) in ``run_end``'s summary."""
+        params = getattr(action, "params", None) or {}
+        cause = params.get("cause") if isinstance(params, dict) else None
+        self.stopped_by = {"stop_action_id": str(getattr(action, "action_id", "") or ""),
+                           "stop_cause": _truncate(str(cause)) if cause else "stop"}
+
+    def _end_status(self, status: str | None, summary: dict | None) -> tuple[str, dict]:
+        """``run_end``'s status and summary: an explicit status wins; otherwise ``stopped`` after an
+        applied stop (see :meth:`note_stop`), else ``completed``."""
+        if status is None:
+            status = "stopped" if self.stopped_by else "completed"
+        if status == "stopped" and self.stopped_by:
+            summary = {**self.stopped_by, **(summary or {})}
+        return status, dict(summary or {})
+
+    def _track_watcher(self, watcher: Watcher) -> Watcher:
+        self._watchers = [*self._watchers, watcher]
+        return watcher
+
+    def _close_watchers(self) -> None:
+        """Publish the watchers' last pending steps and stop their heartbeats before ``run_end``."""
+        for watcher in self._watchers:
+            try:
+                watcher.close()
+            except Exception:  # telemetry must not end the run, nor its close
+                log.debug("runwatch: closing a watcher failed", exc_info=True)
+
+    def __enter__(self: P) -> P:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+        """``with RunWatch(...) as rw:`` ends the run as ``completed``, ``stopped`` after an applied
+        stop action, ``failed`` when the body raised (type and message in the summary) or
+        ``interrupted`` on Ctrl-C. The exception is not swallowed."""
+        status, summary = _exit_status(exc_type, exc)
+        self.close(status=status, summary=summary)  # type: ignore[attr-defined]  # each subclass has one
 
     def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
         # A bad argument is the caller's bug, but it must not crash hours of training:
@@ -197,18 +241,24 @@ class TelemetryPublisher:
     def ack(self, **fields: Any) -> bool:
         return self._build_and_publish(ActionAckEvent, **fields)
 
-    def watch(self, model: Any, optimizer: Any, **options: Any) -> Watcher:
-        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.watch.Watcher`."""
+    def watch(self, model: Any, optimizer: Any = None, **options: Any) -> Watcher:
+        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.watch.Watcher`.
+
+        ``optimizer=None`` watches a loop with a hand-written update: call
+        ``watch.before_optimizer_step()`` and ``watch.after_optimizer_step()`` around it (and pass
+        ``lr=`` here or to ``end_step``). :meth:`close` closes the watchers made here."""
         from runwatch.producer.watch import Watcher  # imports torch; the publisher alone does not
 
-        return Watcher(self, model, optimizer, **options)
+        return self._track_watcher(Watcher(self, model, optimizer, **options))
 
 
 class RunWatch(TelemetryPublisher):
     """Publishes one rank's telemetry for one run.
 
     Construction returns immediately whether or not a broker is reachable. Call
-    :meth:`close` at the end of the run (it is also registered with ``atexit``).
+    :meth:`close` at the end of the run (it is also registered with ``atexit``), or use it as
+    a context manager, ``with RunWatch(...) as rw:``, which ends the run as ``completed``,
+    ``stopped`` (after an applied stop action), ``failed`` (the body raised) or ``interrupted``.
 
     ``rank`` and ``world_size`` default to what torch.distributed or the launcher's
     environment says. Rank 0 publishes ``run_start`` with metadata collected on the spot
@@ -330,14 +380,20 @@ class RunWatch(TelemetryPublisher):
     def _count_invalid(self) -> None:
         self._count_drop("invalid", after_queue=False)
 
-    def close(self, timeout: float = 10.0, status: str = "completed", summary: dict | None = None) -> PublisherStats:
+    def close(self, timeout: float = 10.0, status: str | None = None, summary: dict | None = None) -> PublisherStats:
         """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
+
+        ``status`` (``completed``, ``failed``, ``stopped``, ``interrupted``) defaults to ``stopped``
+        after an applied stop action (its id and cause go into ``summary``, see :meth:`note_stop`)
+        and to ``completed`` otherwise; the ``with RunWatch(...)`` form picks it for you. The
+        watchers made by :meth:`watch` are closed first (their last steps are published).
 
         Every event offered (or recovered from the spool) is then exactly one of
         ``published``, ``dropped`` or ``spooled_at_close`` (on disk, replayed next time).
         """
         if self._closed:
             return self.stats
+        self._close_watchers()
         if self.rank == 0:
             self._run_end(status, summary)
         self._closed = True
@@ -672,6 +728,23 @@ class RunWatch(TelemetryPublisher):
         if len(spool):
             log.warning("runwatch: %d events stay in %s; a RunWatch with the same run id and rank replays them",
                         len(spool), self.spool_path)
+
+
+_SUMMARY_TEXT = 500  # characters of an exception's message kept in run_end's summary
+
+
+def _truncate(text: str, limit: int = _SUMMARY_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
+def _exit_status(exc_type: type[BaseException] | None, exc: BaseException | None) -> tuple[str | None, dict]:
+    """``run_end``'s status for a ``with`` block that ended with ``exc`` (None: the usual rule)."""
+    if exc_type is None or (issubclass(exc_type, SystemExit) and getattr(exc, "code", None) in (None, 0)):
+        return None, {}
+    summary = {"error_type": exc_type.__name__, "error": _truncate(str(exc) if exc is not None else "")}
+    if issubclass(exc_type, KeyboardInterrupt):
+        return "interrupted", summary
+    return "failed", summary
 
 
 def _timestamp_ms(event: EventBase) -> int | None:

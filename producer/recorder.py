@@ -77,18 +77,16 @@ class JsonlRecorder(TelemetryPublisher):
         if not self._closed:
             self._file.flush()
 
-    def close(self, status: str = "completed", summary: dict | None = None) -> int:
-        """Write ``run_end`` (rank 0), flush and close the file; returns the number of lines written."""
+    def close(self, status: str | None = None, summary: dict | None = None) -> int:
+        """Close the watchers made by ``watch``, write ``run_end`` (rank 0), flush and close the file;
+        returns the number of lines written. ``status`` defaults as in ``RunWatch.close``:
+        ``stopped`` after an applied stop action, else ``completed``. ``with JsonlRecorder(...) as
+        rec:`` picks it as ``RunWatch`` does (``failed`` when the body raised)."""
         if self._closed:
             return self.written
+        self._close_watchers()
         if self.rank == 0:
             self._run_end(status, summary)
         self._closed = True
         self._file.close()
         return self.written
-
-    def __enter__(self) -> JsonlRecorder:
-        return self
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        self.close(status="completed" if exc_type is None else "failed")

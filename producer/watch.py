@@ -10,6 +10,25 @@ Plain loop::
         optimizer.zero_grad()
         watch.end_step(loss, samples=len(batch))
 
+A hand-written update, with no ``torch.optim`` optimizer (``optimizer=None``): call the two
+hooks yourself around the update, and give the LR (here or per step to ``end_step``)::
+
+    watch = rw.watch(model, None, lr=0.1)
+    for batch in watch.data(loader):
+        model.zero_grad()
+        loss = model(batch).mean()
+        loss.backward()
+        watch.before_optimizer_step()                   # gradient norms (and clip=, if given)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        watch.after_optimizer_step()                    # parameter and update norms
+        watch.end_step(loss, lr=0.1)
+
+Without those two calls the step event still carries the loss, the timings and the norms of
+the gradients present at ``end_step`` (none if they were zeroed or set to None after the
+update), but no update norms, and ``clip=`` cannot clip.
+
 Cost model: gradient norms (global and per module) every step from one fused norm
 over the gradients, which clipping needs anyway; parameter and update norms every
 ``update_every`` steps from a device copy of the weights kept across that one step.
@@ -37,7 +56,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +113,11 @@ class Watcher:
     ``clock`` of its own the heartbeat thread is not started, since its interval is wall time:
     the caller calls ``watch.heartbeat.beat()`` when that clock says so (a simulated run does).
 
+    ``optimizer=None``: a hand-written update (see the module doc); no hooks are installed, the
+    caller calls :meth:`before_optimizer_step` and :meth:`after_optimizer_step` around the update.
+    ``lr``: the learning rate (one per param group) step events report when there is no optimizer
+    to read it from; ``end_step(lr=...)`` gives it for one step.
+
     ``shard``: the parameters this rank owns in a sharded model (see the module doc); with it,
     ``clip`` is refused. ``sync_timing``: time DDP's gradient sync when ``model`` is a
     ``DistributedDataParallel`` (registers a comm hook; see :mod:`runwatch.producer.ddp_timing`).
@@ -103,8 +127,9 @@ class Watcher:
         self,
         rw: RunWatch,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None = None,
         *,
+        lr: float | Sequence[float] | None = None,
         clip: float | None = None,
         update_every: int = 10,
         module_norms: bool = True,
@@ -133,6 +158,7 @@ class Watcher:
         self.rw = rw
         self.model = model
         self.optimizer = optimizer
+        self.lr = _lr_list(lr)
         self.clip = clip
         self.external_clip = external_clip
         self.update_every = update_every
@@ -149,6 +175,7 @@ class Watcher:
         self._closed = False
         self.errors = 0  # failures inside runwatch's own calls, logged once, never raised
         self._lr: list[float] | None = None  # read before the step, as the step used it
+        self._warned_no_clip = False
         self._data_wrapped = False
         self._off_step_since: float | None = None  # start of the current eval/checkpoint/idle stretch
         self._off_step_depth = 0
@@ -174,7 +201,7 @@ class Watcher:
         else:
             self._memory = memory
         self._hook_handles: list[Any] = []
-        if hooks:
+        if hooks and optimizer is not None:
             self._hook_handles = [
                 optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.before_optimizer_step()),
                 optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_optimizer_step()),
@@ -186,19 +213,19 @@ class Watcher:
     # -- the three calls around a step ----------------------------------------------------
 
     def before_optimizer_step(self) -> None:
-        """After backward (and AMP unscale), before ``optimizer.step()``."""
+        """After backward (and AMP unscale), before ``optimizer.step()`` (or the hand-written update)."""
         with self._guard("before_optimizer_step"):
             self._before_optimizer_step()
 
     def _before_optimizer_step(self) -> None:
-        self._lr = [float(g["lr"]) for g in self.optimizer.param_groups]  # a scheduler may step before end_step
+        self._lr = self._current_lr()  # a scheduler may step before end_step
         clip = self.clip if self.clip is not None else self.external_clip
         self._grad = grad_norms(self.layout, clip, apply_clip=self.clip is not None)
         if self.update_every and self.step % self.update_every == 0:
             self._probe.arm()
 
     def after_optimizer_step(self) -> None:
-        """Right after ``optimizer.step()``."""
+        """Right after ``optimizer.step()`` (or the hand-written update)."""
         if self._probe.armed:
             with self._guard("after_optimizer_step"):
                 self._update = self._probe.measure()
@@ -211,17 +238,21 @@ class Watcher:
         samples: int | None = None,
         tokens: int | None = None,
         category_loss: CategoryLossBatch | None = None,
+        lr: float | Sequence[float] | None = None,
     ) -> None:
-        """Publish the step event (on CUDA: the previous one; this one at the next call or close)."""
+        """Publish the step event (on CUDA: the previous one; this one at the next call or close).
+
+        ``lr``: the step's learning rate (one per param group), instead of the optimizer's or the
+        watcher's ``lr`` option; for a hand-written update whose LR changes."""
         step = self.step if step is None else step
         with self._guard("end_step"):
-            self._end_step(loss, step, samples, tokens, category_loss)
+            self._end_step(loss, step, samples, tokens, category_loss, lr)
         self.step = step + 1
         if self.heartbeat:
             self.heartbeat.set_step(step)
 
     def _end_step(self, loss: torch.Tensor | float | None, step: int, samples: int | None, tokens: int | None,
-                  category_loss: CategoryLossBatch | None) -> None:
+                  category_loss: CategoryLossBatch | None, step_lr: float | Sequence[float] | None = None) -> None:
         import torch
 
         step_time, data_wait = self.clock.lap()
@@ -230,7 +261,9 @@ class Watcher:
             step_time -= self._take_off_step_time()
         off_spans, self._off_spans = self._off_spans, []
         lr, self._lr = self._lr, None
-        fields: dict[str, Any] = {"lr": lr if lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups]}
+        if step_lr is not None:
+            lr = _lr_list(step_lr)
+        fields: dict[str, Any] = {"lr": lr if lr is not None else self._current_lr()}
         if self._data_wrapped:  # otherwise the source is missing: absent, not zero
             fields["data_wait_s"] = data_wait
         if step_time is not None and step_time > 0:
@@ -259,10 +292,15 @@ class Watcher:
         elif loss is not None:
             fields["loss"] = float(loss)
         grad, self._grad = self._grad, None
+        read_late = grad is None and self.optimizer is None
+        if read_late:
+            grad = self._grads_at_end_step()
         if grad is not None:
             pending.grad = True
-            # A shard's clip factor would need the global norm: left to the worker's join.
-            pending.clipped = (self.clip is not None or self.external_clip is not None) and not self.layout.sharded
+            # A shard's clip factor would need the global norm: left to the worker's join. Gradients
+            # read after the update may have been clipped already: their clip factor says nothing.
+            pending.clipped = ((self.clip is not None or self.external_clip is not None) and not self.layout.sharded
+                               and not read_late)
             pieces.append(torch.stack([grad.total, grad.clip_coef, grad.nonfinite.double()]))
             if self.module_norms:
                 pieces.append(grad.modules)
@@ -274,6 +312,20 @@ class Watcher:
             pieces.append(category_loss.packed())
 
         self._ship(pending, pieces)
+
+    def _current_lr(self) -> list[float]:
+        if self.optimizer is not None:
+            return [float(g["lr"]) for g in self.optimizer.param_groups]
+        return list(self.lr or [])
+
+    def _grads_at_end_step(self) -> GradNorms | None:
+        """No optimizer and no ``before_optimizer_step`` this step: the norms of the gradients still
+        there (after the update, so nothing is clipped)."""
+        if self.clip is not None and not self._warned_no_clip:
+            self._warned_no_clip = True
+            log.warning("runwatch: clip=%g did not clip: with optimizer=None call watch.before_optimizer_step() "
+                        "before the update", self.clip)
+        return grad_norms(self.layout, self.external_clip, apply_clip=False)
 
     # -- helpers for the rest of the loop ----------------------------------------------------
 
@@ -437,6 +489,15 @@ class Watcher:
             if compute is not None:
                 fields["compute_s"] = compute
         self.rw.step(p.step, **fields)
+
+
+def _lr_list(lr: float | Sequence[float] | None) -> list[float] | None:
+    """An LR given by the caller, as the step event's per-param-group list."""
+    if lr is None:
+        return None
+    if isinstance(lr, Sequence):
+        return [float(x) for x in lr]
+    return [float(lr)]  # a number (or a 0-d tensor)
 
 
 def _per_category_metrics(per_category: dict[str, Any] | CategoryLossBatch | None) -> dict[str, dict[str, float]]:
