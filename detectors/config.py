@@ -33,8 +33,18 @@ class SpikeConfig(Strict):
     window: int = Field(default=100, ge=8, description="steps of history for the rolling median / IQR")
     warmup: int = Field(default=20, ge=4, description="steps observed before any finding")
     z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(value) that counts as a spike")
-    critical_z: float = Field(default=12.0, gt=0, description="robust z above which the spike is critical")
+    critical_z: float = Field(default=12.0, gt=0, description="robust z above which the spike is critical ...")
+    critical_ratio: float = Field(
+        default=10.0, ge=1.0, description="... and value / rolling median reaches this (the default policy rolls back)"
+    )
     min_ratio: float = Field(default=2.0, ge=1.0, description="value / rolling median must also reach this")
+    divergence_steps: int = Field(
+        default=5, ge=0, description="steps after a spike watched for a divergence (0: no divergence findings)"
+    )
+    divergence_ratio: float = Field(
+        default=1.5, gt=1.0, description="median of those steps / the pre-spike median at least this: diverging, "
+                                         "a critical finding (else the spike was transient)"
+    )
     min_scale: float = Field(
         default=0.05, gt=0, description="floor on the robust scale in log units (a very flat series is not a hair trigger)"
     )
@@ -238,14 +248,48 @@ class PolicyRule(Strict):
     action: ActionName
 
 
+class RecoveryConfig(Strict):
+    """After a rollback, the run must return to its pre-fault loss (``detectors/recovery.py``)."""
+
+    enabled: bool = True
+    within_steps: int = Field(default=20, ge=1, description="replayed steps after a rollback before it is judged")
+    judged_over: int = Field(default=5, ge=1, description="the median of the last this many steps' loss ratios")
+    healthy_window: int = Field(default=20, ge=4, description="healthy steps before the onset that set the band")
+    band_z: float = Field(default=3.0, gt=0, description="band: exp(band_z x robust scale of their log loss) ...")
+    min_band: float = Field(default=0.1, ge=0, description="... and never tighter than 1 + this")
+
+    @model_validator(mode="after")
+    def _judged_fits(self) -> RecoveryConfig:
+        if self.judged_over > self.within_steps:
+            raise ValueError(f"judged_over ({self.judged_over}) must not exceed within_steps ({self.within_steps})")
+        return self
+
+
+def default_rules() -> list[PolicyRule]:
+    """Roll back what will not heal on its own; alert on the rest (docs/remediation.md says why)."""
+    return [
+        PolicyRule(detector="non_finite", min_severity="critical", action="rollback"),
+        # critical: a divergence (the spike did not come back) or a huge spike; a transient one is a warning
+        PolicyRule(detector="loss_spike", min_severity="critical", action="rollback"),
+        PolicyRule(detector="grad_norm_spike", min_severity="critical", action="rollback"),
+        PolicyRule(detector="not_recovered", min_severity="warning", action="rollback"),
+        PolicyRule(detector="*", min_severity="warning", action="alert"),
+    ]
+
+
 class PolicyConfig(Strict):
-    rules: list[PolicyRule] = Field(
-        default_factory=lambda: [
-            PolicyRule(detector="non_finite", min_severity="critical", action="rollback"),
-            PolicyRule(detector="*", min_severity="warning", action="alert"),
-        ],
-        description="first matching rule wins",
+    rules: list[PolicyRule] = Field(default_factory=default_rules, description="first matching rule wins")
+    alert_only: bool = Field(
+        default=False, description="true: every rule's action is an alert (runwatch never acts on the run)"
     )
+    confirm_steps: int = Field(
+        default=20, ge=1, description="healthy steps after a checkpoint, with no finding of a detector that can "
+                                      "trigger a rollback, before a rollback may restore it"
+    )
+    no_good_checkpoint: Literal["pause", "stop"] = Field(
+        default="stop", description="what a rollback becomes when no confirmed-good checkpoint precedes the fault"
+    )
+    recovery: RecoveryConfig = RecoveryConfig()
     cooldown_s: float = Field(default=60.0, ge=0, description="same action for the same detector, at most once per")
     max_rollbacks: int = Field(default=3, ge=0, description="after this many rollbacks a rollback becomes a stop")
     action_ttl_s: float = Field(default=120.0, gt=0, description="actions expire this long after issue")
@@ -266,6 +310,16 @@ class RunwatchConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
     # What the worker accepts from the telemetry topic (docs/wire-format.md); the rest is dead-lettered.
     limits: WireLimits = WireLimits()
+
+    @model_validator(mode="after")
+    def _confirmation_covers_divergence(self) -> RunwatchConfig:
+        # A checkpoint confirmed before a divergence can be found might already hold the fault.
+        delay = max(self.detectors.loss_spike.divergence_steps, self.detectors.grad_norm_spike.divergence_steps)
+        if self.policy.confirm_steps <= delay:
+            raise ValueError(f"policy.confirm_steps ({self.policy.confirm_steps}) must exceed the spike detectors' "
+                             f"divergence_steps ({delay}): a checkpoint is confirmed only after a divergence could "
+                             "have been found")
+        return self
 
 
 def load_config(path: str | Path | None = None) -> RunwatchConfig:

@@ -7,8 +7,14 @@ Rollback. Each rollback's ``params`` carry ``lr_scale``, the cumulative factor r
 run's LR before any rollback (``lr_scale_on_rollback`` to the power of the rollback's number:
 0.5, 0.25, ...), and with ``skip_data_window`` the inclusive step range ``skip_steps`` =
 ``[checkpoint step + 1, anomaly step]`` (from the onset when no checkpoint is known) whose
-batches the trainer should not replay. After ``max_rollbacks`` rollbacks the next one is a
-``stop`` (``params.cause = "max_rollbacks"``), and after a stop nothing more is issued.
+batches the trainer should not replay. The caller names the target: the newest *confirmed-good*
+checkpoint before the update that caused the onset (``checkpoints.CheckpointLedger``); with none,
+the rollback becomes ``no_good_checkpoint`` (a ``pause`` or a ``stop``, ``params.cause =
+"no_good_checkpoint"``): an unconfirmed checkpoint is never restored. After ``max_rollbacks``
+rollbacks the next one is a ``stop`` (``params.cause = "max_rollbacks"``), and so is any later
+warning of a detector that a rule rolls back on (the fault came back in a milder form: the run
+must not go on degraded); after a stop nothing more is issued. ``alert_only`` turns every action
+into an alert.
 
 Escalation ("alert, then stop if nothing changes"). A finding that the rules turn into an
 ``alert`` opens an *episode* for its detector when the alert is issued. Every later finding of
@@ -90,6 +96,29 @@ class ActionPolicy:
             ]:
                 return rule
         return None
+
+    def _action_for(self, anomaly: Anomaly) -> str | None:
+        rule = self._rule_for(anomaly)
+        if rule is None:
+            return None
+        return "alert" if self.config.alert_only else rule.action
+
+    def rolls_back_on(self, detector: str) -> bool:
+        """Whether some rule turns a finding of ``detector`` (at some severity) into a rollback."""
+        if self.config.alert_only:
+            return False
+        for rule in self.config.rules:
+            if rule.detector in ("*", detector):
+                if rule.action == "rollback":
+                    return True
+                if rule.min_severity == "info":
+                    return False  # every severity is taken by an earlier, non-rollback rule
+        return False
+
+    @property
+    def capped(self) -> bool:
+        """Every allowed rollback has been spent: what comes next is a stop."""
+        return self.rollbacks >= self.config.max_rollbacks
 
     def acknowledge(self, action_id: str) -> None:
         """The trainer reported the outcome of an action: a pending rollback is settled."""
@@ -178,21 +207,33 @@ class ActionPolicy:
     ) -> ActionDecision | None:
         if self.stopped:
             return None
-        rule = self._rule_for(anomaly)
-        if rule is None:
+        kind = self._action_for(anomaly)
+        if kind is None:
             return None
-        kind = rule.action
         onset = anomaly.evidence.get("onset_step", anomaly.step)
         reason = anomaly.message
         params: dict[str, Any] = {}
         episode: AlertEpisode | None = None
+        if kind != "rollback" and self.capped and self.rollbacks > 0 and self.rolls_back_on(anomaly.detector):
+            # After the cap, the fault is not allowed to go on in a milder form (an alert-level spike).
+            if self.rollback_pending(now):
+                return None  # events still in flight from before the last rollback took effect
+            kind = "rollback"
         if kind == "rollback":
             if self.rollback_pending(now):
                 return None  # events still in flight from before the rollback took effect
-            if self.rollbacks >= self.config.max_rollbacks:
+            if self.capped:
                 kind = "stop"
                 reason = f"rollback cap reached ({self.config.max_rollbacks} rollbacks): {anomaly.message}"
                 params = {"cause": "max_rollbacks", "rollbacks": self.rollbacks}
+            elif checkpoint is None:
+                # Never restore an unconfirmed checkpoint: it may hold the fault.
+                kind = self.config.no_good_checkpoint
+                reason = f"no confirmed-good checkpoint before step {onset} to roll back to: {anomaly.message}"
+                params = {"cause": "no_good_checkpoint"}
+                last = self._last_issued.get((kind, anomaly.detector))
+                if kind == "pause" and last is not None and now - last < timedelta(seconds=self.config.cooldown_s):
+                    return None
             else:
                 params = self._rollback_params(anomaly, onset, checkpoint)
         else:

@@ -5,6 +5,14 @@ from one sorted window: ``rolling_quantile.RollingQuantiles``),
 which tolerates the heavy tails of grad norms far better than a mean/std scorer.
 A finding needs both the z threshold and a minimum ratio to the median, so a very
 flat series does not turn noise into alarms.
+
+Transient or diverging. A spike is a ``warning`` (critical only when it is huge: ``critical_z``
+and ``critical_ratio`` both reached). The detector then watches the next ``divergence_steps``
+values: if their median stays ``divergence_ratio`` times the pre-spike median or more (and half
+the z threshold above it), the series did not come back and a second, ``critical`` finding with
+``evidence.kind = "divergence"`` names the spike's step as its onset. Transient spikes recover on
+their own within a few steps (OLMo-core skips such steps rather than act), so the default policy
+alerts on the spike and rolls back only the divergence.
 """
 
 from __future__ import annotations
@@ -27,19 +35,56 @@ class SpikeDetector:
         self.seen = 0
         self._quiet_until = -1
         self._quiet_from = 0  # the cooldown covers [_quiet_from, _quiet_until]: a rollback's replay is outside it
+        self._watch: _DivergenceWatch | None = None  # the latest spike, while its next steps are watched
 
     def update(self, value: float | None, step: int, rank: int | None = None) -> Finding | None:
         if value is None or not math.isfinite(value) or value <= 0:
             return None  # non-finite values belong to the non-finite detector
         x = math.log(value)
-        finding = None
-        if self.seen >= self.config.warmup and not self._quiet_from <= step <= self._quiet_until:
+        finding = self._follow_spike(x, step, rank)
+        if finding is None and self.seen >= self.config.warmup and not self._quiet_from <= step <= self._quiet_until:
             finding = self._score(x, value, step, rank)
+            if finding is not None and self.config.divergence_steps > 0:
+                self._watch = _DivergenceWatch(step, self._history.get(0.5), finding.evidence["robust_scale_log"])
         self._history.update(x)
         self.seen += 1
-        if finding is not None:
+        if finding is not None and finding.evidence.get("kind") != "divergence":
             self._quiet_from, self._quiet_until = step + 1, step + self.config.cooldown_steps
         return finding
+
+    def _follow_spike(self, x: float, step: int, rank: int | None) -> Finding | None:
+        """After a spike: a divergence finding once ``divergence_steps`` more values stayed high."""
+        watch = self._watch
+        if watch is None:
+            return None
+        if step <= watch.spike_step:  # replayed from before the spike (a rollback): it no longer applies
+            self._watch = None
+            return None
+        watch.values.append(x)
+        if len(watch.values) < self.config.divergence_steps:
+            return None
+        self._watch = None
+        after = sorted(watch.values)[len(watch.values) // 2]
+        ratio = math.exp(after - watch.median)
+        z = (after - watch.median) / watch.scale
+        if ratio < self.config.divergence_ratio or z < self.config.z_threshold / 2:
+            return None  # came back: the spike was transient
+        typical = math.exp(watch.median)
+        return Finding(
+            detector=self.name,
+            metric=self.metric,
+            step=step,
+            rank=rank,
+            severity="critical",
+            value=math.exp(after),
+            threshold=typical * self.config.divergence_ratio,
+            score=z,
+            message=(f"{self.metric} did not come back after its spike at step {watch.spike_step}: the median of the "
+                     f"{len(watch.values)} steps since is {math.exp(after):.4g}, {ratio:.1f}x the pre-spike median "
+                     f"{typical:.4g} (diverging)"),
+            evidence={"kind": "divergence", "onset_step": watch.spike_step, "pre_spike_median": typical,
+                      "median_since": math.exp(after), "ratio": ratio, "steps_watched": len(watch.values)},
+        )
 
     def _score(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
         median = self._history.get(0.5)
@@ -57,10 +102,21 @@ class SpikeDetector:
             metric=self.metric,
             step=step,
             rank=rank,
-            severity="critical" if z >= self.config.critical_z else "warning",
+            severity="critical" if z >= self.config.critical_z and ratio >= self.config.critical_ratio else "warning",
             value=value,
             threshold=typical * math.exp(self.config.z_threshold * scale),
             score=z,
             message=f"{self.metric} spiked to {value:.4g}, {ratio:.1f}x its rolling median {typical:.4g} (robust z {z:.1f})",
-            evidence={"rolling_median": typical, "ratio": ratio, "robust_scale_log": scale, "window": self.config.window},
+            evidence={"kind": "spike", "rolling_median": typical, "ratio": ratio, "robust_scale_log": scale,
+                      "window": self.config.window},
         )
+
+
+class _DivergenceWatch:
+    """The values (log) after a spike, against the median (log) and scale before it."""
+
+    def __init__(self, spike_step: int, median: float, scale: float):
+        self.spike_step = spike_step
+        self.median = median
+        self.scale = scale
+        self.values: list[float] = []

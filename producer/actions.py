@@ -82,6 +82,8 @@ from pathlib import Path
 from typing import Any
 
 from runwatch.producer import topics
+from runwatch.producer.lr import LR_SCALE_KEY as LR_SCALE_KEY  # re-exported: where callers found it
+from runwatch.producer.lr import scale_lr
 from runwatch.producer.publisher import RunWatch, default_spool_dir
 from runwatch.producer.schema import (
     Action,
@@ -96,7 +98,6 @@ from runwatch.producer.signing import resolve_secret, verify_action
 log = logging.getLogger(__name__)
 
 RestoreFn = Callable[[CheckpointRef], None]
-LR_SCALE_KEY = "runwatch_lr_scale"  # in each param group: the rollback LR scale its LR already carries
 STATE_SUFFIX = ".actions"
 STATE_MAX_IDS = 10_000  # applied action ids kept in the state file (the newest)
 
@@ -121,22 +122,6 @@ class AppliedAction:
     def skips(self, step: int) -> bool:
         """Whether the batch of ``step`` is in the data window this rollback says to skip."""
         return self.skip_steps is not None and self.skip_steps[0] <= step <= self.skip_steps[1]
-
-
-def scale_lr(optimizer: Any, lr_scale: float) -> float:
-    """Bring every param group's LR to ``lr_scale`` times the run's original LR, given the scale
-    the group already carries (``runwatch_lr_scale``, 1.0 if none); returns the factor applied."""
-    factor = 1.0
-    for group in optimizer.param_groups:
-        carried = float(group.get(LR_SCALE_KEY, 1.0))
-        factor = lr_scale / carried
-        lr = group["lr"]
-        if hasattr(lr, "mul_"):  # a tensor LR (capturable optimizers): keep the same tensor
-            lr.mul_(factor)
-        else:
-            group["lr"] = lr * factor
-        group[LR_SCALE_KEY] = lr_scale
-    return factor
 
 
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extra: Any) -> None:
@@ -291,6 +276,8 @@ class ActionListener:
             restore = torch_restore(model, optimizer)
         self._restore = restore
         self._optimizer = optimizer
+        if optimizer is not None and hasattr(rw, "track_lr"):
+            rw.track_lr(optimizer)  # checkpoints record the LR a rollback scales
         self._heartbeat = heartbeat
         self._clock_skew = timedelta(seconds=clock_skew_s)
         self._not_before = utc_now() - self._clock_skew
@@ -339,6 +326,8 @@ class ActionListener:
         before the model; ``heartbeat`` (``watch.heartbeat``) reports a pause as idle."""
         self._restore = restore or torch_restore(model, optimizer)
         self._optimizer = optimizer
+        if optimizer is not None and hasattr(self.rw, "track_lr"):
+            self.rw.track_lr(optimizer)
         if heartbeat is not None:
             self._heartbeat = heartbeat
 
@@ -674,9 +663,12 @@ class ActionListener:
         wanted = action.params.get("lr_scale")
         if wanted is not None and self._optimizer is not None:
             try:
-                lr_factor = scale_lr(self._optimizer, float(wanted))
+                # The run's own LR before the fault: recorded with the checkpoint (or at the start),
+                # not the LR in the restored optimizer state, which may be the fault itself.
+                base = ref.lr if ref.lr is not None else getattr(self.rw, "initial_lr", None)
+                lr_factor = scale_lr(self._optimizer, float(wanted), base)
                 lr_scale = float(wanted)
-                detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the original)"
+                detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the run's LR before the fault)"
             except Exception as exc:  # the restore happened: report it, and that the LR did not change
                 detail += f"; LR not scaled: {exc!r}"
         elif wanted is not None:

@@ -25,7 +25,10 @@ def test_defaults_without_a_file():
     assert cfg.detectors.non_finite.max_consecutive == 3
     assert cfg.detectors.loss_spike.warmup <= cfg.detectors.loss_spike.window
     rules = [(r.detector, r.min_severity, r.action) for r in cfg.policy.rules]
-    assert rules == [("non_finite", "critical", "rollback"), ("*", "warning", "alert")]
+    # a divergence (critical spike), a non-finite value and a failed recovery roll back; the rest alerts
+    assert rules == [("non_finite", "critical", "rollback"), ("loss_spike", "critical", "rollback"),
+                     ("grad_norm_spike", "critical", "rollback"), ("not_recovered", "warning", "rollback"),
+                     ("*", "warning", "alert")]
     assert cfg.policy.action_ttl_s > 0
 
 

@@ -28,11 +28,11 @@ T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int, float]]:
-    """A run whose loss goes NaN from step 8 (a checkpoint at 4): an alert, then a rollback."""
+    """A run whose loss goes NaN from step 8 (a checkpoint at 1, confirmed at 7): an alert, then a rollback."""
     events = []
     for s in range(12):
-        if s == 4:
-            events.append(CheckpointEvent(run_id=run_id, step=4, uri="/ckpt/4.pt", ts=T0 + timedelta(seconds=s)))
+        if s == 1:
+            events.append(CheckpointEvent(run_id=run_id, step=1, uri="/ckpt/1.pt", ts=T0 + timedelta(seconds=s)))
         events.append(StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 8 else 1.0,
                                 ts=T0 + timedelta(seconds=s)))
     return [(e.to_json(), run_id.encode(), 0, offset, e.ts.timestamp()) for offset, e in enumerate(events)]
@@ -40,7 +40,7 @@ def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int, float]
 
 @pytest.fixture
 def detectors():
-    process = DetectorProcess(RunwatchConfig(), SECRET)
+    process = DetectorProcess(RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}), SECRET)
     process.wait_ready(timeout=60)
     yield process
     process.close()
@@ -69,15 +69,21 @@ def test_replies_come_back_in_order_with_the_records_the_processor_gives(detecto
     actions = [Action.model_validate_json(r.value) for r in second.records if r.topic == topics.ACTIONS]
     assert [(a.step, a.severity) for a in anomalies] == [(8, "warning"), (10, "critical")]
     assert [a.kind for a in actions] == ["alert", "rollback"]
-    assert actions[1].target_checkpoint.uri == "/ckpt/4.pt"
+    assert actions[1].target_checkpoint.uri == "/ckpt/1.pt"
     assert all(verify_action(a, SECRET) for a in actions)  # signed in the child with the worker's secret
     assert all(r.key == b"run-1" for r in second.records)
     assert json.loads(second.records[-1].value)["offset"] == 99
 
-    # The same events through the processor in this process give the same anomalies (same ids).
+    # The same events through the processor in this process give the same anomalies (same ids), each
+    # stamped with the clock of the process that detected it.
     local = handle(TelemetryProcessor(RunwatchConfig(), SECRET), "events", events)
-    assert [r.value for r in local.records if r.topic == topics.ANOMALIES] == \
-        [r.value for r in second.records if r.topic == topics.ANOMALIES]
+
+    def same(records):
+        return [{k: v for k, v in json.loads(r.value).items() if k != "detected_at"}
+                for r in records if r.topic == topics.ANOMALIES]
+
+    assert same(local.records) == same(second.records)
+    assert all(json.loads(r.value)["detected_at"] for r in second.records if r.topic == topics.ANOMALIES)
     assert tick.counters.processed == 13 and tick.counters.deadlettered == 1
     assert tick.counters.actions == {"alert": 1, "rollback": 1}
     assert detectors.counters == tick.counters

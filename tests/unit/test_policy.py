@@ -20,6 +20,7 @@ from runwatch.producer.schema import (
 )
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+GOOD = CheckpointRef(step=3, uri="/c/3")  # a confirmed-good checkpoint the caller names as the target
 
 
 def _at(seconds: float) -> datetime:
@@ -61,63 +62,67 @@ def _run_nan(monitor: RunMonitor, first_nan: int, last: int, start: int = 0):
     return anomalies, decisions
 
 
-def test_nan_streak_gives_alert_then_rollback_to_checkpoint_before_onset():
-    monitor = RunMonitor("run-1", RunwatchConfig())
-    for s in range(0, 10):
+def test_nan_streak_gives_alert_then_rollback_to_the_newest_confirmed_checkpoint_before_onset():
+    monitor = RunMonitor("run-1", RunwatchConfig())  # confirm_steps 20
+    for s in range(0, 30):
         monitor.observe(_step_event(s, 1.0))
-        if s in (0, 4):
+        if s in (0, 4, 20, 28):
             monitor.observe(_ckpt(s))
-    monitor.observe(_ckpt(8, ok=False))  # failed checkpoint: never a rollback target
-    monitor.observe(_ckpt(10))  # taken at the onset step: may already be poisoned
-    anomalies, decisions = _run_nan(monitor, first_nan=10, last=14, start=10)
+    monitor.observe(_ckpt(26, ok=False))  # failed checkpoint: never a rollback target
+    monitor.observe(_ckpt(30))  # taken at the onset step: may already be poisoned
+    anomalies, decisions = _run_nan(monitor, first_nan=30, last=34, start=30)
 
-    assert [(a.step, a.severity) for a in anomalies] == [(10, "warning"), (12, "critical")]
+    assert [(a.step, a.severity) for a in anomalies] == [(30, "warning"), (32, "critical")]
     assert [d.kind for d in decisions] == ["alert", "rollback"]
     rollback = decisions[1]
-    assert rollback.onset_step == 10
-    assert rollback.step == 12
+    assert rollback.onset_step == 30
+    assert rollback.step == 32
+    # 20 and 28 had not had their 20 healthy steps: never restored; 4 had (at step 24)
     assert rollback.target_checkpoint == CheckpointRef(step=4, uri="/ckpt/4.pt")
     assert rollback.anomaly_ids == [anomalies[1].anomaly_id]
     assert rollback.run_id == "run-1"
     assert decisions[0].target_checkpoint is None
 
 
-def test_rollback_without_any_earlier_checkpoint_has_no_target():
-    monitor = RunMonitor("run-1", RunwatchConfig())
-    monitor.observe(_ckpt(5))
-    _, decisions = _run_nan(monitor, first_nan=3, last=6)
-    rollback = [d for d in decisions if d.kind == "rollback"]
-    assert len(rollback) == 1 and rollback[0].target_checkpoint is None
+def test_without_a_confirmed_checkpoint_a_rollback_becomes_a_stop_or_a_pause():
+    for choice in ("stop", "pause"):
+        config = RunwatchConfig.model_validate({"policy": {"no_good_checkpoint": choice}})
+        monitor = RunMonitor("run-1", config)
+        monitor.observe(_ckpt(0))  # registered, but only 2 healthy steps follow it
+        _, decisions = _run_nan(monitor, first_nan=3, last=6)
+        assert [d.kind for d in decisions] == ["alert", choice]
+        assert decisions[1].target_checkpoint is None and decisions[1].params == {"cause": "no_good_checkpoint"}
+        assert "no confirmed-good checkpoint" in decisions[1].reason
 
 
 def test_no_second_rollback_while_one_is_pending_then_allowed_after_ack():
-    monitor = RunMonitor("run-1", RunwatchConfig())
-    monitor.observe(_ckpt(0))
-    _, first = _run_nan(monitor, first_nan=5, last=8)
+    monitor = RunMonitor("run-1", RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}))
+    monitor.observe(_ckpt(0))  # confirmed at step 6
+    _, first = _run_nan(monitor, first_nan=8, last=11)
     rollbacks = [d for d in first if d.kind == "rollback"]
     assert len(rollbacks) == 1
 
     # events still in flight from before the rollback took effect: another streak, no new rollback
-    found, second = _run_nan(monitor, first_nan=10, last=13, start=9)
+    found, second = _run_nan(monitor, first_nan=13, last=16, start=12)
     assert [a.severity for a in found] == ["warning", "critical"]
     assert [d.kind for d in second if d.kind == "rollback"] == []
 
-    monitor.observe(ActionAckEvent(run_id="run-1", action_id=rollbacks[0].action_id, outcome="applied", ts=_at(14)))
-    _, third = _run_nan(monitor, first_nan=16, last=19, start=15)
+    monitor.observe(ActionAckEvent(run_id="run-1", action_id=rollbacks[0].action_id, outcome="applied", ts=_at(17)))
+    _, third = _run_nan(monitor, first_nan=19, last=22, start=18)
     again = [d for d in third if d.kind == "rollback"]
     assert len(again) == 1
-    assert again[0].onset_step == 16
+    assert again[0].onset_step == 19 and again[0].target_checkpoint.step == 0
     assert again[0].action_id != rollbacks[0].action_id
 
 
 def test_ack_of_another_action_does_not_release_the_pending_rollback():
     policy = ActionPolicy(PolicyConfig())
-    first = policy.decide(_anomaly("a1"), _at(0))
+    first = policy.decide(_anomaly("a1"), _at(0), GOOD)
     assert first.kind == "rollback"
     policy.acknowledge("not-the-rollback")
-    assert policy.decide(_anomaly("a2"), _at(1)) is None
+    assert policy.decide(_anomaly("a2"), _at(1), GOOD) is None
     policy.acknowledge(first.action_id)
-    assert policy.decide(_anomaly("a3"), _at(2)).kind == "rollback"
+    assert policy.decide(_anomaly("a3"), _at(2), GOOD).kind == "rollback"
 
 
 # -- ActionPolicy directly ------------------------------------------------------------------------
@@ -130,10 +135,34 @@ def test_default_rules_warning_alerts_and_info_is_ignored():
     assert policy.decide(_anomaly("an-2", detector="loss_spike", severity="info"), _at(1)) is None
 
 
-def test_critical_spike_is_only_an_alert_by_default():
-    policy = ActionPolicy(PolicyConfig())
-    decision = policy.decide(_anomaly(detector="loss_spike", severity="critical"), _at(0))
-    assert decision.kind == "alert"
+def test_by_default_a_critical_spike_or_divergence_rolls_back_and_a_warning_spike_alerts():
+    policy = ActionPolicy(PolicyConfig(cooldown_s=0))
+    assert policy.decide(_anomaly("w", detector="loss_spike", severity="warning"), _at(0)).kind == "alert"
+    assert policy.decide(_anomaly("g", detector="grad_norm_spike", severity="warning"), _at(1)).kind == "alert"
+    decision = policy.decide(_anomaly("c", detector="loss_spike", severity="critical"), _at(2), GOOD)
+    assert decision.kind == "rollback"
+    assert policy.rolls_back_on("loss_spike") and policy.rolls_back_on("not_recovered")
+    assert not policy.rolls_back_on("throughput_drift")
+
+
+def test_alert_only_turns_every_action_into_an_alert():
+    policy = ActionPolicy(PolicyConfig(alert_only=True, cooldown_s=0))
+    assert policy.decide(_anomaly("n"), _at(0), GOOD).kind == "alert"
+    assert policy.decide(_anomaly("c", detector="loss_spike", severity="critical"), _at(1), GOOD).kind == "alert"
+    assert not policy.rolls_back_on("non_finite")
+
+
+def test_after_the_cap_a_milder_return_of_the_fault_stops_the_run():
+    policy = ActionPolicy(PolicyConfig(max_rollbacks=1, cooldown_s=0))
+    first = policy.decide(_anomaly("c1", detector="loss_spike", severity="critical"), _at(0), GOOD)
+    assert first.kind == "rollback"
+    # still in flight from before the rollback: not judged
+    assert policy.decide(_anomaly("w0", detector="loss_spike", severity="warning"), _at(1)) is None
+    policy.acknowledge(first.action_id)
+    # unrelated detectors still only alert
+    assert policy.decide(_anomaly("t", detector="throughput_drift", severity="warning"), _at(2)).kind == "alert"
+    stop = policy.decide(_anomaly("w1", detector="loss_spike", severity="warning"), _at(3))
+    assert stop.kind == "stop" and stop.params["cause"] == "max_rollbacks"
 
 
 def test_first_matching_rule_wins():
@@ -159,7 +188,7 @@ def test_after_max_rollbacks_the_next_is_stop_and_then_nothing():
     policy = ActionPolicy(PolicyConfig(max_rollbacks=2))
     kinds = []
     for i in range(3):
-        decision = policy.decide(_anomaly(f"nan-{i}", step=10 * i + 2, onset=10 * i), _at(10 * i))
+        decision = policy.decide(_anomaly(f"nan-{i}", step=10 * i + 2, onset=10 * i), _at(10 * i), GOOD)
         kinds.append(decision.kind)
         policy.acknowledge(decision.action_id)
     assert kinds == ["rollback", "rollback", "stop"]
@@ -207,9 +236,9 @@ def test_same_anomaly_gives_the_same_action_id():
 
 def test_replaying_the_same_events_gives_the_same_ids():
     def replay():
-        monitor = RunMonitor("run-1", RunwatchConfig())
+        monitor = RunMonitor("run-1", RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}))
         monitor.observe(_ckpt(0))
-        return _run_nan(monitor, first_nan=5, last=9)
+        return _run_nan(monitor, first_nan=8, last=12)
 
     anomalies_a, decisions_a = replay()
     anomalies_b, decisions_b = replay()
@@ -220,12 +249,12 @@ def test_replaying_the_same_events_gives_the_same_ids():
 
 def test_pending_rollback_expires_after_action_ttl():
     policy = ActionPolicy(PolicyConfig(action_ttl_s=120))
-    first = policy.decide(_anomaly("n1"), _at(0))
+    first = policy.decide(_anomaly("n1"), _at(0), GOOD)
     assert first.kind == "rollback"
     assert policy.rollback_pending(_at(100))
-    assert policy.decide(_anomaly("n2"), _at(119)) is None
+    assert policy.decide(_anomaly("n2"), _at(119), GOOD) is None
     assert not policy.rollback_pending(_at(121))
-    second = policy.decide(_anomaly("n3"), _at(121))
+    second = policy.decide(_anomaly("n3"), _at(121), GOOD)
     assert second is not None and second.kind == "rollback"
     assert policy.rollbacks == 2
 
@@ -237,7 +266,7 @@ def test_rollback_lr_scale_is_cumulative():
     policy = ActionPolicy(PolicyConfig(lr_scale_on_rollback=0.5, max_rollbacks=3))
     scales = []
     for i in range(3):
-        decision = policy.decide(_anomaly(f"nan-{i}", step=10 * i + 2, onset=10 * i), _at(10 * i))
+        decision = policy.decide(_anomaly(f"nan-{i}", step=10 * i + 2, onset=10 * i), _at(10 * i), GOOD)
         assert decision.kind == "rollback"
         scales.append(decision.params["lr_scale"])
         assert decision.params["rollback_number"] == i + 1
@@ -249,7 +278,7 @@ def test_rollback_lr_scale_is_cumulative():
 
 
 def test_lr_scale_one_leaves_the_lr_alone():
-    decision = ActionPolicy(PolicyConfig(lr_scale_on_rollback=1.0)).decide(_anomaly(), _at(0))
+    decision = ActionPolicy(PolicyConfig(lr_scale_on_rollback=1.0)).decide(_anomaly(), _at(0), GOOD)
     assert decision.params["lr_scale"] == 1.0
 
 
@@ -258,8 +287,8 @@ def test_skip_window_from_the_checkpoint_to_the_anomaly():
     decision = policy.decide(_anomaly(step=12, onset=10), _at(0), checkpoint=CheckpointRef(step=4, uri="/c/4"))
     assert decision.params["skip_steps"] == [5, 12]  # inclusive: the batches trained after the checkpoint
     policy.acknowledge(decision.action_id)
-    no_ckpt = policy.decide(_anomaly("an-2", step=30, onset=27), _at(10))
-    assert no_ckpt.params["skip_steps"] == [27, 30]  # no known checkpoint: from the onset
+    other = policy.decide(_anomaly("an-2", step=30, onset=27), _at(10), CheckpointRef(step=20, uri="/c/20"))
+    assert other.params["skip_steps"] == [21, 30]
 
 
 def test_no_skip_window_by_default():
@@ -305,7 +334,7 @@ def test_a_rollback_in_between_resets_escalation():
     policy = ActionPolicy(PolicyConfig(cooldown_s=0, escalate_after_s=600))
     policy.decide(_anomaly("w1", **WARN), _at(0))
     policy.decide(_anomaly("w2", **WARN), _at(300))
-    rollback = policy.decide(_anomaly("nan"), _at(400))
+    rollback = policy.decide(_anomaly("nan"), _at(400), GOOD)
     assert rollback.kind == "rollback"
     assert policy.decide(_anomaly("w3", **WARN), _at(650)).kind == "alert"  # a new episode from 650
     assert policy.decide(_anomaly("w4", **WARN), _at(1249)).kind == "alert"

@@ -28,7 +28,9 @@ HEAD = b'{"schema_version":1,"event_id":"e","rank":0,"ts":"2024-05-01T12:00:00Z"
 
 @pytest.fixture
 def proc() -> TelemetryProcessor:
-    return TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL)
+    # checkpoints confirmed after 6 healthy steps, so short test runs have a rollback target
+    return TelemetryProcessor(RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}), SECRET,
+                              clock=lambda: WALL)
 
 
 def _step(step: int, loss: float = 1.0, run_id: str = "run-1") -> bytes:
@@ -104,8 +106,8 @@ def test_deadletters_are_counted(proc):
 def _nan_run(proc: TelemetryProcessor):
     results = []
     for s in range(12):
-        if s == 4:
-            ckpt = CheckpointEvent(run_id="run-1", step=4, uri="/ckpt/4.pt", ts=T0 + timedelta(seconds=s))
+        if s == 1:
+            ckpt = CheckpointEvent(run_id="run-1", step=1, uri="/ckpt/1.pt", ts=T0 + timedelta(seconds=s))
             results.append(proc.process(ckpt.to_json(), key=b"run-1"))
         results.append(proc.process(_step(s, loss=math.nan if s >= 8 else 1.0), key=b"run-1"))
     return results
@@ -122,7 +124,7 @@ def test_nan_run_yields_a_signed_rollback(proc):
     rollback = actions[1]
     assert rollback.run_id == "run-1"
     assert rollback.onset_step == 8
-    assert rollback.target_checkpoint == CheckpointRef(step=4, uri="/ckpt/4.pt")
+    assert rollback.target_checkpoint == CheckpointRef(step=1, uri="/ckpt/1.pt")  # confirmed at step 7
     assert rollback.anomaly_ids == [anomalies[1].anomaly_id]
 
     assert verify_action(rollback, SECRET)
@@ -170,8 +172,8 @@ def test_runs_are_independent(proc):
         proc.process(_step(s, loss=math.nan, run_id="bad"), key=b"bad")
         out = proc.process(_step(s, loss=1.0, run_id="good"), key=b"good")
         assert out.anomalies == [] and out.actions == []
-    assert proc.monitors["good"].policy.rollbacks == 0
-    assert proc.monitors["bad"].policy.rollbacks == 1
+    assert not proc.monitors["good"].policy.stopped
+    assert proc.monitors["bad"].policy.stopped  # no checkpoint to restore: stopped
 
 
 def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
@@ -291,7 +293,7 @@ def test_a_detector_error_resets_only_its_run_and_is_dead_lettered_with_the_trac
     # the other run goes on and still finds its fault; the reset run starts again from its next event
     for s in range(5, 12):
         out = proc.process(_step(s, loss=math.nan if s >= 8 else 1.0, run_id="good-run"), key=b"good-run")
-    assert [a.kind for a in out.actions] == [] and proc.counters.actions["rollback"] == 1
+    assert [a.kind for a in out.actions] == [] and proc.counters.actions["stop"] == 1  # no checkpoint: a stop
     assert proc.process(_step(6, run_id="bad-run"), key=b"bad-run").errors == []
     assert "bad-run" in proc.monitors
 

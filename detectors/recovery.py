@@ -1,0 +1,89 @@
+"""Verified recovery: after a rollback the run must come back to where it was before the fault.
+
+When a rollback is decided, the run-level losses of the healthy steps before the onset are kept
+as the reference. Once the trainer acknowledges the rollback as applied (to checkpoint step
+``c``), the replayed steps ``c + 1, c + 2, ...`` are compared with the reference *at the same
+step* (a step past the healthy ones is compared with the level the run had at the onset: the
+median of the last ``judged_over`` healthy losses). After ``within_steps`` replayed steps, the
+median of the last ``judged_over`` ratios ``loss / reference`` must be inside the band of the
+healthy steps: ``exp(band_z * robust scale of log loss)``, never tighter than ``1 + min_band``.
+If it is not, a ``not_recovered`` finding (critical) says so; the policy turns it into another
+rollback, counting towards the cap, or a stop. A run that reports no loss is not judged.
+
+Pure and picklable, like every detector.
+"""
+
+from __future__ import annotations
+
+import math
+
+from runwatch.detectors.config import RecoveryConfig
+from runwatch.detectors.findings import Finding
+
+NAME = "not_recovered"
+IQR_TO_SIGMA = 1.349
+NOT_FINITE_RATIO = 1e9  # a non-finite loss: far out of any band (and the anomaly stays valid JSON)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+class RecoveryCheck:
+    """One rollback's verification: ``arm`` on the applied ack, then ``update`` with joined steps."""
+
+    def __init__(self, config: RecoveryConfig, action_id: str, onset_step: int, healthy: dict[int, float]):
+        self.config = config
+        self.action_id = action_id
+        self.onset_step = onset_step
+        self.reference = healthy  # step -> loss, the healthy steps before the onset
+        recent = [math.log(v) for _, v in sorted(healthy.items())[-config.healthy_window:]]
+        if len(recent) >= 4:
+            q25, q75 = _quantile(recent, 0.25), _quantile(recent, 0.75)
+            scale = (q75 - q25) / IQR_TO_SIGMA
+        else:
+            scale = 0.0
+        self.tolerance = max(math.exp(config.band_z * scale), 1.0 + config.min_band)
+        tail = [v for _, v in sorted(healthy.items())[-config.judged_over:]]
+        self.level = _quantile(tail, 0.5) if tail else None  # the loss the run had at the onset
+        self.to_step: int | None = None  # armed: the checkpoint step the run went back to
+        self.ratios: list[float] = []
+        self.done = False
+
+    @property
+    def armed(self) -> bool:
+        return self.to_step is not None and not self.done
+
+    def arm(self, to_step: int) -> None:
+        self.to_step = to_step
+
+    def update(self, step: int, loss: float | None) -> Finding | None:
+        if not self.armed or step <= self.to_step or self.level is None:
+            return None
+        if loss is None:
+            return None
+        ref = self.reference.get(step, self.level)
+        self.ratios.append(loss / ref if math.isfinite(loss) and ref > 0 else NOT_FINITE_RATIO)
+        if len(self.ratios) < self.config.within_steps:
+            return None
+        self.done = True
+        last = self.ratios[-self.config.judged_over:]
+        ratio = _quantile(last, 0.5)
+        if ratio <= self.tolerance:
+            return None
+        return Finding(
+            detector=NAME,
+            metric="loss",
+            step=step,
+            severity="critical",
+            value=ratio,
+            threshold=self.tolerance,
+            score=ratio / self.tolerance,
+            message=(f"the run did not recover {len(self.ratios)} steps after the rollback to step {self.to_step}: "
+                     f"its loss is {ratio:.2f}x what it was at the same steps before the fault at step "
+                     f"{self.onset_step} (the healthy band allows {self.tolerance:.2f}x)"),
+            evidence={"onset_step": self.to_step + 1, "fault_onset_step": self.onset_step,
+                      "rolled_back_to": self.to_step, "ratio": ratio, "tolerance": self.tolerance,
+                      "steps_replayed": len(self.ratios), "action_id": self.action_id},
+        )
