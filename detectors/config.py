@@ -252,7 +252,9 @@ class RecoveryConfig(Strict):
     """After a rollback, the run must return to its pre-fault loss (``detectors/recovery.py``)."""
 
     enabled: bool = True
-    within_steps: int = Field(default=20, ge=1, description="replayed steps after a rollback before it is judged")
+    within_steps: int = Field(
+        default=20, ge=1, description="the run must be back this many steps past the fault's onset, when it is judged"
+    )
     judged_over: int = Field(default=5, ge=1, description="the median of the last this many steps' loss ratios")
     healthy_window: int = Field(default=20, ge=4, description="healthy steps before the onset that set the band")
     band_z: float = Field(default=3.0, gt=0, description="band: exp(band_z x robust scale of their log loss) ...")

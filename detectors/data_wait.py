@@ -9,6 +9,12 @@ would. One finding per episode: it re-arms once the mean is back well under the 
 or after ``cooldown_steps`` if the share has grown by another ``min_increase`` over its
 level since the onset.
 Steps without data_wait_s (the loader is not instrumented) are ignored.
+
+Heartbeats feed a ``HostLoadTracker`` (detectors/host_load.py): a finding carries
+``evidence["host_load"]`` (the host's load before the onset, or before the window when no onset
+is named, and since it) and says whether the host got busier (a starved loader on a contended
+host is a neighbour's doing, not the pipeline's). While heartbeats carry host load, a finding made
+before any heartbeat has measured the slow steps waits for one (at most 2.5 heartbeat periods).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from datetime import datetime
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import DataWaitConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.host_load import HostLoadTracker
 from runwatch.producer.schema import StepEvent, TelemetryEvent
 
 NAME = "data_wait"
@@ -36,40 +43,52 @@ class DataWaitDetector(Detector):
         self.baseline: float | None = None
         self._reported: float | None = None  # mean share at the last finding of the current episode
         self._quiet_until = -1
+        self.host_load = HostLoadTracker()
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        if not isinstance(event, StepEvent):
-            return []
+        released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load
+        found = self._update(event) if isinstance(event, StepEvent) else None
+        if found is None:
+            return released
+        finding, onset = found
+        return released + self.host_load.attribute(finding, onset, now)
+
+    def release(self) -> list[Finding]:
+        """The findings waiting for host load, as they are (the run ended)."""
+        return self.host_load.release_all()
+
+    def _update(self, event: StepEvent) -> tuple[Finding, int] | None:
+        """A finding and its onset (for the host-load comparison: the window's start when none is named)."""
         wait, step_time = event.data_wait_s, event.step_time_s
         if wait is None or step_time is None or not (math.isfinite(wait) and math.isfinite(step_time)):
-            return []
+            return None
         if step_time <= 0 or wait < 0:
-            return []
+            return None
         share = min(wait / step_time, 1.0)
         self._recent.append((event.step, share, wait, step_time))
         self._shares.append(share)
         self.seen += 1
         cfg = self.config
         if self.seen < cfg.warmup or len(self._recent) < cfg.window:
-            return []
+            return None
         mean = sum(self._shares) / len(self._shares)  # the same additions in the same order as over _recent
         baseline = self.baseline
         self.baseline = mean if baseline is None else min(baseline, mean)
         if baseline is None:
-            return []
+            return None
         threshold = max(cfg.min_share, baseline + cfg.min_increase)
         if mean < threshold:
             if mean < threshold - cfg.min_increase / 2:
                 self._reported = None  # episode over (with hysteresis, so noise at the edge is not a new one)
-            return []
+            return None
         if self._reported is not None and (
             event.step <= self._quiet_until or mean < self._reported + cfg.min_increase
         ):
-            return []
+            return None
         finding, level = self._finding(event, mean, baseline, threshold)
         self._reported = level
         self._quiet_until = event.step + cfg.cooldown_steps
-        return [finding]
+        return finding, finding.evidence.get("onset_step", self._recent[0][0])
 
     def _finding(self, event: StepEvent, mean: float, baseline: float, threshold: float) -> tuple[Finding, float]:
         """The finding, and the share level since the onset (what a later escalation is measured against)."""

@@ -6,6 +6,7 @@ only time), so the same code can replay a recorded stream offline. Its state pic
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -13,6 +14,7 @@ from datetime import datetime
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.category import CategoryDivergenceDetector
+from runwatch.detectors.checkpoints import CheckpointLedger
 from runwatch.detectors.config import RunwatchConfig, SpikeConfig
 from runwatch.detectors.data_wait import DataWaitDetector
 from runwatch.detectors.findings import Finding
@@ -23,6 +25,7 @@ from runwatch.detectors.module_grad import ModuleGradDetector
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.policy import ActionDecision, ActionPolicy
 from runwatch.detectors.rank_join import Joined, StepJoin
+from runwatch.detectors.recovery import RecoveryCheck
 from runwatch.detectors.spike import SpikeDetector
 from runwatch.detectors.stall import StallDetector
 from runwatch.detectors.straggler import StragglerDetector
@@ -40,7 +43,6 @@ from runwatch.producer.schema import (
     RunStartEvent,
     StepEvent,
     TelemetryEvent,
-    newest_checkpoint_before,
 )
 
 _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
@@ -49,6 +51,7 @@ RUN_SCOPED_KINDS = (RunStartEvent, RunEndEvent, ActionAckEvent)
 
 
 RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
+LOSS_HISTORY = 1024  # joined steps' losses kept per run: a rollback's recovery is judged against them
 
 
 @dataclass
@@ -129,7 +132,9 @@ class RunMonitor:
         self.straggler = StragglerDetector(d.straggler) if d.straggler.enabled else None
         self.hung = HungRankDetector(d.hung_rank, d.stall) if d.hung_rank.enabled else None
         self.policy = ActionPolicy(config.policy)
-        self.checkpoints: list[CheckpointRef] = []
+        self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
+        self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps
+        self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
         self.events_seen = 0
         self.last_step: int | None = None
         self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
@@ -158,6 +163,7 @@ class RunMonitor:
         self.events_seen += 1
         if isinstance(event, RunEndEvent):
             self.ended_at = event.ts
+            self._release_held(event, out)
         if self.ended_at is not None and not isinstance(event, StepEvent):
             return out  # the run is over: nothing but its last steps' join is judged
         if isinstance(event, RunStartEvent):
@@ -169,9 +175,10 @@ class RunMonitor:
             self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
         elif isinstance(event, CheckpointEvent):
             if event.ok:
-                self.checkpoints.append(CheckpointRef(step=event.step, uri=event.uri))
+                self.checkpoints.register(CheckpointRef(step=event.step, uri=event.uri, lr=event.lr))
         elif isinstance(event, ActionAckEvent):
             self.policy.acknowledge(event.action_id)
+            self._rollback_acknowledged(event)
         elif isinstance(event, HeartbeatEvent):
             self.phases[event.rank] = (event.phase, event.ts,
                                        self.config.detectors.stall.silent_after_s(event.interval_s))
@@ -196,6 +203,15 @@ class RunMonitor:
                 for finding in detector.update(event, event.ts):
                     self._emit(self._run_level(finding), event.ts, event.event_id, out)
         return out
+
+    def _release_held(self, event: RunEndEvent, out: MonitorOutput) -> None:
+        """The run ends: findings a rank's detector held back waiting for a heartbeat's host load
+        (throughput, data wait: detectors/host_load.py) go out with what is known."""
+        for detectors in self.ranks.values():
+            for detector in detectors:
+                release = getattr(detector, "release", None)
+                for finding in release() if release is not None else ():
+                    self._emit(finding, event.ts, event.event_id, out)
 
     def finish(self) -> MonitorOutput:
         """The run is let go: its steps still waiting for a rank are joined as they are."""
@@ -229,6 +245,33 @@ class RunMonitor:
         if self.straggler is not None and self.join.world_size > 1:
             for finding in self.straggler.check(event.step):
                 self._emit(finding, event.ts, event.event_id, out)
+        if event.loss is not None:
+            self.losses.pop(event.step, None)  # a replayed step is the newest again
+            self.losses[event.step] = event.loss
+            if len(self.losses) > LOSS_HISTORY:
+                del self.losses[next(iter(self.losses))]
+        if self.recovery is not None and self.recovery.to_step is None and not self.policy.rollback_pending(event.ts):
+            self.recovery = None  # the rollback expired unacknowledged: there is no replay to verify
+        if self.recovery is not None:
+            finding = self.recovery.update(event.step, event.loss)
+            if finding is not None:
+                self._emit(finding, event.ts, f"{event.event_id}|recovery", out)
+            if self.recovery is not None and self.recovery.done:
+                self.recovery = None
+        # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
+        self.checkpoints.observe_step(event.step, hold=self.recovery is not None)
+
+    def _rollback_acknowledged(self, ack: ActionAckEvent) -> None:
+        """A rank applied (or failed) a rollback: the replay starts, and so does its verification."""
+        if ack.action_kind != "rollback":
+            return
+        check = self.recovery
+        if ack.outcome == "applied" and ack.to_step is not None:
+            self.checkpoints.rolled_back(ack.to_step)
+            if check is not None and check.action_id == ack.action_id and check.to_step is None:
+                check.arm(ack.to_step)
+        elif check is not None and check.action_id == ack.action_id and check.to_step is None:
+            self.recovery = None  # the rollback did not happen: nothing to verify
 
     def _run_level(self, finding: Finding) -> Finding:
         """A joined-view finding is about the run, not the rank whose figures the join started from."""
@@ -258,13 +301,17 @@ class RunMonitor:
     def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:
         anomaly = self._to_anomaly(finding, ts, cause)
         out.anomalies.append(anomaly)
-        decision = self.policy.decide(anomaly, ts, self._checkpoint_before(anomaly))
-        if decision is not None:
-            out.decisions.append(decision)
-
-    def _checkpoint_before(self, anomaly: Anomaly) -> CheckpointRef | None:
         onset = anomaly.evidence.get("onset_step", anomaly.step)
-        return None if onset is None else newest_checkpoint_before(self.checkpoints, onset)
+        if anomaly.severity != "info" and self.policy.rolls_back_on(anomaly.detector):
+            self.checkpoints.reject_for(onset)  # a checkpoint near a fault is never confirmed
+        decision = self.policy.decide(anomaly, ts, self.checkpoints.target(onset))
+        if decision is None:
+            return
+        out.decisions.append(decision)
+        if decision.kind == "rollback" and self.config.policy.recovery.enabled and onset is not None:
+            healthy = {s: loss for s, loss in self.losses.items() if s < onset and math.isfinite(loss) and loss > 0}
+            self.recovery = RecoveryCheck(self.config.policy.recovery, decision.action_id, onset, healthy,
+                                          anomaly.evidence.get("fault_onset_step"))
 
     def _to_anomaly(self, finding: Finding, ts: datetime, cause: str) -> Anomaly:
         # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).

@@ -4,9 +4,11 @@ When a rollback is decided, the run-level losses of the healthy steps before the
 as the reference. Once the trainer acknowledges the rollback as applied (to checkpoint step
 ``c``), the replayed steps ``c + 1, c + 2, ...`` are compared with the reference *at the same
 step* (a step past the healthy ones is compared with the level the run had at the onset: the
-median of the last ``judged_over`` healthy losses). After ``within_steps`` replayed steps, the
-median of the last ``judged_over`` ratios ``loss / reference`` must be inside the band of the
-healthy steps: ``exp(band_z * robust scale of log loss)``, never tighter than ``1 + min_band``.
+median of the last ``judged_over`` healthy losses). The run must be back ``within_steps`` steps
+past the fault's onset (not merely replay the healthy steps before it: a fault that strikes again
+at the same step would pass that): at step ``onset + within_steps - 1`` the median of the last
+``judged_over`` ratios ``loss / reference`` must be inside the band of the healthy steps:
+``exp(band_z * robust scale of log loss)``, never tighter than ``1 + min_band``.
 If it is not, a ``not_recovered`` finding (critical) says so; the policy turns it into another
 rollback, counting towards the cap, or a stop. A run that reports no loss is not judged.
 
@@ -33,19 +35,23 @@ def _quantile(values: list[float], q: float) -> float:
 class RecoveryCheck:
     """One rollback's verification: ``arm`` on the applied ack, then ``update`` with joined steps."""
 
-    def __init__(self, config: RecoveryConfig, action_id: str, onset_step: int, healthy: dict[int, float]):
+    def __init__(self, config: RecoveryConfig, action_id: str, onset_step: int, healthy: dict[int, float],
+                 fault_onset_step: int | None = None):
+        """``onset_step``: the first suspect step (the reference is the steps before it);
+        ``fault_onset_step``: where the fault first showed, when a failed recovery brought the
+        rollback (its onset is earlier): the run is judged past the later of the two."""
         self.config = config
         self.action_id = action_id
-        self.onset_step = onset_step
-        self.reference = healthy  # step -> loss, the healthy steps before the onset
-        recent = [math.log(v) for _, v in sorted(healthy.items())[-config.healthy_window:]]
+        self.onset_step = max(onset_step, fault_onset_step or onset_step)
+        self.reference = {s: v for s, v in healthy.items() if s < onset_step}  # step -> loss, the healthy steps
+        recent = [math.log(v) for _, v in sorted(self.reference.items())[-config.healthy_window:]]
         if len(recent) >= 4:
             q25, q75 = _quantile(recent, 0.25), _quantile(recent, 0.75)
             scale = (q75 - q25) / IQR_TO_SIGMA
         else:
             scale = 0.0
         self.tolerance = max(math.exp(config.band_z * scale), 1.0 + config.min_band)
-        tail = [v for _, v in sorted(healthy.items())[-config.judged_over:]]
+        tail = [v for _, v in sorted(self.reference.items())[-config.judged_over:]]
         self.level = _quantile(tail, 0.5) if tail else None  # the loss the run had at the onset
         self.to_step: int | None = None  # armed: the checkpoint step the run went back to
         self.ratios: list[float] = []
@@ -65,7 +71,7 @@ class RecoveryCheck:
             return None
         ref = self.reference.get(step, self.level)
         self.ratios.append(loss / ref if math.isfinite(loss) and ref > 0 else NOT_FINITE_RATIO)
-        if len(self.ratios) < self.config.within_steps:
+        if step < self.onset_step + self.config.within_steps - 1 or len(self.ratios) < self.config.judged_over:
             return None
         self.done = True
         last = self.ratios[-self.config.judged_over:]
@@ -80,9 +86,10 @@ class RecoveryCheck:
             value=ratio,
             threshold=self.tolerance,
             score=ratio / self.tolerance,
-            message=(f"the run did not recover {len(self.ratios)} steps after the rollback to step {self.to_step}: "
-                     f"its loss is {ratio:.2f}x what it was at the same steps before the fault at step "
-                     f"{self.onset_step} (the healthy band allows {self.tolerance:.2f}x)"),
+            message=(f"the run did not recover after the rollback to step {self.to_step}: {step - self.onset_step + 1} "
+                     f"steps past the fault's onset at step {self.onset_step} its loss is {ratio:.2f}x what it was "
+                     f"before the fault (the healthy band allows {self.tolerance:.2f}x)"),
+            # the restored checkpoint did not bring the run back: a further rollback must go before it
             evidence={"onset_step": self.to_step + 1, "fault_onset_step": self.onset_step,
                       "rolled_back_to": self.to_step, "ratio": ratio, "tolerance": self.tolerance,
                       "steps_replayed": len(self.ratios), "action_id": self.action_id},

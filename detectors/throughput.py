@@ -13,6 +13,11 @@ standard errors, over at least ``MIN_AFTER`` steps. Isolated slow steps move no 
 noise does not pass the standard-error test.
 
 After a finding the history restarts from the new level, so one slowdown is one finding.
+
+Heartbeats feed a ``HostLoadTracker`` (detectors/host_load.py): a finding carries
+``evidence["host_load"]`` (the host's load before the onset and since it, and whether it got
+busier) and says so in its message. While heartbeats carry host load, a finding made before any
+heartbeat has measured the slow steps waits for one (at most 2.5 heartbeat periods).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from river import drift
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import ThroughputConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.host_load import HostLoadTracker
 from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
 
@@ -54,13 +60,23 @@ class ThroughputDetector(Detector):
         self.seen = 0
         self._pending_until = -1
         self._quiet_until = -1
+        self.host_load = HostLoadTracker()
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        if not isinstance(event, StepEvent):
-            return []
+        released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load
+        finding = self._update(event) if isinstance(event, StepEvent) else None
+        if finding is None:
+            return released
+        return released + self.host_load.attribute(finding, finding.evidence["onset_step"], now)
+
+    def release(self) -> list[Finding]:
+        """The findings waiting for host load, as they are (the run ended)."""
+        return self.host_load.release_all()
+
+    def _update(self, event: StepEvent) -> Finding | None:
         t = event.step_time_s
         if t is None or not math.isfinite(t) or t <= 0:
-            return []
+            return None
         y = math.log(t)
         if self.seen >= MIN_BEFORE:
             q25, median, q75 = self._history.quartiles()
@@ -77,14 +93,14 @@ class ThroughputDetector(Detector):
         self._steps.append(event.step)
         self.seen += 1
         if event.step > self._pending_until or self.seen < self.config.warmup or event.step <= self._quiet_until:
-            return []
+            return None
         finding = self._test(event)
         if finding is None:
-            return []
+            return None
         self._quiet_until = event.step + self.config.cooldown_steps
         self._pending_until = -1
         self._restart()
-        return [finding]
+        return finding
 
     def _restart(self) -> None:
         """The new level is the reference from here on."""

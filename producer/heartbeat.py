@@ -9,12 +9,21 @@ With an ``in_sync`` provider (the Watcher sets one for a DDP model) each heartbe
 whether the rank has done its part of the current step and waits for its peers: a hung rank's
 peers say True while it says False. Without one (or when it answers None) the field is left out.
 Inside :meth:`Heartbeat.waiting_for_peers` (the action listener's per-step broadcast) it is True.
+
+Each heartbeat also carries ``host_load`` (:class:`HostLoadSampler`): the 1-minute load average,
+the CPU count, the hypervisor's steal share and this process's CPU and run-queue-wait shares over
+the period since the previous beat, so that the worker can say whether a slowdown came with a
+busier host (a noisy neighbour) or not (a regression of the run's own). Standard library only,
+a few small /proc reads per beat; a figure this host does not offer is left out, never zero.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
+import inspect
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +37,101 @@ PHASES: tuple[str, ...] = ("train", "eval", "checkpoint", "dataload", "idle")
 # eval or a checkpoint save before the train phase's stall allowance runs out. (Not dataload,
 # which changes on every batch.)
 ANNOUNCED_PHASES = frozenset({"eval", "checkpoint", "idle"})
+
+
+MIN_PERIOD_S = 0.2  # a beat sooner than this after the last sample reuses its shares (too short to measure)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None
+
+
+def _proc_stat_cpu() -> tuple[int, int] | None:
+    """(steal ticks, total ticks) of the host's CPUs from /proc/stat's ``cpu`` line; None elsewhere."""
+    text = _read("/proc/stat")
+    if not text or not text.startswith("cpu "):
+        return None
+    fields = text.split("\n", 1)[0].split()[1:]
+    try:
+        values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal (guest is in user)
+    except ValueError:
+        return None
+    if len(values) < 8:
+        return None  # a kernel too old to count steal
+    return values[7], sum(values)
+
+
+def _run_delay_ns() -> int | None:
+    """Nanoseconds this process's threads have spent runnable but waiting for a CPU, summed over
+    its threads (/proc/self/task/*/schedstat, second field); None where the kernel has no schedstat."""
+    total, found = 0, False
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        text = _read(path)
+        parts = text.split() if text else []
+        if len(parts) >= 2 and parts[1].isdigit():
+            total += int(parts[1])
+            found = True
+    return total if found else None
+
+
+class HostLoadSampler:
+    """``sample()`` -> the ``host_load`` of a heartbeat: a dict of the figures this host offers.
+
+    ``load1`` (os.getloadavg) and ``cpus`` (os.cpu_count) are read at the beat; ``steal_frac``
+    (the steal share of all CPU ticks, /proc/stat), ``process_cpu_frac`` (this process's CPU
+    seconds, all threads, per wall second: time.process_time) and ``cpu_wait_frac`` (seconds its
+    threads waited in the run queue per wall second: schedstat) cover the time since the previous
+    sample, so the first sample has none of them. Never raises; returns None when nothing is known.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._last: tuple[float, float, tuple[int, int] | None, int | None] | None = None
+        self._shares: dict[str, float] = {}
+
+    def sample(self) -> dict[str, Any] | None:
+        try:
+            return self._sample()
+        except Exception:  # noqa: BLE001 - a measurement that fails is absent
+            return None
+
+    def _sample(self) -> dict[str, Any] | None:
+        out: dict[str, Any] = {}
+        try:
+            load1 = os.getloadavg()[0]
+        except (OSError, AttributeError):
+            load1 = None
+        if load1 is not None and load1 >= 0:
+            out["load1"] = round(load1, 3)
+        cpus = os.cpu_count()
+        if cpus:
+            out["cpus"] = cpus
+        now, cpu_time = self._clock(), time.process_time()
+        stat, delay = _proc_stat_cpu(), _run_delay_ns()
+        last = self._last
+        if last is None or now - last[0] >= MIN_PERIOD_S:
+            shares: dict[str, float] = {}
+            if last is not None:
+                wall = now - last[0]
+                shares["process_cpu_frac"] = round(max(0.0, cpu_time - last[1]) / wall, 4)
+                if stat is not None and last[2] is not None and stat[1] > last[2][1]:
+                    steal = (stat[0] - last[2][0]) / (stat[1] - last[2][1])
+                    shares["steal_frac"] = round(min(max(steal, 0.0), 1.0), 4)
+                if delay is not None and last[3] is not None:
+                    shares["cpu_wait_frac"] = round(max(0, delay - last[3]) / 1e9 / wall, 4)
+            self._shares = shares
+            self._last = (now, cpu_time, stat, delay)
+        out.update(self._shares)
+        if not out:
+            return None
+        from runwatch.producer.schema import HostLoad
+
+        HostLoad(**out)  # within the wire's bounds, or (raising) none at all: never a dropped heartbeat
+        return out
 
 
 def _checked(phase: str) -> str:
@@ -53,6 +157,7 @@ class Heartbeat:
         *,
         initial_phase: str = "train",
         in_sync: Callable[[], bool | None] | None = None,
+        host_load: bool | None = None,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
@@ -71,6 +176,12 @@ class Heartbeat:
         self._warned = False
         self.in_sync = in_sync
         self._waiting = 0  # > 0 inside waiting_for_peers()
+        # Host figures are the real machine's, over wall-time periods: by default only on the wall clock
+        # (a simulated run's heartbeats, on a clock of its own, carry none); host_load=False: never.
+        if host_load is None:
+            host_load = clock is time.monotonic
+        self.host_load = HostLoadSampler() if host_load else None
+        self._send_host_load: Callable[..., Any] | None | bool = False  # resolved at the first beat
 
     # -- called from the training loop ------------------------------------------------------
 
@@ -128,15 +239,44 @@ class Heartbeat:
         """Publish one heartbeat now; False if it was not queued. Never raises."""
         step, phase, seconds = self.current
         in_sync = self._in_sync()
+        host_load = self.host_load.sample() if self.host_load is not None else None
         try:
-            if in_sync is None:  # (left out when not measured)
-                return bool(self.rw.heartbeat(step, phase, seconds, interval_s=self.interval_s))
-            return bool(self.rw.heartbeat(step, phase, seconds, in_sync=in_sync, interval_s=self.interval_s))
+            fields: dict[str, Any] = {"interval_s": self.interval_s}
+            if in_sync is not None:  # (left out when not measured)
+                fields["in_sync"] = in_sync
+            if host_load is not None:
+                send = self._host_load_sender()
+                if send is not None:
+                    return bool(send(step=step, phase=phase, time_in_phase_s=seconds, host_load=host_load, **fields))
+            return bool(self.rw.heartbeat(step, phase, seconds, **fields))
         except Exception as exc:  # the publisher should not raise; if it does, keep beating
             if not self._warned:
                 self._warned = True
                 log.warning("runwatch: heartbeat failed (further failures are not logged): %r", exc)
             return False
+
+    def _host_load_sender(self) -> Callable[..., Any] | None:
+        """How a heartbeat with ``host_load`` is published through ``rw``: its ``heartbeat`` when that
+        takes ``host_load``; else, for a runwatch publisher whose ``heartbeat`` is the stock one, the
+        same event built with the field; else None (the heartbeat goes out without it)."""
+        if self._send_host_load is False:
+            self._send_host_load = None
+            heartbeat = getattr(self.rw, "heartbeat", None)
+            try:
+                takes = heartbeat is not None and "host_load" in inspect.signature(heartbeat).parameters
+            except (TypeError, ValueError):
+                takes = False
+            if takes:
+                self._send_host_load = lambda step, phase, time_in_phase_s, **kw: heartbeat(
+                    step, phase, time_in_phase_s, **kw)
+            else:
+                from runwatch.producer.publisher import TelemetryPublisher  # (no import cycle at module load)
+                from runwatch.producer.schema import HeartbeatEvent
+
+                if isinstance(self.rw, TelemetryPublisher) and type(self.rw).heartbeat is TelemetryPublisher.heartbeat:
+                    build = self.rw._build_and_publish
+                    self._send_host_load = lambda **kw: build(HeartbeatEvent, **kw)
+        return self._send_host_load  # type: ignore[return-value]
 
     def _in_sync(self) -> bool | None:
         if self._waiting:

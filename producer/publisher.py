@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import ValidationError
 
 from runwatch.producer import topics
+from runwatch.producer.lr import base_lrs
 from runwatch.producer.metadata import collect_run_start, detect_rank_world
 from runwatch.producer.schema import (
     ActionAckEvent,
@@ -131,6 +132,10 @@ class TelemetryPublisher:
     clock: Callable[[], datetime] | None = None
     _warned_invalid: bool = False
     stopped_by: dict[str, str] | None = None  # the applied stop action's id and cause (see note_stop)
+    # Whose param groups' LR a checkpoint records (watch()'s optimizer, or an ActionListener's), and
+    # the LR it had when first seen: what a rollback scales (producer/lr.py).
+    lr_optimizer: Any = None
+    initial_lr: list[float] | None = None
     _watchers: tuple[Watcher, ...] | list[Watcher] = ()  # made by watch(), closed by close()
 
     def publish(self, event: EventBase) -> bool:
@@ -227,16 +232,28 @@ class TelemetryPublisher:
         return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s,
                                        in_sync=in_sync, interval_s=interval_s)
 
-    def checkpoint(self, step: int, path: str, ok: bool = True) -> CheckpointRef:
+    def checkpoint(self, step: int, path: str, ok: bool = True, lr: list[float] | None = None) -> CheckpointRef:
         """Register a checkpoint already written at ``path`` and announce it to the worker.
 
-        A rollback restores the newest registered checkpoint taken before the anomaly.
+        A rollback restores the newest confirmed-good checkpoint taken before the fault, and sets
+        the LR to the LR recorded here times its scale. ``lr``: each param group's LR at the save
+        (default: read from the optimizer given to :meth:`watch` or an ``ActionListener``).
         """
-        ref = CheckpointRef(step=step, uri=str(path))
+        if lr is None:
+            lr = base_lrs(self.lr_optimizer)
+        ref = CheckpointRef(step=step, uri=str(path), lr=lr)
         if ok:
             self.checkpoints.append(ref)
-        self.publish(self._event(CheckpointEvent, step=step, uri=str(path), ok=ok))
+        self.publish(self._event(CheckpointEvent, step=step, uri=str(path), ok=ok, lr=lr))
         return ref
+
+    def track_lr(self, optimizer: Any) -> None:
+        """Record ``optimizer``'s LR with each checkpoint (and now, as the run's starting LR)."""
+        if optimizer is None:
+            return
+        self.lr_optimizer = optimizer
+        if self.initial_lr is None:
+            self.initial_lr = base_lrs(optimizer)
 
     def ack(self, **fields: Any) -> bool:
         return self._build_and_publish(ActionAckEvent, **fields)
@@ -249,6 +266,7 @@ class TelemetryPublisher:
         ``lr=`` here or to ``end_step``). :meth:`close` closes the watchers made here."""
         from runwatch.producer.watch import Watcher  # imports torch; the publisher alone does not
 
+        self.track_lr(optimizer)
         return self._track_watcher(Watcher(self, model, optimizer, **options))
 
 

@@ -154,6 +154,23 @@ class EvalEvent(EventBase):
     per_category: dict[str, dict[str, WireFloat]] = Field(default_factory=dict)
 
 
+class HostLoad(WireModel):
+    """How busy the rank's host was over the last heartbeat period. A figure that cannot be read
+    on this host is absent, never zero. Fixed bounds (not configurable): finite, >= 0, fractions
+    of the period <= 1 (``steal_frac``), counts >= 1."""
+
+    load1: float | None = Field(default=None, ge=0, le=1e6, allow_inf_nan=False,
+                                description="1-minute load average (os.getloadavg)")
+    cpus: int | None = Field(default=None, ge=1, le=1 << 20, description="CPUs of the host (os.cpu_count)")
+    steal_frac: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
+                                     description="share of CPU time the hypervisor took (/proc/stat 'steal')")
+    process_cpu_frac: float | None = Field(default=None, ge=0, le=1 << 20, allow_inf_nan=False,
+                                           description="this process's CPU seconds per wall second (all threads)")
+    cpu_wait_frac: float | None = Field(default=None, ge=0, le=1 << 20, allow_inf_nan=False,
+                                        description="seconds this process's threads waited for a CPU per wall "
+                                                    "second (/proc/self/task/*/schedstat run delay)")
+
+
 class HeartbeatEvent(EventBase):
     kind: Literal["heartbeat"] = "heartbeat"
     step: int | None = None
@@ -165,6 +182,9 @@ class HeartbeatEvent(EventBase):
     # The producer's heartbeat period: the worker calls a rank silent (dead) after a number of
     # missed periods rather than one fixed time; absent: only the configured floor applies.
     interval_s: WireFloat | None = Field(default=None, gt=0)
+    # The host's load over the last heartbeat period (producer/heartbeat.py): what a throughput or
+    # data-wait finding is compared against, to tell a noisy neighbour from a code regression.
+    host_load: HostLoad | None = None
 
 
 class CheckpointEvent(EventBase):
@@ -172,6 +192,9 @@ class CheckpointEvent(EventBase):
     step: int = Field(ge=0)
     uri: str = Field(min_length=1)
     ok: bool = True
+    # Each param group's LR when it was saved, without runwatch's rollback scale: a rollback to this
+    # checkpoint sets the LR to this times the action's lr_scale. Absent: not known.
+    lr: list[WireFloat] | None = None
 
 
 class ActionAckEvent(EventBase):
@@ -216,7 +239,10 @@ class Anomaly(WireModel):
     severity: Severity
     message: str
     evidence: dict[str, Any] = Field(default_factory=dict)
-    ts: datetime
+    ts: datetime  # the event time of what the finding is about (the step's, or the tick's)
+    # When the worker produced it, by the worker's own wall clock (UTC); ``detected_at - ts`` is the
+    # detection latency. None where no worker made it (offline replay): the detectors have no clock.
+    detected_at: datetime | None = None
 
 
 class JoinedStep(WireModel):
@@ -259,6 +285,7 @@ class JoinedStep(WireModel):
 class CheckpointRef(WireModel):
     step: int = Field(ge=0)
     uri: str
+    lr: list[WireFloat] | None = None  # as in its CheckpointEvent
 
 
 def newest_checkpoint_before(checkpoints: list[CheckpointRef], onset_step: int | None) -> CheckpointRef | None:
@@ -391,7 +418,7 @@ class WireLimits(BaseModel):
     max_duration_s: float = Field(default=7 * 86400.0, gt=0, description="step, data-wait, compute, phase times")
     max_interval_s: float = Field(default=3600.0, gt=0, description="a heartbeat's declared period")
     max_memory_bytes: int = Field(default=2**50, ge=2**30, description="any memory figure (1 PiB)")
-    max_rate: float = Field(default=1e12, gt=0, description="samples/s, tokens/s")
+    max_rate: float = Field(default=1e12, gt=0, description="samples/s, tokens/s, a checkpoint's lr")
     max_future_s: float = Field(default=300.0, ge=0, description="ts may be this far after the receive time")
     max_past_s: float = Field(default=7 * 86400.0, gt=0, description="ts may be this far before the receive time")
 
@@ -537,6 +564,13 @@ def _check_limits(event: Any, data: dict, received_at: datetime | None, lim: Wir
     elif kind == "checkpoint":
         if len(event.uri) > lim.max_string_chars:
             return f"uri: longer than {lim.max_string_chars} characters"
+        if event.lr is not None:
+            if len(event.lr) > lim.max_metrics:
+                return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
+            for value in event.lr:
+                problem = _out_of_range("lr", value, lim.max_rate)
+                if problem:
+                    return problem
     return None
 
 

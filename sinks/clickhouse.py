@@ -37,7 +37,7 @@ TELEMETRY_COLUMNS = (
 )
 ANOMALY_COLUMNS = (
     "anomaly_id", "run_id", "ts", "step", "rank", "detector", "metric", "value", "threshold", "score",
-    "severity", "message", "evidence",
+    "severity", "message", "evidence", "detected_at",
 )
 ACTION_COLUMNS = (
     "action_id", "run_id", "kind", "reason", "anomaly_ids", "step", "onset_step", "target_step", "target_uri",
@@ -168,7 +168,8 @@ def event_row(e: EventBase, raw: bytes | str | None = None) -> tuple:
 
 def anomaly_row(a: Anomaly) -> tuple:
     return (a.anomaly_id, a.run_id, _utc(a.ts), a.step, a.rank, a.detector, a.metric, a.value, a.threshold,
-            a.score, a.severity, a.message, orjson.dumps(a.evidence, default=str).decode())
+            a.score, a.severity, a.message, orjson.dumps(a.evidence, default=str).decode(),
+            _utc(a.detected_at) if a.detected_at is not None else None)
 
 
 def action_row(a: Action) -> tuple:

@@ -183,6 +183,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             "AFTER raw_truncated",
         ),
     ),
+    Migration(
+        5,
+        "anomalies: detected_at",
+        (
+            # When the worker produced the anomaly, by its own clock (issue 12); `ts` stays the event time
+            # of the step it is about, so `detected_at - ts` is the detection latency. Null for rows
+            # written before this migration and for anomalies no worker stamped (offline replay).
+            "ALTER TABLE {db}.anomalies ADD COLUMN IF NOT EXISTS detected_at Nullable(DateTime64(3, 'UTC')) "
+            "AFTER ts",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

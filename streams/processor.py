@@ -198,7 +198,11 @@ class TelemetryProcessor:
         return result
 
     def _result(self, out: MonitorOutput) -> ProcessResult:
-        result = ProcessResult(anomalies=out.anomalies, actions=[self._action(d) for d in out.decisions],
+        # detected_at: this worker's wall clock when the monitor produced them (the monitor has no clock;
+        # their ts is the event time of what they are about), so detected_at - ts is the detection latency.
+        detected = self._clock() if out.anomalies else None
+        anomalies = [a.model_copy(update={"detected_at": detected}) for a in out.anomalies]
+        result = ProcessResult(anomalies=anomalies, actions=[self._action(d) for d in out.decisions],
                                joined=out.joined)
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:
