@@ -72,6 +72,7 @@ def test_detected_at_is_stored_and_latency_is_a_query(broker, worker, chdb_dsn):
             assert detected_at is not None
             assert abs((detected_at.replace(tzinfo=UTC) - a.detected_at).total_seconds()) < 0.002  # (ms precision)
         latency = sink.query(LATENCY_SQL, {"run": run_id})
+        print(f"\ndetection latency (detector, n, min ms, max ms): {latency}")
         assert latency and {r[0] for r in latency} == {a.detector for a in ours}
         for detector, n, min_ms, max_ms in latency:
             assert n >= 1
