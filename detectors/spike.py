@@ -48,7 +48,7 @@ class SpikeDetector:
                 self._watch = _DivergenceWatch(step, self._history.get(0.5), finding.evidence["robust_scale_log"])
         self._history.update(x)
         self.seen += 1
-        if finding is not None and finding.evidence.get("kind") != "divergence":
+        if finding is not None:
             self._quiet_from, self._quiet_until = step + 1, step + self.config.cooldown_steps
         return finding
 

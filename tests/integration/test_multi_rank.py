@@ -39,6 +39,10 @@ CONFIG = {
         # 3 ranks on 2 shared cores: a rank's compute time wanders by tens of ms, so a straggler must
         # be clearly slower (the slow rank sleeps 80 ms a step)
         "straggler": {"min_steps": 10, "patience": 5, "min_gap_s": 0.03},
+        # any grad spike rolls back here (the rules below), so no divergence wait: checkpoints
+        # every 10 steps are confirmed 3 healthy steps later
+        "loss_spike": {"divergence_steps": 0},
+        "grad_norm_spike": {"divergence_steps": 0},
     },
     "join": {"timeout_s": 3.0},
     "policy": {
@@ -51,6 +55,7 @@ CONFIG = {
         "max_rollbacks": 2,
         "skip_data_window": True,
         "cooldown_s": 1.0,
+        "confirm_steps": 3,
     },
 }
 

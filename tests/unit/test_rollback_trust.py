@@ -1,0 +1,201 @@
+"""A rollback you can trust, piece by piece: which checkpoints are confirmed good and which one a
+rollback restores; a spike that recovers versus one that diverges; the recovery check after a
+rollback; the LR a rollback sets (the run's own, recorded with the checkpoint); the config's
+guards. The whole loop on real training is in tests/integration/test_trusted_rollback.py."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import torch
+
+from runwatch.detectors.checkpoints import CheckpointLedger
+from runwatch.detectors.config import ConfigError, RecoveryConfig, RunwatchConfig, SpikeConfig
+from runwatch.detectors.monitor import RunMonitor
+from runwatch.detectors.recovery import RecoveryCheck
+from runwatch.detectors.spike import SpikeDetector
+from runwatch.producer.lr import LR_SCALE_KEY, base_lrs, scale_lr
+from runwatch.producer.schema import ActionAckEvent, CheckpointEvent, CheckpointRef, StepEvent
+
+T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
+
+
+def ref(step: int) -> CheckpointRef:
+    return CheckpointRef(step=step, uri=f"/c/{step}")
+
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_is_good_only_after_its_healthy_steps():
+    ledger = CheckpointLedger(confirm_steps=20)
+    ledger.register(ref(100))
+    assert ledger.observe_step(119) == [] and ledger.target(None) is None
+    assert ledger.observe_step(120) == [ref(100)] and ledger.target(None) == ref(100)
+
+
+def test_a_finding_rejects_the_pending_and_the_ones_that_may_hold_the_fault():
+    ledger = CheckpointLedger(confirm_steps=20)
+    for step in (100, 150, 180, 200):
+        ledger.register(ref(step))
+    ledger.observe_step(200)  # 100, 150 and 180 confirmed; 200 pending
+    # the loss of 181 is the first computed with step 180's update: 180 may hold the fault
+    ledger.reject_for(181)
+    assert [c.step for c in ledger.good] == [100, 150] and ledger.pending == []
+    assert ledger.observe_step(260) == []  # a rejected checkpoint never comes back
+    assert ledger.target(181) == ref(150)
+
+
+def test_the_target_is_before_the_update_that_caused_the_onset():
+    ledger = CheckpointLedger(confirm_steps=1)
+    for step in (10, 20, 30):
+        ledger.register(ref(step))
+    ledger.observe_step(40)
+    assert ledger.target(32) == ref(30)
+    assert ledger.target(31) == ref(20)  # 30's update made the loss of 31: 30 holds it
+    assert ledger.target(11) is None and ledger.target(None) == ref(30)
+
+
+def test_after_a_rollback_later_checkpoints_are_gone_and_a_replayed_one_replaces():
+    ledger = CheckpointLedger(confirm_steps=5)
+    for step in (10, 20, 30):
+        ledger.register(ref(step))
+    ledger.observe_step(31)
+    ledger.rolled_back(20)
+    assert [c.step for c in ledger.good] == [10, 20]
+    again = CheckpointRef(step=20, uri="/c/20-replayed")
+    ledger.register(again)
+    assert [c.step for c in ledger.good] == [10] and ledger.pending == [again]
+    assert ledger.observe_step(30, hold=True) == []  # a recovery not yet verified: nothing confirmed
+    assert ledger.observe_step(30) == [again]
+
+
+# -- spike: transient or diverging --------------------------------------------------------------
+
+
+def _series(values, detector):
+    return [(s, f) for s, v in enumerate(values) if (f := detector.update(v, s)) is not None]
+
+
+def test_a_transient_spike_is_one_warning_and_a_divergence_a_critical_finding_naming_its_onset():
+    base = [1.0 + 0.02 * math.sin(i) for i in range(60)]
+    transient = _series(base + [4.0] + base[:10], SpikeDetector("loss_spike", "loss", SpikeConfig()))
+    assert [(s, f.severity, f.evidence["kind"]) for s, f in transient] == [(60, "warning", "spike")]
+
+    diverging = _series(base + [4.0, 3.0, 2.5, 3.5, 2.8, 3.2, 3.0], SpikeDetector("loss_spike", "loss", SpikeConfig()))
+    assert [(s, f.severity, f.evidence["kind"]) for s, f in diverging] == [(60, "warning", "spike"),
+                                                                           (65, "critical", "divergence")]
+    divergence = diverging[1][1]
+    assert divergence.evidence["onset_step"] == 60 and divergence.evidence["ratio"] > 2.5
+
+
+def test_a_huge_spike_is_critical_at_once_and_a_replay_from_before_it_cancels_the_watch():
+    base = [1.0 + 0.02 * math.sin(i) for i in range(60)]
+    huge = _series(base + [40.0], SpikeDetector("loss_spike", "loss", SpikeConfig()))
+    assert [(s, f.severity) for s, f in huge] == [(60, "critical")]
+
+    detector = SpikeDetector("loss_spike", "loss", SpikeConfig())
+    for s, v in enumerate(base + [4.0, 3.0]):
+        detector.update(v, s)
+    # a rollback to step 50: the replayed steps are healthy and nothing is said about the old spike
+    assert [detector.update(1.0, s) for s in range(51, 60)] == [None] * 9
+
+
+# -- the recovery check -------------------------------------------------------------------------
+
+
+HEALTHY = {s: 1.0 + 0.02 * math.sin(s) for s in range(150, 201)}
+
+
+def test_a_run_back_at_its_pre_fault_loss_is_recovered():
+    check = RecoveryCheck(RecoveryConfig(), "a1", onset_step=201, healthy=HEALTHY)
+    assert check.update(181, 1.0) is None  # not armed: no ack yet
+    check.arm(180)
+    findings = [check.update(s, 1.0 + 0.02 * math.sin(s)) for s in range(181, 230)]
+    assert findings == [None] * len(findings) and check.done
+
+
+def test_a_run_that_stays_worse_past_the_onset_is_not_recovered():
+    check = RecoveryCheck(RecoveryConfig(), "a1", onset_step=201, healthy=HEALTHY)
+    check.arm(180)
+    found = [(s, f) for s in range(181, 230) if (f := check.update(s, 1.0 if s <= 200 else 1.6)) is not None]
+    # judged 20 steps past the onset, not 20 steps after the rollback (the replay before it is healthy)
+    [(step, finding)] = found
+    assert step == 220 and finding.detector == "not_recovered" and finding.severity == "critical"
+    assert finding.value == pytest.approx(1.6, rel=0.05) and finding.value > finding.threshold
+    assert finding.evidence["onset_step"] == 181 and finding.evidence["rolled_back_to"] == 180
+    assert finding.evidence["fault_onset_step"] == 201
+
+
+def test_after_a_failed_recovery_the_next_one_is_still_judged_past_the_fault():
+    check = RecoveryCheck(RecoveryConfig(), "a2", onset_step=161, healthy=HEALTHY | {s: 1.0 for s in range(140, 150)},
+                          fault_onset_step=201)
+    check.arm(160)
+    assert check.onset_step == 201 and max(check.reference) == 160
+    assert [check.update(s, 1.0) for s in range(161, 220)] == [None] * 59
+    assert check.update(220, math.nan) is None and check.done  # judged on the median of the last 5
+
+
+# -- the LR a rollback sets ---------------------------------------------------------------------
+
+
+def test_base_lrs_and_scale_lr_use_the_runs_own_lr():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.02}])
+    assert base_lrs(opt) == [0.1, 0.02] and base_lrs(None) is None
+    for group in opt.param_groups:
+        group["lr"] *= 50  # the fault, saved in the optimizer state
+    scale_lr(opt, 0.5, base=[0.1, 0.02])
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.05, 0.01])
+    assert all(g[LR_SCALE_KEY] == 0.5 for g in opt.param_groups)
+    assert base_lrs(opt) == pytest.approx([0.1, 0.02])  # the scale is not part of the run's own LR
+    scale_lr(opt, 0.25)  # no record: relative to the scale the state carries
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.025, 0.005])
+
+
+# -- the monitor: checkpoints, acks and the recovery together -------------------------------------
+
+
+def _step(step: int, loss: float, n: int) -> StepEvent:
+    return StepEvent(run_id="r", step=step, loss=loss, grad_norm=1.0, ts=T0 + timedelta(seconds=n), event_id=f"e{n}")
+
+
+def test_the_monitor_rolls_back_to_a_confirmed_checkpoint_then_again_when_the_run_does_not_recover():
+    monitor = RunMonitor("r", RunwatchConfig())
+    n = 0
+    decisions = []
+
+    def feed(steps, loss_of):
+        nonlocal n
+        for s in steps:
+            n += 1
+            decisions.extend(monitor.observe(_step(s, loss_of(s), n)).decisions)
+            if s % 20 == 0:
+                monitor.observe(CheckpointEvent(run_id="r", step=s, uri=f"/c/{s}", lr=[0.1], ts=T0 + timedelta(seconds=n)))
+
+    feed(range(0, 201), lambda s: 1.0 + 0.02 * math.sin(s))
+    feed(range(201, 212), lambda s: 50.0)  # the loss explodes at 201 and stays there
+    rollbacks = [d for d in decisions if d.kind == "rollback"]
+    assert len(rollbacks) == 1
+    first = rollbacks[0]
+    assert first.target_checkpoint == CheckpointRef(step=180, uri="/c/180", lr=[0.1])  # 200 holds the fault
+    monitor.observe(ActionAckEvent(run_id="r", action_id=first.action_id, action_kind="rollback", outcome="applied",
+                                   to_step=180, ts=T0 + timedelta(seconds=n + 1)))
+    assert [c.step for c in monitor.checkpoints.good] == [20 * i for i in range(10)]  # nothing after 180
+    feed(range(181, 222), lambda s: 1.0 if s <= 200 else 1.8)  # back, then worse without a spike
+    missed = [d for d in decisions if d.kind == "rollback"][1:]
+    assert len(missed) == 1 and missed[0].target_checkpoint.step == 160  # 180 did not bring it back
+    assert missed[0].params["lr_scale"] == 0.25
+
+
+def test_confirmation_must_outlast_the_divergence_wait():
+    with pytest.raises(ValueError, match="confirm_steps"):
+        RunwatchConfig.model_validate({"policy": {"confirm_steps": 5}})
+    RunwatchConfig.model_validate({"policy": {"confirm_steps": 3},
+                                   "detectors": {"loss_spike": {"divergence_steps": 0},
+                                                 "grad_norm_spike": {"divergence_steps": 2}}})
+    with pytest.raises(ValueError, match="judged_over"):
+        RecoveryConfig(within_steps=3, judged_over=5)
+    assert issubclass(ConfigError, Exception)
