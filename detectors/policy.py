@@ -6,8 +6,7 @@ Pure: the caller passes ``now`` (event time online and offline alike).
 Rollback. Each rollback's ``params`` carry ``lr_scale``, the cumulative factor relative to the
 run's LR before any rollback (``lr_scale_on_rollback`` to the power of the rollback's number:
 0.5, 0.25, ...), and with ``skip_data_window`` the inclusive step range ``skip_steps`` =
-``[checkpoint step + 1, anomaly step]`` (from the onset when no checkpoint is known) whose
-batches the trainer should not replay. The caller names the target: the newest *confirmed-good*
+``[checkpoint step + 1, anomaly step]`` whose batches the trainer should not replay. The caller names the target: the newest *confirmed-good*
 checkpoint before the update that caused the onset (``checkpoints.CheckpointLedger``); with none,
 the rollback becomes ``no_good_checkpoint`` (a ``pause`` or a ``stop``, ``params.cause =
 "no_good_checkpoint"``): an unconfirmed checkpoint is never restored. After ``max_rollbacks``
@@ -190,16 +189,14 @@ class ActionPolicy:
 
     # -- deciding -----------------------------------------------------------------------
 
-    def _rollback_params(self, anomaly: Anomaly, onset: int | None, checkpoint: CheckpointRef | None) -> dict:
+    def _rollback_params(self, anomaly: Anomaly, checkpoint: CheckpointRef) -> dict:
         params: dict[str, Any] = {
             "lr_scale": self.config.lr_scale_on_rollback ** (self.rollbacks + 1),
             "lr_scale_per_rollback": self.config.lr_scale_on_rollback,
             "rollback_number": self.rollbacks + 1,
         }
-        if self.config.skip_data_window and anomaly.step is not None:
-            first = checkpoint.step + 1 if checkpoint is not None else onset
-            if first is not None and first <= anomaly.step:
-                params["skip_steps"] = [first, anomaly.step]
+        if self.config.skip_data_window and anomaly.step is not None and checkpoint.step < anomaly.step:
+            params["skip_steps"] = [checkpoint.step + 1, anomaly.step]
         return params
 
     def decide(
@@ -235,7 +232,7 @@ class ActionPolicy:
                 if kind == "pause" and last is not None and now - last < timedelta(seconds=self.config.cooldown_s):
                     return None
             else:
-                params = self._rollback_params(anomaly, onset, checkpoint)
+                params = self._rollback_params(anomaly, checkpoint)
         else:
             if kind == "alert" and self._escalation_on():
                 episode = self._continue_episode(anomaly, now)

@@ -257,8 +257,7 @@ class Heartbeat:
 
     def _host_load_sender(self) -> Callable[..., Any] | None:
         """How a heartbeat with ``host_load`` is published through ``rw``: its ``heartbeat`` when that
-        takes ``host_load``; else, for a runwatch publisher whose ``heartbeat`` is the stock one, the
-        same event built with the field; else None (the heartbeat goes out without it)."""
+        takes ``host_load`` (every runwatch publisher's does); else None (it goes out without it)."""
         if self._send_host_load is False:
             self._send_host_load = None
             heartbeat = getattr(self.rw, "heartbeat", None)
@@ -269,13 +268,6 @@ class Heartbeat:
             if takes:
                 self._send_host_load = lambda step, phase, time_in_phase_s, **kw: heartbeat(
                     step, phase, time_in_phase_s, **kw)
-            else:
-                from runwatch.producer.publisher import TelemetryPublisher  # (no import cycle at module load)
-                from runwatch.producer.schema import HeartbeatEvent
-
-                if isinstance(self.rw, TelemetryPublisher) and type(self.rw).heartbeat is TelemetryPublisher.heartbeat:
-                    build = self.rw._build_and_publish
-                    self._send_host_load = lambda **kw: build(HeartbeatEvent, **kw)
         return self._send_host_load  # type: ignore[return-value]
 
     def _in_sync(self) -> bool | None:

@@ -225,12 +225,14 @@ class TelemetryPublisher:
         return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
 
     def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0,
-                  in_sync: bool | None = None, interval_s: float | None = None) -> bool:
+                  in_sync: bool | None = None, interval_s: float | None = None,
+                  host_load: dict | None = None) -> bool:
         """``in_sync``: this rank has done its part of the current step and waits for its peers
         (True), is still working on it (False), or it is not measured (None: left out).
-        ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it)."""
+        ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
+        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it)."""
         return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s,
-                                       in_sync=in_sync, interval_s=interval_s)
+                                       in_sync=in_sync, interval_s=interval_s, host_load=host_load)
 
     def checkpoint(self, step: int, path: str, ok: bool = True, lr: list[float] | None = None) -> CheckpointRef:
         """Register a checkpoint already written at ``path`` and announce it to the worker.

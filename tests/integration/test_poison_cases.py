@@ -46,6 +46,7 @@ from .conftest import eventually, read_topic
 pytestmark = pytest.mark.integration
 
 NAN_STEPS = 3  # non_finite turns critical (rollback) after this many NaN steps in a row (the default)
+HEALTHY_STEPS = 30  # before the NaNs: the checkpoint at step 5 is confirmed good 20 steps after it
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -125,9 +126,10 @@ def send(producer: KafkaProducer, key: bytes, value: bytes | None, **kwargs):
     return producer.send(topics.TELEMETRY, key=key, value=value, **kwargs)
 
 
-def publish_fault_run(producer: KafkaProducer, run_id: str, ranks: int = 1, healthy: int = 10):
-    """A valid run of ``ranks`` ranks: ``healthy`` steps, a checkpoint, then NaN losses until the
-    rollback threshold, then its end. Returns its last record's metadata (partition, offset)."""
+def publish_fault_run(producer: KafkaProducer, run_id: str, ranks: int = 1, healthy: int = HEALTHY_STEPS):
+    """A valid run of ``ranks`` ranks: ``healthy`` steps with a checkpoint at step 5 (confirmed good
+    20 steps later), then NaN losses until the rollback threshold, then its end. Returns its last
+    record's metadata (partition, offset)."""
     key = run_id.encode()
     futures = []
 
@@ -137,7 +139,7 @@ def publish_fault_run(producer: KafkaProducer, run_id: str, ranks: int = 1, heal
     each_rank(lambda r: RunStartEvent(run_id=run_id, rank=r, world_size=ranks))
     for step in range(1, healthy + 1):
         each_rank(lambda r, s=step: StepEvent(run_id=run_id, rank=r, step=s, loss=1.0, grad_norm=1.0))
-        if step == healthy // 2:
+        if step == 5:
             each_rank(lambda r, s=step: CheckpointEvent(run_id=run_id, rank=r, step=s, uri=f"/ckpt/{s}.pt"))
     for step in range(healthy + 1, healthy + 1 + NAN_STEPS):
         each_rank(lambda r, s=step: StepEvent(run_id=run_id, rank=r, step=s, loss=math.nan))
@@ -153,7 +155,7 @@ def actions_of(bootstrap: str, run_id: str, timeout: float = 30.0) -> list[str]:
     def kinds(records):
         return [decode_action(r.value).kind for r in records if r.key == key]
 
-    return kinds(read_topic(bootstrap, topics.ACTIONS, lambda rs: "rollback" in kinds(rs), timeout))
+    return kinds(read_topic(bootstrap, topics.ACTIONS, lambda rs: {"rollback", "stop"} & set(kinds(rs)), timeout))
 
 
 def anomalies_of(bootstrap: str, run_id: str, until, timeout: float = 30.0) -> list:
@@ -292,7 +294,7 @@ def test_case4_huge_rank_and_world_size_are_deadlettered_and_timers_keep_working
         field = "world_size" if '"world_size"' in letter.raw else "rank"
         assert field in letter.reason, letter.reason
 
-    steps = 10 + NAN_STEPS
+    steps = HEALTHY_STEPS + NAN_STEPS
 
     def ours(records):
         return [r for r in records if r.key == key]
@@ -391,7 +393,7 @@ def test_case7_one_skewed_time_or_interval_does_not_make_live_ranks_silent(broke
         send(producer, key, RunEndEvent(run_id=run_id, rank=rank, status="stopped").to_json())
     producer.flush()
 
-    assert actions_of(broker.bootstrap, run_id) == ["alert", "rollback"]
+    assert actions_of(broker.bootstrap, run_id) == ["alert", "stop"]  # no checkpoint to roll back to
     anomalies = anomalies_of(broker.bootstrap, run_id, has_critical_non_finite)
     silent = [a for a in anomalies if a.detector == "stall" and a.evidence.get("kind") == "silent"]
     assert silent == [], [a.message for a in silent]

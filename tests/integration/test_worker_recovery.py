@@ -51,11 +51,11 @@ def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
 
             producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
             sent = []
-            for s in range(12):
-                if s == 4:
-                    ckpt = CheckpointEvent(run_id=run_id, step=4, uri="/ckpt/4.pt", ts=t0 + timedelta(seconds=s))
+            for s in range(30):  # a checkpoint at 1 (confirmed good at 21), NaN from 26
+                if s == 1:
+                    ckpt = CheckpointEvent(run_id=run_id, step=1, uri="/ckpt/1.pt", ts=t0 + timedelta(seconds=s))
                     sent.append(producer.send(topics.TELEMETRY, key=run_id.encode(), value=ckpt.to_json()))
-                step = StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 8 else 1.0, ts=t0 + timedelta(seconds=s))
+                step = StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 26 else 1.0, ts=t0 + timedelta(seconds=s))
                 sent.append(producer.send(topics.TELEMETRY, key=run_id.encode(), value=step.to_json()))
             producer.flush()
             producer.close()
