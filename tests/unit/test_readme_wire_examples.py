@@ -1,6 +1,7 @@
 """The documented wire examples (docs/wire-format.md) are valid messages: someone publishing them by
-hand must get them accepted, so every documented kind is checked against the schema; and the
-documented limits are the ones in force."""
+hand must get them accepted, so every documented kind is checked against the schema; the
+documented limits are the ones in force; and the documented configuration (docs/configuration.md)
+is the defaults."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from runwatch.producer.schema import EVENT_KINDS, decode_event
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 WIRE_DOC = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
 
 
@@ -26,12 +27,12 @@ def test_every_kind_has_a_valid_example():
     assert nan_steps and math.isinf(nan_steps[0].grad_norm)
 
 
-def test_readme_configuration_block_is_the_defaults():
+def test_documented_configuration_block_is_the_defaults():
     import yaml
 
     from runwatch.detectors.config import RunwatchConfig
 
-    block = re.search(r"```yaml\n(detectors:.*?)```", README.read_text(), flags=re.S).group(1)
+    block = re.search(r"```yaml\n(detectors:.*?)```", CONFIG_DOC.read_text(), flags=re.S).group(1)
     documented = RunwatchConfig.model_validate(yaml.safe_load(block))
     assert documented == RunwatchConfig()
 
