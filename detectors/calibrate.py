@@ -16,23 +16,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.evaluate import Corpus, score_scenario
 from runwatch.detectors.replay import replay
 
 # detector -> its sensitivity knob; a larger value is always less sensitive.
-SENSITIVITY_KNOBS: dict[str, str] = {
-    "loss_spike": "z_threshold",
-    "grad_norm_spike": "z_threshold",
-    "module_grad_explosion": "z_threshold",
-    "update_ratio": "factor",
-    "throughput_drift": "min_change",
-    "data_wait": "min_increase",
-    "memory_growth": "min_growth",
-    "category_divergence": "z_threshold",
-    "val_vs_train": "min_rel_increase",
-    "stall": "factor",
-}
+# Each detector's main sensitivity knob, as it declares it (detectors/registry.py).
+SENSITIVITY_KNOBS: dict[str, str] = {s.name: s.knob for s in registry.specs() if s.knob is not None}
 GRID = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)  # multiples of the default
 
 

@@ -24,11 +24,31 @@ import statistics
 from bisect import bisect_left, insort
 from datetime import datetime
 
+from pydantic import Field
+
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import CategoryConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class CategoryConfig(Strict):
+    """One data category's loss diverging while the mean loss still looks fine."""
+
+    enabled: bool = True
+    warmup: int = Field(default=30, ge=4, description="steps with the category before any finding")
+    window: int = Field(default=100, ge=8, description="steps of history for the category's typical loss")
+    z_threshold: float = Field(
+        default=3.0, gt=0, description="robust z of the category's log loss (patience makes 3 a rare streak by chance)"
+    )
+    min_ratio: float = Field(default=1.5, ge=1.0, description="category loss / its typical loss must also reach this")
+    patience: int = Field(default=5, ge=1, description="consecutive observations above the threshold (not one noisy batch)")
+    min_count: int = Field(
+        default=16, ge=1, description="samples pooled, across steps if need be, into one observation of a category"
+    )
+    cooldown_steps: int = Field(default=100, ge=0)
+
 
 NAME = "category_divergence"
 IQR_TO_SIGMA = 1.349
@@ -215,3 +235,9 @@ class CategoryDivergenceDetector(Detector):
                 "mean_loss_ratio": mean_ratio,
             },
         )
+
+
+register(DetectorSpec(
+    name=NAME, config=CategoryConfig, build=lambda d: CategoryDivergenceDetector(d.category_divergence),
+    view="joined", knob="z_threshold", summary="one data category's loss diverging while the mean still looks fine",
+))

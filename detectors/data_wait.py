@@ -23,11 +23,25 @@ import math
 from collections import deque
 from datetime import datetime
 
+from pydantic import Field
+
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import DataWaitConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadTracker
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class DataWaitConfig(Strict):
+    """The data loader's share of step time growing: the input pipeline is becoming the bottleneck."""
+
+    enabled: bool = True
+    warmup: int = Field(default=30, ge=4, description="steps before any finding")
+    window: int = Field(default=30, ge=4, description="steps in the recent mean of the share")
+    min_share: float = Field(default=0.25, ge=0, le=1, description="recent data-wait share of step time must reach this")
+    min_increase: float = Field(default=0.15, ge=0, le=1, description="and exceed the run's baseline share by this")
+    cooldown_steps: int = Field(default=100, ge=0)
+
 
 NAME = "data_wait"
 
@@ -127,3 +141,9 @@ class DataWaitDetector(Detector):
             ),
             evidence=evidence,
         ), level
+
+
+register(DetectorSpec(
+    name=NAME, config=DataWaitConfig, build=lambda d: DataWaitDetector(d.data_wait), view="rank",
+    knob="min_increase", summary="the data loader's share of step time growing: the input pipeline is the bottleneck",
+))

@@ -19,12 +19,24 @@ import math
 from collections import deque
 from datetime import datetime
 
+from pydantic import Field
 from river import stats, utils
 
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import GeneralizationConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import EvalEvent, StepEvent, TelemetryEvent
+
+
+class GeneralizationConfig(Strict):
+    """Validation loss worsening while training loss keeps improving (overfitting, a leak in the eval data...)."""
+
+    enabled: bool = True
+    min_evals: int = Field(default=3, ge=2, description="evals before any finding")
+    patience: int = Field(default=2, ge=1, description="consecutive evals with val worse than its best")
+    min_rel_increase: float = Field(default=0.02, ge=0, description="val above its best by this fraction")
+    train_window: int = Field(default=50, ge=4, description="steps in the train-loss means compared across evals")
+
 
 NAME = "val_vs_train"
 NOISE_SIGMAS = 3.0  # above the expected low bias of the best eval
@@ -140,3 +152,9 @@ class ValVsTrainDetector(Detector):
                 "onset_step": split.best_step + 1,
             },
         )
+
+
+register(DetectorSpec(
+    name=NAME, config=GeneralizationConfig, build=lambda d: ValVsTrainDetector(d.val_vs_train), view="joined",
+    knob="min_rel_increase", summary="validation loss worsening while the training loss keeps improving",
+))

@@ -23,11 +23,27 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from pydantic import Field
 from river import stats
 
-from runwatch.detectors.config import HungRankConfig, StallConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.detectors.stall import StallConfig
 from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+
+
+class HungRankConfig(Strict):
+    """A rank that stops stepping while its heartbeat goes on, when its peers advance or wait on it."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=1, description="hung after this many median step intervals ...")
+    phase_allowance_s: dict[str, float] = Field(
+        default_factory=lambda: {"train": 10.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        description="... plus this many seconds for the phase of the rank's latest heartbeat",
+    )
+    floor_s: float = Field(default=5.0, ge=0, description="and never sooner than this")
+    min_steps: int = Field(default=5, ge=2, description="step intervals seen before the median is trusted")
+
 
 NAME = "hung_rank"
 INTERVAL_WINDOW = 100
@@ -170,3 +186,9 @@ class HungRankDetector:
                 },
             ))
         return findings
+
+
+register(DetectorSpec(
+    name=NAME, config=HungRankConfig, build=lambda d: HungRankDetector(d.hung_rank, d.stall), view="cross_rank",
+    episodic=True, summary="a rank that stops stepping while its heartbeat goes on and its peers wait on it",
+))

@@ -24,10 +24,38 @@ import statistics
 from collections import deque
 from datetime import datetime
 
+from pydantic import Field, model_validator
+
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import MemoryConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class MemoryConfig(Strict):
+    """Memory growth, leak (allocated grows) versus fragmentation (reserved - allocated grows), and time to the limit."""
+
+    enabled: bool = True
+    window: int = Field(default=100, ge=8, description="steps in the rolling slope")
+    min_points: int = Field(
+        default=100, ge=8, description="samples in the fit before any finding (outlasts the allocator's warm-up)"
+    )
+    min_growth: float = Field(
+        default=0.1, gt=0, description="growth over the window, as a fraction of the current value, that counts"
+    )
+    min_r2: float = Field(default=0.6, ge=0, le=1, description="how straight the growth must be (a leak is steady)")
+    warn_horizon_s: float = Field(default=3600.0, gt=0, description="warning if the limit is projected within this")
+    critical_horizon_s: float = Field(default=600.0, gt=0, description="critical if projected within this")
+    cooldown_steps: int = Field(default=200, ge=0)
+
+    @model_validator(mode="after")
+    def _points_fit(self) -> MemoryConfig:
+        if self.min_points > self.window:
+            raise ValueError(f"min_points ({self.min_points}) must not exceed window ({self.window})")
+        if self.critical_horizon_s > self.warn_horizon_s:
+            raise ValueError("critical_horizon_s must not exceed warn_horizon_s")
+        return self
+
 
 NAME = "memory_growth"
 _MIB = float(1 << 20)  # the fit works in MiB: byte counts squared lose precision in the rolling sums
@@ -276,3 +304,8 @@ class MemoryGrowthDetector(Detector):
             },
         )
 
+
+register(DetectorSpec(
+    name=NAME, config=MemoryConfig, build=lambda d: MemoryGrowthDetector(d.memory_growth), view="rank",
+    knob="min_growth", summary="memory growing towards its limit: a leak (allocated) or fragmentation (reserved)",
+))

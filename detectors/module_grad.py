@@ -25,11 +25,27 @@ import math
 from datetime import datetime
 
 import numpy as np
+from pydantic import Field
 
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import ModuleGradConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class ModuleGradConfig(Strict):
+    """One module's gradient norm exploding while it stays a module-level, not run-level, event."""
+
+    enabled: bool = True
+    window: int = Field(default=100, ge=8, description="steps of per-module history for its typical norm")
+    warmup: int = Field(default=20, ge=4, description="steps observed before any finding")
+    z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(module norm) against its own history")
+    min_ratio: float = Field(default=5.0, ge=1.0, description="module norm / its typical norm must also reach this")
+    min_share: float = Field(
+        default=0.1, ge=0, le=1, description="the module's share of the squared global norm must reach this"
+    )
+    cooldown_steps: int = Field(default=20, ge=0, description="steps after a finding for that module before the next")
+
 
 NAME = "module_grad_explosion"
 IQR_TO_SIGMA = 1.349  # IQR of a standard normal
@@ -363,3 +379,10 @@ class ModuleGradDetector(Detector):
             ),
             evidence=evidence,
         )
+
+
+register(DetectorSpec(
+    name=NAME, config=ModuleGradConfig, build=lambda d: ModuleGradDetector(d.module_grad_explosion), view="joined",
+    knob="z_threshold",
+    summary="one module's gradient norm exploding while the global norm may still look fine (names the module)",
+))

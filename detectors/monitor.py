@@ -12,25 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from runwatch.detectors import registry
 from runwatch.detectors.base import Detector
-from runwatch.detectors.category import CategoryDivergenceDetector
 from runwatch.detectors.checkpoints import CheckpointLedger
-from runwatch.detectors.config import RunwatchConfig, SpikeConfig
-from runwatch.detectors.data_wait import DataWaitDetector
+from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.generalization import ValVsTrainDetector
 from runwatch.detectors.hung_rank import HungRankDetector
-from runwatch.detectors.memory_growth import MemoryGrowthDetector
-from runwatch.detectors.module_grad import ModuleGradDetector
-from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.policy import ActionDecision, ActionPolicy
 from runwatch.detectors.rank_join import Joined, StepJoin
 from runwatch.detectors.recovery import RecoveryCheck
-from runwatch.detectors.spike import SpikeDetector
 from runwatch.detectors.stall import StallDetector
 from runwatch.detectors.straggler import StragglerDetector
-from runwatch.detectors.throughput import ThroughputDetector
-from runwatch.detectors.update_ratio import UpdateRatioDetector
 from runwatch.producer.schema import (
     ActionAckEvent,
     Anomaly,
@@ -61,56 +53,15 @@ class MonitorOutput:
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
 
 
-class _NonFinite(Detector):
-    name = "non_finite"
-
-    def __init__(self, config: RunwatchConfig):
-        self._detector = NonFiniteDetector(config.detectors.non_finite)
-
-    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        if not isinstance(event, StepEvent):
-            return []
-        finding = self._detector.update(event)
-        return [finding] if finding is not None else []
-
-
-class _StepSpike(Detector):
-    """A spike detector on one scalar field of step events."""
-
-    def __init__(self, name: str, metric: str, config: SpikeConfig):
-        self.name = name
-        self.metric = metric
-        self._detector = SpikeDetector(name, metric, config)
-
-    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        if not isinstance(event, StepEvent):
-            return []
-        finding = self._detector.update(getattr(event, self.metric), event.step, event.rank)
-        return [finding] if finding is not None else []
-
-
-# Every detector, by its config section name; the monitor builds the enabled ones for each rank.
+# Every detector the monitor drives per rank or on the joined step, by name (the registry's order),
+# and which view each reads. The model's health is one for the whole run, so it is judged on the
+# joined step (one finding, not one per rank); the machine's (throughput, data, memory, liveness, a
+# NaN on one rank) is each rank's own. In a single-rank run both views are its rank. Cross-rank
+# detectors (straggler, hung rank) compare ranks: the monitor drives them itself.
 DETECTORS: dict[str, Callable[[RunwatchConfig], Detector]] = {
-    "non_finite": _NonFinite,
-    "loss_spike": lambda c: _StepSpike("loss_spike", "loss", c.detectors.loss_spike),
-    "grad_norm_spike": lambda c: _StepSpike("grad_norm_spike", "grad_norm", c.detectors.grad_norm_spike),
-    "module_grad_explosion": lambda c: ModuleGradDetector(c.detectors.module_grad_explosion),
-    "update_ratio": lambda c: UpdateRatioDetector(c.detectors.update_ratio),
-    "throughput_drift": lambda c: ThroughputDetector(c.detectors.throughput_drift),
-    "data_wait": lambda c: DataWaitDetector(c.detectors.data_wait),
-    "memory_growth": lambda c: MemoryGrowthDetector(c.detectors.memory_growth),
-    "category_divergence": lambda c: CategoryDivergenceDetector(c.detectors.category_divergence),
-    "val_vs_train": lambda c: ValVsTrainDetector(c.detectors.val_vs_train),
-    "stall": lambda c: StallDetector(c.detectors.stall),
+    s.name: (lambda config, s=s: s.build(config.detectors)) for s in registry.specs() if s.view != "cross_rank"
 }
-
-
-# Which view each detector watches. The model's health is one for the whole run, so it is judged on
-# the joined step (one finding, not one per rank); the machine's (throughput, data, memory,
-# liveness, a NaN on one rank) is each rank's own. In a single-rank run both views are its rank.
-JOINED_VIEW = frozenset({
-    "loss_spike", "grad_norm_spike", "module_grad_explosion", "update_ratio", "category_divergence", "val_vs_train",
-})
+JOINED_VIEW = frozenset(registry.names("joined"))
 RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW
 
 
@@ -129,8 +80,8 @@ class RunMonitor:
         self.joined_detectors = build_detectors(config, JOINED_VIEW)
         self.join = StepJoin(run_id, config.join.timeout_s)
         d = config.detectors
-        self.straggler = StragglerDetector(d.straggler) if d.straggler.enabled else None
-        self.hung = HungRankDetector(d.hung_rank, d.stall) if d.hung_rank.enabled else None
+        self.straggler: StragglerDetector | None = registry.spec("straggler").build(d) if d.straggler.enabled else None
+        self.hung: HungRankDetector | None = registry.spec("hung_rank").build(d) if d.hung_rank.enabled else None
         self.policy = ActionPolicy(config.policy)
         self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
         self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps

@@ -7,9 +7,22 @@ fault step itself), a critical finding once the streak reaches ``max_consecutive
 
 from __future__ import annotations
 
-from runwatch.detectors.config import NonFiniteConfig
+from datetime import datetime
+
+from pydantic import Field
+
+from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding, is_finite
-from runwatch.producer.schema import StepEvent
+from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class NonFiniteConfig(Strict):
+    enabled: bool = True
+    max_consecutive: int = Field(
+        default=3, ge=1, description="non-finite steps in a row before the finding turns critical (rollback)"
+    )
+
 
 NAME = "non_finite"
 
@@ -56,3 +69,24 @@ class NonFiniteDetector:
             evidence={"fields": bad, "consecutive": self.streak, "onset_step": self.onset_step,
                       "nonfinite_grads": event.nonfinite_grads},
         )
+
+
+class NonFinite(Detector):
+    """The detector contract around :class:`NonFiniteDetector` (step events only)."""
+
+    name = NAME
+
+    def __init__(self, config: NonFiniteConfig):
+        self._detector = NonFiniteDetector(config)
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent):
+            return []
+        finding = self._detector.update(event)
+        return [finding] if finding is not None else []
+
+
+register(DetectorSpec(
+    name=NAME, config=NonFiniteConfig, build=lambda d: NonFinite(d.non_finite), view="rank",
+    summary="NaN/Inf in the loss, the grad norm or any gradient; critical after max_consecutive steps in a row",
+))

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from runwatch.detectors import registry
 from runwatch.detectors.config import PolicyConfig, PolicyRule
 from runwatch.producer.schema import SEVERITY_RANK, Anomaly, CheckpointRef
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
 # Detectors that fire once per episode (a stall, a hung rank): what persists is escalated by tick().
-EPISODIC_DETECTORS = ("stall", "hung_rank")
+EPISODIC_DETECTORS = tuple(s.name for s in registry.specs() if s.episodic)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,30 @@ from __future__ import annotations
 
 import math
 
-from runwatch.detectors.config import RecoveryConfig
+from pydantic import Field, model_validator
+
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import Strict
+
+
+class RecoveryConfig(Strict):
+    """After a rollback, the run must return to its pre-fault loss (``detectors/recovery.py``)."""
+
+    enabled: bool = True
+    within_steps: int = Field(
+        default=20, ge=1, description="the run must be back this many steps past the fault's onset, when it is judged"
+    )
+    judged_over: int = Field(default=5, ge=1, description="the median of the last this many steps' loss ratios")
+    healthy_window: int = Field(default=20, ge=4, description="healthy steps before the onset that set the band")
+    band_z: float = Field(default=3.0, gt=0, description="band: exp(band_z x robust scale of their log loss) ...")
+    min_band: float = Field(default=0.1, ge=0, description="... and never tighter than 1 + this")
+
+    @model_validator(mode="after")
+    def _judged_fits(self) -> RecoveryConfig:
+        if self.judged_over > self.within_steps:
+            raise ValueError(f"judged_over ({self.judged_over}) must not exceed within_steps ({self.within_steps})")
+        return self
+
 
 NAME = "not_recovered"
 IQR_TO_SIGMA = 1.349

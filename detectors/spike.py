@@ -18,10 +18,47 @@ alerts on the spike and rolls back only the divergence.
 from __future__ import annotations
 
 import math
+from datetime import datetime
 
-from runwatch.detectors.config import SpikeConfig
+from pydantic import Field, model_validator
+
+from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
+from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class SpikeConfig(Strict):
+    enabled: bool = True
+    window: int = Field(default=100, ge=8, description="steps of history for the rolling median / IQR")
+    warmup: int = Field(default=20, ge=4, description="steps observed before any finding")
+    z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(value) that counts as a spike")
+    critical_z: float = Field(default=12.0, gt=0, description="robust z above which the spike is critical ...")
+    critical_ratio: float = Field(
+        default=10.0, ge=1.0, description="... and value / rolling median reaches this (the default policy rolls back)"
+    )
+    min_ratio: float = Field(default=2.0, ge=1.0, description="value / rolling median must also reach this")
+    divergence_steps: int = Field(
+        default=5, ge=0, description="steps after a spike watched for a divergence (0: no divergence findings)"
+    )
+    divergence_ratio: float = Field(
+        default=1.5, gt=1.0, description="median of those steps / the pre-spike median at least this: diverging, "
+                                         "a critical finding (else the spike was transient)"
+    )
+    min_scale: float = Field(
+        default=0.05, gt=0, description="floor on the robust scale in log units (a very flat series is not a hair trigger)"
+    )
+    cooldown_steps: int = Field(default=5, ge=0, description="steps after a finding before the next one")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> SpikeConfig:
+        if self.warmup > self.window:
+            raise ValueError(f"warmup ({self.warmup}) must not exceed window ({self.window})")
+        if self.critical_z < self.z_threshold:
+            raise ValueError("critical_z must be at least z_threshold")
+        return self
+
 
 IQR_TO_SIGMA = 1.349  # IQR of a standard normal
 
@@ -120,3 +157,32 @@ class _DivergenceWatch:
         self.median = median
         self.scale = scale
         self.values: list[float] = []
+
+
+class StepSpike(Detector):
+    """The detector contract around :class:`SpikeDetector`, on one scalar field of step events."""
+
+    def __init__(self, name: str, metric: str, config: SpikeConfig):
+        self.name = name
+        self.metric = metric
+        self._detector = SpikeDetector(name, metric, config)
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if not isinstance(event, StepEvent):
+            return []
+        finding = self._detector.update(getattr(event, self.metric), event.step, event.rank)
+        return [finding] if finding is not None else []
+
+
+register(DetectorSpec(
+    name="loss_spike", config=SpikeConfig, build=lambda d: StepSpike("loss_spike", "loss", d.loss_spike),
+    view="joined", knob="z_threshold",
+    summary="a loss spike (warning), critical when it does not come back within divergence_steps or is huge",
+))
+register(DetectorSpec(
+    name="grad_norm_spike", config=SpikeConfig,
+    build=lambda d: StepSpike("grad_norm_spike", "grad_norm", d.grad_norm_spike), view="joined", knob="z_threshold",
+    # grad norms are heavier-tailed than losses (an LR warm-up peak doubles them): a spike needs 3x
+    default=lambda: SpikeConfig(min_ratio=3.0),
+    summary="a gradient-norm spike (before clipping), critical as the loss spike is",
+))

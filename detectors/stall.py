@@ -28,12 +28,40 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from pydantic import Field
 from river import stats
 
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import StallConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+
+
+class StallConfig(Strict):
+    """Heartbeats go on but the step does not move (phase-aware), or heartbeats stop."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=1, description="stalled after this many median step intervals ...")
+    min_steps: int = Field(default=10, ge=2, description="steps seen before the median interval is trusted")
+    phase_allowance_s: dict[str, float] = Field(
+        default_factory=lambda: {"train": 10.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        description="... plus this many seconds for the phase of the latest heartbeat (train: more than the "
+                    "producer's 5 s heartbeat period, so a pause is reported as an eval or data wait in time)",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=30.0, gt=0, description="no event at all for at least this long: the rank is silent (dead)"
+    )
+    heartbeat_misses: float = Field(
+        default=6.0, gt=1, description="... or for this many of the rank's heartbeat periods (its heartbeats' "
+                                       "interval_s), where that is longer"
+    )
+
+    def silent_after_s(self, heartbeat_interval_s: float | None) -> float:
+        """How long a rank whose heartbeats come every ``heartbeat_interval_s`` may go unheard."""
+        if heartbeat_interval_s is None:
+            return self.heartbeat_timeout_s
+        return max(self.heartbeat_timeout_s, self.heartbeat_misses * heartbeat_interval_s)
+
 
 NAME = "stall"
 INTERVAL_WINDOW = 100  # step intervals in the rolling median
@@ -202,3 +230,9 @@ class StallDetector(Detector):
                 "last_step": self.step,
             },
         )
+
+
+register(DetectorSpec(
+    name=NAME, config=StallConfig, build=lambda d: StallDetector(d.stall), view="rank", episodic=True,
+    knob="factor", summary="heartbeats go on but the step does not move (phase-aware), or the heartbeats stop",
+))

@@ -16,11 +16,28 @@ from __future__ import annotations
 
 import math
 
+from pydantic import Field
 from river import stats
 
-from runwatch.detectors.config import StragglerConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import StepEvent
+
+
+class StragglerConfig(Strict):
+    """One rank consistently slower than its peers (scored as NVIDIA's straggler detector does)."""
+
+    enabled: bool = True
+    score_threshold: float = Field(
+        default=0.75, gt=0, lt=1, description="fastest rank's median step work / this rank's below this: a straggler"
+    )
+    window: int = Field(default=50, ge=4, description="steps in each rank's rolling median")
+    min_steps: int = Field(default=10, ge=2, description="steps of a rank before it is scored")
+    patience: int = Field(default=5, ge=1, description="joined steps in a row under the threshold before a finding")
+    min_gap_s: float = Field(
+        default=0.005, ge=0, description="and this rank's median is at least this much slower (tiny steps are noisy)"
+    )
+
 
 NAME = "straggler"
 
@@ -108,3 +125,9 @@ class StragglerDetector:
                 },
             ))
         return findings
+
+
+register(DetectorSpec(
+    name=NAME, config=StragglerConfig, build=lambda d: StragglerDetector(d.straggler), view="cross_rank",
+    summary="one rank consistently slower than its peers (its own compute time, not the synchronised step)",
+))

@@ -27,14 +27,26 @@ from collections import deque
 from datetime import datetime
 
 import numpy as np
+from pydantic import Field
 from river import drift
 
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import ThroughputConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadTracker
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class ThroughputConfig(Strict):
+    """A sustained level shift in step time (a slower run), not a single slow step."""
+
+    enabled: bool = True
+    warmup: int = Field(default=30, ge=4, description="steps before any finding")
+    delta: float = Field(default=0.01, gt=0, lt=1, description="ADWIN confidence parameter")
+    min_change: float = Field(default=0.3, gt=0, description="relative change of the mean step time that counts")
+    cooldown_steps: int = Field(default=100, ge=0)
+
 
 NAME = "throughput_drift"
 WINDOW = 100  # steps of history for the robust scale and the "before" median
@@ -159,3 +171,9 @@ class ThroughputDetector(Detector):
                 "robust_scale_log": scale,
             },
         )
+
+
+register(DetectorSpec(
+    name=NAME, config=ThroughputConfig, build=lambda d: ThroughputDetector(d.throughput_drift), view="rank",
+    knob="min_change", summary="a sustained level shift in step time (a slower run), with the host's load as evidence",
+))

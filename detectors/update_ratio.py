@@ -23,11 +23,27 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
+from pydantic import Field
+
 from runwatch.detectors.base import Detector
-from runwatch.detectors.config import UpdateRatioConfig
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+
+
+class UpdateRatioConfig(Strict):
+    """Relative update norm (update / parameter norm) leaving its healthy band: vanishing or too large."""
+
+    enabled: bool = True
+    warmup: int = Field(default=5, ge=1, description="observations (update-norm steps) before any finding")
+    window: int = Field(default=50, ge=4, description="observations of history for the run's typical ratio")
+    factor: float = Field(default=10.0, gt=1, description="a ratio this many times above/below typical is out of band")
+    low: float = Field(default=1e-6, gt=0, description="absolute floor: below it the updates have vanished")
+    high: float = Field(default=1e-1, gt=0, description="absolute ceiling: above it the updates are too large")
+    patience: int = Field(default=3, ge=1, description="consecutive out-of-band observations before a finding")
+    cooldown_steps: int = Field(default=100, ge=0)
+
 
 NAME = "update_ratio"
 
@@ -164,3 +180,9 @@ class UpdateRatioDetector(Detector):
             ),
             evidence=evidence,
         )
+
+
+register(DetectorSpec(
+    name=NAME, config=UpdateRatioConfig, build=lambda d: UpdateRatioDetector(d.update_ratio), view="joined",
+    knob="factor", summary="the relative update norm (update / parameter norm) leaving its band: vanishing or too large",
+))

@@ -1,0 +1,101 @@
+"""Every detector declares itself once, here: its name, its config (defined beside its code), the
+view it reads, whether its findings are episodic, and its main sensitivity knob.
+
+Everything that used to repeat the names derives from this registry: the YAML config model
+(``config.DetectorsConfig``), the monitor's wiring (``monitor.DETECTORS``, ``JOINED_VIEW``,
+``RANK_VIEW``), the policy's episodic set, ``calibrate``'s knobs, the check that a policy rule
+names a known detector, and the documented table of detectors (a test keeps docs/detectors.md
+in step).
+
+Views:
+
+- ``rank``: each rank's own events (throughput, data, memory, liveness, a NaN on one rank);
+- ``joined``: the run's joined step, one per step across ranks (the model's health);
+- ``cross_rank``: compares ranks (straggler, hung rank), driven by the monitor itself.
+
+This module imports no detector: each detector module calls :func:`register` at import, and
+``config`` imports the built-in ones (:data:`BUILTIN_MODULES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+View = Literal["rank", "joined", "cross_rank"]
+
+
+class Strict(BaseModel):
+    """Every config section: unknown keys are errors, so a typo never falls back to a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """One detector's declaration. ``build`` gets the whole ``detectors`` section (a detector may
+    read a neighbour's, as the hung-rank detector reads the stall's phase allowances) and returns
+    the detector; ``default`` makes its section's default (``config()`` unless the same code runs
+    under two names with different defaults, as the loss and grad-norm spikes do)."""
+
+    name: str
+    config: type[Strict]
+    build: Callable[[Any], Any]
+    view: View
+    summary: str
+    episodic: bool = False  # fires once per episode: what persists is escalated by the policy's tick
+    knob: str | None = None  # calibrate's sensitivity knob (a field of ``config``)
+    default: Callable[[], Strict] | None = None
+
+    def default_section(self) -> Strict:
+        return self.default() if self.default is not None else self.config()
+
+
+_REGISTRY: dict[str, DetectorSpec] = {}
+
+# Findings the policy itself produces (not a detector's), which rules may name too.
+POLICY_FINDINGS = ("not_recovered",)
+
+BUILTIN_MODULES = (
+    "runwatch.detectors.nonfinite",
+    "runwatch.detectors.spike",
+    "runwatch.detectors.module_grad",
+    "runwatch.detectors.update_ratio",
+    "runwatch.detectors.throughput",
+    "runwatch.detectors.data_wait",
+    "runwatch.detectors.memory_growth",
+    "runwatch.detectors.category",
+    "runwatch.detectors.generalization",
+    "runwatch.detectors.stall",
+    "runwatch.detectors.straggler",
+    "runwatch.detectors.hung_rank",
+)
+
+
+def register(spec: DetectorSpec) -> DetectorSpec:
+    """Declare a detector; registering the same name again replaces it (a reloaded module)."""
+    if spec.knob is not None and spec.knob not in spec.config.model_fields:
+        raise ValueError(f"detector {spec.name}: knob {spec.knob!r} is not a field of {spec.config.__name__}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def specs() -> list[DetectorSpec]:
+    """Every registered detector, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def spec(name: str) -> DetectorSpec:
+    return _REGISTRY[name]
+
+
+def names(view: View | None = None) -> list[str]:
+    return [s.name for s in _REGISTRY.values() if view is None or s.view == view]
+
+
+def known_finding_names() -> list[str]:
+    """What a policy rule may name besides ``*``."""
+    return names() + list(POLICY_FINDINGS)
