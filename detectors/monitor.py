@@ -18,9 +18,10 @@ from runwatch.detectors.checkpoints import CheckpointLedger
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.hung_rank import HungRankDetector
-from runwatch.detectors.policy import ActionDecision, ActionPolicy
+from runwatch.detectors.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
 from runwatch.detectors.rank_join import Joined, StepJoin
 from runwatch.detectors.recovery import RecoveryCheck
+from runwatch.detectors.rewind import DetectorSnapshots
 from runwatch.detectors.stall import StallDetector
 from runwatch.detectors.straggler import StragglerDetector
 from runwatch.producer.schema import (
@@ -86,6 +87,9 @@ class RunMonitor:
         self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
         self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps
         self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
+        # The step-indexed detectors' state at each checkpoint a rollback may target (rewind.py).
+        self.snapshots = DetectorSnapshots()
+        self._rewound_for: str | None = None  # the rollback whose ack rewound the detectors (one per rollback)
         self.events_seen = 0
         self.last_step: int | None = None
         self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
@@ -127,6 +131,7 @@ class RunMonitor:
         elif isinstance(event, CheckpointEvent):
             if event.ok:
                 self.checkpoints.register(CheckpointRef(step=event.step, uri=event.uri, lr=event.lr))
+                self.snapshots.take(event.step, self._rewindable())
         elif isinstance(event, ActionAckEvent):
             self.policy.acknowledge(event.action_id)
             self._rollback_acknowledged(event)
@@ -210,7 +215,23 @@ class RunMonitor:
             if self.recovery is not None and self.recovery.done:
                 self.recovery = None
         # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
-        self.checkpoints.observe_step(event.step, hold=self.recovery is not None)
+        if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
+            self.snapshots.prune([c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good])
+
+    def _rewindable(self) -> dict:
+        """The detectors whose state is about steps (not the liveness ones, which are about time)."""
+        return {"joined": self.joined_detectors,
+                "ranks": {rank: {i: d for i, d in enumerate(detectors) if d.name not in EPISODIC_DETECTORS}
+                          for rank, detectors in self.ranks.items()}}
+
+    def _rewind(self, to_step: int) -> None:
+        state = self.snapshots.restore(to_step)
+        if state is None:
+            return  # no snapshot (an old checkpoint, a restarted worker): the detectors judge the replay as they are
+        self.joined_detectors = state["joined"]
+        for rank, saved in state["ranks"].items():
+            for i, detector in saved.items():
+                self.ranks[rank][i] = detector
 
     def _rollback_acknowledged(self, ack: ActionAckEvent) -> None:
         """A rank applied (or failed) a rollback: the replay starts, and so does its verification."""
@@ -219,6 +240,9 @@ class RunMonitor:
         check = self.recovery
         if ack.outcome == "applied" and ack.to_step is not None:
             self.checkpoints.rolled_back(ack.to_step)
+            if self._rewound_for != ack.action_id:  # every rank acks: rewind once
+                self._rewound_for = ack.action_id
+                self._rewind(ack.to_step)
             if check is not None and check.action_id == ack.action_id and check.to_step is None:
                 check.arm(ack.to_step)
         elif check is not None and check.action_id == ack.action_id and check.to_step is None:

@@ -28,6 +28,7 @@ import pytest
 
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.monitor import RunMonitor
 from runwatch.producer.schema import (
     ActionAckEvent,
     CategoryLoss,
@@ -133,3 +134,41 @@ EXPECTED = {"non_finite", "loss_spike", "module_grad_explosion", "update_ratio",
 def test_the_stream_faults_are_found_so_the_checks_compare_something():
     found = {spec.name for spec in SPECS if run(build(spec), EVENTS)}
     assert EXPECTED <= found, EXPECTED - found
+
+
+LAST = 300  # before the NaN near the end
+
+
+def replayed_stream() -> list:
+    """The faulty stream to step LAST with a checkpoint at step 150, then the trainer's ack of a
+    rollback to it and the same steps again (the fault comes back at ONSET), with time going on."""
+    first = [e for e in EVENTS if (getattr(e, "step", 0) or 0) <= LAST]
+    at = next(i for i, e in enumerate(first) if isinstance(e, StepEvent) and e.step == 150)
+    first.insert(at + 1, CheckpointEvent(run_id="conf", step=150, uri="/c/150", ts=first[at].ts, event_id="c150"))
+    again = [e for e in EVENTS if 150 < (getattr(e, "step", 0) or 0) <= LAST]
+    shift = first[-1].ts - again[0].ts + timedelta(seconds=1)
+    ack = ActionAckEvent(run_id="conf", action_id="rb-1", action_kind="rollback", outcome="applied", to_step=150,
+                         ts=first[-1].ts, event_id="ack")
+    return first + [ack] + [e.model_copy(update={"ts": e.ts + shift, "event_id": f"r{e.event_id}"}) for e in again]
+
+
+REPLAYED = replayed_stream()
+ACK = next(i for i, e in enumerate(REPLAYED) if e.event_id == "ack")
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.name in EXPECTED - {"val_vs_train", "non_finite"}],
+                         ids=lambda s: s.name)
+def test_a_fault_replayed_after_a_rollback_is_found_again(spec):
+    """Through the monitor, which rewinds the detectors to the restored checkpoint (rewind.py): a
+    long fault seen before the rollback must not hide its replay."""
+    monitor = RunMonitor("conf", RunwatchConfig.model_validate({"policy": {"alert_only": True}}))
+
+    def found(events):
+        return [a for e in events for a in monitor.observe(e).anomalies if a.detector == spec.name]
+
+    first = found(REPLAYED[:ACK])
+    assert [a for a in first if a.step >= ONSET], "found the first time"
+    again = found(REPLAYED[ACK:])
+    assert [(a.step, a.message) for a in again if a.step >= ONSET] == [
+        (a.step, a.message) for a in first if a.step >= ONSET][:len(again)]
+    assert again, spec.name

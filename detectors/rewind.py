@@ -1,0 +1,49 @@
+"""Detector history rewound with the run: a snapshot of the detectors' state at each checkpoint,
+restored when the run rolls back to it.
+
+After a rollback to checkpoint ``c`` the trainer replays the steps after ``c``. Left alone, the
+detectors would judge the replay against a history that includes the faulty steps they already
+saw (a rolling median raised by a long fault, a throughput baseline that adapted to the slow
+level, a memory trend, a cooldown): the same fault, replayed, might not be found again. So the
+monitor snapshots the step-indexed detectors (every detector but the episodic liveness ones,
+stall and hung rank, whose state is about wall time, not steps) when a checkpoint is registered,
+and puts that state back when a rollback to that checkpoint is acknowledged: the replay is judged
+exactly as the first pass was.
+
+Bounded: snapshots are kept for pending checkpoints and the newest ``keep_good`` confirmed ones
+(what a rollback can target); the rest are dropped. Pickled bytes, so a snapshot is a copy that
+later events cannot change.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+
+class DetectorSnapshots:
+    def __init__(self, keep_good: int = 3):
+        self.keep_good = keep_good
+        self._by_step: dict[int, bytes] = {}
+
+    def take(self, step: int, state: Any) -> None:
+        self._by_step[step] = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def restore(self, step: int) -> Any | None:
+        """The state at checkpoint ``step`` (None without a snapshot); later snapshots belong to
+        the abandoned timeline and are dropped."""
+        blob = self._by_step.get(step)
+        self._by_step = {s: b for s, b in self._by_step.items() if s <= step}
+        return None if blob is None else pickle.loads(blob)
+
+    def prune(self, pending: list[int], good: list[int]) -> None:
+        keep = set(pending) | set(sorted(good)[-self.keep_good:])
+        self._by_step = {s: b for s, b in self._by_step.items() if s in keep}
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self._by_step)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._by_step.values())
