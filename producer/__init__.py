@@ -1,29 +1,77 @@
 """What training code imports: the wire schema, the publisher (and its offline twin, the JSONL
 recorder), torch instrumentation and the action listener.
 
-Never imports Faust, river or ClickHouse; torch only lazily, where it is used.
+Never imports Faust, river or ClickHouse; torch only lazily, where it is used. The names below
+load their modules on first use, so the wire contract (``runwatch.producer.wire``) imports alone.
 """
 
-from runwatch.producer.actions import ActionListener, AppliedAction, save_checkpoint
-from runwatch.producer.categories import CategoryLossBatch, category_loss
-from runwatch.producer.heartbeat import Heartbeat
-from runwatch.producer.publisher import PublisherStats, RunWatch
-from runwatch.producer.recorder import JsonlRecorder
-from runwatch.producer.schema import (
-    Action,
-    ActionAckEvent,
-    Anomaly,
-    CheckpointEvent,
-    CheckpointRef,
-    EvalEvent,
-    HeartbeatEvent,
-    RunEndEvent,
-    RunStartEvent,
-    SchemaError,
-    StepEvent,
-    decode_event,
-)
-from runwatch.producer.watch import Watcher
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Lazy (PEP 562): importing ``runwatch.producer.wire`` (or any submodule) runs this file, and the
+# wire contract must not load the publisher, the watcher, the action listener or torch.
+_EXPORTS = {
+    "ActionListener": "actions",
+    "AppliedAction": "actions",
+    "save_checkpoint": "actions",
+    "CategoryLossBatch": "categories",
+    "category_loss": "categories",
+    "Heartbeat": "heartbeat",
+    "PublisherStats": "publisher",
+    "RunWatch": "publisher",
+    "JsonlRecorder": "recorder",
+    "Action": "wire.schema",
+    "ActionAckEvent": "wire.schema",
+    "Anomaly": "wire.schema",
+    "CheckpointEvent": "wire.schema",
+    "CheckpointRef": "wire.schema",
+    "EvalEvent": "wire.schema",
+    "HeartbeatEvent": "wire.schema",
+    "RunEndEvent": "wire.schema",
+    "RunStartEvent": "wire.schema",
+    "SchemaError": "wire.schema",
+    "StepEvent": "wire.schema",
+    "decode_event": "wire.schema",
+    "Watcher": "watch",
+}
+
+if TYPE_CHECKING:
+    from runwatch.producer.actions import ActionListener, AppliedAction, save_checkpoint
+    from runwatch.producer.categories import CategoryLossBatch, category_loss
+    from runwatch.producer.heartbeat import Heartbeat
+    from runwatch.producer.publisher import PublisherStats, RunWatch
+    from runwatch.producer.recorder import JsonlRecorder
+    from runwatch.producer.watch import Watcher
+    from runwatch.producer.wire.schema import (
+        Action,
+        ActionAckEvent,
+        Anomaly,
+        CheckpointEvent,
+        CheckpointRef,
+        EvalEvent,
+        HeartbeatEvent,
+        RunEndEvent,
+        RunStartEvent,
+        SchemaError,
+        StepEvent,
+        decode_event,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # AttributeError lets ``from runwatch.producer import topics`` find the submodule
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Action",

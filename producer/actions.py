@@ -81,11 +81,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from runwatch.producer import topics
 from runwatch.producer.lr import LR_SCALE_KEY as LR_SCALE_KEY  # re-exported: where callers found it
 from runwatch.producer.lr import scale_lr
 from runwatch.producer.publisher import RunWatch, default_spool_dir
-from runwatch.producer.schema import (
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
     Action,
     CheckpointRef,
     SchemaError,
@@ -93,7 +93,7 @@ from runwatch.producer.schema import (
     newest_checkpoint_before,
     utc_now,
 )
-from runwatch.producer.signing import resolve_secret, verify_action
+from runwatch.producer.wire.signing import resolve_secret, verify_action
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runwatch.producer.schema import CategoryLoss
+from runwatch.producer.wire.schema import CategoryLoss
 
 if TYPE_CHECKING:
     import torch

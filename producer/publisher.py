@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from runwatch.producer import topics
 from runwatch.producer.lr import base_lrs
 from runwatch.producer.metadata import collect_run_start, detect_rank_world
-from runwatch.producer.schema import (
+from runwatch.producer.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CheckpointEvent,
     CheckpointRef,
@@ -45,7 +46,6 @@ from runwatch.producer.schema import (
     RunStartEvent,
     StepEvent,
 )
-from runwatch.producer.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
 
 if TYPE_CHECKING:
     from runwatch.producer.watch import Watcher

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runwatch.producer.publisher import TelemetryPublisher
-from runwatch.producer.schema import CheckpointRef, EventBase
+from runwatch.producer.wire.schema import CheckpointRef, EventBase
 
 
 class JsonlRecorder(TelemetryPublisher):

@@ -73,7 +73,7 @@ from runwatch.producer.gradstats import (
 from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.memory import MemorySampler
 from runwatch.producer.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
-from runwatch.producer.schema import CategoryLoss
+from runwatch.producer.wire.schema import CategoryLoss
 
 if TYPE_CHECKING:
     import torch

@@ -34,7 +34,7 @@ from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
 
 log = logging.getLogger(__name__)
 
-SINK_GROUP = "runwatch-sink"
+SINK_GROUP = topics.SINK_GROUP
 
 # topic -> the table its messages are stored in
 TOPIC_TABLES = {

@@ -73,7 +73,7 @@ from runwatch.producer.signing import verify_action
 
 log = logging.getLogger(__name__)
 
-REMEDIATE_GROUP = "runwatch-remediate"
+REMEDIATE_GROUP = topics.REMEDIATE_GROUP
 
 ACTION_FIELDS = ("run_id", "action_id", "kind", "step", "onset_step", "target_step")
 # Self-declared by the trainer (its run_start) unless the platform's targets mapping gives them.

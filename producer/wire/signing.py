@@ -10,8 +10,8 @@ import hashlib
 import hmac
 import os
 
-from runwatch.producer.schema import Action
-from runwatch.producer.topics import SECRET_ENV
+from runwatch.producer.wire.schema import Action
+from runwatch.producer.wire.topics import SECRET_ENV
 
 
 class MissingSecretError(RuntimeError):

@@ -13,7 +13,12 @@ ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)
 
 DEFAULT_PARTITIONS = 4
 
+# Every consumer group, in one place (docs/operations.md lists them). The action listener
+# has none: each trainer rank assigns itself the actions topic's partitions.
 DETECT_GROUP = "runwatch-detect"  # the detection workers' consumer group (Faust app id)
+SINK_GROUP = "runwatch-sink"  # the ClickHouse sink
+REMEDIATE_GROUP = "runwatch-remediate"  # the remediator
+ALL_GROUPS = (DETECT_GROUP, SINK_GROUP, REMEDIATE_GROUP)
 
 BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
 SECRET_ENV = "RUNWATCH_ACTION_SECRET"

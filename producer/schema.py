@@ -1,0 +1,3 @@
+"""Compatibility shim: the wire schema lives in ``runwatch.producer.wire.schema``."""
+
+from runwatch.producer.wire.schema import *  # noqa: F403
