@@ -23,15 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from runwatch.configfile import Strict as Strict  # re-exported: every detector config derives from it
 
 View = Literal["rank", "joined", "cross_rank"]
-
-
-class Strict(BaseModel):
-    """Every config section: unknown keys are errors, so a typo never falls back to a default."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)

@@ -204,9 +204,6 @@ class UpdateProbe:
         with torch.no_grad():
             self._before = _fused_copy([p.detach() for p in self.layout.params])
 
-    def disarm(self) -> None:
-        self._before = None
-
     def measure(self) -> UpdateNorms | None:
         """Norms of the parameters before the step and of the step's change; frees the copy."""
         import torch

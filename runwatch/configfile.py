@@ -1,6 +1,7 @@
 """Reading a YAML file into a pydantic model, with one-line errors a user can act on.
 
-Shared by the detector/policy config and the remediation config.
+Shared by the detector/policy config, the remediation config and its targets file; ``Strict`` is
+the base of every config section in both.
 """
 
 from __future__ import annotations
@@ -9,13 +10,19 @@ from pathlib import Path
 from typing import TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
     pass
+
+
+class Strict(BaseModel):
+    """Every config section: unknown keys are errors, so a typo never falls back to a default."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def load_yaml_model(path: str | Path, model: type[M], what: str = "config") -> M:

@@ -100,7 +100,8 @@ def default_dsn() -> str:
     return f"chdb://{DEFAULT_DSN_PATH.resolve()}"
 
 
-def _utc(ts: datetime) -> datetime:
+def as_utc(ts: datetime) -> datetime:
+    """``ts`` with UTC as its zone if it has none (ClickHouse's DateTime64 columns are UTC)."""
     return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
@@ -160,16 +161,16 @@ def event_row(e: EventBase, raw: bytes | str | None = None) -> tuple:
     given, else ``e`` re-serialised (for events made in process, never received)."""
     payload = _text(raw) if raw is not None else e.to_json().decode()
     return (
-        e.event_id, e.run_id, e.rank, e.kind, _utc(e.ts),
+        e.event_id, e.run_id, e.rank, e.kind, as_utc(e.ts),
         getattr(e, "step", None), getattr(e, "loss", None), getattr(e, "grad_norm", None),
         getattr(e, "step_time_s", None), payload,
     )
 
 
 def anomaly_row(a: Anomaly) -> tuple:
-    return (a.anomaly_id, a.run_id, _utc(a.ts), a.step, a.rank, a.detector, a.metric, a.value, a.threshold,
+    return (a.anomaly_id, a.run_id, as_utc(a.ts), a.step, a.rank, a.detector, a.metric, a.value, a.threshold,
             a.score, a.severity, a.message, orjson.dumps(a.evidence, default=str).decode(),
-            _utc(a.detected_at) if a.detected_at is not None else None)
+            as_utc(a.detected_at) if a.detected_at is not None else None)
 
 
 def action_row(a: Action) -> tuple:
@@ -177,7 +178,7 @@ def action_row(a: Action) -> tuple:
     return (
         a.action_id, a.run_id, a.kind, a.reason, list(a.anomaly_ids), a.step, a.onset_step,
         target.step if target else None, target.uri if target else None,
-        orjson.dumps(a.params, default=str).decode(), _utc(a.issued_at), _utc(a.expires_at),
+        orjson.dumps(a.params, default=str).decode(), as_utc(a.issued_at), as_utc(a.expires_at),
     )
 
 
@@ -191,12 +192,12 @@ def deadletter_id(d: DeadLetter) -> str:
 
 
 def deadletter_row(d: DeadLetter) -> tuple:
-    return (deadletter_id(d), _utc(d.ts), d.source_topic, d.partition, d.offset, d.key, d.reason, d.stage, d.size,
+    return (deadletter_id(d), as_utc(d.ts), d.source_topic, d.partition, d.offset, d.key, d.reason, d.stage, d.size,
             d.sha256, d.raw, d.raw_truncated, d.traceback)
 
 
 def joined_row(j: JoinedStep) -> tuple:
-    return tuple(_utc(j.ts) if c == "ts" else getattr(j, c) for c in JOINED_COLUMNS)
+    return tuple(as_utc(j.ts) if c == "ts" else getattr(j, c) for c in JOINED_COLUMNS)
 
 
 def _joined_key(row: tuple) -> tuple:

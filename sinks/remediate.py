@@ -47,29 +47,28 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import orjson
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
-    TypeAdapter,
-    ValidationError,
+    RootModel,
     field_validator,
     model_validator,
 )
 
 from runwatch.configfile import ConfigError as ConfigError  # re-exported: callers catch it from here
-from runwatch.configfile import load_yaml_model
+from runwatch.configfile import Strict, load_yaml_model
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, ActionKind, SchemaError, decode_action, utc_now
 from runwatch.producer.signing import verify_action
+from runwatch.sinks.clickhouse import as_utc
 
 log = logging.getLogger(__name__)
 
@@ -232,10 +231,6 @@ def fill_argv(argv: list[str], values: Mapping[str, str | None],
 # -- configuration -------------------------------------------------------------------------
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 def check_argv_template(argv: list[str]) -> list[str]:
     if not argv[0] or template_fields(argv[0]) or "{" in argv[0] or "}" in argv[0]:
         raise ValueError("argv[0] (the program) must be a literal, non-empty name or path")
@@ -304,23 +299,13 @@ class Target(Strict):
         return {name: getattr(self, name) for name in RUN_FIELDS}
 
 
-TARGETS_ADAPTER = TypeAdapter(dict[str, Target])
+class TargetsMapping(RootModel[dict[str, Target]]):
+    """A targets file: a YAML mapping of run id -> {job_id, host, pod}."""
 
 
 def read_targets_file(path: Path) -> dict[str, Target]:
-    """A YAML mapping of run id -> {job_id, host, pod}; raises ``ValueError`` saying what is wrong."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path} is not valid YAML: {exc}") from None
-    try:
-        return TARGETS_ADAPTER.validate_python(data or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "<file>"
-        raise ValueError(f"{path}: {where}: {first['msg']}") from None
+    """The targets file's entries; raises ``ConfigError`` (a ``ValueError``) saying what is wrong."""
+    return load_yaml_model(path, TargetsMapping, "targets file").root
 
 
 class TargetsFile:
@@ -835,8 +820,8 @@ class RemediationStore:
 
     def write(self, execution: Execution) -> None:
         row = list(execution.row())
-        row[-2] = _utc(row[-2])
-        row[-1] = _utc(row[-1])
+        row[-2] = as_utc(row[-2])
+        row[-1] = as_utc(row[-1])
         self.sink.client.insert(f"{self.sink.database}.remediations", [row], column_names=list(REMEDIATION_COLUMNS))
 
     def run_metadata(self, run_id: str) -> dict[str, Any]:
@@ -856,10 +841,6 @@ class RemediationStore:
             "SELECT " + ", ".join(REMEDIATION_COLUMNS) + " FROM {db}.remediations FINAL "
             "WHERE action_id = %(a)s ORDER BY started_at", {"a": action_id})
         return [dict(zip(REMEDIATION_COLUMNS, r, strict=True)) for r in rows]
-
-
-def _utc(ts: datetime) -> datetime:
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
 class RemediateConsumer:

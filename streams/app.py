@@ -15,6 +15,7 @@ from pathlib import Path
 import faust
 
 from runwatch.detectors import RunwatchConfig
+from runwatch.detectors.replay import TICK_EVERY_S
 from runwatch.producer import topics
 from runwatch.streams import transport
 from runwatch.streams.detector_process import REPLY_TIMEOUT_S, DetectorProcess, DetectorProcessError, Outgoing
@@ -23,7 +24,6 @@ from runwatch.streams.health import CommitSensor, WorkerHealth, serve_health
 log = logging.getLogger("runwatch.worker")
 
 DETECT_GROUP = topics.DETECT_GROUP
-TICK_INTERVAL_S = 0.25  # as `runwatch replay --tick` does on event time
 # Events go to the detector process in batches: up to this many, or what arrived within this wait
 # (the wait adds at most that much to detection latency; a backlog fills batches at once).
 BATCH_MAX_EVENTS = 500
@@ -56,14 +56,6 @@ def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> faust.App:
         web_enabled=False,
         web_port=web_port,
     )
-
-
-def mark_ready_on_assignment(app: faust.App, ready_file: Path) -> None:
-    """Write the assigned partitions to ``ready_file`` once the group has given us some."""
-
-    @app.on_partitions_assigned.connect
-    async def mark_ready(sender, assigned, **kwargs) -> None:  # noqa: ANN001
-        write_ready_file(ready_file, assigned)
 
 
 def write_ready_file(ready_file: Path, assigned) -> None:  # noqa: ANN001 - a set of Faust TPs
@@ -173,7 +165,7 @@ def create_app(
         if ready_file is not None:
             write_ready_file(ready_file, assigned)
 
-    @app.timer(TICK_INTERVAL_S)
+    @app.timer(TICK_EVERY_S)  # as `runwatch replay --tick` does on event time
     async def tick() -> None:
         # Stalled or silent ranks are found by time passing, not by an event arriving.
         try:

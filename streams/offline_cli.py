@@ -11,7 +11,8 @@ import orjson
 CONFIG_HELP = "detector/policy YAML (default: the built-in defaults)"
 
 
-def _load_config(path: str | None):  # noqa: ANN202
+def cli_config(path: str | None):  # noqa: ANN201 - a RunwatchConfig, imported late (the CLI starts fast)
+    """The detector/policy config at ``path`` (the defaults if None); a bad file is a usage error."""
     from runwatch.detectors import ConfigError, load_config
 
     try:
@@ -34,7 +35,7 @@ def replay(path: str, config_path: str | None, tick_every_s: float, as_json: boo
     """Run the detectors over a recorded telemetry stream (JSONL), event timestamps as the clock."""
     from runwatch.detectors.replay import ReplayError, replay_file
 
-    config = _load_config(config_path)
+    config = cli_config(config_path)
     try:
         result = replay_file(path, config, tick_every_s)
     except ReplayError as exc:
@@ -71,7 +72,7 @@ def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
     from runwatch.detectors.evaluate import evaluate_dir
     from runwatch.detectors.replay import ReplayError
 
-    config = _load_config(config_path)
+    config = cli_config(config_path)
     try:
         evaluation = evaluate_dir(directory, config)
     except ReplayError as exc:
@@ -112,7 +113,7 @@ def calibrate(directory: str, target_false_alarms: float, config_path: str | Non
     from runwatch.detectors.evaluate import Corpus
     from runwatch.detectors.replay import ReplayError
 
-    base = _load_config(config_path)
+    base = cli_config(config_path)
     try:
         corpus = Corpus(directory)
     except ReplayError as exc:
