@@ -17,13 +17,14 @@ from runwatch.streams import offline_cli
 BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"
 
 
-def _config(path: str | None):  # noqa: ANN202
-    from runwatch.detectors import ConfigError, load_config
-
+def _run_until_signalled(consumer, store) -> None:  # noqa: ANN001 - a sink or remediate consumer, its store
+    """Run ``consumer`` until SIGINT/SIGTERM asks it to stop, then close ``store``."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: consumer.stopping.set())
     try:
-        return load_config(path)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        consumer.run()
+    finally:
+        store.close()
 
 
 def _outage_window(_ctx, _param, value: str | None) -> tuple[float, float] | None:  # noqa: ANN001
@@ -114,7 +115,7 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
     from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.streams.app import create_app, run_worker
 
-    config = _config(config_path)
+    config = offline_cli.cli_config(config_path)
     try:
         secret = resolve_secret()
     except MissingSecretError as exc:
@@ -137,18 +138,13 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink)."""
     from runwatch.sinks import ClickHouseSink, SinkConsumer
 
-    limits = _config(config_path).limits
+    limits = offline_cli.cli_config(config_path).limits
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = ClickHouseSink(dsn)
     applied = store.migrate()
     click.echo(f"ClickHouse {store.dsn}: schema v{store.schema_version()} (applied now: {applied or 'none'})")
     consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: consumer.stopping.set())
-    try:
-        consumer.run()
-    finally:
-        store.close()
+    _run_until_signalled(consumer, store)
     stats = consumer.stats
     click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "
                f"dead-lettered {dict(stats.deadlettered)}, dead letters not published {stats.deadletter_errors}")
@@ -181,12 +177,7 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     n_commands = sum(len(rule.commands) for rule in config.rules)
     click.echo(f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "
                f"record in {store.dsn}; {len(consumer.remediator.done)} execution(s) already recorded")
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: consumer.stopping.set())
-    try:
-        consumer.run()
-    finally:
-        store.close()
+    _run_until_signalled(consumer, store)
     rem = consumer.remediator
     click.echo(f"remediate stopped: executions {dict(rem.executed)}, ignored {dict(rem.ignored)}")
 
@@ -221,7 +212,7 @@ def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | Non
     if scenario in SCENARIOS:
         steps = SCENARIOS[scenario].n_steps(False)  # a recorded scenario has its own length
     if config_path:
-        _config(config_path)  # fail here, not in the worker process
+        offline_cli.cli_config(config_path)  # fail here, not in the worker process
     opts = DemoOptions(scenario=scenario, steps=steps, fault_step=fault_step, bootstrap=bootstrap, dsn=dsn,
                        config_path=Path(config_path) if config_path else None, start_worker=not no_worker,
                        step_interval_s=step_interval, broker_outage=broker_outage)
@@ -282,7 +273,7 @@ def config(defaults: bool, path: str | None) -> None:
     if defaults or not path:
         click.echo(defaults_yaml(), nl=False)
         return
-    _config(path)
+    offline_cli.cli_config(path)
     click.echo(f"{path}: valid")
 
 
