@@ -172,3 +172,12 @@ def test_a_fault_replayed_after_a_rollback_is_found_again(spec):
     assert [(a.step, a.message) for a in again if a.step >= ONSET] == [
         (a.step, a.message) for a in first if a.step >= ONSET][:len(again)]
     assert again, spec.name
+
+
+def test_a_detector_whose_state_does_not_pickle_costs_its_rewind_not_the_run():
+    monitor = RunMonitor("conf", RunwatchConfig())
+    monitor.joined_detectors.append(type("Local", (), {"name": "local", "update": lambda *a: [],
+                                                        "tick": lambda *a: [], "f": lambda: None})())
+    for event in REPLAYED[:ACK]:
+        monitor.observe(event)
+    assert monitor.snapshots.unpicklable == 1 and monitor.snapshots.steps == []
