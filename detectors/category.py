@@ -27,6 +27,7 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
@@ -60,7 +61,7 @@ LOSS_FLOOR_FRACTION = 0.25
 
 
 class _Category:
-    __slots__ = ("history", "last_ratio", "onset_step", "pool_count", "pool_mean_sum", "pool_sum", "quiet_from", "quiet_until",
+    __slots__ = ("history", "last_ratio", "onset_step", "pool_count", "pool_mean_sum", "pool_sum", "cooldown",
                  "seen", "streak")
 
     def __init__(self, window: int):
@@ -72,8 +73,7 @@ class _Category:
         self.last_ratio: float | None = None  # latest loss / typical, for the others' run-wide check
         self.streak = 0
         self.onset_step: int | None = None
-        self.quiet_until = -1
-        self.quiet_from = 0  # the cooldown covers [quiet_from, quiet_until]: a rollback's replay is outside it
+        self.cooldown = Cooldown()
 
     def learn(self, x: float) -> None:
         self.history.update(x)
@@ -181,9 +181,9 @@ class CategoryDivergenceDetector(Detector):
             cat.streak += 1
             if cat.onset_step is None:
                 cat.onset_step = event.step
-            if cat.streak < cfg.patience or cat.quiet_from <= event.step <= cat.quiet_until:
+            if cat.streak < cfg.patience or cat.cooldown.active(event.step):
                 continue
-            cat.quiet_from, cat.quiet_until = event.step + 1, event.step + cfg.cooldown_steps
+            cat.cooldown.start(event.step, cfg.cooldown_steps)
             found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
         return found
 

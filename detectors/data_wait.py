@@ -26,6 +26,7 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
@@ -56,7 +57,7 @@ class DataWaitDetector(Detector):
         self.seen = 0
         self.baseline: float | None = None
         self._reported: float | None = None  # mean share at the last finding of the current episode
-        self._quiet_until = -1
+        self._cooldown = Cooldown()
         self.host_load = HostLoadTracker()
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
@@ -96,12 +97,12 @@ class DataWaitDetector(Detector):
                 self._reported = None  # episode over (with hysteresis, so noise at the edge is not a new one)
             return None
         if self._reported is not None and (
-            event.step <= self._quiet_until or mean < self._reported + cfg.min_increase
+            self._cooldown.active(event.step) or mean < self._reported + cfg.min_increase
         ):
             return None
         finding, level = self._finding(event, mean, baseline, threshold)
         self._reported = level
-        self._quiet_until = event.step + cfg.cooldown_steps
+        self._cooldown.start(event.step, cfg.cooldown_steps)
         return finding, finding.evidence.get("onset_step", self._recent[0][0])
 
     def _finding(self, event: StepEvent, mean: float, baseline: float, threshold: float) -> tuple[Finding, float]:

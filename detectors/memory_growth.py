@@ -27,6 +27,7 @@ from datetime import datetime
 from pydantic import Field, model_validator
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import StepEvent, TelemetryEvent
@@ -86,7 +87,7 @@ class _Trend:
     variance) are updated once, and there is no call through river's wrappers for each of them.
     """
 
-    __slots__ = ("cov", "evicted_max", "last_severity", "last_step", "mean_t", "mean_v", "n", "quiet_until", "samples",
+    __slots__ = ("cov", "evicted_max", "last_severity", "last_step", "mean_t", "mean_v", "n", "cooldown", "samples",
                  "steps", "sum_sq_t", "sum_sq_v", "window")
 
     def __init__(self, window: int):
@@ -102,7 +103,7 @@ class _Trend:
         self.evicted_max = -math.inf  # highest sample that has left the window: the level to beat
         self.last_step = -1
         self.last_severity = 0
-        self.quiet_until = -1
+        self.cooldown = Cooldown()
 
     def update(self, t: float, mib: float, step: int) -> None:
         samples = self.samples
@@ -244,12 +245,12 @@ class MemoryGrowthDetector(Detector):
         if severity is None:
             return growth
         rank = _SEVERITY[severity]
-        if event.step <= trend.quiet_until and rank <= trend.last_severity:
+        if trend.cooldown.active(event.step) and rank <= trend.last_severity:
             return growth
         if not trend.ongoing():
             return growth
         trend.last_severity = rank
-        trend.quiet_until = event.step + cfg.cooldown_steps
+        trend.cooldown.start(event.step, cfg.cooldown_steps)
         found.append(self._finding(metric, kind, severity, event, value, trend, rate, growth, base,
                                    r2, limit, seconds_to_limit))
         return growth

@@ -23,6 +23,7 @@ from datetime import datetime
 from pydantic import Field, model_validator
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
@@ -70,8 +71,7 @@ class SpikeDetector:
         self.config = config
         self._history = RollingQuantiles(config.window)  # log values
         self.seen = 0
-        self._quiet_until = -1
-        self._quiet_from = 0  # the cooldown covers [_quiet_from, _quiet_until]: a rollback's replay is outside it
+        self._cooldown = Cooldown()
         self._watch: _DivergenceWatch | None = None  # the latest spike, while its next steps are watched
 
     def update(self, value: float | None, step: int, rank: int | None = None) -> Finding | None:
@@ -79,14 +79,14 @@ class SpikeDetector:
             return None  # non-finite values belong to the non-finite detector
         x = math.log(value)
         finding = self._follow_spike(x, step, rank)
-        if finding is None and self.seen >= self.config.warmup and not self._quiet_from <= step <= self._quiet_until:
+        if finding is None and self.seen >= self.config.warmup and not self._cooldown.active(step):
             finding = self._score(x, value, step, rank)
             if finding is not None and self.config.divergence_steps > 0:
                 self._watch = _DivergenceWatch(step, self._history.get(0.5), finding.evidence["robust_scale_log"])
         self._history.update(x)
         self.seen += 1
         if finding is not None:
-            self._quiet_from, self._quiet_until = step + 1, step + self.config.cooldown_steps
+            self._cooldown.start(step, self.config.cooldown_steps)
         return finding
 
     def _follow_spike(self, x: float, step: int, rank: int | None) -> Finding | None:

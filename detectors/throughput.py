@@ -31,6 +31,7 @@ from pydantic import Field
 from river import drift
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
@@ -71,7 +72,7 @@ class ThroughputDetector(Detector):
         self._steps: deque[int] = deque(maxlen=SEGMENT)
         self.seen = 0
         self._pending_until = -1
-        self._quiet_until = -1
+        self._cooldown = Cooldown()
         self.host_load = HostLoadTracker()
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
@@ -104,12 +105,12 @@ class ThroughputDetector(Detector):
         self._z.append(z)
         self._steps.append(event.step)
         self.seen += 1
-        if event.step > self._pending_until or self.seen < self.config.warmup or event.step <= self._quiet_until:
+        if event.step > self._pending_until or self.seen < self.config.warmup or self._cooldown.active(event.step):
             return None
         finding = self._test(event)
         if finding is None:
             return None
-        self._quiet_until = event.step + self.config.cooldown_steps
+        self._cooldown.start(event.step, self.config.cooldown_steps)
         self._pending_until = -1
         self._restart()
         return finding

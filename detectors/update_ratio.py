@@ -26,6 +26,7 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
@@ -69,8 +70,7 @@ class UpdateRatioDetector(Detector):
         self._streak = 0  # consecutive unexcused out-of-band observations
         self._direction: str | None = None
         self._onset_step = 0
-        self._quiet_until = -1
-        self._quiet_from = 0  # the cooldown covers [_quiet_from, _quiet_until]: a rollback's replay is outside it
+        self._cooldown = Cooldown()
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or event.relative_update_norm is None:
@@ -103,9 +103,9 @@ class UpdateRatioDetector(Detector):
         self._streak += 1
         if self._streak >= cfg.window:  # it has lasted a full window: this is the run's new normal
             self._trust(x, lr)
-        if self._streak < cfg.patience or self._quiet_from <= event.step <= self._quiet_until:
+        if self._streak < cfg.patience or self._cooldown.active(event.step):
             return []
-        self._quiet_from, self._quiet_until = event.step + 1, event.step + cfg.cooldown_steps
+        self._cooldown.start(event.step, cfg.cooldown_steps)
         return [self._finding(event, ratio, typical, lr)]
 
     def _trust(self, x: float, lr: float | None) -> None:
