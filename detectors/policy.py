@@ -213,10 +213,7 @@ class ActionPolicy:
         params: dict[str, Any] = {}
         episode: AlertEpisode | None = None
         if kind != "rollback" and self.capped and self.rollbacks > 0 and self.rolls_back_on(anomaly.detector):
-            # After the cap, the fault is not allowed to go on in a milder form (an alert-level spike).
-            if self.rollback_pending(now):
-                return None  # events still in flight from before the last rollback took effect
-            kind = "rollback"
+            kind = "rollback"  # after the cap a milder return of the fault (an alert-level spike) stops the run too
         if kind == "rollback":
             if self.rollback_pending(now):
                 return None  # events still in flight from before the rollback took effect
