@@ -10,8 +10,8 @@ what that value still catches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -79,7 +79,7 @@ def _faults_caught(corpus: Corpus, config: RunwatchConfig, detector: str) -> tup
 
 
 def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig | None = None,
-              progress: Any = None) -> tuple[RunwatchConfig, list[KnobProposal]]:
+              progress: Callable[[str, str, float, float], None] | None = None) -> tuple[RunwatchConfig, list[KnobProposal]]:
     """Propose a config; ``target_false_alarms`` is per 10,000 healthy steps, per detector."""
     if not any(label.healthy for label in corpus.labels):
         raise ValueError("calibration needs healthy recordings (fault == 'healthy') in the corpus")
@@ -105,7 +105,9 @@ def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig |
                 break  # the grid ascends: this is the most sensitive value that meets the target
         if best is None:  # nothing meets the target: the least sensitive value tried, flagged
             value, rate = tried[-1]
-            best = (value, rate, _with_knob(section, knob, value))
+            fallback = _with_knob(section, knob, value)
+            assert fallback is not None  # a value in ``tried`` made a valid section
+            best = (value, rate, fallback)
             met = False
         else:
             met = True

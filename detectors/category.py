@@ -152,7 +152,9 @@ class CategoryDivergenceDetector(Detector):
                 low = ordered[lo]
                 median = low + (ordered[hi] - low) * frac
             else:
-                median = history.get(0.5)
+                got = history.get(0.5)
+                assert got is not None  # past warm-up: the window is not empty
+                median = got
             ratio = math.exp(x - median)
             cat.last_ratio = ratio
             if x - median >= log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
@@ -209,7 +211,9 @@ class CategoryDivergenceDetector(Detector):
                  others_ratio: float | None, mean_ratio: float | None) -> Finding:
         cfg = self.config
         floor = self._floor()
-        typical = math.exp(cat.history.get(0.5)) - floor
+        median = cat.history.get(0.5)
+        assert median is not None  # a category is judged only past its warm-up
+        typical = math.exp(median) - floor
         loss = math.exp(x) - floor
         mean_part = f"; the mean loss is at {mean_ratio:.2f}x its typical" if mean_ratio is not None else ""
         return Finding(

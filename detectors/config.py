@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import Field, create_model, field_validator, model_validator
@@ -18,6 +18,7 @@ from runwatch.configfile import ConfigError as ConfigError  # re-exported: calle
 from runwatch.configfile import load_yaml_model
 from runwatch.detectors.registry import BUILTIN_MODULES, Strict, known_finding_names, specs
 from runwatch.producer.schema import WireLimits
+from runwatch.producer.wire.schema import Severity
 
 # The built-in detectors register themselves on import; their config sections are defined beside them.
 # More detector modules (your own) are named in $RUNWATCH_DETECTOR_MODULES, comma-separated: they are
@@ -51,7 +52,18 @@ def detectors_config_model() -> type[Strict]:
     return create_model("DetectorsConfig", __base__=Strict, **fields)
 
 
-DetectorsConfig = detectors_config_model()
+if TYPE_CHECKING:
+    class DetectorsConfig(Strict):
+        """What the type checker sees of the registry-built model: the sections the code reads by name
+        (every other section is read with ``getattr``, by its registered name)."""
+
+        loss_spike: SpikeConfig = Field(default_factory=SpikeConfig)
+        grad_norm_spike: SpikeConfig = Field(default_factory=SpikeConfig)
+        stall: StallConfig = Field(default_factory=StallConfig)
+        straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+        hung_rank: HungRankConfig = Field(default_factory=HungRankConfig)
+else:
+    DetectorsConfig = detectors_config_model()
 
 
 class JoinConfig(Strict):
@@ -63,12 +75,12 @@ class JoinConfig(Strict):
     )
 
 
-ActionName = Literal["alert", "pause", "rollback", "stop"]
+ActionName = Literal["alert", "pause", "rollback", "stop"]  # the wire ActionKinds a policy rule may name
 
 
 class PolicyRule(Strict):
     detector: str = Field(default="*", description="detector name, or * for any")
-    min_severity: Literal["info", "warning", "critical"] = "warning"
+    min_severity: Severity = "warning"
     action: ActionName
 
     @field_validator("detector")

@@ -6,13 +6,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from runwatch.producer.wire.schema import Severity
+
 
 @dataclass(frozen=True)
 class Finding:
     detector: str
     metric: str
     step: int | None
-    severity: str  # info | warning | critical
+    severity: Severity
     message: str
     value: float | None = None
     threshold: float | None = None

@@ -60,7 +60,8 @@ class _Split:
         """Sigma of one eval's log loss: x[k] - 2 x[k-1] + x[k-2] of independent noise has variance 6 sigma²."""
         if self.diffs == 0:
             return math.inf  # no estimate yet: no eval can be judged worse
-        sigma = math.sqrt(self.diff2_sq.get() / 6)
+        # river's utils.Rolling forwards get() to the wrapped Mean through __getattr__, typed as object
+        sigma = math.sqrt(self.diff2_sq.get() / 6)  # type: ignore[operator]
         return sigma if self.diffs >= 3 else 2 * sigma
 
     def margin(self, min_rel_increase: float) -> float:
@@ -97,7 +98,7 @@ class ValVsTrainDetector(Detector):
         split = self._splits.get(event.split)
         if split is None:
             split = self._splits[event.split] = _Split()
-        train = sum(self._train) / len(self._train) if len(self._train) >= min(4, self._train.maxlen) else None
+        train = sum(self._train) / len(self._train) if len(self._train) >= min(4, self.config.train_window) else None
         finding = self._judge(split, event, train)
         split.learn(math.log(event.loss))
         return [finding] if finding is not None else []
@@ -106,6 +107,7 @@ class ValVsTrainDetector(Detector):
         cfg = self.config
         split.evals += 1
         val = event.loss
+        assert val is not None  # update() judges only evals with a finite, positive loss
         if val < split.best_val:
             split.best_val, split.best_step, split.train_at_best = val, event.step, train
             split.streak, split.first_worse_step, split.fired = 0, None, False
@@ -122,6 +124,8 @@ class ValVsTrainDetector(Detector):
         if split.fired or split.streak < cfg.patience or split.evals < cfg.min_evals:
             return None
         split.fired = True
+        # (``improving`` above: both train figures are there; ``worse``: a best eval, so its step, is there)
+        assert train is not None and split.train_at_best is not None and split.best_step is not None
         increase = val / split.best_val - 1
         train_trend = train / split.train_at_best - 1
         return Finding(

@@ -151,7 +151,7 @@ class HostLoadTracker:
                            if isinstance(v, int | float) and not isinstance(v, bool)}
                 if figures:
                     last = self._samples[-1] if self._samples else None
-                    period = (event.ts - self._last_ts).total_seconds() if last is not None else self._interval_s
+                    period = (event.ts - self._last_ts).total_seconds() if self._last_ts is not None else self._interval_s
                     self._samples.append(_Sample(-1 if event.step is None else event.step,
                                                  last.step if last is not None else None, figures,
                                                  max(0.0, period)))

@@ -134,11 +134,12 @@ class HungRankDetector:
         if len(live) < 2:
             return []
         # Per tick, linear in the ranks: the two highest steps, and how many ranks wait in sync at each step.
-        highest = sorted(((s.step, r) for r, s in live.items()), reverse=True)[:2]
+        steps = {r: s.step for r, s in live.items() if s.step is not None}  # (every live rank has one)
+        highest = sorted(((step, r) for r, step in steps.items()), reverse=True)[:2]
         in_sync_at: dict[int, int] = {}
-        for s in live.values():
+        for r, s in live.items():
             if s.in_sync is True:
-                in_sync_at[s.step] = in_sync_at.get(s.step, 0) + 1
+                in_sync_at[steps[r]] = in_sync_at.get(steps[r], 0) + 1
         findings = []
         for rank, state in live.items():
             if state.fired or state.progress_at is None:
@@ -153,11 +154,11 @@ class HungRankDetector:
             if waited <= allowed:
                 continue
             peer_top = next(step for step, r in highest if r != rank)
-            if peer_top > state.step:
+            if peer_top > steps[rank]:
                 kind = "behind"
-                ahead = sorted(r for r, s in live.items() if r != rank and s.step > state.step)
+                ahead = sorted(r for r, step in steps.items() if r != rank and step > steps[rank])
                 why = f"ranks {ahead} have moved on to step {peer_top}"
-            elif state.in_sync is not True and in_sync_at.get(state.step, 0) == len(live) - 1:
+            elif state.in_sync is not True and in_sync_at.get(steps[rank], 0) == len(live) - 1:
                 kind = "peers_waiting"  # every other rank is at this step and waits in the gradient sync
                 why = f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
             else:

@@ -31,6 +31,7 @@ from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import Severity
 
 
 class MemoryConfig(Strict):
@@ -255,7 +256,7 @@ class MemoryGrowthDetector(Detector):
                                    r2, limit, seconds_to_limit))
         return growth
 
-    def _severity(self, slope: float, fraction: float, used: int, limit: int | None) -> tuple[str | None, float | None]:
+    def _severity(self, slope: float, fraction: float, used: int, limit: int | None) -> tuple[Severity | None, float | None]:
         cfg = self.config
         seconds_to_limit = None
         if limit is not None and limit > 0:
@@ -268,7 +269,7 @@ class MemoryGrowthDetector(Detector):
             return "warning", seconds_to_limit
         return None, seconds_to_limit
 
-    def _finding(self, metric: str, kind: str, severity: str, event: StepEvent, value: int, trend: _Trend,
+    def _finding(self, metric: str, kind: str, severity: Severity, event: StepEvent, value: int, trend: _Trend,
                  slope: float, growth: float, base: int, r2: float, limit: int | None,
                  seconds_to_limit: float | None) -> Finding:
         steps = len(trend)
@@ -277,7 +278,7 @@ class MemoryGrowthDetector(Detector):
         cause = "a leak" if kind == "leak" else "fragmentation (allocated stays flat)"
         message = (f"{what} grows steadily, {cause}: +{_bytes(growth)} over the last {steps} steps "
                    f"({growth / max(base, 1):.1%} of {_bytes(base)}, {_bytes(slope)}/s, r² {r2:.2f})")
-        if seconds_to_limit is not None:
+        if seconds_to_limit is not None and limit is not None:  # (there is a time to the limit only with one)
             message += f"; at this rate the {_bytes(limit)} limit is reached in {_duration(seconds_to_limit)}"
         else:
             message += "; no memory limit is known"

@@ -53,6 +53,11 @@ MIN_SCALE_LOG = 0.05  # floor on the robust scale in log units: a very flat modu
 REFRESH_EVERY = 4  # events between quantile refreshes; the history excludes suspects, so staleness is harmless
 
 
+def _grow_snapshot(snap: tuple[np.ndarray, np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    median, scale, ready = snap
+    return _grow(median, n, 0.0), _grow(scale, n, 1.0), _grow(ready, n, False)
+
+
 def _grow(a: np.ndarray, n: int, fill: float | int | bool) -> np.ndarray:
     return np.concatenate([a, np.full(n, fill, dtype=a.dtype)])
 
@@ -93,8 +98,9 @@ class ModuleGradDetector(Detector):
         self._scale = np.ones(0)
         self._ready = np.zeros(0, dtype=bool)
         self._all_ready = False
-        self._snap = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
-        self._old = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
+        # (median, scale, ready) per module, at the last snapshot and the one before
+        self._snap: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
+        self._old: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
         self._any_old = False
         self._old_all_ready = False
         self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # history length -> _plan(n)
@@ -133,8 +139,8 @@ class ModuleGradDetector(Detector):
             self._ready = _grow(self._ready, n, False)
             self._all_ready = False
             self._all_full = False
-            self._snap = tuple(_grow(a, n, f) for a, f in zip(self._snap, (0.0, 1.0, False), strict=True))
-            self._old = tuple(_grow(a, n, f) for a, f in zip(self._old, (0.0, 1.0, False), strict=True))
+            self._snap = _grow_snapshot(self._snap, n)
+            self._old = _grow_snapshot(self._old, n)
             self._quiet_until = _grow(self._quiet_until, n, -1)
             self._quiet_from = _grow(self._quiet_from, n, 0)
             self._streak = _grow(self._streak, n, 0)
@@ -169,15 +175,16 @@ class ModuleGradDetector(Detector):
             q = q[:, 0::2] + q[:, 1::2]
             q25, self._median, q75 = q[:, 0], q[:, 1], q[:, 2]
         else:
-            n = np.maximum(np.minimum(count, window), 1)
+            lengths = np.maximum(np.minimum(count, window), 1)
             rows = self._rows
 
             def quantile(q: float) -> np.ndarray:
-                at = (n - 1) * q
+                at = (lengths - 1) * q
                 lo = np.floor(at).astype(np.intp)
-                hi = np.minimum(lo + 1, n - 1)
+                hi = np.minimum(lo + 1, lengths - 1)
                 frac = at - lo
-                return ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
+                result: np.ndarray = ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
+                return result
 
             q25, self._median, q75 = quantile(0.25), quantile(0.5), quantile(0.75)
         self._scale = np.maximum((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import TypedDict
 
 from runwatch.detectors import registry
 from runwatch.detectors.base import Detector
@@ -59,8 +60,19 @@ class MonitorOutput:
 # joined step (one finding, not one per rank); the machine's (throughput, data, memory, liveness, a
 # NaN on one rank) is each rank's own. In a single-rank run both views are its rank. Cross-rank
 # detectors (straggler, hung rank) compare ranks: the monitor drives them itself.
+class _RewindState(TypedDict):
+    """The step-indexed detectors' state, as snapshotted at a checkpoint (the rank ones by position)."""
+
+    joined: list[Detector]
+    ranks: dict[int, dict[int, Detector]]
+
+
+def _builder(spec: registry.DetectorSpec) -> Callable[[RunwatchConfig], Detector]:
+    return lambda config: spec.build(config.detectors)
+
+
 DETECTORS: dict[str, Callable[[RunwatchConfig], Detector]] = {
-    s.name: (lambda config, s=s: s.build(config.detectors)) for s in registry.specs() if s.view != "cross_rank"
+    s.name: _builder(s) for s in registry.specs() if s.view != "cross_rank"
 }
 JOINED_VIEW = frozenset(registry.names("joined"))
 RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW
@@ -88,7 +100,7 @@ class RunMonitor:
         self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps
         self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
         # The step-indexed detectors' state at each checkpoint a rollback may target (rewind.py).
-        self.snapshots = DetectorSnapshots()
+        self.snapshots: DetectorSnapshots[_RewindState] = DetectorSnapshots()
         self._rewound_for: str | None = None  # the rollback whose ack rewound the detectors (one per rollback)
         self.events_seen = 0
         self.last_step: int | None = None
@@ -209,16 +221,16 @@ class RunMonitor:
         if self.recovery is not None and self.recovery.to_step is None and not self.policy.rollback_pending(event.ts):
             self.recovery = None  # the rollback expired unacknowledged: there is no replay to verify
         if self.recovery is not None:
-            finding = self.recovery.update(event.step, event.loss)
-            if finding is not None:
-                self._emit(finding, event.ts, f"{event.event_id}|recovery", out)
+            unrecovered = self.recovery.update(event.step, event.loss)
+            if unrecovered is not None:
+                self._emit(unrecovered, event.ts, f"{event.event_id}|recovery", out)
             if self.recovery is not None and self.recovery.done:
                 self.recovery = None
         # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
         if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
             self.snapshots.prune([c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good])
 
-    def _rewindable(self) -> dict:
+    def _rewindable(self) -> _RewindState:
         """The detectors whose state is about steps (not the liveness ones, which are about time)."""
         return {"joined": self.joined_detectors,
                 "ranks": {rank: {i: d for i, d in enumerate(detectors) if d.name not in EPISODIC_DETECTORS}

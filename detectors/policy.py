@@ -37,8 +37,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from runwatch.detectors import registry
-from runwatch.detectors.config import PolicyConfig, PolicyRule
+from runwatch.detectors.config import ActionName, PolicyConfig, PolicyRule
 from runwatch.producer.schema import SEVERITY_RANK, Anomaly, CheckpointRef
+from runwatch.producer.wire.schema import ActionKind
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
 # Detectors that fire once per episode (a stall, a hung rank): what persists is escalated by tick().
@@ -51,7 +52,7 @@ class ActionDecision:
 
     action_id: str
     run_id: str
-    kind: str
+    kind: ActionKind
     reason: str
     anomaly_ids: list[str]
     step: int | None
@@ -97,7 +98,7 @@ class ActionPolicy:
                 return rule
         return None
 
-    def _action_for(self, anomaly: Anomaly) -> str | None:
+    def _action_for(self, anomaly: Anomaly) -> ActionName | None:
         rule = self._rule_for(anomaly)
         if rule is None:
             return None
@@ -190,7 +191,7 @@ class ActionPolicy:
 
     # -- deciding -----------------------------------------------------------------------
 
-    def _rollback_params(self, anomaly: Anomaly, checkpoint: CheckpointRef) -> dict:
+    def _rollback_params(self, anomaly: Anomaly, checkpoint: CheckpointRef) -> dict[str, Any]:
         params: dict[str, Any] = {
             "lr_scale": self.config.lr_scale_on_rollback ** (self.rollbacks + 1),
             "lr_scale_per_rollback": self.config.lr_scale_on_rollback,

@@ -25,8 +25,10 @@ tokens/s are summed (the run's throughput); per-category losses are merged weigh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any, TypeVar
 
 from runwatch.producer.schema import CategoryLoss, JoinedStep, StepEvent
 
@@ -138,7 +140,7 @@ class StepJoin:
         ts = max(e.ts for e in events)
         sharded = all(e.grad_sharded for e in events)
         norm = _root_sum_squares if sharded else _largest
-        fields: dict = {
+        fields: dict[str, Any] = {
             "run_id": self.run_id,
             "rank": events[0].rank,
             "step": key[1],
@@ -211,46 +213,50 @@ def _memory_figure(event: StepEvent) -> int | None:
     return m.allocated if m.allocated is not None else m.host_rss
 
 
-def _present(values) -> list:  # noqa: ANN001 - any iterable of optional numbers
+_Number = TypeVar("_Number", int, float)
+_Norm = Callable[[Iterable[float | None]], float | None]
+
+
+def _present(values: Iterable[_Number | None]) -> list[_Number]:
     return [v for v in values if v is not None]
 
 
-def _mean(values) -> float | None:  # noqa: ANN001
+def _mean(values: Iterable[float | None]) -> float | None:
     got = _present(values)
     return sum(got) / len(got) if got else None  # a NaN on one rank makes the mean NaN, as it should
 
 
-def _sum(values) -> float | None:  # noqa: ANN001
+def _sum(values: Iterable[float | None]) -> float | None:
     got = _present(values)
     return float(sum(got)) if got else None
 
 
-def _sum_int(values) -> int | None:  # noqa: ANN001
+def _sum_int(values: Iterable[int | None]) -> int | None:
     got = _present(values)
     return int(sum(got)) if got else None
 
 
-def _largest(values) -> float | None:  # noqa: ANN001
+def _largest(values: Iterable[float | None]) -> float | None:
     got = _present(values)
     if not got:
         return None
     return math.nan if any(math.isnan(v) for v in got) else max(got)  # max() would skip a NaN
 
 
-def _smallest(values) -> float | None:  # noqa: ANN001
+def _smallest(values: Iterable[float | None]) -> float | None:
     got = _present(values)
     if not got:
         return None
     return math.nan if any(math.isnan(v) for v in got) else min(got)
 
 
-def _root_sum_squares(values) -> float | None:  # noqa: ANN001
+def _root_sum_squares(values: Iterable[float | None]) -> float | None:
     got = _present(values)
     return math.sqrt(sum(v * v for v in got)) if got else None
 
 
-def _argmax(events: list[StepEvent], figure) -> int | None:  # noqa: ANN001
-    best = None
+def _argmax(events: list[StepEvent], figure: Callable[[StepEvent], float | None]) -> int | None:
+    best: tuple[float, int] | None = None
     for e in events:
         value = figure(e)
         if value is not None and (best is None or value > best[0]):
@@ -258,8 +264,8 @@ def _argmax(events: list[StepEvent], figure) -> int | None:  # noqa: ANN001
     return None if best is None else best[1]
 
 
-def _argmin(events: list[StepEvent], figure) -> int | None:  # noqa: ANN001
-    best = None
+def _argmin(events: list[StepEvent], figure: Callable[[StepEvent], float | None]) -> int | None:
+    best: tuple[float, int] | None = None
     for e in events:
         value = figure(e)
         if value is not None and (best is None or value < best[0]):
@@ -267,7 +273,7 @@ def _argmin(events: list[StepEvent], figure) -> int | None:  # noqa: ANN001
     return None if best is None else best[1]
 
 
-def _merge_modules(per_rank: list[dict[str, float]], norm) -> dict[str, float]:  # noqa: ANN001
+def _merge_modules(per_rank: list[dict[str, float]], norm: _Norm) -> Mapping[str, float | None]:
     if len(per_rank) == 1:
         return per_rank[0]
     names: dict[str, list[float]] = {}
@@ -287,4 +293,4 @@ def _merge_categories(per_rank: list[dict[str, CategoryLoss]]) -> dict[str, Cate
                 acc = totals.setdefault(name, [0.0, 0])
                 acc[0] += c.mean * c.count
                 acc[1] += c.count
-    return {name: CategoryLoss.model_construct(mean=s / n, count=n) for name, (s, n) in totals.items()}
+    return {name: CategoryLoss.model_construct(mean=s / n, count=int(n)) for name, (s, n) in totals.items()}

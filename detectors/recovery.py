@@ -87,7 +87,7 @@ class RecoveryCheck:
         self.to_step = to_step
 
     def update(self, step: int, loss: float | None) -> Finding | None:
-        if not self.armed or step <= self.to_step or self.level is None:
+        if self.to_step is None or self.done or step <= self.to_step or self.level is None:  # (not armed)
             return None
         if loss is None:
             return None

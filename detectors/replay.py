@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from runwatch.detectors.config import RunwatchConfig
@@ -52,7 +52,7 @@ def read_events(path: str | Path) -> list[TelemetryEvent]:
     return events
 
 
-def _ticks(monitor: RunMonitor, last, now, every: timedelta) -> Iterator[MonitorOutput]:
+def _ticks(monitor: RunMonitor, last: datetime, now: datetime, every: timedelta) -> Iterator[MonitorOutput]:
     t = last + every
     n = 0
     while t <= now and n < MAX_TICKS_PER_GAP:

@@ -18,16 +18,18 @@ later events cannot change.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Generic, TypeVar
+
+State = TypeVar("State")
 
 
-class DetectorSnapshots:
+class DetectorSnapshots(Generic[State]):
     def __init__(self, keep_good: int = 3):
         self.keep_good = keep_good
         self._by_step: dict[int, bytes] = {}
         self.unpicklable = 0  # snapshots not taken: some detector's state would not pickle
 
-    def take(self, step: int, state: Any) -> None:
+    def take(self, step: int, state: State) -> None:
         try:
             self._by_step[step] = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, TypeError, AttributeError):
@@ -35,12 +37,15 @@ class DetectorSnapshots:
             # catches it for registered ones): no rewind to this checkpoint, and no crash either.
             self.unpicklable += 1
 
-    def restore(self, step: int) -> Any | None:
+    def restore(self, step: int) -> State | None:
         """The state at checkpoint ``step`` (None without a snapshot); later snapshots belong to
         the abandoned timeline and are dropped."""
         blob = self._by_step.get(step)
         self._by_step = {s: b for s, b in self._by_step.items() if s <= step}
-        return None if blob is None else pickle.loads(blob)
+        if blob is None:
+            return None
+        state: State = pickle.loads(blob)  # what take() pickled
+        return state
 
     def prune(self, pending: list[int], good: list[int]) -> None:
         keep = set(pending) | set(sorted(good)[-self.keep_good:])

@@ -82,7 +82,9 @@ class SpikeDetector:
         if finding is None and self.seen >= self.config.warmup and not self._cooldown.active(step):
             finding = self._score(x, value, step, rank)
             if finding is not None and self.config.divergence_steps > 0:
-                self._watch = _DivergenceWatch(step, self._history.get(0.5), finding.evidence["robust_scale_log"])
+                median = self._history.get(0.5)
+                assert median is not None  # past warm-up
+                self._watch = _DivergenceWatch(step, median, finding.evidence["robust_scale_log"])
         self._history.update(x)
         self.seen += 1
         if finding is not None:
@@ -125,6 +127,7 @@ class SpikeDetector:
 
     def _score(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
         median = self._history.get(0.5)
+        assert median is not None  # scored only past warm-up: the window is not empty
         ratio = math.exp(x - median)
         if ratio < self.config.min_ratio:
             return None  # (the usual case: no need for the quartiles)

@@ -35,6 +35,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import Severity
 
 
 class StallConfig(Strict):
@@ -195,6 +196,9 @@ class StallDetector(Detector):
         allowed = self.allowed_s()
         median = self.median_interval_s()
         allowance = self.allowance_s()
+        severity: Severity
+        value: float | None
+        threshold: float | None
         if kind == "silent":
             timeout = self.silent_after_s()
             period = (f"; heartbeats every {self.heartbeat_interval_s:g} s" if self.heartbeat_interval_s is not None
@@ -217,7 +221,7 @@ class StallDetector(Detector):
             message=message,
             value=value,
             threshold=threshold,
-            score=value / threshold if threshold else None,
+            score=value / threshold if value is not None and threshold else None,
             evidence={
                 "kind": kind,
                 "phase": self.phase,

@@ -74,9 +74,14 @@ class StragglerDetector:
         timing.count += 1
         timing.metric = metric
 
+    def _medians(self) -> dict[int, float]:
+        """Each scored rank's rolling median (a rank with ``min_steps`` values has one)."""
+        return {r: m for r, t in self.ranks.items()
+                if t.count >= self.config.min_steps and (m := t.median.get()) is not None}
+
     def scores(self) -> dict[int, float]:
         """Each scored rank's ``fastest median / its median`` (1.0 for the fastest)."""
-        medians = {r: t.median.get() for r, t in self.ranks.items() if t.count >= self.config.min_steps}
+        medians = self._medians()
         if len(medians) < 2:
             return {}
         fastest = min(medians.values())
@@ -87,8 +92,8 @@ class StragglerDetector:
         scores = self.scores()
         if not scores:
             return []
-        medians = {r: self.ranks[r].median.get() for r in scores}
-        fastest_rank = min(medians, key=medians.get)
+        medians = self._medians()
+        fastest_rank = min(medians, key=medians.__getitem__)
         findings = []
         for rank, score in scores.items():
             timing = self.ranks[rank]

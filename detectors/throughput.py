@@ -66,7 +66,7 @@ class ThroughputDetector(Detector):
     def __init__(self, config: ThroughputConfig):
         self.config = config
         self._history = RollingQuantiles(WINDOW)  # log step times
-        self._adwin = drift.ADWIN(delta=config.delta, clock=1)
+        self._adwin = drift.ADWIN(delta=config.delta, clock=1)  # type: ignore[no-untyped-call]  # river.drift.ADWIN is not annotated
         self._log_t: deque[float] = deque(maxlen=SEGMENT)
         self._z: deque[float] = deque(maxlen=SEGMENT)
         self._steps: deque[int] = deque(maxlen=SEGMENT)
@@ -95,7 +95,7 @@ class ThroughputDetector(Detector):
             q25, median, q75 = self._history.quartiles()
             scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)
             z = min(max((y - median) / scale, -CLIP_Z), CLIP_Z)
-            self._adwin.update(z)
+            self._adwin.update(z)  # type: ignore[no-untyped-call]  # river.ADWIN.update is not annotated
             if self._adwin.drift_detected:
                 self._pending_until = event.step + PENDING_STEPS
         else:
@@ -117,7 +117,7 @@ class ThroughputDetector(Detector):
 
     def _restart(self) -> None:
         """The new level is the reference from here on."""
-        self._adwin = drift.ADWIN(delta=self.config.delta, clock=1)
+        self._adwin = drift.ADWIN(delta=self.config.delta, clock=1)  # type: ignore[no-untyped-call]  # river.drift.ADWIN is not annotated
         self._log_t.clear()
         self._z.clear()
         self._steps.clear()

@@ -86,6 +86,7 @@ class UpdateRatioDetector(Detector):
 
         cfg = self.config
         typical = self._median.get(0.5)
+        assert typical is not None  # past warm-up
         too_large = x > typical + self._log_factor or ratio > cfg.high
         vanishing = x < typical - self._log_factor or ratio < cfg.low
         if not (too_large or vanishing):
@@ -133,7 +134,9 @@ class UpdateRatioDetector(Detector):
         if self._lr_ref == 0 or ratio == 0:
             return False
         per_lr = x - math.log(lr)
-        if abs(per_lr - self._median_per_lr.get(0.5)) > self._log_factor:
+        per_lr_typical = self._median_per_lr.get(0.5)
+        assert per_lr_typical is not None  # (_per_lr_seen > 0)
+        if abs(per_lr - per_lr_typical) > self._log_factor:
             return False  # the optimizer did not do what the LR asked
         change = lr / self._lr_ref
         if direction == "too_large":

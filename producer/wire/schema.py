@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -448,6 +449,7 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):
@@ -522,7 +524,7 @@ def _out_of_range(name: str, value: float | int | None, upper: float, *, positiv
     return f"{name}: {value} is above the limit {upper:g}"
 
 
-def _check_limits(event: Any, data: dict, received_at: datetime | None, lim: WireLimits) -> str | None:
+def _check_limits(event: Any, data: dict[str, Any], received_at: datetime | None, lim: WireLimits) -> str | None:
     """The bounds pydantic's types do not say: sizes, ranges, finiteness, the time window."""
     if len(event.run_id) > lim.max_id_chars or len(event.event_id) > lim.max_id_chars:
         return f"run_id/event_id: longer than {lim.max_id_chars} characters"
