@@ -31,6 +31,7 @@ from runwatch.producer.schema import (
     record_time,
 )
 from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
+from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,6 @@ class SinkConsumer:
         self.assigned = threading.Event()
         self._given_producer = deadletter_producer
         self._producer: Any = deadletter_producer
-        self._publish_delay = 0.5
 
     def stored_through(self, topic: str, partition: int) -> int:
         """Next offset of ``topic[partition]`` not yet stored (0 if none)."""
@@ -193,56 +193,32 @@ class SinkConsumer:
             failed[key] = min(failed.get(key, r.offset), r.offset)
         return failed
 
-    def _flush(self, consumer, pending: list) -> bool:
-        """Store ``pending``, publish its dead letters, commit. Returns False when a dead letter
-        could not be published (its partition is rewound to it and not committed past it)."""
+    def _act(self, pending: list) -> dict[tuple[str, int], int]:
+        """Store ``pending`` and publish its dead letters; returns, per (topic, partition), the
+        first offset whose dead letter could not be published (``ConsumeLoop`` rewinds it)."""
         batch = self._decode_batch(pending)
-        delay = 0.5
-        while True:
-            try:
-                letters = self._deadletters(self._write(batch))
-                break
-            except ClickHouseUnavailable as exc:  # ClickHouse down: keep the batch, retry, never commit past it
-                self.stats.write_errors += 1
-                log.warning("runwatch sink: ClickHouse unreachable (%s); retrying in %.1fs", exc, delay)
-                if self.stopping.wait(delay) and self.stats.write_errors > 20:
-                    raise
-                delay = min(delay * 2, 10.0)
-        failed = self._publish(letters)
-        self._commit(consumer, pending, failed)
-        self.stats.batches += 1
-        if failed:
-            self.stopping.wait(self._publish_delay)  # the rewound messages come again after a pause
-            self._publish_delay = min(self._publish_delay * 2, 10.0)
-            return False
-        self._publish_delay = 0.5
-        return True
+        letters = retry_durably(lambda: self._deadletters(self._write(batch)), stopping=self.stopping,
+                                errors=ClickHouseUnavailable, on_error=self._write_failed,
+                                give_up=lambda: self.stats.write_errors > 20)
+        return self._publish(letters)
 
-    def _commit(self, consumer, pending: list, failed: dict[tuple[str, int], int]) -> None:
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
+    def _write_failed(self, exc: BaseException, delay: float) -> None:
+        # ClickHouse down: keep the batch, retry, never commit past it
+        self.stats.write_errors += 1
+        log.warning("runwatch sink: ClickHouse unreachable (%s); retrying in %.1fs", exc, delay)
 
-        upto: dict[tuple[str, int], int] = {}
-        for r in pending:
-            key = (r.topic, r.partition)
-            upto[key] = max(upto.get(key, 0), r.offset + 1)
-        for key, offset in failed.items():
-            upto[key] = offset
-            try:  # read it (and what follows, stored again harmlessly) once more
-                consumer.seek(TopicPartition(*key), offset)
-            except Exception as exc:  # noqa: BLE001 - partition revoked: its next owner reads it from the commit
-                log.warning("runwatch sink: cannot rewind %s[%d] to %d (%r)", key[0], key[1], offset, exc)
-        try:
-            consumer.commit(offsets={TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in upto.items()},
-                            timeout_ms=self.commit_timeout_ms)
-        except Exception as exc:  # broker unreachable or group rebalanced: the rows are stored, and the
-            # next commit covers these offsets too; at worst they are re-delivered and deduplicated
-            self.stats.commit_errors += 1
-            log.warning("runwatch sink: offset commit failed (%r); carrying on", exc)
+    def _committed(self, upto: dict[tuple[str, int], int]) -> None:
         with self._lock:
             for key, offset in upto.items():
                 if offset > self.positions.get(key, 0):
                     self.positions[key] = offset
+        self.stats.batches += 1
+
+    def _commit_failed(self, _exc: Exception) -> None:
+        self.stats.commit_errors += 1
+
+    def _empty_poll(self) -> None:
+        self.stats.last_empty_poll = time.monotonic()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -264,46 +240,17 @@ class SinkConsumer:
 
     def run(self) -> None:
         """Consume until ``stopping`` is set; flushes the last batch before returning."""
-        from kafka import KafkaConsumer
-
-        consumer = KafkaConsumer(
-            *topics.ALL_TOPICS,
-            bootstrap_servers=self.bootstrap,
-            api_version=topics.KAFKA_API_VERSION,
-            group_id=self.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            session_timeout_ms=self.session_timeout_ms,
-            heartbeat_interval_ms=1000,
-            client_id="runwatch-sink",
-        )
+        consumer = make_consumer(self.bootstrap, topics.ALL_TOPICS, group_id=self.group_id,
+                                 session_timeout_ms=self.session_timeout_ms, client_id="runwatch-sink")
         if self._given_producer is None:
             self._producer = self._make_producer()
-        pending: list = []
-        started = time.monotonic()
+        loop = ConsumeLoop(self._act, stopping=self.stopping, assigned=self.assigned, batch_size=self.batch_size,
+                           batch_interval_s=self.batch_interval_s, commit_timeout_ms=self.commit_timeout_ms,
+                           label="runwatch sink", on_commit_error=self._commit_failed,
+                           on_committed=self._committed, on_empty_poll=self._empty_poll)
         try:
-            while True:
-                stopping = self.stopping.is_set()
-                polled = consumer.poll(timeout_ms=100 if not stopping else 0, max_records=self.batch_size)
-                if consumer.assignment():
-                    self.assigned.set()
-                got = [r for records in polled.values() for r in records]
-                if not got:
-                    self.stats.last_empty_poll = time.monotonic()
-                pending.extend(got)
-                due = time.monotonic() - started >= self.batch_interval_s
-                if pending and (len(pending) >= self.batch_size or due or stopping):
-                    complete = self._flush(consumer, pending)
-                    pending = []
-                    started = time.monotonic()
-                    if stopping and not complete:
-                        break  # what was not committed is read again by the next sink
-                elif not pending:
-                    started = time.monotonic()
-                if stopping and not got and not pending:
-                    break
+            loop.run(consumer)  # closes the consumer
         finally:
-            consumer.close()
             if self._given_producer is None and self._producer is not None:
                 try:
                     self._producer.close(timeout=5)

@@ -69,6 +69,7 @@ from runwatch.producer import topics
 from runwatch.producer.schema import Action, ActionKind, SchemaError, decode_action, utc_now
 from runwatch.producer.signing import verify_action
 from runwatch.sinks.clickhouse import as_utc
+from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 
 log = logging.getLogger(__name__)
 
@@ -886,48 +887,25 @@ class RemediateConsumer:
         return self._meta[run_id]
 
     def _record(self, execution: Execution) -> None:
-        delay = 0.5
-        while True:
-            try:
-                self.store.write(execution)
-                return
-            except Exception as exc:  # ClickHouse down: it ran, so keep trying to say so; never commit past it
-                self.write_errors += 1
-                log.warning("remediate: recording failed (%s); retrying in %.1fs", exc, delay)
-                if self.stopping.wait(delay):
-                    raise
-                delay = min(delay * 2, 10.0)
+        # ClickHouse down: it ran, so keep trying to say so; never commit past it
+        retry_durably(lambda: self.store.write(execution), stopping=self.stopping, errors=Exception,
+                      on_error=self._record_failed)
+
+    def _record_failed(self, exc: BaseException, delay: float) -> None:
+        self.write_errors += 1
+        log.warning("remediate: recording failed (%s); retrying in %.1fs", exc, delay)
+
+    def _act(self, records: list) -> dict[tuple[str, int], int]:
+        for record in records:
+            self.remediator.handle(record.value)  # returns once its executions are recorded
+        return {}
+
+    def _commit_failed(self, _exc: Exception) -> None:
+        self.commit_errors += 1  # recorded already; a re-delivery finds it done
 
     def run(self) -> None:
-        from kafka import KafkaConsumer
-
-        consumer = KafkaConsumer(
-            topics.ACTIONS,
-            bootstrap_servers=self.bootstrap,
-            api_version=topics.KAFKA_API_VERSION,
-            group_id=self.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            session_timeout_ms=self.session_timeout_ms,
-            heartbeat_interval_ms=1000,
-            fetch_max_wait_ms=100,
-            client_id="runwatch-remediate",
-        )
-        try:
-            while not self.stopping.is_set():
-                polled = consumer.poll(timeout_ms=100, max_records=100)
-                if consumer.assignment():
-                    self.assigned.set()
-                records = [r for batch in polled.values() for r in batch]
-                if not records:
-                    continue
-                for record in records:
-                    self.remediator.handle(record.value)
-                try:
-                    consumer.commit()
-                except Exception as exc:  # recorded already; a re-delivery finds it done
-                    self.commit_errors += 1
-                    log.warning("remediate: offset commit failed (%r); carrying on", exc)
-        finally:
-            consumer.close()
-
+        consumer = make_consumer(self.bootstrap, [topics.ACTIONS], group_id=self.group_id,
+                                 session_timeout_ms=self.session_timeout_ms, client_id="runwatch-remediate",
+                                 fetch_max_wait_ms=100)
+        ConsumeLoop(self._act, stopping=self.stopping, assigned=self.assigned, batch_size=100, drain=False,
+                    label="remediate", on_commit_error=self._commit_failed).run(consumer)
