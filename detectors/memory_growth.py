@@ -309,5 +309,6 @@ class MemoryGrowthDetector(Detector):
 
 register(DetectorSpec(
     name=NAME, config=MemoryConfig, build=lambda d: MemoryGrowthDetector(d.memory_growth), view="rank",
-    knob="min_growth", summary="memory growing towards its limit: a leak (allocated) or fragmentation (reserved)",
+    knob="min_growth", faults=("memory_leak", "memory_fragmentation"),
+    summary="memory growing towards its limit: a leak (allocated) or fragmentation (reserved)",
 ))

@@ -43,6 +43,15 @@ class DetectorSpec:
     episodic: bool = False  # fires once per episode: what persists is escalated by the policy's tick
     knob: str | None = None  # calibrate's sensitivity knob (a field of ``config``)
     default: Callable[[], Strict] | None = None
+    # The fault kinds of the labelled scenario corpus this detector is the one to find (its name by
+    # default; memory growth finds two, a leak and fragmentation; liveness detectors of the
+    # cross-rank view have no single-run scenario).
+    faults: tuple[str, ...] | None = None
+
+    def fault_kinds(self) -> tuple[str, ...]:
+        if self.faults is not None:
+            return self.faults
+        return () if self.view == "cross_rank" else (self.name,)
 
     def default_section(self) -> Strict:
         return self.default() if self.default is not None else self.config()
@@ -88,6 +97,11 @@ def spec(name: str) -> DetectorSpec:
 
 def names(view: View | None = None) -> list[str]:
     return [s.name for s in _REGISTRY.values() if view is None or s.view == view]
+
+
+def detector_for_fault() -> dict[str, str]:
+    """Fault kind of the scenario corpus -> the detector expected to find it."""
+    return {fault: s.name for s in _REGISTRY.values() for fault in s.fault_kinds()}
 
 
 def known_finding_names() -> list[str]:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runwatch.detectors import registry
 from runwatch.producer.categories import category_loss
 from runwatch.producer.gradstats import ROOT_MODULE
 from runwatch.streams.scenario_clocks import HEARTBEAT_S, SimulatedClock
@@ -48,14 +49,9 @@ from runwatch.streams.scenario_tasks import (
     make_task,
 )
 
-FAULT_TYPES = ("healthy", "non_finite", "loss_spike", "grad_norm_spike", "module_grad_explosion", "update_ratio",
-               "throughput_drift", "data_wait", "memory_leak", "memory_fragmentation", "category_divergence",
-               "val_vs_train", "stall")
-DETECTOR_FOR = {"non_finite": "non_finite", "loss_spike": "loss_spike", "grad_norm_spike": "grad_norm_spike",
-                "module_grad_explosion": "module_grad_explosion", "update_ratio": "update_ratio",
-                "throughput_drift": "throughput_drift", "data_wait": "data_wait", "memory_leak": "memory_growth",
-                "memory_fragmentation": "memory_growth", "category_divergence": "category_divergence",
-                "val_vs_train": "val_vs_train", "stall": "stall"}
+# Which detector each fault kind is for: what every detector declares (detectors/registry.py).
+DETECTOR_FOR = registry.detector_for_fault()
+FAULT_TYPES = ("healthy", *DETECTOR_FOR)
 
 
 # -- the catalog -------------------------------------------------------------------------------------

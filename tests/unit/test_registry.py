@@ -33,6 +33,10 @@ def test_everything_that_names_detectors_derives_from_the_registry():
     assert SENSITIVITY_KNOBS == {s.name: s.knob for s in registry.specs() if s.knob}
     for spec in registry.specs():  # each config section is defined beside its detector
         assert spec.config.__module__ == spec.build.__module__, spec.name
+    # the scenario corpus labels each fault with the detector that declares it
+    assert registry.detector_for_fault()["memory_leak"] == registry.detector_for_fault()["memory_fragmentation"] \
+        == "memory_growth"
+    assert set(registry.detector_for_fault().values()) == set(registry.names()) - set(registry.names("cross_rank"))
 
 
 def test_the_documented_table_lists_every_detector():
