@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from datetime import datetime
 
 from pydantic import Field
 
-from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.host_load import HostLoadTracker
+from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import StepEvent, TelemetryEvent
+from runwatch.producer.schema import StepEvent
 
 
 class DataWaitConfig(Strict):
@@ -47,7 +45,7 @@ class DataWaitConfig(Strict):
 NAME = "data_wait"
 
 
-class DataWaitDetector(Detector):
+class DataWaitDetector(HostLoadAttributed):
     name = NAME
 
     def __init__(self, config: DataWaitConfig):
@@ -60,19 +58,7 @@ class DataWaitDetector(Detector):
         self._cooldown = Cooldown()
         self.host_load = HostLoadTracker()
 
-    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load
-        found = self._update(event) if isinstance(event, StepEvent) else None
-        if found is None:
-            return released
-        finding, onset = found
-        return released + self.host_load.attribute(finding, onset, now)
-
-    def release(self) -> list[Finding]:
-        """The findings waiting for host load, as they are (the run ended)."""
-        return self.host_load.release_all()
-
-    def _update(self, event: StepEvent) -> tuple[Finding, int] | None:
+    def find(self, event: StepEvent) -> tuple[Finding, int | None] | None:
         """A finding and its onset (for the host-load comparison: the window's start when none is named)."""
         wait, step_time = event.data_wait_s, event.step_time_s
         if wait is None or step_time is None or not (math.isfinite(wait) and math.isfinite(step_time)):

@@ -41,8 +41,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
-from runwatch.producer.schema import HeartbeatEvent, TelemetryEvent
+from runwatch.producer.schema import HeartbeatEvent, StepEvent, TelemetryEvent
 
 HISTORY = 256  # heartbeats remembered per rank
 BASELINE_SAMPLES = 12  # the "before" median's samples: the last ones before the onset
@@ -255,3 +256,26 @@ def annotate(tracker: HostLoadTracker, finding: Finding, onset_step: int | None 
     else the finding's ``evidence["onset_step"]``, else its step."""
     onset = onset_step if onset_step is not None else finding.evidence.get("onset_step", finding.step)
     return _annotated(finding, tracker.evidence(onset))
+
+
+class HostLoadAttributed(Detector):
+    """A step-time detector whose findings say whether the host got busier at their onset (throughput,
+    data wait): ``find`` judges a step event and returns a finding with its onset step; this holds the
+    finding until heartbeats have measured the host over the slow steps (``HostLoadTracker``)."""
+
+    host_load: HostLoadTracker
+
+    def find(self, event: StepEvent) -> tuple[Finding, int | None] | None:
+        raise NotImplementedError
+
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load
+        found = self.find(event) if isinstance(event, StepEvent) else None
+        if found is None:
+            return released
+        finding, onset = found
+        return released + self.host_load.attribute(finding, onset, now)
+
+    def release(self) -> list[Finding]:
+        """The findings waiting for host load, as they are (the run ended)."""
+        return self.host_load.release_all()

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from datetime import datetime
 
 import numpy as np
 from pydantic import Field
 from river import drift
 
-from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.host_load import HostLoadTracker
+from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
-from runwatch.producer.schema import StepEvent, TelemetryEvent
+from runwatch.producer.schema import StepEvent
 
 
 class ThroughputConfig(Strict):
@@ -60,7 +58,7 @@ MIN_SCALE_LOG = 0.02  # a very steady step time still has 2% noise, as far as si
 IQR_TO_SIGMA = 1.349
 
 
-class ThroughputDetector(Detector):
+class ThroughputDetector(HostLoadAttributed):
     name = NAME
 
     def __init__(self, config: ThroughputConfig):
@@ -75,18 +73,11 @@ class ThroughputDetector(Detector):
         self._cooldown = Cooldown()
         self.host_load = HostLoadTracker()
 
-    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load
-        finding = self._update(event) if isinstance(event, StepEvent) else None
-        if finding is None:
-            return released
-        return released + self.host_load.attribute(finding, finding.evidence["onset_step"], now)
+    def find(self, event: StepEvent) -> tuple[Finding, int | None] | None:
+        finding = self._judge(event)
+        return None if finding is None else (finding, finding.evidence["onset_step"])
 
-    def release(self) -> list[Finding]:
-        """The findings waiting for host load, as they are (the run ended)."""
-        return self.host_load.release_all()
-
-    def _update(self, event: StepEvent) -> Finding | None:
+    def _judge(self, event: StepEvent) -> Finding | None:
         t = event.step_time_s
         if t is None or not math.isfinite(t) or t <= 0:
             return None
