@@ -367,6 +367,11 @@ class RunWatch(TelemetryPublisher):
             max_block_ms=max_block_ms,
             linger_ms=linger_ms,
             acks=1,
+            # One request in flight per connection: a retried batch can never land behind a later
+            # one, so each rank's events arrive in the order sent (the join and rank 0's run_start,
+            # which tells the worker the world size, rely on it). acks=1 turns idempotence off, and
+            # with it kafka-python's own ordering guarantee.
+            max_in_flight_requests_per_connection=1,
             # Short, so that a dead broker hands events to the spool within seconds and the
             # client's own buffer (rate x delivery timeout) stays small.
             delivery_timeout_ms=delivery_timeout_ms,

@@ -147,6 +147,8 @@ def main() -> int:
     watch.close()
     listener.close()
     rw.close(status=result["status"] if result["status"] != "failed" else "failed")
+    result["published"], result["drop_reasons"] = rw.stats.published, rw.stats.drop_reasons  # for a failure's message
+    write()
     return 0
 
 

@@ -165,7 +165,8 @@ def test_joined_sharded_norms_a_straggler_and_a_long_checkpoint_that_is_no_stall
     by_step = {j.step: j for j in joined}
     for step, norm in full.items():
         j = by_step[step]
-        assert j.complete and j.ranks_reported == [0, 1, 2] and j.grad_sharded
+        delivery = {r: (run.result(r)["published"], run.result(r)["drop_reasons"]) for r in range(WORLD)}
+        assert j.complete and j.ranks_reported == [0, 1, 2] and j.grad_sharded, (step, delivery)
         assert j.grad_norm == pytest.approx(norm, rel=1e-5), step
     anomalies = run.anomalies(lambda got: any(a.detector == "straggler" for a in got))
     stragglers = [a for a in anomalies if a.detector == "straggler"]
