@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 # Lazy (PEP 562): importing ``runwatch.producer.wire`` (or any submodule) runs this file, and the
 # wire contract must not load the publisher, the watcher, the action listener or torch.
 _EXPORTS = {
-    "ActionListener": "actions",
-    "AppliedAction": "actions",
-    "save_checkpoint": "actions",
+    "ActionListener": "actions.listener",
+    "AppliedAction": "actions.apply",
+    "save_checkpoint": "actions.checkpoints",
     "CategoryLossBatch": "categories",
     "category_loss": "categories",
     "Heartbeat": "heartbeat",
@@ -38,7 +38,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from runwatch.producer.actions import ActionListener, AppliedAction, save_checkpoint
+    from runwatch.producer.actions.apply import AppliedAction
+    from runwatch.producer.actions.checkpoints import save_checkpoint
+    from runwatch.producer.actions.listener import ActionListener
     from runwatch.producer.categories import CategoryLossBatch, category_loss
     from runwatch.producer.heartbeat import Heartbeat
     from runwatch.producer.publisher import PublisherStats, RunWatch

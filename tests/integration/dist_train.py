@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from runwatch.producer import RunWatch
-from runwatch.producer.actions import ActionListener, save_checkpoint
+from runwatch.producer.actions.checkpoints import save_checkpoint
+from runwatch.producer.actions.listener import ActionListener
 
 STOP_EXIT_CODE = 3
 BASE_LR = 0.05

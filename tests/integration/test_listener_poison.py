@@ -19,7 +19,7 @@ import torch
 from kafka import KafkaProducer
 
 from runwatch.producer import ActionListener, RunWatch, topics
-from runwatch.producer.actions import default_state_path
+from runwatch.producer.actions.applied_ids import default_state_path
 from runwatch.producer.schema import Action, decode_event, utc_now
 from runwatch.producer.signing import sign_action
 
@@ -101,7 +101,7 @@ def test_a_signed_stop_dated_two_hours_ahead_is_ignored_and_counted_as_future(br
     applied = poll_until(listener, marker.action_id)
     assert [a.action.action_id for a in applied] == [marker.action_id]  # the stop never reached the loop
     assert listener.ignored["future"] == 1
-    assert listener._watchdog is None  # not armed on receipt either
+    assert listener.watchdog.thread is None  # not armed on receipt either
     assert torch.equal(model.weight, weights)
     assert listener.poll(step=21) == []
     listener.close()
@@ -159,4 +159,4 @@ def test_an_action_for_another_run_is_counted_as_other_run(broker, secret, train
     applied = poll_until(listener, marker.action_id)
     assert [a.action.action_id for a in applied] == [marker.action_id]
     assert listener.ignored["other_run"] >= 1  # other tests' actions for their runs may be counted too
-    assert listener._watchdog is None
+    assert listener.watchdog.thread is None

@@ -22,15 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runwatch.producer.actions import (
-    LR_SCALE_KEY,
-    ActionListener,
-    AppliedIds,
-    default_state_path,
-    save_checkpoint,
-    scale_lr,
-)
+from runwatch.producer.actions.applied_ids import AppliedIds, default_state_path
+from runwatch.producer.actions.checkpoints import save_checkpoint
+from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.heartbeat import Heartbeat
+from runwatch.producer.lr import LR_SCALE_KEY, scale_lr
 from runwatch.producer.publisher import TelemetryPublisher
 from runwatch.producer.schema import Action, CheckpointRef, utc_now
 from runwatch.producer.signing import sign_action
@@ -240,7 +236,7 @@ CHILD = textwrap.dedent("""
     from datetime import timedelta
     sys.path.insert(0, {tests!r})
     from unit.test_actions_unit import RecordingPublisher, action, deliver
-    from runwatch.producer.actions import ActionListener
+    from runwatch.producer.actions.listener import ActionListener
 
     listener = ActionListener(RecordingPublisher(), secret={secret!r}, consume=False,
                               stop_exit_after_s=1.0, stop_exit_code=7)
@@ -277,7 +273,7 @@ def test_a_signed_action_dated_in_the_future_is_ignored_and_counted():
     assert utc_now() < future.expires_at
     deliver(listener, future)
     assert listener.poll(step=1) == [] and dict(listener.ignored) == {"future": 1}
-    assert rw.acks() == [] and listener._watchdog is None  # not even the stop watchdog was armed
+    assert rw.acks() == [] and listener.watchdog.thread is None  # not even the stop watchdog was armed
     # Within the clock-skew allowance (30 s, the one that takes actions issued before the start) it is applied.
     skewed = action("alert", issued_delta_s=20)
     deliver(listener, skewed)
@@ -366,7 +362,7 @@ def test_the_state_file_keeps_only_the_newest_ids(tmp_path):
 def test_an_unreadable_or_unwritable_state_file_never_stops_training(tmp_path, caplog):
     state = tmp_path / "bad.actions"
     state.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions"):
+    with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions.applied_ids"):
         listener = make(RecordingPublisher(), state_path=state)
     assert listener.applied_ids.errors == 1 and "cannot read" in caplog.text
     stop = action("stop")
@@ -377,7 +373,7 @@ def test_an_unreadable_or_unwritable_state_file_never_stops_training(tmp_path, c
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions"):
+    with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions.applied_ids"):
         unwritable = make(RecordingPublisher(), state_path=blocked / "sub" / "x.actions")  # its parent is a file
         deliver(unwritable, action("alert"))
         assert [a.kind for a in unwritable.poll(step=1)] == ["alert"]

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_actions_unit import SECRET, RecordingPublisher, action, deliver
 
-from runwatch.producer.actions import ActionListener, save_checkpoint
+from runwatch.producer.actions.checkpoints import save_checkpoint
+from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.heartbeat import Heartbeat
 from runwatch.producer.schema import Action, CheckpointRef
 
@@ -176,7 +177,7 @@ CHILD = textwrap.dedent("""
     import sys, threading, time
     sys.path.insert(0, {tests!r})
     from test_actions_unit import RecordingPublisher, action, deliver
-    from runwatch.producer.actions import ActionListener
+    from runwatch.producer.actions.listener import ActionListener
 
     listener = ActionListener(RecordingPublisher(), secret={secret!r}, consume=False,
                               stop_exit_after_s=1.0, stop_exit_code=7)
@@ -208,13 +209,13 @@ def test_arming_again_keeps_one_watchdog_and_the_earlier_deadline():
     listener = ActionListener(RecordingPublisher(), secret=SECRET, consume=False, stop_exit_after_s=60.0)
     try:
         deliver(listener, action("stop"))  # armed on receipt
-        first = listener._watchdog
+        first = listener.watchdog.thread
         [applied] = listener.poll(step=1)  # and again when applied: still the one watchdog
-        assert applied.kind == "stop" and listener._watchdog is first and first.is_alive()
+        assert applied.kind == "stop" and listener.watchdog.thread is first and first.is_alive()
         assert listener.stop_deadline(120.0) is first  # a later deadline changes nothing
-        deadline = listener._watchdog_deadline
+        deadline = listener.watchdog.deadline
         assert deadline - time.monotonic() < 60.0
-        assert listener.stop_deadline(30.0) is first and listener._watchdog_deadline < deadline
+        assert listener.stop_deadline(30.0) is first and listener.watchdog.deadline < deadline
         assert [t.name for t in threading.enumerate()].count("runwatch-stop-watchdog") == 1
     finally:
         listener.disarm_stop_deadline()

@@ -1,0 +1,190 @@
+"""Applying an action on this rank, and acknowledging it.
+
+- ``rollback`` restores a checkpoint (see :meth:`ActionApplier.choose_checkpoint`), then scales
+  the LR of every param group of the attached optimizer. The action's ``params.lr_scale`` is
+  cumulative, relative to the run's LR before any rollback; each param group carries the scale
+  already in its LR under ``runwatch_lr_scale`` (saved and restored with the optimizer's state),
+  so the group's LR at restore time is multiplied by ``lr_scale / carried``: restoring a
+  checkpoint taken before an earlier rollback (carried 1.0) and one taken after it (carried 0.5)
+  both end at ``lr_scale`` times the original LR. An LR scheduler that sets the LR from its own
+  ``base_lrs`` each step overrides this: scale those by ``applied.lr_factor`` too.
+  ``params.skip_steps`` (policy ``skip_data_window``) becomes ``applied.skip_steps``, the
+  inclusive step range from the restored checkpoint's step + 1 to the anomaly's step whose
+  batches the loop should not replay.
+- ``pause`` blocks until a ``resume`` (or a ``stop``) arrives or ``pause_timeout_s`` (or
+  ``params.timeout_s``) passes; the ack's detail says which. Actions that arrive meanwhile are
+  applied after the pause, in order. With a heartbeat the pause is reported as the ``idle``
+  phase, so it is not taken for a stall.
+- ``stop`` is handed to the loop (``poll`` returns it), which exits gracefully; ``alert`` only
+  says so.
+
+Every outcome (applied or failed) is remembered in the rank's applied ids, on disk, before this
+rank acknowledges it with an ``action_ack`` event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from runwatch.producer.actions.applied_ids import AppliedIds
+from runwatch.producer.actions.arrivals import Arrivals
+from runwatch.producer.actions.checkpoints import RestoreFn
+from runwatch.producer.lr import scale_lr
+from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
+
+
+@dataclass(frozen=True)
+class AppliedAction:
+    """What :meth:`ActionListener.poll` tells the training loop."""
+
+    action: Action
+    outcome: str  # applied | failed
+    from_step: int | None = None
+    to_step: int | None = None  # for a rollback: the step of the restored checkpoint
+    detail: str | None = None
+    lr_scale: float | None = None  # rollback: the cumulative LR scale now in effect (None: LR untouched)
+    lr_factor: float | None = None  # rollback: what this rollback multiplied the restored LR by
+    skip_steps: tuple[int, int] | None = None  # rollback: steps (inclusive) whose batches to skip
+
+    @property
+    def kind(self) -> str:
+        return self.action.kind
+
+    def skips(self, step: int) -> bool:
+        """Whether the batch of ``step`` is in the data window this rollback says to skip."""
+        return self.skip_steps is not None and self.skip_steps[0] <= step <= self.skip_steps[1]
+
+
+class ActionApplier:
+    """Applies actions to this rank's model, optimizer and loop, and acknowledges them through
+    ``rw``. ``restore``, ``optimizer`` and ``heartbeat`` may be set later (``attach``)."""
+
+    def __init__(self, rw: Any, arrivals: Arrivals, applied_ids: AppliedIds, ignored: Counter[str], *,
+                 restore: RestoreFn | None, optimizer: Any, heartbeat: Any, pause_timeout_s: float):
+        self.rw = rw
+        self.restore = restore
+        self.optimizer = optimizer
+        self.heartbeat = heartbeat
+        self._arrivals = arrivals
+        self._applied_ids = applied_ids
+        self._ignored = ignored
+        self._pause_timeout_s = pause_timeout_s
+        self._ended_pause: dict[str, str] = {}  # resume/stop action id -> the pause it ended
+        self.applied: list[AppliedAction] = []
+
+    def apply(self, action: Action, step: int | None, check_expiry: bool = True) -> AppliedAction | None:
+        """Apply ``action`` and acknowledge it; None if it expired while it waited (counted)."""
+        try:
+            return self._apply(action, step, check_expiry)
+        finally:
+            self._arrivals.done(action.action_id)
+
+    def _apply(self, action: Action, step: int | None, check_expiry: bool) -> AppliedAction | None:
+        if check_expiry and action.is_expired(utc_now()):  # it may have waited in the queue
+            self._ignored["expired"] += 1
+            return None
+        if action.kind == "rollback":
+            result = self._rollback(action, step)
+        elif action.kind == "pause":
+            result = self._pause(action, step)
+        elif action.kind == "resume":
+            ended = self._ended_pause.pop(action.action_id, None)
+            result = AppliedAction(action, "applied", from_step=step,
+                                   detail=f"ended pause {ended}" if ended else "not paused")
+        else:  # alert, stop: the training loop decides what a stop means for it
+            ended = self._ended_pause.pop(action.action_id, None)
+            result = AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None)
+            if action.kind == "stop" and hasattr(self.rw, "note_stop"):
+                self.rw.note_stop(action)  # run_end then says "stopped", with this action's id and cause
+        return self.record(result, step)
+
+    def record(self, result: AppliedAction, step: int | None) -> AppliedAction:
+        """Remember ``result`` (on disk first: a restart never applies it again), then acknowledge it."""
+        action = result.action
+        self.applied.append(result)
+        self._applied_ids.add(action.action_id)
+        self.rw.ack(
+            action_id=action.action_id,
+            action_kind=action.kind,
+            outcome=result.outcome,
+            detail=result.detail,
+            step=step,
+            to_step=result.to_step,
+        )
+        return result
+
+    def choose_checkpoint(self, action: Action) -> CheckpointRef | None:
+        """The checkpoint to restore: the action's target if we registered it, else our newest
+        checkpoint strictly before the anomaly's onset. A listener that registered no checkpoint
+        at all (a rank other than the one that saves and announces them) takes the target."""
+        registered = self.rw.checkpoints
+        target = action.target_checkpoint
+        if target is not None and (
+            not registered or any(c.step == target.step and c.uri == target.uri for c in registered)
+        ):
+            return target
+        onset = action.onset_step if action.onset_step is not None else action.step
+        return newest_checkpoint_before(registered, onset)
+
+    def _rollback(self, action: Action, step: int | None) -> AppliedAction:
+        ref = self.choose_checkpoint(action)
+        if ref is None:
+            return AppliedAction(action, "failed", from_step=step, detail="no registered checkpoint before the onset")
+        if self.restore is None:
+            return AppliedAction(action, "failed", from_step=step, detail="no model given to restore into")
+        try:
+            self.restore(ref)
+        except Exception as exc:
+            return AppliedAction(action, "failed", from_step=step, detail=f"restore failed: {exc!r}")
+        detail = f"restored {ref.uri}"
+        lr_scale = lr_factor = None
+        wanted = action.params.get("lr_scale")
+        if wanted is not None and self.optimizer is not None:
+            try:
+                # The run's own LR before the fault: recorded with the checkpoint (or at the start),
+                # not the LR in the restored optimizer state, which may be the fault itself.
+                base = ref.lr if ref.lr is not None else getattr(self.rw, "initial_lr", None)
+                lr_factor = scale_lr(self.optimizer, float(wanted), base)
+                lr_scale = float(wanted)
+                detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the run's LR before the fault)"
+            except Exception as exc:  # the restore happened: report it, and that the LR did not change
+                detail += f"; LR not scaled: {exc!r}"
+        elif wanted is not None:
+            detail += "; LR not scaled: no optimizer attached"
+        skip = None
+        window = action.params.get("skip_steps")
+        if isinstance(window, list | tuple) and len(window) == 2 and window[1] is not None:
+            first, last = ref.step + 1, int(window[1])
+            if first <= last:
+                skip = (first, last)
+                detail += f"; skip the batches of steps {first}..{last}"
+        return AppliedAction(action, "applied", from_step=step, to_step=ref.step, detail=detail,
+                             lr_scale=lr_scale, lr_factor=lr_factor, skip_steps=skip)
+
+    def _pause(self, action: Action, step: int | None) -> AppliedAction:
+        timeout = float(action.params.get("timeout_s", self._pause_timeout_s))
+        started = time.monotonic()
+        deadline = started + timeout
+        after = self._arrivals.arrival_of(action.action_id)  # only what arrived after the pause ends it
+        if self.heartbeat is not None:
+            self.heartbeat.push("idle")
+        try:
+            while True:
+                # Arrivals stay pending: applied (and acknowledged) after the pause, in order.
+                ender = self._arrivals.pause_ender(after)
+                if ender is not None:
+                    self._ended_pause[ender.action_id] = action.action_id
+                    waited = time.monotonic() - started
+                    return AppliedAction(action, "applied", from_step=step,
+                                         detail=f"paused {waited:.1f} s until {ender.kind} {ender.action_id}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return AppliedAction(action, "applied", from_step=step,
+                                         detail=f"pause timed out after {timeout:g} s; resuming")
+                self._arrivals.pull(timeout=min(0.1, remaining))
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.pop()

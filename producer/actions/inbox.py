@@ -1,0 +1,119 @@
+"""The action inbox: what a raw message from ``runwatch.actions`` must pass before anyone acts on it.
+
+The trainer's ``ActionListener`` and the remediator (``runwatch remediate``) both take their
+actions through an ``ActionInbox``, so both refuse the same things for the same reasons, in this
+order, each counted in ``ignored``:
+
+- ``malformed``: not a valid action (or anything else that makes judging it fail);
+- ``other_run``: addressed to another run (only with ``run_id``: the trainer's inbox);
+- ``bad_signature``: not signed with the shared secret over its canonical body;
+- ``future``: issued later than now plus the clock-skew allowance (only with ``clock_skew``);
+- ``expired``: past its ``expires_at``;
+- ``stale``: issued before ``not_before`` (the listener's start minus the allowance);
+- ``duplicate``: admitted once already by this inbox (with ``remember``);
+- then whatever ``handled(action)`` says: the owner's durable record of what it did (the trainer's
+  applied ids: ``already_applied``; the remediator's recorded executions: ``duplicate``).
+
+Pure: no Kafka, no torch, no publisher; the clock is injected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from runwatch.producer.wire.schema import Action, SchemaError, decode_action, utc_now
+from runwatch.producer.wire.signing import verify_action
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """An inbox's judgement of one message: the action (None where it did not decode) and why it is
+    ignored (None: admitted); ``detail`` says what was malformed."""
+
+    action: Action | None
+    reason: str | None
+    detail: str = ""
+
+
+class ActionInbox:
+    """Decodes, verifies and deduplicates raw action messages; see the module docstring.
+
+    ``ignored`` counts the refusals by reason; the owner may count its own reasons in it too."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        run_id: str | None = None,
+        clock_skew: timedelta | None = None,
+        not_before: datetime | None = None,
+        remember: bool = True,
+        handled: Callable[[Action], str | None] = lambda _action: None,
+        now: Callable[[], datetime] = utc_now,
+    ):
+        self._secret = secret
+        self._run_id = run_id
+        self._clock_skew = clock_skew
+        self._not_before = not_before
+        self._remember = remember
+        self._handled = handled
+        self._now = now
+        self._seen: set[str] = set()
+        self.ignored: Counter[str] = Counter()
+
+    def judge(self, raw: bytes | None) -> Verdict:
+        """The verdict on ``raw``, counted; never raises, whatever the message holds."""
+        try:
+            verdict = self._judge(raw)
+        except Exception as exc:
+            log.debug("runwatch: cannot judge an action: %r", exc)
+            verdict = Verdict(None, "malformed", repr(exc))
+        if verdict.reason is not None:
+            self.ignored[verdict.reason] += 1
+        return verdict
+
+    def admit(self, raw: bytes | None) -> Action | None:
+        """The action in ``raw`` if it passes, else None (counted in ``ignored``)."""
+        verdict = self.judge(raw)
+        return verdict.action if verdict.reason is None else None
+
+    def verifies(self, action: Action) -> bool:
+        """Whether ``action`` is for this inbox's run (if it has one) and signed with its secret."""
+        return (self._run_id is None or action.run_id == self._run_id) and verify_action(action, self._secret)
+
+    def mark_seen(self, action_id: str) -> None:
+        """Take a later copy of ``action_id`` for a duplicate."""
+        self._seen.add(action_id)
+
+    def _judge(self, raw: bytes | None) -> Verdict:
+        if raw is None:  # a record without a value (a tombstone)
+            return Verdict(None, "malformed", "no value")
+        try:
+            action = decode_action(raw)
+        except SchemaError as exc:
+            return Verdict(None, "malformed", exc.reason)
+        if self._run_id is not None and action.run_id != self._run_id:
+            return Verdict(action, "other_run")  # another run's action on a shared partition
+        now = self._now()
+        if not verify_action(action, self._secret):
+            return Verdict(action, "bad_signature")
+        if self._clock_skew is not None and action.issued_at > now + self._clock_skew:
+            return Verdict(action, "future")  # signed, but not issued yet by our clock: never take it on trust
+        if action.is_expired(now):
+            return Verdict(action, "expired")
+        if self._not_before is not None and action.issued_at < self._not_before:
+            return Verdict(action, "stale")
+        if self._remember and action.action_id in self._seen:
+            return Verdict(action, "duplicate")
+        reason = self._handled(action)
+        if reason is not None:
+            return Verdict(action, reason)
+        if self._remember:
+            self._seen.add(action.action_id)
+        return Verdict(action, None)

@@ -1,0 +1,222 @@
+"""``ActionListener``: the trainer's side of the action topic.
+
+A daemon thread (:mod:`~runwatch.producer.actions.reader`) consumes ``runwatch.actions``; its
+:mod:`~runwatch.producer.actions.inbox` keeps only actions that are addressed to this run, signed
+with the shared secret, unexpired, issued neither before the listener started nor in the future
+(both with a clock-skew allowance, ``clock_skew_s``) and neither seen before nor applied before a
+restart. Everything else is counted in ``ignored`` by reason: ``other_run``, ``malformed``,
+``bad_signature``, ``future``, ``expired``, ``stale``, ``duplicate`` (delivered again to this
+listener), ``already_applied`` (handled before the trainer restarted, or by another rank). Training
+code calls :meth:`ActionListener.poll` once per step; it never waits on the network (except while
+paused, which is the point of a pause).
+
+Applied action ids survive a restart (:mod:`~runwatch.producer.actions.applied_ids`). Actions are
+per run, not per rank: every rank's listener reads every action of its run (no consumer group),
+applies it at its own next :meth:`~ActionListener.poll`
+(:mod:`~runwatch.producer.actions.apply`: rollback, pause, resume, stop, alert) and acknowledges
+it with its own rank. With several ranks, rank 0 decides what every rank applies at a poll
+(:mod:`~runwatch.producer.actions.rank_sync`). With ``stop_exit_after_s`` a watchdog ends a process
+that a stop did not end (:mod:`~runwatch.producer.actions.watchdog`); it is armed by the consumer
+thread on receipt, since a rank blocked in a collective or hung elsewhere never reaches ``poll``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+from runwatch.producer.actions.applied_ids import STATE_MAX_IDS, AppliedIds, default_state_path
+from runwatch.producer.actions.apply import ActionApplier, AppliedAction
+from runwatch.producer.actions.arrivals import Arrivals
+from runwatch.producer.actions.checkpoints import RestoreFn, torch_restore
+from runwatch.producer.actions.inbox import ActionInbox
+from runwatch.producer.actions.rank_sync import RankSync, sync_group
+from runwatch.producer.actions.reader import ActionReader
+from runwatch.producer.actions.watchdog import StopWatchdog
+from runwatch.producer.publisher import RunWatch
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
+from runwatch.producer.wire.signing import resolve_secret
+
+
+class ActionListener:
+    def __init__(
+        self,
+        rw: RunWatch,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        secret: str | bytes | None = None,
+        restore: RestoreFn | None = None,
+        clock_skew_s: float = 30.0,
+        pause_timeout_s: float = 300.0,
+        heartbeat: Any = None,
+        stop_exit_after_s: float | None = None,
+        stop_exit_code: int = 1,
+        topic: str = topics.ACTIONS,
+        consume: bool = True,
+        sync: bool | str = "auto",
+        sync_timeout_s: float = 30.0,
+        state_path: str | os.PathLike[str] | bool | None = None,
+        state_max_ids: int = STATE_MAX_IDS,
+    ):
+        """``sync``: apply actions at the same poll on every rank (see
+        :mod:`~runwatch.producer.actions.rank_sync`): True, False, or "auto" (on when
+        torch.distributed is initialised with more than one rank). Construct the listener at the
+        same point on every rank when it is on. ``sync_timeout_s``: how long a rank waits for an
+        action rank 0 announced before it applies rank 0's copy.
+
+        ``clock_skew_s``: how far before the listener's start and how far in the future an
+        action's ``issued_at`` may lie. ``state_path``: the file that keeps the ids of the actions
+        this rank applied, across restarts (None: :func:`default_state_path`; False: none; give each
+        rank its own), bounded to the newest ``state_max_ids``. ``consume=False``: no consumer
+        thread (tests, another transport); raw actions go to ``_accept``."""
+        self.rw = rw
+        secret_bytes = resolve_secret(secret)
+        if restore is None and model is not None:
+            restore = torch_restore(model, optimizer)
+        if optimizer is not None and hasattr(rw, "track_lr"):
+            rw.track_lr(optimizer)  # checkpoints record the LR a rollback scales
+        if state_path is True:
+            state_path = None
+        path = None if state_path is False else (default_state_path(rw) if state_path is None else state_path)
+        # Acknowledged here, in this process or before a restart: never applied again.
+        self.applied_ids = AppliedIds(path, state_max_ids, run_id=rw.run_id, rank=rw.rank)
+        clock_skew = timedelta(seconds=clock_skew_s)
+        started_at = utc_now() - clock_skew
+        self._inbox = ActionInbox(secret_bytes, run_id=rw.run_id, clock_skew=clock_skew,
+                                  not_before=started_at, handled=self._handled_before)
+        self.ignored = self._inbox.ignored
+        self._arrivals = Arrivals(self.applied_ids, self.ignored)
+        self._applier = ActionApplier(rw, self._arrivals, self.applied_ids, self.ignored, restore=restore,
+                                      optimizer=optimizer, heartbeat=heartbeat, pause_timeout_s=pause_timeout_s)
+        self.applied: list[AppliedAction] = self._applier.applied
+        self.watchdog = StopWatchdog(stop_exit_after_s, stop_exit_code)
+        group, leader = sync_group(sync)
+        self._sync = RankSync(group, leader, self._arrivals, self.applied_ids, self.ignored,
+                              timeout_s=sync_timeout_s, heartbeat=heartbeat)
+        self._sync_timeout_s = sync_timeout_s
+        self._reader: ActionReader | None = None
+        if consume:
+            self._reader = ActionReader(rw.bootstrap, topic, started_at, self._accept,
+                                        client_id=f"runwatch-actions-{rw.run_id}-r{rw.rank}")
+            self._reader.start()
+
+    # -- what training code calls -------------------------------------------------
+
+    def attach(self, model: Any, optimizer: Any = None, restore: RestoreFn | None = None,
+               heartbeat: Any = None) -> None:
+        """Set what a rollback restores into (and whose LR it scales), for listeners created
+        before the model; ``heartbeat`` (``watch.heartbeat``) reports a pause as idle."""
+        self._applier.restore = restore or torch_restore(model, optimizer)
+        self._applier.optimizer = optimizer
+        if optimizer is not None and hasattr(self.rw, "track_lr"):
+            self.rw.track_lr(optimizer)
+        if heartbeat is not None:
+            self._applier.heartbeat = self._sync.heartbeat = heartbeat
+
+    def wait_ready(self, timeout: float = 10.0) -> bool:
+        """Block until the consumer has its partitions (useful before the first step); False at
+        once without a consumer (``consume=False``)."""
+        return self._reader is not None and self._reader.ready.wait(timeout)
+
+    @property
+    def synced(self) -> bool:
+        """Whether actions are applied in step with the other ranks (see the module doc)."""
+        return self._sync.active
+
+    def poll(self, step: int | None = None) -> list[AppliedAction]:
+        """Apply every action that arrived since the last call; returns what was done.
+
+        With ``sync`` on this is a collective: every rank calls it, equally often."""
+        if self._sync.active:
+            return self._poll_synced(step)
+        results = []
+        while True:
+            action = self._arrivals.next_nowait()
+            if action is None:
+                break
+            result = self._applier.apply(action, step)
+            if result is not None:
+                results.append(result)
+                if action.kind == "stop":
+                    self.watchdog.arm_on_stop()
+                    break
+        return results
+
+    def choose_checkpoint(self, action: Action) -> CheckpointRef | None:
+        """The checkpoint a rollback restores (see :meth:`ActionApplier.choose_checkpoint`)."""
+        return self._applier.choose_checkpoint(action)
+
+    def stop_deadline(self, timeout_s: float, exit_code: int | None = None) -> threading.Thread:
+        """Hard-exit fallback after a stop: a daemon thread calls ``os._exit(exit_code)`` unless the
+        process has exited within ``timeout_s`` (a graceful exit ends the thread with the process)
+        or :meth:`disarm_stop_deadline` was called. Armed already: the one watchdog keeps the
+        earlier deadline (and its exit code); no second one is started."""
+        return self.watchdog.arm(timeout_s, exit_code)
+
+    def disarm_stop_deadline(self) -> None:
+        self.watchdog.disarm()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+    # -- applying in step with the other ranks ----------------------------------------
+
+    def _poll_synced(self, step: int | None) -> list[AppliedAction]:
+        results: list[AppliedAction] = []
+        while True:  # rounds: what arrives during a pause is announced in the next round of this poll
+            if not self._sync.active:  # the broadcast failed in an earlier round: on our own from here
+                return results + self.poll(step)
+            batch = self._sync.next_batch()
+            if batch is None:
+                continue
+            if not batch:
+                return results
+            for item in batch:
+                if isinstance(item, tuple):
+                    result = self._apply_rank0_copy(item, step)
+                else:
+                    result = self._applier.apply(item, step, check_expiry=False)  # rank 0 checked: all ranks agree
+                if result is not None:
+                    results.append(result)
+                    if result.kind == "stop":
+                        self.watchdog.arm_on_stop()
+                        return results
+
+    def _apply_rank0_copy(self, item: tuple[str, bytes], step: int | None) -> AppliedAction | None:
+        """An announced action this rank's consumer did not deliver in time: apply rank 0's copy if it
+        verifies here, else acknowledge it ``failed``."""
+        action_id, body = item
+        self._arrivals.give_up(action_id)
+        self._inbox.mark_seen(action_id)  # a late copy is a duplicate, not a new action
+        try:
+            action = decode_action(body)
+        except SchemaError:
+            self.ignored["malformed"] += 1
+            return None
+        if self._inbox.verifies(action):
+            # Signed with our secret for our run: apply rank 0's copy, so that this rank does not
+            # diverge from the others (a rank that skips a rollback trains on different weights).
+            return self._applier.apply(action, step, check_expiry=False)
+        detail = (f"rank 0 applied it, but this rank's consumer had not received it {self._sync_timeout_s:g} s "
+                  "after rank 0 announced it, and rank 0's copy does not verify here; not applied")
+        return self._applier.record(AppliedAction(action, "failed", from_step=step, detail=detail), step)
+
+    # -- from the consumer thread ------------------------------------------------------
+
+    def _accept(self, raw: bytes | None) -> None:
+        action = self._inbox.admit(raw)
+        if action is None:
+            return
+        if action.kind == "stop":
+            # Armed on receipt: a rank blocked in a collective or hung never reaches poll().
+            self.watchdog.arm_on_stop()
+        self._arrivals.put(action)
+
+    def _handled_before(self, action: Action) -> str | None:
+        # Before a restart (a copy in this process is a duplicate), or dropped by the ranks.
+        return "already_applied" if action.action_id in self.applied_ids else None
