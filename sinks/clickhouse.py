@@ -48,6 +48,10 @@ DEADLETTER_COLUMNS = (
     "raw_truncated", "traceback",
 )
 JOINED_COLUMNS = tuple(name for name in JoinedStep.model_fields if name != "schema_version")
+REMEDIATION_COLUMNS = (
+    "execution_id", "action_id", "run_id", "kind", "target", "target_key", "argv", "url", "status",
+    "exit_code", "output", "started_at", "finished_at",
+)
 
 
 class IntRange(NamedTuple):
@@ -307,6 +311,12 @@ class ClickHouseSink:
         rows = list({_joined_key(r): r for r in (joined_row(j) for j in joined)}.values())  # the newest
         return self._insert("joined_steps", rows, JOINED_COLUMNS)
 
+    def write_remediation(self, row: Sequence[Any]) -> None:
+        """One command run or webhook post of the remediator, in ``REMEDIATION_COLUMNS`` order."""
+        row = tuple(as_utc(v) if c in ("started_at", "finished_at") else v
+                    for c, v in zip(REMEDIATION_COLUMNS, row, strict=True))
+        self._insert("remediations", [row], REMEDIATION_COLUMNS)
+
     # -- writes that isolate refused rows (the sink consumer's) ---------------------------------
 
     def store(self, table: str, items: Sequence[Any]) -> StoreResult:
@@ -422,3 +432,24 @@ class ClickHouseSink:
         rows = self.query("SELECT count() FROM {db}.deadletter FINAL WHERE run_key = %(run)s", {"run": run_id})
         counts["deadletter"] = int(rows[0][0])
         return counts
+
+    # -- the remediator's reads ---------------------------------------------------------------
+
+    def remediation_keys(self) -> set[tuple[str, str]]:
+        """Every (action_id, target_key) the remediator has recorded, whatever its status."""
+        rows = self.query("SELECT DISTINCT action_id, target_key FROM {db}.remediations")
+        return {(r[0], r[1]) for r in rows}
+
+    def remediations(self, action_id: str) -> list[dict[str, Any]]:
+        """The recorded executions for one action, oldest first, by column name."""
+        rows = self.query(
+            "SELECT " + ", ".join(REMEDIATION_COLUMNS) + " FROM {db}.remediations FINAL "
+            "WHERE action_id = %(a)s ORDER BY started_at", {"a": action_id})
+        return [dict(zip(REMEDIATION_COLUMNS, r, strict=True)) for r in rows]
+
+    def run_start_payload(self, run_id: str) -> Any:
+        """The stored ``payload`` of the run's newest ``run_start`` event, or None."""
+        rows = self.query(
+            "SELECT payload FROM {db}.telemetry WHERE run_id = %(r)s AND kind = 'run_start' "
+            "ORDER BY ts DESC LIMIT 1", {"r": run_id})
+        return rows[0][0] if rows else None
