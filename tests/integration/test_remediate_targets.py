@@ -28,7 +28,9 @@ from runwatch.producer import RunStartEvent
 from runwatch.producer.schema import Action, utc_now
 from runwatch.producer.signing import sign_action
 from runwatch.sinks import ClickHouseSink
-from runwatch.sinks.remediate import RemediateConsumer, RemediationStore, load_remediation_config
+from runwatch.sinks.remediate.config import load_remediation_config
+from runwatch.sinks.remediate.consumer import RemediateConsumer
+from runwatch.sinks.remediate.record import RemediationStore
 
 from .conftest import eventually, publish_actions
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-TRAINING_SIDE = ("runwatch.producer.publisher", "runwatch.producer.watch", "runwatch.producer.actions", "torch")
+TRAINING_SIDE = ("runwatch.producer.publisher", "runwatch.producer.watch", "runwatch.producer.actions.listener", "torch")
 WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb")
 
 
@@ -29,9 +29,19 @@ def offenders(modules: set[str], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(m for m in modules if any(m == f or m.startswith(f + ".") for f in forbidden))
 
 
-@pytest.mark.parametrize("statement", ["import runwatch.detectors", "import runwatch.sinks"])
+@pytest.mark.parametrize("statement", [
+    "import runwatch.detectors",
+    "import runwatch.sinks",
+    "from runwatch.sinks.remediate.consumer import RemediateConsumer",
+])
 def test_detectors_and_sinks_never_load_the_training_side(statement):
     assert offenders(loaded_after(statement), TRAINING_SIDE) == []
+
+
+def test_the_remediator_takes_the_listeners_inbox_and_nothing_else_of_it():
+    loaded = loaded_after("from runwatch.sinks.remediate.consumer import RemediateConsumer")
+    actions = sorted(m for m in loaded if m.startswith("runwatch.producer.actions"))
+    assert actions == ["runwatch.producer.actions", "runwatch.producer.actions.inbox"]
 
 
 @pytest.mark.parametrize("statement", [

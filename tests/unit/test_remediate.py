@@ -14,23 +14,19 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.configfile import ConfigError
 from runwatch.producer.schema import Action, CheckpointRef
 from runwatch.producer.signing import sign_action
 from runwatch.producer.topics import SECRET_ENV
-from runwatch.sinks.remediate import (
+from runwatch.sinks.remediate.config import RemediationConfig, Target, load_remediation_config
+from runwatch.sinks.remediate.notifications import slack_payload
+from runwatch.sinks.remediate.remediator import Remediator
+from runwatch.sinks.remediate.runner import run_command, run_verify, verify_problem
+from runwatch.sinks.remediate.templates import (
     DEFAULT_FIELD_RULES,
-    ConfigError,
     RefusedValue,
-    RemediationConfig,
-    Remediator,
-    Target,
     fill_argv,
-    load_remediation_config,
     placeholder_values,
-    run_command,
-    run_verify,
-    slack_payload,
-    verify_problem,
 )
 
 SECRET = b"remediate-secret-at-least-32-bytes-0123"

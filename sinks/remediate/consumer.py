@@ -1,0 +1,92 @@
+"""``RemediateConsumer``: the remediator on the action topic.
+
+Consumes ``runwatch.actions`` in group ``runwatch-remediate`` on the shared consume, act durably,
+commit loop (:mod:`runwatch.sinks.loop`): each record goes to the :class:`Remediator` (through the
+shared action inbox), which returns once what it did is recorded in ClickHouse ``remediations``;
+Kafka offsets are committed only after that. A ClickHouse that is down is retried until it
+answers (it ran, so keep trying to say so). Run metadata (``run_start``) is looked up once per
+run, when an action needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from runwatch.producer.wire import topics
+from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
+from runwatch.sinks.remediate.config import RemediationConfig
+from runwatch.sinks.remediate.notifications import post_webhook
+from runwatch.sinks.remediate.record import Execution, RemediationStore
+from runwatch.sinks.remediate.remediator import Remediator
+from runwatch.sinks.remediate.runner import run_command, run_verify
+
+log = logging.getLogger(__name__)
+
+class RemediateConsumer:
+    """Consumes ``runwatch.actions`` in group ``runwatch-remediate`` until ``stopping`` is set;
+    commits offsets only after what a batch needed is performed and recorded."""
+
+    def __init__(
+        self,
+        config: RemediationConfig,
+        secret: bytes,
+        store: RemediationStore,
+        bootstrap: str,
+        *,
+        group_id: str = topics.REMEDIATE_GROUP,
+        session_timeout_ms: int = 6000,
+        runner: Callable[[list[str], float], tuple[str, int | None, str]] = run_command,
+        poster: Callable[[str, dict[str, Any], float], tuple[str, int | None, str]] = post_webhook,
+        verifier: Callable[[list[str], float], tuple[str, int | None, str, str]] = run_verify,
+    ):
+        self.store = store
+        self.bootstrap = bootstrap
+        self.group_id = group_id
+        self.session_timeout_ms = session_timeout_ms
+        self.stopping = threading.Event()
+        self.assigned = threading.Event()
+        self.write_errors = 0
+        self.commit_errors = 0
+        self._meta: dict[str, Mapping[str, Any]] = {}
+        self.remediator = Remediator(config, secret, record=self._record, lookup_run=self._lookup_run,
+                                     done=store.done_keys(), runner=runner, poster=poster,
+                                     verifier=verifier)
+
+    def _lookup_run(self, run_id: str) -> Mapping[str, Any]:
+        if run_id not in self._meta:
+            try:
+                meta = self.store.run_metadata(run_id)
+            except Exception as exc:  # placeholders needing it are then refused, with the reason recorded
+                log.warning("remediate: run_start lookup for %s failed: %s", run_id, exc)
+                return {}
+            if not meta:
+                return {}  # not stored yet: ask again for the next action
+            self._meta[run_id] = meta
+        return self._meta[run_id]
+
+    def _record(self, execution: Execution) -> None:
+        # ClickHouse down: it ran, so keep trying to say so; never commit past it
+        retry_durably(lambda: self.store.write(execution), stopping=self.stopping, errors=Exception,
+                      on_error=self._record_failed)
+
+    def _record_failed(self, exc: BaseException, delay: float) -> None:
+        self.write_errors += 1
+        log.warning("remediate: recording failed (%s); retrying in %.1fs", exc, delay)
+
+    def _act(self, records: list) -> dict[tuple[str, int], int]:
+        for record in records:
+            self.remediator.handle(record.value)  # returns once its executions are recorded
+        return {}
+
+    def _commit_failed(self, _exc: Exception) -> None:
+        self.commit_errors += 1  # recorded already; a re-delivery finds it done
+
+    def run(self) -> None:
+        consumer = make_consumer(self.bootstrap, [topics.ACTIONS], group_id=self.group_id,
+                                 session_timeout_ms=self.session_timeout_ms, client_id="runwatch-remediate",
+                                 fetch_max_wait_ms=100)
+        ConsumeLoop(self._act, stopping=self.stopping, assigned=self.assigned, batch_size=100, drain=False,
+                    label="remediate", on_commit_error=self._commit_failed).run(consumer)

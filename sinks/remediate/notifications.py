@@ -1,0 +1,65 @@
+"""Notifications: the Slack-compatible payload for an action (and the commands run for it) and
+posting it to a webhook."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from runwatch.producer.wire.schema import Action
+from runwatch.sinks.remediate.record import OUTPUT_LIMIT, Execution, tail
+
+
+def _slack_escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+COLORS = {"alert": "warning", "pause": "warning", "resume": "good", "rollback": "danger", "stop": "danger"}
+
+
+def slack_payload(action: Action, commands: Iterable[Execution] = ()) -> dict[str, Any]:
+    """Slack-compatible JSON: ``text`` and an attachment with fields, plus the action itself
+    (without its signature) under ``runwatch`` for machines."""
+    step = f" at step {action.step}" if action.step is not None else ""
+    text = f"runwatch *{action.kind}* for run `{_slack_escape(action.run_id)}`{step}: {_slack_escape(action.reason)}"
+    fields = [
+        {"title": "run_id", "value": action.run_id, "short": True},
+        {"title": "kind", "value": action.kind, "short": True},
+        {"title": "action_id", "value": action.action_id, "short": True},
+    ]
+    if action.step is not None:
+        fields.append({"title": "step", "value": str(action.step), "short": True})
+    if action.target_checkpoint is not None:
+        fields.append({"title": "target checkpoint", "value": f"step {action.target_checkpoint.step}",
+                       "short": True})
+    for ex in commands:
+        fields.append({"title": "command", "value": f"`{_slack_escape(' '.join(ex.argv))}`: {ex.status}"
+                       + ("" if ex.exit_code is None else f" (exit {ex.exit_code})"), "short": False})
+    body = orjson.loads(action.model_dump_json(exclude={"signature"}, exclude_none=True))
+    return {
+        "text": text,
+        "attachments": [{"color": COLORS.get(action.kind, "warning"), "fallback": text, "fields": fields}],
+        "runwatch": body,
+    }
+
+
+def post_webhook(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[str, int | None, str]:
+    """POST ``payload`` as JSON; returns (status, HTTP status, response body tail)."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "User-Agent": "runwatch"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (http(s) checked)
+            body = response.read(OUTPUT_LIMIT).decode(errors="replace")
+            return ("ok" if 200 <= response.status < 300 else "failed"), response.status, body
+    except urllib.error.HTTPError as exc:
+        return "failed", exc.code, tail(exc.read(OUTPUT_LIMIT).decode(errors="replace"))
+    except TimeoutError:
+        return "timeout", None, f"no answer within {timeout_s}s"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return ("timeout" if isinstance(reason, TimeoutError) else "failed"), None, str(reason)[:OUTPUT_LIMIT]
