@@ -433,6 +433,18 @@ class ClickHouseSink:
         counts["deadletter"] = int(rows[0][0])
         return counts
 
+    def run_anomalies(self, run_id: str) -> list[dict[str, Any]]:
+        """One run's anomalies (detector, step, severity, rank, message), by step and detector."""
+        rows = self.query("SELECT detector, step, severity, rank, message FROM {db}.anomalies FINAL "
+                          "WHERE run_id = %(run)s ORDER BY step, detector", {"run": run_id})
+        return [{"detector": d, "step": s, "severity": sev, "rank": r, "message": m} for d, s, sev, r, m in rows]
+
+    def run_actions(self, run_id: str) -> list[dict[str, Any]]:
+        """One run's actions (kind, step, action_id, reason), in the order they were issued."""
+        rows = self.query("SELECT kind, step, action_id, reason FROM {db}.actions FINAL "
+                          "WHERE run_id = %(run)s ORDER BY issued_at", {"run": run_id})
+        return [{"kind": k, "step": s, "action_id": a, "reason": why} for k, s, a, why in rows]
+
     # -- the remediator's reads ---------------------------------------------------------------
 
     def remediation_keys(self) -> set[tuple[str, str]]:
