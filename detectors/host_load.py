@@ -43,7 +43,7 @@ from typing import Any
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
-from runwatch.producer.schema import HeartbeatEvent, StepEvent, TelemetryEvent
+from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
 
 HISTORY = 256  # heartbeats remembered per rank
 BASELINE_SAMPLES = 12  # the "before" median's samples: the last ones before the onset
@@ -269,13 +269,11 @@ class HostLoadAttributed(Detector):
         raise NotImplementedError
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if isinstance(event, RunEndEvent):  # no heartbeat is coming: what waits goes out as it is
+            return self.host_load.release_all()
         released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load
         found = self.find(event) if isinstance(event, StepEvent) else None
         if found is None:
             return released
         finding, onset = found
         return released + self.host_load.attribute(finding, onset, now)
-
-    def release(self) -> list[Finding]:
-        """The findings waiting for host load, as they are (the run ended)."""
-        return self.host_load.release_all()

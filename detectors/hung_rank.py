@@ -13,23 +13,26 @@ run's ranks, on ``tick(now)``:
 Allowed: ``max(floor_s, factor x the run's median step interval + phase_allowance_s[phase])``,
 with the phase of the rank's latest heartbeat (a rank saving a checkpoint for 5 minutes while its
 peers wait is not hung), counted from its last progress or the start of that phase, whichever is
-later. The median pools every rank's step-event intervals (river ``RollingQuantile``); nothing
-fires before ``min_steps`` intervals. Only ranks with a heartbeat since their last progress count
-(one that stops beating is the stall detector's ``silent``: dead), and a rank is live while it
-was heard within the stall detector's silence timeout for it (``StallConfig.silent_after_s``). One finding per rank per episode; progress re-arms it.
+later. The ranks' steps, phases and heartbeats are their ``RankProgress`` (progress.py), and the
+median is the run's pace there, pooled over every rank's step intervals; nothing fires before
+``min_steps`` intervals. Only ranks with a heartbeat since their last progress count (one that
+stops beating is the stall detector's ``silent``: dead), and a rank is live while it was heard
+within the stall detector's silence timeout for it (``RunProgress.live``). One finding per rank per
+episode; progress re-arms it.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from pydantic import Field
-from river import stats
 
+from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.progress import RunProgress
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.stall import StallConfig
-from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+from runwatch.producer.schema import JoinedStep, RunEndEvent, TelemetryEvent
 
 
 class HungRankConfig(Strict):
@@ -46,78 +49,31 @@ class HungRankConfig(Strict):
 
 
 NAME = "hung_rank"
-INTERVAL_WINDOW = 100
 
 
-class _RankState:
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.progress_at: datetime | None = None
-        self.last_step_event: tuple[int, datetime] | None = None
-        self.heard_at: datetime | None = None
-        self.heartbeat_at: datetime | None = None
-        self.phase = "train"
-        self.phase_since: datetime | None = None
-        self.in_sync: bool | None = None
-        self.heartbeat_interval_s: float | None = None
-        self.fired = False
-
-
-class HungRankDetector:
-    """Across the ranks of one run (see the module doc). ``update`` with every rank's events."""
+class HungRankDetector(CrossRankDetector):
+    """Across the ranks of one run (see the module doc), reading their ``RankProgress`` in ``progress``:
+    the run's tracker that its monitor keeps and feeds; without one (running alone) it keeps its own,
+    judging liveness by ``liveness``, and feeds it every event it is given."""
 
     name = NAME
 
-    def __init__(self, config: HungRankConfig, stall: StallConfig):
+    def __init__(self, config: HungRankConfig, liveness: StallConfig, progress: RunProgress | None = None):
         self.config = config
-        self._stall = stall  # its silence timeout says which ranks are alive
-        self.ranks: dict[int, _RankState] = {}
-        self._intervals = stats.RollingQuantile(q=0.5, window_size=INTERVAL_WINDOW)
-        self.intervals_seen = 0
+        self._feeds_progress = progress is None
+        self.progress = RunProgress(liveness) if progress is None else progress
+        self._fired_at: dict[int, int] = {}  # rank -> its ``moves`` when it was named: progress re-arms it
         self.ended = False
 
-    def update(self, event: TelemetryEvent) -> None:
+    def update(self, event: TelemetryEvent | JoinedStep, now: datetime) -> list[Finding]:
         if isinstance(event, RunEndEvent):
             self.ended = True
-            return
-        state = self.ranks.get(event.rank)
-        if state is None:
-            state = self.ranks[event.rank] = _RankState()
-        if state.heard_at is None or event.ts > state.heard_at:
-            state.heard_at = event.ts
-        if isinstance(event, StepEvent):
-            previous = state.last_step_event
-            if previous is not None and event.step > previous[0]:
-                dt = (event.ts - previous[1]).total_seconds() / (event.step - previous[0])
-                if dt >= 0:
-                    self._intervals.update(dt)
-                    self.intervals_seen += 1
-            state.last_step_event = (event.step, event.ts)
-            if state.step is None or event.step != state.step:  # forward, or back after a rollback
-                self._progress(state, event.step, event.ts)
-            state.in_sync = None  # a new step: not waiting for anything yet
-        elif isinstance(event, HeartbeatEvent):
-            if event.phase != state.phase:  # staying in train keeps counting from the last progress
-                state.phase_since = event.ts if event.phase == "train" else (
-                    event.ts - timedelta(seconds=event.time_in_phase_s))
-            state.phase = event.phase
-            if state.heartbeat_at is None or event.ts > state.heartbeat_at:
-                state.heartbeat_at = event.ts
-                state.in_sync = event.in_sync
-                if event.interval_s is not None:
-                    state.heartbeat_interval_s = event.interval_s
-            if event.step is not None and (state.step is None or event.step > state.step):
-                self._progress(state, event.step, event.ts)
-
-    @staticmethod
-    def _progress(state: _RankState, step: int, ts: datetime) -> None:
-        state.step = step
-        if state.progress_at is None or ts > state.progress_at:
-            state.progress_at = ts
-        state.fired = False
+        elif self._feeds_progress and not isinstance(event, JoinedStep):
+            self.progress.observe(event)
+        return []
 
     def median_interval_s(self) -> float | None:
-        return self._intervals.get() if self.intervals_seen >= self.config.min_steps else None
+        return self.progress.median_interval_s(self.config.min_steps)
 
     def allowed_s(self, phase: str) -> float | None:
         median = self.median_interval_s()
@@ -129,8 +85,7 @@ class HungRankDetector:
     def tick(self, now: datetime) -> list[Finding]:
         if self.ended:
             return []
-        live = {r: s for r, s in self.ranks.items() if s.heard_at is not None and s.step is not None
-                and (now - s.heard_at).total_seconds() <= self._stall.silent_after_s(s.heartbeat_interval_s)}
+        live = self.progress.live(now)
         if len(live) < 2:
             return []
         # Per tick, linear in the ranks: the two highest steps, and how many ranks wait in sync at each step.
@@ -142,7 +97,7 @@ class HungRankDetector:
                 in_sync_at[steps[r]] = in_sync_at.get(steps[r], 0) + 1
         findings = []
         for rank, state in live.items():
-            if state.fired or state.progress_at is None:
+            if self._fired_at.get(rank) == state.moves or state.progress_at is None:
                 continue
             if state.heartbeat_at is None or state.heartbeat_at <= state.progress_at:
                 continue  # no heartbeat since its last step: nothing says it is alive and stuck
@@ -163,7 +118,7 @@ class HungRankDetector:
                 why = f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
             else:
                 continue
-            state.fired = True
+            self._fired_at[rank] = state.moves
             findings.append(Finding(
                 detector=NAME,
                 metric="step_progress",
@@ -190,6 +145,7 @@ class HungRankDetector:
 
 
 register(DetectorSpec(
-    name=NAME, config=HungRankConfig, build=lambda d: HungRankDetector(d.hung_rank, d.stall), view="cross_rank",
-    episodic=True, summary="a rank that stops stepping while its heartbeat goes on and its peers wait on it",
+    name=NAME, config=HungRankConfig, build=lambda d, progress=None: HungRankDetector(d.hung_rank, d.stall, progress),
+    view="cross_rank", reads_progress=True, episodic=True,
+    summary="a rank that stops stepping while its heartbeat goes on and its peers wait on it",
 ))

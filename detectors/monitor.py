@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import TypedDict
+from typing import Any, TypedDict, cast
 
 from runwatch.detectors import registry
-from runwatch.detectors.base import Detector
+from runwatch.detectors.base import CrossRankDetector, Detector
 from runwatch.detectors.checkpoints import CheckpointLedger
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.hung_rank import HungRankDetector
 from runwatch.detectors.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
+from runwatch.detectors.progress import RunProgress
 from runwatch.detectors.rank_join import Joined, StepJoin
 from runwatch.detectors.recovery import RecoveryCheck
 from runwatch.detectors.rewind import DetectorSnapshots
-from runwatch.detectors.stall import StallDetector
-from runwatch.detectors.straggler import StragglerDetector
 from runwatch.producer.schema import (
     ActionAckEvent,
     Anomaly,
@@ -40,8 +38,6 @@ from runwatch.producer.schema import (
 )
 
 _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
-# Events about the run as a whole, not one rank's training: detectors do not see them.
-RUN_SCOPED_KINDS = (RunStartEvent, RunEndEvent, ActionAckEvent)
 
 
 RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
@@ -55,11 +51,6 @@ class MonitorOutput:
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
 
 
-# Every detector the monitor drives per rank or on the joined step, by name (the registry's order),
-# and which view each reads. The model's health is one for the whole run, so it is judged on the
-# joined step (one finding, not one per rank); the machine's (throughput, data, memory, liveness, a
-# NaN on one rank) is each rank's own. In a single-rank run both views are its rank. Cross-rank
-# detectors (straggler, hung rank) compare ranks: the monitor drives them itself.
 class _RewindState(TypedDict):
     """The step-indexed detectors' state, as snapshotted at a checkpoint (the rank ones by position)."""
 
@@ -67,19 +58,25 @@ class _RewindState(TypedDict):
     ranks: dict[int, dict[int, Detector]]
 
 
-def _builder(spec: registry.DetectorSpec) -> Callable[[RunwatchConfig], Detector]:
-    return lambda config: spec.build(config.detectors)
+def _builder(spec: registry.DetectorSpec) -> Callable[[RunwatchConfig, RunProgress], Detector]:
+    return lambda config, progress: spec.make(config.detectors, progress)
 
 
-DETECTORS: dict[str, Callable[[RunwatchConfig], Detector]] = {
-    s.name: _builder(s) for s in registry.specs() if s.view != "cross_rank"
+# Every detector the monitor drives, by name (the registry's order), and which view each reads. The
+# model's health is one for the whole run, so it is judged on the joined step (one finding, not one
+# per rank); the machine's (throughput, data, memory, liveness, a NaN on one rank) is each rank's
+# own. In a single-rank run both views are its rank. Cross-rank detectors (straggler, hung rank)
+# compare ranks: every rank's events, then each joined step's record, in runs of more than one rank.
+DETECTORS: dict[str, Callable[[RunwatchConfig, RunProgress], Detector]] = {
+    s.name: _builder(s) for s in registry.specs()
 }
 JOINED_VIEW = frozenset(registry.names("joined"))
-RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW
+CROSS_RANK_VIEW = frozenset(registry.names("cross_rank"))
+RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW - CROSS_RANK_VIEW
 
 
-def build_detectors(config: RunwatchConfig, names: frozenset[str] = frozenset(DETECTORS)) -> list[Detector]:
-    return [make(config) for name, make in DETECTORS.items()
+def build_detectors(config: RunwatchConfig, names: frozenset[str], progress: RunProgress) -> list[Detector]:
+    return [make(config, progress) for name, make in DETECTORS.items()
             if name in names and getattr(config.detectors, name).enabled]
 
 
@@ -89,12 +86,13 @@ class RunMonitor:
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
         self.config = config
+        # Every rank's progress and liveness, read by the stall and hung-rank detectors.
+        self.progress = RunProgress(config.detectors.stall)
         self.ranks: dict[int, list[Detector]] = {}
-        self.joined_detectors = build_detectors(config, JOINED_VIEW)
+        self.joined_detectors = build_detectors(config, JOINED_VIEW, self.progress)
+        self.cross_rank_detectors = cast(list[CrossRankDetector],
+                                         build_detectors(config, CROSS_RANK_VIEW, self.progress))
         self.join = StepJoin(run_id, config.join.timeout_s)
-        d = config.detectors
-        self.straggler: StragglerDetector | None = registry.spec("straggler").build(d) if d.straggler.enabled else None
-        self.hung: HungRankDetector | None = registry.spec("hung_rank").build(d) if d.hung_rank.enabled else None
         self.policy = ActionPolicy(config.policy)
         self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
         self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps
@@ -108,8 +106,6 @@ class RunMonitor:
         # From run_start: job_id, host, pod (a tag) for actions' params, so a remediator's
         # `scancel {job_id}` needs no lookup.
         self.job: dict[str, str] = {}
-        # rank -> its latest heartbeat's phase, when, and how long the rank may go unheard
-        self.phases: dict[int, tuple[str, datetime, float]] = {}
         # When rank 0's run_end came: from then on only the join goes on (other ranks' last steps may
         # still be on their way), until the worker lets the run go a join timeout later.
         self.ended_at: datetime | None = None
@@ -128,57 +124,73 @@ class RunMonitor:
             self.join.duplicates += 1
             return out
         self.events_seen += 1
-        if isinstance(event, RunEndEvent):
-            self.ended_at = event.ts
-            self._release_held(event, out)
-        if self.ended_at is not None and not isinstance(event, StepEvent):
+        if self.ended_at is not None and event.kind not in ("step", "run_end"):
             return out  # the run is over: nothing but its last steps' join is judged
-        if isinstance(event, RunStartEvent):
-            self.join.set_world_size(event.world_size)
-            self.job = {name: value for name, value in (
-                ("job_id", event.job_id), ("host", event.host), ("pod", event.tags.get("pod"))) if value}
-        elif isinstance(event, StepEvent):
-            self.last_step = event.step
-            self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
-        elif isinstance(event, CheckpointEvent):
-            if event.ok:
-                self.checkpoints.register(CheckpointRef(step=event.step, uri=event.uri, lr=event.lr))
-                self.snapshots.take(event.step, self._rewindable())
-        elif isinstance(event, ActionAckEvent):
-            self.policy.acknowledge(event.action_id)
-            self._rollback_acknowledged(event)
-        elif isinstance(event, HeartbeatEvent):
-            self.phases[event.rank] = (event.phase, event.ts,
-                                       self.config.detectors.stall.silent_after_s(event.interval_s))
-            self._share_peer_phases(event.ts)
-        if self.hung is not None and self.join.world_size > 1:  # compares ranks: nothing to do for one
-            self.hung.update(event)
-        if isinstance(event, RUN_SCOPED_KINDS):
-            return out
+        _ROUTES[event.kind](self, event, out)
+        return out
+
+    # -- one handler per event kind (``_ROUTES``) ------------------------------------------------
+
+    def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
+        self.join.set_world_size(event.world_size)
+        self.job = {name: value for name, value in (
+            ("job_id", event.job_id), ("host", event.host), ("pod", event.tags.get("pod"))) if value}
+        self._to_cross_rank(event, out)
+
+    def _on_step(self, event: StepEvent, out: MonitorOutput) -> None:
+        self.last_step = event.step
+        self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
+        self._to_rank(event, out)
+        for joined in self.join.add(event):
+            self._observe_joined(joined, out)
+
+    def _on_eval(self, event: EvalEvent, out: MonitorOutput) -> None:
+        self._to_rank(event, out)
+        for detector in self.joined_detectors:  # evals are the run's, not a rank's: the joined view's
+            for finding in detector.update(event, event.ts):
+                self._emit(self._run_level(finding), event.ts, event.event_id, out)
+
+    def _on_heartbeat(self, event: HeartbeatEvent, out: MonitorOutput) -> None:
+        self._to_rank(event, out)
+
+    def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
+        if event.ok:
+            self.checkpoints.register(CheckpointRef(step=event.step, uri=event.uri, lr=event.lr))
+            self.snapshots.take(event.step, self._rewindable())
+        self._to_rank(event, out)
+
+    def _on_action_ack(self, event: ActionAckEvent, out: MonitorOutput) -> None:
+        self.policy.acknowledge(event.action_id)
+        self._rollback_acknowledged(event)
+        self._to_cross_rank(event, out)
+
+    def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
+        """From now on only the join goes on. The rank detectors hear of it too: findings they held
+        back waiting for a heartbeat's host load (throughput, data wait: host_load.py) go out with
+        what is known."""
+        self.ended_at = event.ts
+        for detectors in self.ranks.values():
+            for detector in detectors:
+                for finding in detector.update(event, event.ts):
+                    self._emit(finding, event.ts, event.event_id, out)
+
+    # -- where an event goes ---------------------------------------------------------------------
+
+    def _to_rank(self, event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent, out: MonitorOutput) -> None:
+        """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors."""
+        self.progress.observe(event)
+        self._to_cross_rank(event, out)
         detectors = self.ranks.get(event.rank)
         if detectors is None:
-            detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW)
+            detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW, self.progress)
         for detector in detectors:
             for finding in detector.update(event, event.ts):
                 self._emit(finding, event.ts, event.event_id, out)
-        if isinstance(event, StepEvent):
-            if self.straggler is not None and self.join.world_size > 1:
-                self.straggler.update(event)
-            for joined in self.join.add(event):
-                self._observe_joined(joined, out)
-        elif isinstance(event, EvalEvent):  # evals are the run's, not a rank's: the joined view's
-            for detector in self.joined_detectors:
-                for finding in detector.update(event, event.ts):
-                    self._emit(self._run_level(finding), event.ts, event.event_id, out)
-        return out
 
-    def _release_held(self, event: RunEndEvent, out: MonitorOutput) -> None:
-        """The run ends: findings a rank's detector held back waiting for a heartbeat's host load
-        (throughput, data wait: detectors/host_load.py) go out with what is known."""
-        for detectors in self.ranks.values():
-            for detector in detectors:
-                release = getattr(detector, "release", None)
-                for finding in release() if release is not None else ():
+    def _to_cross_rank(self, event: TelemetryEvent, out: MonitorOutput) -> None:
+        if self.join.world_size > 1:  # compares ranks: nothing to do for one
+            for detector in self.cross_rank_detectors:
+                for finding in detector.update(event, event.ts):
                     self._emit(finding, event.ts, event.event_id, out)
 
     def finish(self) -> MonitorOutput:
@@ -188,21 +200,6 @@ class RunMonitor:
             self._observe_joined(joined, out)
         return out
 
-    def _share_peer_phases(self, now: datetime) -> None:
-        """Give each rank's stall detector the largest phase allowance among its live peers."""
-        if len(self.phases) < 2:
-            return
-        allowances = self.config.detectors.stall.phase_allowance_s
-        # The two largest allowances: each rank's peers' largest is the first, or the second for
-        # the rank that holds the first (linear in the ranks, on every heartbeat).
-        top = sorted(((allowances.get(phase, 0.0), r) for r, (phase, at, live_s) in self.phases.items()
-                      if (now - at).total_seconds() <= live_s), reverse=True)[:2]
-        for rank, detectors in self.ranks.items():
-            peers = [a for a, r in top if r != rank]
-            for detector in detectors:
-                if isinstance(detector, StallDetector):
-                    detector.set_peer_allowance(peers[0] if peers else 0.0, now)
-
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
         event = joined.event
         if joined.record is not None:
@@ -210,9 +207,10 @@ class RunMonitor:
         for detector in self.joined_detectors:
             for finding in detector.update(event, event.ts):
                 self._emit(self._run_level(finding), event.ts, event.event_id, out)
-        if self.straggler is not None and self.join.world_size > 1:
-            for finding in self.straggler.check(event.step):
-                self._emit(finding, event.ts, event.event_id, out)
+        if joined.record is not None and self.join.world_size > 1:
+            for detector in self.cross_rank_detectors:
+                for finding in detector.update(joined.record, event.ts):
+                    self._emit(finding, event.ts, event.event_id, out)
         if event.loss is not None:
             self.losses.pop(event.step, None)  # a replayed step is the newest again
             self.losses[event.step] = event.loss
@@ -272,11 +270,9 @@ class RunMonitor:
             self._observe_joined(joined, out)
         if self.ended_at is not None:
             return out  # an ended run stalls, hangs and escalates no more
-        if self.hung is not None:
-            for finding in self.hung.tick(now):
-                self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
-        self._share_peer_phases(now)
-        for detectors in self.ranks.values():
+        self.progress.tick(now)
+        ticking: list[Sequence[Detector]] = [self.cross_rank_detectors, *self.ranks.values()]
+        for detectors in ticking:
             for detector in detectors:
                 for finding in detector.tick(now):
                     # Keyed by what the finding is about (one per stall episode), not by the tick's
@@ -318,3 +314,15 @@ class RunMonitor:
             evidence=finding.evidence,
             ts=ts,
         )
+
+
+# kind -> what the monitor does with an event of that kind
+_ROUTES: dict[str, Callable[[RunMonitor, Any, MonitorOutput], None]] = {
+    "run_start": RunMonitor._on_run_start,
+    "step": RunMonitor._on_step,
+    "eval": RunMonitor._on_eval,
+    "heartbeat": RunMonitor._on_heartbeat,
+    "checkpoint": RunMonitor._on_checkpoint,
+    "action_ack": RunMonitor._on_action_ack,
+    "run_end": RunMonitor._on_run_end,
+}

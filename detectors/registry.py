@@ -11,7 +11,8 @@ Views:
 
 - ``rank``: each rank's own events (throughput, data, memory, liveness, a NaN on one rank);
 - ``joined``: the run's joined step, one per step across ranks (the model's health);
-- ``cross_rank``: compares ranks (straggler, hung rank), driven by the monitor itself.
+- ``cross_rank``: compares ranks (straggler, hung rank): every rank's events, then each joined step's
+  record (``base.CrossRankDetector``).
 
 This module imports no detector: each detector module calls :func:`register` at import, and
 ``config`` imports the built-in ones (:data:`BUILTIN_MODULES`).
@@ -21,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from runwatch.configfile import Strict as Strict  # re-exported: every detector config derives from it
+
+if TYPE_CHECKING:
+    from runwatch.detectors.progress import RunProgress
 
 View = Literal["rank", "joined", "cross_rank"]
 
@@ -37,16 +41,23 @@ class DetectorSpec:
 
     name: str
     config: type[Strict]
-    build: Callable[[Any], Any]
+    build: Callable[..., Any]
     view: View
     summary: str
     episodic: bool = False  # fires once per episode: what persists is escalated by the policy's tick
     knob: str | None = None  # calibrate's sensitivity knob (a field of ``config``)
     default: Callable[[], Strict] | None = None
+    # A liveness detector reads the run's ``RunProgress`` (progress.py), which the monitor keeps: its
+    # ``build`` then takes that as a second argument (None: running alone, it keeps its own).
+    reads_progress: bool = False
     # The fault kinds of the labelled scenario corpus this detector is the one to find (its name by
     # default; memory growth finds two, a leak and fragmentation; liveness detectors of the
     # cross-rank view have no single-run scenario).
     faults: tuple[str, ...] | None = None
+
+    def make(self, detectors: Any, progress: RunProgress) -> Any:
+        """The detector, for a run whose progress tracker is ``progress``."""
+        return self.build(detectors, progress) if self.reads_progress else self.build(detectors)
 
     def fault_kinds(self) -> tuple[str, ...]:
         if self.faults is not None:

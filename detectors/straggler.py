@@ -8,20 +8,23 @@ What is timed matters. In lockstep training (DDP, FSDP) every rank's *step time*
 the fast ranks wait inside the gradient synchronisation for the slowest. So the rank's work is
 ``compute_s`` (time from the step's start until the rank was ready to synchronise, measured by
 the producer's DDP comm hook) where the rank reports it, else its step time (ranks that do not
-synchronise every step, where step time does differ). One finding per episode: a rank re-arms
+synchronise every step, where step time does differ). The ranks are compared on each joined step
+(its ``JoinedStep`` record, after every rank's step event). One finding per episode: a rank re-arms
 when its score has been back over the threshold for ``patience`` joined steps.
 """
 
 from __future__ import annotations
 
 import math
+from datetime import datetime
 
 from pydantic import Field
 from river import stats
 
+from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.schema import JoinedStep, StepEvent, TelemetryEvent
 
 
 class StragglerConfig(Strict):
@@ -52,8 +55,8 @@ class _RankTiming:
         self.fired = False
 
 
-class StragglerDetector:
-    """Per-rank work times in (``update`` with each rank's step event), ``check`` on each joined step."""
+class StragglerDetector(CrossRankDetector):
+    """Each rank's work times from its step events; the ranks are compared on each joined step."""
 
     name = NAME
 
@@ -61,7 +64,14 @@ class StragglerDetector:
         self.config = config
         self.ranks: dict[int, _RankTiming] = {}
 
-    def update(self, event: StepEvent) -> None:
+    def update(self, event: TelemetryEvent | JoinedStep, now: datetime) -> list[Finding]:
+        if isinstance(event, JoinedStep):
+            return self._compare(event.step)
+        if isinstance(event, StepEvent):
+            self._record(event)
+        return []
+
+    def _record(self, event: StepEvent) -> None:
         value, metric = event.compute_s, "compute_s"
         if value is None:
             value, metric = event.step_time_s, "step_time_s"
@@ -87,7 +97,7 @@ class StragglerDetector:
         fastest = min(medians.values())
         return {r: (fastest / m if m > 0 else 1.0) for r, m in medians.items()}
 
-    def check(self, step: int | None) -> list[Finding]:
+    def _compare(self, step: int) -> list[Finding]:
         cfg = self.config
         scores = self.scores()
         if not scores:

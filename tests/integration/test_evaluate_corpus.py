@@ -96,7 +96,7 @@ def _step_rule(name, predicate):
         if isinstance(event, StepEvent):
             return predicate(event) or []
         return []
-    return lambda config: FixedRule(name, check)
+    return lambda config, progress: FixedRule(name, check)
 
 
 def _memory_hits(e):
@@ -111,7 +111,7 @@ def _memory_hits(e):
     return hits
 
 
-def _val_rule(config):
+def _val_rule(config, progress):
     def check(rule, event):
         if isinstance(event, EvalEvent) and _finite(event.loss):
             previous, rule.previous = getattr(rule, "previous", None), event.loss
@@ -121,7 +121,7 @@ def _val_rule(config):
     return FixedRule("val_vs_train", check)
 
 
-def _stall_rule(config):
+def _stall_rule(config, progress):
     def check(rule, event):
         if isinstance(event, StepEvent):
             rule.last_step_ts = event.ts

@@ -468,7 +468,7 @@ def test_a_stall_rearms_when_the_step_moves_and_a_rollback_is_movement():
     assert [f.evidence["kind"] for f in stalled] == ["stalled"]
     assert det.tick(at(t + 40)) == []  # once per episode
     det.update(StepEvent(run_id="r", step=120, ts=at(t + 41)), at(t + 41))  # rolled back: movement
-    assert det.step == 120
+    assert det.progress.rank(0).step == 120
     assert det.tick(at(t + 42)) == []
     assert det.update(HeartbeatEvent(run_id="r", ts=at(t + 44), step=120), at(t + 44)) == []
     assert [f.evidence["kind"] for f in det.tick(at(t + 60))] == ["stalled"]  # 3 x ~2 s + 10 s after step 120

@@ -91,7 +91,7 @@ def test_replay_ticks_on_event_time_across_a_gap(monkeypatch):
     from runwatch.detectors import monitor
 
     counter = TickCounter()
-    monkeypatch.setattr(monitor, "build_detectors", lambda config, names: [counter] if names == monitor.RANK_VIEW else [])
+    monkeypatch.setattr(monitor, "build_detectors", lambda config, names, progress: [counter] if names == monitor.RANK_VIEW else [])
     events = [HeartbeatEvent(run_id="r", step=1, ts=T0), HeartbeatEvent(run_id="r", step=1, ts=T0 + timedelta(seconds=10))]
     replay(events, tick_every_s=2.0)
     assert counter.ticks == [T0 + timedelta(seconds=s) for s in (2, 4, 6, 8, 10)]

@@ -190,7 +190,7 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
             return [Finding(detector="stall", metric="step", step=3, severity="warning", message="stalled")]
 
     monkeypatch.setattr(monitor_module, "build_detectors",
-                        lambda config, names: [FiresOnTick()] if names == monitor_module.RANK_VIEW else [])
+                        lambda config, names, progress: [FiresOnTick()] if names == monitor_module.RANK_VIEW else [])
     processor = TelemetryProcessor(RunwatchConfig(), b"secret")
     for run in ("run-a", "run-b"):
         processor.process(StepEvent(run_id=run, step=3).to_json(), run.encode())
@@ -216,7 +216,7 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
             return []
 
     monkeypatch.setattr(monitor_module, "build_detectors",
-                        lambda config, names: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
+                        lambda config, names, progress: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
     wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
     processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
     sent = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)  # a backlog from three hours ago, read now

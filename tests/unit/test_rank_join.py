@@ -16,6 +16,7 @@ from runwatch.detectors.straggler import StragglerDetector
 from runwatch.producer.schema import (
     CategoryLoss,
     HeartbeatEvent,
+    JoinedStep,
     MemoryStats,
     RunStartEvent,
     StepEvent,
@@ -36,6 +37,16 @@ def step(rank: int, n: int, t: float, **fields) -> StepEvent:
 
 def beat(rank: int, n: int | None, t: float, phase: str = "train", in_sync: bool | None = None) -> HeartbeatEvent:
     return HeartbeatEvent(run_id=RUN, rank=rank, step=n, ts=at(t), phase=phase, in_sync=in_sync)
+
+
+def see(detector, event) -> list:  # noqa: ANN001
+    return detector.update(event, event.ts)
+
+
+def joined(n: int, t: float) -> JoinedStep:
+    """Step ``n``'s joined record, as the monitor gives it to a cross-rank detector after the ranks' step
+    events (the straggler reads its step)."""
+    return JoinedStep(run_id=RUN, step=n, ts=at(t), world_size=2, complete=True, ranks_reported=[0, 1])
 
 
 def test_sharded_norms_join_to_the_root_of_the_sum_of_squares():
@@ -163,8 +174,8 @@ def test_straggler_is_named_by_its_compute_time_not_its_equal_step_time():
     for n in range(30):
         for rank in range(3):
             compute = 0.30 if rank == 2 else 0.10 + 0.001 * rank
-            detector.update(step(rank, n, n, step_time_s=0.31, compute_s=compute))
-        found += detector.check(n)
+            see(detector, step(rank, n, n, step_time_s=0.31, compute_s=compute))
+        found += detector.update(joined(n, n), at(n))
     assert [(f.rank, f.detector) for f in found] == [(2, "straggler")]
     assert found[0].score == pytest.approx(0.1 / 0.3, rel=1e-3)
     assert found[0].evidence["fastest_rank"] == 0 and found[0].evidence["timed"] == "compute_s"
@@ -176,8 +187,8 @@ def test_straggler_stays_quiet_on_even_ranks_and_rearms_after_recovery():
     for n in range(100):
         slow = 20 <= n < 50 or n >= 75
         for rank in range(4):
-            detector.update(step(rank, n, n, step_time_s=0.5 if (rank == 1 and slow) else 0.2 + 0.01 * rank))
-        found += [(n, f.rank) for f in detector.check(n)]
+            see(detector, step(rank, n, n, step_time_s=0.5 if (rank == 1 and slow) else 0.2 + 0.01 * rank))
+        found += [(n, f.rank) for f in detector.update(joined(n, n), at(n))]
     assert [r for _, r in found] == [1, 1]  # two episodes, each reported once
     assert 20 < found[0][0] < 35 and 75 < found[1][0] < 90
 
@@ -187,14 +198,14 @@ def test_hung_rank_peers_waiting_in_sync():
     detector = HungRankDetector(HungRankConfig(floor_s=1.0), cfg.detectors.stall)
     for n in range(20):
         for rank in range(3):
-            detector.update(step(rank, n, n * 0.5))
+            see(detector, step(rank, n, n * 0.5))
     # step 19 done at 9.5 s; ranks 0 and 1 then wait in the gradient sync, rank 2 never arrives
     findings = []
     t = 9.5
     while t < 40:
         t += 1.0
         for rank in range(3):
-            detector.update(beat(rank, 19, t, in_sync=rank != 2))
+            see(detector, beat(rank, 19, t, in_sync=rank != 2))
         findings += [(t, f) for f in detector.tick(at(t))]
     ((when, finding),) = findings
     allowed = 3 * 0.5 + 10.0
@@ -207,22 +218,22 @@ def test_hung_rank_behind_while_others_advance_and_nothing_without_evidence():
     detector = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
         for rank in range(2):
-            detector.update(step(rank, n, n))
+            see(detector, step(rank, n, n))
     # rank 1 stops at step 9 but keeps beating; rank 0 goes on (no lockstep)
     findings = []
     for t in range(10, 40):
-        detector.update(step(0, t, t))
-        detector.update(beat(1, 9, t + 0.5))
+        see(detector, step(0, t, t))
+        see(detector, beat(1, 9, t + 0.5))
         findings += detector.tick(at(t + 0.5))
     assert [(f.rank, f.evidence["kind"]) for f in findings] == [(1, "behind")]
     # all ranks stuck together without in_sync evidence: not pinned on anyone
     other = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
         for rank in range(2):
-            other.update(step(rank, n, n))
+            see(other, step(rank, n, n))
     for t in range(10, 60):
         for rank in range(2):
-            other.update(beat(rank, 9, t))
+            see(other, beat(rank, 9, t))
         assert other.tick(at(t)) == []
 
 
@@ -230,10 +241,10 @@ def test_a_checkpoint_phase_is_not_a_hang():
     detector = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
         for rank in range(2):
-            detector.update(step(rank, n, n))
+            see(detector, step(rank, n, n))
     for t in range(10, 300):
-        detector.update(beat(0, 9, t, phase="checkpoint"))
-        detector.update(beat(1, 9, t, in_sync=True))
+        see(detector, beat(0, 9, t, phase="checkpoint"))
+        see(detector, beat(1, 9, t, in_sync=True))
         assert detector.tick(at(t)) == []
 
 
@@ -326,6 +337,6 @@ def test_straggler_one_step_back_over_the_threshold_does_not_start_a_new_episode
         blip = n in (30, 31, 32)  # the slow rank has three quick steps: its median dips for a moment
         for rank in range(2):
             slow = rank == 1 and not blip
-            detector.update(step(rank, n, n, step_time_s=0.5 if slow else 0.2))
-        found += [f.rank for f in detector.check(n)]
+            see(detector, step(rank, n, n, step_time_s=0.5 if slow else 0.2))
+        found += [f.rank for f in detector.update(joined(n, n), at(n))]
     assert found == [1]
