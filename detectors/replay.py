@@ -17,7 +17,7 @@ from runwatch.detectors.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.policy import ActionDecision
 from runwatch.producer.schema import Anomaly, SchemaError, StepEvent, TelemetryEvent, decode_event
 
-TICK_EVERY_S = 0.25  # the worker's timer period (streams/app.py), on event time
+TICK_EVERY_S = 0.25  # the worker's timer period (streams/worker/app.py), on event time
 MAX_TICKS_PER_GAP = 400_000  # a recording with a days-long gap must not tick forever
 
 

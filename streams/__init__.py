@@ -1,1 +1,1 @@
-"""The Faust worker, the embedded broker, the demo and the ``runwatch`` command line."""
+"""The Faust worker, the `runwatch` command line, the local stack, the demo and the scenario corpus."""

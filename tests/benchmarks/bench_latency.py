@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from runwatch.producer import ActionListener, RunWatch
-from runwatch.streams.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.demo import WorkerProcess
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.streams.local.worker_process import WorkerProcess
 
 
 def one_run(bootstrap: str, secret: str, index: int, warmup_steps: int, timeout: float) -> float | None:

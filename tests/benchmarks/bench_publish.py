@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from runwatch.producer import RunWatch
-from runwatch.streams.broker import EmbeddedBroker, ensure_topics, free_port
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 
 def time_calls(rw: RunWatch, calls: int) -> list[float]:

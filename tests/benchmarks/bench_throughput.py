@@ -30,7 +30,7 @@ from pathlib import Path
 
 from runwatch.producer import topics
 from runwatch.producer.schema import CategoryLoss, MemoryStats, StepEvent
-from runwatch.streams.broker import EmbeddedBroker, ensure_topics, free_port
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 
 class FinishClock:
@@ -61,7 +61,7 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
     from faust.worker import Worker
 
     from runwatch.detectors import RunwatchConfig
-    from runwatch.streams.app import create_app, faust_app
+    from runwatch.streams.worker.app import create_app, faust_app
 
     clock = FinishClock({int(p): end for p, end in json.loads(ends_json).items()}, Path(out))
     group = f"runwatch-bench-{role}-{secrets.token_hex(4)}"  # a fresh group reads from the start

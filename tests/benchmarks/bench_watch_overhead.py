@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from runwatch.producer import RunWatch
-from runwatch.streams.broker import EmbeddedBroker, ensure_topics, free_port
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 
 class TinyLM(nn.Module):

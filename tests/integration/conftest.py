@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from runwatch.producer import topics
-from runwatch.streams.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.demo import WorkerProcess
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.streams.local.worker_process import WorkerProcess
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import yaml
 
 from runwatch.producer import RunWatch, topics
 from runwatch.producer.schema import Anomaly, decode_anomaly
-from runwatch.streams.demo import WorkerProcess
+from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import read_topic
 

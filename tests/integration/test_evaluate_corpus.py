@@ -12,7 +12,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.evaluate import Corpus, evaluate_corpus
 from runwatch.detectors.findings import Finding
 from runwatch.producer.schema import EvalEvent, HeartbeatEvent, StepEvent
-from runwatch.streams.scenarios import generate
+from runwatch.streams.scenarios.corpus import generate
 
 pytestmark = pytest.mark.integration
 

@@ -28,9 +28,9 @@ from runwatch.detectors.replay import read_events, replay
 from runwatch.producer import topics
 from runwatch.producer.schema import DeadLetter, decode_action, decode_anomaly
 from runwatch.sinks import ClickHouseSink, SinkConsumer
-from runwatch.streams.broker import EmbeddedBroker, committed_offset, ensure_topics
-from runwatch.streams.demo import WorkerProcess
-from runwatch.streams.scenarios import generate
+from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics
+from runwatch.streams.local.worker_process import WorkerProcess
+from runwatch.streams.scenarios.corpus import generate
 
 from .conftest import eventually, read_topic
 from .poison import PoisonFactory

@@ -17,8 +17,8 @@ import yaml
 
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, Anomaly, JoinedStep
-from runwatch.streams.broker import free_port
-from runwatch.streams.demo import WorkerProcess
+from runwatch.streams.local.broker import free_port
+from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import read_topic
 

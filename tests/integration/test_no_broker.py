@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runwatch.producer import ActionListener, RunWatch
-from runwatch.streams.broker import free_port
+from runwatch.streams.local.broker import free_port
 
 pytestmark = pytest.mark.integration
 

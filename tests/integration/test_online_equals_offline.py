@@ -11,7 +11,7 @@ import pytest
 from runwatch.detectors.replay import read_events, replay
 from runwatch.producer import topics
 from runwatch.producer.schema import decode_anomaly
-from runwatch.streams.scenarios import generate
+from runwatch.streams.scenarios.corpus import generate
 from tests.integration.conftest import read_topic
 
 pytestmark = pytest.mark.integration

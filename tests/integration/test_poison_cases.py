@@ -38,8 +38,8 @@ from runwatch.producer.schema import (
     decode_action,
     decode_anomaly,
 )
-from runwatch.streams.broker import committed_offset
-from runwatch.streams.demo import WorkerProcess
+from runwatch.streams.local.broker import committed_offset
+from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import eventually, read_topic
 

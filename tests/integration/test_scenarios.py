@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from runwatch.producer.schema import decode_event
-from runwatch.streams.cli import main
-from runwatch.streams.scenarios import DETECTOR_FOR, FAULT_TYPES
+from runwatch.streams.cli.main import main
+from runwatch.streams.scenarios.catalog import DETECTOR_FOR, FAULT_TYPES
 
 pytestmark = pytest.mark.integration
 

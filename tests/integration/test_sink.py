@@ -79,7 +79,7 @@ def test_the_stored_payload_is_the_bytes_received(broker, chdb_dsn):
     """Not a re-serialisation: whitespace, key order, number spelling, escapes and unicode survive."""
     from datetime import UTC, datetime
 
-    from runwatch.streams.broker import committed_offset
+    from runwatch.streams.local.broker import committed_offset
 
     run_id = f"payload-{uuid.uuid4().hex[:8]}"
     ts = datetime.now(UTC).isoformat()

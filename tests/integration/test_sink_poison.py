@@ -25,7 +25,7 @@ from runwatch.producer import StepEvent, topics
 from runwatch.producer.schema import Anomaly, DeadLetter, JoinedStep, decode_anomaly, decode_event
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.clickhouse import COLUMN_BOUNDS, INT64, UINT32
-from runwatch.streams.broker import committed_offset
+from runwatch.streams.local.broker import committed_offset
 
 from .conftest import eventually, read_topic
 

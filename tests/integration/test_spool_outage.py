@@ -14,8 +14,8 @@ import pytest
 from runwatch.producer import RunWatch, StepEvent, topics
 from runwatch.producer.spool import DiskSpool
 from runwatch.sinks import ClickHouseSink
-from runwatch.streams.broker import free_port
-from runwatch.streams.demo import DemoOptions, run_demo
+from runwatch.streams.local.broker import free_port
+from runwatch.streams.demo.run import DemoOptions, run_demo
 
 from .conftest import read_topic
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from runwatch.producer.gradstats import ROOT_MODULE
 from runwatch.producer.schema import StepEvent
 from runwatch.producer.watch import Watcher
-from runwatch.streams.scenario_tasks import TinyAudioNet  # the corpus's bad_init_audio model
+from runwatch.streams.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
 from tests.unit.test_instrumentation import RecordingPublisher
 
 N_MELS, CLASSES = 40, 4  # TinyAudioNet's defaults

@@ -20,8 +20,8 @@ from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, Anomaly, CheckpointEvent, StepEvent
 from runwatch.producer.signing import verify_action
-from runwatch.streams.detector_process import DetectorProcess, DetectorProcessError, handle
-from runwatch.streams.processor import TelemetryProcessor
+from runwatch.streams.worker.detector_process import DetectorProcess, DetectorProcessError, handle
+from runwatch.streams.worker.processor import TelemetryProcessor
 
 SECRET = b"unit-test-secret-at-least-32-bytes-0123"
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -135,7 +135,7 @@ def test_the_child_exits_when_its_worker_is_killed(tmp_path):
     code = (
         "import os, sys, time\n"
         "from runwatch.detectors.config import RunwatchConfig\n"
-        "from runwatch.streams.detector_process import DetectorProcess\n"
+        "from runwatch.streams.worker.detector_process import DetectorProcess\n"
         "if __name__ == '__main__':\n"
         "    d = DetectorProcess(RunwatchConfig(), b's')\n"
         "    d.wait_ready(60)\n"

@@ -32,7 +32,7 @@ from runwatch.producer.schema import (
     decode_anomaly,
     decode_event,
 )
-from runwatch.streams.processor import TelemetryProcessor
+from runwatch.streams.worker.processor import TelemetryProcessor
 
 T0 = datetime(2026, 5, 1, tzinfo=UTC)
 

@@ -16,7 +16,7 @@ from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer.schema import CheckpointEvent, CheckpointRef, RunEndEvent, StepEvent
 from runwatch.producer.signing import verify_action
 from runwatch.producer.topics import TELEMETRY
-from runwatch.streams.processor import TelemetryProcessor
+from runwatch.streams.worker.processor import TelemetryProcessor
 
 SECRET = b"unit-test-secret-at-least-32-bytes-0123"
 WALL = datetime(2030, 1, 1, 0, 0, 0, tzinfo=UTC)
@@ -39,7 +39,7 @@ def _step(step: int, loss: float = 1.0, run_id: str = "run-1") -> bytes:
 
 def test_importing_the_processor_needs_no_broker_or_faust():
     code = (
-        "import sys, runwatch.streams.processor as p; "
+        "import sys, runwatch.streams.worker.processor as p; "
         "print(sorted(m for m in ('faust', 'kafka', 'aiokafka', 'clickhouse_connect') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -29,7 +29,7 @@ from typing import Any
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
-from runwatch.streams.processor import ProcessResult, TelemetryProcessor, WorkerCounters
+from runwatch.streams.worker.processor import ProcessResult, TelemetryProcessor, WorkerCounters
 
 log = logging.getLogger("runwatch.worker")
 

@@ -56,7 +56,7 @@ class EmbeddedBroker:
     """A Tansu broker process on a free loopback port. Use as a context manager.
 
     ``advertised`` (host:port) is the address the broker tells clients to connect to, when it
-    is not the listening one: e.g. a :class:`~runwatch.streams.netcut.NetCut` proxy in front.
+    is not the listening one: e.g. a :class:`~runwatch.streams.local.netcut.NetCut` proxy in front.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None,

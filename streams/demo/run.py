@@ -2,18 +2,14 @@
 
 Starts what is missing (embedded broker, a Faust worker process, the ClickHouse sink
 in this process, since an embedded chdb path belongs to one process), trains a real
-model with a fault, takes the actions, waits until every published event is stored,
-shuts everything down and reports what happened, read back from ClickHouse.
+model with a catalog scenario's fault, takes the actions, waits until every published
+event is stored, shuts everything down and reports what happened, read back from ClickHouse.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,14 +20,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runwatch.producer import ActionListener, RunWatch, topics
+from runwatch.producer import ActionListener, AppliedAction, RunWatch, topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
-from runwatch.streams.app import DETECT_GROUP
-from runwatch.streams.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
-from runwatch.streams.demo_training import TrainingConfig, TrainingResult, default_fault_step, train
-from runwatch.streams.netcut import NetCut
-from runwatch.streams.scenario_clocks import SimulatedClock
-from runwatch.streams.scenarios import SCENARIOS, run_scenario
+from runwatch.streams.demo.training import TrainingConfig, default_fault_step, train
+from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
+from runwatch.streams.local.netcut import NetCut
+from runwatch.streams.local.worker_process import WorkerProcess, wait_until
+from runwatch.streams.scenarios.catalog import SCENARIOS, Scenario
+from runwatch.streams.scenarios.clocks import SimulatedClock
+from runwatch.streams.scenarios.live import TrainingResult
+from runwatch.streams.scenarios.training import run_scenario
+from runwatch.streams.worker.app import DETECT_GROUP
 
 STATE_DIR = Path(".runwatch")
 
@@ -65,96 +64,30 @@ def outage_steps(window: tuple[float, float], steps: int) -> tuple[int, int]:
     return cut_at, max(cut_at + 1, round(end * steps))
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise DemoError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-class WorkerProcess:
-    """``runwatch worker`` as a child process, stopped by pid."""
-
-    def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None,
-                 group: str | None = None, extra_args: tuple[str, ...] = ()):
-        self.ready_file = log_path.with_suffix(".ready")
-        self.ready_file.unlink(missing_ok=True)
-        self.web_port = free_port()
-        cmd = [sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", bootstrap,
-               "--web-port", str(self.web_port), "--web-host", "127.0.0.1", "--ready-file", str(self.ready_file)]
-        if config_path is not None:
-            cmd += ["--config", str(config_path)]
-        if group is not None:
-            cmd += ["--group", group]
-        cmd += list(extra_args)
-        env = dict(os.environ, **{topics.SECRET_ENV: secret})
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        def ready() -> bool:
-            if self.process.poll() is not None:
-                raise DemoError(f"the worker exited with {self.process.returncode}; see {self.log_path}")
-            return self.ready_file.exists()
-
-        wait_until(ready, timeout, "the worker to join its consumer group")
-
-        def answering() -> bool:  # (the ready file can come before the health endpoint listens)
-            try:
-                self.health("/livez", timeout=1.0)
-                return True
-            except OSError:
-                return False
-
-        wait_until(answering, timeout, "the worker's health endpoint")
-
-    def health(self, path: str = "/health", timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
-        """GET the worker's health endpoint: (HTTP status, JSON body)."""
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}{path}", timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self._log.close()
-        self.ready_file.unlink(missing_ok=True)
-
-
-def _run_recorded_scenario(name: str, rw: RunWatch,
-                           on_step: Callable[[int, float], None] | None) -> tuple[TrainingResult, int | None]:
-    """One of `runwatch scenarios generate`'s real training runs, streamed live to the worker.
+def _run_recorded_scenario(sc: Scenario, rw: RunWatch, listener: ActionListener,
+                           on_step: Callable[[int, float], None] | None,
+                           on_action: Callable[[AppliedAction], None]) -> tuple[TrainingResult, int | None]:
+    """One of `runwatch scenarios generate`'s real training runs, streamed live to the worker,
+    whose actions it takes (a rollback restores the run's in-memory checkpoint).
 
     It runs on a simulated clock that starts now (a 3-minute hang takes no real time): the
     events carry simulated timestamps and the worker judges time on event time, as replay does.
     """
     sim = SimulatedClock(start=datetime.now(UTC))
     rw.clock = sim.now
-    outcome = run_scenario(SCENARIOS[name], rw, sim, on_step=on_step)
-    result = TrainingResult(steps_completed=outcome.steps, steps_executed=outcome.steps)
-    return result, outcome.onset_step
+    outcome = run_scenario(sc, rw, sim, on_step=on_step, listener=listener, on_action=on_action)
+    return outcome.live, outcome.onset_step
 
 
 def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
              on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     run_id = f"demo-{opts.scenario}-{uuid.uuid4().hex[:8]}"
-    if opts.scenario in SCENARIOS and opts.broker_outage is not None:
-        raise DemoError("--broker-outage works with the healthy, nan and grad-spike scenarios")
-    fault_step = None if opts.scenario == "healthy" else (opts.fault_step or default_fault_step(opts.steps))
+    if opts.scenario not in SCENARIOS:
+        raise DemoError(f"unknown scenario {opts.scenario!r}; choose one of {', '.join(SCENARIOS)}")
+    sc = SCENARIOS[opts.scenario]
+    fault_step = None if sc.fault == "healthy" else (opts.fault_step or default_fault_step(opts.steps))
     if fault_step is not None and not 1 <= fault_step <= opts.steps:
         raise DemoError(f"fault step {fault_step} is outside 1..{opts.steps}")
     secret = os.environ.get(topics.SECRET_ENV) or secrets.token_hex(32)
@@ -214,10 +147,10 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         wait_until(sink_consumer.assigned.is_set, 60, "the sink to join its consumer group")
         wait_until(lambda: listener.wait_ready(0.1), 30, "the action listener")
 
-        cfg = TrainingConfig(scenario=opts.scenario, steps=opts.steps, fault_step=fault_step,
+        cfg = TrainingConfig(scenario=sc, steps=opts.steps, fault_step=fault_step,
                              step_interval_s=opts.step_interval_s, checkpoint_dir=STATE_DIR / "checkpoints")
 
-        def on_action(applied) -> None:  # noqa: ANN001
+        def on_action(applied: AppliedAction) -> None:
             a = applied.action
             extra = f" to step {applied.to_step}" if applied.to_step is not None else ""
             log(f"trainer {applied.outcome} {a.kind}{extra}: {a.reason}")
@@ -235,8 +168,8 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
                 if on_step is not None:
                     on_step(step, loss)
 
-        if opts.scenario in SCENARIOS:
-            result, fault_step = _run_recorded_scenario(opts.scenario, rw, step_hook)
+        if sc.recorded:
+            result, fault_step = _run_recorded_scenario(sc, rw, listener, step_hook, on_action)
         else:
             result = train(cfg, rw, listener, on_step=step_hook, on_action=on_action)
         if netcut is not None and netcut.is_cut:  # the run ended (or stopped) inside the window
@@ -261,18 +194,8 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         stop_sink()
 
         counts = sink.run_counts(run_id)
-        anomalies = [
-            {"detector": d, "step": s, "severity": sev, "rank": r, "message": m}
-            for d, s, sev, r, m in sink.query(
-                "SELECT detector, step, severity, rank, message FROM {db}.anomalies FINAL "
-                "WHERE run_id = %(run)s ORDER BY step, detector", {"run": run_id})
-        ]
-        actions = [
-            {"kind": k, "step": s, "action_id": a, "reason": why}
-            for k, s, a, why in sink.query(
-                "SELECT kind, step, action_id, reason FROM {db}.actions FINAL "
-                "WHERE run_id = %(run)s ORDER BY issued_at", {"run": run_id})
-        ]
+        anomalies = sink.run_anomalies(run_id)
+        actions = sink.run_actions(run_id)
 
     return {
         "run_id": run_id,

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from faust.sensors import Sensor
 
-from runwatch.streams.detector_process import DetectorProcess
+from runwatch.streams.worker.detector_process import DetectorProcess
 
 log = logging.getLogger("runwatch.worker")
 

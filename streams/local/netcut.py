@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from runwatch.streams.broker import free_port
+from runwatch.streams.local.broker import free_port
 
 _CHUNK = 64 * 1024
 

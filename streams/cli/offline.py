@@ -8,17 +8,9 @@ from pathlib import Path
 import click
 import orjson
 
+from runwatch.streams.cli.options import cli_config
+
 CONFIG_HELP = "detector/policy YAML (default: the built-in defaults)"
-
-
-def cli_config(path: str | None):  # noqa: ANN201 - a RunwatchConfig, imported late (the CLI starts fast)
-    """The detector/policy config at ``path`` (the defaults if None); a bad file is a usage error."""
-    from runwatch.detectors import ConfigError, load_config
-
-    try:
-        return load_config(path)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def _dump(obj: object) -> None:

@@ -1,5 +1,5 @@
 """The Faust application: consumes telemetry as raw bytes, has the detector process run the
-processor on it (streams/detector_process.py), and publishes the results.
+processor on it (streams/worker/detector_process.py), and publishes the results.
 
 Built by ``create_app`` (not at import time) so that the bootstrap, config and secret
 come from the command line. ``run_worker`` starts it in this process.
@@ -17,9 +17,14 @@ import faust
 from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.replay import TICK_EVERY_S
 from runwatch.producer import topics
-from runwatch.streams import transport
-from runwatch.streams.detector_process import REPLY_TIMEOUT_S, DetectorProcess, DetectorProcessError, Outgoing
-from runwatch.streams.health import CommitSensor, WorkerHealth, serve_health
+from runwatch.streams.worker import transport
+from runwatch.streams.worker.detector_process import (
+    REPLY_TIMEOUT_S,
+    DetectorProcess,
+    DetectorProcessError,
+    Outgoing,
+)
+from runwatch.streams.worker.health import CommitSensor, WorkerHealth, serve_health
 
 log = logging.getLogger("runwatch.worker")
 
@@ -32,7 +37,7 @@ MAX_BATCHES_IN_FLIGHT = 6  # batches sent to the detector process and not yet an
 
 
 def faust_broker_url(bootstrap: str) -> str:
-    # runwatch:// is Faust's Kafka transport with a short fetch wait (streams/transport.py)
+    # runwatch:// is Faust's Kafka transport with a short fetch wait (streams/worker/transport.py)
     return ";".join(f"{transport.SCHEME}://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
 
 
@@ -82,7 +87,7 @@ def create_app(
     comes back. Events are acknowledged (their offsets committed) only once their results are
     delivered. Whatever stops progress (the detector process dies or stops answering, results cannot
     be published) fails the worker: it exits non-zero and its successor reads the events again.
-    ``web_port`` serves the health endpoint (streams/health.py); None turns it off."""
+    ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off."""
     app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")

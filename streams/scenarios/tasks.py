@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from runwatch.streams.scenarios import Scenario
+    from runwatch.streams.scenarios.catalog import Scenario
 
 CATEGORIES = ("en", "de", "fr", "es", "it", "pt", "nl", "sv")
 CATEGORY_SHARE = (0.25, 0.2, 0.15, 0.12, 0.1, 0.08, 0.06, 0.04)
@@ -101,6 +101,7 @@ class Task:
     """A model, its data (a pure function of the step) and its per-sample loss."""
 
     names: tuple[str, ...] = CATEGORIES
+    classes = 10
     tokens = False
 
     def __init__(self, seed: int, batch: int):
@@ -155,6 +156,7 @@ class MLPTask(Task):
 
 class CNNTask(Task):
     names = CATEGORIES[:6]
+    classes = 8
 
     def __init__(self, seed: int, batch: int):
         super().__init__(seed, batch)
@@ -176,6 +178,7 @@ class TransformerTask(Task):
     """Next-token prediction; each category's sequences follow their own rule ``t' = (a t + b) mod 32``."""
 
     names = CATEGORIES[:6]
+    classes = 32
     tokens = True
 
     def __init__(self, seed: int, batch: int, length: int = 32):
@@ -202,6 +205,7 @@ class TransformerTask(Task):
 
 class AudioTask(Task):
     names = ("speech", "music", "noise", "silence")
+    classes = 4
 
     def __init__(self, seed: int, batch: int, fixed: bool):
         super().__init__(seed, batch)

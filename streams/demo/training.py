@@ -1,4 +1,4 @@
-"""A real, small PyTorch training run with a fault injected at a known step.
+"""The demo's regressor: a real, small PyTorch training run with a catalog fault injected at a known step.
 
 The model is a small MLP regressor on data generated locally from a fixed teacher
 network; batches are a pure function of the step, so a rollback replays the same data.
@@ -10,20 +10,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from runwatch.producer import ActionListener, AppliedAction, RunWatch, category_loss, save_checkpoint
-
-SCENARIOS = ("healthy", "nan", "grad-spike")
+from runwatch.streams.scenarios.catalog import SCENARIOS, Scenario
+from runwatch.streams.scenarios.faults import FaultRun, Healthy
+from runwatch.streams.scenarios.live import TrainingResult
+from runwatch.streams.scenarios.tasks import Batch
 
 
 @dataclass
 class TrainingConfig:
-    scenario: str = "healthy"
+    scenario: Scenario = SCENARIOS["healthy"]  # a catalog scenario of the regressor
     steps: int = 300
     fault_step: int | None = None
     checkpoint_every: int = 25
@@ -33,17 +35,6 @@ class TrainingConfig:
     clip: float = 1.0
     seed: int = 0
     checkpoint_dir: Path = Path(".runwatch/checkpoints")
-
-
-@dataclass
-class TrainingResult:
-    steps_completed: int = 0
-    steps_executed: int = 0
-    rollbacks: list[dict] = field(default_factory=list)
-    applied: list[AppliedAction] = field(default_factory=list)
-    final_loss: float | None = None
-    nonfinite_after_last_rollback: int = 0
-    stopped: bool = False
 
 
 def default_fault_step(steps: int) -> int:
@@ -75,8 +66,8 @@ def train(
     on_step: Callable[[int, float], None] | None = None,
     on_action: Callable[[AppliedAction], None] | None = None,
 ) -> TrainingResult:
-    if cfg.scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {cfg.scenario!r}; choose one of {', '.join(SCENARIOS)}")
+    if cfg.scenario.model != "regressor":
+        raise ValueError(f"{cfg.scenario.name!r} is not a scenario of the demo's regressor")
     torch.manual_seed(cfg.seed)
     teacher = DemoModel()
     model = DemoModel()
@@ -94,34 +85,33 @@ def train(
             save_checkpoint(str(path), model, optimizer, step=step)
         rw.checkpoint(step, str(path))
 
+    fault = cfg.scenario.injector.for_run()
+    fault.start(FaultRun(onset=cfg.fault_step, steps=cfg.steps, model=model, seed=cfg.seed))
+    after_fault = Healthy()  # the fault fires once: a replay after a rollback is clean
+    after_fault.start(FaultRun(onset=None, steps=cfg.steps, model=model, seed=cfg.seed))
     result = TrainingResult()
-    fault_fired = False
+    fired = False
     checkpoint(0)
     step = 0
     while step < cfg.steps:
         step += 1
         started = time.perf_counter()
+        injector = after_fault if fired else fault
+        fired = fired or step == cfg.fault_step
         x, y = make_batch(teacher, step, cfg.batch_size, cfg.seed)
-        inject = cfg.scenario != "healthy" and step == cfg.fault_step and not fault_fired
-        if inject and cfg.scenario == "grad-spike":
-            x = x * 200.0  # a corrupted batch: activations and gradients blow up for one step
-        per_sample = (model(x) - y) ** 2
-        loss = per_sample.mean()
-        if inject and cfg.scenario == "nan":
-            loss = loss * float("nan")  # e.g. a log(0) in a custom loss; poisons the weights
-        fault_fired = fault_fired or inject
+        batch = injector.corrupt(None, Batch(x, y, (x[:, 0] > 0).long()), step)
+        out = injector.forward(model, batch.x, step)
+        per_sample = (out - batch.y) ** 2
+        loss = injector.loss(per_sample.mean(), out, step)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        injector.backward_loss(loss, per_sample, batch, step).backward()
         optimizer.step()
         loss_value = float(loss.detach())
-        result.steps_executed += 1
-        if result.rollbacks and not math.isfinite(loss_value):
-            result.nonfinite_after_last_rollback += 1
+        result.step_executed(loss_value)
         # two data categories (by the sign of the first feature), to show per-category loss
-        categories = category_loss(per_sample.detach(), (x[:, 0] > 0).long(), names=["neg", "pos"])
+        categories = category_loss(per_sample.detach(), batch.cat, names=["neg", "pos"])
         watch.end_step(loss, step=step, samples=cfg.batch_size, category_loss=categories)
         elapsed = time.perf_counter() - started
-        result.final_loss = loss_value
         if on_step is not None:
             on_step(step, loss_value)
         if step % cfg.checkpoint_every == 0 and math.isfinite(loss_value):
@@ -130,16 +120,7 @@ def train(
             time.sleep(cfg.step_interval_s - elapsed)
         if listener is None:
             continue
-        for applied in listener.poll(step):
-            result.applied.append(applied)
-            if on_action is not None:
-                on_action(applied)
-            if applied.kind == "rollback" and applied.outcome == "applied" and applied.to_step is not None:
-                result.rollbacks.append({"from_step": step, "to_step": applied.to_step, "action_id": applied.action.action_id})
-                result.nonfinite_after_last_rollback = 0
-                step = applied.to_step
-            elif applied.kind == "stop":
-                result.stopped = True
+        step = result.take(listener.poll(step), step, on_action)
         if result.stopped:
             break
     watch.close()

@@ -1,0 +1,22 @@
+"""The ``runwatch`` command line: broker, worker, sink, remediate, demo, scenarios, config, replay, evaluate,
+calibrate; each command group in its own module, imported lazily inside the command (the CLI starts fast)."""
+
+from __future__ import annotations
+
+import click
+
+from runwatch.streams.cli import broker, config, demo, offline, remediate, scenarios, sink, worker
+
+
+@click.group()
+def main() -> None:
+    """runwatch: see training regressions while the run is still going, and act on them."""
+
+
+for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,
+                config.config, offline.replay, offline.evaluate, offline.calibrate):
+    main.add_command(command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""``runwatch scenarios generate``: the labelled corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def scenarios() -> None:
+    """Labelled training scenarios (faults and healthy runs) recorded as telemetry JSONL."""
+
+
+@scenarios.command("generate")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--only", "only", multiple=True, metavar="NAME", help="record only this scenario (repeatable)")
+@click.option("--quick", is_flag=True, help="far fewer steps per scenario (for tests)")
+def scenarios_generate(out_dir: str, only: tuple[str, ...], quick: bool) -> None:
+    """Train every scenario on the CPU and write OUT_DIR/<name>.jsonl and OUT_DIR/labels.json."""
+    import time
+
+    from runwatch.streams.scenarios.catalog import CORPUS
+    from runwatch.streams.scenarios.corpus import generate
+
+    recorded = [sc.name for sc in CORPUS]
+    unknown = [n for n in only if n not in recorded]
+    if unknown:
+        raise click.BadParameter(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(recorded)}",
+                                 param_hint="--only")
+    total = len(only) or len(CORPUS)
+    done = [0]
+
+    def progress(name: str, label: dict, seconds: float) -> None:
+        done[0] += 1
+        onset = "" if label["onset_step"] is None else f" onset step {label['onset_step']}"
+        click.echo(f"[{done[0]:2d}/{total}] {name:36s} {label['fault']:22s} {label['steps']:4d} steps{onset}"
+                   f"  ({seconds:.1f} s)")
+
+    started = time.perf_counter()
+    labels = generate(out_dir, list(only) or None, quick=quick, progress=progress)
+    faults = sum(1 for lab in labels if lab["fault"] != "healthy")
+    click.echo(f"{len(labels)} scenarios ({faults} faults, {len(labels) - faults} healthy) in "
+               f"{time.perf_counter() - started:.1f} s -> {Path(out_dir) / 'labels.json'}")

@@ -1,0 +1,34 @@
+"""``runwatch sink``: telemetry, anomalies, actions and dead letters into ClickHouse."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from runwatch.producer import topics
+from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
+from runwatch.streams.cli.signals import run_until_signalled
+
+
+@click.command()
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
+@click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
+@click.option("--batch-size", type=int, default=2000, show_default=True)
+@click.option("--batch-interval", type=float, default=1.0, show_default=True, help="seconds")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers')")
+def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float, config_path: str | None) -> None:
+    """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink)."""
+    from runwatch.sinks import ClickHouseSink, SinkConsumer
+
+    limits = cli_config(config_path).limits
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = ClickHouseSink(dsn)
+    applied = store.migrate()
+    click.echo(f"ClickHouse {store.dsn}: schema v{store.schema_version()} (applied now: {applied or 'none'})")
+    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits)
+    run_until_signalled(consumer, store)
+    stats = consumer.stats
+    click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "
+               f"dead-lettered {dict(stats.deadlettered)}, dead letters not published {stats.deadletter_errors}")

@@ -1,0 +1,1 @@
+"""`runwatch demo`: the whole loop on one machine, with any catalog scenario."""

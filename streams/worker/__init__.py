@@ -1,0 +1,1 @@
+"""The detection worker: the Faust app, its transport, the detector process and its health endpoint."""
