@@ -8,11 +8,14 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from runwatch.producer.wire.schema import utc_now
+
+if TYPE_CHECKING:
+    from runwatch.sinks.clickhouse import ClickHouseSink
 
 OUTPUT_LIMIT = 4000  # characters of a command's output (its tail) or a webhook's response kept
 
@@ -39,7 +42,7 @@ class Execution:
     finished_at: datetime = field(default_factory=utc_now)
     execution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def row(self) -> tuple:
+    def row(self) -> tuple[Any, ...]:
         return (self.execution_id, self.action_id, self.run_id, self.kind, self.target, self.target_key,
                 self.argv, self.url, self.status, self.exit_code, self.output, self.started_at, self.finished_at)
 
@@ -47,7 +50,7 @@ class Execution:
 class RemediationStore:
     """The ``remediations`` table and the run metadata lookup, on a ``ClickHouseSink``."""
 
-    def __init__(self, sink: Any):
+    def __init__(self, sink: ClickHouseSink):
         self.sink = sink
 
     def done_keys(self) -> set[tuple[str, str]]:
