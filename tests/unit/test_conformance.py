@@ -1,20 +1,26 @@
 """The conformance suite every registered detector runs through (in the spirit of river's
 ``check_estimator``): a new detector gets these tests by being registered.
 
-For each detector driven per rank or on the joined step (cross-rank detectors have their own tests
-in test_detectors_state.py and test_rank_join.py), on one seeded stream that is healthy for 200
-steps and then goes wrong in every way the built-in detectors look for (a loss spike that stays,
-one module's gradient, the update size, the step time, the data wait, memory, one category, a NaN;
-the validation loss worsens earlier, from step 100):
+Each detector is driven as the monitor drives its view: a rank or joined-view detector on one
+seeded single-rank stream that is healthy for 200 steps and then goes wrong in every way those
+detectors look for (a loss spike that stays, one module's gradient, the update size, the step
+time, the data wait, memory, one category, a NaN; the validation loss worsens earlier, from step
+100; at the end the steps stop while the heartbeats go on: a stall); a cross-rank detector on a
+seeded three-rank stream in lockstep (every rank's events, and each joined step's record from a
+real ``StepJoin``) where one rank becomes a straggler at step 200 and another hangs at the end,
+its peers waiting for it in the gradient synchronisation:
 
 - nothing during the warm-up (the first 20 steps);
 - the same input gives the same findings;
 - events of kinds it does not read (checkpoints, acks, run start) change nothing;
 - its state pickles mid-stream and resumes with exactly the findings of an uninterrupted run;
 - the stream's faults are found by the detectors that look for them (so the checks above compare
-  something).
-
-Not here yet (issue 13): a fault replayed after a rollback, for every detector.
+  something);
+- a fault replayed after a rollback is found again. Step-indexed detectors: through the monitor,
+  which rewinds them to the restored checkpoint. Liveness detectors (stall, hung rank) are about
+  time, not steps, and are not rewound: the step going back is progress, which re-arms them, so a
+  stall or a hang in the replay is found again. The straggler is about a rank's speed: the replay's
+  healthy steps re-arm it, and the rank slowing down again is found again.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import pytest
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.monitor import RunMonitor
+from runwatch.detectors.rank_join import StepJoin
 from runwatch.producer.schema import (
     ActionAckEvent,
     CategoryLoss,
@@ -43,8 +50,9 @@ from runwatch.producer.schema import (
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 ONSET = 200
 STEPS = 320
-SPECS = [s for s in registry.specs() if s.view != "cross_rank"]
+SPECS = registry.specs()
 MiB = 1 << 20
+RANKS = 3  # the cross-rank stream's
 
 
 def stream(seed: int = 0) -> list:
@@ -79,21 +87,68 @@ def stream(seed: int = 0) -> list:
         if step % 20 == 19:
             val = 1.2 * (1 + 0.5 * max(0, step - 100) / 40)  # overfits from step 100
             events.append(EvalEvent(run_id="conf", step=step, ts=t, event_id=f"e{step}", loss=val))
+    for beat in range(1, 25):  # the steps stop, the heartbeats go on: a stall
+        ts = t + timedelta(seconds=1.25 * beat)
+        events.append(HeartbeatEvent(run_id="conf", step=STEPS - 1, ts=ts, event_id=f"hs{beat}", interval_s=1.25))
+    return events
+
+
+HANG = 280  # the cross-rank stream's last step: then rank 1 hangs
+
+
+def multi_rank_stream(seed: int = 0) -> list:
+    """Three ranks in lockstep (every step time the same), healthy; from ONSET rank 2 computes 3x
+    longer (a straggler: its ``compute_s`` is its own), and after step HANG rank 1 stops while every
+    rank beats on, ranks 0 and 2 waiting for it in the gradient synchronisation."""
+    rng = random.Random(seed)
+    events, t = [RunStartEvent(run_id="conf", ts=T0, world_size=RANKS, event_id="start")], T0
+    for step in range(HANG + 1):
+        t += timedelta(seconds=0.25 * math.exp(rng.gauss(0, 0.02)))
+        for rank in range(RANKS):
+            compute = 0.1 * math.exp(rng.gauss(0, 0.05)) * (3 if rank == 2 and step >= ONSET else 1)
+            events.append(StepEvent(run_id="conf", rank=rank, step=step, ts=t + timedelta(milliseconds=rank),
+                                    event_id=f"s{step}r{rank}", loss=1.0, step_time_s=0.25, compute_s=compute))
+            if step % 5 == 0:
+                events.append(HeartbeatEvent(run_id="conf", rank=rank, step=step, ts=t + timedelta(milliseconds=rank),
+                                             event_id=f"h{step}r{rank}", interval_s=1.25))
+    for beat in range(1, 25):
+        for rank in range(RANKS):
+            events.append(HeartbeatEvent(run_id="conf", rank=rank, step=HANG, ts=t + timedelta(seconds=1.25 * beat),
+                                         event_id=f"hh{beat}r{rank}", interval_s=1.25, in_sync=rank != 1))
     return events
 
 
 def noise_events(event) -> list:  # noqa: ANN001
-    """Events of kinds no detector reads, at the same time."""
-    return [CheckpointEvent(run_id="conf", step=getattr(event, "step", 0) or 0, uri="/c", ts=event.ts),
-            ActionAckEvent(run_id="conf", action_id="x", outcome="applied", ts=event.ts)]
+    """Events of kinds no detector reads, from the same rank at the same time."""
+    return [CheckpointEvent(run_id="conf", rank=event.rank, step=getattr(event, "step", 0) or 0, uri="/c",
+                            ts=event.ts),
+            ActionAckEvent(run_id="conf", rank=event.rank, action_id="x", outcome="applied", ts=event.ts)]
 
 
-def run(detector, events) -> list:  # noqa: ANN001
-    findings = []
-    for event in events:
-        findings += detector.update(event, event.ts)
-        findings += detector.tick(event.ts)
-    return findings
+class Feed:
+    """Drives one detector as the monitor drives its view: a cross-rank detector also gets each
+    joined step's record, after the rank step event that completed it."""
+
+    def __init__(self, spec: registry.DetectorSpec):
+        self.join: StepJoin | None = None
+        if spec.view == "cross_rank":
+            self.join = StepJoin("conf")
+            self.join.set_world_size(RANKS)
+
+    def run(self, detector, events) -> list:  # noqa: ANN001
+        findings = []
+        for event in events:
+            findings += detector.update(event, event.ts)
+            if self.join is not None and isinstance(event, StepEvent):
+                for joined in self.join.add(event):
+                    findings += detector.update(joined.record, joined.event.ts)
+            findings += detector.tick(event.ts)
+        return findings
+
+
+def run(spec, events) -> list:  # noqa: ANN001
+    """A fresh detector of ``spec`` over ``events``."""
+    return Feed(spec).run(build(spec), events)
 
 
 def build(spec):  # noqa: ANN001
@@ -101,38 +156,46 @@ def build(spec):  # noqa: ANN001
 
 
 EVENTS = stream()
+MULTI_RANK = multi_rank_stream()
+
+
+def events_for(spec) -> list:  # noqa: ANN001
+    return MULTI_RANK if spec.view == "cross_rank" else EVENTS
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_nothing_during_warm_up_and_the_same_input_gives_the_same_findings(spec):
-    warm = [e for e in EVENTS if getattr(e, "step", 0) is not None and (getattr(e, "step", 0) or 0) < 20]
-    assert run(build(spec), warm) == []
-    assert run(build(spec), EVENTS) == run(build(spec), EVENTS)
+    events = events_for(spec)
+    warm = [e for e in events if getattr(e, "step", 0) is not None and (getattr(e, "step", 0) or 0) < 20]
+    assert run(spec, warm) == []
+    assert run(spec, events) == run(spec, events)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_events_of_kinds_it_does_not_read_change_nothing(spec):
-    start = RunStartEvent(run_id="conf", ts=T0, event_id="start")
-    mixed = [start] + [x for e in EVENTS for x in (e, *noise_events(e))]
-    assert run(build(spec), mixed) == run(build(spec), EVENTS)
+    events = [e for e in events_for(spec) if not isinstance(e, RunStartEvent)]
+    start = RunStartEvent(run_id="conf", ts=T0, event_id="start", world_size=RANKS if spec.view == "cross_rank" else 1)
+    mixed = [start] + [x for e in events for x in (e, *noise_events(e))]
+    assert run(spec, mixed) == run(spec, events)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_state_pickles_mid_stream_and_resumes_with_the_same_findings(spec):
-    whole = run(build(spec), EVENTS)
-    cut = len(EVENTS) * 2 // 3  # inside the faulty part: open episodes, cooldowns, watches
-    first = build(spec)
-    before = run(first, EVENTS[:cut])
+    events = events_for(spec)
+    whole = run(spec, events)
+    cut = len(events) * 3 // 4  # inside the faulty part: open episodes, cooldowns, watches
+    feed, first = Feed(spec), build(spec)
+    before = feed.run(first, events[:cut])
     resumed = pickle.loads(pickle.dumps(first))
-    assert before + run(resumed, EVENTS[cut:]) == whole
+    assert before + feed.run(resumed, events[cut:]) == whole
 
 
 EXPECTED = {"non_finite", "loss_spike", "module_grad_explosion", "update_ratio", "throughput_drift", "data_wait",
-            "memory_growth", "category_divergence", "val_vs_train"}
+            "memory_growth", "category_divergence", "val_vs_train", "stall", "straggler", "hung_rank"}
 
 
 def test_the_stream_faults_are_found_so_the_checks_compare_something():
-    found = {spec.name for spec in SPECS if run(build(spec), EVENTS)}
+    found = {spec.name for spec in SPECS if run(spec, events_for(spec))}
     assert EXPECTED <= found, EXPECTED - found
 
 
@@ -156,8 +219,11 @@ REPLAYED = replayed_stream()
 ACK = next(i for i, e in enumerate(REPLAYED) if e.event_id == "ack")
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if s.name in EXPECTED - {"val_vs_train", "non_finite"}],
-                         ids=lambda s: s.name)
+STEP_INDEXED = [s for s in SPECS if s.name in EXPECTED - {"val_vs_train", "non_finite"} and not s.episodic
+                and s.view != "cross_rank"]
+
+
+@pytest.mark.parametrize("spec", STEP_INDEXED, ids=lambda s: s.name)
 def test_a_fault_replayed_after_a_rollback_is_found_again(spec):
     """Through the monitor, which rewinds the detectors to the restored checkpoint (rewind.py): a
     long fault seen before the rollback must not hide its replay."""
@@ -181,3 +247,42 @@ def test_a_detector_whose_state_does_not_pickle_costs_its_rewind_not_the_run():
     for event in REPLAYED[:ACK]:
         monitor.observe(event)
     assert monitor.snapshots.unpicklable == 1 and monitor.snapshots.steps == []
+
+
+def rolled_back(events: list, to_step: int, replay_from: int) -> list:
+    """``events``, then every rank's ack of a rollback to ``to_step`` and the events from step
+    ``replay_from`` on (``step`` of a heartbeat included) again, with time going on."""
+    again = [e for e in events if (getattr(e, "step", None) or 0) > replay_from and not isinstance(e, RunStartEvent)]
+    shift = events[-1].ts - again[0].ts + timedelta(seconds=1)
+    ranks = sorted({e.rank for e in events})
+    acks = [ActionAckEvent(run_id="conf", rank=r, action_id="rb-1", action_kind="rollback", outcome="applied",
+                           to_step=to_step, ts=events[-1].ts, event_id=f"ack{r}") for r in ranks]
+    return events + acks + [e.model_copy(update={"ts": e.ts + shift, "event_id": f"r{e.event_id}"}) for e in again]
+
+
+def monitor_findings(events: list, detector: str) -> list:
+    """The anomalies of ``detector`` when a monitor observes ``events`` and ticks at each."""
+    monitor = RunMonitor("conf", RunwatchConfig.model_validate({"policy": {"alert_only": True}}))
+    found = []
+    for event in events:
+        found += monitor.observe(event).anomalies + monitor.tick(event.ts).anomalies
+    return [a for a in found if a.detector == detector]
+
+
+@pytest.mark.parametrize(("name", "events"), [("stall", EVENTS), ("hung_rank", MULTI_RANK)], ids=["stall", "hung_rank"])
+def test_a_stall_or_hang_replayed_after_a_rollback_is_found_again(name, events):
+    """Liveness detectors are not rewound: the step going back is progress, which re-arms them."""
+    once = monitor_findings(events, name)
+    twice = monitor_findings(rolled_back(events, to_step=150, replay_from=150), name)
+    assert once and [(a.rank, a.step, a.evidence["kind"]) for a in twice] == [
+        (a.rank, a.step, a.evidence["kind"]) for a in once] * 2
+
+
+def test_a_straggler_replayed_after_a_rollback_is_found_again():
+    """The straggler is about a rank's speed, not its steps: the replay's healthy steps (before
+    ONSET) re-arm it, and the rank slowing down again is found again."""
+    events = [e for e in MULTI_RANK if (getattr(e, "step", None) or 0) <= 260 and not getattr(e, "in_sync", None)]
+    once = monitor_findings(events, "straggler")
+    twice = monitor_findings(rolled_back(events, to_step=150, replay_from=150), "straggler")
+    assert [a.rank for a in once] == [2] and [a.rank for a in twice] == [2, 2]
+    assert twice[0] == once[0] and twice[1].step >= ONSET
