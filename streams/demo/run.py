@@ -66,7 +66,7 @@ def outage_steps(window: tuple[float, float], steps: int) -> tuple[int, int]:
 
 
 
-def _run_recorded_scenario(sc: Scenario, rw: RunWatch, listener: ActionListener,
+def _run_recorded_scenario(sc: Scenario, rw: RunWatch, listener: ActionListener, step_interval_s: float,
                            on_step: Callable[[int, float], None] | None,
                            on_action: Callable[[AppliedAction], None]) -> tuple[TrainingResult, int | None]:
     """One of `runwatch scenarios generate`'s real training runs, streamed live to the worker,
@@ -74,10 +74,23 @@ def _run_recorded_scenario(sc: Scenario, rw: RunWatch, listener: ActionListener,
 
     It runs on a simulated clock that starts now (a 3-minute hang takes no real time): the
     events carry simulated timestamps and the worker judges time on event time, as replay does.
+    Steps are paced to ``step_interval_s`` of wall time, as the regressor's are, so that the
+    worker's actions arrive while the run is still going.
     """
     sim = SimulatedClock(start=datetime.now(UTC))
     rw.clock = sim.now
-    outcome = run_scenario(sc, rw, sim, on_step=on_step, listener=listener, on_action=on_action)
+    last = time.perf_counter()
+
+    def paced(step: int, loss: float) -> None:
+        nonlocal last
+        wait = step_interval_s - (time.perf_counter() - last)
+        if wait > 0:
+            time.sleep(wait)
+        last = time.perf_counter()
+        if on_step is not None:
+            on_step(step, loss)
+
+    outcome = run_scenario(sc, rw, sim, on_step=paced, listener=listener, on_action=on_action)
     return outcome.live, outcome.onset_step
 
 
@@ -169,7 +182,8 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
                     on_step(step, loss)
 
         if sc.recorded:
-            result, fault_step = _run_recorded_scenario(sc, rw, listener, step_hook, on_action)
+            result, fault_step = _run_recorded_scenario(sc, rw, listener, opts.step_interval_s, step_hook,
+                                                        on_action)
         else:
             result = train(cfg, rw, listener, on_step=step_hook, on_action=on_action)
         if netcut is not None and netcut.is_cut:  # the run ended (or stopped) inside the window
