@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from bisect import bisect_left, insort
 from datetime import datetime
 
 from pydantic import Field
@@ -92,7 +91,6 @@ class CategoryDivergenceDetector(Detector):
         # ratio = exp(x - median) reaches min_ratio only if x - median reaches about log(min_ratio); the
         # margin covers exp's rounding, so this prefilter never skips an observation that diverges.
         self._log_min_ratio = math.log(config.min_ratio) - 1e-9
-        self._median_plan = self._mean_history.full_plan(0.5)  # every window here has config.window
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or not event.category_loss:
@@ -112,12 +110,10 @@ class CategoryDivergenceDetector(Detector):
 
         # 1. pool each category's samples into observations; score the complete ones against history.
         # An observation that does not diverge is learnt at once (its category's history is read by no
-        # other category); a diverging one waits for the others' ratios of this step. The hot loop reads
-        # each category's sorted window directly: RollingQuantiles.update and get(0.5), inlined.
+        # other category); a diverging one waits for the others' ratios of this step.
         categories = self._categories
-        min_count, warmup, window = cfg.min_count, cfg.warmup, cfg.window
+        min_count, warmup = cfg.min_count, cfg.warmup
         log_min_ratio = self._log_min_ratio
-        lo, hi, frac = self._median_plan
         diverging: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
         for name, loss in event.category_loss.items():
             count, mean = loss.count, loss.mean
@@ -125,7 +121,7 @@ class CategoryDivergenceDetector(Detector):
                 continue  # non-finite losses are the non-finite detector's
             cat = categories.get(name)
             if cat is None:
-                cat = categories[name] = _Category(window)
+                cat = categories[name] = _Category(cfg.window)
             if mean_loss is None:
                 continue
             if cat.pool_count == 0 and count >= min_count:
@@ -147,14 +143,7 @@ class CategoryDivergenceDetector(Detector):
                 history.update(x)
                 cat.seen += 1
                 continue
-            ordered = history.ordered
-            if len(ordered) == window:
-                low = ordered[lo]
-                median = low + (ordered[hi] - low) * frac
-            else:
-                got = history.get(0.5)
-                assert got is not None  # past warm-up: the window is not empty
-                median = got
+            median = history.median()
             ratio = math.exp(x - median)
             cat.last_ratio = ratio
             if x - median >= log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
@@ -164,11 +153,7 @@ class CategoryDivergenceDetector(Detector):
                 if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
                     diverging.append((name, cat, x, z, ratio))
                     continue
-            values = history.values
-            if len(values) == window:
-                del ordered[bisect_left(ordered, values.popleft())]
-            values.append(x)
-            insort(ordered, x)
+            history.update(x)
             cat.seen += 1
             cat.streak, cat.onset_step = 0, None
 

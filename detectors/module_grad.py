@@ -14,7 +14,7 @@ as they were one to two windows ago), so growth over tens of steps is measured a
 the norm before it began instead of being absorbed by the rolling window. After
 ``window`` suspect steps in a row the new level is accepted as normal.
 
-The history is a numpy ring buffer per module rather than river ``RollingQuantile``: with
+The history is a numpy ring buffer per module (``ModuleHistories``) rather than river ``RollingQuantile``: with
 ~100 modules a Python loop over three river quantiles per module costs ~70 us per event;
 vectorised scoring plus a quantile refresh every few events costs well under half that.
 """
@@ -75,6 +75,97 @@ def _plan(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(columns, dtype=np.intp), np.array(weights)
 
 
+class ModuleHistories:
+    """The recent log norms of every module: one numpy ring buffer of ``window`` slots per module (a
+    row; empty slots are NaN). While every module has stored a value at every step since they all
+    started (the usual case), they share one next slot, so a step is stored with one column write."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self._buf = np.full((0, window), np.nan)
+        self._pos = np.zeros(0, dtype=np.intp)  # next slot per module (not kept while _upos >= 0)
+        self._upos = 0  # the next slot of every module while they are in step (-1: they are not)
+        self.count = np.zeros(0, dtype=np.int64)  # values stored per module so far (not capped)
+        self._rows = np.zeros(0, dtype=np.intp)
+        self._all_full = False  # every module's history holds `window` values
+        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # history length -> _plan(n)
+
+    def __len__(self) -> int:
+        return len(self._pos)
+
+    def add(self, n: int) -> None:
+        """``n`` new modules, with empty histories."""
+        self._buf = np.vstack([self._buf, np.full((n, self.window), np.nan)])
+        if self._upos >= 0 and self.count.any():  # the new modules start afresh, the others do not
+            self._pos[:] = self._upos
+            self._upos = -1
+        self._pos = _grow(self._pos, n, 0)
+        self.count = _grow(self.count, n, 0)
+        self._all_full = False
+        self._rows = np.arange(len(self._pos))
+
+    def store_all(self, x: np.ndarray) -> None:
+        """Append ``x`` (one value per module) to every history."""
+        if self._upos >= 0:
+            self._buf[:, self._upos] = x
+            self._upos = (self._upos + 1) % self.window
+            self.count += 1
+            return
+        self._buf[self._rows, self._pos] = x
+        self._pos += 1
+        self.count += 1
+        self._pos[self._pos >= self.window] = 0
+
+    def store(self, store: np.ndarray, x: np.ndarray) -> None:
+        """Append ``x`` to the histories of the modules in ``store`` (a mask)."""
+        if store.all():
+            self.store_all(x)
+            return
+        if self._upos >= 0:  # some modules fall out of step from here on
+            self._pos[:] = self._upos
+            self._upos = -1
+        idx = np.flatnonzero(store)
+        self._buf[idx, self._pos[idx]] = x[idx]
+        self._pos[idx] += 1
+        self.count[idx] += 1
+        self._pos[self._pos >= self.window] = 0
+
+    def quartiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The 25/50/75% quantiles of every module's stored history (as river's ``RollingQuantile``
+        interpolates; an empty history gives NaN)."""
+        window = self.window
+        ordered = np.sort(self._buf, axis=1)  # empty slots are NaN and sort last
+        count = self.count
+        n = None  # one history length for every module, if they have
+        if self._upos >= 0:
+            n = max(min(int(count[0]), window), 1)
+        elif self._all_full or int(count.min()) >= window:
+            self._all_full = True  # (it stays so until a module is added)
+            n = window
+        if n is not None:
+            # The same ranks in every row (the usual case): the three quantiles come from one gather of
+            # their six columns and the same interpolation as below, elementwise.
+            plan = self._plans.get(n)
+            if plan is None:
+                plan = self._plans[n] = _plan(n)
+            columns, weights = plan
+            q = ordered[:, columns] * weights
+            q = q[:, 0::2] + q[:, 1::2]
+            return q[:, 0], q[:, 1], q[:, 2]
+        lengths = np.maximum(np.minimum(count, window), 1)
+        rows = self._rows
+
+        def quantile(q: float) -> np.ndarray:
+            at = (lengths - 1) * q
+            lo = np.floor(at).astype(np.intp)
+            hi = np.minimum(lo + 1, lengths - 1)
+            frac = at - lo
+            result: np.ndarray = ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
+            return result
+
+        return quantile(0.25), quantile(0.5), quantile(0.75)
+
+
 class ModuleGradDetector(Detector):
     name = NAME
 
@@ -86,13 +177,7 @@ class ModuleGradDetector(Detector):
         self._order: tuple[str, ...] = ()  # key order of the last event, whose columns are cached
         self._cols = np.zeros(0, dtype=np.intp)
         self._identity = True  # the cached order is exactly columns 0..n-1
-        self._rows = np.zeros(0, dtype=np.intp)
-        self._buf = np.full((0, config.window), np.nan)  # log norms, one ring buffer per module
-        self._pos = np.zeros(0, dtype=np.intp)  # next slot per module (not kept while _upos >= 0)
-        # While every module has stored every step since they all started (the usual case), they have
-        # one history length and one next slot, this (-1: they do not; see _pos and _count).
-        self._upos = 0
-        self._count = np.zeros(0, dtype=np.int64)  # values stored so far (not capped)
+        self._history = ModuleHistories(config.window)  # log norms
         # current robust baseline, and lagged snapshots of it (taken every `window` events)
         self._median = np.zeros(0)
         self._scale = np.ones(0)
@@ -103,8 +188,6 @@ class ModuleGradDetector(Detector):
         self._old: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
         self._any_old = False
         self._old_all_ready = False
-        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # history length -> _plan(n)
-        self._all_full = False  # every module's history holds `window` values
         self._since_refresh = 0
         self._since_snapshot = 0
         # per-module episode state
@@ -126,19 +209,13 @@ class ModuleGradDetector(Detector):
                 col = self._column[name] = len(self._names)
                 self._names.append(name)
             cols.append(col)
-        n = len(self._names) - len(self._pos)
+        n = len(self._names) - len(self._history)
         if n:
-            self._buf = np.vstack([self._buf, np.full((n, self.config.window), np.nan)])
-            if self._upos >= 0 and self._count.any():  # the new modules start afresh, the others do not
-                self._pos[:] = self._upos
-                self._upos = -1
-            self._pos = _grow(self._pos, n, 0)
-            self._count = _grow(self._count, n, 0)
+            self._history.add(n)
             self._median = _grow(self._median, n, 0.0)
             self._scale = _grow(self._scale, n, 1.0)
             self._ready = _grow(self._ready, n, False)
             self._all_ready = False
-            self._all_full = False
             self._snap = _grow_snapshot(self._snap, n)
             self._old = _grow_snapshot(self._old, n)
             self._quiet_until = _grow(self._quiet_until, n, -1)
@@ -146,50 +223,19 @@ class ModuleGradDetector(Detector):
             self._streak = _grow(self._streak, n, 0)
             self._streak_start = _grow(self._streak_start, n, 0)
             self._reported = _grow(self._reported, n, -np.inf)
-            self._rows = np.arange(len(self._names))
         self._bound = None
         self._order = names
         self._cols = np.asarray(cols, dtype=np.intp)
         self._identity = cols == list(range(len(self._names)))
 
     def _refresh(self) -> None:
-        """Median and robust scale of every module's stored history (empty slots are NaN and sort last)."""
+        """Median and robust scale of every module's stored history."""
         self._since_refresh = 0
         window = self.config.window
-        ordered = np.sort(self._buf, axis=1)
-        count = self._count
-        n = None  # one history length for every module, if they have
-        if self._upos >= 0:
-            n = max(min(int(count[0]), window), 1)
-        elif self._all_full or int(count.min()) >= window:
-            self._all_full = True  # (it stays so until a module is added)
-            n = window
-        if n is not None:
-            # The same ranks in every row (the usual case): the three quantiles come from one gather of
-            # their six columns and the same interpolation as below, elementwise.
-            plan = self._plans.get(n)
-            if plan is None:
-                plan = self._plans[n] = _plan(n)
-            columns, weights = plan
-            q = ordered[:, columns] * weights
-            q = q[:, 0::2] + q[:, 1::2]
-            q25, self._median, q75 = q[:, 0], q[:, 1], q[:, 2]
-        else:
-            lengths = np.maximum(np.minimum(count, window), 1)
-            rows = self._rows
-
-            def quantile(q: float) -> np.ndarray:
-                at = (lengths - 1) * q
-                lo = np.floor(at).astype(np.intp)
-                hi = np.minimum(lo + 1, lengths - 1)
-                frac = at - lo
-                result: np.ndarray = ordered[rows, lo] * (1 - frac) + ordered[rows, hi] * frac
-                return result
-
-            q25, self._median, q75 = quantile(0.25), quantile(0.5), quantile(0.75)
+        q25, self._median, q75 = self._history.quartiles()
         self._scale = np.maximum((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE_LOG)
         if not self._all_ready:  # (once all are ready, they stay ready until a module is added)
-            self._ready = count >= self.config.warmup
+            self._ready = self._history.count >= self.config.warmup
             self._all_ready = bool(self._ready.all())
         if self._since_snapshot >= window:
             self._since_snapshot = 0
@@ -244,7 +290,7 @@ class ModuleGradDetector(Detector):
         self._since_refresh += 1
         self._since_snapshot += 1
         if self._since_refresh >= REFRESH_EVERY or (
-            not self._all_ready and bool(((self._count >= cfg.warmup) & ~self._ready).any())
+            not self._all_ready and bool(((self._history.count >= cfg.warmup) & ~self._ready).any())
         ):
             self._refresh()
 
@@ -258,35 +304,12 @@ class ModuleGradDetector(Detector):
                     self._streak[:] = 0
                     self._reported[:] = -np.inf
                     self._any_streak = False
-                if positive and self._upos >= 0:  # every module stores (no NaN, no log(0)), in step
-                    self._buf[:, self._upos] = x
-                    self._upos = (self._upos + 1) % cfg.window
-                    self._count += 1
+                if positive:  # every module stores (no NaN, no log(0))
+                    self._history.store_all(x)
                 else:
-                    self._store(np.isfinite(x) if not positive else np.ones(len(x), dtype=bool), x)
+                    self._history.store(np.isfinite(x), x)
                 return []
         return self._score(event, v, x, half)
-
-    def _store(self, store: np.ndarray, x: np.ndarray) -> None:
-        """Append ``x`` to the histories of the modules in ``store``."""
-        if store.all():
-            if self._upos >= 0:
-                self._buf[:, self._upos] = x
-                self._upos = (self._upos + 1) % self.config.window
-                self._count += 1
-                return
-            self._buf[self._rows, self._pos] = x
-            self._pos += 1
-            self._count += 1
-        else:
-            if self._upos >= 0:  # some modules fall out of step from here on
-                self._pos[:] = self._upos
-                self._upos = -1
-            idx = np.flatnonzero(store)
-            self._buf[idx, self._pos[idx]] = x[idx]
-            self._pos[idx] += 1
-            self._count[idx] += 1
-        self._pos[self._pos >= self.config.window] = 0
 
     def _score(self, event: StepEvent, v: np.ndarray, x: np.ndarray, half: float) -> list[Finding]:
         """The full scoring of one step's module norms ``v`` (log: ``x``) against their histories."""
@@ -347,7 +370,7 @@ class ModuleGradDetector(Detector):
 
         self._any_streak = bool(self._streak.any())
         # Keep suspects out of the history unless they have lasted a full window (a new normal).
-        self._store(finite & (~suspect | (self._streak >= cfg.window)), x)
+        self._history.store(finite & (~suspect | (self._streak >= cfg.window)), x)
         return findings
 
     def _finding(self, event: StepEvent, col: int, value: float, median: float, scale: float, dev: float,

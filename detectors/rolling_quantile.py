@@ -20,32 +20,45 @@ from collections import deque
 class RollingQuantiles:
     """The rolling window of the last ``window_size`` values, kept sorted; ``get(q)`` as river's ``RollingQuantile(q)``."""
 
-    __slots__ = ("_full", "_quartile_plans", "ordered", "values", "window_size")
+    __slots__ = ("_full", "_median_plan", "_ordered", "_quartile_plans", "_values", "window_size")
 
     def __init__(self, window_size: int):
         if window_size < 1:
             raise ValueError("window_size must be at least 1")
         self.window_size = window_size
-        # A hot loop may read (not write) these two directly, with ``full_plan``.
-        self.values: deque[float] = deque()  # arrival order, to know which value leaves the window
-        self.ordered: list[float] = []  # the same values, sorted
+        self._values: deque[float] = deque()  # arrival order, to know which value leaves the window
+        self._ordered: list[float] = []  # the same values, sorted
         self._full: dict[float, tuple[int, int, float]] = {}  # q -> (lower, higher, frac) of a full window
+        self._median_plan = _plan(0.5, window_size, full=True)
         self._quartile_plans: tuple[tuple[int, int, float], ...] | None = None
 
     def __len__(self) -> int:
-        return len(self.ordered)
+        return len(self._ordered)
 
     def update(self, x: float) -> None:
-        values = self.values
-        ordered = self.ordered
+        values = self._values
+        ordered = self._ordered
         if len(values) == self.window_size:
             del ordered[bisect_left(ordered, values.popleft())]
         values.append(x)
         insort(ordered, x)
 
+    def median(self) -> float:
+        """``get(0.5)`` of a window that is not empty: the per-event call of a hot loop."""
+        ordered = self._ordered
+        n = len(ordered)
+        if n == self.window_size:
+            lo, hi, frac = self._median_plan
+        elif n:
+            lo, hi, frac = _plan(0.5, n, full=False)
+        else:
+            raise ValueError("the window is empty")
+        low = ordered[lo]
+        return low + (ordered[hi] - low) * frac
+
     def get(self, q: float) -> float | None:
         """The ``q`` quantile of the window (None while it is empty)."""
-        ordered = self.ordered
+        ordered = self._ordered
         n = len(ordered)
         if n == self.window_size:
             plan = self._full.get(q)
@@ -61,7 +74,7 @@ class RollingQuantiles:
 
     def quartiles(self) -> tuple[float, float, float]:
         """(``get(0.25)``, ``get(0.5)``, ``get(0.75)``) in one call; the window must not be empty."""
-        ordered = self.ordered
+        ordered = self._ordered
         n = len(ordered)
         if n == self.window_size:
             plans = self._quartile_plans
@@ -73,19 +86,15 @@ class RollingQuantiles:
         a, b, c = ordered[lo1], ordered[lo2], ordered[lo3]
         return a + (ordered[hi1] - a) * f1, b + (ordered[hi2] - b) * f2, c + (ordered[hi3] - c) * f3
 
-    def full_plan(self, q: float) -> tuple[int, int, float]:
-        """(lower rank, higher rank, fraction) of ``q`` once the window is full: the quantile is then
-        ``ordered[lo] + (ordered[hi] - ordered[lo]) * frac``, as ``get(q)`` computes it."""
-        return _plan(q, self.window_size, full=True)
-
     # The state pickles as plain data (``__slots__`` has no ``__dict__``).
     def __getstate__(self) -> tuple[int, list[float], list[float]]:
-        return self.window_size, list(self.values), self.ordered
+        return self.window_size, list(self._values), self._ordered
 
     def __setstate__(self, state: tuple[int, list[float], list[float]]) -> None:
-        self.window_size, values, self.ordered = state
-        self.values = deque(values)
+        self.window_size, values, self._ordered = state
+        self._values = deque(values)
         self._full = {}
+        self._median_plan = _plan(0.5, self.window_size, full=True)
         self._quartile_plans = None
 
 

@@ -44,6 +44,7 @@ def test_same_numbers_as_river_while_filling_and_sliding(window, shape):
         quartiles = (river[0.25].get(), river[0.5].get(), river[0.75].get())
         assert all(same(a, b) for a, b in zip(mine.quartiles(), quartiles, strict=True)), i
         assert len(mine) == min(i + 1, window)
+        assert same(mine.median(), river[0.5].get())
         for q, r in river.items():
             assert same(mine.get(q), r.get()), (i, q)
 
@@ -61,3 +62,9 @@ def test_quartiles_are_the_three_gets():
         if i % 7 == 3:
             window = pickle.loads(pickle.dumps(window))
         assert window.quartiles() == (window.get(0.25), window.get(0.5), window.get(0.75))
+        assert window.median() == window.get(0.5)
+
+
+def test_the_median_of_an_empty_window_is_an_error():
+    with pytest.raises(ValueError):
+        RollingQuantiles(3).median()
