@@ -1,6 +1,6 @@
 """Was the host busier when the run got slower? Contention evidence for throughput and data-wait findings.
 
-Heartbeats carry ``host_load`` (producer/heartbeat.py): the 1-minute load average and CPU count,
+Heartbeats carry ``host_load`` (producer/instrument/heartbeat.py): the 1-minute load average and CPU count,
 and over the period since the previous beat the hypervisor's steal share, this process's CPU
 share and its run-queue wait (seconds its threads were runnable but had no CPU, per wall
 second). A ``HostLoadTracker`` per rank keeps them by the heartbeat's step (each heartbeat's

@@ -16,12 +16,12 @@ _EXPORTS = {
     "ActionListener": "actions.listener",
     "AppliedAction": "actions.apply",
     "save_checkpoint": "actions.checkpoints",
-    "CategoryLossBatch": "categories",
-    "category_loss": "categories",
-    "Heartbeat": "heartbeat",
-    "PublisherStats": "publisher",
-    "RunWatch": "publisher",
-    "JsonlRecorder": "recorder",
+    "CategoryLossBatch": "instrument.categories",
+    "category_loss": "instrument.categories",
+    "Heartbeat": "instrument.heartbeat",
+    "PublisherStats": "publish.delivery",
+    "RunWatch": "publish.run_watch",
+    "JsonlRecorder": "publish.recorder",
     "Action": "wire.schema",
     "ActionAckEvent": "wire.schema",
     "Anomaly": "wire.schema",
@@ -34,18 +34,19 @@ _EXPORTS = {
     "SchemaError": "wire.schema",
     "StepEvent": "wire.schema",
     "decode_event": "wire.schema",
-    "Watcher": "watch",
+    "Watcher": "instrument.watch",
 }
 
 if TYPE_CHECKING:
     from runwatch.producer.actions.apply import AppliedAction
     from runwatch.producer.actions.checkpoints import save_checkpoint
     from runwatch.producer.actions.listener import ActionListener
-    from runwatch.producer.categories import CategoryLossBatch, category_loss
-    from runwatch.producer.heartbeat import Heartbeat
-    from runwatch.producer.publisher import PublisherStats, RunWatch
-    from runwatch.producer.recorder import JsonlRecorder
-    from runwatch.producer.watch import Watcher
+    from runwatch.producer.instrument.categories import CategoryLossBatch, category_loss
+    from runwatch.producer.instrument.heartbeat import Heartbeat
+    from runwatch.producer.instrument.watch import Watcher
+    from runwatch.producer.publish.delivery import PublisherStats
+    from runwatch.producer.publish.recorder import JsonlRecorder
+    from runwatch.producer.publish.run_watch import RunWatch
     from runwatch.producer.wire.schema import (
         Action,
         ActionAckEvent,

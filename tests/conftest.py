@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from runwatch.producer.publisher import SPOOL_DIR_ENV
+from runwatch.producer.publish.kafka_delivery import SPOOL_DIR_ENV
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from runwatch.producer.publisher import default_spool_dir
+from runwatch.producer.publish.kafka_delivery import default_spool_dir
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ STATE_MAX_IDS = 10_000  # applied action ids kept in the state file (the newest)
 
 def default_state_path(rw: Any) -> Path:
     """Where a listener keeps the ids of the actions it applied: beside the rank's spool directory
-    (``rw.spool_path``, else :func:`~runwatch.producer.publisher.default_spool_dir`), with
+    (``rw.spool_path``, else :func:`~runwatch.producer.publish.kafka_delivery.default_spool_dir`), with
     ``.actions`` appended to its name."""
     spool = getattr(rw, "spool_path", None)
     base = Path(spool) if spool is not None else default_spool_dir(rw.run_id, rw.rank)

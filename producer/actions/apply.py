@@ -32,7 +32,7 @@ from typing import Any
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn
-from runwatch.producer.lr import scale_lr
+from runwatch.producer.publish.lr import scale_lr
 from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runwatch.producer.actions.applied_ids import STATE_MAX_IDS, AppliedIds, default_state_path
 from runwatch.producer.actions.apply import ActionApplier, AppliedAction
@@ -35,10 +35,12 @@ from runwatch.producer.actions.inbox import ActionInbox
 from runwatch.producer.actions.rank_sync import RankSync, sync_group
 from runwatch.producer.actions.reader import ActionReader
 from runwatch.producer.actions.watchdog import StopWatchdog
-from runwatch.producer.publisher import RunWatch
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
 from runwatch.producer.wire.signing import resolve_secret
+
+if TYPE_CHECKING:
+    from runwatch.producer.publish.run_watch import RunWatch
 
 
 class ActionListener:

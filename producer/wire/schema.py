@@ -183,7 +183,7 @@ class HeartbeatEvent(EventBase):
     # The producer's heartbeat period: the worker calls a rank silent (dead) after a number of
     # missed periods rather than one fixed time; absent: only the configured floor applies.
     interval_s: WireFloat | None = Field(default=None, gt=0)
-    # The host's load over the last heartbeat period (producer/heartbeat.py): what a throughput or
+    # The host's load over the last heartbeat period (producer/instrument/heartbeat.py): what a throughput or
     # data-wait finding is compared against, to tell a noisy neighbour from a code regression.
     host_load: HostLoad | None = None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runwatch.detectors import registry
-from runwatch.producer.gradstats import ROOT_MODULE
+from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.streams.scenarios.faults import (
     CategoryDivergence,
     DataWait,

@@ -36,7 +36,7 @@ def label_for(sc: Scenario, outcome: ScenarioOutcome) -> dict[str, Any]:
 def generate(out_dir: Any, names: list[str] | None = None, *, quick: bool = False,
              progress: Callable[[str, dict[str, Any], float], None] | None = None) -> list[dict[str, Any]]:
     """Record the chosen scenarios (default: the whole corpus) into ``out_dir``; returns the labels written."""
-    from runwatch.producer.recorder import JsonlRecorder
+    from runwatch.producer.publish.recorder import JsonlRecorder
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

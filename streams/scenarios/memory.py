@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runwatch.producer.memory import MemorySampler
+from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.producer.schema import MemoryStats
 
 

@@ -8,7 +8,7 @@ What is real and what is simulated:
 
 * Training is real: real models (MLP, CNN, transformer, the tiny audio model), real
   optimizers and schedulers, real losses, per-category losses, gradient and update norms
-  measured by the real :class:`~runwatch.producer.watch.Watcher`. Faults are injected into
+  measured by the real :class:`~runwatch.producer.instrument.watch.Watcher`. Faults are injected into
   the training itself (a corrupted batch, a bad LR, a gradient hook, corrupted labels of one
   category, tensors really retained every step, a tiny training set that really overfits).
 * Wall time is simulated: every step advances a :class:`SimulatedClock` by a modelled step

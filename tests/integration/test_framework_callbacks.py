@@ -182,7 +182,7 @@ def test_plain_loop_reference(plain):
 def test_lightning_callback_matches_plain_loop(broker, plain, tmp_path):
     import lightning.pytorch as pl
 
-    from runwatch.producer.lightning import RunWatchCallback
+    from runwatch.producer.integrations.lightning import RunWatchCallback
 
     class TinyModule(pl.LightningModule):
         def __init__(self):
@@ -234,7 +234,7 @@ def test_lightning_callback_matches_plain_loop(broker, plain, tmp_path):
 def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from runwatch.producer.hf import RunWatchCallback
+    from runwatch.producer.integrations.hf import RunWatchCallback
 
     class Pairs(torch.utils.data.Dataset):
         def __init__(self, x, y):

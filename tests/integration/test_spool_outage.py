@@ -12,10 +12,10 @@ import orjson
 import pytest
 
 from runwatch.producer import RunWatch, StepEvent, topics
-from runwatch.producer.spool import DiskSpool
+from runwatch.producer.publish.spool import DiskSpool
 from runwatch.sinks import ClickHouseSink
-from runwatch.streams.local.broker import free_port
 from runwatch.streams.demo.run import DemoOptions, run_demo
+from runwatch.streams.local.broker import free_port
 
 from .conftest import read_topic
 

@@ -25,9 +25,10 @@ import torch
 from runwatch.producer.actions.applied_ids import AppliedIds, default_state_path
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
-from runwatch.producer.heartbeat import Heartbeat
-from runwatch.producer.lr import LR_SCALE_KEY, scale_lr
-from runwatch.producer.publisher import TelemetryPublisher
+from runwatch.producer.instrument.heartbeat import Heartbeat
+from runwatch.producer.publish.delivery import PublisherStats
+from runwatch.producer.publish.lr import LR_SCALE_KEY, scale_lr
+from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.schema import Action, CheckpointRef, utc_now
 from runwatch.producer.signing import sign_action
 
@@ -35,19 +36,34 @@ SECRET = "unit-secret-of-at-least-32-bytes-0123"
 REPO = Path(__file__).resolve().parents[2]
 
 
-class RecordingPublisher(TelemetryPublisher):
-    """A publisher that keeps its events: the listener's acks land here."""
+class KeptEvents:
+    """A delivery that keeps the events handed to it."""
 
-    def __init__(self, run_id: str = "run-u", rank: int = 0):
-        self.run_id = run_id
-        self.rank = rank
-        self.checkpoints: list[CheckpointRef] = []
-        self.bootstrap = "unused:9092"
+    def __init__(self) -> None:
         self.events: list = []
+        self.stats = PublisherStats()
 
-    def publish(self, event) -> bool:  # noqa: ANN001
+    def deliver(self, event) -> bool:  # noqa: ANN001
         self.events.append(event)
         return True
+
+    def refuse(self, reason: str) -> None:
+        pass
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+class RecordingPublisher(RunWatch):
+    """A RunWatch that keeps its events: the listener's acks land here."""
+
+    def __init__(self, run_id: str = "run-u", rank: int = 0):
+        super().__init__(run_id, "unused:9092", rank=rank, world_size=rank + 1, collect_metadata=False,
+                         delivery=KeptEvents())
+
+    @property
+    def events(self) -> list:
+        return self.delivery.events
 
     def acks(self) -> list:
         return [e for e in self.events if e.kind == "action_ack"]

@@ -32,9 +32,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runwatch.producer.gradstats import ROOT_MODULE
+from runwatch.producer.instrument.gradstats import ROOT_MODULE
+from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.schema import StepEvent
-from runwatch.producer.watch import Watcher
 from runwatch.streams.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
 from tests.unit.test_instrumentation import RecordingPublisher
 

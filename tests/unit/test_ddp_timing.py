@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.schema import HeartbeatEvent, StepEvent
-from runwatch.producer.watch import Watcher
 
 WORLD = 3
 SLOW_RANK = 2

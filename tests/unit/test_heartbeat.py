@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from runwatch.producer import heartbeat as heartbeat_module
-from runwatch.producer.heartbeat import PHASES, Heartbeat
-from runwatch.producer.publisher import RunWatch
+from runwatch.producer.instrument import heartbeat as heartbeat_module
+from runwatch.producer.instrument.heartbeat import PHASES, Heartbeat
+from runwatch.producer.publish.run_watch import RunWatch
 
 
 class FakeClock:

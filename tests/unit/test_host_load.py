@@ -20,9 +20,10 @@ from runwatch.detectors.data_wait import DataWaitDetector
 from runwatch.detectors.host_load import HostLoadTracker, annotate, busier_reasons, describe
 from runwatch.detectors.replay import replay
 from runwatch.detectors.throughput import ThroughputDetector
-from runwatch.producer import heartbeat as heartbeat_module
-from runwatch.producer.heartbeat import Heartbeat, HostLoadSampler
-from runwatch.producer.publisher import TelemetryPublisher
+from runwatch.producer.instrument import heartbeat as heartbeat_module
+from runwatch.producer.instrument.heartbeat import Heartbeat, HostLoadSampler
+from runwatch.producer.publish.delivery import PublisherStats
+from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.schema import (
     Anomaly,
     HeartbeatEvent,
@@ -133,15 +134,33 @@ def test_sampler_reads_this_linux_host():
     HostLoad(**second)
 
 
-class Captured(TelemetryPublisher):
-    """A real runwatch publisher that keeps what it would send."""
+class Kept:
+    """A delivery that keeps what it is handed."""
 
     def __init__(self) -> None:
-        self.run_id, self.rank, self.checkpoints, self.events = "hb-run", 0, [], []
+        self.events: list = []
+        self.stats = PublisherStats()
 
-    def publish(self, event) -> bool:
+    def deliver(self, event) -> bool:
         self.events.append(event)
         return True
+
+    def refuse(self, reason: str) -> None:
+        pass
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+class Captured(RunWatch):
+    """A real RunWatch that keeps what it would send (rank 1: no run_start to skip)."""
+
+    def __init__(self) -> None:
+        super().__init__("hb-run", rank=1, world_size=2, delivery=Kept())
+
+    @property
+    def events(self) -> list:
+        return self.delivery.events
 
 
 def test_heartbeats_of_a_runwatch_publisher_carry_host_load():

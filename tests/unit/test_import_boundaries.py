@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-TRAINING_SIDE = ("runwatch.producer.publisher", "runwatch.producer.watch", "runwatch.producer.actions.listener", "torch")
+TRAINING_SIDE = ("runwatch.producer.publisher", "runwatch.producer.instrument.watch", "runwatch.producer.actions.listener", "torch")
 WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb")
 
 
@@ -68,7 +68,7 @@ def test_the_wire_contract_imports_alone(statement):
 
 def test_producer_names_resolve_lazily_to_the_same_objects():
     import runwatch.producer as producer
-    from runwatch.producer.publisher import RunWatch
+    from runwatch.producer.publish.run_watch import RunWatch
     from runwatch.producer.wire.schema import StepEvent
 
     assert producer.RunWatch is RunWatch and producer.StepEvent is StepEvent

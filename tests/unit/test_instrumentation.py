@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from runwatch.producer.categories import category_loss
-from runwatch.producer.gradstats import ROOT_MODULE, ParamLayout, grad_norms
+from runwatch.producer.instrument.categories import category_loss
+from runwatch.producer.instrument.gradstats import ROOT_MODULE, ParamLayout, grad_norms
+from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.schema import StepEvent
-from runwatch.producer.watch import Watcher
 
 REL = 1e-5
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from runwatch.producer.watch import Watcher
+from runwatch.producer.instrument.watch import Watcher
 from tests.unit.test_instrumentation import RecordingPublisher, reference_module_norms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runwatch.producer.memory import MemorySampler, find_cgroup_memory_files
+from runwatch.producer.instrument.memory import MemorySampler, find_cgroup_memory_files
 from runwatch.producer.schema import MemoryStats, StepEvent
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -39,7 +39,7 @@ def fake_proc(tmp_path: Path, cgroup: str, resident_pages: int | None = 2500) ->
 
 _RSS_PROBE = """
 import json, resource
-from runwatch.producer.memory import MemorySampler
+from runwatch.producer.instrument.memory import MemorySampler
 MiB = 1 << 20
 sampler = MemorySampler("cpu")
 before = sampler.sample().host_rss

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runwatch.producer import metadata
-from runwatch.producer.metadata import (
+from runwatch.producer.publish import metadata
+from runwatch.producer.publish.metadata import (
     collect_run_start,
     config_hash,
     detect_rank_world,
@@ -328,7 +328,7 @@ def test_torch_versions_read_without_importing_torch_match_the_imported_ones():
 
 def test_collect_does_not_import_torch_when_the_job_has_not():
     code = (
-        "import sys; from runwatch.producer.metadata import collect_run_start;"
+        "import sys; from runwatch.producer.publish.metadata import collect_run_start;"
         "before = 'torch' in sys.modules; f = collect_run_start();"
         "print(before, 'torch' in sys.modules, f['torch_version'])"
     )

@@ -28,7 +28,7 @@ def block(lang: str) -> str:
 def test_jsonl_recorder_is_exported():
     assert "JsonlRecorder" in runwatch.producer.__all__
     from runwatch.producer import JsonlRecorder
-    from runwatch.producer.recorder import JsonlRecorder as Defined
+    from runwatch.producer.publish.recorder import JsonlRecorder as Defined
 
     assert JsonlRecorder is Defined
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runwatch.producer.publisher import RunWatch
+from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.schema import HeartbeatEvent
 
 NO_BROKER = "127.0.0.1:1"

@@ -16,7 +16,7 @@ from runwatch.detectors.config import ConfigError, RecoveryConfig, RunwatchConfi
 from runwatch.detectors.monitor import RunMonitor
 from runwatch.detectors.recovery import RecoveryCheck
 from runwatch.detectors.spike import SpikeDetector
-from runwatch.producer.lr import LR_SCALE_KEY, base_lrs, scale_lr
+from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, scale_lr
 from runwatch.producer.schema import ActionAckEvent, CheckpointEvent, CheckpointRef, StepEvent
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)

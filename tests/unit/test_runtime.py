@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from runwatch.producer.runtime import (
+from runwatch.producer.instrument.runtime import (
     PEAK_FLOPS,
     StepClock,
     mfu,

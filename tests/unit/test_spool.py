@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runwatch.producer.publisher import RunWatch, default_spool_dir
-from runwatch.producer.spool import HEADER_BYTES, DiskSpool, SpoolLockedError
+from runwatch.producer.publish.kafka_delivery import default_spool_dir
+from runwatch.producer.publish.run_watch import RunWatch
+from runwatch.producer.publish.spool import HEADER_BYTES, DiskSpool, SpoolLockedError
 
 NO_BROKER = "127.0.0.1:1"
 

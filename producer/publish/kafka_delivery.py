@@ -1,12 +1,12 @@
-"""``RunWatch``: the object training code holds to publish telemetry.
+"""``KafkaDelivery``: a ``RunWatch``'s events to the telemetry topic, never blocking training.
 
-Every publish is a non-blocking put on a bounded in-memory queue; a daemon thread
+Every event is a non-blocking put on a bounded in-memory queue; a daemon thread
 serialises and hands events to kafka-python. The training loop never waits on the
 network and never sees an exception from it.
 
 When the broker does not take an event (no metadata within ``max_block_ms``, or no
 acknowledgement within ``delivery_timeout_ms``), the event goes to a bounded on-disk
-spool (:class:`~runwatch.producer.spool.DiskSpool`) instead, and so does every newer
+spool (:class:`~runwatch.producer.publish.spool.DiskSpool`) instead, and so does every newer
 event while the spool holds anything, so order is kept. The same thread probes the
 broker with one spooled event at a time, backing off, and once one is acknowledged
 replays the spool head first in batches. What the spool's bound refuses or evicts,
@@ -15,7 +15,6 @@ and what cannot be queued, is dropped and counted in ``stats``.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import os
@@ -23,37 +22,16 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from pydantic import ValidationError
-
-from runwatch.producer.lr import base_lrs
-from runwatch.producer.metadata import collect_run_start, detect_rank_world
-from runwatch.producer.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
+from runwatch.producer.publish.delivery import PublisherStats
+from runwatch.producer.publish.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
 from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import (
-    ActionAckEvent,
-    CheckpointEvent,
-    CheckpointRef,
-    EvalEvent,
-    EventBase,
-    HeartbeatEvent,
-    RunEndEvent,
-    RunStartEvent,
-    StepEvent,
-)
-
-if TYPE_CHECKING:
-    from runwatch.producer.watch import Watcher
+from runwatch.producer.wire.schema import EventBase
 
 log = logging.getLogger(__name__)
-
-E = TypeVar("E", bound=EventBase)
-P = TypeVar("P", bound="TelemetryPublisher")
 
 SPOOL_DIR_ENV = "RUNWATCH_SPOOL_DIR"
 DEFAULT_SPOOL_BASE = Path(".runwatch") / "spool"
@@ -63,28 +41,6 @@ _REPLAY_RECORDS = 500  # per replay batch once the broker answers
 _REPLAY_BYTES = 1 << 20
 _PROBE_BACKOFF_S = (0.2, 2.0)  # first and longest wait between probes of a broker that is down
 _APPEND_PER_TURN = 1000
-
-
-@dataclass
-class PublisherStats:
-    """Counts of what happened to the events of one ``RunWatch``.
-
-    After ``close()``: ``offered + spool_recovered == published + dropped + spooled_at_close``,
-    where offered is every event handed to ``publish`` (``queued`` plus the ones dropped
-    before queueing: ``queue_full``, ``closed``, ``invalid``).
-    """
-
-    queued: int = 0
-    published: int = 0  # distinct events acknowledged by the broker (replayed ones included)
-    dropped: int = 0  # never reached the broker and are not in the spool; by reason in drop_reasons
-    drop_reasons: dict[str, int] = field(default_factory=dict)
-    spooled: int = 0  # events written to the disk spool because the broker did not take them
-    replayed: int = 0  # events sent from the spool and acknowledged (also counted in published)
-    spool_dropped: int = 0  # refused (drop_newest) or evicted (drop_oldest) by the spool's bound; in dropped too
-    spool_recovered: int = 0  # events found in the spool at start, left there by an earlier process
-    spooled_at_close: int = 0  # still in the spool after close(): not lost, the next RunWatch replays them
-    spool_bytes: int = 0  # live bytes in the spool now
-    duplicates_sent: int = 0  # acknowledged events that stayed spooled (an earlier one failed) and are sent again
 
 
 @dataclass
@@ -118,232 +74,45 @@ def default_spool_dir(run_id: str, rank: int) -> Path:
     return (base / f"{name}-r{rank}").resolve()
 
 
-class TelemetryPublisher:
-    """Builds one rank's wire events and hands each to :meth:`publish`.
+class KafkaDelivery:
+    """Sends one rank's events to ``topic`` at ``bootstrap``, keyed by ``run_id``.
 
-    Shared by :class:`RunWatch` (to Kafka) and
-    :class:`~runwatch.producer.recorder.JsonlRecorder` (to a JSONL file); a subclass
-    implements :meth:`publish`. ``clock`` stamps every event's ``ts`` (default: now).
-    """
-
-    run_id: str
-    rank: int
-    checkpoints: list[CheckpointRef]
-    clock: Callable[[], datetime] | None = None
-    _warned_invalid: bool = False
-    stopped_by: dict[str, str] | None = None  # the applied stop action's id and cause (see note_stop)
-    # Whose param groups' LR a checkpoint records (watch()'s optimizer, or an ActionListener's), and
-    # the LR it had when first seen: what a rollback scales (producer/lr.py).
-    lr_optimizer: Any = None
-    initial_lr: list[float] | None = None
-    _watchers: tuple[Watcher, ...] | list[Watcher] = ()  # made by watch(), closed by close()
-
-    def publish(self, event: EventBase) -> bool:
-        raise NotImplementedError
-
-    def _count_invalid(self) -> None:
-        """An event with bad fields was dropped; subclasses count it."""
-
-    def _event(self, model: type[E], **fields: Any) -> E:
-        if self.clock is not None and "ts" not in fields:
-            fields["ts"] = self.clock()
-        return model(run_id=self.run_id, rank=self.rank, **fields)
-
-    def _run_start(self, world_size: int, run_start: dict[str, Any] | None, collect_metadata: bool,
-                   **metadata: Any) -> bool:
-        # What the run is (code, machine, versions, config) is collected here, once, so every
-        # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
-        if collect_metadata:
-            found = collect_run_start(world_size=world_size, **metadata)
-        else:  # nothing is collected; what the caller passed is still the run's
-            found = {"world_size": world_size, **{k: v for k, v in metadata.items() if v is not None
-                                                   and (k != "config" or isinstance(v, dict))}}
-        return self.publish(self._event(RunStartEvent, **{**found, **(run_start or {})}))
-
-    def _run_end(self, status: str | None, summary: dict | None) -> bool:
-        status, summary = self._end_status(status, summary)
-        return self.publish(self._event(RunEndEvent, status=status, summary=summary))
-
-    def note_stop(self, action: Any) -> None:
-        """A stop action was applied (the :class:`~runwatch.producer.actions.ActionListener` calls
-        this): a later ``close()`` with no explicit status ends the run as ``stopped``, with the
-        action's id and cause (``params["cause"]``, else ``"stop"``) in ``run_end``'s summary."""
-        params = getattr(action, "params", None) or {}
-        cause = params.get("cause") if isinstance(params, dict) else None
-        self.stopped_by = {"stop_action_id": str(getattr(action, "action_id", "") or ""),
-                           "stop_cause": _truncate(str(cause)) if cause else "stop"}
-
-    def _end_status(self, status: str | None, summary: dict | None) -> tuple[str, dict]:
-        """``run_end``'s status and summary: an explicit status wins; otherwise ``stopped`` after an
-        applied stop (see :meth:`note_stop`), else ``completed``."""
-        if status is None:
-            status = "stopped" if self.stopped_by else "completed"
-        if status == "stopped" and self.stopped_by:
-            summary = {**self.stopped_by, **(summary or {})}
-        return status, dict(summary or {})
-
-    def _track_watcher(self, watcher: Watcher) -> Watcher:
-        self._watchers = [*self._watchers, watcher]
-        return watcher
-
-    def _close_watchers(self) -> None:
-        """Publish the watchers' last pending steps and stop their heartbeats before ``run_end``."""
-        for watcher in self._watchers:
-            try:
-                watcher.close()
-            except Exception:  # telemetry must not end the run, nor its close
-                log.debug("runwatch: closing a watcher failed", exc_info=True)
-
-    def __enter__(self: P) -> P:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
-        """``with RunWatch(...) as rw:`` ends the run as ``completed``, ``stopped`` after an applied
-        stop action, ``failed`` when the body raised (type and message in the summary) or
-        ``interrupted`` on Ctrl-C. The exception is not swallowed."""
-        status, summary = _exit_status(exc_type, exc)
-        self.close(status=status, summary=summary)  # type: ignore[attr-defined]  # each subclass has one
-
-    def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
-        # A bad argument is the caller's bug, but it must not crash hours of training:
-        # count it, warn once, carry on.
-        try:
-            event = self._event(model, **fields)
-        except ValidationError as exc:
-            self._count_invalid()
-            if not self._warned_invalid:
-                self._warned_invalid = True
-                log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
-                            model.__name__, exc)
-            return False
-        return self.publish(event)
-
-    def step(self, step: int, **fields: Any) -> bool:
-        return self._build_and_publish(StepEvent, step=step, **fields)
-
-    def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
-        return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
-
-    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0,
-                  in_sync: bool | None = None, interval_s: float | None = None,
-                  host_load: dict | None = None) -> bool:
-        """``in_sync``: this rank has done its part of the current step and waits for its peers
-        (True), is still working on it (False), or it is not measured (None: left out).
-        ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
-        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it)."""
-        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s,
-                                       in_sync=in_sync, interval_s=interval_s, host_load=host_load)
-
-    def checkpoint(self, step: int, path: str, ok: bool = True, lr: list[float] | None = None) -> CheckpointRef:
-        """Register a checkpoint already written at ``path`` and announce it to the worker.
-
-        A rollback restores the newest confirmed-good checkpoint taken before the fault, and sets
-        the LR to the LR recorded here times its scale. ``lr``: each param group's LR at the save
-        (default: read from the optimizer given to :meth:`watch` or an ``ActionListener``).
-        """
-        if lr is None:
-            lr = base_lrs(self.lr_optimizer)
-        ref = CheckpointRef(step=step, uri=str(path), lr=lr)
-        if ok:
-            self.checkpoints.append(ref)
-        self.publish(self._event(CheckpointEvent, step=step, uri=str(path), ok=ok, lr=lr))
-        return ref
-
-    def track_lr(self, optimizer: Any) -> None:
-        """Record ``optimizer``'s LR with each checkpoint (and now, as the run's starting LR)."""
-        if optimizer is None:
-            return
-        self.lr_optimizer = optimizer
-        if self.initial_lr is None:
-            self.initial_lr = base_lrs(optimizer)
-
-    def ack(self, **fields: Any) -> bool:
-        return self._build_and_publish(ActionAckEvent, **fields)
-
-    def watch(self, model: Any, optimizer: Any = None, **options: Any) -> Watcher:
-        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.watch.Watcher`.
-
-        ``optimizer=None`` watches a loop with a hand-written update: call
-        ``watch.before_optimizer_step()`` and ``watch.after_optimizer_step()`` around it (and pass
-        ``lr=`` here or to ``end_step``). :meth:`close` closes the watchers made here."""
-        from runwatch.producer.watch import Watcher  # imports torch; the publisher alone does not
-
-        self.track_lr(optimizer)
-        return self._track_watcher(Watcher(self, model, optimizer, **options))
-
-
-class RunWatch(TelemetryPublisher):
-    """Publishes one rank's telemetry for one run.
-
-    Construction returns immediately whether or not a broker is reachable. Call
-    :meth:`close` at the end of the run (it is also registered with ``atexit``), or use it as
-    a context manager, ``with RunWatch(...) as rw:``, which ends the run as ``completed``,
-    ``stopped`` (after an applied stop action), ``failed`` (the body raised) or ``interrupted``.
-
-    ``rank`` and ``world_size`` default to what torch.distributed or the launcher's
-    environment says. Rank 0 publishes ``run_start`` with metadata collected on the spot
-    (git sha and dirty flag, host, versions, GPUs, the ``config`` and its hash, ``seed``,
-    ``dataset_version``, ``tags``, ``baseline_key``, ``job_id``); ``collect_metadata=False``
-    skips the collection, and ``run_start`` overrides any field.
-
-    Events the broker does not take go to a disk spool under ``spool_dir`` (default
-    :func:`default_spool_dir`; ``spool=False`` turns it off, and then they are dropped),
-    bounded by ``spool_max_bytes``; past the bound ``spool_overflow`` drops the newest
-    (default) or the oldest events. A ``RunWatch`` started with the same spool directory
-    (a restarted run) replays what an earlier process left there.
+    Construction returns immediately whether or not a broker is reachable. Events the broker
+    does not take go to a disk spool at ``spool_path`` (``None``: no spool, and then they are
+    dropped), bounded by ``spool_max_bytes``; past the bound ``spool_overflow`` drops the newest
+    or the oldest events. A delivery started with the same spool directory (a restarted run)
+    replays what an earlier process left there.
     """
 
     def __init__(
         self,
         run_id: str,
-        bootstrap: str | None = None,
+        rank: int,
+        bootstrap: str,
         *,
-        rank: int | None = None,
-        world_size: int | None = None,
+        topic: str = topics.TELEMETRY,
         queue_size: int = 10_000,
         max_block_ms: int = 100,
         linger_ms: int = 5,
         delivery_timeout_ms: int = 3000,
-        topic: str = topics.TELEMETRY,
-        run_start: dict[str, Any] | None = None,
-        config: Any = None,
-        seed: int | None = None,
-        dataset_version: str | None = None,
-        tags: dict[str, str] | None = None,
-        baseline_key: str | None = None,
-        job_id: str | None = None,
-        collect_metadata: bool = True,
-        spool: bool = True,
-        spool_dir: str | os.PathLike[str] | None = None,
+        spool_path: Path | None = None,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
         spool_overflow: Overflow = "drop_newest",
     ):
-        if not run_id:
-            raise ValueError("run_id must be a non-empty string")
         if spool_overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"spool_overflow must be one of {', '.join(OVERFLOW_POLICIES)}")
         if spool_max_bytes <= HEADER_BYTES:
             raise ValueError(f"spool_max_bytes must exceed {HEADER_BYTES}")
-        if rank is None or world_size is None:
-            detected_rank, detected_world = detect_rank_world()
-            rank = detected_rank if rank is None else rank
-            world_size = detected_world if world_size is None else world_size
-        self.run_id = run_id
-        self.rank = rank
-        self.world_size = world_size
-        self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
+        self.bootstrap = bootstrap
         self.topic = topic
         self.stats = PublisherStats()
-        self.checkpoints: list[CheckpointRef] = []
-        self.spool_path: Path | None = (Path(spool_dir).resolve() if spool_dir is not None
-                                        else default_spool_dir(run_id, rank)) if spool else None
+        self.spool_path = spool_path
         self._spool_max_bytes = spool_max_bytes
         self._spool_overflow: Overflow = spool_overflow
         self._key = run_id.encode()
         self._queue: queue.Queue[EventBase] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._closed = False
         self._offsets: dict[int, int] = {}  # partition -> highest acknowledged offset
         self._dropped_after_queue = 0  # queued (or recovered) events counted as dropped
         self._close_deadline = float("inf")
@@ -351,7 +120,7 @@ class RunWatch(TelemetryPublisher):
         # Shared with kafka-python's sender thread (under _lock):
         self._inflight: dict[int, bytes] = {}  # sequence -> value sent straight to the client, unresolved
         self._failed: list[tuple[int, bytes]] = []  # (sequence, value) of direct sends that failed
-        self._spool_usable = spool  # False once opening the spool failed
+        self._spool_usable = spool_path is not None  # False once opening the spool failed
         # The drain thread's own state:
         self._spool: DiskSpool | None = None
         self._spooling = False  # new events go to the spool tail (it holds something)
@@ -381,18 +150,11 @@ class RunWatch(TelemetryPublisher):
         )
         self._thread = threading.Thread(target=self._drain, name="runwatch-publisher", daemon=True)
         self._thread.start()
-        atexit.register(self.close, 2.0)
-        if rank == 0:
-            self._run_start(world_size, run_start, collect_metadata, config=config, seed=seed,
-                            dataset_version=dataset_version, tags=tags, baseline_key=baseline_key, job_id=job_id)
 
-    # -- what training code calls -------------------------------------------------
+    # -- what RunWatch calls ------------------------------------------------------------
 
-    def publish(self, event: EventBase) -> bool:
+    def deliver(self, event: EventBase) -> bool:
         """Queue one event; never blocks. Returns False if it was dropped."""
-        if self._closed:
-            self._count_drop("closed", after_queue=False)
-            return False
         try:
             self._queue.put_nowait(event)
         except queue.Full:
@@ -402,26 +164,15 @@ class RunWatch(TelemetryPublisher):
             self.stats.queued += 1
         return True
 
-    def _count_invalid(self) -> None:
-        self._count_drop("invalid", after_queue=False)
+    def refuse(self, reason: str) -> None:
+        self._count_drop(reason, after_queue=False)
 
-    def close(self, timeout: float = 10.0, status: str | None = None, summary: dict | None = None) -> PublisherStats:
-        """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
-
-        ``status`` (``completed``, ``failed``, ``stopped``, ``interrupted``) defaults to ``stopped``
-        after an applied stop action (its id and cause go into ``summary``, see :meth:`note_stop`)
-        and to ``completed`` otherwise; the ``with RunWatch(...)`` form picks it for you. The
-        watchers made by :meth:`watch` are closed first (their last steps are published).
-
-        Every event offered (or recovered from the spool) is then exactly one of
-        ``published``, ``dropped`` or ``spooled_at_close`` (on disk, replayed next time).
-        """
-        if self._closed:
-            return self.stats
-        self._close_watchers()
-        if self.rank == 0:
-            self._run_end(status, summary)
-        self._closed = True
+    def close(self, timeout: float) -> None:
+        """Deliver what is queued or spooled within ``timeout``, then stop. Every event offered (or
+        recovered from the spool) is then exactly one of ``published``, ``dropped`` or
+        ``spooled_at_close`` (on disk, replayed next time)."""
+        if self._closing.is_set():
+            return
         self._close_deadline = time.monotonic() + timeout
         self._closing.set()
         self._thread.join(timeout + 5.0)
@@ -432,8 +183,6 @@ class RunWatch(TelemetryPublisher):
                            - s.spooled_at_close)
         if unaccounted > 0:
             self._count_drop("undelivered_at_close", unaccounted)
-        atexit.unregister(self.close)
-        return self.stats
 
     def delivered_offsets(self) -> dict[int, int]:
         """Highest broker-acknowledged offset per partition of the telemetry topic."""
@@ -753,23 +502,6 @@ class RunWatch(TelemetryPublisher):
         if len(spool):
             log.warning("runwatch: %d events stay in %s; a RunWatch with the same run id and rank replays them",
                         len(spool), self.spool_path)
-
-
-_SUMMARY_TEXT = 500  # characters of an exception's message kept in run_end's summary
-
-
-def _truncate(text: str, limit: int = _SUMMARY_TEXT) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
-
-
-def _exit_status(exc_type: type[BaseException] | None, exc: BaseException | None) -> tuple[str | None, dict]:
-    """``run_end``'s status for a ``with`` block that ended with ``exc`` (None: the usual rule)."""
-    if exc_type is None or (issubclass(exc_type, SystemExit) and getattr(exc, "code", None) in (None, 0)):
-        return None, {}
-    summary = {"error_type": exc_type.__name__, "error": _truncate(str(exc) if exc is not None else "")}
-    if issubclass(exc_type, KeyboardInterrupt):
-        return "interrupted", summary
-    return "failed", summary
 
 
 def _timestamp_ms(event: EventBase) -> int | None:

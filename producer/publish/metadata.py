@@ -302,3 +302,12 @@ def collect_run_start(
 
 def _as_seed(seed: Any) -> int | None:
     return None if isinstance(seed, bool) else int(seed)  # int() also takes numpy and 0-d tensor seeds
+
+
+def run_start_fields(world_size: int, collect: bool, **metadata: Any) -> dict[str, Any]:
+    """``run_start``'s fields (all but run_id and rank): collected by :func:`collect_run_start`, or
+    with ``collect=False`` only what the caller passed (a ``config`` only when it is a dict)."""
+    if collect:
+        return collect_run_start(world_size=world_size, **metadata)
+    return {"world_size": world_size, **{k: v for k, v in metadata.items()
+                                         if v is not None and (k != "config" or isinstance(v, dict))}}

@@ -38,7 +38,7 @@ asynchronous and read one step later, so the GPU is never made to wait.
 Several ranks:
 
 - ``DistributedDataParallel``: when ``model`` is the DDP wrapper, a comm hook times each
-  step's gradient synchronisation (:mod:`runwatch.producer.ddp_timing`): step events carry
+  step's gradient synchronisation (:mod:`runwatch.producer.instrument.ddp_timing`): step events carry
   ``compute_s`` (this rank's own work, without the wait for slower peers) and heartbeats
   ``in_sync`` (waiting for peers right now). ``sync_timing=False`` turns it off.
 - Sharded parameters (ZeRO, FSDP with whole parameters per rank): ``shard=`` names the
@@ -60,9 +60,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runwatch.producer.categories import CategoryLossBatch
-from runwatch.producer.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
-from runwatch.producer.gradstats import (
+from runwatch.producer.instrument.categories import CategoryLossBatch
+from runwatch.producer.instrument.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
+from runwatch.producer.instrument.gradstats import (
     GradNorms,
     ParamLayout,
     ShardSpec,
@@ -70,15 +70,16 @@ from runwatch.producer.gradstats import (
     UpdateProbe,
     grad_norms,
 )
-from runwatch.producer.heartbeat import Heartbeat
-from runwatch.producer.memory import MemorySampler
-from runwatch.producer.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
+from runwatch.producer.instrument.heartbeat import Heartbeat
+from runwatch.producer.instrument.memory import MemorySampler
+from runwatch.producer.instrument.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
+from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.wire.schema import CategoryLoss
 
 if TYPE_CHECKING:
     import torch
 
-    from runwatch.producer.publisher import RunWatch
+    from runwatch.producer.publish.run_watch import RunWatch
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +93,11 @@ class _PendingStep:
 
     step: int
     fields: dict[str, Any]
-    host: torch.Tensor  # filled by the copy
+    packing: StepPacking  # which figures the copy holds, by name
+    host: torch.Tensor | None = None  # filled by the copy
     ready: Any = None  # a CUDA event when the copy is asynchronous
-    grad: bool = False
-    update: bool = False
     clipped: bool = False
-    has_loss: bool = False
     categories: CategoryLossBatch | None = None
-    module_names: list[str] = field(default_factory=list)
     sync: SyncRound | None = None  # DDP: the step's sync marks, for compute_s
     off_step: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of off-step stretches
 
@@ -120,7 +118,7 @@ class Watcher:
 
     ``shard``: the parameters this rank owns in a sharded model (see the module doc); with it,
     ``clip`` is refused. ``sync_timing``: time DDP's gradient sync when ``model`` is a
-    ``DistributedDataParallel`` (registers a comm hook; see :mod:`runwatch.producer.ddp_timing`).
+    ``DistributedDataParallel`` (registers a comm hook; see :mod:`runwatch.producer.instrument.ddp_timing`).
     """
 
     def __init__(
@@ -282,13 +280,11 @@ class Watcher:
         if self.layout.sharded:
             fields["grad_sharded"] = True
 
-        pieces: list[torch.Tensor] = []
-        pending = _PendingStep(step=step, fields=fields, host=torch.empty(0), categories=category_loss,
-                               module_names=self.layout.module_names if self.module_norms else [],
-                               sync=sync, off_step=off_spans)
+        packing = StepPacking()
+        pending = _PendingStep(step=step, fields=fields, packing=packing, categories=category_loss, sync=sync,
+                               off_step=off_spans)
         if isinstance(loss, torch.Tensor):
-            pieces.append(loss.detach().reshape(-1)[:1].double())
-            pending.has_loss = True
+            packing.add("loss", loss.detach().reshape(-1)[:1])
         elif loss is not None:
             fields["loss"] = float(loss)
         grad, self._grad = self._grad, None
@@ -296,22 +292,23 @@ class Watcher:
         if read_late:
             grad = self._grads_at_end_step()
         if grad is not None:
-            pending.grad = True
             # A shard's clip factor would need the global norm: left to the worker's join. Gradients
             # read after the update may have been clipped already: their clip factor says nothing.
             pending.clipped = ((self.clip is not None or self.external_clip is not None) and not self.layout.sharded
                                and not read_late)
-            pieces.append(torch.stack([grad.total, grad.clip_coef, grad.nonfinite.double()]))
+            packing.add("grad_norm", grad.total)
+            packing.add("clip_coef", grad.clip_coef)
+            packing.add("nonfinite_grads", grad.nonfinite)
             if self.module_norms:
-                pieces.append(grad.modules)
+                packing.add("module_grad_norms", grad.modules)
         update, self._update = self._update, None
         if update is not None:
-            pending.update = True
-            pieces.append(torch.stack([update.param, update.update]))
+            packing.add("param_norm", update.param)
+            packing.add("update_norm", update.update)
         if category_loss is not None:
-            pieces.append(category_loss.packed())
+            packing.add("category_loss", category_loss.packed())
 
-        self._ship(pending, pieces)
+        self._ship(pending)
 
     def _current_lr(self) -> list[float]:
         if self.optimizer is not None:
@@ -424,12 +421,11 @@ class Watcher:
 
     # -- the single device-to-host copy ---------------------------------------------------
 
-    def _ship(self, pending: _PendingStep, pieces: list[torch.Tensor]) -> None:
+    def _ship(self, pending: _PendingStep) -> None:
         import torch
 
-        if pieces:
-            with torch.no_grad():
-                packed = torch.cat([p.to(self.layout.device) for p in pieces])
+        packed = pending.packing.pack(self.layout.device)
+        if packed is not None:
             if self._cuda:
                 # Asynchronous copy into pinned memory, read at the next step: no stall of the GPU.
                 pending.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -452,29 +448,24 @@ class Watcher:
     def _publish(self, p: _PendingStep) -> None:
         if p.ready is not None:
             p.ready.synchronize()
-        values = p.host.tolist() if p.host.numel() else []
+        figures = p.packing.unpack(p.host.tolist() if p.host is not None else [])
         fields = p.fields
-        i = 0
-        if p.has_loss:
-            fields["loss"] = values[i]
-            i += 1
+        if "loss" in figures:
+            fields["loss"] = figures["loss"][0]
         clipped_norm = None
-        if p.grad:
-            total, coef, nonfinite = values[i:i + 3]
-            i += 3
+        if "grad_norm" in figures:
+            total, coef, nonfinite = figures["grad_norm"][0], figures["clip_coef"][0], figures["nonfinite_grads"][0]
             fields["grad_norm"] = total
             fields["nonfinite_grads"] = int(nonfinite)
             clipped_norm = total * coef
             if p.clipped:
                 fields["grad_norm_clipped"] = clipped_norm
                 fields["clip_ratio"] = coef
-            if p.module_names:
-                n = len(p.module_names)
-                fields["module_grad_norms"] = dict(zip(p.module_names, values[i:i + n], strict=True))
-                i += n
-        if p.update:
-            param, update = values[i:i + 2]
-            i += 2
+            if "module_grad_norms" in figures:
+                fields["module_grad_norms"] = dict(zip(self.layout.module_names, figures["module_grad_norms"],
+                                                       strict=True))
+        if "param_norm" in figures:
+            param, update = figures["param_norm"][0], figures["update_norm"][0]
             fields["param_norm"] = param
             fields["update_norm"] = update
             if not self.layout.sharded:  # a shard's ratios are not the model's: the worker's join has those
@@ -483,7 +474,7 @@ class Watcher:
                 if clipped_norm is not None and clipped_norm > 0 and math.isfinite(clipped_norm):
                     fields["effective_lr_ratio"] = update / clipped_norm
         if p.categories is not None:
-            fields["category_loss"] = p.categories.from_packed(values[i:])
+            fields["category_loss"] = p.categories.from_packed(figures["category_loss"])
         if p.sync is not None and self.sync_timer is not None:
             compute = self.sync_timer.compute_s(p.sync, p.off_step)
             if compute is not None:

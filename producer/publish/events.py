@@ -1,0 +1,36 @@
+"""``RunEvents``: one rank's typed wire events, stamped with its run id, rank and clock.
+
+Event building knows nothing of where events go: :class:`~runwatch.producer.publish.run_watch.RunWatch`
+hands what it builds here to its delivery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+from runwatch.producer.wire.schema import EventBase
+
+E = TypeVar("E", bound=EventBase)
+
+
+def require_run_id(run_id: str) -> None:
+    if not run_id:
+        raise ValueError("run_id must be a non-empty string")
+
+
+class RunEvents:
+    """Builds one rank's events: ``run_id`` and ``rank`` filled in, ``ts`` from ``clock`` (default:
+    now, UTC) unless given. A field that does not validate raises pydantic's ``ValidationError``."""
+
+    def __init__(self, run_id: str, rank: int, clock: Callable[[], datetime] | None = None):
+        require_run_id(run_id)
+        self.run_id = run_id
+        self.rank = rank
+        self.clock = clock
+
+    def build(self, model: type[E], **fields: Any) -> E:
+        if self.clock is not None and "ts" not in fields:
+            fields["ts"] = self.clock()
+        return model(run_id=self.run_id, rank=self.rank, **fields)

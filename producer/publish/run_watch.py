@@ -1,0 +1,290 @@
+"""``RunWatch``: the object training code holds to publish one rank's telemetry.
+
+It is composed of three parts, each with one job: :class:`~runwatch.producer.publish.events.RunEvents`
+builds the typed events (run id, rank, clock), a :class:`~runwatch.producer.publish.delivery.Delivery`
+takes them (:class:`~runwatch.producer.publish.kafka_delivery.KafkaDelivery` by default; the JSONL
+recorder's writes a file), and :mod:`~runwatch.producer.publish.metadata` says what the run is.
+What is left here is the run's own bookkeeping: its checkpoints and their LR, the watchers it
+made, a stop that was applied, and how the run ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import ValidationError
+
+from runwatch.producer.publish.delivery import Delivery, PublisherStats
+from runwatch.producer.publish.events import RunEvents
+from runwatch.producer.publish.kafka_delivery import DEFAULT_SPOOL_MAX_BYTES, KafkaDelivery, default_spool_dir
+from runwatch.producer.publish.lr import base_lrs
+from runwatch.producer.publish.metadata import detect_rank_world, run_start_fields
+from runwatch.producer.publish.run_end import end_status, exit_status, stop_record
+from runwatch.producer.publish.spool import Overflow
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
+    ActionAckEvent,
+    CheckpointEvent,
+    CheckpointRef,
+    EvalEvent,
+    EventBase,
+    HeartbeatEvent,
+    RunEndEvent,
+    RunStartEvent,
+    StepEvent,
+)
+
+if TYPE_CHECKING:
+    from runwatch.producer.instrument.watch import Watcher
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound="RunWatch")
+
+
+class RunWatch:
+    """Publishes one rank's telemetry for one run.
+
+    Construction returns immediately whether or not a broker is reachable. Call
+    :meth:`close` at the end of the run (it is also registered with ``atexit``), or use it as
+    a context manager, ``with RunWatch(...) as rw:``, which ends the run as ``completed``,
+    ``stopped`` (after an applied stop action), ``failed`` (the body raised) or ``interrupted``.
+
+    ``rank`` and ``world_size`` default to what torch.distributed or the launcher's
+    environment says. Rank 0 publishes ``run_start`` with metadata collected on the spot
+    (git sha and dirty flag, host, versions, GPUs, the ``config`` and its hash, ``seed``,
+    ``dataset_version``, ``tags``, ``baseline_key``, ``job_id``); ``collect_metadata=False``
+    skips the collection, and ``run_start`` overrides any field. ``clock`` stamps every event's
+    ``ts`` (default: now, UTC).
+
+    Events the broker does not take go to a disk spool under ``spool_dir`` (default
+    :func:`default_spool_dir`; ``spool=False`` turns it off, and then they are dropped),
+    bounded by ``spool_max_bytes``; past the bound ``spool_overflow`` drops the newest
+    (default) or the oldest events. A ``RunWatch`` started with the same spool directory
+    (a restarted run) replays what an earlier process left there.
+
+    ``delivery``: where the events go instead of Kafka (the Kafka and spool options are then
+    unused); :class:`~runwatch.producer.publish.recorder.JsonlRecorder` is a ``RunWatch`` whose
+    delivery writes a JSONL file.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        bootstrap: str | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        queue_size: int = 10_000,
+        max_block_ms: int = 100,
+        linger_ms: int = 5,
+        delivery_timeout_ms: int = 3000,
+        topic: str = topics.TELEMETRY,
+        run_start: dict[str, Any] | None = None,
+        config: Any = None,
+        seed: int | None = None,
+        dataset_version: str | None = None,
+        tags: dict[str, str] | None = None,
+        baseline_key: str | None = None,
+        job_id: str | None = None,
+        collect_metadata: bool = True,
+        spool: bool = True,
+        spool_dir: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        spool_overflow: Overflow = "drop_newest",
+        clock: Callable[[], datetime] | None = None,
+        delivery: Delivery | None = None,
+    ):
+        if rank is None or world_size is None:
+            detected_rank, detected_world = detect_rank_world()
+            rank = detected_rank if rank is None else rank
+            world_size = detected_world if world_size is None else world_size
+        self._events = RunEvents(run_id, rank, clock)
+        self.world_size = world_size
+        self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
+        self.spool_path: Path | None = None  # the Kafka delivery's disk spool (None: off, or another delivery)
+        if delivery is None:
+            if spool:
+                self.spool_path = Path(spool_dir).resolve() if spool_dir is not None else default_spool_dir(run_id, rank)
+            delivery = KafkaDelivery(run_id, rank, self.bootstrap, topic=topic, queue_size=queue_size,
+                                     max_block_ms=max_block_ms, linger_ms=linger_ms,
+                                     delivery_timeout_ms=delivery_timeout_ms, spool_path=self.spool_path,
+                                     spool_max_bytes=spool_max_bytes, spool_overflow=spool_overflow)
+        self.delivery = delivery
+        self.checkpoints: list[CheckpointRef] = []
+        self.stopped_by: dict[str, str] | None = None  # the applied stop action's id and cause (see note_stop)
+        # Whose param groups' LR a checkpoint records (watch()'s optimizer, or an ActionListener's), and
+        # the LR it had when first seen: what a rollback scales (publish/lr.py).
+        self.lr_optimizer: Any = None
+        self.initial_lr: list[float] | None = None
+        self._watchers: list[Watcher] = []  # made by watch(), closed by close()
+        self._warned_invalid = False
+        self._closed = False
+        atexit.register(self.close, timeout=2.0)
+        if rank == 0:
+            # What the run is (code, machine, versions, config) is collected here, once, so every
+            # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
+            found = run_start_fields(world_size, collect_metadata, config=config, seed=seed,
+                                     dataset_version=dataset_version, tags=tags, baseline_key=baseline_key,
+                                     job_id=job_id)
+            self.publish(self._events.build(RunStartEvent, **{**found, **(run_start or {})}))
+
+    @property
+    def run_id(self) -> str:
+        return self._events.run_id
+
+    @property
+    def rank(self) -> int:
+        return self._events.rank
+
+    @property
+    def clock(self) -> Callable[[], datetime] | None:
+        """What stamps every event's ``ts`` (None: now, UTC); may be set while the run goes on."""
+        return self._events.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], datetime] | None) -> None:
+        self._events.clock = clock
+
+    @property
+    def stats(self) -> PublisherStats:
+        """What happened to this run's events so far (final after :meth:`close`)."""
+        return self.delivery.stats
+
+    # -- what training code calls -------------------------------------------------
+
+    def publish(self, event: EventBase) -> bool:
+        """Hand one event to the delivery; never blocks. Returns False if it was dropped."""
+        if self._closed:
+            self.delivery.refuse("closed")
+            return False
+        return self.delivery.deliver(event)
+
+    def step(self, step: int, **fields: Any) -> bool:
+        return self._build_and_publish(StepEvent, step=step, **fields)
+
+    def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
+        return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
+
+    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0,
+                  in_sync: bool | None = None, interval_s: float | None = None,
+                  host_load: dict | None = None) -> bool:
+        """``in_sync``: this rank has done its part of the current step and waits for its peers
+        (True), is still working on it (False), or it is not measured (None: left out).
+        ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
+        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it)."""
+        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s,
+                                       in_sync=in_sync, interval_s=interval_s, host_load=host_load)
+
+    def checkpoint(self, step: int, path: str, ok: bool = True, lr: list[float] | None = None) -> CheckpointRef:
+        """Register a checkpoint already written at ``path`` and announce it to the worker.
+
+        A rollback restores the newest confirmed-good checkpoint taken before the fault, and sets
+        the LR to the LR recorded here times its scale. ``lr``: each param group's LR at the save
+        (default: read from the optimizer given to :meth:`watch` or an ``ActionListener``).
+        """
+        if lr is None:
+            lr = base_lrs(self.lr_optimizer)
+        ref = CheckpointRef(step=step, uri=str(path), lr=lr)
+        if ok:
+            self.checkpoints.append(ref)
+        self.publish(self._events.build(CheckpointEvent, step=step, uri=str(path), ok=ok, lr=lr))
+        return ref
+
+    def track_lr(self, optimizer: Any) -> None:
+        """Record ``optimizer``'s LR with each checkpoint (and now, as the run's starting LR)."""
+        if optimizer is None:
+            return
+        self.lr_optimizer = optimizer
+        if self.initial_lr is None:
+            self.initial_lr = base_lrs(optimizer)
+
+    def ack(self, **fields: Any) -> bool:
+        return self._build_and_publish(ActionAckEvent, **fields)
+
+    def watch(self, model: Any, optimizer: Any = None, **options: Any) -> Watcher:
+        """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.instrument.watch.Watcher`.
+
+        ``optimizer=None`` watches a loop with a hand-written update: call
+        ``watch.before_optimizer_step()`` and ``watch.after_optimizer_step()`` around it (and pass
+        ``lr=`` here or to ``end_step``). :meth:`close` closes the watchers made here."""
+        from runwatch.producer.instrument.watch import Watcher  # imports torch; the publisher alone does not
+
+        self.track_lr(optimizer)
+        watcher = Watcher(self, model, optimizer, **options)
+        self._watchers.append(watcher)
+        return watcher
+
+    def note_stop(self, action: Any) -> None:
+        """A stop action was applied (the :class:`~runwatch.producer.actions.listener.ActionListener` calls
+        this): a later ``close()`` with no explicit status ends the run as ``stopped``, with the
+        action's id and cause (``params["cause"]``, else ``"stop"``) in ``run_end``'s summary."""
+        self.stopped_by = stop_record(action)
+
+    def close(self, timeout: float = 10.0, status: str | None = None, summary: dict | None = None) -> PublisherStats:
+        """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
+
+        ``status`` (``completed``, ``failed``, ``stopped``, ``interrupted``) defaults to ``stopped``
+        after an applied stop action (its id and cause go into ``summary``, see :meth:`note_stop`)
+        and to ``completed`` otherwise; the ``with RunWatch(...)`` form picks it for you. The
+        watchers made by :meth:`watch` are closed first (their last steps are published).
+
+        Every event offered (or recovered from the spool) is then exactly one of
+        ``published``, ``dropped`` or ``spooled_at_close`` (on disk, replayed next time).
+        """
+        if self._closed:
+            return self.stats
+        self._close_watchers()
+        if self.rank == 0:
+            status, summary = end_status(status, summary, self.stopped_by)
+            self.publish(self._events.build(RunEndEvent, status=status, summary=summary))
+        self._closed = True
+        self.delivery.close(timeout)
+        atexit.unregister(self.close)
+        return self.stats
+
+    def delivered_offsets(self) -> dict[int, int]:
+        """Highest broker-acknowledged offset per partition of the telemetry topic ({} when the
+        events do not go to Kafka)."""
+        offsets = getattr(self.delivery, "delivered_offsets", None)
+        return offsets() if offsets is not None else {}
+
+    def __enter__(self: R) -> R:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+        """``with RunWatch(...) as rw:`` ends the run as ``completed``, ``stopped`` after an applied
+        stop action, ``failed`` when the body raised (type and message in the summary) or
+        ``interrupted`` on Ctrl-C. The exception is not swallowed."""
+        status, summary = exit_status(exc_type, exc)
+        self.close(status=status, summary=summary)
+
+    # -- inside ------------------------------------------------------------------------
+
+    def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
+        # A bad argument is the caller's bug, but it must not crash hours of training:
+        # count it, warn once, carry on.
+        try:
+            event = self._events.build(model, **fields)
+        except ValidationError as exc:
+            self.delivery.refuse("invalid")
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
+                            model.__name__, exc)
+            return False
+        return self.publish(event)
+
+    def _close_watchers(self) -> None:
+        """Publish the watchers' last pending steps and stop their heartbeats before ``run_end``."""
+        for watcher in self._watchers:
+            try:
+                watcher.close()
+            except Exception:  # telemetry must not end the run, nor its close
+                log.debug("runwatch: closing a watcher failed", exc_info=True)
