@@ -286,3 +286,14 @@ def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     assert [s.loss for s in got["steps"]] == pytest.approx([h["loss"] for h in logged], abs=1e-4)
     if all("grad_norm" in h for h in logged):  # 5.17 logs it without clipping too; 5.0 does not
         assert [s.grad_norm for s in got["steps"]] == pytest.approx([h["grad_norm"] for h in logged], rel=1e-5)
+
+
+@pytest.mark.parametrize("framework", [
+    pytest.param("lightning", marks=needs_lightning),
+    pytest.param("hf", marks=needs_hf),
+])
+def test_the_earlier_documented_paths_still_import(framework):
+    """Training scripts written against docs before the producer's rooms import from here."""
+    earlier = importlib.import_module(f"runwatch.producer.{framework}")
+    assert earlier.RunWatchCallback is importlib.import_module(
+        f"runwatch.producer.integrations.{framework}").RunWatchCallback
