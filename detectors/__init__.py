@@ -5,10 +5,10 @@ Nothing here touches Kafka, ClickHouse, the network or the clock: callers pass e
 """
 
 from runwatch.detectors.config import ConfigError, RunwatchConfig, load_config
+from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
+from runwatch.detectors.engine.policy import ActionDecision, ActionPolicy
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.nonfinite import NonFiniteDetector
-from runwatch.detectors.policy import ActionDecision, ActionPolicy
 from runwatch.detectors.spike import SpikeDetector
 
 __all__ = [

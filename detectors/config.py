@@ -31,12 +31,12 @@ for _module in BUILTIN_MODULES + tuple(m.strip() for m in os.environ.get(DETECTO
 # Re-exported from where they now live, for callers that import them from here.
 from runwatch.detectors.category import CategoryConfig as CategoryConfig  # noqa: E402
 from runwatch.detectors.data_wait import DataWaitConfig as DataWaitConfig  # noqa: E402
+from runwatch.detectors.engine.recovery import RecoveryConfig as RecoveryConfig  # noqa: E402
 from runwatch.detectors.generalization import GeneralizationConfig as GeneralizationConfig  # noqa: E402
 from runwatch.detectors.hung_rank import HungRankConfig as HungRankConfig  # noqa: E402
 from runwatch.detectors.memory_growth import MemoryConfig as MemoryConfig  # noqa: E402
 from runwatch.detectors.module_grad import ModuleGradConfig as ModuleGradConfig  # noqa: E402
 from runwatch.detectors.nonfinite import NonFiniteConfig as NonFiniteConfig  # noqa: E402
-from runwatch.detectors.recovery import RecoveryConfig as RecoveryConfig  # noqa: E402
 from runwatch.detectors.spike import SpikeConfig as SpikeConfig  # noqa: E402
 from runwatch.detectors.stall import StallConfig as StallConfig  # noqa: E402
 from runwatch.detectors.straggler import StragglerConfig as StragglerConfig  # noqa: E402

@@ -3,7 +3,7 @@
 A finding at step ``s`` quiets ``[s + 1, s + steps]``. Steps at or before ``s`` are outside it:
 after a rollback the trainer replays steps from an earlier checkpoint, and a fault that comes back
 there must be found again, not muted by the cooldown of its first finding. (The monitor also
-rewinds the detectors' state to the restored checkpoint where it has a snapshot, ``rewind.py``;
+rewinds the detectors' state to the restored checkpoint where it has a snapshot, ``engine/rewind.py``;
 this keeps a detector right where it has none.) ``module_grad`` keeps one cooldown per module in
 numpy arrays with the same window.
 """

@@ -13,7 +13,7 @@ run's ranks, on ``tick(now)``:
 Allowed: ``max(floor_s, factor x the run's median step interval + phase_allowance_s[phase])``,
 with the phase of the rank's latest heartbeat (a rank saving a checkpoint for 5 minutes while its
 peers wait is not hung), counted from its last progress or the start of that phase, whichever is
-later. The ranks' steps, phases and heartbeats are their ``RankProgress`` (progress.py), and the
+later. The ranks' steps, phases and heartbeats are their ``RankProgress`` (engine/progress.py), and the
 median is the run's pace there, pooled over every rank's step intervals; nothing fires before
 ``min_steps`` intervals. Only ranks with a heartbeat since their last progress count (one that
 stops beating is the stall detector's ``silent``: dead), and a rank is live while it was heard
@@ -28,8 +28,8 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import CrossRankDetector
+from runwatch.detectors.engine.progress import RunProgress
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.progress import RunProgress
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.stall import StallConfig
 from runwatch.producer.schema import JoinedStep, RunEndEvent, TelemetryEvent

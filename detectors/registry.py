@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from runwatch.configfile import Strict as Strict  # re-exported: every detector config derives from it
 
 if TYPE_CHECKING:
-    from runwatch.detectors.progress import RunProgress
+    from runwatch.detectors.engine.progress import RunProgress
 
 View = Literal["rank", "joined", "cross_rank"]
 
@@ -47,7 +47,7 @@ class DetectorSpec:
     episodic: bool = False  # fires once per episode: what persists is escalated by the policy's tick
     knob: str | None = None  # calibrate's sensitivity knob (a field of ``config``)
     default: Callable[[], Strict] | None = None
-    # A liveness detector reads the run's ``RunProgress`` (progress.py), which the monitor keeps: its
+    # A liveness detector reads the run's ``RunProgress`` (engine/progress.py), which the monitor keeps: its
     # ``build`` then takes that as a second argument (None: running alone, it keeps its own).
     reads_progress: bool = False
     # The fault kinds of the labelled scenario corpus this detector is the one to find (its name by

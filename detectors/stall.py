@@ -1,6 +1,6 @@
 """A stalled rank (heartbeats keep coming, the step does not move) or a silent one (heartbeats stop).
 
-The rank's progress, heartbeats and pace are its ``RankProgress`` (progress.py), kept once per
+The rank's progress, heartbeats and pace are its ``RankProgress`` (engine/progress.py), kept once per
 run by the monitor. Progress is the step moving; a step going *back* (a rollback, a resume from a
 checkpoint) counts as movement too, so a rolled-back run is not judged stalled until it catches
 up. The typical pace is the rank's rolling median step interval, trusted after ``min_steps`` steps.
@@ -30,8 +30,8 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.progress import RankProgress, RunProgress
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, TelemetryEvent
 from runwatch.producer.wire.schema import Severity

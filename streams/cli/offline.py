@@ -25,7 +25,7 @@ def _dump(obj: object) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def replay(path: str, config_path: str | None, tick_every_s: float, as_json: bool) -> None:
     """Run the detectors over a recorded telemetry stream (JSONL), event timestamps as the clock."""
-    from runwatch.detectors.replay import ReplayError, replay_file
+    from runwatch.detectors.offline.replay import ReplayError, replay_file
 
     config = cli_config(config_path)
     try:
@@ -61,8 +61,8 @@ def replay(path: str, config_path: str | None, tick_every_s: float, as_json: boo
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with `scenarios` and `summary`")
 def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
     """Score the detectors on a labelled corpus (runwatch scenarios generate): recall, false alarms, delays."""
-    from runwatch.detectors.evaluate import evaluate_dir
-    from runwatch.detectors.replay import ReplayError
+    from runwatch.detectors.offline.evaluate import evaluate_dir
+    from runwatch.detectors.offline.replay import ReplayError
 
     config = cli_config(config_path)
     try:
@@ -100,10 +100,10 @@ def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
               show_default=True, help="where to write the proposed YAML")
 def calibrate(directory: str, target_false_alarms: float, config_path: str | None, out_path: str) -> None:
     """Propose per-detector thresholds from the healthy runs' observed behaviour; writes a YAML."""
-    from runwatch.detectors.calibrate import calibrate as propose
-    from runwatch.detectors.calibrate import resolution_per_10k, to_yaml
-    from runwatch.detectors.evaluate import Corpus
-    from runwatch.detectors.replay import ReplayError
+    from runwatch.detectors.offline.calibrate import calibrate as propose
+    from runwatch.detectors.offline.calibrate import resolution_per_10k, to_yaml
+    from runwatch.detectors.offline.evaluate import Corpus
+    from runwatch.detectors.offline.replay import ReplayError
 
     base = cli_config(config_path)
     try:

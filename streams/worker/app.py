@@ -15,7 +15,7 @@ from pathlib import Path
 import faust
 
 from runwatch.detectors import RunwatchConfig
-from runwatch.detectors.replay import TICK_EVERY_S
+from runwatch.detectors.offline.replay import TICK_EVERY_S
 from runwatch.producer import topics
 from runwatch.streams.worker import transport
 from runwatch.streams.worker.detector_process import (

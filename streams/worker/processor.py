@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
-from runwatch.detectors.policy import ActionDecision
+from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.producer import topics
 from runwatch.producer.schema import (
     Action,

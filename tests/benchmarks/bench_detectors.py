@@ -18,7 +18,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.monitor import DETECTORS, RunMonitor
+from runwatch.detectors.engine.monitor import DETECTORS, RunMonitor
 from runwatch.producer.schema import CategoryLoss, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, tzinfo=UTC)

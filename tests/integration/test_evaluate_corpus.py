@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from runwatch.detectors import monitor
 from runwatch.detectors.base import Detector
-from runwatch.detectors.evaluate import Corpus, evaluate_corpus
+from runwatch.detectors.engine import monitor
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.offline.evaluate import Corpus, evaluate_corpus
 from runwatch.producer.schema import EvalEvent, HeartbeatEvent, StepEvent
 from runwatch.streams.scenarios.corpus import generate
 

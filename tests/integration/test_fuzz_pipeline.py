@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
-from runwatch.detectors.replay import read_events, replay
+from runwatch.detectors.offline.replay import read_events, replay
 from runwatch.producer import topics
 from runwatch.producer.schema import DeadLetter, decode_action, decode_anomaly
 from runwatch.sinks import ClickHouseSink, SinkConsumer

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from runwatch.detectors.replay import read_events, replay
+from runwatch.detectors.offline.replay import read_events, replay
 from runwatch.producer import topics
 from runwatch.producer.schema import decode_anomaly
 from runwatch.streams.scenarios.corpus import generate

@@ -34,8 +34,8 @@ import pytest
 
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.monitor import RunMonitor
-from runwatch.detectors.rank_join import StepJoin
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.rank_join import StepJoin
 from runwatch.producer.schema import (
     ActionAckEvent,
     CategoryLoss,

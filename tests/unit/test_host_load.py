@@ -18,7 +18,7 @@ from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.config import DataWaitConfig, ThroughputConfig
 from runwatch.detectors.data_wait import DataWaitDetector
 from runwatch.detectors.host_load import HostLoadTracker, annotate, busier_reasons, describe
-from runwatch.detectors.replay import replay
+from runwatch.detectors.offline.replay import replay
 from runwatch.detectors.throughput import ThroughputDetector
 from runwatch.producer.instrument import heartbeat as heartbeat_module
 from runwatch.producer.instrument.heartbeat import Heartbeat, HostLoadSampler
@@ -345,7 +345,7 @@ def test_a_held_finding_goes_out_without_a_verdict_when_no_heartbeat_comes():
 
 
 def test_the_run_end_releases_held_findings():
-    from runwatch.detectors.monitor import RunMonitor
+    from runwatch.detectors.engine.monitor import RunMonitor
     from runwatch.producer.schema import RunEndEvent, RunStartEvent
 
     monitor = RunMonitor("r", RunwatchConfig())

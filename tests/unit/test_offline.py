@@ -11,10 +11,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from runwatch.detectors.calibrate import calibrate
 from runwatch.detectors.config import RunwatchConfig, load_config
-from runwatch.detectors.evaluate import Corpus, evaluate_dir
-from runwatch.detectors.replay import ReplayError, read_events, replay, replay_file
+from runwatch.detectors.offline.calibrate import calibrate
+from runwatch.detectors.offline.evaluate import Corpus, evaluate_dir
+from runwatch.detectors.offline.replay import ReplayError, read_events, replay, replay_file
 from runwatch.producer.schema import HeartbeatEvent, StepEvent
 from runwatch.streams.cli.main import main
 
@@ -88,7 +88,7 @@ class TickCounter:
 
 
 def test_replay_ticks_on_event_time_across_a_gap(monkeypatch):
-    from runwatch.detectors import monitor
+    from runwatch.detectors.engine import monitor
 
     counter = TickCounter()
     monkeypatch.setattr(monitor, "build_detectors", lambda config, names, progress: [counter] if names == monitor.RANK_VIEW else [])

@@ -9,8 +9,8 @@ import math
 from datetime import UTC, datetime, timedelta
 
 from runwatch.detectors.config import PolicyConfig, PolicyRule, RunwatchConfig
-from runwatch.detectors.monitor import RunMonitor
-from runwatch.detectors.policy import ActionPolicy
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.policy import ActionPolicy
 from runwatch.producer.schema import (
     ActionAckEvent,
     Anomaly,

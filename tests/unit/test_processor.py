@@ -177,7 +177,7 @@ def test_runs_are_independent(proc):
 
 
 def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
-    from runwatch.detectors import monitor as monitor_module
+    from runwatch.detectors.engine import monitor as monitor_module
     from runwatch.detectors.findings import Finding
 
     class FiresOnTick:
@@ -201,7 +201,7 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
 
 
 def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_clock(monkeypatch):
-    from runwatch.detectors import monitor as monitor_module
+    from runwatch.detectors.engine import monitor as monitor_module
 
     ticked = []
 
@@ -266,7 +266,7 @@ def test_actions_carry_the_runs_job_id_for_remediation(proc):
 
 def _explode_on(monkeypatch, run_id: str, step: int) -> None:
     """A detector bug: the monitor raises on one step of one run (and only there)."""
-    from runwatch.detectors.monitor import RunMonitor
+    from runwatch.detectors.engine.monitor import RunMonitor
 
     original = RunMonitor.observe
 
@@ -299,7 +299,7 @@ def test_a_detector_error_resets_only_its_run_and_is_dead_lettered_with_the_trac
 
 
 def test_a_timer_error_resets_only_its_run(proc, monkeypatch):
-    from runwatch.detectors.monitor import RunMonitor
+    from runwatch.detectors.engine.monitor import RunMonitor
 
     for run in ("a", "b"):
         proc.process(_step(0, run_id=run), key=run.encode())
@@ -317,7 +317,7 @@ def test_a_timer_error_resets_only_its_run(proc, monkeypatch):
 
 
 def test_a_tick_stops_at_its_budget_and_the_next_one_goes_on_where_it_stopped(monkeypatch):
-    from runwatch.detectors.monitor import RunMonitor
+    from runwatch.detectors.engine.monitor import RunMonitor
 
     clock = {"t": 0.0}
     proc = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL, perf_clock=lambda: clock["t"])

@@ -10,8 +10,8 @@ import pytest
 
 from runwatch.detectors import RunMonitor, RunwatchConfig
 from runwatch.detectors.config import HungRankConfig, StallConfig, StragglerConfig
+from runwatch.detectors.engine.rank_join import StepJoin
 from runwatch.detectors.hung_rank import HungRankDetector
-from runwatch.detectors.rank_join import StepJoin
 from runwatch.detectors.straggler import StragglerDetector
 from runwatch.producer.schema import (
     CategoryLoss,

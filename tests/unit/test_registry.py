@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from runwatch.detectors import registry
-from runwatch.detectors.calibrate import SENSITIVITY_KNOBS
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.monitor import DETECTORS, JOINED_VIEW, RANK_VIEW
-from runwatch.detectors.policy import EPISODIC_DETECTORS
+from runwatch.detectors.engine.monitor import DETECTORS, JOINED_VIEW, RANK_VIEW
+from runwatch.detectors.engine.policy import EPISODIC_DETECTORS
+from runwatch.detectors.offline.calibrate import SENSITIVITY_KNOBS
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = Path(__file__).with_name("plugins")
@@ -56,8 +56,8 @@ TOY_PROBE = """
 import json, sys
 from datetime import UTC, datetime, timedelta
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.monitor import DETECTORS, RunMonitor
-from runwatch.detectors.replay import replay_file
+from runwatch.detectors.engine.monitor import DETECTORS, RunMonitor
+from runwatch.detectors.offline.replay import replay_file
 from runwatch.producer.schema import StepEvent
 
 config = RunwatchConfig.model_validate({"detectors": {"toy_loss_ceiling": {"ceiling": 5.0}},

@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import torch
 
-from runwatch.detectors.checkpoints import CheckpointLedger
 from runwatch.detectors.config import ConfigError, RecoveryConfig, RunwatchConfig, SpikeConfig
-from runwatch.detectors.monitor import RunMonitor
-from runwatch.detectors.recovery import RecoveryCheck
+from runwatch.detectors.engine.checkpoints import CheckpointLedger
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.recovery import RecoveryCheck
 from runwatch.detectors.spike import SpikeDetector
 from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, scale_lr
 from runwatch.producer.schema import ActionAckEvent, CheckpointEvent, CheckpointRef, StepEvent

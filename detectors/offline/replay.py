@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.monitor import MonitorOutput, RunMonitor
-from runwatch.detectors.policy import ActionDecision
+from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
+from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.producer.schema import Anomaly, SchemaError, StepEvent, TelemetryEvent, decode_event
 
 TICK_EVERY_S = 0.25  # the worker's timer period (streams/worker/app.py), on event time

@@ -15,14 +15,14 @@ from typing import Any, TypedDict, cast
 
 from runwatch.detectors import registry
 from runwatch.detectors.base import CrossRankDetector, Detector
-from runwatch.detectors.checkpoints import CheckpointLedger
 from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.engine.checkpoints import CheckpointLedger
+from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
+from runwatch.detectors.engine.progress import RunProgress
+from runwatch.detectors.engine.rank_join import Joined, StepJoin
+from runwatch.detectors.engine.recovery import RecoveryCheck
+from runwatch.detectors.engine.rewind import DetectorSnapshots
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
-from runwatch.detectors.progress import RunProgress
-from runwatch.detectors.rank_join import Joined, StepJoin
-from runwatch.detectors.recovery import RecoveryCheck
-from runwatch.detectors.rewind import DetectorSnapshots
 from runwatch.producer.schema import (
     ActionAckEvent,
     Anomaly,
@@ -166,7 +166,7 @@ class RunMonitor:
 
     def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
         """From now on only the join goes on. The rank detectors hear of it too: findings they held
-        back waiting for a heartbeat's host load (throughput, data wait: host_load.py) go out with
+        back waiting for a heartbeat's host load (throughput, data wait: detectors/host_load.py) go out with
         what is known."""
         self.ended_at = event.ts
         for detectors in self.ranks.values():

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.evaluate import Corpus, score_scenario
-from runwatch.detectors.replay import replay
+from runwatch.detectors.offline.evaluate import Corpus, score_scenario
+from runwatch.detectors.offline.replay import replay
 
 # detector -> its sensitivity knob; a larger value is always less sensitive.
 # Each detector's main sensitivity knob, as it declares it (detectors/registry.py).

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.replay import ReplayError, read_events, replay
+from runwatch.detectors.offline.replay import ReplayError, read_events, replay
 from runwatch.producer.schema import Anomaly, TelemetryEvent
 
 LABELS_FILE = "labels.json"

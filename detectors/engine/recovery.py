@@ -26,7 +26,7 @@ from runwatch.detectors.registry import Strict
 
 
 class RecoveryConfig(Strict):
-    """After a rollback, the run must return to its pre-fault loss (``detectors/recovery.py``)."""
+    """After a rollback, the run must return to its pre-fault loss (``detectors/engine/recovery.py``)."""
 
     enabled: bool = True
     within_steps: int = Field(
