@@ -151,9 +151,10 @@ def _run(sc: Scenario, rw: Any, clock: Any, quick: bool, on_step: Callable[[int,
         cats = category_loss(per_sample.detach(), batch.cat, names=task.names)
         watch.end_step(loss, step=step, samples=batch.x.shape[0], tokens=batch.tokens, category_loss=cats)
         out.steps += 1
-        out.live.step_executed(float(loss.detach()))
+        loss_value = float(loss.detach())
+        out.live.step_executed(loss_value)
         if on_step is not None:
-            on_step(step, float(loss.detach()))
+            on_step(step, loss_value)
         ended = fault.step_published(step, clock.advance)
         if ended is not None:
             out.status = ended

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from runwatch.producer import topics
-from runwatch.streams.local import broker as broker_module
 from runwatch.streams.cli.main import main
+from runwatch.streams.local import broker as broker_module
 
 
 @pytest.fixture
