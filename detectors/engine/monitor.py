@@ -121,7 +121,7 @@ class RunMonitor:
     def observe(self, event: TelemetryEvent) -> MonitorOutput:
         out = MonitorOutput()
         if self._seen_before(event.event_id):  # redelivered (a producer retry, a worker restart)
-            self.join.duplicates += 1
+            self.join.count_duplicate()
             return out
         self.events_seen += 1
         if self.ended_at is not None and event.kind not in ("step", "run_end"):
@@ -166,8 +166,8 @@ class RunMonitor:
 
     def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
         """From now on only the join goes on. The rank detectors hear of it too: findings they held
-        back waiting for a heartbeat's host load (throughput, data wait: detectors/host_load.py) go out with
-        what is known."""
+        back waiting for a heartbeat's host load (throughput, data wait: detectors/host_load.py) go
+        out with what is known."""
         self.ended_at = event.ts
         for detectors in self.ranks.values():
             for detector in detectors:
@@ -176,7 +176,8 @@ class RunMonitor:
 
     # -- where an event goes ---------------------------------------------------------------------
 
-    def _to_rank(self, event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent, out: MonitorOutput) -> None:
+    def _to_rank(self, event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent,
+                 out: MonitorOutput) -> None:
         """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors."""
         self.progress.observe(event)
         self._to_cross_rank(event, out)

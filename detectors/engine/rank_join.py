@@ -68,6 +68,11 @@ class StepJoin:
     def set_world_size(self, world_size: int) -> None:
         self.world_size = max(self.world_size, world_size)
 
+    def count_duplicate(self) -> None:
+        """An event of the run delivered again, dropped before it reached the join (the joined steps
+        report how many)."""
+        self.duplicates += 1
+
     def expected(self) -> set[int]:
         return set(range(self.world_size)) - self.absent
 
