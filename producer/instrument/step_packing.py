@@ -26,15 +26,21 @@ class StepPacking:
         self._size = 0
 
     def add(self, name: str, values: torch.Tensor) -> None:
-        """``values`` (any shape; flattened, as float64) becomes the segment ``name``."""
-        flat = values.reshape(-1)
-        n = flat.numel()
-        self._pieces.append(flat)
+        """A 1-d tensor becomes the segment ``name``."""
+        n = values.numel()
         self._segments[name] = slice(self._size, self._size + n)
         self._size += n
+        self._pieces.append(values)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._segments
+    def add_scalars(self, scalars: dict[str, torch.Tensor]) -> None:
+        """Each 0-d tensor becomes a one-value segment of its name; stacked in one op, not one piece each."""
+        import torch
+
+        for name in scalars:
+            self._segments[name] = slice(self._size, self._size + 1)
+            self._size += 1
+        # Stacking tensors of one dtype is faster than letting stack promote a mixed list.
+        self._pieces.append(torch.stack([t if t.dtype == torch.float64 else t.double() for t in scalars.values()]))
 
     def pack(self, device: torch.device) -> torch.Tensor | None:
         """All segments as one float64 tensor on ``device`` (None when nothing was added)."""

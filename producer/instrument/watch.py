@@ -296,15 +296,13 @@ class Watcher:
             # read after the update may have been clipped already: their clip factor says nothing.
             pending.clipped = ((self.clip is not None or self.external_clip is not None) and not self.layout.sharded
                                and not read_late)
-            packing.add("grad_norm", grad.total)
-            packing.add("clip_coef", grad.clip_coef)
-            packing.add("nonfinite_grads", grad.nonfinite)
+            packing.add_scalars({"grad_norm": grad.total, "clip_coef": grad.clip_coef,
+                                 "nonfinite_grads": grad.nonfinite})
             if self.module_norms:
                 packing.add("module_grad_norms", grad.modules)
         update, self._update = self._update, None
         if update is not None:
-            packing.add("param_norm", update.param)
-            packing.add("update_norm", update.update)
+            packing.add_scalars({"param_norm": update.param, "update_norm": update.update})
         if category_loss is not None:
             packing.add("category_loss", category_loss.packed())
 

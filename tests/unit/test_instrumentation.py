@@ -10,6 +10,7 @@ from torch import nn
 
 from runwatch.producer.instrument.categories import category_loss
 from runwatch.producer.instrument.gradstats import ROOT_MODULE, ParamLayout, grad_norms
+from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.schema import StepEvent
 
@@ -390,3 +391,15 @@ def test_shard_rejects_clip_unknown_names_and_an_empty_selection():
         Watcher(RecordingPublisher(), model, optimizer, shard=["head.wieght"], heartbeat_s=None)
     with pytest.raises(ValueError, match="selects none"):
         Watcher(RecordingPublisher(), model, optimizer, shard=["frozen.weight"], heartbeat_s=None)
+
+
+def test_a_steps_packed_figures_come_back_by_name_as_float64():
+    packing = StepPacking()
+    packing.add("loss", torch.tensor([2.5], dtype=torch.float32))
+    packing.add_scalars({"grad_norm": torch.tensor(3.0, dtype=torch.float64), "nonfinite_grads": torch.tensor(1)})
+    packing.add("module_grad_norms", torch.tensor([1.0, 2.0], dtype=torch.float64))
+    packed = packing.pack(torch.device("cpu"))
+    assert packed.dtype == torch.float64 and packed.numel() == 5
+    assert packing.unpack(packed.tolist()) == {"loss": [2.5], "grad_norm": [3.0], "nonfinite_grads": [1.0],
+                                               "module_grad_norms": [1.0, 2.0]}
+    assert StepPacking().pack(torch.device("cpu")) is None  # nothing measured: no copy
