@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-TRAINING_SIDE = ("runwatch.producer.publisher", "runwatch.producer.instrument.watch", "runwatch.producer.actions.listener", "torch")
+TRAINING_SIDE = ("runwatch.producer.publish", "runwatch.producer.instrument", "runwatch.producer.actions.listener", "torch")
 WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb")
 
 
