@@ -20,6 +20,7 @@ _EXPORTS = {
     "category_loss": "instrument.categories",
     "Heartbeat": "instrument.heartbeat",
     "PublisherStats": "publish.delivery",
+    "MemoryDelivery": "publish.delivery",
     "RunWatch": "publish.run_watch",
     "JsonlRecorder": "publish.recorder",
     "Action": "wire.schema",
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from runwatch.producer.instrument.categories import CategoryLossBatch, category_loss
     from runwatch.producer.instrument.heartbeat import Heartbeat
     from runwatch.producer.instrument.watch import Watcher
-    from runwatch.producer.publish.delivery import PublisherStats
+    from runwatch.producer.publish.delivery import MemoryDelivery, PublisherStats
     from runwatch.producer.publish.recorder import JsonlRecorder
     from runwatch.producer.publish.run_watch import RunWatch
     from runwatch.producer.wire.schema import (
@@ -89,6 +90,7 @@ __all__ = [
     "Heartbeat",
     "HeartbeatEvent",
     "JsonlRecorder",
+    "MemoryDelivery",
     "PublisherStats",
     "RunEndEvent",
     "RunStartEvent",

@@ -52,3 +52,25 @@ class Delivery(Protocol):
     def close(self, timeout: float) -> None:
         """Deliver what is held within ``timeout`` seconds and stop; the books are final after it."""
         ...
+
+
+class MemoryDelivery:
+    """Keeps the events in ``events``, in order: for tests of code that publishes (``RunWatch(...,
+    delivery=MemoryDelivery())``), with no broker and no file."""
+
+    def __init__(self) -> None:
+        self.events: list[EventBase] = []
+        self.stats = PublisherStats()
+
+    def deliver(self, event: EventBase) -> bool:
+        self.events.append(event)
+        self.stats.queued += 1  # kept at once: queued and published together, as the JSONL recorder counts
+        self.stats.published += 1
+        return True
+
+    def refuse(self, reason: str) -> None:
+        self.stats.dropped += 1
+        self.stats.drop_reasons[reason] = self.stats.drop_reasons.get(reason, 0) + 1
+
+    def close(self, timeout: float) -> None:
+        """Nothing is held: every event was kept when delivered."""

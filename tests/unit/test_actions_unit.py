@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from runwatch.producer import MemoryDelivery
 from runwatch.producer.actions.applied_ids import AppliedIds, default_state_path
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
-from runwatch.producer.publish.delivery import PublisherStats
 from runwatch.producer.publish.lr import LR_SCALE_KEY, scale_lr
 from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.schema import Action, CheckpointRef, utc_now
@@ -36,30 +36,12 @@ SECRET = "unit-secret-of-at-least-32-bytes-0123"
 REPO = Path(__file__).resolve().parents[2]
 
 
-class KeptEvents:
-    """A delivery that keeps the events handed to it."""
-
-    def __init__(self) -> None:
-        self.events: list = []
-        self.stats = PublisherStats()
-
-    def deliver(self, event) -> bool:  # noqa: ANN001
-        self.events.append(event)
-        return True
-
-    def refuse(self, reason: str) -> None:
-        pass
-
-    def close(self, timeout: float) -> None:
-        pass
-
-
 class RecordingPublisher(RunWatch):
     """A RunWatch that keeps its events: the listener's acks land here."""
 
     def __init__(self, run_id: str = "run-u", rank: int = 0):
         super().__init__(run_id, "unused:9092", rank=rank, world_size=rank + 1, collect_metadata=False,
-                         delivery=KeptEvents())
+                         delivery=MemoryDelivery())
 
     @property
     def events(self) -> list:

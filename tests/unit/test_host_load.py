@@ -20,9 +20,9 @@ from runwatch.detectors.data_wait import DataWaitDetector
 from runwatch.detectors.host_load import HostLoadTracker, annotate, busier_reasons, describe
 from runwatch.detectors.offline.replay import replay
 from runwatch.detectors.throughput import ThroughputDetector
+from runwatch.producer import MemoryDelivery
 from runwatch.producer.instrument import heartbeat as heartbeat_module
 from runwatch.producer.instrument.heartbeat import Heartbeat, HostLoadSampler
-from runwatch.producer.publish.delivery import PublisherStats
 from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.schema import (
     Anomaly,
@@ -134,29 +134,11 @@ def test_sampler_reads_this_linux_host():
     HostLoad(**second)
 
 
-class Kept:
-    """A delivery that keeps what it is handed."""
-
-    def __init__(self) -> None:
-        self.events: list = []
-        self.stats = PublisherStats()
-
-    def deliver(self, event) -> bool:
-        self.events.append(event)
-        return True
-
-    def refuse(self, reason: str) -> None:
-        pass
-
-    def close(self, timeout: float) -> None:
-        pass
-
-
 class Captured(RunWatch):
     """A real RunWatch that keeps what it would send (rank 1: no run_start to skip)."""
 
     def __init__(self) -> None:
-        super().__init__("hb-run", rank=1, world_size=2, delivery=Kept())
+        super().__init__("hb-run", rank=1, world_size=2, delivery=MemoryDelivery())
 
     @property
     def events(self) -> list:
