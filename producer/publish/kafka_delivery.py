@@ -229,6 +229,21 @@ class KafkaDelivery:
 
         return KafkaProducer(**self._producer_config)
 
+    def _await_metadata(self, producer: Any) -> None:
+        """Fetch the topic's metadata before the first send. A fresh client on a busy host can take
+        longer than ``max_block_ms`` to get it, and then the first events fail: rank 0's
+        ``run_start`` (which tells the worker the world size) would be spooled, or dropped where
+        there is no spool. So this thread waits for it, up to the delivery timeout; events queue
+        meanwhile and training never waits."""
+        deadline = time.monotonic() + self._delivery_timeout_s
+        while producer is not None and time.monotonic() < deadline and not (
+                self._closing.is_set() and time.monotonic() >= self._close_deadline):
+            try:
+                producer.partitions_for(self.topic)  # waits up to max_block_ms
+                return
+            except Exception:  # no broker yet: try again until the deadline, then send (and spool) as usual
+                time.sleep(0.05)
+
     def _drain(self) -> None:
         try:
             producer = self._make_producer()
@@ -236,6 +251,7 @@ class KafkaDelivery:
             log.warning("runwatch: cannot create Kafka producer (%s); events will be spooled or dropped", exc)
             producer = None
         try:
+            self._await_metadata(producer)
             self._recover_spool()
             self._run(producer)
         except Exception:  # a bug here must not take the training loop down; close() counts the rest
