@@ -22,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from runwatch.configfile import Strict as Strict  # re-exported: every detector config derives from it
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from runwatch.detectors.base import Detector
     from runwatch.detectors.engine.progress import RunProgress
 
 View = Literal["rank", "joined", "cross_rank"]
@@ -41,7 +44,7 @@ class DetectorSpec:
 
     name: str
     config: type[Strict]
-    build: Callable[..., Any]
+    build: Callable[..., Detector]
     view: View
     summary: str
     episodic: bool = False  # fires once per episode: what persists is escalated by the policy's tick
@@ -55,7 +58,7 @@ class DetectorSpec:
     # cross-rank view have no single-run scenario).
     faults: tuple[str, ...] | None = None
 
-    def make(self, detectors: Any, progress: RunProgress) -> Any:
+    def make(self, detectors: BaseModel, progress: RunProgress) -> Detector:
         """The detector, for a run whose progress tracker is ``progress``."""
         return self.build(detectors, progress) if self.reads_progress else self.build(detectors)
 

@@ -3,11 +3,14 @@ the embedded ClickHouse engine. Every process is stopped by pid at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
 from runwatch.producer import topics
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
@@ -27,6 +30,21 @@ def broker(tmp_path_factory) -> Iterator[EmbeddedBroker]:
 @pytest.fixture(scope="session")
 def secret() -> str:
     return secrets.token_hex(16)
+
+
+@contextlib.contextmanager
+def worker_with_config(broker: EmbeddedBroker, secret: str, folder: Path, config: dict,
+                       group: str) -> Iterator[WorkerProcess]:
+    """A worker of its own consumer group running ``config`` (the session's default-config worker
+    may be running too), stopped by its pid at the end."""
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    w = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", path, group=group)
+    try:
+        w.wait_ready(90)
+        yield w
+    finally:
+        w.stop()
 
 
 @pytest.fixture(scope="session")

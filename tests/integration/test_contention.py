@@ -18,13 +18,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import yaml
 
 from runwatch.producer import RunWatch, topics
 from runwatch.producer.schema import Anomaly, decode_anomaly
-from runwatch.streams.local.worker_process import WorkerProcess
 
-from .conftest import read_topic
+from .conftest import read_topic, worker_with_config
 
 pytestmark = pytest.mark.integration
 
@@ -47,15 +45,8 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def contention_worker(broker, secret, tmp_path_factory):
     """A worker of its own group with the test-sized throughput config."""
-    folder = tmp_path_factory.mktemp("contention-worker")
-    config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
-    worker = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", config, group="runwatch-detect-contention")
-    try:
-        worker.wait_ready(90)
+    with worker_with_config(broker, secret, tmp_path_factory.mktemp("contention-worker"), CONFIG, "runwatch-detect-contention") as worker:
         yield worker
-    finally:
-        worker.stop()
 
 
 def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[], None]]) -> int:

@@ -13,14 +13,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, Anomaly, JoinedStep
 from runwatch.streams.local.broker import free_port
-from runwatch.streams.local.worker_process import WorkerProcess
 
-from .conftest import read_topic
+from .conftest import read_topic, worker_with_config
 
 pytestmark = pytest.mark.integration
 
@@ -63,15 +61,8 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def dist_worker(broker, secret, tmp_path_factory):
     """A worker of its own group (the session's default-config worker may be running too)."""
-    folder = tmp_path_factory.mktemp("dist-worker")
-    config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
-    worker = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", config, group="runwatch-detect-dist")
-    try:
-        worker.wait_ready(90)
+    with worker_with_config(broker, secret, tmp_path_factory.mktemp("dist-worker"), CONFIG, "runwatch-detect-dist") as worker:
         yield worker
-    finally:
-        worker.stop()
 
 
 class Run:
