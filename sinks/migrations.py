@@ -194,6 +194,38 @@ MIGRATIONS: tuple[Migration, ...] = (
             "AFTER ts",
         ),
     ),
+    Migration(
+        6,
+        "run_summaries",
+        (
+            # One row per run for comparing it with its job's history (issue 14): what it was (code,
+            # hardware fingerprint, config, data) and its figures by name (detectors/baselines/summary.py).
+            # A missing figure is an absent key; a non-finite one is stored as it is (Float64 holds NaN
+            # and inf), so the comparison can call it INVALID. Rewritten rows (a run summarised again
+            # after more events arrived) replace the older by `written_at`.
+            """
+            CREATE TABLE IF NOT EXISTS {db}.run_summaries (
+                run_id String,
+                baseline_key LowCardinality(String),
+                git_sha String,
+                git_dirty Nullable(Bool),
+                commit_time Nullable(DateTime64(3, 'UTC')),
+                fingerprint LowCardinality(String),
+                fingerprint_parts Map(String, String),
+                config_hash String,
+                dataset_version String,
+                new_baseline Bool DEFAULT false,
+                started_at DateTime64(3, 'UTC'),
+                ended_at Nullable(DateTime64(3, 'UTC')),
+                status LowCardinality(String),
+                metrics Map(LowCardinality(String), Float64),
+                written_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(written_at)
+            ORDER BY run_id
+            """,
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

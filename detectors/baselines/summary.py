@@ -44,6 +44,8 @@ from runwatch.producer.schema import (
 )
 
 FINAL_LOSS_STEPS = 10
+NEW_BASELINE_TAG = "new_baseline"  # run_start tag: "true" declares this run the start of a new baseline
+COMMIT_TIME_TAG = "git_commit_time"  # run_start tag: the commit's time, ISO 8601
 Status = Literal["completed", "failed", "stopped", "interrupted", "died", "running"]
 
 
@@ -59,6 +61,7 @@ class RunSummary(BaseModel):
     fingerprint_parts: dict[str, str] = Field(default_factory=dict)
     config_hash: str | None = None
     dataset_version: str | None = None
+    new_baseline: bool = Field(default=False, description="declared a new baseline: earlier runs are not its history")
     started_at: datetime | None = None
     ended_at: datetime | None = None
     status: Status = "running"
@@ -203,11 +206,23 @@ class RunSummarizer:
             fingerprint_parts=parts,
             config_hash=start.config_hash if start else None,
             dataset_version=start.dataset_version if start else None,
+            commit_time=_commit_time(start),
+            new_baseline=start is not None and start.tags.get(NEW_BASELINE_TAG, "").lower() in ("1", "true", "yes"),
             started_at=start.ts if start else self.first_ts,
             ended_at=self.end.ts if self.end is not None else self.last_ts,
             status=self.end.status if self.end is not None else status_if_not_ended,
             metrics=self.metrics(),
         )
+
+
+def _commit_time(start: RunStartEvent | None) -> datetime | None:
+    raw = start.tags.get(COMMIT_TIME_TAG) if start is not None else None
+    if not raw:
+        return None
+    try:
+        return datetime.fromisoformat(raw)
+    except ValueError:
+        return None  # a malformed tag is not worth losing the summary over
 
 
 def _get(quantile: stats.Quantile | None) -> float | None:
