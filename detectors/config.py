@@ -29,6 +29,7 @@ for _module in BUILTIN_MODULES + tuple(m.strip() for m in os.environ.get(DETECTO
     importlib.import_module(_module)
 
 # Re-exported from where they now live, for callers that import them from here.
+from runwatch.detectors.baselines.compare import BaselineConfig as BaselineConfig  # noqa: E402
 from runwatch.detectors.category import CategoryConfig as CategoryConfig  # noqa: E402
 from runwatch.detectors.data_wait import DataWaitConfig as DataWaitConfig  # noqa: E402
 from runwatch.detectors.engine.recovery import RecoveryConfig as RecoveryConfig  # noqa: E402
@@ -137,6 +138,8 @@ class RunwatchConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
     # What the worker accepts from the telemetry topic (docs/wire-format.md); the rest is dead-lettered.
     limits: WireLimits = WireLimits()
+    # How a run is judged against its job's history (detectors/baselines/, docs/baselines.md).
+    baseline: BaselineConfig = BaselineConfig()
 
     @model_validator(mode="after")
     def _confirmation_covers_divergence(self) -> RunwatchConfig:

@@ -79,6 +79,7 @@ class BaselineConfig(Strict):
     window_days: float = Field(default=30.0, gt=0, description="the history: runs that started this many days before")
     min_runs: int = Field(default=5, ge=2, description="fewer valid history values is 'insufficient_history'")
     band_sigmas: float = Field(default=3.0, gt=0, description="the band's half-width in robust sigmas")
+    loss_every: int = Field(default=100, ge=1, description="the summary's loss_at_step_N: every this many steps")
     min_change: dict[str, float] = Field(
         default_factory=dict,
         description="per-metric minimum relative change that can be an outlier (overrides the built-in ones)",

@@ -1,8 +1,10 @@
 """One row per run: what it was (code, hardware, config, data) and its figures, for comparing it
 with the history of its job (``compare.py``).
 
-``RunSummarizer`` is fed a run's events in order: ``run_start``, the run's steps (a multi-rank run's
-joined steps), evals, action acks, ``run_end``, and the anomalies found. It keeps O(1) state per
+``RunSummarizer`` is fed a run's events in order: ``run_start``, every rank's steps, evals, action
+acks, ``run_end``, and the anomalies found. Rank 0's steps make the step figures (step time, rates,
+losses: in a synchronous data-parallel run every rank waits for the slowest, so rank 0's step time
+is the run's); the memory maxima are every rank's. It keeps O(1) state per
 metric (streaming quantiles for the step-time median and p95, maxima, sums), so the worker can keep
 one per run and the offline ingest uses the same code. Its state pickles.
 
@@ -122,7 +124,9 @@ class RunSummarizer:
         self.first_ts = event.ts if self.first_ts is None else min(self.first_ts, event.ts)
         self.last_ts = event.ts if self.last_ts is None else max(self.last_ts, event.ts)
         if isinstance(event, StepEvent):
-            self._step(event)
+            if event.rank == 0:
+                self._step(event)
+            self._memory(event)  # the run's memory maxima are every rank's
         elif isinstance(event, EvalEvent):
             self._eval(event)
         elif isinstance(event, RunStartEvent):
@@ -148,19 +152,22 @@ class RunSummarizer:
             value = getattr(event, name)
             if value is not None:
                 self._rates.setdefault(name, stats.Quantile(0.5)).update(value)
-        if event.memory is not None:
-            for name, value in (("max_cuda_allocated_bytes", event.memory.allocated),
-                                ("max_cuda_reserved_bytes", event.memory.reserved),
-                                ("max_cuda_peak_bytes", event.memory.peak),
-                                ("max_host_rss_bytes", event.memory.host_rss)):
-                if value is not None:
-                    self._maxima[name] = max(self._maxima.get(name, value), value)
         if event.loss is not None and math.isfinite(event.loss):
             self._last_losses.append(event.loss)
             if event.step % self.loss_every == 0:
                 self._loss_at[event.step] = event.loss
         for name, category in event.category_loss.items():
             self._category[name] = category.mean
+
+    def _memory(self, event: StepEvent) -> None:
+        if event.memory is None:
+            return
+        for name, value in (("max_cuda_allocated_bytes", event.memory.allocated),
+                            ("max_cuda_reserved_bytes", event.memory.reserved),
+                            ("max_cuda_peak_bytes", event.memory.peak),
+                            ("max_host_rss_bytes", event.memory.host_rss)):
+            if value is not None:
+                self._maxima[name] = max(self._maxima.get(name, value), value)
 
     def _eval(self, event: EvalEvent) -> None:
         if event.split != "val" or event.loss is None or not math.isfinite(event.loss):

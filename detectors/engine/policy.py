@@ -42,6 +42,8 @@ from runwatch.producer.schema import SEVERITY_RANK, Anomaly, CheckpointRef
 from runwatch.producer.wire.schema import ActionKind
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
+# Evidence an alert carries on in its params, for the remediator's notification.
+ALERT_EVIDENCE = ("baseline",)
 # Detectors that fire once per episode (a stall, a hung rank): what persists is escalated by tick().
 EPISODIC_DETECTORS = tuple(s.name for s in registry.specs() if s.episodic)
 
@@ -240,6 +242,9 @@ class ActionPolicy:
             last = self._last_issued.get((kind, anomaly.detector))
             if last is not None and now - last < timedelta(seconds=self.config.cooldown_s):
                 return None
+            if kind == "alert":
+                # What a notification needs beyond the message (the outlier table of a run-end check).
+                params = {key: anomaly.evidence[key] for key in ALERT_EVIDENCE if key in anomaly.evidence}
         decision = ActionDecision(
             action_id=decision_id(anomaly.run_id, kind, [anomaly.anomaly_id]),
             run_id=anomaly.run_id,

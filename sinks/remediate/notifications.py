@@ -22,11 +22,44 @@ def _slack_escape(text: str) -> str:
 COLORS = {"alert": "warning", "pause": "warning", "resume": "good", "rollback": "danger", "stop": "danger"}
 
 
+def _figure(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "n/a" if value is None else _slack_escape(str(value))
+    return f"{value:.4g}"
+
+
+def outlier_alert_text(action: Action, baseline: dict[str, Any]) -> str:
+    """The "outlier alert (30-day)" of a run that ended with summary metrics outside its job's
+    history: one line per metric with the last value, the window's median and the verdict."""
+    days = baseline.get("window_days", 30)
+    days_text = f"{days:g}" if isinstance(days, int | float) else "30"
+    key = _slack_escape(str(baseline.get("baseline_key") or "?"))
+    commit = baseline.get("git_sha")
+    head = (f"runwatch *outlier alert ({days_text}-day)* for baseline `{key}`: run `{_slack_escape(action.run_id)}`"
+            + (f" at commit `{_slack_escape(str(commit)[:12])}`" if commit else ""))
+    since = baseline.get("last_normal_sha")
+    if since and commit:
+        head += f" (last normal run at `{_slack_escape(str(since)[:12])}`)"
+    lines = [head]
+    rows = baseline.get("rows")
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict):
+            continue
+        lines.append(f"• {_slack_escape(str(row.get('metric')))}: last {_figure(row.get('last'))}, "
+                     f"{days_text}-day median {_figure(row.get('median'))} (n={_figure(row.get('n'))}): "
+                     f"*{_slack_escape(str(row.get('verdict')))}*")
+    return "\n".join(lines)
+
+
 def slack_payload(action: Action, commands: Iterable[Execution] = ()) -> dict[str, Any]:
     """Slack-compatible JSON: ``text`` and an attachment with fields, plus the action itself
-    (without its signature) under ``runwatch`` for machines."""
+    (without its signature) under ``runwatch`` for machines. An alert about a run's summary against
+    its job's history (``params.baseline``) reads as an outlier alert, one line per metric."""
     step = f" at step {action.step}" if action.step is not None else ""
     text = f"runwatch *{action.kind}* for run `{_slack_escape(action.run_id)}`{step}: {_slack_escape(action.reason)}"
+    baseline = action.params.get("baseline")
+    if isinstance(baseline, dict):
+        text = outlier_alert_text(action, baseline)
     fields = [
         {"title": "run_id", "value": action.run_id, "short": True},
         {"title": "kind", "value": action.kind, "short": True},
