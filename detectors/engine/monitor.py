@@ -15,6 +15,8 @@ from typing import Any, TypedDict, cast
 
 from runwatch.detectors import registry
 from runwatch.detectors.base import CrossRankDetector, Detector
+from runwatch.detectors.baselines.gate import RunEndBaselineCheck
+from runwatch.detectors.baselines.summary import RunSummary
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.checkpoints import CheckpointLedger
 from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
@@ -109,6 +111,9 @@ class RunMonitor:
         # When rank 0's run_end came: from then on only the join goes on (other ranks' last steps may
         # still be on their way), until the worker lets the run go a join timeout later.
         self.ended_at: datetime | None = None
+        # The run's summary as it goes, judged against its job's history when it ends (the worker
+        # hands the history over with ``set_history``).
+        self.baseline = RunEndBaselineCheck(run_id, config.baseline)
 
     def _seen_before(self, event_id: str) -> bool:
         if event_id in self._recent_ids:
@@ -124,6 +129,7 @@ class RunMonitor:
             self.join.count_duplicate()
             return out
         self.events_seen += 1
+        self.baseline.observe(event)
         if self.ended_at is not None and event.kind not in ("step", "run_end"):
             return out  # the run is over: nothing but its last steps' join is judged
         _ROUTES[event.kind](self, event, out)
@@ -173,6 +179,13 @@ class RunMonitor:
             for detector in detectors:
                 for finding in detector.update(event, event.ts):
                     self._emit(finding, event.ts, event.event_id, out)
+        for finding in self.baseline.finish(event):
+            self._emit(finding, event.ts, event.event_id, out)
+
+    def set_history(self, candidates: list[RunSummary] | None, unavailable: str | None = None) -> None:
+        """The earlier runs of this run's baseline key and fingerprint (their summaries), for the
+        check when it ends; None where they could not be loaded (``unavailable`` says why)."""
+        self.baseline.set_history(candidates, unavailable)
 
     # -- where an event goes ---------------------------------------------------------------------
 
@@ -285,6 +298,7 @@ class RunMonitor:
     def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:
         anomaly = self._to_anomaly(finding, ts, cause)
         out.anomalies.append(anomaly)
+        self.baseline.add_anomaly(anomaly)
         onset = anomaly.evidence.get("onset_step", anomaly.step)
         if anomaly.severity != "info" and self.policy.rolls_back_on(anomaly.detector):
             self.checkpoints.reject_for(onset)  # a checkpoint near a fault is never confirmed
