@@ -29,6 +29,7 @@ for _module in BUILTIN_MODULES + tuple(m.strip() for m in os.environ.get(DETECTO
     importlib.import_module(_module)
 
 # Re-exported from where they now live, for callers that import them from here.
+from runwatch.detectors.baseline_trajectory import BaselineTrajectoryConfig as BaselineTrajectoryConfig  # noqa: E402
 from runwatch.detectors.baselines.compare import BaselineConfig as BaselineConfig  # noqa: E402
 from runwatch.detectors.category import CategoryConfig as CategoryConfig  # noqa: E402
 from runwatch.detectors.data_wait import DataWaitConfig as DataWaitConfig  # noqa: E402
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
         stall: StallConfig = Field(default_factory=StallConfig)
         straggler: StragglerConfig = Field(default_factory=StragglerConfig)
         hung_rank: HungRankConfig = Field(default_factory=HungRankConfig)
+        baseline_trajectory: BaselineTrajectoryConfig = Field(default_factory=BaselineTrajectoryConfig)
 else:
     DetectorsConfig = detectors_config_model()
 

@@ -90,6 +90,7 @@ BUILTIN_MODULES = (
     "runwatch.detectors.stall",
     "runwatch.detectors.straggler",
     "runwatch.detectors.hung_rank",
+    "runwatch.detectors.baseline_trajectory",
 )
 
 

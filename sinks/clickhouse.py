@@ -18,19 +18,24 @@ import logging
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
 from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
+
+if TYPE_CHECKING:
+    from runwatch.detectors.baselines.band import BaselineBand
+    from runwatch.detectors.baselines.summary import RunSummary
+    from runwatch.producer.schema import TelemetryEvent
 from runwatch.sinks.migrations import MIGRATIONS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DSN_PATH = Path(".runwatch") / "clickhouse"
-TABLES = ("telemetry", "anomalies", "actions", "deadletter", "joined_steps")
+TABLES = ("telemetry", "anomalies", "actions", "deadletter", "joined_steps", "run_summaries")
 
 TELEMETRY_COLUMNS = (
     "event_id", "run_id", "rank", "kind", "ts", "step", "loss", "grad_norm", "step_time_s", "payload",
@@ -206,6 +211,40 @@ def joined_row(j: JoinedStep) -> tuple:
 
 def _joined_key(row: tuple) -> tuple:
     return (row[0], row[2], row[1])  # (run_id, generation, step)
+
+
+SUMMARY_COLUMNS = (
+    "run_id", "baseline_key", "git_sha", "git_dirty", "commit_time", "fingerprint", "fingerprint_parts", "config_hash",
+    "dataset_version", "new_baseline", "started_at", "ended_at", "status", "metrics",
+)
+NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)  # started_at of a summary that has none (the column is not nullable)
+
+
+def summary_row(s: RunSummary, written_at: datetime) -> tuple:
+    """The ``run_summaries`` row of ``s``: absent text is '' (the columns are not nullable), a
+    missing figure an absent key of ``metrics``."""
+    return (
+        s.run_id, s.baseline_key or "", s.git_sha or "", s.git_dirty,
+        as_utc(s.commit_time) if s.commit_time is not None else None, s.fingerprint, dict(s.fingerprint_parts),
+        s.config_hash or "", s.dataset_version or "", s.new_baseline,
+        as_utc(s.started_at) if s.started_at is not None else NO_TIME,
+        as_utc(s.ended_at) if s.ended_at is not None else None, s.status,
+        {k: float(v) for k, v in s.metrics.items() if v is not None}, written_at,
+    )
+
+
+def summary_from_row(row: Sequence[Any]) -> RunSummary:
+    from runwatch.detectors.baselines.summary import RunSummary
+
+    d = dict(zip(SUMMARY_COLUMNS, row, strict=True))
+    for name in ("baseline_key", "git_sha", "config_hash", "dataset_version"):
+        d[name] = d[name] or None
+    for name in ("commit_time", "started_at", "ended_at"):
+        d[name] = as_utc(d[name]) if d[name] is not None else None
+    if d["started_at"] == NO_TIME:
+        d["started_at"] = None
+    d["metrics"] = {str(k): float(v) for k, v in d["metrics"].items()}
+    return RunSummary.model_validate(d)
 
 
 @dataclass(frozen=True)
@@ -445,6 +484,77 @@ class ClickHouseSink:
                           "WHERE run_id = %(run)s ORDER BY issued_at", {"run": run_id})
         return [{"kind": k, "step": s, "action_id": a, "reason": why} for k, s, a, why in rows]
 
+    # -- run summaries (issue 14: baselines) ----------------------------------------------------
+
+    def write_summaries(self, summaries: Iterable[RunSummary]) -> int:
+        """Store run summaries; a run written again replaces its older row (``written_at``)."""
+        written_at = datetime.now(UTC)
+        rows = list({r[0]: r for r in (summary_row(s, written_at) for s in summaries)}.values())  # the last per run
+        return self._insert("run_summaries", rows, SUMMARY_COLUMNS + ("written_at",))
+
+    def _summaries(self, where: str, parameters: dict[str, Any], order: str = "started_at, run_id") -> list[RunSummary]:
+        rows = self.query("SELECT " + ", ".join(SUMMARY_COLUMNS) + " FROM {db}.run_summaries FINAL "
+                          f"WHERE {where} ORDER BY {order}", parameters)
+        return [summary_from_row(r) for r in rows]
+
+    def run_summary(self, run_id: str) -> RunSummary | None:
+        """The stored summary of one run, or None."""
+        found = self._summaries("run_id = %(r)s", {"r": run_id})
+        return found[0] if found else None
+
+    def baseline_candidates(self, baseline_key: str, fingerprint: str, before: datetime,
+                            window_days: float) -> list[RunSummary]:
+        """The summaries of ``baseline_key`` on ``fingerprint`` that started in the ``window_days``
+        before ``before``, oldest first, whatever their status (the declared new baselines among them
+        matter too): what ``detectors.baselines.check.select_history`` chooses a history from."""
+        since = as_utc(before) - timedelta(days=window_days)
+        return self._summaries(
+            "baseline_key = %(k)s AND fingerprint = %(f)s AND started_at >= %(since)s AND started_at < %(before)s",
+            {"k": baseline_key, "f": fingerprint, "since": since, "before": as_utc(before)})
+
+    def summaries_for_key(self, baseline_key: str, fingerprint: str | None = None) -> list[RunSummary]:
+        """Every summary of ``baseline_key`` (on ``fingerprint`` when given), in start order: the
+        history a change-point scan runs over."""
+        if fingerprint is None:
+            return self._summaries("baseline_key = %(k)s", {"k": baseline_key})
+        return self._summaries("baseline_key = %(k)s AND fingerprint = %(f)s", {"k": baseline_key, "f": fingerprint})
+
+    def stored_run_events(self, run_id: str) -> list[TelemetryEvent]:
+        """The run's stored telemetry decoded from its payloads, in time order: every event of rank 0
+        and the step events of the other ranks (what ``RunSummarizer`` uses: rank 0's steps for the
+        step figures, every rank's memory maxima; other ranks' heartbeats and acks add nothing to
+        it). A payload that no longer decodes is skipped with a warning."""
+        from runwatch.producer.schema import SchemaError, decode_event
+
+        rows = self.query("SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s AND (rank = 0 OR kind = 'step') "
+                          "ORDER BY ts, rank, step, event_id", {"r": run_id})
+        events = []
+        for (payload,) in rows:
+            try:
+                events.append(decode_event(payload))
+            except SchemaError as exc:
+                log.warning("runwatch sink: a stored event of run %s does not decode (%s); skipped", run_id, exc.reason)
+        return events
+
+    def stored_run_anomalies(self, run_id: str) -> list[Anomaly]:
+        """The run's stored anomalies (identity, step, detector, metric, severity, message), by time."""
+        rows = self.query("SELECT anomaly_id, run_id, ts, step, rank, detector, metric, severity, message "
+                          "FROM {db}.anomalies FINAL WHERE run_id = %(r)s ORDER BY ts, anomaly_id", {"r": run_id})
+        return [Anomaly.model_construct(anomaly_id=a, run_id=r, ts=ts, step=step, rank=rank, detector=d, metric=m,
+                                        severity=sev, message=msg)
+                for a, r, ts, step, rank, d, m, sev, msg in rows]
+
+    def runs_to_summarize(self, now: datetime, died_after_s: float) -> list[str]:
+        """Runs with telemetry whose last event is more than ``died_after_s`` before ``now`` and that
+        have no summary, or only one of status ``running``: runs whose events stopped without a
+        summary (their heartbeats stopped: they died), oldest last event first."""
+        cutoff = as_utc(now) - timedelta(seconds=died_after_s)
+        rows = self.query(
+            "SELECT run_id, max(ts) AS last FROM {db}.telemetry GROUP BY run_id HAVING last < %(cutoff)s "
+            "AND run_id NOT IN (SELECT run_id FROM {db}.run_summaries FINAL WHERE status != 'running') "
+            "ORDER BY last, run_id", {"cutoff": cutoff})
+        return [str(r[0]) for r in rows]
+
     # -- the remediator's reads ---------------------------------------------------------------
 
     def remediation_keys(self) -> set[tuple[str, str]]:
@@ -465,3 +575,94 @@ class ClickHouseSink:
             "SELECT payload FROM {db}.telemetry WHERE run_id = %(r)s AND kind = 'run_start' "
             "ORDER BY ts DESC LIMIT 1", {"r": run_id})
         return rows[0][0] if rows else None
+
+    # -- the per-step baseline band (issue 14: in-flight comparison; detectors/baselines/band.py) --------
+
+    def baseline_band_runs(self, baseline_key: str, fingerprint: str, before: datetime, window_days: float,
+                           max_runs: int, exclude_run: str = "") -> list[str]:
+        """The runs a band is made of, oldest first: from ``run_summaries``, the same baseline key and
+        fingerprint, completed, started before ``before`` and within ``window_days``, not before the
+        latest declared new baseline, the newest ``max_runs`` (``band.select_baseline_runs``' rule)."""
+        params = {"k": baseline_key, "f": fingerprint, "x": exclude_run, "n": int(max_runs),
+                  "before": _ms(before), "since": _ms(as_utc(before) - timedelta(days=window_days))}
+        rows = self.query(
+            "SELECT run_id FROM {db}.run_summaries FINAL "
+            "WHERE baseline_key = %(k)s AND fingerprint = %(f)s AND status = 'completed' AND run_id != %(x)s "
+            "AND started_at < toDateTime64(%(before)s, 3, 'UTC') "
+            "AND started_at >= greatest(toDateTime64(%(since)s, 3, 'UTC'), "
+            "(SELECT max(started_at) FROM {db}.run_summaries FINAL WHERE baseline_key = %(k)s "
+            "AND fingerprint = %(f)s AND new_baseline AND run_id != %(x)s "
+            "AND started_at <= toDateTime64(%(before)s, 3, 'UTC'))) "
+            "ORDER BY started_at DESC, run_id DESC LIMIT %(n)s", params)
+        return [str(r[0]) for r in reversed(rows)]
+
+    def baseline_band(self, baseline_key: str, fingerprint: str, before: datetime, window_days: float = 30.0,
+                      max_runs: int = 20, *, exclude_run: str = "", bucket_steps: int | None = None,
+                      max_buckets: int = 2000,
+                      quantiles: tuple[float, float, float] = (0.1, 0.5, 0.9)) -> BaselineBand | None:
+        """The per-step band of the baseline runs (``baseline_band_runs``) computed from their stored
+        telemetry, as ``band.band_from_runs`` computes it from their events; None without such runs.
+        Steps are bucketed so that there are at most ``max_buckets`` per metric unless ``bucket_steps``
+        is given."""
+        from runwatch.detectors.baselines.band import BaselineBand, MetricBand, bucket_steps_for
+
+        runs = self.baseline_band_runs(baseline_key, fingerprint, before, window_days, max_runs, exclude_run)
+        if not runs:
+            return None
+        if bucket_steps is None:
+            last = self.query("SELECT max(step) FROM {db}.telemetry FINAL WHERE run_id IN %(runs)s AND rank = 0 "
+                              "AND kind IN ('step', 'eval')", {"runs": runs})
+            bucket_steps = bucket_steps_for(int(last[0][0] or 0) if last else 0, max_buckets)
+        q0, q1, q2 = quantiles
+        rows = self.query(_BAND_SQL, {"runs": runs, "b": int(bucket_steps), "q0": q0, "q1": q1, "q2": q2})
+        metrics: dict[str, MetricBand] = {}
+        for metric, bucket, q, n in rows:
+            band = metrics.get(metric)
+            if band is None:
+                band = metrics[metric] = MetricBand(steps=[], lo=[], mid=[], hi=[], runs=[])
+            band.steps.append(int(bucket))
+            band.lo.append(float(q[0]))
+            band.mid.append(float(q[1]))
+            band.hi.append(float(q[2]))
+            band.runs.append(int(n))
+        return BaselineBand(baseline_key=baseline_key, fingerprint=fingerprint, run_ids=runs, quantiles=quantiles,
+                            bucket_steps=bucket_steps, metrics=metrics)
+
+
+def _ms(ts: datetime) -> str:
+    """A UTC time as ClickHouse parses it, to the millisecond (DateTime64(3) columns)."""
+    return as_utc(ts).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+# Rank 0's per-step values of the baseline runs, one per (run, metric, step) (the newest: a step
+# replayed after a rollback counts once), pooled per step bucket into R-7 quantiles
+# (quantileExactInclusive), as detectors/baselines/band.py does in Python.
+_BAND_SQL = """
+SELECT metric, intDiv(step, %(b)s) * %(b)s AS bucket,
+       quantilesExactInclusive(%(q0)s, %(q1)s, %(q2)s)(value) AS q, uniqExact(run_id) AS runs
+FROM (
+    SELECT run_id, metric, step, argMax(v, ts) AS value
+    FROM (
+        SELECT run_id, ts, assumeNotNull(step) AS step, pair.1 AS metric, pair.2 AS v
+        FROM {db}.telemetry FINAL
+        ARRAY JOIN arrayConcat(
+            [('loss', loss), ('grad_norm', grad_norm), ('step_time_s', step_time_s),
+             ('memory_allocated', JSONExtract(payload, 'memory', 'allocated', 'Nullable(Float64)')),
+             ('memory_peak', JSONExtract(payload, 'memory', 'peak', 'Nullable(Float64)')),
+             ('memory_host_rss', JSONExtract(payload, 'memory', 'host_rss', 'Nullable(Float64)'))],
+            arrayMap(kv -> (concat('module_grad_norm/', kv.1), kv.2),
+                     JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Nullable(Float64)'))
+        ) AS pair
+        WHERE run_id IN %(runs)s AND rank = 0 AND kind = 'step' AND step IS NOT NULL
+        UNION ALL
+        SELECT run_id, ts, assumeNotNull(step) AS step, concat('eval_loss/', JSONExtractString(payload, 'split'))
+               AS metric, loss AS v
+        FROM {db}.telemetry FINAL
+        WHERE run_id IN %(runs)s AND rank = 0 AND kind = 'eval' AND step IS NOT NULL
+    )
+    WHERE v IS NOT NULL AND isFinite(assumeNotNull(v))
+    GROUP BY run_id, metric, step
+)
+GROUP BY metric, bucket
+ORDER BY metric, bucket
+"""

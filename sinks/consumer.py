@@ -8,6 +8,11 @@ A message whose row ClickHouse refuses (or that cannot be serialised) never hold
 the rest: the batch is split until it is found, the others are stored, and it goes to
 ``runwatch.deadletter`` (stage ``sink``, with the reason) and straight into the
 deadletter table. Its offset is committed only once that dead letter is published.
+
+Run summaries (``summaries.SummaryUpkeep``): once a batch holding ``run_end`` events is stored,
+those runs are summarised into ``run_summaries``; every ``summary_interval_s`` the runs whose events
+stopped ``died_after_s`` ago without one are summarised as ``died``. A failure there is logged and
+retried at the next interval, never stopping the sink.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from runwatch.producer.schema import (
 )
 from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
+from runwatch.sinks.summaries import SummaryUpkeep
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +79,15 @@ class SinkConsumer:
         deadletter_timeout_s: float = 10.0,
         deadletter_producer: Any = None,
         limits: WireLimits = DEFAULT_LIMITS,
+        summarize: bool = True,
+        died_after_s: float = 600.0,
+        summary_interval_s: float = 30.0,
     ):
         """``deadletter_producer``: a kafka-python ``KafkaProducer`` for the sink's dead letters
         (default: one on ``bootstrap``, made by ``run``; one given here is not closed by it).
-        ``limits``: the worker's (``limits:`` in its YAML), so that both accept the same telemetry."""
+        ``limits``: the worker's (``limits:`` in its YAML), so that both accept the same telemetry.
+        ``summarize``: write run summaries (see the module doc); ``died_after_s``: a run whose last
+        event is older is summarised as ``died``; ``summary_interval_s``: how often to look for them."""
         self.limits = limits
         self.sink = sink
         self.bootstrap = bootstrap
@@ -93,6 +104,8 @@ class SinkConsumer:
         self.assigned = threading.Event()
         self._given_producer = deadletter_producer
         self._producer: Any = deadletter_producer
+        self.summaries = (SummaryUpkeep(sink, died_after_s=died_after_s, interval_s=summary_interval_s)
+                          if summarize else None)
 
     def stored_through(self, topic: str, partition: int) -> int:
         """Next offset of ``topic[partition]`` not yet stored (0 if none)."""
@@ -200,7 +213,13 @@ class SinkConsumer:
         letters = retry_durably(lambda: self._deadletters(self._write(batch)), stopping=self.stopping,
                                 errors=ClickHouseUnavailable, on_error=self._write_failed,
                                 give_up=lambda: self.stats.write_errors > 20)
-        return self._publish(letters)
+        failed = self._publish(letters)
+        if self.summaries is not None:
+            ended = {item[0].run_id for _, item in batch["telemetry"] if item[0].kind == "run_end"}
+            if ended:
+                self.summaries.ended(ended)
+            self.summaries.tick()
+        return failed
 
     def _write_failed(self, exc: BaseException, delay: float) -> None:
         # ClickHouse down: keep the batch, retry, never commit past it
@@ -219,6 +238,8 @@ class SinkConsumer:
 
     def _empty_poll(self) -> None:
         self.stats.last_empty_poll = time.monotonic()
+        if self.summaries is not None:
+            self.summaries.tick()
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -17,6 +17,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from runwatch.detectors.baselines.band import (
+    BaselineBand,
+    band_from_runs,
+    bucket_steps_for,
+    run_record,
+    select_baseline_runs,
+)
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.offline.replay import ReplayError, read_events, replay
 from runwatch.producer.schema import Anomaly, TelemetryEvent
@@ -138,10 +145,36 @@ def score_scenario(label: ScenarioLabel, anomalies: list[Anomaly], steps: int) -
     )
 
 
+def corpus_bands(corpus: Corpus, config: RunwatchConfig) -> dict[str, BaselineBand | str]:
+    """Per run id, the band of the corpus runs of its baseline key (and hardware) that started before
+    it, as the worker would load it from ClickHouse; or why it has none. Labels play no part."""
+    section = config.detectors.baseline_trajectory
+    records = {name: run_record(events) for name, events in corpus.events.items()}
+    events_of = {records[name].run_id: events for name, events in corpus.events.items()}
+    bands: dict[str, BaselineBand | str] = {}
+    for record in records.values():
+        if record.baseline_key is None:
+            bands[record.run_id] = "the run has no baseline_key: no comparison with history"
+            continue
+        history = select_baseline_runs(record, records.values(), window_days=config.baseline.window_days,
+                                       max_runs=section.max_runs)
+        if not history:
+            bands[record.run_id] = (f"no earlier completed run of baseline {record.baseline_key!r} on this hardware "
+                                    "in the window: no comparison with history")
+            continue
+        runs = [events_of[h.run_id] for h in history]
+        last = max((getattr(e, "step", 0) or 0 for run in runs for e in run), default=0)
+        bands[record.run_id] = band_from_runs(runs, baseline_key=record.baseline_key, fingerprint=record.fingerprint,
+                                              bucket_steps=bucket_steps_for(last, section.max_buckets))
+    return bands
+
+
 def evaluate_corpus(corpus: Corpus, config: RunwatchConfig | None = None) -> Evaluation:
+    config = config or RunwatchConfig()
+    bands = corpus_bands(corpus, config) if config.detectors.baseline_trajectory.enabled else None
     results = []
     for label in corpus.labels:
-        outcome = replay(corpus.events[label.name], config)
+        outcome = replay(corpus.events[label.name], config, bands=bands)
         results.append(score_scenario(label, outcome.anomalies, outcome.steps))
     return Evaluation(results, summarize(results))
 

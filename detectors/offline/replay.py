@@ -7,11 +7,13 @@ fire at the moment they would have online.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from runwatch.detectors.baseline_trajectory import hand_band
+from runwatch.detectors.baselines.band import BaselineBand
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.engine.policy import ActionDecision
@@ -62,8 +64,9 @@ def _ticks(monitor: RunMonitor, last: datetime, now: datetime, every: timedelta)
 
 
 def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = None,
-           tick_every_s: float = TICK_EVERY_S) -> ReplayResult:
-    """Feed ``events`` (in order) to one ``RunMonitor`` per run, ticking on event time."""
+           tick_every_s: float = TICK_EVERY_S, bands: Mapping[str, BaselineBand | str] | None = None) -> ReplayResult:
+    """Feed ``events`` (in order) to one ``RunMonitor`` per run, ticking on event time. ``bands``: per
+    run id, its baseline band, or the reason it has none (as the worker hands them in at run start)."""
     config = config or RunwatchConfig()
     every = timedelta(seconds=tick_every_s)
     monitors: dict[str, RunMonitor] = {}
@@ -73,6 +76,9 @@ def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = Non
         monitor = monitors.get(event.run_id)
         if monitor is None:
             monitor = monitors[event.run_id] = RunMonitor(event.run_id, config)
+            if bands is not None and event.run_id in bands:
+                band = bands[event.run_id]
+                hand_band(monitor.joined_detectors, *((None, band) if isinstance(band, str) else (band, None)))
             result.runs.append(event.run_id)
             last_tick[event.run_id] = event.ts
         outputs = list(_ticks(monitor, last_tick[event.run_id], event.ts, every))

@@ -1,11 +1,23 @@
 """The ``runwatch`` command line: broker, worker, sink, remediate, demo, scenarios, config, replay, evaluate,
-calibrate; each command group in its own module, imported lazily inside the command (the CLI starts fast)."""
+calibrate, ingest, baseline; each command group in its own module, imported lazily inside the command (the CLI
+starts fast)."""
 
 from __future__ import annotations
 
 import click
 
-from runwatch.streams.cli import broker, config, demo, offline, remediate, scenarios, sink, worker
+from runwatch.streams.cli import (
+    baseline,
+    broker,
+    config,
+    demo,
+    ingest,
+    offline,
+    remediate,
+    scenarios,
+    sink,
+    worker,
+)
 
 
 @click.group()
@@ -14,7 +26,7 @@ def main() -> None:
 
 
 for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,
-                config.config, offline.replay, offline.evaluate, offline.calibrate):
+                config.config, offline.replay, offline.evaluate, offline.calibrate, ingest.ingest, baseline.baseline):
     main.add_command(command)
 
 

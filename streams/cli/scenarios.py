@@ -1,4 +1,4 @@
-"""``runwatch scenarios generate``: the labelled corpus."""
+"""``runwatch scenarios generate``: the labelled corpus; ``runwatch scenarios history``: one job's history."""
 
 from __future__ import annotations
 
@@ -42,3 +42,28 @@ def scenarios_generate(out_dir: str, only: tuple[str, ...], quick: bool) -> None
     faults = sum(1 for lab in labels if lab["fault"] != "healthy")
     click.echo(f"{len(labels)} scenarios ({faults} faults, {len(labels) - faults} healthy) in "
                f"{time.perf_counter() - started:.1f} s -> {Path(out_dir) / 'labels.json'}")
+
+
+@scenarios.command("history")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="far fewer steps per run (for tests); still every run and every day")
+def scenarios_history(out_dir: str, quick: bool) -> None:
+    """Record one job's history: a real git repository (OUT_DIR/repo), its runs over six simulated weeks on two
+    declared hardware fingerprints (OUT_DIR/runs/*.jsonl) and the labelled regressions (OUT_DIR/labels.json)."""
+    import time
+
+    from runwatch.streams.scenarios.history import RecordedRun, generate
+
+    def progress(run: RecordedRun, done: int, total: int) -> None:
+        flag = " new baseline" if run.new_baseline else ""
+        click.echo(f"[{done:2d}/{total}] day {run.day:2d} {run.fingerprint} {run.commit[:8]} {run.run_id:36s}"
+                   f"{flag} ({run.seconds:.1f} s)")
+
+    started = time.perf_counter()
+    try:
+        labels = generate(out_dir, quick=quick, progress=progress)
+    except (FileExistsError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{len(labels['runs'])} runs, {len(labels['regressions'])} labelled regressions, "
+               f"{len(labels['benign'])} benign commits in {time.perf_counter() - started:.1f} s -> "
+               f"{Path(out_dir) / 'labels.json'}")

@@ -25,9 +25,13 @@ from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
 @click.option("--group", default=topics.DETECT_GROUP, show_default=True,
               help="consumer group (Faust app id): workers of one group share the runs; another group is a "
                    "separate deployment, e.g. with another config")
+@click.option("--baseline-dsn", envvar="RUNWATCH_BASELINE_DSN",
+              help="ClickHouse DSN the runs' per-step baseline bands are loaded from at their start (the "
+                   "baseline_trajectory detector); an on-disk chdb path must be one no other process holds")
 @click.option("--loglevel", default="WARNING", show_default=True)
 def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str, detector_timeout: float,
-           delivery_timeout: float, ready_file: str | None, group: str, loglevel: str) -> None:
+           delivery_timeout: float, ready_file: str | None, group: str, baseline_dsn: str | None,
+           loglevel: str) -> None:
     """Run the Faust detection worker."""
     from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.streams.worker.app import create_app, run_worker
@@ -39,6 +43,6 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
         raise click.ClickException(str(exc)) from None
     app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port or None, web_host=web_host,
                         ready_file=Path(ready_file) if ready_file else None, detector_timeout_s=detector_timeout,
-                        delivery_timeout_s=delivery_timeout)
+                        delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn)
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)

@@ -14,6 +14,7 @@ from typing import Any
 from runwatch.detectors import registry
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.streams.scenarios.faults import (
+    BadInit,
     CategoryDivergence,
     DataWait,
     FaultInjector,
@@ -29,6 +30,8 @@ from runwatch.streams.scenarios.faults import (
     ThroughputDrift,
     UpdateRatio,
 )
+
+AUDIO_JOB = "scenarios/audio"  # bad_init_audio and its correctly initialised twins: one job, one history
 
 # Which detector each fault kind is for: what every detector declares (detectors/registry.py).
 DETECTOR_FOR = registry.detector_for_fault()
@@ -59,10 +62,19 @@ class Scenario:
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     recorded: bool = True  # part of the labelled corpus
+    # The job the run belongs to, for comparisons with history (default: the scenario's own), and how
+    # many simulated days before the others it starts: runs of one key that started earlier are its history.
+    baseline_key: str | None = None
+    days_earlier: float = 0.0
 
     @property
     def fault(self) -> str:
         return self.injector.kind
+
+    @property
+    def job(self) -> str:
+        """The run's ``baseline_key``."""
+        return self.baseline_key or f"scenarios/{self.name}"
 
     def n_steps(self, quick: bool) -> int:
         return self.quick_steps if quick else self.steps
@@ -101,12 +113,13 @@ CATALOG: tuple[Scenario, ...] = (
              ModuleGradExplosion("encoder.self_attn.out_proj", growth=1.25), "transformer", "From the onset the gradient "
              "of encoder.self_attn.out_proj grows by x1.25 per step up to x1e4.", onset=0.5,
              seed=6, step_time_s=0.4),
-    Scenario("bad_init_audio", ModuleGradExplosion(ROOT_MODULE), "audio", "The field-notes mistake: a bare "
+    Scenario("bad_init_audio", BadInit(ROOT_MODULE), "audio", "The field-notes mistake: a bare "
              "nn.Parameter(torch.randn(n_mels)) multiplied onto log-mel frames in dB. Present from step 0, owned "
              "by the root module ('(root)'): its gradient carries the dB magnitude (tens to hundreds of times the "
-             "additive fix's, compare healthy_audio_fixed_init), yet it is not the largest module (conv1 is). "
-             "A history-based detector cannot see it; a baseline comparison can.",
-             onset=0.0, lr=1e-3, batch=16, step_time_s=0.3),
+             "additive fix's, whose zero bias the correctly initialised twins keep on the root too), yet it is "
+             "not the largest module (conv1 is). No per-run detector can see it; compared with the twins, the "
+             "job's earlier runs (same baseline key, started before it), the root's norm is far above theirs.",
+             onset=0.0, lr=1e-3, batch=16, step_time_s=0.3, baseline_key=AUDIO_JOB),
     Scenario("lr_too_large_mlp", UpdateRatio(lr_scale=100.0), "mlp", "At the onset a resumed scheduler sets the LR x100: the "
              "relative update norm jumps out of its band.", onset=0.5, seed=7,
              schedule="constant", lr=1e-3),
@@ -170,9 +183,15 @@ CATALOG: tuple[Scenario, ...] = (
     Scenario("healthy_small_batch_noisy", Healthy(), "mlp", "Batches of 4: a noisy, heavy-tailed loss and grad "
              "norm, no fault.", seed=24, batch=4, lr=5e-4, step_time_s=0.05,
              benign=("noisy_small_batch_loss", "lr_warmup_peak", "checkpoint", "eval")),
-    Scenario("healthy_audio_fixed_init", Healthy(), "audio_fixed", "The additive LearnableBias fix of "
-             "bad_init_audio, same seed and schedule.", lr=1e-3, batch=16, step_time_s=0.3,
-             benign=("lr_warmup_peak", "checkpoint", "eval")),
+    Scenario("healthy_audio_fixed_init", Healthy(), "audio_fixed", "The additive fix of bad_init_audio (a "
+             "zero-initialised bias on the root, added to the dB frames), same seed and schedule, a day before "
+             "it: compared with the earlier twins below it must raise nothing.", lr=1e-3, batch=16,
+             step_time_s=0.3, benign=("lr_warmup_peak", "checkpoint", "eval"), baseline_key=AUDIO_JOB,
+             days_earlier=1.0),
+    *(Scenario(f"healthy_audio_fixed_init_seed{seed}", Healthy(), "audio_fixed", "An earlier run of the audio "
+               "job with the additive fix, another seed: history for the runs after it.", lr=1e-3, batch=16,
+               step_time_s=0.3, seed=seed, benign=("lr_warmup_peak", "checkpoint", "eval"), baseline_key=AUDIO_JOB,
+               days_earlier=1.0 + seed) for seed in (1, 2, 3)),
     Scenario("healthy_frequent_evals", Healthy(), "transformer", "Evals every 20 steps that take 60 s each and a "
              "checkpoint every 40 steps: long off-step phases, heartbeats say 'eval'.", seed=25, step_time_s=0.4,
              eval_every=20, eval_s=60.0, checkpoint_every=40, benign=("periodic_eval", "checkpoint",

@@ -6,11 +6,12 @@ import json
 import math
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from runwatch.streams.scenarios.catalog import CORPUS, DETECTOR_FOR, SCENARIOS, Scenario
-from runwatch.streams.scenarios.clocks import SimulatedClock
+from runwatch.streams.scenarios.clocks import START, SimulatedClock
 from runwatch.streams.scenarios.training import ScenarioOutcome, run_scenario
 
 
@@ -44,12 +45,12 @@ def generate(out_dir: Any, names: list[str] | None = None, *, quick: bool = Fals
     labels = []
     for sc in chosen:
         started = time.perf_counter()
-        clock = SimulatedClock()
+        clock = SimulatedClock(start=START - timedelta(days=sc.days_earlier))
         rec = JsonlRecorder(out / f"{sc.name}.jsonl", f"scenario-{sc.name}", clock=clock.now,
                             collect_metadata=False, seed=sc.seed, config=recorded_config(sc, quick),
                             tags={"scenario": sc.name, "fault": sc.fault, "model": sc.model,
                                   "memory_model": "emulated-caching-allocator"},
-                            baseline_key=f"scenarios/{sc.model}")
+                            baseline_key=sc.job)
         outcome = run_scenario(sc, rec, clock, quick=quick)
         rec.close(status=outcome.status, summary={"steps": outcome.steps})
         label = label_for(sc, outcome)

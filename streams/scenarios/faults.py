@@ -219,6 +219,19 @@ class ModuleGradExplosion(FaultInjector):
 
 
 @dataclass
+class BadInit(FaultInjector):
+    """A mistake built into the model from step 0 (the randn mel scale): nothing is injected while
+    training. Only a comparison with earlier runs of the job, its correctly initialised twin, shows it;
+    ``module`` is the owner of the badly initialised parameter."""
+
+    kind: ClassVar[str] = "bad_init"
+    module: str
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "module": self.module}
+
+
+@dataclass
 class UpdateRatio(FaultInjector):
     """From the onset the LR is ``lr_scale`` times the schedule's (a resumed scheduler's bad state)."""
 

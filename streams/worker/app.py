@@ -82,17 +82,19 @@ def create_app(
     ready_file: Path | None = None,
     detector_timeout_s: float = REPLY_TIMEOUT_S,
     delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
+    baseline_dsn: str | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
     delivered. Whatever stops progress (the detector process dies or stops answering, results cannot
     be published) fails the worker: it exits non-zero and its successor reads the events again.
-    ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off."""
+    ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off. ``baseline_dsn``:
+    the ClickHouse the runs' baseline bands are loaded from at their start (streams/worker/baselines.py)."""
     app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
                   for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED)}
-    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s)
+    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s, baseline_dsn=baseline_dsn)
     health = WorkerHealth(detectors)
     app.sensors.add(CommitSensor(health))
 

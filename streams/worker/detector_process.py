@@ -97,13 +97,23 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     return reply
 
 
-def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int) -> None:
+def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int,
+           baseline_dsn: str | None = None) -> None:
     """The child's loop: one request at a time, answered in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
     logging.getLogger("runwatch").setLevel(logging.INFO)
     try:
-        processor = TelemetryProcessor(RunwatchConfig.model_validate_json(config_json), secret)
+        config = RunwatchConfig.model_validate_json(config_json)
+        bands = None
+        if baseline_dsn:
+            from runwatch.streams.worker.baselines import BaselineBands
+
+            bands = BaselineBands(baseline_dsn, config)
+        elif config.detectors.baseline_trajectory.enabled:
+            log.info("no baseline DSN (--baseline-dsn): baseline_trajectory is silent, runs are not compared "
+                     "with their history in flight")
+        processor = TelemetryProcessor(config, secret, bands=bands)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
         replies.put(("error", traceback.format_exc()))
         return
@@ -127,14 +137,15 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
 class DetectorProcess:
     """The parent's handle: ``submit`` returns a future for the reply; ``close`` stops the child."""
 
-    def __init__(self, config: RunwatchConfig, secret: bytes, reply_timeout_s: float = REPLY_TIMEOUT_S):
+    def __init__(self, config: RunwatchConfig, secret: bytes, reply_timeout_s: float = REPLY_TIMEOUT_S,
+                 baseline_dsn: str | None = None):
         self.reply_timeout_s = reply_timeout_s
         ctx = multiprocessing.get_context("spawn")  # (fork is unsafe once Faust's threads run)
         self._requests = ctx.Queue()
         self._replies = ctx.Queue()
         self._process = ctx.Process(
             target=_serve, name="runwatch-detectors", daemon=True,
-            args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid()),
+            args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid(), baseline_dsn),
         )
         self._pending: deque[asyncio.Future] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request

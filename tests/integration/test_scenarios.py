@@ -50,7 +50,7 @@ def test_catalog_size_and_labels(generated):
         else:
             assert lab["onset_step"] is not None and lab["onset_ts"]
     kinds = {lab.get("kind") for lab in faults}
-    assert {"leak", "fragmentation", "too_large", "vanishing", "bad_init"} <= kinds
+    assert {"leak", "fragmentation", "too_large", "vanishing"} <= kinds
 
 
 def test_every_run_is_well_formed(generated):
@@ -93,10 +93,11 @@ def test_the_fault_is_visible_at_its_onset(generated):
         elif fault == "grad_norm_spike":
             assert steps[onset].grad_norm > 20 * median(e.grad_norm for e in pre), name
             assert steps[onset].loss < 1.5 * median(e.loss for e in pre), name
-        elif fault == "module_grad_explosion" and lab.get("kind") == "bad_init":
+        elif fault == "bad_init":
+            # the twin (the additive fix, its bias on the same owner) reports the same module, far below
             fixed = by_step(runs["healthy_audio_fixed_init"])
             for s, e in steps.items():
-                assert e.module_grad_norms[lab["module"]] > 10 * fixed[s].module_grad_norms["mel_bias"], s
+                assert e.module_grad_norms[lab["module"]] > 10 * fixed[s].module_grad_norms[lab["module"]], s
         elif fault == "module_grad_explosion":
             module = lab["module"]
             before = median(e.module_grad_norms[module] for e in pre)

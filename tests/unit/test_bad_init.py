@@ -56,12 +56,12 @@ def log_mel_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
     return frames.clamp(-80, 0), labels
 
 
-def train(fixed: bool, seed: int = 0) -> list[StepEvent]:
+def train(fixed: bool, seed: int = 0, bias_on_root: bool = False) -> list[StepEvent]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: one thread is fastest and not at the mercy of a busy machine
     try:
         torch.manual_seed(seed)
-        model = TinyAudioNet(fixed)
+        model = TinyAudioNet(fixed, bias_on_root=bias_on_root)
         data = torch.Generator().manual_seed(seed + 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR)
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP))
@@ -118,3 +118,16 @@ def test_the_largest_module_is_the_first_conv_not_the_owner_of_the_scale(runs):
         norms = event.module_grad_norms
         next_largest = max(v for k, v in norms.items() if k != ROOT_MODULE)
         assert norms[ROOT_MODULE] < 0.2 * next_largest  # measured: below 0.09
+
+
+def test_the_twin_with_the_fix_on_the_same_owner_keeps_that_modules_norm_far_below():
+    """The corpus's correctly initialised twin keeps its zero additive bias on the root (bias_on_root),
+    so history compares the same module: the owner's norm stays far below the randn scale's at every
+    step, and the fix is the same math as the LearnableBias (identical norms, another name)."""
+    bad = train(fixed=False)
+    twin = train(fixed=True, bias_on_root=True)
+    fixed = train(fixed=True)
+    for b, t, f in zip(bad, twin, fixed, strict=True):
+        assert set(t.module_grad_norms) == set(b.module_grad_norms)
+        assert b.module_grad_norms[ROOT_MODULE] > 10 * t.module_grad_norms[ROOT_MODULE], b.step
+        assert t.module_grad_norms[ROOT_MODULE] == pytest.approx(f.module_grad_norms["mel_bias"], rel=1e-5)

@@ -128,4 +128,5 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
     assert set(data) == {"detectors", "join", "policy", "limits", "baseline"}
     assert set(data["detectors"]) == {"non_finite", "loss_spike", "grad_norm_spike", "module_grad_explosion",
                                       "update_ratio", "throughput_drift", "data_wait", "memory_growth",
-                                      "category_divergence", "val_vs_train", "stall", "straggler", "hung_rank"}
+                                      "category_divergence", "val_vs_train", "stall", "straggler", "hung_rank",
+                                      "baseline_trajectory"}

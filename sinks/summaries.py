@@ -1,0 +1,112 @@
+"""Run summaries built from what ClickHouse holds: a run's stored telemetry and anomalies through
+``RunSummarizer`` (the same code the worker runs), written to ``run_summaries``.
+
+Used by the sink consumer (when a run's ``run_end`` is stored, and for runs whose events stopped:
+status ``died``) and by ``runwatch ingest``. Idempotent: summarising a run again rewrites its row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+
+from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary, Status
+from runwatch.producer.schema import TelemetryEvent
+from runwatch.sinks.clickhouse import ClickHouseSink
+
+log = logging.getLogger(__name__)
+
+# Anomalies that are about the summary itself (the run-end check against the history): counting
+# them in the summary they were made from would feed a run's verdict back into its own figures.
+SUMMARY_DETECTORS = frozenset({"baseline_outliers"})
+
+
+class RunNotFound(LookupError):
+    """No telemetry is stored for the run."""
+
+
+def summarize_stored_run(sink: ClickHouseSink, run_id: str, status_if_not_ended: Status = "died",
+                         loss_every: int = 100) -> RunSummary:
+    """Summarise ``run_id`` from its stored events and anomalies, write the row, return it.
+    ``status_if_not_ended``: the status of a run with no ``run_end`` stored. Raises ``RunNotFound``
+    when the run has no stored telemetry."""
+    events = sink.stored_run_events(run_id)
+    if not events:
+        raise RunNotFound(f"no telemetry stored for run {run_id!r}")
+    return summarize_run(sink, run_id, events, status_if_not_ended, loss_every)
+
+
+def summarize_run(sink: ClickHouseSink, run_id: str, events: Iterable[TelemetryEvent],
+                  status_if_not_ended: Status = "died", loss_every: int = 100) -> RunSummary:
+    """Summarise ``run_id`` from ``events`` (its events, in time order; other runs' are ignored)
+    and its stored anomalies, write the row, return it. ``runwatch ingest`` hands in the events it
+    read: a recording older than the telemetry table's TTL (90 days) is not kept there, but its
+    summary is."""
+    summarizer = RunSummarizer(run_id, loss_every)
+    for event in events:
+        if event.run_id == run_id:
+            summarizer.observe(event)
+    for anomaly in sink.stored_run_anomalies(run_id):
+        if anomaly.detector not in SUMMARY_DETECTORS:
+            summarizer.add_anomaly(anomaly)
+    summary = summarizer.summary(status_if_not_ended)
+    sink.write_summaries([summary])
+    return summary
+
+
+class SummaryUpkeep:
+    """What the sink consumer does for run summaries: summarise the runs whose ``run_end`` was just
+    stored, and every ``interval_s`` the runs whose events stopped ``died_after_s`` ago (as
+    ``died``). A failure is logged and never raised: the run is tried again at the next interval.
+    An ended run is summarised once more at the next interval too: anomalies come on their own
+    topic and may be stored after its ``run_end``."""
+
+    def __init__(self, sink: ClickHouseSink, *, died_after_s: float = 600.0, interval_s: float = 30.0,
+                 loss_every: int = 100, clock: Callable[[], float] = time.monotonic,
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC)):
+        self.sink = sink
+        self.died_after_s = died_after_s
+        self.interval_s = interval_s
+        self.loss_every = loss_every
+        self._clock = clock
+        self._now = now
+        self._next_sweep = clock() + interval_s
+        self._again: set[str] = set()  # ended runs to summarise at the next sweep (failed, or late anomalies)
+        self.summarized = 0
+        self.errors = 0
+
+    def _summarize(self, run_id: str, status_if_not_ended: Status) -> bool:
+        try:
+            summarize_stored_run(self.sink, run_id, status_if_not_ended, self.loss_every)
+        except Exception as exc:  # noqa: BLE001 - a summary must never stop the sink
+            self.errors += 1
+            log.warning("runwatch sink: summarising run %s failed (%r); retrying at the next interval", run_id, exc)
+            return False
+        self.summarized += 1
+        return True
+
+    def ended(self, run_ids: set[str]) -> None:
+        """Runs whose ``run_end`` was just stored."""
+        for run_id in sorted(run_ids):
+            self._summarize(run_id, "running")
+            self._again.add(run_id)
+
+    def tick(self) -> None:
+        """Called often (after every poll); sweeps once per ``interval_s``."""
+        if self._clock() < self._next_sweep:
+            return
+        self._next_sweep = self._clock() + self.interval_s
+        again, self._again = self._again, set()
+        for run_id in sorted(again):
+            if not self._summarize(run_id, "running"):
+                self._again.add(run_id)
+        try:
+            stopped = self.sink.runs_to_summarize(self._now(), self.died_after_s)
+        except Exception as exc:  # noqa: BLE001 - ClickHouse away: the next sweep tries again
+            self.errors += 1
+            log.warning("runwatch sink: looking for runs to summarise failed (%r)", exc)
+            return
+        for run_id in stopped:
+            self._summarize(run_id, "died")

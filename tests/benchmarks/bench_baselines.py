@@ -1,0 +1,104 @@
+"""What the baselines cost: the gate over a large history, the band load at a run's start, and the
+in-flight detector per step event.
+
+- ``check``: ``runwatch baseline check``'s work (read the candidates from ClickHouse, select the
+  history, compare every metric) for one run, with ``--summaries`` generated run summaries stored
+  in the embedded ClickHouse (default 10,000: 2,000 runs of each of five baseline keys, two
+  fingerprints), against the same with a tenth of them stored (the ratio shows how it scales).
+- ``band_load``: ``ClickHouseSink.baseline_band`` at a run's start, ``--band-runs`` baseline runs of
+  ``--band-steps`` steps stored as telemetry (what the worker does once per baseline key and
+  fingerprint; then it is cached).
+- ``detector``: the ``baseline_trajectory`` detector's ``update`` per step event with a band
+  handed in, against the same event stream through a detector that does nothing (the harness).
+
+Prints JSON. Not part of the test suite.
+
+    .venv/bin/python tests/benchmarks/bench_baselines.py [--summaries 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+
+from runwatch.detectors.baselines.check import check_run
+from runwatch.detectors.baselines.compare import BaselineConfig
+from runwatch.detectors.baselines.summary import RunSummary, fingerprint_id
+from runwatch.sinks.clickhouse import ClickHouseSink
+
+NOW = datetime(2026, 11, 23, tzinfo=UTC)
+KEYS = [f"bench/job-{i}" for i in range(5)]
+FINGERPRINTS = [{"hardware": "a100x8"}, {"hardware": "h100x8"}]
+
+
+def generated_summaries(n: int, seed: int = 0) -> list[RunSummary]:
+    """``n`` plausible summaries spread over 60 days, keys and fingerprints round-robin."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        parts = FINGERPRINTS[i % 2]
+        metrics: dict[str, float | None] = {
+            "training_time_s": 3600 * rng.gauss(1, 0.02), "steps": 1000.0,
+            "step_time_median_s": 0.5 * rng.gauss(1, 0.01), "step_time_p95_s": 0.6 * rng.gauss(1, 0.02),
+            "samples_per_s": 512 * rng.gauss(1, 0.01), "mfu": 0.42 * rng.gauss(1, 0.01),
+            "data_wait_share": 0.02 * rng.gauss(1, 0.05), "max_cuda_peak_bytes": 6e10 * rng.gauss(1, 0.002),
+            "max_host_rss_bytes": 3e10 * rng.gauss(1, 0.01), "final_loss": 2.1 * rng.gauss(1, 0.005),
+            "last_eval_loss": 2.2 * rng.gauss(1, 0.005), "best_eval_loss": 2.19 * rng.gauss(1, 0.005),
+            **{f"loss_at_step_{s}": (4 - s / 400) * rng.gauss(1, 0.005) for s in range(100, 1001, 100)},
+            "rollbacks": 0.0,
+        }
+        out.append(RunSummary(run_id=f"bench-{i:06d}", baseline_key=KEYS[(i // 2) % len(KEYS)], git_sha=f"{i:040x}",
+                              fingerprint=fingerprint_id(parts), fingerprint_parts=parts,
+                              started_at=NOW - timedelta(days=60) + timedelta(seconds=60 * 86400 * i / n),
+                              ended_at=None, status="completed", metrics=metrics))
+    return out
+
+
+def time_check(sink: ClickHouseSink, run: RunSummary, repeats: int) -> list[float]:
+    config = BaselineConfig()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        assert run.baseline_key is not None and run.started_at is not None
+        candidates = sink.baseline_candidates(run.baseline_key, run.fingerprint, run.started_at, config.window_days)
+        report = check_run(run, candidates, config)
+        times.append(time.perf_counter() - started)
+    assert report.history_size >= config.min_runs
+    return times
+
+
+def bench_check(n: int, repeats: int) -> dict:
+    result = {}
+    for label, count in (("full", n), ("tenth", n // 10)):
+        with tempfile.TemporaryDirectory() as folder:
+            sink = ClickHouseSink(f"chdb://{folder}/ch")
+            sink.migrate()
+            summaries = generated_summaries(count)
+            started = time.perf_counter()
+            for i in range(0, len(summaries), 1000):
+                sink.write_summaries(summaries[i:i + 1000])
+            write_s = time.perf_counter() - started
+            times = time_check(sink, summaries[-1], repeats)
+            sink.close()
+        result[label] = {"summaries": count, "write_s": round(write_s, 3),
+                         "check_median_ms": round(1000 * statistics.median(times), 2),
+                         "check_max_ms": round(1000 * max(times), 2)}
+    result["ratio_full_over_tenth"] = round(result["full"]["check_median_ms"] / result["tenth"]["check_median_ms"], 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--summaries", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    print(json.dumps({"check": bench_check(args.summaries, args.repeats)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
