@@ -580,33 +580,37 @@ class ClickHouseSink:
 
     def baseline_band_runs(self, baseline_key: str, fingerprint: str, before: datetime, window_days: float,
                            max_runs: int, exclude_run: str = "") -> list[str]:
-        """The runs a band is made of, oldest first: from ``run_summaries``, the same baseline key and
-        fingerprint, completed, started before ``before`` and within ``window_days``, not before the
-        latest declared new baseline, the newest ``max_runs`` (``band.select_baseline_runs``' rule)."""
-        params = {"k": baseline_key, "f": fingerprint, "x": exclude_run, "n": int(max_runs),
-                  "before": _ms(before), "since": _ms(as_utc(before) - timedelta(days=window_days))}
-        rows = self.query(
-            "SELECT run_id FROM {db}.run_summaries FINAL "
-            "WHERE baseline_key = %(k)s AND fingerprint = %(f)s AND status = 'completed' AND run_id != %(x)s "
-            "AND started_at < toDateTime64(%(before)s, 3, 'UTC') "
-            "AND started_at >= greatest(toDateTime64(%(since)s, 3, 'UTC'), "
-            "(SELECT max(started_at) FROM {db}.run_summaries FINAL WHERE baseline_key = %(k)s "
-            "AND fingerprint = %(f)s AND new_baseline AND run_id != %(x)s "
-            "AND started_at <= toDateTime64(%(before)s, 3, 'UTC'))) "
-            "ORDER BY started_at DESC, run_id DESC LIMIT %(n)s", params)
-        return [str(r[0]) for r in reversed(rows)]
+        """The runs a band is made of, oldest first: the newest ``max_runs`` of the history the gate
+        would choose for a run of ``baseline_key`` on ``fingerprint`` starting at ``before``
+        (``check.select_history`` over ``baseline_candidates``)."""
+        from runwatch.detectors.baselines.check import select_history
+        from runwatch.detectors.baselines.compare import BaselineConfig
+        from runwatch.detectors.baselines.summary import RunSummary
+
+        probe = RunSummary(run_id=exclude_run, baseline_key=baseline_key, fingerprint=fingerprint,
+                           started_at=as_utc(before))
+        candidates = self.baseline_candidates(baseline_key, fingerprint, before, window_days)
+        history = select_history(probe, candidates, BaselineConfig(window_days=window_days))
+        return [r.run_id for r in history[-max_runs:]] if max_runs > 0 else []
 
     def baseline_band(self, baseline_key: str, fingerprint: str, before: datetime, window_days: float = 30.0,
                       max_runs: int = 20, *, exclude_run: str = "", bucket_steps: int | None = None,
                       max_buckets: int = 2000,
                       quantiles: tuple[float, float, float] = (0.1, 0.5, 0.9)) -> BaselineBand | None:
-        """The per-step band of the baseline runs (``baseline_band_runs``) computed from their stored
-        telemetry, as ``band.band_from_runs`` computes it from their events; None without such runs.
-        Steps are bucketed so that there are at most ``max_buckets`` per metric unless ``bucket_steps``
-        is given."""
+        """The per-step band of the baseline runs (``baseline_band_runs``); None without such runs."""
+        runs = self.baseline_band_runs(baseline_key, fingerprint, before, window_days, max_runs, exclude_run)
+        return self.band_of_runs(runs, baseline_key, fingerprint, bucket_steps=bucket_steps, max_buckets=max_buckets,
+                                 quantiles=quantiles)
+
+    def band_of_runs(self, runs: Sequence[str], baseline_key: str, fingerprint: str, *,
+                     bucket_steps: int | None = None, max_buckets: int = 2000,
+                     quantiles: tuple[float, float, float] = (0.1, 0.5, 0.9)) -> BaselineBand | None:
+        """The per-step band of ``runs`` computed from their stored telemetry, as
+        ``band.band_from_runs`` computes it from their events; None for no runs. Steps are bucketed
+        so that there are at most ``max_buckets`` per metric unless ``bucket_steps`` is given."""
         from runwatch.detectors.baselines.band import BaselineBand, MetricBand, bucket_steps_for
 
-        runs = self.baseline_band_runs(baseline_key, fingerprint, before, window_days, max_runs, exclude_run)
+        runs = list(runs)
         if not runs:
             return None
         if bucket_steps is None:

@@ -13,10 +13,10 @@ value. Quantiles interpolate linearly between order statistics (R-7, numpy's def
 ``quantileExactInclusive``), so ``band_from_runs`` here and ``ClickHouseSink.baseline_band`` give
 the same band.
 
-Which runs make the band (``select_baseline_runs``, the same rule as the sink's SQL): the same
-baseline key and hardware fingerprint, completed, started before the run and within the window,
-not before the latest declared new baseline (a run declaring one has no history), the newest
-``max_runs`` of them.
+Which runs make the band (``select_baseline_runs``): the newest ``max_runs`` of the run's history
+as the gate chooses it (``check.select_history``: the same baseline key and hardware fingerprint,
+completed, started before the run and within the window, not before the latest declared new
+baseline; a run declaring one has no history).
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from runwatch.detectors.baselines.check import select_history
+from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.baselines.summary import NEW_BASELINE_TAG, fingerprint_id, hardware_fingerprint
 from runwatch.producer.schema import EvalEvent, RunEndEvent, RunStartEvent, StepEvent, TelemetryEvent
 
@@ -176,16 +178,7 @@ def run_record(events: Iterable[TelemetryEvent]) -> RunRecord:
 
 def select_baseline_runs(run: RunRecord, candidates: Iterable[RunRecord], *, window_days: float,
                          max_runs: int) -> list[RunRecord]:
-    """The runs whose band ``run`` is compared with, oldest first (the module doc says which)."""
-    if run.baseline_key is None or run.started_at is None or run.new_baseline:
-        return []
-    before = run.started_at
-    same = [c for c in candidates if c.run_id != run.run_id and c.baseline_key == run.baseline_key
-            and c.fingerprint == run.fingerprint and c.started_at is not None]
-    since = before - timedelta(days=window_days)
-    declared = [c.started_at for c in same if c.new_baseline and c.started_at is not None and c.started_at <= before]
-    if declared:
-        since = max(since, max(declared))
-    history = sorted((c for c in same if c.status == "completed" and c.started_at is not None
-                      and since <= c.started_at < before), key=lambda c: (c.started_at, c.run_id))
+    """The runs whose band ``run`` is compared with, oldest first: the newest ``max_runs`` of its
+    history (``check.select_history``, the gate's own rule)."""
+    history = select_history(run, candidates, BaselineConfig(window_days=window_days))
     return history[-max_runs:] if max_runs > 0 else []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, Field, computed_field
 
@@ -28,11 +29,31 @@ EXIT_OUTLIER = 1
 EXIT_ERROR = 2
 
 
-def _same_baseline(run: RunSummary, other: RunSummary) -> bool:
+class RunIdentity(Protocol):
+    """What choosing a run's history reads of a run: a ``RunSummary``, or a band's ``RunRecord``."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def baseline_key(self) -> str | None: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def new_baseline(self) -> bool: ...
+
+
+R = TypeVar("R", bound=RunIdentity)
+
+
+def _same_baseline(run: RunIdentity, other: RunIdentity) -> bool:
     return other.baseline_key == run.baseline_key and other.fingerprint == run.fingerprint
 
 
-def baseline_start(run: RunSummary, candidates: Iterable[RunSummary]) -> RunSummary | None:
+def baseline_start(run: R, candidates: Iterable[R]) -> R | None:
     """The run that declared the baseline ``run`` belongs to: the latest ``new_baseline`` run of the
     same key and fingerprint that started before it (whatever its status: the declaration is what
     counts), or ``run`` itself when it declares one; None when none did."""
@@ -43,11 +64,12 @@ def baseline_start(run: RunSummary, candidates: Iterable[RunSummary]) -> RunSumm
     return max(declared, key=lambda c: (c.started_at, c.run_id), default=None)
 
 
-def select_history(run: RunSummary, candidates: Iterable[RunSummary], config: BaselineConfig) -> list[RunSummary]:
+def select_history(run: R, candidates: Iterable[R], config: BaselineConfig) -> list[R]:
     """The runs ``run`` is compared with, oldest first: the same baseline key and hardware
     fingerprint, completed, started before it and within ``config.window_days``, not itself, and
     not before the latest declared new baseline (a run that declares one has no history). A run
-    with no baseline key or no start time has no history."""
+    with no baseline key or no start time has no history. The one rule for the gate, the run-end
+    check and the in-flight band (which takes the newest of these runs)."""
     candidates = list(candidates)
     if run.baseline_key is None or run.started_at is None:
         return []

@@ -26,8 +26,9 @@ from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
               help="consumer group (Faust app id): workers of one group share the runs; another group is a "
                    "separate deployment, e.g. with another config")
 @click.option("--baseline-dsn", envvar="RUNWATCH_BASELINE_DSN",
-              help="ClickHouse DSN the runs' per-step baseline bands are loaded from at their start (the "
-                   "baseline_trajectory detector); an on-disk chdb path must be one no other process holds")
+              help="ClickHouse DSN each run's history is loaded from at its start: the per-step band of the "
+                   "baseline_trajectory detector, and the summaries its end is checked against (an outlier "
+                   "alert); an on-disk chdb path must be one no other process holds")
 @click.option("--loglevel", default="WARNING", show_default=True)
 def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str, detector_timeout: float,
            delivery_timeout: float, ready_file: str | None, group: str, baseline_dsn: str | None,

@@ -105,15 +105,15 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
     logging.getLogger("runwatch").setLevel(logging.INFO)
     try:
         config = RunwatchConfig.model_validate_json(config_json)
-        bands = None
+        baselines = None
         if baseline_dsn:
-            from runwatch.streams.worker.baselines import BaselineBands
+            from runwatch.streams.worker.baselines import BaselineLoader
 
-            bands = BaselineBands(baseline_dsn, config)
-        elif config.detectors.baseline_trajectory.enabled:
-            log.info("no baseline DSN (--baseline-dsn): baseline_trajectory is silent, runs are not compared "
-                     "with their history in flight")
-        processor = TelemetryProcessor(config, secret, bands=bands)
+            baselines = BaselineLoader(baseline_dsn, config)
+        else:
+            log.info("no baseline DSN (--baseline-dsn): runs are not compared with their history (no "
+                     "baseline_trajectory band, no outlier check at their end)")
+        processor = TelemetryProcessor(config, secret, baselines=baselines)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
         replies.put(("error", traceback.format_exc()))
         return

@@ -34,7 +34,7 @@ from runwatch.producer.schema import (
 from runwatch.producer.signing import sign_action
 
 if TYPE_CHECKING:
-    from runwatch.streams.worker.baselines import BaselineBands
+    from runwatch.streams.worker.baselines import BaselineLoader
 
 log = logging.getLogger("runwatch.worker")
 
@@ -66,9 +66,9 @@ TICK_BUDGET_S = 0.1
 
 class TelemetryProcessor:
     def __init__(self, config: RunwatchConfig, secret: bytes, clock: Callable[[], datetime] = utc_now,
-                 perf_clock: Callable[[], float] = time.perf_counter, bands: BaselineBands | None = None):
+                 perf_clock: Callable[[], float] = time.perf_counter, baselines: BaselineLoader | None = None):
         self.config = config
-        self.bands = bands  # baseline bands, handed to a run's detector at its run_start (streams/worker/baselines.py)
+        self.baselines = baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
         self._secret = secret
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
         self._perf = perf_clock
@@ -114,8 +114,8 @@ class TelemetryProcessor:
         if monitor is None:
             monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
             self._tick_order.append(run_id)
-        if self.bands is not None and isinstance(event, RunStartEvent):
-            self.bands.hand(monitor, event)
+        if self.baselines is not None and isinstance(event, RunStartEvent):
+            self.baselines.hand(monitor, event)
         out = monitor.observe(event)
         if flushed is not None:
             out.joined[:0] = flushed.joined

@@ -95,18 +95,18 @@ def test_a_declared_new_baseline_restarts_the_history(stored):
 
 
 def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored):
-    """The worker's processor with a ``BaselineBands`` loader on the stored history: the bad-init run,
+    """The worker's processor with a ``BaselineLoader`` loader on the stored history: the bad-init run,
     fed as raw telemetry, gets a baseline_trajectory anomaly naming the owner; a run of an unknown
     job says once why it is not compared."""
     from runwatch.detectors.config import RunwatchConfig
-    from runwatch.streams.worker.baselines import BaselineBands
+    from runwatch.streams.worker.baselines import BaselineLoader
     from runwatch.streams.worker.processor import TelemetryProcessor
 
     sink, runs = stored
     config = RunwatchConfig()
     # (this process already holds the chdb path; a worker opens its own DSN)
-    bands = BaselineBands(sink.dsn, config, timeout_s=30.0, sink=sink)
-    processor = TelemetryProcessor(config, b"secret", bands=bands)
+    bands = BaselineLoader(sink.dsn, config, timeout_s=30.0, sink=sink)
+    processor = TelemetryProcessor(config, b"secret", baselines=bands)
     try:
         found = [a for e in runs["bad_init_audio"] for a in processor.process(e.to_json()).anomalies
                  if a.detector == "baseline_trajectory"]
