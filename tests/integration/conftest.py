@@ -34,12 +34,12 @@ def secret() -> str:
 
 @contextlib.contextmanager
 def worker_with_config(broker: EmbeddedBroker, secret: str, folder: Path, config: dict,
-                       group: str) -> Iterator[WorkerProcess]:
+                       group: str, extra_args: tuple[str, ...] = ()) -> Iterator[WorkerProcess]:
     """A worker of its own consumer group running ``config`` (the session's default-config worker
     may be running too), stopped by its pid at the end."""
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    w = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", path, group=group)
+    w = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", path, group=group, extra_args=extra_args)
     try:
         w.wait_ready(90)
         yield w
