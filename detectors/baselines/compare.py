@@ -60,7 +60,9 @@ METRICS: dict[str, MetricSpec] = {
 }
 PREFIXED: dict[str, MetricSpec] = {
     "loss_at_step_": MetricSpec("lower_is_better", 0.05, minimum=None),
-    "category_loss_": MetricSpec("lower_is_better", 0.05, minimum=None),
+    # A category's last mean loss comes from the few samples of that category in one batch: reruns of one
+    # commit differ by 25% (the history corpus's silence category), so less than 30% is noise.
+    "category_loss_": MetricSpec("lower_is_better", 0.30, minimum=None),
     "anomalies_": MetricSpec("lower_is_better", 0.0),
 }
 

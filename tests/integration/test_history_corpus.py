@@ -107,10 +107,7 @@ def test_the_randn_init_is_found_in_flight(evaluation: dict) -> None:
 
 
 def test_benign_commits_and_insufficient_history(evaluation: dict, labels: dict) -> None:
-    # The per-category losses (the last step's, from a quarter of a batch) of reruns fall into two modes:
-    # with the built-in 5% tolerance they alarm; every other metric stays quiet on benign commits.
-    for alarm in evaluation["false_alarms"]:
-        assert all(m.startswith("category_loss_") for m in alarm["metrics"]), alarm
+    assert evaluation["false_alarms"] == [] and evaluation["summary"]["false_alarms"] == 0
     runs = {r["run_id"]: r for r in evaluation["runs"]}
     ordered = [r["run_id"] for r in labels["runs"]]
     insufficient = set(evaluation["insufficient_history"])
