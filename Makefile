@@ -67,6 +67,7 @@ bench: setup
 	$(PY) tests/benchmarks/bench_detectors.py
 	$(PY) tests/benchmarks/bench_latency.py
 	$(PY) tests/benchmarks/bench_throughput.py
+	$(PY) tests/benchmarks/bench_baselines.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import Field
@@ -78,6 +79,25 @@ def family(metric: str) -> str:
     return {"step_time_s": "step_time"}.get(metric, metric)
 
 
+@dataclass(frozen=True, eq=False)
+class BandTable:
+    """A band as the detector reads it: per metric row and step bucket, lo / mid / hi / threshold
+    (NaN: no value); row ``len(names)`` is "not in the band". Never changed once built, so rewind
+    snapshots refer to it instead of copying it (engine/rewind.py)."""
+
+    shared_in_snapshots: ClassVar[bool] = True
+    bucket: int
+    names: list[str]
+    index: dict[str, int]
+    table: np.ndarray
+    thr: np.ndarray  # the thresholds alone, contiguous: what every step reads
+    about: dict[str, Any]  # the band's key, fingerprint, runs: for the evidence
+
+
+NO_BAND = BandTable(bucket=1, names=[], index={}, table=np.full((1, 0, 4), np.nan), thr=np.full((1, 0), np.nan),
+                    about={})
+
+
 class BaselineTrajectoryDetector(Detector):
     name = NAME
 
@@ -90,12 +110,7 @@ class BaselineTrajectoryDetector(Detector):
 
     def _reset(self) -> None:
         """No band, nothing judged."""
-        self._bucket = 1
-        self._names: list[str] = []  # the band's metrics; row len(_names) of the arrays is "not in the band"
-        self._index: dict[str, int] = {}
-        self._table = np.full((1, 0, 4), np.nan)  # (metric, bucket) -> lo, mid, hi, threshold (NaN: no value)
-        self._thr = np.full((1, 0), np.nan)  # the thresholds alone, contiguous: what every step reads
-        self._about: dict[str, Any] = {}  # the band's key, fingerprint, runs: for the evidence
+        self._band = NO_BAND
         self._silent_reason: str | None = None  # said once by the next event
         self._streak = np.zeros(1, dtype=np.int64)  # per metric, steps (evals) in a row above its threshold
         self._start = np.zeros(1, dtype=np.int64)  # where the current streak began
@@ -116,23 +131,24 @@ class BaselineTrajectoryDetector(Detector):
         if band is None:
             self._silent_reason = reason or "no baseline band: no comparison with history"
             return
-        self._bucket = band.bucket_steps
-        self._about = {"baseline_key": band.baseline_key, "fingerprint": band.fingerprint,
-                       "baseline_runs": band.n_runs, "quantiles": list(band.quantiles)}
+        bucket_steps = band.bucket_steps
         metrics = {m: mb for m, mb in band.metrics.items() if mb.steps}
-        self._names = list(metrics)
-        self._index = {m: i for i, m in enumerate(self._names)}
-        buckets = max((mb.steps[-1] // self._bucket + 1 for mb in metrics.values()), default=0)
-        self._table = table = np.full((len(metrics) + 1, buckets, 4), np.nan)
+        names = list(metrics)
+        buckets = max((mb.steps[-1] // bucket_steps + 1 for mb in metrics.values()), default=0)
+        table = np.full((len(metrics) + 1, buckets, 4), np.nan)
         widths = self.config.band_widths
         for row, (metric, mb) in enumerate(metrics.items()):
-            index = np.asarray(mb.steps, dtype=np.intp) // self._bucket
+            index = np.asarray(mb.steps, dtype=np.intp) // bucket_steps
             lo, mid, hi = (np.asarray(v, dtype=np.float64) for v in (mb.lo, mb.mid, mb.hi))
             with np.errstate(divide="ignore", invalid="ignore"):
                 width = np.where((lo > 0) & (hi > 0), (hi / lo) ** widths, 1.0)
             table[row, index, LO], table[row, index, MID], table[row, index, HI] = lo, mid, hi
             table[row, index, THRESHOLD] = hi * np.maximum(self._ratios[family(metric)], width)
-        self._thr = np.ascontiguousarray(table[:, :, THRESHOLD])
+        self._band = BandTable(
+            bucket=bucket_steps, names=names, index={m: i for i, m in enumerate(names)}, table=table,
+            thr=np.ascontiguousarray(table[:, :, THRESHOLD]),
+            about={"baseline_key": band.baseline_key, "fingerprint": band.fingerprint,
+                   "baseline_runs": band.n_runs, "quantiles": list(band.quantiles)})
         n = len(metrics) + 1
         self._streak, self._start, self._fired = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
 
@@ -145,8 +161,8 @@ class BaselineTrajectoryDetector(Detector):
             reason, self._silent_reason = self._silent_reason, None
             return [Finding(detector=NAME, metric=BAND_METRIC, step=event.step, severity="info", message=reason,
                             rank=event.rank, evidence={"reason": reason})]
-        bucket = event.step // self._bucket
-        if not self._names or bucket >= self._thr.shape[1]:
+        bucket = event.step // self._band.bucket
+        if not self._band.names or bucket >= self._band.thr.shape[1]:
             return []  # no band, or the run is past the band's end
         if isinstance(event, EvalEvent):
             return self._eval(event, bucket)
@@ -161,7 +177,7 @@ class BaselineTrajectoryDetector(Detector):
                            *((memory.allocated, memory.peak, memory.host_rss) if memory is not None else _NO_MEMORY),
                            *norms.values()], dtype=np.float64)
         rows = self._rows
-        threshold = self._thr[rows, bucket]
+        threshold = self._band.thr[rows, bucket]
         with np.errstate(invalid="ignore"):
             above = values > threshold  # False where either is NaN (no value, or none in the band)
         if not self._any_streak and not above.any():
@@ -178,23 +194,23 @@ class BaselineTrajectoryDetector(Detector):
         ready = (self._streak[up] >= self.config.consecutive_steps) & ~self._fired[up]
         if not ready.any():
             return []
-        outside = [(self._names[int(rows[p])], float(values[p]), self._table[rows[p], bucket])
+        outside = [(self._band.names[int(rows[p])], float(values[p]), self._band.table[rows[p], bucket])
                    for p in positions[ready]]
         return self._findings(event, outside)
 
     def _rows_for(self, modules: tuple[str, ...]) -> None:
-        missing = len(self._names)  # the row of "not in the band": its thresholds are NaN
-        index = self._index
+        missing = len(self._band.names)  # the row of "not in the band": its thresholds are NaN
+        index = self._band.index
         names = (*STEP_METRICS, *(MODULE_PREFIX + m for m in modules))
         self._rows = np.fromiter((index.get(n, missing) for n in names), dtype=np.intp, count=len(names))
         self._order = modules
 
     def _eval(self, event: EvalEvent, bucket: int) -> list[Finding]:
-        row = self._index.get(EVAL_PREFIX + event.split)
+        row = self._band.index.get(EVAL_PREFIX + event.split)
         value = event.loss
         if row is None or value is None or not math.isfinite(value):
             return []
-        threshold = self._thr[row, bucket]
+        threshold = self._band.thr[row, bucket]
         if threshold != threshold:
             return []
         if value <= threshold:
@@ -207,7 +223,7 @@ class BaselineTrajectoryDetector(Detector):
         self._any_streak = True
         if self._streak[row] < self.config.consecutive_evals or self._fired[row]:
             return []
-        return self._findings(event, [(self._names[row], value, self._table[row, bucket])])
+        return self._findings(event, [(self._band.names[row], value, self._band.table[row, bucket])])
 
     def _findings(self, event: StepEvent | EvalEvent, outside: list[tuple[str, float, np.ndarray]]) -> list[Finding]:
         """One finding per metric, except modules: one naming the module with the largest departure."""
@@ -215,7 +231,7 @@ class BaselineTrajectoryDetector(Detector):
         modules = [o for o in outside if o[0].startswith(MODULE_PREFIX)]
         others = [o for o in outside if not o[0].startswith(MODULE_PREFIX)]
         for metric, _, _ in outside:
-            self._fired[self._index[metric]] = True
+            self._fired[self._band.index[metric]] = True
         if modules:
             modules.sort(key=lambda o: _departure(o[1], o[2]), reverse=True)
             metric, value, row = modules[0]
@@ -231,12 +247,12 @@ class BaselineTrajectoryDetector(Detector):
         kind = family(metric)
         departure = _departure(value, row)
         ratio = self._ratios[kind]
-        at = self._index[metric]
+        at = self._band.index[metric]
         onset, count = int(self._start[at]), int(self._streak[at])
         unit = "evals" if kind == "eval" else "steps"
         evidence: dict[str, Any] = {
             "metric": metric, "family": kind, "band_lo": lo, "band_median": mid, "band_hi": hi,
-            "ratio_to_median": departure, "consecutive": count, "onset_step": onset, **self._about,
+            "ratio_to_median": departure, "consecutive": count, "onset_step": onset, **self._band.about,
         }
         what = metric
         if kind == "module":
@@ -246,7 +262,7 @@ class BaselineTrajectoryDetector(Detector):
             if also:
                 evidence["also_above"] = also
         message = (f"{what} {value:.4g} is {departure:.1f}x where the job's earlier runs were at step {event.step} "
-                   f"(median {mid:.4g}, band {lo:.4g}..{hi:.4g} of {self._about.get('baseline_runs')} runs), above "
+                   f"(median {mid:.4g}, band {lo:.4g}..{hi:.4g} of {self._band.about.get('baseline_runs')} runs), above "
                    f"{threshold:.4g} for {count} {unit} in a row since step {onset}")
         return Finding(
             detector=NAME, metric=metric, step=event.step, rank=event.rank,

@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
@@ -52,8 +53,10 @@ class MetricBand(BaseModel):
 
 
 class BaselineBand(BaseModel):
-    """Per metric, per step (bucket), the quantiles of the baseline runs' values."""
+    """Per metric, per step (bucket), the quantiles of the baseline runs' values. Never changed once
+    built: the monitor's rewind snapshots refer to it instead of copying it (engine/rewind.py)."""
 
+    shared_in_snapshots: ClassVar[bool] = True
     baseline_key: str
     fingerprint: str
     run_ids: list[str] = Field(description="the baseline runs, oldest first")

@@ -12,26 +12,54 @@ exactly as the first pass was.
 
 Bounded: snapshots are kept for pending checkpoints and the newest ``keep_good`` confirmed ones
 (what a rollback can target); the rest are dropped. Pickled bytes, so a snapshot is a copy that
-later events cannot change.
+later events cannot change; except objects whose class says ``shared_in_snapshots`` (a baseline
+band: large, and never changed once built), which every snapshot refers to instead of copying.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Generic, TypeVar
 
 State = TypeVar("State")
 
 
+class _SharingPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, shared: dict[int, object]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.shared = shared
+
+    def persistent_id(self, obj: object) -> int | None:
+        if getattr(type(obj), "shared_in_snapshots", False) is True:
+            self.shared[id(obj)] = obj  # (kept alive here, so its id is not reused)
+            return id(obj)
+        return None
+
+
+class _SharingUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, shared: dict[int, object]):
+        super().__init__(file)
+        self.shared = shared
+
+    def persistent_load(self, pid: object) -> object:
+        if not isinstance(pid, int) or pid not in self.shared:
+            raise pickle.UnpicklingError(f"unknown shared object {pid!r}")
+        return self.shared[pid]
+
+
 class DetectorSnapshots(Generic[State]):
     def __init__(self, keep_good: int = 3):
         self.keep_good = keep_good
         self._by_step: dict[int, bytes] = {}
+        self._shared: dict[int, object] = {}  # the objects snapshots refer to, by id
         self.unpicklable = 0  # snapshots not taken: some detector's state would not pickle
 
     def take(self, step: int, state: State) -> None:
         try:
-            self._by_step[step] = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            buffer = io.BytesIO()
+            _SharingPickler(buffer, self._shared).dump(state)
+            self._by_step[step] = buffer.getvalue()
         except (pickle.PicklingError, TypeError, AttributeError):
             # A detector whose state does not pickle (outside the contract; the conformance suite
             # catches it for registered ones): no rewind to this checkpoint, and no crash either.
@@ -44,7 +72,7 @@ class DetectorSnapshots(Generic[State]):
         self._by_step = {s: b for s, b in self._by_step.items() if s <= step}
         if blob is None:
             return None
-        state: State = pickle.loads(blob)  # what take() pickled
+        state: State = _SharingUnpickler(io.BytesIO(blob), self._shared).load()  # what take() pickled
         return state
 
     def prune(self, pending: list[int], good: list[int]) -> None:

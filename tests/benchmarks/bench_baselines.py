@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -92,12 +93,96 @@ def bench_check(n: int, repeats: int) -> dict:
     return result
 
 
+def step_stream(run_id: str, start: datetime, steps: int, modules: int, seed: int) -> list:
+    from runwatch.producer.schema import MemoryStats, StepEvent
+
+    rng = random.Random(seed)
+    names = [f"layers.{i}" for i in range(modules)]
+    events = []
+    for step in range(steps):
+        noise = math.exp(rng.gauss(0, 0.1))
+        events.append(StepEvent(
+            run_id=run_id, step=step, ts=start + timedelta(seconds=0.5 * step), loss=3 * math.exp(-step / 500) * noise,
+            grad_norm=noise, step_time_s=0.5 * math.exp(rng.gauss(0, 0.02)),
+            module_grad_norms={n: 0.1 * noise * math.exp(rng.gauss(0, 0.1)) for n in names},
+            memory=MemoryStats(allocated=30_000_000_000 + rng.randrange(10**8), peak=31_000_000_000)))
+    return events
+
+
+def bench_band(runs: int, steps: int, modules: int, repeats: int) -> dict:
+    from runwatch.detectors.baselines.summary import RunSummarizer
+
+    now = datetime.now(UTC)  # the telemetry table keeps 90 days
+    parts = {"hardware": "bench"}
+    with tempfile.TemporaryDirectory() as folder:
+        sink = ClickHouseSink(f"chdb://{folder}/ch")
+        sink.migrate()
+        summaries = []
+        for i in range(runs):
+            events = step_stream(f"band-{i}", now - timedelta(days=runs - i), steps, modules, seed=i)
+            sink.write_events(events)
+            summarizer = RunSummarizer(f"band-{i}")
+            for event in events:
+                summarizer.observe(event)
+            summary = summarizer.summary().model_copy(update={
+                "baseline_key": "bench/band", "fingerprint": fingerprint_id(parts), "fingerprint_parts": parts,
+                "status": "completed"})
+            summaries.append(summary)
+        sink.write_summaries(summaries)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            band = sink.baseline_band("bench/band", fingerprint_id(parts), now, 30, runs)
+            times.append(time.perf_counter() - started)
+        sink.close()
+    assert band is not None and band.n_runs == runs
+    return {"baseline_runs": runs, "steps": steps, "modules": modules, "metrics": len(band.metrics),
+            "load_median_s": round(statistics.median(times), 3), "load_max_s": round(max(times), 3)}
+
+
+def bench_detector(events: int, modules: int) -> dict:
+    """Per step event: the baseline detector with a band of 5 runs, against the whole monitor (every
+    detector and the policy) on the same stream, both measured here."""
+    from runwatch.detectors.baseline_trajectory import BaselineTrajectoryConfig, BaselineTrajectoryDetector
+    from runwatch.detectors.baselines.band import band_from_runs
+    from runwatch.detectors.config import RunwatchConfig
+    from runwatch.detectors.engine.monitor import RunMonitor
+
+    start = NOW - timedelta(days=1)
+    history = [step_stream(f"h{i}", start, events, modules, seed=i) for i in range(5)]
+    band = band_from_runs(history, baseline_key="bench", fingerprint="bench")
+    stream = step_stream("live", start, events, modules, seed=99)
+    detector = BaselineTrajectoryDetector(BaselineTrajectoryConfig())
+    detector.set_band(band)
+    started = time.perf_counter()
+    for event in stream:
+        detector.update(event, event.ts)
+    per_event = (time.perf_counter() - started) / len(stream)
+    monitor = RunMonitor("live", RunwatchConfig())
+    started = time.perf_counter()
+    for event in stream:
+        monitor.observe(event)
+    monitor_per_event = (time.perf_counter() - started) / len(stream)
+    return {"events": len(stream), "modules": modules, "band_metrics": len(band.metrics),
+            "detector_us_per_event": round(1e6 * per_event, 1),
+            "monitor_us_per_event": round(1e6 * monitor_per_event, 1),
+            "detector_share_of_monitor": round(per_event / monitor_per_event, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--summaries", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--band-runs", type=int, default=20)
+    parser.add_argument("--band-steps", type=int, default=1000)
+    parser.add_argument("--modules", type=int, default=20)
+    parser.add_argument("--events", type=int, default=2000)
     args = parser.parse_args()
-    print(json.dumps({"check": bench_check(args.summaries, args.repeats)}, indent=2))
+    print(json.dumps({
+        "check": bench_check(args.summaries, args.repeats),
+        "band_load": bench_band(args.band_runs, args.band_steps, args.modules, max(3, args.repeats // 4)),
+        "detector": bench_detector(args.events, args.modules),
+    }, indent=2))
 
 
 if __name__ == "__main__":

@@ -217,3 +217,24 @@ def test_cost_per_step_event_is_small():
     print(json.dumps({"baseline_trajectory_us_per_step_event": round(per_event_us, 2),
                       "metrics_per_event": 6 + len(MODULES)}))
     assert per_event_us < 1000  # a sanity bound only
+
+
+def test_rewind_snapshots_refer_to_the_band_instead_of_copying_it():
+    """A checkpoint's snapshot of the detectors holds the band by reference: a band of many modules
+    and steps is not copied at every checkpoint, and a rewound detector still has it."""
+    from runwatch.detectors.engine.rewind import DetectorSnapshots
+
+    monitor = RunMonitor("r", RunwatchConfig())
+    hand_band(monitor.joined_detectors, BAND, None)
+    with_band = DetectorSnapshots()
+    with_band.take(10, monitor._rewindable())
+    bare = RunMonitor("r", RunwatchConfig())
+    without = DetectorSnapshots()
+    without.take(10, bare._rewindable())
+    assert len(pickle.dumps(BAND)) > 20_000
+    assert with_band.nbytes - without.nbytes < 1_000
+    live = next(d for d in monitor.joined_detectors if isinstance(d, BaselineTrajectoryDetector))
+    restored = with_band.restore(10)
+    trajectory = next(d for d in restored["joined"] if isinstance(d, BaselineTrajectoryDetector))
+    assert trajectory is not live and trajectory._band is live._band  # the same table, not a copy
+    assert feed(trajectory, run(9, module_boost=50.0, from_step=30))  # and it still judges
