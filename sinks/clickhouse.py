@@ -544,15 +544,19 @@ class ClickHouseSink:
                                         severity=sev, message=msg)
                 for a, r, ts, step, rank, d, m, sev, msg in rows]
 
-    def runs_to_summarize(self, now: datetime, died_after_s: float) -> list[str]:
+    def runs_to_summarize(self, now: datetime, died_after_s: float, lookback_s: float = 7 * 86400) -> list[str]:
         """Runs with telemetry whose last event is more than ``died_after_s`` before ``now`` and that
         have no summary, or only one of status ``running``: runs whose events stopped without a
-        summary (their heartbeats stopped: they died), oldest last event first."""
+        summary (their heartbeats stopped: they died), oldest last event first. Only runs with an
+        event in the ``lookback_s`` before the cutoff are looked at, so the sweep does not read the
+        whole telemetry table every time (a run that died longer ago than that while the sink was
+        away is summarised by ``runwatch baseline check`` when asked for)."""
         cutoff = as_utc(now) - timedelta(seconds=died_after_s)
         rows = self.query(
-            "SELECT run_id, max(ts) AS last FROM {db}.telemetry GROUP BY run_id HAVING last < %(cutoff)s "
+            "SELECT run_id, max(ts) AS last FROM {db}.telemetry WHERE ts >= %(since)s GROUP BY run_id "
+            "HAVING last < %(cutoff)s "
             "AND run_id NOT IN (SELECT run_id FROM {db}.run_summaries FINAL WHERE status != 'running') "
-            "ORDER BY last, run_id", {"cutoff": cutoff})
+            "ORDER BY last, run_id", {"cutoff": cutoff, "since": cutoff - timedelta(seconds=lookback_s)})
         return [str(r[0]) for r in rows]
 
     # -- the remediator's reads ---------------------------------------------------------------

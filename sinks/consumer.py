@@ -82,12 +82,14 @@ class SinkConsumer:
         summarize: bool = True,
         died_after_s: float = 600.0,
         summary_interval_s: float = 30.0,
+        summary_loss_every: int = 100,
     ):
         """``deadletter_producer``: a kafka-python ``KafkaProducer`` for the sink's dead letters
         (default: one on ``bootstrap``, made by ``run``; one given here is not closed by it).
         ``limits``: the worker's (``limits:`` in its YAML), so that both accept the same telemetry.
         ``summarize``: write run summaries (see the module doc); ``died_after_s``: a run whose last
-        event is older is summarised as ``died``; ``summary_interval_s``: how often to look for them."""
+        event is older is summarised as ``died``; ``summary_interval_s``: how often to look for them;
+        ``summary_loss_every``: the summaries' loss_at_step_N (the config's ``baseline.loss_every``)."""
         self.limits = limits
         self.sink = sink
         self.bootstrap = bootstrap
@@ -104,8 +106,8 @@ class SinkConsumer:
         self.assigned = threading.Event()
         self._given_producer = deadletter_producer
         self._producer: Any = deadletter_producer
-        self.summaries = (SummaryUpkeep(sink, died_after_s=died_after_s, interval_s=summary_interval_s)
-                          if summarize else None)
+        self.summaries = (SummaryUpkeep(sink, died_after_s=died_after_s, interval_s=summary_interval_s,
+                                        loss_every=summary_loss_every) if summarize else None)
 
     def stored_through(self, topic: str, partition: int) -> int:
         """Next offset of ``topic[partition]`` not yet stored (0 if none)."""

@@ -4,12 +4,16 @@ history), reading run summaries from ClickHouse."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
 from runwatch.streams.cli.failure import DSN_HELP, fail
+from runwatch.streams.cli.options import cli_config
 
+CONFIG_HELP = ("runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
+               "as `runwatch calibrate` proposes them)")
 GIT_REPO_HELP = "a clone of the code the runs ran: show the commits between the runs (git log A..B)"
 
 
@@ -17,6 +21,18 @@ def _dump(obj: Any) -> None:
     import orjson
 
     sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def _repo(path: str | None) -> Path | None:
+    """The checked ``--git-repo`` clone, or None; exits 2 when it is not a git repository."""
+    from runwatch.gitlog import GitError, check_repo
+
+    if path is None:
+        return None
+    try:
+        return check_repo(path)
+    except GitError as exc:
+        fail(f"--git-repo: {exc}")
 
 
 @click.group()
@@ -27,13 +43,14 @@ def baseline() -> None:
 @baseline.command()
 @click.argument("run_id")
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
-@click.option("--window-days", type=float, default=30.0, show_default=True, help="the history: runs this many days before")
-@click.option("--min-runs", type=int, default=5, show_default=True, help="fewer is 'insufficient_history'")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help=CONFIG_HELP)
+@click.option("--window-days", type=float, help="the history: runs this many days before [config's; default 30]")
+@click.option("--min-runs", type=int, help="fewer is 'insufficient_history' [config's; default 5]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--markdown", "as_markdown", is_flag=True, help="print a Markdown report (for a pull-request comment)")
 @click.option("--git-repo", type=click.Path(), help=GIT_REPO_HELP)
-def check(run_id: str, dsn: str | None, window_days: float, min_runs: int, as_json: bool, as_markdown: bool,
-          git_repo: str | None) -> None:
+def check(run_id: str, dsn: str | None, config_path: str | None, window_days: float | None, min_runs: int | None,
+          as_json: bool, as_markdown: bool, git_repo: str | None) -> None:
     """Compare RUN_ID's summary with its job's history (same baseline key and hardware).
 
     Exits 1 when any metric is an OUTLIER, 0 otherwise (insufficient history included: the report
@@ -42,22 +59,19 @@ def check(run_id: str, dsn: str | None, window_days: float, min_runs: int, as_js
 
     from runwatch.detectors.baselines.check import check_run, render_markdown, render_table
     from runwatch.detectors.baselines.compare import BaselineConfig
-    from runwatch.gitlog import GitError, check_repo, commit_range
+    from runwatch.gitlog import GitError, commit_range
     from runwatch.sinks.summaries import RunNotFound, summarize_stored_run
     from runwatch.streams.cli.failure import open_sink
 
     if as_json and as_markdown:
         fail("--json and --markdown exclude each other")
+    base = cli_config(config_path).baseline
+    overrides = {k: v for k, v in (("window_days", window_days), ("min_runs", min_runs)) if v is not None}
     try:
-        config = BaselineConfig(window_days=window_days, min_runs=min_runs)
+        config = BaselineConfig.model_validate({**base.model_dump(), **overrides})
     except ValidationError as exc:
         fail(f"bad option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}")
-    repo = None
-    if git_repo is not None:
-        try:
-            repo = check_repo(git_repo)
-        except GitError as exc:
-            fail(f"--git-repo: {exc}")
+    repo = _repo(git_repo)
     sink = open_sink(dsn)
     try:
         run = sink.run_summary(run_id)
@@ -68,7 +82,8 @@ def check(run_id: str, dsn: str | None, window_days: float, min_runs: int, as_js
                 fail(f"unknown run {run_id!r}: no summary and no telemetry in ClickHouse at {sink.dsn}")
         candidates = []
         if run.baseline_key is not None and run.started_at is not None:
-            candidates = sink.baseline_candidates(run.baseline_key, run.fingerprint, run.started_at, window_days)
+            candidates = sink.baseline_candidates(run.baseline_key, run.fingerprint, run.started_at,
+                                                  config.window_days)
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - ClickHouse failing mid-way
@@ -101,22 +116,18 @@ def check(run_id: str, dsn: str | None, window_days: float, min_runs: int, as_js
               help="the permutation test's significance level")
 @click.option("--seed", type=int, default=0, show_default=True, help="the permutations' seed (a scan is reproducible)")
 @click.option("--git-repo", type=click.Path(), help="fill in commit times and subjects from this clone")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help=CONFIG_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], dsn: str | None, max_pvalue: float,
-         seed: int, git_repo: str | None, as_json: bool) -> None:
+         seed: int, git_repo: str | None, config_path: str | None, as_json: bool) -> None:
     """List the change points of each metric over a job's history (E-divisive means), each with the
     first run and commit at the new level. Runs on other hardware and before a declared new
     baseline are separate histories."""
     from runwatch.detectors.baselines.changepoints import scan_history
-    from runwatch.gitlog import GitError, check_repo, commit_info
+    from runwatch.gitlog import commit_info
     from runwatch.streams.cli.failure import open_sink
 
-    repo = None
-    if git_repo is not None:
-        try:
-            repo = check_repo(git_repo)
-        except GitError as exc:
-            fail(f"--git-repo: {exc}")
+    repo = _repo(git_repo)
     sink = open_sink(dsn)
     try:
         summaries = sink.summaries_for_key(baseline_key, fingerprint)
@@ -126,7 +137,8 @@ def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], d
         sink.close()
     if not summaries:
         fail(f"no run summaries for baseline key {baseline_key!r}" + (f" on {fingerprint}" if fingerprint else ""))
-    changes = scan_history(summaries, metrics=metrics or None, max_pvalue=max_pvalue, seed=seed)
+    changes = scan_history(summaries, cli_config(config_path).baseline, metrics=metrics or None,
+                           max_pvalue=max_pvalue, seed=seed)
     rows = []
     for c in changes:
         row: dict[str, Any] = {

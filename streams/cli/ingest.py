@@ -3,6 +3,7 @@ their run summaries."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import click
@@ -10,6 +11,7 @@ import click
 from runwatch.streams.cli.failure import DSN_HELP, fail
 
 WRITE_CHUNK = 5000  # events per insert
+TELEMETRY_TTL_DAYS = 90  # the telemetry table's TTL (sinks/migrations.py)
 
 
 def recordings(paths: tuple[str, ...]) -> list[Path]:
@@ -72,3 +74,9 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
     finally:
         sink.close()
     click.echo(f"ingested {len(files)} file(s), {len(runs)} run(s) into {sink.dsn}")
+    cutoff = datetime.now(UTC) - timedelta(days=TELEMETRY_TTL_DAYS)
+    expired = sum(1 for events in runs.values() for e in events if e.ts < cutoff)
+    if expired:
+        click.echo(f"note: {expired} event(s) are older than the telemetry table's {TELEMETRY_TTL_DAYS}-day TTL: "
+                   "ClickHouse does not keep them (their runs' summaries were written from the files, so the "
+                   "gate and the scan see them; their per-step bands cannot come from ClickHouse)", err=True)

@@ -17,17 +17,24 @@ from runwatch.streams.cli.signals import run_until_signalled
 @click.option("--batch-size", type=int, default=2000, show_default=True)
 @click.option("--batch-interval", type=float, default=1.0, show_default=True, help="seconds")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers')")
-def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float, config_path: str | None) -> None:
-    """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink)."""
+              help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers'), "
+                   "its `baseline.loss_every` the run summaries' loss_at_step_N")
+@click.option("--died-after", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="seconds without an event after which a run with no run_end is summarised as died")
+def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float, config_path: str | None,
+         died_after: float) -> None:
+    """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
+    write each run's summary (run_summaries) when it ends or dies."""
     from runwatch.sinks import ClickHouseSink, SinkConsumer
 
-    limits = cli_config(config_path).limits
+    config = cli_config(config_path)
+    limits = config.limits
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = ClickHouseSink(dsn)
     applied = store.migrate()
     click.echo(f"ClickHouse {store.dsn}: schema v{store.schema_version()} (applied now: {applied or 'none'})")
-    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits)
+    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
+                            died_after_s=died_after, summary_loss_every=config.baseline.loss_every)
     run_until_signalled(consumer, store)
     stats = consumer.stats
     click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "

@@ -121,6 +121,15 @@ def test_ingest_then_the_gate_passes_a_normal_run_fails_a_slower_one_and_names_t
     assert later.exit_code == 1, later.output
     assert "🔴 OUTLIER" in later.output and "slower data loader" in later.output
 
+    # a tolerance from the config's baseline section (as `runwatch calibrate` writes it): +20% is within 50%
+    tolerant = history["recordings"].parent / "tolerances.yaml"
+    tolerant.write_text("baseline:\n  min_change:\n    step_time_median_s: 0.5\n    step_time_p95_s: 0.5\n"
+                        "    training_time_s: 0.5\n")
+    within = invoke("baseline", "check", runs[8], "--dsn", chdb_dsn, "--config", str(tolerant), "--json")
+    assert within.exit_code == 0, within.output
+    assert next(c for c in json.loads(within.output)["comparisons"]
+                if c["metric"] == "step_time_median_s")["verdict"] == "normal"
+
     few = invoke("baseline", "check", runs[2], "--dsn", chdb_dsn)
     assert few.exit_code == 0 and "insufficient history (2 run(s)" in few.output
 
