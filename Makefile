@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.runwatch-installed
 
-.PHONY: setup clients demo test test-fast lint bench clean
+.PHONY: setup clients browser demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[embedded,dev,lightning,hf]"
+	# grafana-client's niquests needs urllib3-future; built from source with URLLIB3_NO_OVERRIDE=1 it sits beside
+	# urllib3 instead of overwriting it (its wheel replaces urllib3 environment-wide, under clickhouse-connect).
+	URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install --quiet --no-binary urllib3-future "urllib3-future>=2.12,<3" urllib3
+	$(PY) -m pip install --quiet -e ".[embedded,dev,lightning,hf,grafana]"
 	touch $(STAMP)
 
 # Non-Python clients for tests/integration/test_non_python_client.py, which runs the examples of
@@ -44,12 +47,17 @@ $(CLIENTS_STAMP):
 	  echo "runwatch: no npm, so no kafkajs: the non-Python client test cannot run" >&2; \
 	fi
 
+# Headless Chromium for tests/integration/test_report.py, which opens `runwatch report`'s HTML in a real
+# browser: Debian's chromium, installed with apt-get when missing and we are root; otherwise a message.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { $(call apt_install,chromium); }
+
 demo: setup
 	$(VENV)/bin/runwatch demo --scenario nan
 
 # The type check first: strict for detectors/ and the wire package (pyproject's [tool.mypy]). mypy cannot
 # follow package-dir's mapping (detectors/ is runwatch.detectors), so it reads a tree of links named as installed.
-test: setup clients
+test: setup clients browser
 	@rm -rf .runwatch/typecheck && mkdir -p .runwatch/typecheck/runwatch && \
 	  for p in runwatch/* detectors producer streams sinks; do ln -s ../../../$$p .runwatch/typecheck/runwatch/; done
 	$(VENV)/bin/mypy -p runwatch.detectors -p runwatch.producer.wire

@@ -1,6 +1,6 @@
 """The ``runwatch`` command line: broker, worker, sink, remediate, demo, scenarios, config, replay, evaluate,
-calibrate, ingest, baseline; each command group in its own module, imported lazily inside the command (the CLI
-starts fast)."""
+calibrate, ingest, baseline, report; each command group in its own module, imported lazily inside the command
+(the CLI starts fast)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from runwatch.streams.cli import (
     broker,
     config,
     demo,
+    grafana,
     ingest,
     offline,
     remediate,
+    report,
     scenarios,
     sink,
     worker,
@@ -26,7 +28,8 @@ def main() -> None:
 
 
 for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,
-                config.config, offline.replay, offline.evaluate, offline.calibrate, ingest.ingest, baseline.baseline):
+                config.config, offline.replay, offline.evaluate, offline.calibrate, ingest.ingest, baseline.baseline,
+                report.report, grafana.grafana):
     main.add_command(command)
 
 

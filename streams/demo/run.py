@@ -22,6 +22,7 @@ from typing import Any
 
 from runwatch.producer import ActionListener, AppliedAction, RunWatch, topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
+from runwatch.sinks.report import write_report
 from runwatch.streams.demo.training import TrainingConfig, default_fault_step, train
 from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
 from runwatch.streams.local.netcut import NetCut
@@ -33,6 +34,7 @@ from runwatch.streams.scenarios.training import run_scenario
 from runwatch.streams.worker.app import DETECT_GROUP
 
 STATE_DIR = Path(".runwatch")
+REPORTS_DIR = STATE_DIR / "reports"
 
 
 class DemoError(RuntimeError):
@@ -210,6 +212,9 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         counts = sink.run_counts(run_id)
         anomalies = sink.run_anomalies(run_id)
         actions = sink.run_actions(run_id)
+        # the report is made here: this process holds the embedded ClickHouse path
+        report_path = write_report(sink, run_id, REPORTS_DIR / f"report-{run_id}.html").path
+        log(f"report written to {report_path}")
 
     return {
         "run_id": run_id,
@@ -228,6 +233,7 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         "actions_ignored_by_trainer": dict(listener.ignored),
         "clickhouse": {**counts, "telemetry_rows": counts["telemetry"]},
         "clickhouse_dsn": sink.dsn,
+        "report": str(report_path),
         "events_published": stats.published,
         "events_dropped": stats.dropped,
         "spool": {

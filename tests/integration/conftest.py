@@ -104,3 +104,22 @@ def publish_actions(bootstrap: str, actions: list) -> None:
         producer.send(topics.ACTIONS, key=a.run_id.encode(), value=a.to_json())
     producer.flush(timeout=30)
     producer.close(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def nan_demo_run(broker, secret, chdb_dsn, tmp_path_factory) -> dict:
+    """One `nan` demo run through the whole real pipeline, stored in the session's ClickHouse
+    (``chdb_dsn``): real torch training on the session broker, a worker of the default group and
+    config signing with the session ``secret`` (so it may share partitions with the session
+    ``worker``), the sink in this process. The NaN is found, rolled back once and the run completes.
+    Returns ``run_demo``'s report (run_id, fault_step, anomalies, actions, rollbacks, ...)."""
+    from runwatch.streams.demo.run import DemoOptions, run_demo
+
+    folder = tmp_path_factory.mktemp("nan-demo")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)  # the demo keeps logs and checkpoints under ./.runwatch
+        mp.setenv(topics.SECRET_ENV, secret)
+        report = run_demo(DemoOptions(scenario="nan", steps=160, bootstrap=broker.bootstrap, dsn=chdb_dsn,
+                                      timeout_s=120))
+    assert len(report["rollbacks"]) == 1 and report["steps_completed"] == 160, report
+    return report

@@ -31,6 +31,7 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(tmp_path):
     code = (
         "import runwatch, runwatch.producer, runwatch.detectors, runwatch.streams, runwatch.sinks;"
         "import runwatch.streams.cli, runwatch.sinks.clickhouse, runwatch.detectors.spike;"
+        "import runwatch.detectors.baselines.check, runwatch.sinks.grafana.panels, runwatch.sinks.report;"
         "print(runwatch.producer.__file__)"
     )
     out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
