@@ -56,4 +56,4 @@ class DemoConsole:
         out.print(f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies {ch['anomalies']}, "
                   f"actions {ch['actions']}, dead letters {ch['deadletter']}; "
                   f"events published {report['events_published']}, dropped {report['events_dropped']}")
-        out.print(f"report: {report['report']}")
+        out.print(f"report: {report['report'] or 'not written (see the log above)'}")

@@ -213,8 +213,12 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         anomalies = sink.run_anomalies(run_id)
         actions = sink.run_actions(run_id)
         # the report is made here: this process holds the embedded ClickHouse path
-        report_path = write_report(sink, run_id, REPORTS_DIR / f"report-{run_id}.html").path
-        log(f"report written to {report_path}")
+        report_path: Path | None = None
+        try:
+            report_path = write_report(sink, run_id, REPORTS_DIR / f"report-{run_id}.html").path
+            log(f"report written to {report_path}")
+        except Exception as exc:  # noqa: BLE001 - the run and its results stand without the report
+            log(f"the report could not be written: {type(exc).__name__}: {exc}")
 
     return {
         "run_id": run_id,
@@ -233,7 +237,7 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         "actions_ignored_by_trainer": dict(listener.ignored),
         "clickhouse": {**counts, "telemetry_rows": counts["telemetry"]},
         "clickhouse_dsn": sink.dsn,
-        "report": str(report_path),
+        "report": None if report_path is None else str(report_path),
         "events_published": stats.published,
         "events_dropped": stats.dropped,
         "spool": {
