@@ -9,7 +9,13 @@ ANOMALIES = "runwatch.anomalies"
 ACTIONS = "runwatch.actions"
 DEADLETTER = "runwatch.deadletter"
 JOINED = "runwatch.joined"  # per-step cross-rank joins, for ClickHouse/Grafana
-ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)
+ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)  # what the sink stores
+# The workers' per-run state snapshots (streams/worker/state.py): compacted, keyed by run id, and
+# partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry comes from).
+STATE = "runwatch.state"
+STATE_MAX_BYTES = 16 * 1024 * 1024  # a snapshot is one record: a large multi-rank run's can be megabytes
+STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STATE_MAX_BYTES)}
+CREATED_TOPICS = (*ALL_TOPICS, STATE)  # what `runwatch broker` / ensure_topics create
 
 DEFAULT_PARTITIONS = 4
 

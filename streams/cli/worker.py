@@ -29,21 +29,63 @@ from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
               help="ClickHouse DSN each run's history is loaded from at its start: the per-step band of the "
                    "baseline_trajectory detector, and the summaries its end is checked against (an outlier "
                    "alert); an on-disk chdb path must be one no other process holds")
+@click.option("--no-state", is_flag=True,
+              help="keep runs' state in memory only: a restart or a rebalance re-warms the moved runs' detectors")
+@click.option("--snapshot-every-events", type=int, default=1000, show_default=True,
+              help="snapshot a run's state after this many of its events")
+@click.option("--snapshot-interval", type=float, default=5.0, show_default=True,
+              help="seconds between checkpoints (every changed run's state; events are committed after one)")
+@click.option("--state-retention", type=float, default=3600.0, show_default=True,
+              help="seconds an ended run's marker stays in runwatch.state before it is deleted")
 @click.option("--loglevel", default="WARNING", show_default=True)
 def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str, detector_timeout: float,
            delivery_timeout: float, ready_file: str | None, group: str, baseline_dsn: str | None,
+           no_state: bool, snapshot_every_events: int, snapshot_interval: float, state_retention: float,
            loglevel: str) -> None:
     """Run the Faust detection worker."""
+    from pydantic import ValidationError
+
     from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.streams.worker.app import create_app, run_worker
+    from runwatch.streams.worker.run_states import StateOptions
 
     config = cli_config(config_path)
     try:
         secret = resolve_secret()
     except MissingSecretError as exc:
         raise click.ClickException(str(exc)) from None
+    try:
+        state = StateOptions(enabled=not no_state, every_events=snapshot_every_events,
+                             interval_s=snapshot_interval, retention_s=state_retention)
+    except ValidationError as exc:
+        raise click.ClickException(f"bad snapshot option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    if state.enabled:
+        _check_state_topic(bootstrap)
     app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port or None, web_host=web_host,
                         ready_file=Path(ready_file) if ready_file else None, detector_timeout_s=detector_timeout,
-                        delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn)
+                        delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn, state=state)
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
+
+
+def _check_state_topic(bootstrap: str) -> None:
+    """runwatch.state must exist with the telemetry topic's partition count: a run's snapshot goes to
+    the partition number its telemetry comes from, and is read back when that partition is assigned."""
+    from runwatch.streams.worker.state_reader import StateReader
+
+    reader = StateReader(bootstrap, timeout_s=15.0)
+    try:
+        state = reader.partition_count()
+        reader.topic = topics.TELEMETRY
+        telemetry = reader.partition_count()
+    finally:
+        reader.close()
+    if state is None:
+        raise click.ClickException(
+            f"the topic {topics.STATE} does not exist on {bootstrap}: create it compacted (cleanup.policy=compact) "
+            f"with as many partitions as {topics.TELEMETRY} (`runwatch broker --bootstrap ...` creates it; "
+            "deploy/ lists it), or run with --no-state")
+    if telemetry is not None and state != telemetry:
+        raise click.ClickException(
+            f"{topics.STATE} has {state} partitions and {topics.TELEMETRY} {telemetry}: they must be equal (a run's "
+            "snapshot goes to the partition number of its telemetry)")

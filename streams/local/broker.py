@@ -119,10 +119,11 @@ def ensure_topics(bootstrap: str, partitions: int = topics.DEFAULT_PARTITIONS, t
             )
             try:
                 existing = set(admin.list_topics())
-                missing = [t for t in topics.ALL_TOPICS if t not in existing]
+                missing = [t for t in topics.CREATED_TOPICS if t not in existing]
                 if missing:
                     try:
-                        admin.create_topics([NewTopic(t, partitions, 1) for t in missing])
+                        admin.create_topics([NewTopic(t, partitions, 1, topic_configs=_topic_config(t))
+                                             for t in missing])
                     except TopicAlreadyExistsError:
                         pass
                 return missing
@@ -132,6 +133,10 @@ def ensure_topics(bootstrap: str, partitions: int = topics.DEFAULT_PARTITIONS, t
             last_error = exc
             time.sleep(0.5)
     raise BrokerError(f"could not create topics on {bootstrap}: {last_error!r}")
+
+
+def _topic_config(topic: str) -> dict[str, str]:
+    return dict(topics.STATE_TOPIC_CONFIG) if topic == topics.STATE else {}
 
 
 def committed_offset(bootstrap: str, group_id: str, topic: str, partition: int) -> int:

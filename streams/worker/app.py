@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import faust
 
@@ -25,6 +26,7 @@ from runwatch.streams.worker.detector_process import (
     Outgoing,
 )
 from runwatch.streams.worker.health import CommitSensor, WorkerHealth, serve_health
+from runwatch.streams.worker.run_states import StateOptions
 
 log = logging.getLogger("runwatch.worker")
 
@@ -58,6 +60,7 @@ def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> faust.App:
         topic_allow_declare=False,  # topics are created by `runwatch broker` / ensure_topics
         topic_partitions=topics.DEFAULT_PARTITIONS,
         store="memory://",
+        producer_max_request_size=topics.STATE_MAX_BYTES + (1 << 20),  # a run's snapshot is one record
         web_enabled=False,
         web_port=web_port,
     )
@@ -83,18 +86,22 @@ def create_app(
     detector_timeout_s: float = REPLY_TIMEOUT_S,
     delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
     baseline_dsn: str | None = None,
+    state: StateOptions | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
     delivered. Whatever stops progress (the detector process dies or stops answering, results cannot
     be published) fails the worker: it exits non-zero and its successor reads the events again.
     ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off. ``baseline_dsn``:
-    the ClickHouse the runs' baseline bands are loaded from at their start (streams/worker/baselines.py)."""
+    the ClickHouse the runs' baseline bands are loaded from at their start (streams/worker/baselines.py).
+    ``state``: the runs' state snapshots to ``runwatch.state`` (streams/worker/run_states.py); on by default."""
     app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
-                  for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED)}
-    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s, baseline_dsn=baseline_dsn)
+                  for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)}
+    state = state or StateOptions()
+    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s, baseline_dsn=baseline_dsn,
+                                state_bootstrap=bootstrap if state.enabled else None, state=state, group=app_id)
     health = WorkerHealth(detectors)
     app.sensors.add(CommitSensor(health))
 
@@ -106,55 +113,76 @@ def create_app(
     async def send(records: list[Outgoing]) -> list[asyncio.Future]:
         """Hand the records to the producer in order; returns their delivery futures."""
         try:
-            return [await out_topics[r.topic].send(key=r.key, value=r.value) for r in records]
+            return [await out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
+                    for r in records]
         except Exception as exc:  # noqa: BLE001 - refused before sending (e.g. too large): never acked
             health.publish_failures += 1
             await fail(f"cannot publish results ({len(records)} records): {exc!r}; their events stay "
                        "uncommitted", exc)
             raise
 
+    # One pipeline, in request order: the agent's batches and the timer's ticks go to the detector
+    # process, their records are published, and events are acknowledged once a checkpoint's records
+    # (every run's state as of then: streams/worker/run_states.py) are delivered after them.
+    pipeline: dict[str, Any] = {}
+    in_order = asyncio.Lock()
+
+    async def submit(kind: str, payload: Any, batch: list | None) -> None:
+        async with in_order:  # (the child answers in request order: the queue must hold that order too)
+            await pipeline["inflight"].put((batch, detectors.submit(kind, payload)))
+
     async def acknowledge(stream, delivered: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
         # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
-        # acknowledged every record they produced. The producer retries transient errors itself; what
-        # still fails fails the worker, and the events are read again by its successor.
+        # acknowledged every record they produced, and a checkpoint after them. The producer retries
+        # transient errors itself; what still fails fails the worker, and the events are read again by
+        # its successor.
+        held: list[list] = []
         while True:
-            batch, futures = await delivered.get()
+            batch, futures, checkpoint = await delivered.get()
             try:
                 await asyncio.wait_for(asyncio.gather(*futures), delivery_timeout_s)
             except Exception as exc:  # noqa: BLE001
                 health.publish_failures += 1
-                await fail(f"results of {len(batch)} events were not delivered: {exc!r}; those events stay "
-                           "uncommitted", exc)
-            for event in batch:
-                await stream.ack(event)
-            health.last_ack = time.monotonic()
+                what = f"results of {len(batch)} events" if batch else "timer findings and snapshots"
+                await fail(f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc)
+            if batch:
+                held.append(batch)
+            if checkpoint:
+                for events in held:
+                    for event in events:
+                        await stream.ack(event)
+                held.clear()
+                health.last_ack = time.monotonic()
 
-    async def complete(stream, inflight: asyncio.Queue, delivered: asyncio.Queue) -> None:  # noqa: ANN001
-        # In order: send a batch's records, then hand the batch to the acknowledger, while the next runs.
+    async def complete(inflight: asyncio.Queue, delivered: asyncio.Queue) -> None:
+        # In order: send a request's records, then hand them to the acknowledger, while the next runs.
         while True:
             batch, reply = await inflight.get()
             try:
-                records = (await reply).records
+                answer = await reply
             except DetectorProcessError as exc:
                 await fail(str(exc).splitlines()[0], exc)
-            await delivered.put((batch, await send(records)))
+            await delivered.put((batch, await send(answer.records), answer.checkpoint))
 
     @app.agent(telemetry)
     async def detect(stream):  # noqa: ANN001
         inflight: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
         delivered: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
-        completer = asyncio.ensure_future(complete(stream, inflight, delivered))
+        completer = asyncio.ensure_future(complete(inflight, delivered))
         acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
         await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
+        pipeline["inflight"] = inflight
+        pipeline["tasks"] = (completer, acknowledger)
         try:
             async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
                 raw = [(e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
                        for e in batch]
-                await inflight.put((batch, detectors.submit("events", raw)))
+                await submit("events", raw, batch)
                 for task in (completer, acknowledger):
                     if task.done():
                         task.result()  # the detector process or publishing failed: crash with its error
         finally:
+            pipeline.clear()
             completer.cancel()
             acknowledger.cancel()
 
@@ -162,7 +190,9 @@ def create_app(
     async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
         health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
-        # (the reply also says the detector process is up: only then is the worker ready)
+        # Drops the runs moved away and restores those of new partitions (before any of their events:
+        # the child handles requests in order). The reply also says the detector process is up: only
+        # then is the worker ready.
         try:
             reply = await detectors.submit("keep_partitions", owned)
         except DetectorProcessError as exc:
@@ -174,17 +204,10 @@ def create_app(
 
     @app.timer(TICK_EVERY_S)  # as `runwatch replay --tick` does on event time
     async def tick() -> None:
-        # Stalled or silent ranks are found by time passing, not by an event arriving.
-        try:
-            records = (await detectors.submit("tick")).records
-        except DetectorProcessError as exc:
-            await fail(str(exc).splitlines()[0], exc)
-        if records:
-            try:
-                await asyncio.wait_for(asyncio.gather(*await send(records)), delivery_timeout_s)
-            except Exception as exc:  # noqa: BLE001
-                health.publish_failures += 1
-                await fail(f"timer findings were not delivered: {exc!r}", exc)
+        # Stalled or silent ranks are found by time passing, not by an event arriving. During a
+        # rebalance the tick asks for a checkpoint at once: the revoke waits for every event's ack.
+        if "inflight" in pipeline:
+            await submit("tick", bool(app.rebalancing), None)
 
     @app.timer(30.0)
     async def report_counters() -> None:

@@ -29,7 +29,8 @@ from typing import Any
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
-from runwatch.streams.worker.processor import ProcessResult, TelemetryProcessor, WorkerCounters
+from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor, WorkerCounters
+from runwatch.streams.worker.run_states import StateOptions
 
 log = logging.getLogger("runwatch.worker")
 
@@ -50,7 +51,8 @@ class Outgoing:
 
     topic: str
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone (runwatch.state only)
+    partition: int | None = None  # None: by key; state records go to their run's telemetry partition number
 
 
 @dataclass
@@ -58,6 +60,9 @@ class Reply:
     records: list[Outgoing] = field(default_factory=list)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     dropped_runs: list[str] = field(default_factory=list)  # for a `keep_partitions` request
+    # Every event handled before this reply is in a snapshot once its records are delivered (run_states.py):
+    # only then may those events be acknowledged.
+    checkpoint: bool = True
 
 
 RawEvent = tuple[bytes | None, bytes | None, int | None, int | None, float | None]  # value, key, partition, offset, timestamp
@@ -75,6 +80,10 @@ def outgoing(result: ProcessResult, key: bytes | None = None) -> list[Outgoing]:
     return records
 
 
+def state_outgoing(records: list[StateRecord]) -> list[Outgoing]:
+    return [Outgoing(topics.STATE, r.key.encode(), r.value, r.partition) for r in records]
+
+
 def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     """One request, as the child runs it (also usable in-process, e.g. by tests)."""
     reply = Reply()
@@ -87,18 +96,22 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
             if (result.deadletter is not None or result.anomalies or result.actions or result.joined
                     or result.errors):
                 reply.records.extend(outgoing(result, key))
-    elif kind == "tick":
+    elif kind == "tick":  # payload: True during a rebalance (a checkpoint now, so the revoke is quick)
         reply.records = outgoing(processor.tick())
     elif kind == "keep_partitions":
         reply.dropped_runs = processor.keep_partitions(payload)
     else:
         raise ValueError(f"unknown request {kind!r}")
+    if kind != "keep_partitions":
+        state, reply.checkpoint = processor.take_snapshots(force_checkpoint=kind == "tick" and bool(payload))
+        reply.records.extend(state_outgoing(state))
     reply.counters = processor.counters
     return reply
 
 
 def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int,
-           baseline_dsn: str | None = None) -> None:
+           baseline_dsn: str | None = None, state_bootstrap: str | None = None,
+           state_json: str | None = None, group: str = topics.DETECT_GROUP) -> None:
     """The child's loop: one request at a time, answered in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
@@ -113,7 +126,14 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
         else:
             log.info("no baseline DSN (--baseline-dsn): runs are not compared with their history (no "
                      "baseline_trajectory band, no outlier check at their end)")
-        processor = TelemetryProcessor(config, secret, baselines=baselines)
+        state = StateOptions.model_validate_json(state_json) if state_json else StateOptions(enabled=False)
+        reader = None
+        if state_bootstrap and state.enabled:
+            from runwatch.streams.worker.state_reader import StateReader
+
+            reader = StateReader(state_bootstrap)
+        processor = TelemetryProcessor(config, secret, baselines=baselines, state_reader=reader, state=state,
+                                       group=group)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
         replies.put(("error", traceback.format_exc()))
         return
@@ -138,14 +158,18 @@ class DetectorProcess:
     """The parent's handle: ``submit`` returns a future for the reply; ``close`` stops the child."""
 
     def __init__(self, config: RunwatchConfig, secret: bytes, reply_timeout_s: float = REPLY_TIMEOUT_S,
-                 baseline_dsn: str | None = None):
+                 baseline_dsn: str | None = None, state_bootstrap: str | None = None,
+                 state: StateOptions | None = None, group: str = topics.DETECT_GROUP):
+        """``state_bootstrap``: the broker whose ``runwatch.state`` the runs' snapshots are read back
+        from (None: no durable state); ``state``: when snapshots are taken."""
         self.reply_timeout_s = reply_timeout_s
         ctx = multiprocessing.get_context("spawn")  # (fork is unsafe once Faust's threads run)
         self._requests = ctx.Queue()
         self._replies = ctx.Queue()
         self._process = ctx.Process(
             target=_serve, name="runwatch-detectors", daemon=True,
-            args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid(), baseline_dsn),
+            args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid(), baseline_dsn,
+                  state_bootstrap, (state or StateOptions()).model_dump_json(), group),
         )
         self._pending: deque[asyncio.Future] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request

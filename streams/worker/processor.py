@@ -1,7 +1,9 @@
 """The worker's per-message logic, free of Faust so tests can drive it directly.
 
 Bytes in; dead letters, anomalies and signed actions out. Per-run state is a
-``RunMonitor`` per run id; the run's partition owns it (key = run_id).
+``RunMonitor`` per run id; the run's partition owns it (key = run_id). With a state reader,
+each run's state is also snapshotted to ``runwatch.state`` (``run_states.py`` says when,
+``state.py`` how) and restored when this worker is given the run's partition.
 """
 
 from __future__ import annotations
@@ -32,11 +34,39 @@ from runwatch.producer.schema import (
     utc_now,
 )
 from runwatch.producer.signing import sign_action
+from runwatch.streams.worker.run_states import RunStates, StateOptions
+from runwatch.streams.worker.state import (
+    SnapshotError,
+    SnapshotHeader,
+    config_digest,
+    decode_body,
+    decode_header,
+    encode_snapshot,
+)
 
 if TYPE_CHECKING:
     from runwatch.streams.worker.baselines import BaselineLoader
+    from runwatch.streams.worker.state_reader import StateReader
 
 log = logging.getLogger("runwatch.worker")
+
+
+@dataclass
+class RunState:
+    """What a run's snapshot holds: its monitor, and (its newest event time, when that arrived)."""
+
+    monitor: RunMonitor
+    last_seen: tuple[datetime, datetime] | None
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """One record for ``runwatch.state``: a snapshot or marker (``value``), or a tombstone (None). ``key``:
+    the consumer group, a slash, the run id (two deployments in two groups keep their own state)."""
+
+    key: str
+    partition: int
+    value: bytes | None
 
 
 @dataclass
@@ -57,6 +87,12 @@ class WorkerCounters:
     detector_errors: int = 0  # events or ticks whose handling raised: the run's state was reset
     runs: int = 0  # runs held now
     tick_deferred: int = 0  # runs whose tick was left to the next one (the tick's time budget ran out)
+    snapshots: int = 0  # run snapshots written (markers and tombstones not counted)
+    snapshot_bytes: int = 0
+    snapshot_failures: int = 0  # not written (state that does not pickle, or over the record limit)
+    restored_runs: int = 0  # runs restored from a snapshot when their partition was assigned
+    restore_failures: int = 0  # unreadable state records: those runs started fresh
+    replay_skipped: int = 0  # events read again that a restored snapshot already included
 
 
 # A tick judges runs until this much wall time has passed, then leaves the rest to the next tick
@@ -66,7 +102,12 @@ TICK_BUDGET_S = 0.1
 
 class TelemetryProcessor:
     def __init__(self, config: RunwatchConfig, secret: bytes, clock: Callable[[], datetime] = utc_now,
-                 perf_clock: Callable[[], float] = time.perf_counter, baselines: BaselineLoader | None = None):
+                 perf_clock: Callable[[], float] = time.perf_counter, baselines: BaselineLoader | None = None,
+                 state_reader: StateReader | None = None, state: StateOptions | None = None,
+                 group: str = topics.DETECT_GROUP):
+        """``state_reader``: where runs' snapshots are read back from (None: no durable state; every
+        request is then its own checkpoint). ``state``: when snapshots are taken. ``group``: the
+        workers' consumer group, whose snapshots these are."""
         self.config = config
         self.baselines = baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
         self._secret = secret
@@ -79,6 +120,12 @@ class TelemetryProcessor:
         # After run_end a multi-rank run is kept this long for its other ranks' last steps.
         self._linger = timedelta(seconds=config.join.timeout_s)
         self.counters = WorkerCounters()
+        options = state or StateOptions()
+        self._reader = state_reader if options.enabled else None
+        self.states = RunStates(options, clock, perf_clock) if self._reader is not None else None
+        self._config_sha = config_digest(config.model_dump_json())
+        self._loaded: set[int] = set()  # telemetry partitions whose runs' state was read back
+        self._state_prefix = f"{group}/"
 
     def process(
         self,
@@ -96,20 +143,27 @@ class TelemetryProcessor:
         except SchemaError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(exc.reason, raw, key, partition, offset))
-        self.counters.processed += 1
         run_id = event.run_id
+        if self.states is not None:
+            if partition is not None:
+                self.load_partitions({partition})
+            if self.states.already_seen(run_id, partition, offset):
+                self.counters.replay_skipped += 1
+                return ProcessResult()
+        self.counters.processed += 1
         try:
-            return self._observe(event, received, partition)
+            return self._observe(event, received, partition, offset)
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
 
-    def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None) -> ProcessResult:
+    def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None,
+                 offset: int | None = None) -> ProcessResult:
         run_id = event.run_id
         monitor = self.monitors.get(run_id)
         flushed = None
         if monitor is not None and monitor.ended_at is not None and isinstance(event, RunStartEvent):
             flushed = monitor.finish()  # the run starts again under its id (a resumed job): a new monitor
-            self._forget(run_id)
+            self._forget(run_id, "restarted")
             monitor = None
         if monitor is None:
             monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
@@ -130,22 +184,29 @@ class TelemetryProcessor:
         if partition is not None:
             self._partition[run_id] = partition
         result = self._result(out)
+        if self.states is not None:
+            self.states.observed(run_id, partition, offset, emitted=bool(result.anomalies or result.actions))
         if monitor.ended_at is not None and monitor.join.world_size <= 1:
-            self._forget(run_id)  # nobody else's steps to wait for
+            self._forget(run_id, "ended")  # nobody else's steps to wait for
         return result
 
-    def _forget(self, run_id: str) -> None:
+    def _forget(self, run_id: str, why: str) -> None:
+        """Let the run go: it ``ended``, was ``reset`` (a detector error), ``moved`` to another worker,
+        or ``restarted`` under its id. What its snapshot becomes follows (run_states.py)."""
         self.monitors.pop(run_id, None)
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
         # (_tick_order drops it lazily)
+        if self.states is not None:
+            {"ended": self.states.ended_run, "reset": self.states.dropped,
+             "moved": self.states.moved, "restarted": self.states.moved}[why](run_id)
 
     def _reset_run(self, run_id: str, exc: BaseException, raw: bytes | None, key: bytes | None,
                    partition: int | None, offset: int | None) -> ProcessResult:
         """A detector raised: drop the run's state (its detectors re-warm from the next event) and
         dead-letter a ``detector_error`` with the traceback; every other run goes on."""
         self.counters.detector_errors += 1
-        self._forget(run_id)
+        self._forget(run_id, "reset")
         trace = traceback.format_exc()
         log.error("detector error on run %s (its state is reset): %r", run_id, exc)
         letter = DeadLetter.for_message(
@@ -159,8 +220,98 @@ class TelemetryProcessor:
         owner rebuilds them), so timers only ever judge runs this worker holds. Returns them."""
         dropped = [run for run, p in self._partition.items() if p not in partitions]
         for run in dropped:
-            self._forget(run)
+            self._forget(run, "moved")
+        if self.states is not None:
+            self.states.moved_partitions(partitions)
+            self._loaded &= partitions
+            self.load_partitions(partitions)  # (now, so that a silent restored run is still judged by the timer)
         return dropped
+
+    # -- durable state ---------------------------------------------------------------------------
+
+    def load_partitions(self, partitions: set[int]) -> None:
+        """Restore the runs of telemetry ``partitions`` not read back yet, before any of their events
+        is handled. An unreadable record is logged and its run starts fresh."""
+        new = partitions - self._loaded
+        if not new or self._reader is None or self.states is None:
+            return
+        self._loaded |= new
+        started = self._perf()
+        restored = 0
+        for key, raw in self._reader.read(new).items():
+            if not key.startswith(self._state_prefix):
+                continue  # another group's
+            run_id = key[len(self._state_prefix):]
+            if raw is None or run_id in self.monitors:
+                continue  # a tombstone; or a run already live here (its state is newer than any record)
+            try:
+                header, body = decode_header(raw, self._secret)
+                if header.run_id != run_id:
+                    raise SnapshotError(f"a state record of run {header.run_id!r} under the key of {run_id!r}")
+                if header.partition not in new:
+                    continue
+                if header.config_sha != self._config_sha:
+                    log.warning("run %s: its snapshot was taken under another detector config: it starts fresh",
+                                run_id)
+                    continue
+                if header.ended_at is not None:
+                    self.states.restored_marker(run_id, header.partition, header.ended_at)
+                    continue
+                state = decode_body(body)
+                if not isinstance(state, RunState) or not isinstance(state.monitor, RunMonitor):
+                    raise SnapshotError(f"a state record holding {type(state).__name__}, not a run's state")
+            except SnapshotError as exc:
+                self.counters.restore_failures += 1
+                log.error("run %s: its state record cannot be read (%s): the run starts fresh", run_id, exc)
+                continue
+            self.monitors[run_id] = state.monitor
+            self._tick_order.append(run_id)
+            self._partition[run_id] = header.partition
+            if state.last_seen is not None:
+                self._last_seen[run_id] = state.last_seen
+            self.states.restored(run_id, header.partition, header.offset)
+            restored += 1
+        self.counters.restored_runs += restored
+        self.counters.runs = len(self.monitors)
+        log.info("restored %d run(s) of telemetry partition(s) %s in %.3f s", restored, sorted(new),
+                 self._perf() - started)
+
+    def take_snapshots(self, force_checkpoint: bool = False) -> tuple[list[StateRecord], bool]:
+        """The state records due now, and whether they make a checkpoint (see run_states.py). Without
+        durable state nothing is written and every request is a checkpoint."""
+        if self.states is None:
+            return [], True
+        due = self.states.due(force_checkpoint)
+        now = self._clock()
+        records = []
+        for run_id in due.runs:
+            run, monitor = self.states.runs[run_id], self.monitors.get(run_id)
+            if monitor is None or run.partition is None:
+                continue
+            header = SnapshotHeader(run_id=run_id, partition=run.partition, offset=run.last_offset,
+                                    events=monitor.events_seen, taken_at=now, config_sha=self._config_sha)
+            try:
+                value = encode_snapshot(header, RunState(monitor, self._last_seen.get(run_id)), self._secret)
+            except Exception as exc:  # noqa: BLE001 - a detector whose state does not pickle: no snapshot
+                self.counters.snapshot_failures += 1
+                log.error("run %s: its state was not snapshotted: %r", run_id, exc)
+                continue
+            if len(value) > topics.STATE_MAX_BYTES:
+                self.counters.snapshot_failures += 1
+                log.error("run %s: its snapshot is %d bytes, over the %d-byte record limit: not written (a new "
+                          "owner would re-warm it)", run_id, len(value), topics.STATE_MAX_BYTES)
+                continue
+            records.append(StateRecord(self._state_prefix + run_id, run.partition, value))
+            self.states.written(run_id)
+            self.counters.snapshots += 1
+            self.counters.snapshot_bytes += len(value)
+        for run_id, partition, ended_at in due.markers:
+            header = SnapshotHeader(run_id=run_id, partition=partition, offset=-1, events=0, taken_at=now,
+                                    ended_at=ended_at, config_sha=self._config_sha)
+            records.append(StateRecord(self._state_prefix + run_id, partition,
+                                       encode_snapshot(header, None, self._secret)))
+        records.extend(StateRecord(self._state_prefix + run_id, partition, None) for run_id, partition in due.tombstones)
+        return records, due.checkpoint
 
     def tick(self, now: datetime | None = None) -> ProcessResult:
         """Time-based checks (stalled or silent ranks) for the runs this worker holds.
@@ -192,9 +343,11 @@ class TelemetryProcessor:
                 if monitor.ended_at is not None and run_now - monitor.ended_at > self._linger:
                     # run_end came a join timeout ago: whatever ranks still owe is not coming
                     part = self._result(monitor.finish())
-                    self._forget(run_id)
+                    self._forget(run_id, "ended")
                 else:
                     part = self._result(monitor.tick(run_now))
+                    if self.states is not None and (part.anomalies or part.actions):
+                        self.states.emitted(run_id)
             except Exception as exc:  # noqa: BLE001
                 result.errors.extend(self._reset_run(run_id, exc, None, None, self._partition.get(run_id), None).errors)
                 continue

@@ -1,0 +1,103 @@
+"""A run's state as one record of the compacted ``runwatch.state`` topic: the codec.
+
+A snapshot is everything the worker holds for a run (its ``RunMonitor``: every detector, the join,
+the policy with its rollback count and episodes; and when its last event arrived), pickled and
+compressed, behind a small JSON header that says which run it is and the offset of the last
+telemetry event it includes. The record's key is the run id, so compaction keeps each run's newest
+snapshot; a tombstone (no value) deletes a run that ended a retention period ago.
+
+Why a topic of our own and not a Faust table: Faust's changelog recovery has open bugs on exactly
+what a long-lived compacted changelog looks like (faust-streaming #176: recovery waits for offsets
+that compaction removed; #597: an empty changelog partition stalls recovery; #651: retention moving
+the log start during a long recovery). Restoring here is a plain read of a partition from its first
+to its end offset as they are when the read starts (``state_reader.py``): gaps, an empty partition
+and a moving log start are all just ends of that loop.
+
+Layout: ``MAGIC`` (4 bytes), an HMAC-SHA256 of the rest under the action secret (32 bytes), header
+length (4 bytes, big-endian), the header (JSON), then the body (zlib-compressed pickle). Unpickling
+runs code, so only a record signed with the workers' secret is unpickled: anyone who can write the
+topic but lacks the secret gets their record refused. A record that does not decode raises
+``SnapshotError``: the worker logs it and the run starts fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pickle
+import struct
+import zlib
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+MAGIC = b"RWS1"
+FORMAT = 1
+_LENGTH = struct.Struct(">I")
+
+
+class SnapshotError(ValueError):
+    """A state record that cannot be read."""
+
+
+class SnapshotHeader(BaseModel):
+    """What a snapshot is of. ``offset``: the telemetry offset (in ``partition``) of the last event it
+    includes, -1 when none; events at or below it are skipped when the run is restored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    format: int = FORMAT
+    run_id: str
+    partition: int
+    offset: int
+    events: int  # events the run had seen when it was taken
+    taken_at: datetime
+    ended_at: datetime | None = None  # set on the marker of an ended run (no body): kept until retention ends it
+    config_sha: str  # the detector config it was taken under: another config starts the run fresh
+
+
+def config_digest(config_json: str) -> str:
+    return hashlib.sha256(config_json.encode()).hexdigest()[:16]
+
+
+_MAC = 32
+
+
+def encode_snapshot(header: SnapshotHeader, state: Any, secret: bytes, level: int = 1) -> bytes:
+    """The record value. ``state`` None: a marker with no body (an ended run)."""
+    head = header.model_dump_json().encode()
+    body = b"" if state is None else zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), level)
+    signed = _LENGTH.pack(len(head)) + head + body
+    return MAGIC + hmac.digest(secret, signed, "sha256") + signed
+
+
+def decode_header(raw: bytes, secret: bytes) -> tuple[SnapshotHeader, memoryview]:
+    """The header, and the body still compressed (restoring a run it is not kept for costs nothing)."""
+    view = memoryview(raw)
+    start = 4 + _MAC
+    if len(raw) < start + 4 or bytes(view[:4]) != MAGIC:
+        raise SnapshotError("not a runwatch state record (bad magic)")
+    if not hmac.compare_digest(bytes(view[4:start]), hmac.digest(secret, view[start:], "sha256")):
+        raise SnapshotError("a state record not signed with this worker's secret (refused: it would be unpickled)")
+    (length,) = _LENGTH.unpack(view[start:start + 4])
+    head_at = start + 4
+    if head_at + length > len(raw):
+        raise SnapshotError("a truncated state record (its header is cut)")
+    try:
+        header = SnapshotHeader.model_validate_json(bytes(view[head_at:head_at + length]))
+    except ValidationError as exc:
+        raise SnapshotError(f"a state record with an unreadable header: {exc.errors()[0]['msg']}") from exc
+    if header.format != FORMAT:
+        raise SnapshotError(f"a state record of format {header.format} (this worker reads {FORMAT})")
+    return header, view[head_at + length:]
+
+
+def decode_body(body: memoryview) -> Any:
+    """The state a snapshot holds (None for a marker)."""
+    if not len(body):
+        return None
+    try:
+        return pickle.loads(zlib.decompress(body))
+    except Exception as exc:  # noqa: BLE001 - zlib, pickle or a class that changed shape: all unreadable
+        raise SnapshotError(f"a state record whose body cannot be read: {type(exc).__name__}: {exc}") from exc

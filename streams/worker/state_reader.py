@@ -1,0 +1,92 @@
+"""Reading ``runwatch.state`` partitions back: the newest record of every run in them.
+
+A plain read, no consumer group: assign the partitions, note each one's first and end offset as
+they are now, read from the first until the position reaches the end. That one loop covers what a
+compacted topic can look like: offsets with gaps (the position simply jumps them), an empty
+partition (first == end: nothing to read), and a log start that retention moves during the read
+(``auto_offset_reset="earliest"`` puts the position at the new start). Records written after the
+read started are not waited for: they are this worker's own, or come from a worker that no longer
+owns the partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from runwatch.producer import topics
+
+log = logging.getLogger("runwatch.worker")
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class StateReadError(RuntimeError):
+    """The state topic could not be read within the time allowed (the worker fails: a successor retries)."""
+
+
+class StateReader:
+    def __init__(self, bootstrap: str, topic: str = topics.STATE, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.timeout_s = timeout_s
+        self._consumer = None
+
+    def _client(self):  # noqa: ANN202 - kafka-python's KafkaConsumer
+        if self._consumer is None:
+            from kafka import KafkaConsumer
+
+            self._consumer = KafkaConsumer(
+                bootstrap_servers=self.bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=None,
+                enable_auto_commit=False, auto_offset_reset="earliest",
+                max_partition_fetch_bytes=topics.STATE_MAX_BYTES + (1 << 20),
+                fetch_max_bytes=4 * topics.STATE_MAX_BYTES, request_timeout_ms=30_000)
+        return self._consumer
+
+    def partition_count(self) -> int | None:
+        """How many partitions the state topic has (None: it does not exist)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            found = self._client().partitions_for_topic(self.topic)
+            if found:
+                return len(found)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)  # metadata may not have arrived yet
+
+    def read(self, partitions: Iterable[int]) -> dict[str, bytes | None]:
+        """The newest value of every key in ``partitions`` (None: a tombstone), in offset order."""
+        from kafka import TopicPartition
+
+        tps = [TopicPartition(self.topic, p) for p in sorted(set(partitions))]
+        if not tps:
+            return {}
+        consumer = self._client()
+        consumer.assign(tps)
+        first = consumer.beginning_offsets(tps)
+        end = consumer.end_offsets(tps)
+        todo = {tp for tp in tps if end[tp] > first[tp]}  # an empty partition: nothing to wait for
+        for tp in todo:
+            consumer.seek(tp, first[tp])
+        newest: dict[str, bytes | None] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while todo:
+            if time.monotonic() > deadline:
+                raise StateReadError(f"reading {self.topic} partitions {sorted(tp.partition for tp in todo)} took "
+                                     f"over {self.timeout_s:g} s")
+            batches = consumer.poll(timeout_ms=500, max_records=5000)
+            for tp, records in batches.items():
+                for record in records:
+                    if record.offset < end[tp] and record.key is not None:
+                        newest[record.key.decode("utf-8", "replace")] = record.value
+            for tp in list(todo):
+                if consumer.position(tp) >= end[tp]:
+                    todo.discard(tp)
+        consumer.assign([])
+        return newest
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
