@@ -36,14 +36,15 @@ BASE_LR = 0.1  # fault_train.BASE_LR
 class Training:
     """``fault_train.py`` as a child process (killed by pid at the end), and what it published."""
 
-    def __init__(self, bootstrap: str, secret: str, folder: Path, fault: str, steps: int = 300):
+    def __init__(self, bootstrap: str, secret: str, folder: Path, fault: str, steps: int = 300,
+                 step_sleep: float = 0.01):
         self.run_id = f"rb-{uuid.uuid4().hex[:8]}"
         self.bootstrap = bootstrap
         self.folder = folder
         self.log = folder / "train.log"
         env = {**os.environ, topics.SECRET_ENV: secret}
         cmd = [sys.executable, str(SCRIPT), "--bootstrap", bootstrap, "--run-id", self.run_id, "--out", str(folder),
-               "--steps", str(steps), "--fault", fault]
+               "--steps", str(steps), "--fault", fault, "--step-sleep", str(step_sleep)]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
