@@ -3,10 +3,12 @@
 A plain read, no consumer group: assign the partitions, note each one's first and end offset as
 they are now, read from the first until the position reaches the end. That one loop covers what a
 compacted topic can look like: offsets with gaps (the position simply jumps them), an empty
-partition (first == end: nothing to read), and a log start that retention moves during the read
-(``auto_offset_reset="earliest"`` puts the position at the new start). Records written after the
-read started are not waited for: they are this worker's own, or come from a worker that no longer
-owns the partition.
+partition (first == end: nothing to read), a log start that retention moves during the read
+(``auto_offset_reset="earliest"`` puts the position at the new start), and a tail the cleaner
+emptied (tombstones removed after ``delete.retention.ms``: fetches return nothing below the end
+offset, so a partition whose fetches stay empty for ``idle_s`` is at its end). Records written
+after the read started are not waited for: they are this worker's own, or come from a worker that
+no longer owns the partition.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from runwatch.producer import topics
 
 log = logging.getLogger("runwatch.worker")
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 25.0  # under the detector process's reply timeout (30 s): a slow read fails the worker itself
+IDLE_S = 5.0
 
 
 class StateReadError(RuntimeError):
@@ -27,11 +30,14 @@ class StateReadError(RuntimeError):
 
 
 class StateReader:
-    def __init__(self, bootstrap: str, topic: str = topics.STATE, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, bootstrap: str, topic: str = topics.STATE, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 idle_s: float = IDLE_S, consumer: object = None):
+        """``consumer``: a kafka-python ``KafkaConsumer`` to use (else one is made for ``bootstrap``)."""
         self.bootstrap = bootstrap
         self.topic = topic
         self.timeout_s = timeout_s
-        self._consumer = None
+        self.idle_s = idle_s
+        self._consumer = consumer
 
     def _client(self):  # noqa: ANN202 - kafka-python's KafkaConsumer
         if self._consumer is None:
@@ -70,18 +76,25 @@ class StateReader:
         for tp in todo:
             consumer.seek(tp, first[tp])
         newest: dict[str, bytes | None] = {}
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        last_progress = {tp: started for tp in todo}
         while todo:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - started > self.timeout_s:
                 raise StateReadError(f"reading {self.topic} partitions {sorted(tp.partition for tp in todo)} took "
                                      f"over {self.timeout_s:g} s")
             batches = consumer.poll(timeout_ms=500, max_records=5000)
             for tp, records in batches.items():
+                last_progress[tp] = time.monotonic()
                 for record in records:
                     if record.offset < end[tp] and record.key is not None:
                         newest[record.key.decode("utf-8", "replace")] = record.value
             for tp in list(todo):
                 if consumer.position(tp) >= end[tp]:
+                    todo.discard(tp)
+                elif time.monotonic() - last_progress[tp] > self.idle_s:
+                    log.info("%s[%d]: nothing to fetch from %d below its end %d for %g s: a cleaned tail, read",
+                             self.topic, tp.partition, consumer.position(tp), end[tp], self.idle_s)
                     todo.discard(tp)
         consumer.assign([])
         return newest
