@@ -7,8 +7,12 @@ partition (first == end: nothing to read), a log start that retention moves duri
 (``auto_offset_reset="earliest"`` puts the position at the new start), and a tail the cleaner
 emptied (tombstones removed after ``delete.retention.ms``: fetches return nothing below the end
 offset, so a partition whose fetches stay empty for ``idle_s`` is at its end). Records written
-after the read started are not waited for: they are this worker's own, or come from a worker that
-no longer owns the partition.
+after the read started are not waited for (one that arrives in time is read: the newest wins).
+
+The end offset is a lower bound, not a stop: a partition is read until its position has passed the
+end offset noted at the start *and* a fetch from there returns nothing. (Tansu 0.6, the embedded
+broker, answers ListOffsets with the last batch's base offset + 1, short of the records after the
+first in that batch; on Kafka the extra fetch costs one fetch wait.)
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class StateReader:
                 bootstrap_servers=self.bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=None,
                 enable_auto_commit=False, auto_offset_reset="earliest",
                 max_partition_fetch_bytes=topics.STATE_MAX_BYTES + (1 << 20),
-                fetch_max_bytes=4 * topics.STATE_MAX_BYTES, request_timeout_ms=30_000)
+                fetch_max_bytes=4 * topics.STATE_MAX_BYTES, fetch_max_wait_ms=100, request_timeout_ms=30_000)
         return self._consumer
 
     def partition_count(self) -> int | None:
@@ -83,15 +87,15 @@ class StateReader:
             if now - started > self.timeout_s:
                 raise StateReadError(f"reading {self.topic} partitions {sorted(tp.partition for tp in todo)} took "
                                      f"over {self.timeout_s:g} s")
-            batches = consumer.poll(timeout_ms=500, max_records=5000)
+            batches = consumer.poll(timeout_ms=200, max_records=5000)
             for tp, records in batches.items():
                 last_progress[tp] = time.monotonic()
                 for record in records:
-                    if record.offset < end[tp] and record.key is not None:
+                    if record.key is not None:
                         newest[record.key.decode("utf-8", "replace")] = record.value
             for tp in list(todo):
-                if consumer.position(tp) >= end[tp]:
-                    todo.discard(tp)
+                if consumer.position(tp) >= end[tp] and not batches.get(tp):
+                    todo.discard(tp)  # past the end, and nothing more to fetch
                 elif time.monotonic() - last_progress[tp] > self.idle_s:
                     log.info("%s[%d]: nothing to fetch from %d below its end %d for %g s: a cleaned tail, read",
                              self.topic, tp.partition, consumer.position(tp), end[tp], self.idle_s)
