@@ -268,7 +268,8 @@ class TelemetryProcessor:
             self._tick_order.append(run_id)
             self._partition[run_id] = header.partition
             if state.last_seen is not None:
-                self._last_seen[run_id] = state.last_seen
+                # its clock resumes from now: the time no worker held the run is not the run's silence
+                self._last_seen[run_id] = (state.last_seen[0], self._clock())
             self.states.restored(run_id, header.partition, header.offset)
             restored += 1
         self.counters.restored_runs += restored
