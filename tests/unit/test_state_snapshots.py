@@ -358,3 +358,39 @@ def test_reading_while_retention_moves_the_log_start_ends_at_the_new_start():
     # two polls read offsets 0..3, then the start jumps to 29: the read goes on from there and ends
     assert reader.read({2}) == {"g/r0": b"v0", "g/r1": b"v29", "g/r2": b"v2", "g/r3": b"v3"}
     assert log.polls < 10
+
+
+def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judged_against():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_baseline_trajectory import BAND, run  # a band of five seeded runs of one job
+
+    from runwatch.detectors.baseline_trajectory import BaselineTrajectoryDetector, hand_band
+    from runwatch.detectors.baselines.summary import RunSummarizer
+
+    store = Store()
+    first = _processor(store)
+    first.keep_partitions({0})
+    events = run(9, run_id="live")
+    first.process(RunStartEvent(run_id="live", ts=events[0].ts).to_json(), partition=0, offset=0)
+    monitor = first.monitors["live"]
+    history = [RunSummarizer(f"old-{i}").summary() for i in range(3)]
+    monitor.set_history(history, None)  # what the worker's BaselineLoader hands over at run_start
+    hand_band(monitor.joined_detectors, BAND, None)
+    for offset, event in enumerate(events[:50], start=1):
+        first.process(event.to_json(), partition=0, offset=offset)
+    records, _ = first.take_snapshots(force_checkpoint=True)
+    store.write(records)
+
+    second = _processor(store)
+    second.keep_partitions({0})
+    restored = second.monitors["live"]
+    assert [s.run_id for s in restored.baseline.candidates] == ["old-0", "old-1", "old-2"]
+    (trajectory,) = [d for d in restored.joined_detectors if isinstance(d, BaselineTrajectoryDetector)]
+    (before,) = [d for d in monitor.joined_detectors if isinstance(d, BaselineTrajectoryDetector)]
+    assert trajectory._band.names == before._band.names and trajectory._band.names
+    import numpy as np
+
+    assert np.array_equal(trajectory._band.thr, before._band.thr, equal_nan=True)
