@@ -126,6 +126,21 @@ def create_app(
     # (every run's state as of then: streams/worker/run_states.py) are delivered after them.
     pipeline: dict[str, Any] = {}
     in_order = asyncio.Lock()
+    submitted: dict[int, int] = {}  # telemetry partition -> the newest offset handed to the detector process
+
+    def behind() -> list[int]:
+        """Telemetry partitions whose broker holds events this worker has not handed on yet."""
+        lagging = []
+        for tp in app.consumer.assignment():
+            if tp.topic != topics.TELEMETRY or tp.partition not in submitted:
+                continue  # (nothing read from it yet: unknown, judged as caught up)
+            try:
+                high = app.consumer.highwater(tp)
+            except Exception:  # noqa: BLE001 - no fetch answered yet
+                continue
+            if high is not None and high - 1 > submitted[tp.partition]:
+                lagging.append(tp.partition)
+        return lagging
 
     async def submit(kind: str, payload: Any, batch: list | None) -> None:
         async with in_order:  # (the child answers in request order: the queue must hold that order too)
@@ -177,6 +192,8 @@ def create_app(
             async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
                 raw = [(e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
                        for e in batch]
+                for _value, _key, partition, offset, _ts in raw:
+                    submitted[partition] = max(offset, submitted.get(partition, -1))
                 await submit("events", raw, batch)
                 for task in (completer, acknowledger):
                     if task.done():
@@ -189,6 +206,8 @@ def create_app(
     @app.on_partitions_assigned.connect
     async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
+        for partition in set(submitted) - owned:
+            del submitted[partition]
         health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
         # Drops the runs moved away and restores those of new partitions (before any of their events:
         # the child handles requests in order). The reply also says the detector process is up: only
@@ -204,10 +223,11 @@ def create_app(
 
     @app.timer(TICK_EVERY_S)  # as `runwatch replay --tick` does on event time
     async def tick() -> None:
-        # Stalled or silent ranks are found by time passing, not by an event arriving. During a
-        # rebalance the tick asks for a checkpoint at once: the revoke waits for every event's ack.
+        # Stalled or silent ranks are found by time passing, not by an event arriving; not for runs
+        # whose partition this worker is behind on. During a rebalance the tick asks for a checkpoint
+        # at once: the revoke waits for every event's ack.
         if "inflight" in pipeline:
-            await submit("tick", bool(app.rebalancing), None)
+            await submit("tick", (bool(app.rebalancing), behind()), None)
 
     @app.timer(30.0)
     async def report_counters() -> None:

@@ -87,6 +87,7 @@ def state_outgoing(records: list[StateRecord]) -> list[Outgoing]:
 def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     """One request, as the child runs it (also usable in-process, e.g. by tests)."""
     reply = Reply()
+    rebalancing = False
     if kind == "events":
         for raw, key, partition, offset, timestamp in payload:
             result = processor.process(raw, key, partition, offset, timestamp)
@@ -96,14 +97,15 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
             if (result.deadletter is not None or result.anomalies or result.actions or result.joined
                     or result.errors):
                 reply.records.extend(outgoing(result, key))
-    elif kind == "tick":  # payload: True during a rebalance (a checkpoint now, so the revoke is quick)
-        reply.records = outgoing(processor.tick())
+    elif kind == "tick":  # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
+        rebalancing, behind = payload if isinstance(payload, tuple) else (bool(payload), ())
+        reply.records = outgoing(processor.tick(behind=frozenset(behind)))
     elif kind == "keep_partitions":
         reply.dropped_runs = processor.keep_partitions(payload)
     else:
         raise ValueError(f"unknown request {kind!r}")
     if kind != "keep_partitions":
-        state, reply.checkpoint = processor.take_snapshots(force_checkpoint=kind == "tick" and bool(payload))
+        state, reply.checkpoint = processor.take_snapshots(force_checkpoint=kind == "tick" and rebalancing)
         reply.records.extend(state_outgoing(state))
     reply.counters = processor.counters
     return reply

@@ -314,12 +314,15 @@ class TelemetryProcessor:
         records.extend(StateRecord(self._state_prefix + run_id, partition, None) for run_id, partition in due.tombstones)
         return records, due.checkpoint
 
-    def tick(self, now: datetime | None = None) -> ProcessResult:
+    def tick(self, now: datetime | None = None, behind: set[int] | frozenset[int] = frozenset()) -> ProcessResult:
         """Time-based checks (stalled or silent ranks) for the runs this worker holds.
 
         Each run is ticked on its own event time, carried forward by the wall clock since its
         last event arrived: for a live run that is the wall clock, and a backlog read after a
-        restart is judged on the time its events were sent, as ``runwatch replay`` does.
+        restart is judged on the time its events were sent, as ``runwatch replay`` does. Runs of
+        the telemetry partitions in ``behind`` (the broker holds events of them this worker has not
+        read yet) are not carried forward: a worker that falls behind its input must not take its
+        own delay for the ranks' silence.
         Runs are judged in round-robin order until ``TICK_BUDGET_S`` has passed; the rest wait
         for the next tick (0.25 s later), so one slow run cannot hold up every other's timer.
         """
@@ -339,7 +342,7 @@ class TelemetryProcessor:
             judged.add(run_id)
             order.append(run_id)
             event_ts, arrived = self._last_seen[run_id]
-            run_now = event_ts + (now - arrived)
+            run_now = event_ts if self._partition.get(run_id) in behind else event_ts + (now - arrived)
             try:
                 if monitor.ended_at is not None and run_now - monitor.ended_at > self._linger:
                     # run_end came a join timeout ago: whatever ranks still owe is not coming

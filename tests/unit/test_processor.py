@@ -226,6 +226,33 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
     assert ticked == [sent + timedelta(seconds=10)]  # not 3 h of silence: 10 s since that event arrived
 
 
+def test_a_run_whose_partition_the_worker_is_behind_on_is_not_carried_forward(monkeypatch):
+    from runwatch.detectors.engine import monitor as monitor_module
+
+    ticked = []
+
+    class RecordsTicks:
+        name = "records_ticks"
+
+        def update(self, event, now):
+            return []
+
+        def tick(self, now):
+            ticked.append(now)
+            return []
+
+    monkeypatch.setattr(monitor_module, "build_detectors",
+                        lambda config, names, progress: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
+    wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
+    processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
+    processor.process(StepEvent(run_id="r", step=7, ts=wall[0]).to_json(), b"r", partition=2)
+    wall[0] += timedelta(seconds=10)  # ten seconds in which the worker read nothing of partition 2
+    processor.tick(behind={2})
+    processor.tick(behind={0, 1})
+    # behind on its partition: judged at its newest event (the broker holds later ones); else carried on
+    assert ticked == [wall[0] - timedelta(seconds=10), wall[0]]
+
+
 def test_a_rebalance_drops_only_the_runs_of_partitions_this_worker_lost(proc):
     proc.process(_step(0, run_id="stays"), key=b"stays", partition=1)
     proc.process(_step(0, run_id="moves"), key=b"moves", partition=3)
