@@ -1,4 +1,4 @@
-"""The ``runwatch`` command line: broker, worker, sink, remediate, demo, scenarios, config, replay, evaluate,
+"""The ``runwatch`` command line: broker, worker, sink, remediate, migrate, demo, scenarios, config, replay, evaluate,
 calibrate, ingest, baseline, report; each command group in its own module, imported lazily inside the command
 (the CLI starts fast)."""
 
@@ -13,6 +13,7 @@ from runwatch.streams.cli import (
     demo,
     grafana,
     ingest,
+    migrate,
     offline,
     remediate,
     report,
@@ -29,7 +30,7 @@ def main() -> None:
 
 for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,
                 config.config, offline.replay, offline.evaluate, offline.calibrate, ingest.ingest, baseline.baseline,
-                report.report, grafana.grafana):
+                report.report, grafana.grafana, migrate.migrate):
     main.add_command(command)
 
 

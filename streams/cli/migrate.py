@@ -1,0 +1,49 @@
+"""``runwatch migrate``: create or upgrade the ClickHouse schema once, before the sink, the workers and the
+remediator start (deploy/compose.yaml runs it as a one-shot step)."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+
+@click.command()
+@click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="seconds to keep retrying while the server does not answer (it may still be starting)")
+def migrate(dsn: str | None, wait_s: float) -> None:
+    """Apply the ClickHouse migrations not applied yet (sinks/migrations.py) and print the schema version.
+
+    The sink and the remediator also migrate when they start; running this first means they find the
+    tables there and never race each other to create them."""
+    from clickhouse_connect.driver.exceptions import OperationalError
+
+    from runwatch.sinks import ClickHouseSink
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            store = ClickHouseSink(dsn)
+            break
+        except OperationalError as exc:  # connection refused / not up yet; bad credentials are not retried
+            if time.monotonic() >= deadline:
+                raise click.ClickException(f"ClickHouse did not answer within {wait_s:g} s: {exc}") from None
+            time.sleep(1.0)
+    try:
+        applied = store.migrate()
+        click.echo(f"ClickHouse {_redacted(store.dsn)}: schema v{store.schema_version()} "
+                   f"(applied now: {applied or 'none'})")
+    finally:
+        store.close()
+
+
+def _redacted(dsn: str) -> str:
+    """The DSN without its password, for logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
