@@ -34,21 +34,23 @@ class WorkerProcess:
 
     def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None,
                  group: str | None = None, extra_args: tuple[str, ...] = ()):
+        log_path = Path(log_path).resolve()  # (the worker runs in the log's folder: every path it gets is absolute)
         self.ready_file = log_path.with_suffix(".ready")
         self.ready_file.unlink(missing_ok=True)
         self.web_port = free_port()
         cmd = [sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", bootstrap,
                "--web-port", str(self.web_port), "--web-host", "127.0.0.1", "--ready-file", str(self.ready_file)]
         if config_path is not None:
-            cmd += ["--config", str(config_path)]
+            cmd += ["--config", str(Path(config_path).resolve())]
         if group is not None:
             cmd += ["--group", group]
         cmd += list(extra_args)
         env = dict(os.environ, **{topics.SECRET_ENV: secret})
         self.log_path = log_path
         self._log = open(log_path, "ab")
+        # (in the log's folder: Faust keeps a data directory, "<group>-data", in its working directory)
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=log_path.parent)
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
