@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,26 @@ def faust_broker_url(bootstrap: str) -> str:
     return ";".join(f"{transport.SCHEME}://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
 
 
-def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> faust.App:
+class RunwatchApp(faust.App):
+    """Faust's app with hooks run first thing when it stops, while its agents and timers still run
+    (Faust waits for every read event's acknowledgement before its ``on_before_shutdown``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.before_stop: list[Callable[[], Awaitable[None]]] = []
+
+    async def on_stop(self) -> None:
+        for hook in self.before_stop:
+            try:
+                await hook()
+            except Exception:  # noqa: BLE001 - stopping goes on; what was not acknowledged is read again
+                log.exception("a stop hook failed")
+        await super().on_stop()
+
+
+def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> RunwatchApp:
     """A Faust app with runwatch's settings (raw bytes, short fetch wait, quick group joins)."""
-    return faust.App(
+    return RunwatchApp(
         app_id,
         broker=faust_broker_url(bootstrap),
         value_serializer="raw",
@@ -142,9 +160,10 @@ def create_app(
                 lagging.append(tp.partition)
         return lagging
 
-    async def submit(kind: str, payload: Any, batch: list | None) -> None:
+    async def submit(kind: str, payload: Any, batch: list | None, done: asyncio.Future | None = None) -> None:
+        """``done`` resolves once this request's records are delivered and, at a checkpoint, acknowledged."""
         async with in_order:  # (the child answers in request order: the queue must hold that order too)
-            await pipeline["inflight"].put((batch, detectors.submit(kind, payload)))
+            await pipeline["inflight"].put((batch, detectors.submit(kind, payload), done))
 
     async def acknowledge(stream, delivered: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
         # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
@@ -153,7 +172,7 @@ def create_app(
         # its successor.
         held: list[list] = []
         while True:
-            batch, futures, checkpoint = await delivered.get()
+            batch, futures, checkpoint, done = await delivered.get()
             try:
                 await asyncio.wait_for(asyncio.gather(*futures), delivery_timeout_s)
             except Exception as exc:  # noqa: BLE001
@@ -168,16 +187,18 @@ def create_app(
                         await stream.ack(event)
                 held.clear()
                 health.last_ack = time.monotonic()
+            if done is not None and not done.done():
+                done.set_result(checkpoint)
 
     async def complete(inflight: asyncio.Queue, delivered: asyncio.Queue) -> None:
         # In order: send a request's records, then hand them to the acknowledger, while the next runs.
         while True:
-            batch, reply = await inflight.get()
+            batch, reply, done = await inflight.get()
             try:
                 answer = await reply
             except DetectorProcessError as exc:
                 await fail(str(exc).splitlines()[0], exc)
-            await delivered.put((batch, await send(answer.records), answer.checkpoint))
+            await delivered.put((batch, await send(answer.records), answer.checkpoint, done))
 
     @app.agent(telemetry)
     async def detect(stream):  # noqa: ANN001
@@ -220,6 +241,17 @@ def create_app(
             log.info("run %s moved to another worker", run)
         if ready_file is not None:
             write_ready_file(ready_file, assigned)
+
+    async def last_checkpoint() -> None:
+        # Stopping: every run's state now, so that what this worker read is acknowledged and committed
+        # (Faust waits for that) and its successor starts where it stopped.
+        if "inflight" not in pipeline or detectors.failed:
+            return
+        done = asyncio.get_running_loop().create_future()
+        await submit("tick", (True, []), None, done)
+        await asyncio.wait_for(done, delivery_timeout_s)
+
+    app.before_stop.append(last_checkpoint)
 
     @app.timer(TICK_EVERY_S)  # as `runwatch replay --tick` does on event time
     async def tick() -> None:

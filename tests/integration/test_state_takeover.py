@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -90,3 +91,37 @@ def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path
     assert [Anomaly.model_validate_json(v).severity for v in anomalies]  # (they decode)
     # and the successor did restore it (not rebuild it from a backlog)
     assert "restored 1 run(s)" in second_log, second_log[-3000:]
+
+
+def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, secret):
+    """SIGTERM: a last checkpoint, every event read acknowledged and committed, a prompt exit. (Offsets are
+    committed only behind a checkpoint, and Faust waits for every acknowledgement before it stops.)"""
+    from kafka import KafkaProducer
+
+    from runwatch.producer.schema import StepEvent
+    from runwatch.streams.local.broker import committed_offset
+
+    with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
+        ensure_topics(broker.bootstrap)
+        worker = WorkerProcess(broker.bootstrap, secret, tmp_path / "w.log", group="stop-test",
+                               extra_args=("--snapshot-interval", "600"))  # no checkpoint but the last one
+        try:
+            worker.wait_ready(90)
+            producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
+            sent = [producer.send(topics.TELEMETRY, key=b"stopped-run",
+                                  value=StepEvent(run_id="stopped-run", step=s, loss=1.0).to_json()) for s in range(50)]
+            producer.flush(30)
+            partition = sent[-1].get(10).partition
+            deadline = time.monotonic() + 60
+            while worker.health()[1]["counters"]["processed"] < 50:  # read and handled ...
+                assert time.monotonic() < deadline, worker.health()[1]
+                time.sleep(0.2)
+            time.sleep(2)  # ... and nothing acknowledged: no checkpoint for 600 s
+            assert committed_offset(broker.bootstrap, "stop-test", topics.TELEMETRY, partition) <= 0
+            started = time.monotonic()
+            worker.process.send_signal(signal.SIGTERM)
+            assert worker.process.wait(30) == 0
+            assert time.monotonic() - started < 30
+            assert committed_offset(broker.bootstrap, "stop-test", topics.TELEMETRY, partition) == 50
+        finally:
+            worker.stop()
