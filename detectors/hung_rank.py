@@ -92,9 +92,12 @@ class HungRankDetector(CrossRankDetector):
         steps = {r: s.step for r, s in live.items() if s.step is not None}  # (every live rank has one)
         highest = sorted(((step, r) for r, step in steps.items()), reverse=True)[:2]
         in_sync_at: dict[int, int] = {}
+        waiting_since: dict[int, datetime] = {}  # step -> when the last of the ranks in sync there began to wait
         for r, s in live.items():
             if s.in_sync is True:
                 in_sync_at[steps[r]] = in_sync_at.get(steps[r], 0) + 1
+                since = s.in_sync_since or s.heartbeat_at or now
+                waiting_since[steps[r]] = max(since, waiting_since.get(steps[r], since))
         findings = []
         for rank, state in live.items():
             if self._fired_at.get(rank) == state.moves or state.progress_at is None:
@@ -114,7 +117,11 @@ class HungRankDetector(CrossRankDetector):
                 ahead = sorted(r for r, step in steps.items() if r != rank and step > steps[rank])
                 why = f"ranks {ahead} have moved on to step {peer_top}"
             elif state.in_sync is not True and in_sync_at.get(steps[rank], 0) == len(live) - 1:
-                kind = "peers_waiting"  # every other rank is at this step and waits in the gradient sync
+                # every other rank is at this step and waits in the gradient sync, and has for longer than
+                # allowed (time they spent on their own work, e.g. a peer's long checkpoint, is not a hang)
+                if (now - waiting_since[steps[rank]]).total_seconds() <= allowed:
+                    continue
+                kind = "peers_waiting"
                 why = f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
             else:
                 continue

@@ -64,6 +64,7 @@ class RankProgress:
         # heartbeat. None while the rank is in the train phase it started in.
         self.phase_since: datetime | None = None
         self.in_sync: bool | None = None  # waits in the gradient synchronisation (latest heartbeat, this step)
+        self.in_sync_since: datetime | None = None  # the heartbeat that first said so, this step
         self.peer_allowance_s = 0.0  # the largest phase allowance among its live peers
         self.peer_released_at: datetime | None = None  # when that allowance last dropped
         self._last_step_event: tuple[int, datetime] | None = None
@@ -104,6 +105,7 @@ class RankProgress:
         if self.step is None or event.step > self.step or (previous is not None and event.step < previous[0]):
             self._progress(event.step, event.ts)
         self.in_sync = None  # a new step: not waiting for anything yet
+        self.in_sync_since = None
         return interval
 
     def _heartbeat(self, event: HeartbeatEvent) -> None:
@@ -115,6 +117,12 @@ class RankProgress:
                                 else event.ts - timedelta(seconds=event.time_in_phase_s))
         self.phase = event.phase
         if self.heartbeat_at is None or event.ts > self.heartbeat_at:
+            if event.in_sync is not True:
+                self.in_sync_since = None
+            elif self.in_sync is not True:
+                # it began to wait after the last heartbeat that did not say so, and after its step's start
+                bounds = [t for t in (self.heartbeat_at, self.progress_at) if t is not None]
+                self.in_sync_since = max(bounds) if bounds else event.ts
             self.heartbeat_at = event.ts
             self.in_sync = event.in_sync
             if event.interval_s is not None:

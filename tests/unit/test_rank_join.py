@@ -214,6 +214,40 @@ def test_hung_rank_peers_waiting_in_sync():
     assert finding.threshold == pytest.approx(allowed)
 
 
+def test_a_rank_that_waited_on_a_peer_s_long_checkpoint_is_not_hung_when_the_peer_comes_back():
+    """Rank 0 checkpoints for 6 s after step 19 while ranks 1 and 2 wait for it in the sync. When rank 0
+    is back and waits in the sync too, a stale heartbeat of rank 2 (not yet saying it waits: a loaded
+    machine) must not make rank 2 the hung one: its peers have waited for it only since then."""
+    cfg = RunwatchConfig()
+    detector = HungRankDetector(HungRankConfig(floor_s=1.0), cfg.detectors.stall)
+    for n in range(20):
+        for rank in range(3):
+            see(detector, step(rank, n, n * 0.5))
+    findings = []
+    t = 9.5
+    while t < 16.0:  # the checkpoint: rank 0 in it, rank 1 waiting, rank 2's heartbeats late and stale
+        t += 0.5
+        see(detector, beat(0, 19, t, phase="checkpoint", in_sync=False))
+        see(detector, beat(1, 19, t, in_sync=True))
+        see(detector, beat(2, 19, t - 0.4, in_sync=False))
+        findings += detector.tick(at(t))
+    for _ in range(3):  # rank 0 is back and waits too; rank 2's next heartbeat is still the stale kind
+        t += 0.5
+        see(detector, beat(0, 19, t, in_sync=True))
+        see(detector, beat(1, 19, t, in_sync=True))
+        see(detector, beat(2, 19, t - 0.4, in_sync=False))
+        findings += detector.tick(at(t))
+    assert findings == []
+    while t < 60:  # but if rank 2 really never arrives, it is found, counted from when its peers all waited
+        t += 1.0
+        for rank in range(3):
+            see(detector, beat(rank, 19, t, in_sync=rank != 2))
+        findings += [(t, f) for f in detector.tick(at(t))]
+    ((when, finding),) = findings
+    assert finding.rank == 2 and finding.evidence["kind"] == "peers_waiting"
+    assert when - 16.0 > finding.threshold
+
+
 def test_hung_rank_behind_while_others_advance_and_nothing_without_evidence():
     detector = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
