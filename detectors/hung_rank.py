@@ -5,10 +5,12 @@ stalls every rank, so that alone cannot say *which* rank hangs. This detector lo
 run's ranks, on ``tick(now)``:
 
 - **behind**: the rank's last completed step is behind another live rank's, and it has made no
-  progress for longer than allowed (ranks that do not synchronise every step keep going);
+  progress for longer than allowed (ranks that do not synchronise every step keep going), and has
+  been seen behind for longer than allowed too (in lockstep, after a pause every rank sat out, the
+  first ranks to report the next step are ahead of the others only for a moment);
 - **peers_waiting**: every other live rank is at the same step and reports ``in_sync`` (it has
   launched its gradient synchronisation and waits; the producer's DDP comm hook measures it),
-  while this rank does not, for longer than allowed.
+  while this rank does not, for longer than allowed, and the peers have all waited that long.
 
 Allowed: ``max(floor_s, factor x the run's median step interval + phase_allowance_s[phase])``,
 with the phase of the rank's latest heartbeat (a rank saving a checkpoint for 5 minutes while its
@@ -63,6 +65,7 @@ class HungRankDetector(CrossRankDetector):
         self._feeds_progress = progress is None
         self.progress = RunProgress(liveness) if progress is None else progress
         self._fired_at: dict[int, int] = {}  # rank -> its ``moves`` when it was named: progress re-arms it
+        self._behind_since: dict[int, tuple[int, datetime]] = {}  # rank -> (its step, first tick it was behind)
         self.ended = False
 
     def update(self, event: TelemetryEvent | JoinedStep, now: datetime) -> list[Finding]:
@@ -100,6 +103,11 @@ class HungRankDetector(CrossRankDetector):
                 waiting_since[steps[r]] = max(since, waiting_since.get(steps[r], since))
         findings = []
         for rank, state in live.items():
+            peer_top = next(step for step, r in highest if r != rank)
+            if peer_top <= steps[rank]:
+                self._behind_since.pop(rank, None)
+            elif self._behind_since.get(rank, (None,))[0] != steps[rank]:
+                self._behind_since[rank] = (steps[rank], now)
             if self._fired_at.get(rank) == state.moves or state.progress_at is None:
                 continue
             if state.heartbeat_at is None or state.heartbeat_at <= state.progress_at:
@@ -111,8 +119,9 @@ class HungRankDetector(CrossRankDetector):
             waited = (now - start).total_seconds()
             if waited <= allowed:
                 continue
-            peer_top = next(step for step, r in highest if r != rank)
             if peer_top > steps[rank]:
+                if (now - self._behind_since[rank][1]).total_seconds() <= allowed:
+                    continue
                 kind = "behind"
                 ahead = sorted(r for r, step in steps.items() if r != rank and step > steps[rank])
                 why = f"ranks {ahead} have moved on to step {peer_top}"

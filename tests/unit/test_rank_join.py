@@ -248,6 +248,33 @@ def test_a_rank_that_waited_on_a_peer_s_long_checkpoint_is_not_hung_when_the_pee
     assert when - 16.0 > finding.threshold
 
 
+def test_a_rank_a_moment_behind_after_a_pause_every_rank_sat_out_is_not_hung():
+    """Lockstep ranks all wait 6 s on rank 0's checkpoint; then ranks 0 and 1 report the next step a
+    moment before rank 2 (its report is late on a loaded machine): rank 2 is behind, and has made no
+    progress for 6 s, but it has been behind for a moment only."""
+    cfg = RunwatchConfig()
+    allowance = {"train": 2.0, "dataload": 2.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0}
+    detector = HungRankDetector(HungRankConfig(floor_s=1.0, phase_allowance_s=allowance), cfg.detectors.stall)
+    for n in range(20):
+        for rank in range(3):
+            see(detector, step(rank, n, n * 0.5))
+    findings = []
+    t = 9.5
+    while t < 16.0:
+        t += 0.5
+        see(detector, beat(0, 19, t, phase="checkpoint", in_sync=False))
+        for rank in (1, 2):
+            see(detector, beat(rank, 19, t, in_sync=True))
+        findings += detector.tick(at(t))
+    for rank in (0, 1):
+        see(detector, step(rank, 20, 16.2))
+    see(detector, beat(2, 19, 16.3, in_sync=True))
+    findings += detector.tick(at(16.5))
+    see(detector, step(2, 20, 16.6))
+    findings += detector.tick(at(16.75))
+    assert findings == []
+
+
 def test_hung_rank_behind_while_others_advance_and_nothing_without_evidence():
     detector = HungRankDetector(HungRankConfig(), StallConfig(heartbeat_timeout_s=60.0))
     for n in range(10):
