@@ -200,10 +200,11 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
     assert all(a.signature for a in result.actions)
 
 
-def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_clock(monkeypatch):
+def _record_ticks(monkeypatch) -> list:  # noqa: ANN001
+    """Every run's rank view gets one detector that notes the times it is ticked at; returns that list."""
     from runwatch.detectors.engine import monitor as monitor_module
 
-    ticked = []
+    ticked: list = []
 
     class RecordsTicks:
         name = "records_ticks"
@@ -217,6 +218,11 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
 
     monkeypatch.setattr(monitor_module, "build_detectors",
                         lambda config, names, progress: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
+    return ticked
+
+
+def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_clock(monkeypatch):
+    ticked = _record_ticks(monkeypatch)
     wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
     processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
     sent = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)  # a backlog from three hours ago, read now
@@ -227,22 +233,7 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
 
 
 def test_a_run_whose_partition_the_worker_is_behind_on_is_not_carried_forward(monkeypatch):
-    from runwatch.detectors.engine import monitor as monitor_module
-
-    ticked = []
-
-    class RecordsTicks:
-        name = "records_ticks"
-
-        def update(self, event, now):
-            return []
-
-        def tick(self, now):
-            ticked.append(now)
-            return []
-
-    monkeypatch.setattr(monitor_module, "build_detectors",
-                        lambda config, names, progress: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
+    ticked = _record_ticks(monkeypatch)
     wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
     processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
     processor.process(StepEvent(run_id="r", step=7, ts=wall[0]).to_json(), b"r", partition=2)

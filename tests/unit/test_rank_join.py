@@ -193,12 +193,17 @@ def test_straggler_stays_quiet_on_even_ranks_and_rearms_after_recovery():
     assert 20 < found[0][0] < 35 and 75 < found[1][0] < 90
 
 
-def test_hung_rank_peers_waiting_in_sync():
-    cfg = RunwatchConfig()
-    detector = HungRankDetector(HungRankConfig(floor_s=1.0), cfg.detectors.stall)
+def _twenty_lockstep_steps(detector) -> None:  # noqa: ANN001
+    """Steps 0..19 of three ranks, every 0.5 s."""
     for n in range(20):
         for rank in range(3):
             see(detector, step(rank, n, n * 0.5))
+
+
+def test_hung_rank_peers_waiting_in_sync():
+    cfg = RunwatchConfig()
+    detector = HungRankDetector(HungRankConfig(floor_s=1.0), cfg.detectors.stall)
+    _twenty_lockstep_steps(detector)
     # step 19 done at 9.5 s; ranks 0 and 1 then wait in the gradient sync, rank 2 never arrives
     findings = []
     t = 9.5
@@ -220,9 +225,7 @@ def test_a_rank_that_waited_on_a_peer_s_long_checkpoint_is_not_hung_when_the_pee
     machine) must not make rank 2 the hung one: its peers have waited for it only since then."""
     cfg = RunwatchConfig()
     detector = HungRankDetector(HungRankConfig(floor_s=1.0), cfg.detectors.stall)
-    for n in range(20):
-        for rank in range(3):
-            see(detector, step(rank, n, n * 0.5))
+    _twenty_lockstep_steps(detector)
     findings = []
     t = 9.5
     while t < 16.0:  # the checkpoint: rank 0 in it, rank 1 waiting, rank 2's heartbeats late and stale
@@ -255,9 +258,7 @@ def test_a_rank_a_moment_behind_after_a_pause_every_rank_sat_out_is_not_hung():
     cfg = RunwatchConfig()
     allowance = {"train": 2.0, "dataload": 2.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0}
     detector = HungRankDetector(HungRankConfig(floor_s=1.0, phase_allowance_s=allowance), cfg.detectors.stall)
-    for n in range(20):
-        for rank in range(3):
-            see(detector, step(rank, n, n * 0.5))
+    _twenty_lockstep_steps(detector)
     findings = []
     t = 9.5
     while t < 16.0:
