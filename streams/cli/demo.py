@@ -8,7 +8,7 @@ import click
 import orjson
 
 from runwatch.producer import topics
-from runwatch.streams.cli.options import cli_config
+from runwatch.streams.cli.options import cli_config, require_torch
 
 
 def _outage_window(_ctx, _param, value: str | None) -> tuple[float, float] | None:  # noqa: ANN001
@@ -43,6 +43,7 @@ def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | Non
          config_path: str | None, no_worker: bool, step_interval: float,
          broker_outage: tuple[float, float] | None, as_json: bool) -> None:
     """Train a small model with a fault injected and watch runwatch catch it."""
+    require_torch("runwatch demo")  # before the imports below, which load torch
     from runwatch.streams.demo.console import DemoConsole
     from runwatch.streams.demo.run import DemoError, DemoOptions, run_demo
     from runwatch.streams.local.worker_process import LocalStackError

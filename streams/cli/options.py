@@ -17,3 +17,13 @@ def cli_config(path: str | None):  # noqa: ANN201 - a RunwatchConfig, imported l
         return load_config(path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def require_torch(command: str) -> None:
+    """Stop ``command`` with one line naming the extra when torch cannot be imported: the commands that train
+    real models need it, but a worker's install (``pip install runwatch``, no extras) has none."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise click.ClickException(
+            f"{command} trains real models and needs PyTorch: pip install 'runwatch[torch]'") from None

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from runwatch.streams.cli.options import require_torch
+
 
 @click.group()
 def scenarios() -> None:
@@ -20,6 +22,7 @@ def scenarios_generate(out_dir: str, only: tuple[str, ...], quick: bool) -> None
     """Train every scenario on the CPU and write OUT_DIR/<name>.jsonl and OUT_DIR/labels.json."""
     import time
 
+    require_torch("runwatch scenarios generate")  # before the imports below, which load torch
     from runwatch.streams.scenarios.catalog import CORPUS
     from runwatch.streams.scenarios.corpus import generate
 
@@ -52,6 +55,7 @@ def scenarios_history(out_dir: str, quick: bool) -> None:
     declared hardware fingerprints (OUT_DIR/runs/*.jsonl) and the labelled regressions (OUT_DIR/labels.json)."""
     import time
 
+    require_torch("runwatch scenarios history")  # before the imports below, which load torch
     from runwatch.streams.scenarios.history import RecordedRun, generate
 
     def progress(run: RecordedRun, done: int, total: int) -> None:

@@ -2,7 +2,9 @@
 
 The wire contract imports alone; detectors and sinks never load the training-side code
 (publisher, watcher, action listener) nor torch; the producer never loads the worker's or
-the sink's dependencies; detectors never touch Kafka.
+the sink's dependencies; detectors never touch Kafka. The worker, the sink, the remediator and
+every command that trains nothing run where torch cannot be imported, and the commands that
+train real models say in one line which extra to install (issue 16).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +78,98 @@ def test_producer_names_resolve_lazily_to_the_same_objects():
     assert all(getattr(producer, name) is not None for name in producer.__all__)
     with pytest.raises(AttributeError):
         producer.NoSuchName  # noqa: B018
+
+
+# Run first in a fresh interpreter: torch cannot be imported there, as in a worker's install without it.
+# A finder, not ``sys.modules['torch'] = None``: libraries probe sys.modules for torch (scipy's array API
+# helpers, under river) and would take that None for the module.
+NO_TORCH = """import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTorch())
+"""
+# Only these train real models, or are the framework callbacks that the lightning / hf extras bring torch for.
+NEEDS_TORCH = ("runwatch.streams.demo", "runwatch.streams.scenarios", "runwatch.producer.integrations",
+               "runwatch.producer.lightning", "runwatch.producer.hf")
+
+
+def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", NO_TORCH + code, *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.mark.parametrize("statement", [
+    "import runwatch.streams.worker.app",
+    "import runwatch.streams.cli.main",
+    "from runwatch.sinks.consumer import SinkConsumer",
+    "import runwatch.sinks.remediate",
+])
+def test_the_worker_sink_remediator_and_cli_never_load_torch(statement):
+    assert offenders(loaded_after(statement), ("torch",)) == []
+
+
+def test_every_module_but_the_training_ones_imports_without_torch():
+    code = f"""
+import importlib, json, pkgutil
+failed = {{}}
+for name in ("runwatch", "runwatch.producer", "runwatch.detectors", "runwatch.streams", "runwatch.sinks"):
+    for info in pkgutil.walk_packages(importlib.import_module(name).__path__, name + "."):
+        if info.name.endswith(".__main__") or info.name.startswith({NEEDS_TORCH!r}):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except Exception as exc:
+            failed[info.name] = repr(exc)
+print(json.dumps(failed))
+"""
+    done = run_without_torch(code)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
+
+
+CLI = "import runpy\nsys.argv[0] = 'runwatch'\nrunpy.run_module('runwatch.streams.cli', run_name='__main__')\n"
+
+
+def test_runwatch_worker_help_runs_without_torch():
+    done = run_without_torch(CLI, "worker", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--bootstrap" in done.stdout
+
+
+def test_commands_that_train_nothing_run_without_torch(tmp_path: Path):
+    from runwatch.producer.schema import StepEvent
+
+    recording = tmp_path / "nan.jsonl"
+    events = [StepEvent(run_id="r", step=s, loss=float("nan") if s >= 40 else 1.0, grad_norm=1.0) for s in range(50)]
+    recording.write_text("".join(e.to_json().decode() + "\n" for e in events))
+    commands = [["sink", "--help"], ["remediate", "--help"], ["config", "--defaults"], ["baseline", "--help"],
+                ["report", "--help"], ["grafana", "generate", "--out", str(tmp_path / "dashboards")],
+                ["replay", str(recording), "--json"]]
+    code = f"""
+import json
+from click.testing import CliRunner
+from runwatch.streams.cli.main import main
+results = {{}}
+for args in {commands!r}:
+    out = CliRunner().invoke(main, args)
+    results[args[0]] = [out.exit_code, out.output, repr(out.exception)]
+print(json.dumps(results))
+"""
+    done = run_without_torch(code)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {name: r for name, r in results.items() if r[0] != 0} == {}
+    assert {a["detector"] for a in json.loads(results["replay"][1])["anomalies"]} == {"non_finite"}
+
+
+@pytest.mark.parametrize("command", [["demo"], ["scenarios", "generate", "corpus"], ["scenarios", "history", "h"]])
+def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path):
+    done = subprocess.run([sys.executable, "-c", NO_TORCH + CLI, *command], capture_output=True, text=True,
+                          timeout=120, check=False, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"Error: runwatch {' '.join(command[:2 if len(command) > 1 else 1])} trains real models and needs "
+        "PyTorch: pip install 'runwatch[torch]'"]
+    assert not (tmp_path / command[-1]).exists()
