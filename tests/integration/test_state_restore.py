@@ -79,7 +79,7 @@ def test_the_newest_snapshot_of_each_run_is_restored_and_a_tombstoned_run_is_not
     _feed(first, "kept", 1, _steps("kept", 30, 50), 40)
     newer, _ = first.take_snapshots(force_checkpoint=True)
     assert [r.key for r in newer] == [f"{GROUP}/kept"]
-    _publish(bootstrap, [*older, *newer, (f"{GROUP}/deleted", 1, None), (f"another-group/kept", 1, b"not ours")])
+    _publish(bootstrap, [*older, *newer, (f"{GROUP}/deleted", 1, None), ("another-group/kept", 1, b"not ours")])
 
     second = _processor(bootstrap)
     second.keep_partitions({1})
