@@ -76,6 +76,7 @@ bench: setup
 	$(PY) tests/benchmarks/bench_latency.py
 	$(PY) tests/benchmarks/bench_throughput.py
 	$(PY) tests/benchmarks/bench_baselines.py
+	$(PY) tests/benchmarks/bench_state.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info
