@@ -113,7 +113,8 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
 
 def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int,
            baseline_dsn: str | None = None, state_bootstrap: str | None = None,
-           state_json: str | None = None, group: str = topics.DETECT_GROUP) -> None:
+           state_json: str | None = None, group: str = topics.DETECT_GROUP,
+           reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
     """The child's loop: one request at a time, answered in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
@@ -133,7 +134,8 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
         if state_bootstrap and state.enabled:
             from runwatch.streams.worker.state_reader import StateReader
 
-            reader = StateReader(state_bootstrap)
+            # (a restore is one request: it must end, or fail, before the parent's reply timeout kills us)
+            reader = StateReader(state_bootstrap, timeout_s=max(5.0, reply_timeout_s - 5.0))
         processor = TelemetryProcessor(config, secret, baselines=baselines, state_reader=reader, state=state,
                                        group=group)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
@@ -171,7 +173,7 @@ class DetectorProcess:
         self._process = ctx.Process(
             target=_serve, name="runwatch-detectors", daemon=True,
             args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid(), baseline_dsn,
-                  state_bootstrap, (state or StateOptions()).model_dump_json(), group),
+                  state_bootstrap, (state or StateOptions()).model_dump_json(), group, reply_timeout_s),
         )
         self._pending: deque[asyncio.Future] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request
