@@ -1,0 +1,48 @@
+"""A worker's install pulls no torch (issue 16): ``pip install .`` with no extras into a fresh virtual
+environment, from the package registry as a worker image would; torch (or a CUDA wheel) must not be
+among what it installed, and ``runwatch worker --help`` must run there."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+REPO = Path(__file__).resolve().parents[2]
+# What the image's Dockerfile copies: the packages, the build file and the README.
+SOURCES = ("pyproject.toml", "README.md", "runwatch", "producer", "detectors", "streams", "sinks")
+
+
+def test_pip_install_without_extras_installs_no_torch_and_the_worker_runs(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, source / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    started = time.monotonic()
+    done = subprocess.run([*pip, "install", "--quiet", str(source)], capture_output=True, text=True, timeout=1100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(f"pip install . took {time.monotonic() - started:.0f} s")
+    listed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True, text=True, check=True, timeout=120)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "runwatch" in names and "faust-streaming" in names
+    assert not {n for n in names if n == "torch" or n.startswith(("nvidia-", "triton"))}, sorted(names)
+    worker = subprocess.run([str(venv / "bin" / "runwatch"), "worker", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    assert "--bootstrap" in worker.stdout and "--snapshot-interval" in worker.stdout
+    demo = subprocess.run([str(venv / "bin" / "runwatch"), "demo"], capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 1 and "pip install 'runwatch[torch]'" in demo.stderr, demo.stderr[-2000:]
