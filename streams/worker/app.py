@@ -108,7 +108,7 @@ def create_app(
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
-    delivered. Whatever stops progress (the detector process dies or stops answering, results cannot
+    delivered and a state checkpoint after them is too (streams/worker/run_states.py). Whatever stops progress (the detector process dies or stops answering, results cannot
     be published) fails the worker: it exits non-zero and its successor reads the events again.
     ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off. ``baseline_dsn``:
     the ClickHouse the runs' baseline bands are loaded from at their start (streams/worker/baselines.py).
@@ -208,7 +208,6 @@ def create_app(
         acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
         await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
         pipeline["inflight"] = inflight
-        pipeline["tasks"] = (completer, acknowledger)
         try:
             async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
                 raw = [(e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
