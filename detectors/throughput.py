@@ -9,8 +9,12 @@ ADWIN only raises the question; the answer comes from medians. While a drift is 
 the change point is the split of the recent steps that best separates two means
 (least squares, on the clipped z), and a finding needs the median step time after it to
 exceed the median before it by ``min_change`` (relative), by at least three robust
-standard errors, over at least ``MIN_AFTER`` steps. Isolated slow steps move no median;
-noise does not pass the standard-error test.
+standard errors, over at least ``MIN_AFTER`` steps and ``min_duration_s`` seconds of event time.
+Isolated slow steps move no median; noise does not pass the standard-error test; and a burst of
+slow steps shorter than ``min_duration_s`` (a starved machine descheduling a run of 20 ms steps for
+a second) is not a drift in throughput. The median test stays pending for ``PENDING_STEPS`` steps
+and at least ``PENDING_DURATIONS`` times ``min_duration_s``, so a slowdown of short steps is
+still judged once it has lasted long enough.
 
 After a finding the history restarts from the new level, so one slowdown is one finding.
 
@@ -44,6 +48,7 @@ class ThroughputConfig(Strict):
     warmup: int = Field(default=30, ge=4, description="steps before any finding")
     delta: float = Field(default=0.01, gt=0, lt=1, description="ADWIN confidence parameter")
     min_change: float = Field(default=0.3, gt=0, description="relative change of the mean step time that counts")
+    min_duration_s: float = Field(default=2.0, ge=0, description="seconds of event time the slower steps must span")
     cooldown_steps: int = Field(default=100, ge=0)
 
 
@@ -53,6 +58,7 @@ SEGMENT = 200  # recent steps searched for the change point
 MIN_BEFORE = 10
 MIN_AFTER = 5
 PENDING_STEPS = 40  # how long an ADWIN signal keeps the median test running
+PENDING_DURATIONS = 3  # and at least this many min_duration_s of event time
 CLIP_Z = 4.0
 MIN_SCALE_LOG = 0.02  # a very steady step time still has 2% noise, as far as significance goes
 IQR_TO_SIGMA = 1.349
@@ -68,8 +74,10 @@ class ThroughputDetector(HostLoadAttributed):
         self._log_t: deque[float] = deque(maxlen=SEGMENT)
         self._z: deque[float] = deque(maxlen=SEGMENT)
         self._steps: deque[int] = deque(maxlen=SEGMENT)
+        self._times: deque[float] = deque(maxlen=SEGMENT)  # event time, s since the epoch
         self.seen = 0
         self._pending_until = -1
+        self._pending_until_ts = -math.inf
         self._cooldown = Cooldown()
         self.host_load = HostLoadTracker()
 
@@ -89,20 +97,24 @@ class ThroughputDetector(HostLoadAttributed):
             self._adwin.update(z)  # type: ignore[no-untyped-call]  # river.ADWIN.update is not annotated
             if self._adwin.drift_detected:
                 self._pending_until = event.step + PENDING_STEPS
+                self._pending_until_ts = event.ts.timestamp() + PENDING_DURATIONS * self.config.min_duration_s
         else:
             z = 0.0
         self._history.update(y)
         self._log_t.append(y)
         self._z.append(z)
         self._steps.append(event.step)
+        self._times.append(event.ts.timestamp())
         self.seen += 1
-        if event.step > self._pending_until or self.seen < self.config.warmup or self._cooldown.active(event.step):
+        pending = event.step <= self._pending_until or event.ts.timestamp() <= self._pending_until_ts
+        if not pending or self.seen < self.config.warmup or self._cooldown.active(event.step):
             return None
         finding = self._test(event)
         if finding is None:
             return None
         self._cooldown.start(event.step, self.config.cooldown_steps)
         self._pending_until = -1
+        self._pending_until_ts = -math.inf
         self._restart()
         return finding
 
@@ -112,6 +124,7 @@ class ThroughputDetector(HostLoadAttributed):
         self._log_t.clear()
         self._z.clear()
         self._steps.clear()
+        self._times.clear()
         self.seen = 0
 
     def _test(self, event: StepEvent) -> Finding | None:
@@ -139,6 +152,9 @@ class ThroughputDetector(HostLoadAttributed):
         stderr = 1.2533 * scale * math.sqrt(1 / len(after) + 1 / len(before))  # of a difference of medians
         if change < self.config.min_change or shift < 3 * stderr:
             return None
+        duration = self._times[-1] - self._times[split - 1]  # from the end of the last step before the onset
+        if duration < self.config.min_duration_s:
+            return None  # slower, but not for long enough yet
         before_s, after_s = math.exp(before_med), math.exp(after_med)
         onset = self._steps[split]
         return Finding(
@@ -160,6 +176,7 @@ class ThroughputDetector(HostLoadAttributed):
                 "change": change,
                 "onset_step": onset,
                 "steps_after": len(after),
+                "duration_s": duration,
                 "robust_scale_log": scale,
             },
         )

@@ -66,6 +66,24 @@ def train(
     on_step: Callable[[int, float], None] | None = None,
     on_action: Callable[[AppliedAction], None] | None = None,
 ) -> TrainingResult:
+    # Tiny tensors: one thread is fastest, and steady on a busy machine. With torch's default (a
+    # thread per core) and two CPU-bound processes beside the demo, a 3 ms step took 40-60 ms at
+    # its 90th percentile and up to 200 ms, a real slowdown that throughput_drift then reported.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(cfg, rw, listener, on_step, on_action)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    cfg: TrainingConfig,
+    rw: RunWatch,
+    listener: ActionListener | None,
+    on_step: Callable[[int, float], None] | None,
+    on_action: Callable[[AppliedAction], None] | None,
+) -> TrainingResult:
     if cfg.scenario.model != "regressor":
         raise ValueError(f"{cfg.scenario.name!r} is not a scenario of the demo's regressor")
     torch.manual_seed(cfg.seed)
