@@ -37,7 +37,19 @@ BATCH = 32
 
 
 def train(rw: object, wait_s: float, seed: int) -> None:
-    """A small regression, ``wait_s`` of data loading per step (the slower commit waits longer)."""
+    """A small regression, ``wait_s`` of data loading per step (the slower commit waits longer).
+
+    One torch thread: with one per core, tiny steps beside two CPU-bound processes took up to 0.06 s
+    at random, which widened the history's band past the slower run (no in-flight finding)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _train(rw, wait_s, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(rw: object, wait_s: float, seed: int) -> None:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
