@@ -21,6 +21,7 @@ from runwatch.streams.scenarios.catalog import SCENARIOS, Scenario
 from runwatch.streams.scenarios.faults import FaultRun, Healthy
 from runwatch.streams.scenarios.live import TrainingResult
 from runwatch.streams.scenarios.tasks import Batch
+from runwatch.streams.scenarios.threads import one_torch_thread
 
 
 @dataclass
@@ -69,12 +70,8 @@ def train(
     # Tiny tensors: one thread is fastest, and steady on a busy machine. With torch's default (a
     # thread per core) and two CPU-bound processes beside the demo, a 3 ms step took 40-60 ms at
     # its 90th percentile and up to 200 ms, a real slowdown that throughput_drift then reported.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return _train(cfg, rw, listener, on_step, on_action)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(

@@ -42,6 +42,7 @@ from runwatch.streams.scenarios.faults import FaultRun
 from runwatch.streams.scenarios.live import TrainingResult
 from runwatch.streams.scenarios.memory import ScenarioMemory
 from runwatch.streams.scenarios.tasks import Batch, Task, make_task
+from runwatch.streams.scenarios.threads import one_torch_thread
 
 
 @dataclass
@@ -79,12 +80,8 @@ def run_scenario(sc: Scenario, rw: Any, clock: Any, *, quick: bool = False,
     rollback restoring the in-memory checkpoint it names. Does not close ``rw``; the outcome
     says which status its run_end should carry.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is fastest and repeatable
-    try:
+    with one_torch_thread():  # tiny tensors: one thread is fastest and repeatable
         return _run(sc, rw, clock, quick, on_step, listener, on_action)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(sc: Scenario, rw: Any, clock: Any, quick: bool, on_step: Callable[[int, float], None] | None,

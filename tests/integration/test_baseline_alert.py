@@ -24,6 +24,7 @@ import yaml
 
 from runwatch.producer import RunWatch, topics
 from runwatch.producer.publish.recorder import JsonlRecorder
+from runwatch.streams.scenarios.threads import one_torch_thread
 
 from .conftest import eventually, read_topic, worker_with_config
 from .test_remediate import Webhook
@@ -41,12 +42,8 @@ def train(rw: object, wait_s: float, seed: int) -> None:
 
     One torch thread: with one per core, tiny steps beside two CPU-bound processes took up to 0.06 s
     at random, which widened the history's band past the slower run (no in-flight finding)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         _train(rw, wait_s, seed)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(rw: object, wait_s: float, seed: int) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from runwatch.producer import RunWatch, topics
 from runwatch.producer.schema import Anomaly, decode_anomaly
+from runwatch.streams.scenarios.threads import one_torch_thread
 
 from .conftest import read_topic, worker_with_config
 
@@ -52,9 +53,7 @@ def contention_worker(broker, secret, tmp_path_factory):
 def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[], None]]) -> int:
     """A CPU-bound MLP trained for CALM_S, then ``slow_down(the calm steps' median time)`` (returns the
     per-step extra, called each step) and SLOW_S more. Returns the first step after the slowdown began."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one training thread, as a loaded data-parallel worker would have
-    try:
+    with one_torch_thread():  # one training thread, as a loaded data-parallel worker would have
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                     torch.nn.ReLU(), torch.nn.Linear(1024, 10))
@@ -84,8 +83,6 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
             watch.close()
             rw.close()
         return onset
-    finally:
-        torch.set_num_threads(threads)
 
 
 def throughput_findings(bootstrap: str, run_id: str, onset: int, timeout: float = 30.0) -> list[Anomaly]:

@@ -36,6 +36,7 @@ from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.schema import StepEvent
 from runwatch.streams.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
+from runwatch.streams.scenarios.threads import one_torch_thread
 from tests.unit.test_instrumentation import RecordingPublisher
 
 N_MELS, CLASSES = 40, 4  # TinyAudioNet's defaults
@@ -57,9 +58,7 @@ def log_mel_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 
 
 def train(fixed: bool, seed: int = 0, bias_on_root: bool = False) -> list[StepEvent]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors: one thread is fastest and not at the mercy of a busy machine
-    try:
+    with one_torch_thread():  # small tensors: one thread is fastest and not at the mercy of a busy machine
         torch.manual_seed(seed)
         model = TinyAudioNet(fixed, bias_on_root=bias_on_root)
         data = torch.Generator().manual_seed(seed + 1)
@@ -77,8 +76,6 @@ def train(fixed: bool, seed: int = 0, bias_on_root: bool = False) -> list[StepEv
             watch.end_step(loss, samples=BATCH)
         watch.close()
         return rw.steps
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
