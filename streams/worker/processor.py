@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
 from runwatch.detectors.engine.policy import ActionDecision
@@ -34,6 +34,7 @@ from runwatch.producer.schema import (
     utc_now,
 )
 from runwatch.producer.signing import sign_action
+from runwatch.streams.worker.published import Published, read_published
 from runwatch.streams.worker.run_states import RunStates, StateOptions
 from runwatch.streams.worker.state import (
     SnapshotError,
@@ -93,7 +94,10 @@ class WorkerCounters:
     restored_runs: int = 0  # runs restored from a snapshot when their partition was assigned
     restore_failures: int = 0  # unreadable state records: those runs started fresh
     replay_skipped: int = 0  # events read again that a restored snapshot already included
+    repeats_withheld: int = 0  # anomalies and actions decided again that a predecessor had published (published.py)
 
+
+_Published = TypeVar("_Published", Anomaly, Action)
 
 # A tick judges runs until this much wall time has passed, then leaves the rest to the next tick
 # (round robin), so that one slow run cannot freeze the other runs' timers.
@@ -126,6 +130,7 @@ class TelemetryProcessor:
         self._config_sha = config_digest(config.model_dump_json())
         self._loaded: set[int] = set()  # telemetry partitions whose runs' state was read back
         self._state_prefix = f"{group}/"
+        self._published = Published()  # what predecessors published for the runs restored here
 
     def process(
         self,
@@ -196,6 +201,7 @@ class TelemetryProcessor:
         self.monitors.pop(run_id, None)
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
+        self._published.forget(run_id)
         # (_tick_order drops it lazily)
         if self.states is not None:
             {"ended": self.states.ended_run, "reset": self.states.dropped,
@@ -237,7 +243,7 @@ class TelemetryProcessor:
             return
         self._loaded |= new
         started = self._perf()
-        restored = 0
+        restored: list[str] = []
         for key, raw in self._reader.read(new).items():
             if not key.startswith(self._state_prefix):
                 continue  # another group's
@@ -271,10 +277,12 @@ class TelemetryProcessor:
                 # its clock resumes from now: the time no worker held the run is not the run's silence
                 self._last_seen[run_id] = (state.last_seen[0], self._clock())
             self.states.restored(run_id, header.partition, header.offset)
-            restored += 1
-        self.counters.restored_runs += restored
+            restored.append(run_id)
+        if restored:  # their predecessor may have published more than its last snapshot knows of
+            self._published.update(read_published(self._reader.scan, restored))
+        self.counters.restored_runs += len(restored)
         self.counters.runs = len(self.monitors)
-        log.info("restored %d run(s) of telemetry partition(s) %s in %.3f s", restored, sorted(new),
+        log.info("restored %d run(s) of telemetry partition(s) %s in %.3f s", len(restored), sorted(new),
                  self._perf() - started)
 
     def take_snapshots(self, force_checkpoint: bool = False) -> tuple[list[StateRecord], bool]:
@@ -366,8 +374,10 @@ class TelemetryProcessor:
         # their ts is the event time of what they are about), so detected_at - ts is the detection latency.
         detected = self._clock() if out.anomalies else None
         anomalies = [a.model_copy(update={"detected_at": detected}) for a in out.anomalies]
-        result = ProcessResult(anomalies=anomalies, actions=[self._action(d) for d in out.decisions],
-                               joined=out.joined)
+        actions = [self._action(d) for d in out.decisions]
+        if len(self._published):
+            anomalies, actions = self._not_published(anomalies), self._not_published(actions)
+        result = ProcessResult(anomalies=anomalies, actions=actions, joined=out.joined)
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:
             log.info("anomaly run=%s step=%s %s: %s", anomaly.run_id, anomaly.step, anomaly.detector, anomaly.message)
@@ -375,6 +385,18 @@ class TelemetryProcessor:
             self.counters.actions[action.kind] += 1
             log.info("action run=%s %s (%s)", action.run_id, action.kind, action.reason)
         return result
+
+    def _not_published(self, records: list[_Published]) -> list[_Published]:
+        """Leave out what a predecessor already published as it is (published.py)."""
+        kept = []
+        for record in records:
+            if self._published.is_repeat(record):
+                self.counters.repeats_withheld += 1
+                log.info("run %s: %s already published before this worker restored the run: not sent again",
+                         record.run_id, record.anomaly_id if isinstance(record, Anomaly) else record.action_id)
+            else:
+                kept.append(record)
+        return kept
 
     def _action(self, decision: ActionDecision) -> Action:
         issued = self._clock()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from runwatch.producer import topics
 
@@ -67,41 +67,53 @@ class StateReader:
 
     def read(self, partitions: Iterable[int]) -> dict[str, bytes | None]:
         """The newest value of every key in ``partitions`` (None: a tombstone), in offset order."""
+        newest: dict[str, bytes | None] = {}
+        for key, value in self.scan(self.topic, partitions):
+            if key is not None:
+                newest[key.decode("utf-8", "replace")] = value
+        return newest
+
+    def scan(self, topic: str, partitions: Iterable[int] | None = None,
+             tail: int | None = None) -> Iterator[tuple[bytes | None, bytes | None]]:
+        """Every record's (key, value) of ``topic``'s ``partitions`` (None: all of them), in offset
+        order per partition; ``tail``: only each partition's last ``tail`` offsets."""
         from kafka import TopicPartition
 
-        tps = [TopicPartition(self.topic, p) for p in sorted(set(partitions))]
-        if not tps:
-            return {}
         consumer = self._client()
+        if partitions is None:
+            partitions = consumer.partitions_for_topic(topic) or ()
+        tps = [TopicPartition(topic, p) for p in sorted(set(partitions))]
+        if not tps:
+            return
         consumer.assign(tps)
         first = consumer.beginning_offsets(tps)
         end = consumer.end_offsets(tps)
-        todo = {tp for tp in tps if end[tp] > first[tp]}  # an empty partition: nothing to wait for
+        start = {tp: first[tp] if tail is None else max(first[tp], end[tp] - tail) for tp in tps}
+        todo = {tp for tp in tps if end[tp] > start[tp]}  # an empty partition: nothing to wait for
         for tp in todo:
-            consumer.seek(tp, first[tp])
-        newest: dict[str, bytes | None] = {}
+            consumer.seek(tp, start[tp])
         started = time.monotonic()
         last_progress = {tp: started for tp in todo}
-        while todo:
-            now = time.monotonic()
-            if now - started > self.timeout_s:
-                raise StateReadError(f"reading {self.topic} partitions {sorted(tp.partition for tp in todo)} took "
-                                     f"over {self.timeout_s:g} s")
-            batches = consumer.poll(timeout_ms=200, max_records=5000)
-            for tp, records in batches.items():
-                last_progress[tp] = time.monotonic()
-                for record in records:
-                    if record.key is not None:
-                        newest[record.key.decode("utf-8", "replace")] = record.value
-            for tp in list(todo):
-                if consumer.position(tp) >= end[tp] and not batches.get(tp):
-                    todo.discard(tp)  # past the end, and nothing more to fetch
-                elif time.monotonic() - last_progress[tp] > self.idle_s:
-                    log.info("%s[%d]: nothing to fetch from %d below its end %d for %g s: a cleaned tail, read",
-                             self.topic, tp.partition, consumer.position(tp), end[tp], self.idle_s)
-                    todo.discard(tp)
-        consumer.assign([])
-        return newest
+        try:
+            while todo:
+                now = time.monotonic()
+                if now - started > self.timeout_s:
+                    raise StateReadError(f"reading {topic} partitions {sorted(tp.partition for tp in todo)} took "
+                                         f"over {self.timeout_s:g} s")
+                batches = consumer.poll(timeout_ms=200, max_records=5000)
+                for tp, records in batches.items():
+                    last_progress[tp] = time.monotonic()
+                    for record in records:
+                        yield record.key, record.value
+                for tp in list(todo):
+                    if consumer.position(tp) >= end[tp] and not batches.get(tp):
+                        todo.discard(tp)  # past the end, and nothing more to fetch
+                    elif time.monotonic() - last_progress[tp] > self.idle_s:
+                        log.info("%s[%d]: nothing to fetch from %d below its end %d for %g s: a cleaned tail, read",
+                                 topic, tp.partition, consumer.position(tp), end[tp], self.idle_s)
+                        todo.discard(tp)
+        finally:
+            consumer.assign([])
 
     def close(self) -> None:
         if self._consumer is not None:

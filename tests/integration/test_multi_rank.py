@@ -16,7 +16,7 @@ import pytest
 
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, Anomaly, JoinedStep
-from runwatch.streams.local.broker import free_port
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 from .conftest import read_topic, worker_with_config
 
@@ -65,8 +65,18 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    """A broker of this module's own: only its worker reads these runs. On the session's broker the
+    default-config worker publishes its findings of them beside this one's, and its stricter straggler
+    gap (5 ms) named rank 0, which computes the full gradient norm, on a loaded CI run."""
+    with EmbeddedBroker(log_path=tmp_path_factory.mktemp("dist-broker") / "broker.log") as b:
+        ensure_topics(b.bootstrap)
+        yield b
+
+
+@pytest.fixture(scope="module")
 def dist_worker(broker, secret, tmp_path_factory):
-    """A worker of its own group (the session's default-config worker may be running too)."""
+    """The only worker of this module's broker, running CONFIG."""
     with worker_with_config(broker, secret, tmp_path_factory.mktemp("dist-worker"), CONFIG, "runwatch-detect-dist") as worker:
         yield worker
 

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors.config import RunwatchConfig
+from runwatch.producer import topics
 from runwatch.producer.schema import (
     ActionAckEvent,
     CheckpointEvent,
@@ -144,10 +145,19 @@ def test_a_restored_run_skips_exactly_the_events_its_snapshot_holds():
 # -- the same results however often a run moves ----------------------------------------------------
 
 class Store:
-    """What the compacted topic holds after compaction: the newest value per key and partition."""
+    """What the compacted topic holds after compaction: the newest value per key and partition; and
+    the anomaly and action topics, as a successor scans them (StateReader.scan)."""
 
     def __init__(self) -> None:
         self.partitions: dict[int, dict[str, bytes | None]] = {}
+        self.published: dict[str, list[tuple[bytes, bytes]]] = {topics.ANOMALIES: [], topics.ACTIONS: []}
+
+    def publish(self, result: ProcessResult) -> None:
+        self.published[topics.ANOMALIES] += [(a.run_id.encode(), a.to_json()) for a in result.anomalies]
+        self.published[topics.ACTIONS] += [(a.run_id.encode(), a.to_json()) for a in result.actions]
+
+    def scan(self, topic: str, partitions: object, tail: int | None):  # noqa: ANN201
+        return iter(self.published[topic][-tail:] if tail else self.published[topic])
 
     def write(self, records: list[StateRecord]) -> None:
         for r in records:
@@ -230,10 +240,11 @@ def _processor(store: Store) -> TelemetryProcessor:
                               state=StateOptions(every_events=25, interval_s=1e9))
 
 
-def _run(stream, cuts: set[int], batch: int = 10) -> tuple[list[ProcessResult], int]:
+def _run(stream, cuts: set[int], batch: int = 10, snapshot_lost: bool = False) -> tuple[list[ProcessResult], int]:
     """Feed ``stream`` in batches, as the worker does; at each cut index the processor is lost and a new
-    one restores from the store and reads again from the last checkpoint. Returns the results and how
-    many runs were restored in all."""
+    one restores from the store and reads again from the last checkpoint. ``snapshot_lost``: the batch
+    before each cut had its results published but its snapshots never reached the store (the worker
+    died between the two). Returns the results and how many runs were restored in all."""
     store = Store()
     proc = _processor(store)
     proc.keep_partitions({0, 1})
@@ -253,10 +264,13 @@ def _run(stream, cuts: set[int], batch: int = 10) -> tuple[list[ProcessResult], 
         chunk = stream[i:min(i + batch, pending[0] if pending else len(stream))]
         for p, o, raw in chunk:
             results.append(proc.process(raw, partition=p, offset=o))
+            store.publish(results[-1])
         checkpoint_now = (i // batch) % 3 == 2  # every third batch, as the interval would
         records, checkpoint = proc.take_snapshots(force_checkpoint=checkpoint_now)
-        store.write(records)
         i += len(chunk)
+        if snapshot_lost and pending and i == pending[0]:
+            continue
+        store.write(records)
         if checkpoint:
             committed = i
     return results, restored + proc.counters.restored_runs
@@ -285,6 +299,25 @@ def test_results_are_the_same_whichever_processor_holds_the_run_and_however_ofte
         # an action is issued once: it is snapshotted with the state that decided it
         assert all(len(copies) == 1 for copies in actions.values()), cuts
         assert restored >= 2 * len(cuts), (cuts, restored)  # (each successor restored the runs, not rebuilt them)
+
+
+def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_its_last_snapshot():
+    """The worker died after the broker took an action and before it took the snapshot sent after it:
+    the successor restores the snapshot before, replays, decides the action again, and finds it
+    already on the action topic (streams/worker/published.py). Without that read it is issued twice."""
+    draft = _stream()
+    first, _ = _run(draft, set())
+    stream = _with_rollback_ack(draft, next(a for r in first for a in r.actions if a.kind == "rollback").action_id)
+    uninterrupted, _ = _run(stream, set())
+    want_anomalies, want_actions = _findings(uninterrupted)
+    right_after = {i + 1 for i, r in enumerate(uninterrupted) if r.actions or r.anomalies}
+    moved, _ = _run(stream, right_after, batch=1, snapshot_lost=True)
+    anomalies, actions = _findings(moved)
+    assert anomalies == want_anomalies
+    assert {k: v[:1] for k, v in actions.items()} == {k: v[:1] for k, v in want_actions.items()}
+    assert all(len(copies) == 1 for copies in actions.values()), {k: len(v) for k, v in actions.items()}
+    anomaly_copies = [a.anomaly_id for r in moved for a in r.anomalies]
+    assert len(anomaly_copies) == len(set(anomaly_copies))  # (no finding published twice either)
 
 
 # -- reading a compacted partition back ------------------------------------------------------------
