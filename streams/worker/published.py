@@ -14,13 +14,10 @@ takeover, so it is among the last ones unless findings of other runs flood its p
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, Anomaly
-
-log = logging.getLogger("runwatch.worker")
 
 TAIL_RECORDS = 5000
 

@@ -115,3 +115,39 @@ def test_a_record_that_cannot_be_read_is_logged_and_its_run_starts_fresh(bootstr
     _feed(second, "good", 2, _steps("good", 20, 25), 50)
     assert second.monitors["forged"].events_seen == 5 and second.monitors["garbage"].events_seen == 5
     assert second.monitors["good"].events_seen == 25
+
+
+def test_what_the_predecessor_published_after_its_last_snapshot_is_not_published_again(bootstrap):
+    """The predecessor published a loss spike's finding, and died before the broker took the snapshot
+    sent after it: its successor restores the snapshot before, replays the events since, decides the
+    same finding again, finds it on runwatch.anomalies, and withholds it."""
+    raws = _steps("spiky", 0, 60)
+    raws[45] = StepEvent(run_id="spiky", step=45, loss=8.0, ts=T0 + timedelta(seconds=45)).to_json()
+    first = _processor(bootstrap)
+    first.keep_partitions({3})
+    _feed(first, "spiky", 3, raws[:40], 0)
+    snapshot, _ = first.take_snapshots(force_checkpoint=True)
+    _publish(bootstrap, snapshot)
+    results = [first.process(raw, key=b"spiky", partition=3, offset=40 + i) for i, raw in enumerate(raws[40:])]
+    published = [a for r in results for a in r.anomalies]
+    assert [a.detector for a in published] == ["loss_spike"]
+    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
+    for anomaly in published:  # as the worker sends them (keyed by run); the snapshot after them is lost
+        producer.send(topics.ANOMALIES, key=b"spiky", value=anomaly.to_json())
+    producer.flush(30)
+    producer.close()
+
+    second = _processor(bootstrap)
+    second.keep_partitions({3})
+    assert second.counters.restored_runs == 1 and second.monitors["spiky"].events_seen == 40
+    again = [second.process(raw, key=b"spiky", partition=3, offset=40 + i) for i, raw in enumerate(raws[40:])]
+    assert [a for r in again for a in r.anomalies] == []
+    assert second.counters.repeats_withheld == 1
+    # a run that did not get that far is not held back: a third processor, the state read before
+    # the spike and nothing published for run "calm", reports its own spike
+    calm = _processor(bootstrap)
+    calm.keep_partitions({3})
+    spike = StepEvent(run_id="calm", step=45, loss=8.0, ts=T0 + timedelta(seconds=45)).to_json()
+    found = [calm.process(raw, key=b"calm", partition=3, offset=100 + i)
+             for i, raw in enumerate([*_steps("calm", 0, 45), spike])]
+    assert [a.detector for r in found for a in r.anomalies] == ["loss_spike"]
