@@ -12,13 +12,22 @@ from kafka import KafkaProducer
 from runwatch.producer import StepEvent, topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 
 from .conftest import eventually
 
 pytestmark = pytest.mark.integration
 
 
-def test_duplicated_deliveries_are_stored_once(broker, chdb_dsn):
+def test_duplicated_deliveries_are_stored_once(chdb_dsn, tmp_path):
+    # A broker of its own: the waits below count rows and skips, and on the session's broker other
+    # tests' telemetry (garbage included) met them before this run's records were read (a loaded CI run)
+    with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
+        ensure_topics(broker.bootstrap)
+        _store_twice_delivered_run(broker, chdb_dsn)
+
+
+def _store_twice_delivered_run(broker: EmbeddedBroker, chdb_dsn: str) -> None:
     sink = ClickHouseSink(chdb_dsn)
     try:
         sink.migrate()
@@ -38,8 +47,9 @@ def test_duplicated_deliveries_are_stored_once(broker, chdb_dsn):
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            eventually(lambda: consumer.stats.rows["telemetry"] >= 50, 60, "the sink to store the run")
-            eventually(lambda: consumer.stats.skipped[topics.TELEMETRY] >= 1, 10, "the garbage to be skipped")
+            # the garbage was sent last, after both copies of the run: once it is skipped, all was read
+            eventually(lambda: consumer.stats.skipped[topics.TELEMETRY] >= 1, 60, "the garbage to be skipped")
+            eventually(lambda: consumer.stats.rows["telemetry"] >= 50, 10, "the sink to store the run")
         finally:
             consumer.stopping.set()
             thread.join(30)
