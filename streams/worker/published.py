@@ -10,16 +10,23 @@ with a known id and other content is sent: that is the monitor updating a findin
 
 The tail is ``TAIL_RECORDS`` per partition: the record in question was published moments before the
 takeover, so it is among the last ones unless findings of other runs flood its partition meanwhile.
+The read has ``READ_BUDGET_S``: it comes after the state read, inside the same reply to the worker
+(whose timeout fails the worker), so a slow one is logged and what was read by then is used.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from runwatch.producer import topics
 from runwatch.producer.schema import Action, Anomaly
+from runwatch.streams.worker.state_reader import StateReadError
+
+log = logging.getLogger("runwatch.worker")
 
 TAIL_RECORDS = 5000
+READ_BUDGET_S = 5.0
 
 # Fields set when a record is made, not decided: a decision made again differs only in these.
 _ANOMALY_MADE = {"detected_at"}
@@ -59,19 +66,24 @@ def _content(record: Anomaly | Action) -> str:
     return record.model_dump_json(exclude=_ANOMALY_MADE if isinstance(record, Anomaly) else _ACTION_MADE)
 
 
-def read_published(scan, run_ids: Iterable[str], tail: int = TAIL_RECORDS) -> Published:  # noqa: ANN001
-    """``scan(topic, partitions, tail)``: a StateReader's. Records that do not parse are skipped."""
+def read_published(scan, run_ids: Iterable[str], tail: int = TAIL_RECORDS,  # noqa: ANN001
+                   budget_s: float = READ_BUDGET_S) -> Published:
+    """``scan(topic, partitions, tail, timeout_s)``: a StateReader's. Records that do not parse are skipped."""
     wanted = {run.encode() for run in run_ids}
     published = Published()
     if not wanted:
         return published
     models: tuple[tuple[str, type[Anomaly] | type[Action]], ...] = ((topics.ANOMALIES, Anomaly), (topics.ACTIONS, Action))
     for topic, model in models:
-        for key, value in scan(topic, None, tail):
-            if key not in wanted or value is None:
-                continue
-            try:
-                published.add(model.model_validate_json(value))
-            except ValueError:
-                continue
+        try:
+            for key, value in scan(topic, None, tail, budget_s):
+                if key not in wanted or value is None:
+                    continue
+                try:
+                    published.add(model.model_validate_json(value))
+                except ValueError:
+                    continue
+        except StateReadError as exc:
+            log.warning("%s: what the restored runs' previous worker published after their last snapshots may "
+                        "be issued again (%s)", topic, exc)
     return published

@@ -73,10 +73,12 @@ class StateReader:
                 newest[key.decode("utf-8", "replace")] = value
         return newest
 
-    def scan(self, topic: str, partitions: Iterable[int] | None = None,
-             tail: int | None = None) -> Iterator[tuple[bytes | None, bytes | None]]:
+    def scan(self, topic: str, partitions: Iterable[int] | None = None, tail: int | None = None,
+             timeout_s: float | None = None) -> Iterator[tuple[bytes | None, bytes | None]]:
         """Every record's (key, value) of ``topic``'s ``partitions`` (None: all of them), in offset
-        order per partition; ``tail``: only each partition's last ``tail`` offsets."""
+        order per partition; ``tail``: only each partition's last ``tail`` offsets. Raises
+        StateReadError past ``timeout_s`` (the reader's by default)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
         from kafka import TopicPartition
 
         consumer = self._client()
@@ -97,9 +99,9 @@ class StateReader:
         try:
             while todo:
                 now = time.monotonic()
-                if now - started > self.timeout_s:
+                if now - started > limit:
                     raise StateReadError(f"reading {topic} partitions {sorted(tp.partition for tp in todo)} took "
-                                         f"over {self.timeout_s:g} s")
+                                         f"over {limit:g} s")
                 batches = consumer.poll(timeout_ms=200, max_records=5000)
                 for tp, records in batches.items():
                     last_progress[tp] = time.monotonic()

@@ -156,7 +156,7 @@ class Store:
         self.published[topics.ANOMALIES] += [(a.run_id.encode(), a.to_json()) for a in result.anomalies]
         self.published[topics.ACTIONS] += [(a.run_id.encode(), a.to_json()) for a in result.actions]
 
-    def scan(self, topic: str, partitions: object, tail: int | None):  # noqa: ANN201
+    def scan(self, topic: str, partitions: object, tail: int | None, timeout_s: float | None = None):  # noqa: ANN201
         return iter(self.published[topic][-tail:] if tail else self.published[topic])
 
     def write(self, records: list[StateRecord]) -> None:
@@ -427,3 +427,30 @@ def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judge
     import numpy as np
 
     assert np.array_equal(trajectory._band.thr, before._band.thr, equal_nan=True)
+
+
+def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(caplog):
+    """The published tail is read inside the reply the worker waits for: past its budget it gives up
+    with a warning instead of failing the worker, keeping what it read by then."""
+    from runwatch.producer.schema import Anomaly
+    from runwatch.streams.worker.published import read_published
+    from runwatch.streams.worker.state_reader import StateReadError
+
+    found = Anomaly(anomaly_id="a1", run_id="run-a", detector="loss_spike", metric="loss", severity="warning",
+                    message="loss spiked", ts=T0)
+    budgets = []
+
+    def slow_scan(topic, partitions, tail, timeout_s):  # noqa: ANN001, ANN202
+        budgets.append(timeout_s)
+        if topic == topics.ANOMALIES:
+            yield b"run-a", found.to_json()
+            yield b"run-b", found.model_copy(update={"anomaly_id": "b1", "run_id": "run-b"}).to_json()
+        raise StateReadError(f"reading {topic} partitions [0] took over {timeout_s:g} s")
+
+    with caplog.at_level("WARNING", logger="runwatch.worker"):
+        published = read_published(slow_scan, ["run-a"], budget_s=0.5)
+    assert budgets == [0.5, 0.5]
+    assert published.is_repeat(found.model_copy(update={"detected_at": T0 + timedelta(seconds=1)}))
+    assert not published.is_repeat(found.model_copy(update={"severity": "critical"}))  # an update is sent
+    assert len(published) == 1  # run-b was not restored here
+    assert [r.message.split(":")[0] for r in caplog.records] == [topics.ANOMALIES, topics.ACTIONS]
