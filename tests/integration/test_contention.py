@@ -21,6 +21,7 @@ import torch
 
 from runwatch.producer import RunWatch, topics
 from runwatch.producer.schema import Anomaly, decode_anomaly
+from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.scenarios.threads import one_torch_thread
 
 from .conftest import read_topic, worker_with_config
@@ -44,8 +45,17 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    """A broker of this module's own: the tests take the first throughput finding of their run, and on
+    the session's broker the default-config worker may publish its own beside this module's worker's."""
+    with EmbeddedBroker(log_path=tmp_path_factory.mktemp("contention-broker") / "broker.log") as b:
+        ensure_topics(b.bootstrap)
+        yield b
+
+
+@pytest.fixture(scope="module")
 def contention_worker(broker, secret, tmp_path_factory):
-    """A worker of its own group with the test-sized throughput config."""
+    """The only worker of this module's broker, with the test-sized throughput config."""
     with worker_with_config(broker, secret, tmp_path_factory.mktemp("contention-worker"), CONFIG, "runwatch-detect-contention") as worker:
         yield worker
 
