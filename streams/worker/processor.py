@@ -375,7 +375,7 @@ class TelemetryProcessor:
         detected = self._clock() if out.anomalies else None
         anomalies = [a.model_copy(update={"detected_at": detected}) for a in out.anomalies]
         actions = [self._action(d) for d in out.decisions]
-        if len(self._published):
+        if self._published:  # (a restored run's predecessor published something)
             anomalies, actions = self._not_published(anomalies), self._not_published(actions)
         result = ProcessResult(anomalies=anomalies, actions=actions, joined=out.joined)
         self.counters.anomalies += len(result.anomalies)

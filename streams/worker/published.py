@@ -42,6 +42,9 @@ class Published:
     def __len__(self) -> int:
         return sum(len(seen) for seen in self._runs.values())
 
+    def __bool__(self) -> bool:  # (checked per event: O(1), not a count)
+        return bool(self._runs)
+
     def add(self, record: Anomaly | Action) -> None:
         self._runs.setdefault(record.run_id, {})[_key(record)] = _content(record)
 
