@@ -3,7 +3,8 @@ frameworks on a tiny seeded CPU model, publishing to the real embedded broker.
 
 Each run trains 20 optimizer steps with clipping by total norm, update norms every 5 steps,
 a short heartbeat and two evaluations. The frameworks accumulate 2 batches per optimizer step,
-so "one step event per optimizer step" is tested, not "one per batch".
+so "one step event per optimizer step" is tested, not "one per batch". Where CUDA exists, one
+more test trains the HF Trainer with fp16 AMP (the callback must unscale before it clips).
 """
 
 from __future__ import annotations
@@ -286,6 +287,66 @@ def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     assert [s.loss for s in got["steps"]] == pytest.approx([h["loss"] for h in logged], abs=1e-4)
     if all("grad_norm" in h for h in logged):  # 5.17 logs it without clipping too; 5.0 does not
         assert [s.grad_norm for s in got["steps"]] == pytest.approx([h["grad_norm"] for h in logged], rel=1e-5)
+
+
+@needs_hf
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 AMP needs a CUDA device")
+def test_hf_callback_unscales_fp16_gradients_before_it_clips(broker, tmp_path):
+    """fp16 AMP on CUDA: the GradScaler multiplies the loss (by 65536 at first), so the gradients the
+    callback sees at ``on_pre_optimizer_step`` are scaled unless it unscales them first. The norms it
+    reports must be the true ones, the same the Trainer computes when it clips by itself."""
+    from transformers import Trainer, TrainingArguments
+
+    from runwatch.producer.integrations.hf import RunWatchCallback
+
+    class Pairs(torch.utils.data.Dataset):
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), fp16=True, report_to=[], save_strategy="no", eval_strategy="no",
+        max_steps=STEPS, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
+        learning_rate=LR, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0,
+        max_grad_norm=CLIP, logging_strategy="steps", logging_steps=1, disable_tqdm=True,
+        dataloader_num_workers=0, seed=0,
+    )
+    x, y = _data(STEPS * ACCUMULATE * BATCH, seed=1)
+
+    def train(callbacks):
+        trainer = Trainer(model=TinyNet(), args=args, train_dataset=Pairs(x, y), callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    run_id = f"hf-fp16-{uuid.uuid4().hex[:8]}"
+    rw = RunWatch(run_id, broker.bootstrap)
+    callback = RunWatchCallback(rw, update_every=UPDATE_EVERY, heartbeat_s=HEARTBEAT_S)
+    trainer = train([callback])
+    rw.close()
+    assert args.max_grad_norm == CLIP
+    control = train([])  # the Trainer unscales and clips by itself, and logs the true pre-clip norm
+    steps = [e for e in _read_run(broker.bootstrap, run_id) if e.kind == "step"]
+    reference = [h for h in control.state.log_history if "grad_norm" in h]
+    assert [s.step for s in steps] == [h["step"] for h in reference] == list(range(1, STEPS + 1))
+    assert any((s.grad_norm or 0) > 1.5 * CLIP for s in steps), "the test wants clipping to act"
+    skipped = [h["step"] for h in reference if not math.isfinite(h["grad_norm"])]
+    assert len(skipped) <= 2, f"the scaler skipped steps {skipped}: too few left to compare"
+    for s, h in zip(steps, reference, strict=True):
+        if h["step"] in skipped:  # inf/NaN in the scaled gradients: no optimizer.step(), no gradient figures
+            assert s.grad_norm is None or not math.isfinite(s.grad_norm)
+            continue
+        # scaled gradients would give norms thousands of times larger
+        assert s.grad_norm == pytest.approx(h["grad_norm"], rel=1e-3), (s.step, s.grad_norm, h["grad_norm"])
+        assert s.grad_norm_clipped == pytest.approx(min(s.grad_norm, CLIP), rel=1e-3)
+        assert s.nonfinite_grads == 0
+    # runwatch clipped in the Trainer's place: the same weights as when the Trainer clips itself
+    for mine, theirs in zip(trainer.model.parameters(), control.model.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs)
 
 
 @pytest.mark.parametrize("framework", [
