@@ -9,7 +9,12 @@ worker in the group gives. Prints JSON (progress on stderr).
   1,000 and 5,000 of its events, with the time to take one (pickle and compress).
 - **restore time per 1,000 runs**: ``--restore-runs`` runs of 200 events each snapshotted into
   ``runwatch.state`` of an embedded broker, then read back by a fresh processor (the real
-  ``StateReader`` and unpickling, as a worker does when given the partitions).
+  ``StateReader`` and unpickling, as a worker does when given the partitions). The anomaly and
+  action topics are empty there, so the restore includes only the least of the tail read that
+  follows it (``published.py``).
+- **tail read at its largest**: the anomaly and action topics filled with ``TAIL_RECORDS`` records
+  per partition each (other runs' and the restored runs'), then ``read_published`` for 1,000
+  restored runs, timed against its ``READ_BUDGET_S``.
 - **one worker against two in one group**: real worker processes (``create_app``, state on), a fresh
   group and broker each time; the workers are started and have split the partitions *before* the telemetry topic
   is filled, so no rebalance falls inside the measurement; each worker notes, per partition, when it
@@ -39,9 +44,10 @@ from pathlib import Path
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
-from runwatch.producer.schema import CategoryLoss, MemoryStats, StepEvent
+from runwatch.producer.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.streams.worker.processor import TelemetryProcessor
+from runwatch.streams.worker.published import READ_BUDGET_S, TAIL_RECORDS, read_published
 from runwatch.streams.worker.run_states import StateOptions
 
 SECRET = secrets.token_bytes(32)
@@ -177,6 +183,44 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
             "median_snapshot_bytes": int(statistics.median(len(r.value or b"") for r in records)),
             "read_s": round(read_s, 2), "restore_s": round(restore_s, 2),
             "restore_s_per_1000_runs": round(restore_s / runs * 1000, 2)}
+
+
+# -- the published tail, full -------------------------------------------------------------------------
+
+def tail_read(bootstrap: str, restored_runs: int = 1000, other_runs: int = 10_000) -> dict:
+    """The successor's read of what was published, with every partition's tail full: ``TAIL_RECORDS``
+    anomalies and actions per partition, keyed by runs restored here and by other runs."""
+    from kafka import KafkaProducer
+
+    from runwatch.streams.worker.state_reader import StateReader
+
+    rng = random.Random(3)
+    now = datetime.now(UTC)
+    restored = [f"restored-{i}" for i in range(restored_runs)]
+    runs = restored + [f"other-{i}" for i in range(other_runs)]
+    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, linger_ms=20)
+    total = TAIL_RECORDS * PARTITIONS
+    for i in range(total):
+        run = rng.choice(runs)
+        anomaly = Anomaly(anomaly_id=f"{run}-a{i}", run_id=run, detector="loss_spike", metric="loss",
+                          severity="warning", message=f"loss {rng.uniform(2, 9):.3f} spiked over its median", ts=now,
+                          step=rng.randrange(100_000), score=rng.random())
+        action = Action(action_id=f"{run}-x{i}", run_id=run, kind="alert", reason="loss spike", step=anomaly.step,
+                        anomaly_ids=[anomaly.anomaly_id], issued_at=now, expires_at=now + timedelta(minutes=5))
+        producer.send(topics.ANOMALIES, key=run.encode(), value=anomaly.to_json(), partition=i % PARTITIONS)
+        producer.send(topics.ACTIONS, key=run.encode(), value=action.to_json(), partition=i % PARTITIONS)
+    producer.flush(120)
+    producer.close()
+    reader = StateReader(bootstrap, timeout_s=120)
+    try:
+        started = time.perf_counter()
+        published = read_published(reader.scan, restored)
+        read_s = time.perf_counter() - started
+    finally:
+        reader.close()
+    return {"records_per_partition_per_topic": TAIL_RECORDS, "partitions": PARTITIONS,
+            "records_read": 2 * total, "restored_runs": restored_runs, "kept": len(published),
+            "read_s": round(read_s, 2), "budget_s": READ_BUDGET_S, "within_budget": read_s < READ_BUDGET_S}
 
 
 # -- one worker against two ------------------------------------------------------------------------
@@ -321,7 +365,9 @@ def main() -> None:
         with EmbeddedBroker(log_path=Path(tmp) / "broker.log") as broker:
             ensure_topics(broker.bootstrap, partitions=PARTITIONS)
             result["restore"] = restore(broker.bootstrap, args.restore_runs)
-        log(f"restore: {result['restore']}")
+            log(f"restore: {result['restore']}")
+            result["published_tail_read"] = tail_read(broker.bootstrap)
+            log(f"published tail read: {result['published_tail_read']}")
         rounds = []
         for r in range(args.rounds):
             order = [(1, "on"), (2, "on"), (1, "off")]
