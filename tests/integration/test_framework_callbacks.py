@@ -81,6 +81,19 @@ def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, CLASSES, (n,), generator=g)
 
 
+class Pairs(torch.utils.data.Dataset):
+    """The HF Trainer's dataset: dicts of inputs and labels."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
 def _read_run(bootstrap: str, run_id: str) -> list:
     def mine(records):
         return [r for r in records if r.key == run_id.encode()]
@@ -237,16 +250,6 @@ def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
 
     from runwatch.producer.integrations.hf import RunWatchCallback
 
-    class Pairs(torch.utils.data.Dataset):
-        def __init__(self, x, y):
-            self.x, self.y = x, y
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"x": self.x[i], "labels": self.y[i]}
-
     args = TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no",
         max_steps=STEPS, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
@@ -298,16 +301,6 @@ def test_hf_callback_unscales_fp16_gradients_before_it_clips(broker, tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from runwatch.producer.integrations.hf import RunWatchCallback
-
-    class Pairs(torch.utils.data.Dataset):
-        def __init__(self, x, y):
-            self.x, self.y = x, y
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"x": self.x[i], "labels": self.y[i]}
 
     args = TrainingArguments(
         output_dir=str(tmp_path), fp16=True, report_to=[], save_strategy="no", eval_strategy="no",
