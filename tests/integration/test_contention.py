@@ -10,6 +10,7 @@ test and is reported, not relied on."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +32,13 @@ pytestmark = pytest.mark.integration
 HOGS = 3  # busy processes on a 2-core machine: the training thread gets well under half a core
 CALM_S = 6.0  # seconds of training before the slowdown (a baseline of heartbeats at HEARTBEAT_S)
 SLOW_S = 7.0  # and after it
+# The slowdown starts once the last STEADY_STEPS steps (the detector's window) hold one level, so
+# that it is measured against that level: a loaded CI run saw the machine slow the calm steps by 69%
+# (found, and the detector restarted at that level) just before the hogs, whose slowdown against it
+# then fell short of min_change. Waited for at most STEADY_WAIT_S past CALM_S.
+STEADY_STEPS = 100
+STEADY_SPREAD = 1.3  # the slowest 20-step median at most this times the fastest
+STEADY_WAIT_S = 20.0
 HEARTBEAT_S = 0.25
 
 CONFIG = {
@@ -60,9 +68,19 @@ def contention_worker(broker, secret, tmp_path_factory):
         yield worker
 
 
+def steady(step_times: list[float]) -> bool:
+    """Whether the last STEADY_STEPS step times hold one level (20-step medians within STEADY_SPREAD)."""
+    if len(step_times) < STEADY_STEPS:
+        return False
+    recent = step_times[-STEADY_STEPS:]
+    medians = [statistics.median(recent[i:i + 20]) for i in range(0, STEADY_STEPS, 20)]
+    return max(medians) <= STEADY_SPREAD * min(medians)
+
+
 def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[], None]]) -> int:
-    """A CPU-bound MLP trained for CALM_S, then ``slow_down(the calm steps' median time)`` (returns the
-    per-step extra, called each step) and SLOW_S more. Returns the first step after the slowdown began."""
+    """A CPU-bound MLP trained for CALM_S and until its step time is steady, then ``slow_down(the calm
+    steps' median time)`` (returns the per-step extra, called each step) and SLOW_S more. Returns the
+    first step after the slowdown began."""
     with one_torch_thread():  # one training thread, as a loaded data-parallel worker would have
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
@@ -71,13 +89,14 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
         x, y = torch.randn(128, 512), torch.randint(0, 10, (128,))
         rw = RunWatch(run_id, bootstrap)
         watch = rw.watch(model, optimizer, heartbeat_s=HEARTBEAT_S, update_every=50)
-        step, per_step, onset = 0, (lambda: None), None
+        step, per_step, onset, slowed_at = 0, (lambda: None), None, 0.0
         calm: list[float] = []
         started = last = time.monotonic()
         try:
-            while last - started < CALM_S + SLOW_S:
-                if onset is None and last - started >= CALM_S:
-                    per_step, onset = slow_down(sorted(calm)[len(calm) // 2]), step
+            while onset is None or last - slowed_at < SLOW_S:
+                if onset is None and last - started >= CALM_S and (
+                        steady(calm) or last - started >= CALM_S + STEADY_WAIT_S):
+                    per_step, onset, slowed_at = slow_down(statistics.median(calm)), step, last
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 optimizer.zero_grad()
                 loss.backward()
@@ -87,7 +106,7 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
                 step += 1
                 now = time.monotonic()
                 if onset is None:
-                    calm = [*calm[-99:], now - last]
+                    calm = [*calm[-(STEADY_STEPS - 1):], now - last]
                 last = now
         finally:
             watch.close()
