@@ -10,14 +10,15 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from runwatch.producer.wire.schema import EventBase
+from runwatch.producer.wire.schema import EventBase, run_id_problem
 
 E = TypeVar("E", bound=EventBase)
 
 
 def require_run_id(run_id: str) -> None:
-    if not run_id:
-        raise ValueError("run_id must be a non-empty string")
+    problem = run_id_problem(run_id) if isinstance(run_id, str) else "run_id: not a string"
+    if problem:
+        raise ValueError(f"{problem}: the worker would dead-letter every event of this run")
 
 
 class RunEvents:

@@ -10,6 +10,7 @@ field is a validation error, which the worker routes to the dead-letter topic.
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
@@ -25,6 +26,25 @@ Severity = Literal["info", "warning", "critical"]
 ActionKind = Literal["alert", "pause", "resume", "rollback", "stop"]
 
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+# A run id: ASCII letters, digits and ``. _ - : / @ + =``, at most RUN_ID_MAX_CHARS. It is the Kafka key,
+# part of state keys, log lines, chat messages and command lines: nothing in it may read as markup,
+# whitespace or a control character.
+RUN_ID_MAX_CHARS = 256
+_RUN_ID = re.compile(r"[A-Za-z0-9._:/@+=-]+", re.ASCII)
+
+
+def run_id_problem(run_id: str, max_chars: int = RUN_ID_MAX_CHARS) -> str | None:
+    """Why ``run_id`` is not a valid run id, or None."""
+    if not run_id:
+        return "run_id: empty"
+    if len(run_id) > max_chars:
+        return f"run_id: {len(run_id)} characters (limit {max_chars})"
+    if not _RUN_ID.fullmatch(run_id):
+        bad = next(c for c in run_id if not _RUN_ID.fullmatch(c))
+        return (f"run_id: {bad!r} at position {run_id.index(bad)} is outside the run id characters "
+                "(ASCII letters, digits and . _ - : / @ + =)")
+    return None
 
 
 def utc_now() -> datetime:
@@ -526,8 +546,11 @@ def _out_of_range(name: str, value: float | int | None, upper: float, *, positiv
 
 def _check_limits(event: Any, data: dict[str, Any], received_at: datetime | None, lim: WireLimits) -> str | None:
     """The bounds pydantic's types do not say: sizes, ranges, finiteness, the time window."""
-    if len(event.run_id) > lim.max_id_chars or len(event.event_id) > lim.max_id_chars:
-        return f"run_id/event_id: longer than {lim.max_id_chars} characters"
+    if len(event.event_id) > lim.max_id_chars:
+        return f"event_id: longer than {lim.max_id_chars} characters"
+    problem = run_id_problem(event.run_id, lim.max_id_chars)
+    if problem:
+        return problem
     if event.rank >= lim.max_world_size:
         return f"rank: {event.rank} is not below the maximum world size {lim.max_world_size}"
     problem = _check_time(event.ts, received_at, lim)

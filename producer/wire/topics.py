@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 TELEMETRY = "runwatch.telemetry"
@@ -36,3 +37,13 @@ KAFKA_API_VERSION = (2, 8, 0)
 
 def bootstrap_from_env(default: str | None = None) -> str | None:
     return os.environ.get(BOOTSTRAP_ENV, default)
+
+
+@functools.lru_cache(maxsize=65_536)
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition a record keyed ``key`` belongs on among ``partitions``: murmur2 of the key, the
+    Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's
+    events are all on this one partition; the worker refuses a record found elsewhere."""
+    from kafka.partitioner.default import murmur2  # (lazily: the wire contract imports without Kafka)
+
+    return (murmur2(key) & 0x7FFFFFFF) % partitions

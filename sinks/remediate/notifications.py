@@ -11,12 +11,14 @@ from typing import Any
 
 import orjson
 
+from runwatch.logsafe import escape_control
 from runwatch.producer.wire.schema import Action
 from runwatch.sinks.remediate.record import OUTPUT_LIMIT, Execution, tail
 
 
 def _slack_escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    """Slack's three markup characters, and anything unprintable (a newline in a name) as its escape."""
+    return escape_control(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 COLORS = {"alert": "warning", "pause": "warning", "resume": "good", "rollback": "danger", "stop": "danger"}
@@ -61,9 +63,9 @@ def slack_payload(action: Action, commands: Iterable[Execution] = ()) -> dict[st
     if isinstance(baseline, dict):
         text = outlier_alert_text(action, baseline)
     fields = [
-        {"title": "run_id", "value": action.run_id, "short": True},
+        {"title": "run_id", "value": _slack_escape(action.run_id), "short": True},
         {"title": "kind", "value": action.kind, "short": True},
-        {"title": "action_id", "value": action.action_id, "short": True},
+        {"title": "action_id", "value": _slack_escape(action.action_id), "short": True},
     ]
     if action.step is not None:
         fields.append({"title": "step", "value": str(action.step), "short": True})

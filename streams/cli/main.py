@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import click
 
+from runwatch import logsafe
 from runwatch.streams.cli import (
     baseline,
     broker,
@@ -26,6 +27,7 @@ from runwatch.streams.cli import (
 @click.group()
 def main() -> None:
     """runwatch: see training regressions while the run is still going, and act on them."""
+    logsafe.install()  # what a client sent (a run id, a module name) cannot forge a log line
 
 
 for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,

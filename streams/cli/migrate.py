@@ -20,6 +20,7 @@ def migrate(dsn: str | None, wait_s: float) -> None:
     from clickhouse_connect.driver.exceptions import OperationalError
 
     from runwatch.sinks import ClickHouseSink
+    from runwatch.streams.cli.startup import redacted
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -32,18 +33,8 @@ def migrate(dsn: str | None, wait_s: float) -> None:
             time.sleep(1.0)
     try:
         applied = store.migrate()
-        click.echo(f"ClickHouse {_redacted(store.dsn)}: schema v{store.schema_version()} "
+        click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()} "
                    f"(applied now: {applied or 'none'})")
     finally:
         store.close()
 
-
-def _redacted(dsn: str) -> str:
-    """The DSN without its password, for logs."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -23,10 +23,10 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
     from runwatch.configfile import ConfigError
     from runwatch.producer.signing import MissingSecretError, resolve_secret
-    from runwatch.sinks import ClickHouseSink
     from runwatch.sinks.remediate.config import load_remediation_config
     from runwatch.sinks.remediate.consumer import RemediateConsumer
     from runwatch.sinks.remediate.record import RemediationStore
+    from runwatch.streams.cli.startup import open_store, require_topics
 
     try:
         config = load_remediation_config(config_path)
@@ -35,8 +35,12 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
         raise click.ClickException(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Its own embedded path by default: a chdb path is open in one process at a time (the sink's).
-    store = ClickHouseSink(dsn or f"chdb://{(Path('.runwatch') / 'remediate').resolve()}")
-    store.migrate()
+    store = open_store(dsn or f"chdb://{(Path('.runwatch') / 'remediate').resolve()}")
+    try:
+        require_topics(bootstrap, [topics.ACTIONS])
+    except click.ClickException:
+        store.close()
+        raise
     consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
     n_commands = sum(len(rule.commands) for rule in config.rules)
     click.echo(f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "

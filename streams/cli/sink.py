@@ -25,14 +25,19 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
          died_after: float) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
-    from runwatch.sinks import ClickHouseSink, SinkConsumer
+    from runwatch.sinks import SinkConsumer
+    from runwatch.streams.cli.startup import open_store, redacted, require_topics
 
     config = cli_config(config_path)
     limits = config.limits
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = ClickHouseSink(dsn)
-    applied = store.migrate()
-    click.echo(f"ClickHouse {store.dsn}: schema v{store.schema_version()} (applied now: {applied or 'none'})")
+    store = open_store(dsn)
+    try:
+        require_topics(bootstrap, topics.ALL_TOPICS)
+    except click.ClickException:
+        store.close()
+        raise
+    click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
     consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
                             died_after_s=died_after, summary_loss_every=config.baseline.loss_every)
     run_until_signalled(consumer, store)

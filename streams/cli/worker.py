@@ -59,33 +59,34 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
                              interval_s=snapshot_interval, retention_s=state_retention)
     except ValidationError as exc:
         raise click.ClickException(f"bad snapshot option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
-    if state.enabled:
-        _check_state_topic(bootstrap)
+    partitions = _check_topics(bootstrap, state.enabled)
     app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port or None, web_host=web_host,
                         ready_file=Path(ready_file) if ready_file else None, detector_timeout_s=detector_timeout,
-                        delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn, state=state)
+                        delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn, state=state,
+                        partitions=partitions)
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
 
 
-def _check_state_topic(bootstrap: str) -> None:
-    """runwatch.state must exist with the telemetry topic's partition count: a run's snapshot goes to
-    the partition number its telemetry comes from, and is read back when that partition is assigned."""
-    from runwatch.streams.worker.state_reader import StateReader
+def _check_topics(bootstrap: str, state: bool) -> int:
+    """The broker answers within CONNECT_TIMEOUT_S, the telemetry topic exists, and (with durable state)
+    runwatch.state exists with the same partition count: a run's snapshot goes to the partition number its
+    telemetry comes from, and is read back when that partition is assigned. Returns the telemetry topic's
+    partition count (each record's partition is checked against its key's)."""
+    from runwatch.streams.cli.startup import require_topics
 
-    reader = StateReader(bootstrap, timeout_s=15.0)
-    try:
-        state = reader.partition_count()
-        reader.topic = topics.TELEMETRY
-        telemetry = reader.partition_count()
-    finally:
-        reader.close()
-    if state is None:
+    counts = require_topics(bootstrap, [topics.TELEMETRY], optional=[topics.STATE])
+    telemetry, state_count = counts[topics.TELEMETRY], counts[topics.STATE]
+    assert telemetry is not None  # (required)
+    if not state:
+        return telemetry
+    if state_count is None:
         raise click.ClickException(
             f"the topic {topics.STATE} does not exist on {bootstrap}: create it compacted (cleanup.policy=compact) "
             f"with as many partitions as {topics.TELEMETRY} (`runwatch broker --bootstrap ...` creates it; "
             "deploy/ lists it), or run with --no-state")
-    if telemetry is not None and state != telemetry:
+    if state_count != telemetry:
         raise click.ClickException(
-            f"{topics.STATE} has {state} partitions and {topics.TELEMETRY} {telemetry}: they must be equal (a run's "
-            "snapshot goes to the partition number of its telemetry)")
+            f"{topics.STATE} has {state_count} partitions and {topics.TELEMETRY} {telemetry}: they must be equal (a "
+            "run's snapshot goes to the partition number of its telemetry)")
+    return telemetry

@@ -105,6 +105,7 @@ def create_app(
     delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
     baseline_dsn: str | None = None,
     state: StateOptions | None = None,
+    partitions: int | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
@@ -112,14 +113,16 @@ def create_app(
     be published) fails the worker: it exits non-zero and its successor reads the events again.
     ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off. ``baseline_dsn``:
     the ClickHouse the runs' baseline bands are loaded from at their start (streams/worker/baselines.py).
-    ``state``: the runs' state snapshots to ``runwatch.state`` (streams/worker/run_states.py); on by default."""
+    ``state``: the runs' state snapshots to ``runwatch.state`` (streams/worker/run_states.py); on by default.
+    ``partitions``: the telemetry topic's partition count, against which each record's partition is checked."""
     app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
                   for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)}
     state = state or StateOptions()
     detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s, baseline_dsn=baseline_dsn,
-                                state_bootstrap=bootstrap if state.enabled else None, state=state, group=app_id)
+                                state_bootstrap=bootstrap if state.enabled else None, state=state, group=app_id,
+                                partitions=partitions)
     health = WorkerHealth(detectors)
     app.sensors.add(CommitSensor(health))
 

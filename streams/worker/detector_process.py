@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from runwatch import logsafe
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer import topics
 from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor, WorkerCounters
@@ -114,10 +115,11 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
 def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int,
            baseline_dsn: str | None = None, state_bootstrap: str | None = None,
            state_json: str | None = None, group: str = topics.DETECT_GROUP,
-           reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
+           reply_timeout_s: float = REPLY_TIMEOUT_S, partitions: int | None = None) -> None:
     """The child's loop: one request at a time, answered in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
+    logsafe.install()
     logging.getLogger("runwatch").setLevel(logging.INFO)
     try:
         config = RunwatchConfig.model_validate_json(config_json)
@@ -137,7 +139,7 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
             # (a restore is one request: it must end, or fail, before the parent's reply timeout kills us)
             reader = StateReader(state_bootstrap, timeout_s=max(5.0, reply_timeout_s - 5.0))
         processor = TelemetryProcessor(config, secret, baselines=baselines, state_reader=reader, state=state,
-                                       group=group)
+                                       group=group, partitions=partitions)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
         replies.put(("error", traceback.format_exc()))
         return
@@ -163,9 +165,11 @@ class DetectorProcess:
 
     def __init__(self, config: RunwatchConfig, secret: bytes, reply_timeout_s: float = REPLY_TIMEOUT_S,
                  baseline_dsn: str | None = None, state_bootstrap: str | None = None,
-                 state: StateOptions | None = None, group: str = topics.DETECT_GROUP):
+                 state: StateOptions | None = None, group: str = topics.DETECT_GROUP,
+                 partitions: int | None = None):
         """``state_bootstrap``: the broker whose ``runwatch.state`` the runs' snapshots are read back
-        from (None: no durable state); ``state``: when snapshots are taken."""
+        from (None: no durable state); ``state``: when snapshots are taken; ``partitions``: the telemetry
+        topic's partition count (records on another partition than their key's are refused)."""
         self.reply_timeout_s = reply_timeout_s
         ctx = multiprocessing.get_context("spawn")  # (fork is unsafe once Faust's threads run)
         self._requests = ctx.Queue()
@@ -173,7 +177,8 @@ class DetectorProcess:
         self._process = ctx.Process(
             target=_serve, name="runwatch-detectors", daemon=True,
             args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid(), baseline_dsn,
-                  state_bootstrap, (state or StateOptions()).model_dump_json(), group, reply_timeout_s),
+                  state_bootstrap, (state or StateOptions()).model_dump_json(), group, reply_timeout_s,
+                  partitions),
         )
         self._pending: deque[asyncio.Future] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request

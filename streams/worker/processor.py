@@ -108,11 +108,13 @@ class TelemetryProcessor:
     def __init__(self, config: RunwatchConfig, secret: bytes, clock: Callable[[], datetime] = utc_now,
                  perf_clock: Callable[[], float] = time.perf_counter, baselines: BaselineLoader | None = None,
                  state_reader: StateReader | None = None, state: StateOptions | None = None,
-                 group: str = topics.DETECT_GROUP):
+                 group: str = topics.DETECT_GROUP, partitions: int | None = None):
         """``state_reader``: where runs' snapshots are read back from (None: no durable state; every
         request is then its own checkpoint). ``state``: when snapshots are taken. ``group``: the
-        workers' consumer group, whose snapshots these are."""
+        workers' consumer group, whose snapshots these are. ``partitions``: the telemetry topic's
+        partition count; a record on another partition than its key's is refused (None: not checked)."""
         self.config = config
+        self.partitions = partitions
         self.baselines = baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
         self._secret = secret
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
@@ -141,9 +143,12 @@ class TelemetryProcessor:
         timestamp: float | None = None,
     ) -> ProcessResult:
         """One telemetry message. ``timestamp`` is the Kafka record's (seconds since the epoch): the
-        receive time that an event's ``ts`` must lie near (``limits.max_future_s`` / ``max_past_s``)."""
-        received = record_time(timestamp)
+        receive time that an event's ``ts`` must lie near (``limits.max_future_s`` / ``max_past_s``). A
+        record time that is missing, unusable or more than ``max_future_s`` ahead of this worker's clock
+        is not trusted: the event's ``ts`` is then checked against the worker's clock."""
+        received = self._receive_time(timestamp)
         try:
+            self._check_key(key, partition)
             event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
         except SchemaError as exc:
             self.counters.deadlettered += 1
@@ -160,6 +165,27 @@ class TelemetryProcessor:
             return self._observe(event, received, partition, offset)
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
+
+    def _check_key(self, key: bytes | None, partition: int | None) -> None:
+        """The key is the run id and decides the partition, hence which worker owns the run: a record
+        without one, or on another partition, would split a run's state between workers."""
+        if key is None:
+            raise SchemaError("key: missing (the record's key must be the run id)")
+        if self.partitions and partition is not None:
+            expected = topics.key_partition(key, self.partitions)
+            if partition != expected:
+                raise SchemaError(f"partition: the record is on partition {partition}, its key's partition is "
+                                  f"{expected} of {self.partitions} (murmur2 of the key, the Java and "
+                                  "kafka-python default partitioner)")
+
+    def _receive_time(self, timestamp: float | None) -> datetime:
+        # A client sets the record time (0, -1, year 9999): one in the future is not a send time. A past
+        # one is trusted, so that a backlog or a recording replayed with its timestamps keeps its verdicts.
+        now = self._clock()
+        received = record_time(timestamp)
+        if received is None or (received - now).total_seconds() > self.config.limits.max_future_s:
+            return now
+        return received
 
     def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None,
                  offset: int | None = None) -> ProcessResult:
@@ -349,9 +375,12 @@ class TelemetryProcessor:
                 continue  # ended, moved away, or listed twice (ended and started again): dropped here
             judged.add(run_id)
             order.append(run_id)
-            event_ts, arrived = self._last_seen[run_id]
-            run_now = event_ts if self._partition.get(run_id) in behind else event_ts + (now - arrived)
-            try:
+            seen = self._last_seen.get(run_id)
+            if seen is None:
+                continue  # no event time yet (restored without one): nothing to carry forward
+            try:  # everything about one run, its clock included, inside the guard: one run's error resets that run
+                event_ts, arrived = seen
+                run_now = event_ts if self._partition.get(run_id) in behind else event_ts + (now - arrived)
                 if monitor.ended_at is not None and run_now - monitor.ended_at > self._linger:
                     # run_end came a join timeout ago: whatever ranks still owe is not coming
                     part = self._result(monitor.finish())

@@ -54,17 +54,6 @@ class StateReader:
                 fetch_max_bytes=4 * topics.STATE_MAX_BYTES, fetch_max_wait_ms=100, request_timeout_ms=30_000)
         return self._consumer
 
-    def partition_count(self) -> int | None:
-        """How many partitions the state topic has (None: it does not exist)."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            found = self._client().partitions_for_topic(self.topic)
-            if found:
-                return len(found)
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.5)  # metadata may not have arrived yet
-
     def read(self, partitions: Iterable[int]) -> dict[str, bytes | None]:
         """The newest value of every key in ``partitions`` (None: a tombstone), in offset order."""
         newest: dict[str, bytes | None] = {}

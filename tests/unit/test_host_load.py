@@ -367,7 +367,7 @@ def _nan_steps(run_id: str) -> list[StepEvent]:
 
 
 def test_the_worker_stamps_detected_at_with_its_clock_and_the_monitor_does_not():
-    wall = datetime(2030, 1, 1, tzinfo=UTC)
+    wall = T0 + timedelta(days=1)  # after the events, as a worker reading a backlog is
     proc = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall)
     events, online = _nan_steps("r1"), []
     for e in events:

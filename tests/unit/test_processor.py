@@ -19,8 +19,9 @@ from runwatch.producer.topics import TELEMETRY
 from runwatch.streams.worker.processor import TelemetryProcessor
 
 SECRET = b"unit-test-secret-at-least-32-bytes-0123"
-WALL = datetime(2030, 1, 1, 0, 0, 0, tzinfo=UTC)
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+# The worker's wall clock: events without a record time are checked against it (within 7 days before it)
+WALL = T0 + timedelta(hours=6)
 
 # The fields every telemetry event must carry, minus run_id and kind (which tests vary).
 HEAD = b'{"schema_version":1,"event_id":"e","rank":0,"ts":"2024-05-01T12:00:00Z",'
@@ -162,7 +163,7 @@ def test_run_end_removes_the_runs_monitor(proc):
     proc.process(_step(0, run_id="run-1"), key=b"run-1")
     proc.process(_step(0, run_id="run-2"), key=b"run-2")
     assert set(proc.monitors) == {"run-1", "run-2"}
-    end = proc.process(RunEndEvent(run_id="run-1", status="completed").to_json(), key=b"run-1")
+    end = proc.process(RunEndEvent(run_id="run-1", status="completed", ts=T0).to_json(), key=b"run-1")
     assert end.deadletter is None
     assert set(proc.monitors) == {"run-2"}
 
@@ -255,11 +256,11 @@ def test_a_rebalance_drops_only_the_runs_of_partitions_this_worker_lost(proc):
 def test_multi_rank_steps_come_out_joined(proc):
     from runwatch.producer.schema import RunStartEvent
 
-    proc.process(RunStartEvent(run_id="dist", world_size=2).to_json(), key=b"dist")
-    first = proc.process(StepEvent(run_id="dist", rank=0, step=0, grad_norm=3.0, grad_sharded=True).to_json(),
+    proc.process(RunStartEvent(run_id="dist", world_size=2, ts=T0).to_json(), key=b"dist")
+    first = proc.process(StepEvent(run_id="dist", rank=0, step=0, grad_norm=3.0, grad_sharded=True, ts=T0).to_json(),
                          key=b"dist")
     assert first.joined == []
-    second = proc.process(StepEvent(run_id="dist", rank=1, step=0, grad_norm=4.0, grad_sharded=True).to_json(),
+    second = proc.process(StepEvent(run_id="dist", rank=1, step=0, grad_norm=4.0, grad_sharded=True, ts=T0).to_json(),
                           key=b"dist")
     (joined,) = second.joined
     assert joined.grad_norm == pytest.approx(5.0) and joined.ranks_reported == [0, 1]
@@ -268,7 +269,7 @@ def test_multi_rank_steps_come_out_joined(proc):
 def test_actions_carry_the_runs_job_id_for_remediation(proc):
     from runwatch.producer.schema import RunStartEvent
 
-    proc.process(RunStartEvent(run_id="job-run", job_id="81234", host="node7", tags={"pod": "trainer-0"}).to_json(),
+    proc.process(RunStartEvent(run_id="job-run", job_id="81234", host="node7", tags={"pod": "trainer-0"}, ts=T0).to_json(),
                  key=b"job-run")
     actions = []
     for s in range(5):
@@ -417,3 +418,58 @@ def test_a_run_started_again_under_its_id_right_after_run_end_gets_a_fresh_monit
     proc.process(RunStartEvent(run_id="run-1", world_size=4, ts=T0 + timedelta(seconds=2)).to_json(), key=b"run-1")
     resumed = proc.monitors["run-1"]
     assert resumed is not ended and resumed.ended_at is None and resumed.join.world_size == 4
+
+
+# -- issue 23: a record time a client chose must not take the worker down -------------------------
+
+_Y9999 = (b'{"schema_version":1,"event_id":"e1","run_id":"r","rank":0,"ts":"9999-12-31T23:59:59Z",'
+          b'"kind":"step","step":1,"loss":2.0}')
+
+
+@pytest.mark.parametrize("record_ts", [None, 0.0, -1.0, 253402300800.0 * 10, float("nan"), float("inf"),
+                                       253402300799.0])  # missing, 0, -1, past year 9999, NaN, inf, 9999-12-31
+def test_an_untrusted_record_time_makes_the_worker_clock_bound_ts(proc, record_ts):
+    """The crash-loop record: ts 9999-12-31 with a record time 0 (or missing, or absurd) was accepted
+    unchecked, and the next tick overflowed outside its guard, killing every successor."""
+    result = proc.process(_Y9999, key=b"r", partition=0, offset=1, timestamp=record_ts)
+    assert result.deadletter is not None and result.deadletter.reason.startswith("limits: ts:"), result
+    assert "r" not in proc.monitors
+    assert proc.tick(WALL + timedelta(seconds=5)).errors == []
+
+
+def test_a_trusted_record_time_still_bounds_ts_as_before(proc):
+    # a backlog read hours later: judged against when it was sent, not against now
+    sent = T0 + timedelta(seconds=3)
+    ok = proc.process(_step(3), key=b"run-1", timestamp=sent.timestamp())
+    assert ok.deadletter is None
+    late = StepEvent(run_id="run-1", step=4, loss=1.0, ts=T0 + timedelta(hours=2)).to_json()
+    bad = proc.process(late, key=b"run-1", timestamp=sent.timestamp())
+    assert bad.deadletter is not None and "after the receive time" in bad.deadletter.reason
+
+
+def test_a_run_clock_that_overflows_in_the_tick_resets_only_that_run(proc):
+    for run in ("a", "b"):
+        proc.process(_step(0, run_id=run), key=run.encode())
+    far = datetime.max.replace(tzinfo=UTC) - timedelta(seconds=1)
+    proc._last_seen["a"] = (far, WALL)  # however it got there, a tick adding time to it overflows
+    result = proc.tick(WALL + timedelta(seconds=10))
+    assert [e.reason.split(":")[1].strip() for e in result.errors] == ["OverflowError"]
+    assert result.errors[0].stage == "detector"
+    assert set(proc.monitors) == {"b"}
+    assert proc.tick(WALL + timedelta(seconds=11)).errors == []
+
+
+@pytest.mark.parametrize("run_id", ["a\nb", "a\x00b", "has space", "tab\there", "ü-run", "a<b>", "x" * 257, ""])
+def test_a_run_id_outside_the_documented_characters_is_deadlettered(proc, run_id):
+    raw = json.dumps({"schema_version": 1, "event_id": "e", "run_id": run_id, "rank": 0,
+                      "ts": T0.isoformat(), "kind": "step", "step": 1}).encode()
+    result = proc.process(raw, key=run_id.encode() or None)
+    assert result.deadletter is not None, run_id
+    assert "run_id" in result.deadletter.reason
+    assert proc.monitors == {}
+
+
+@pytest.mark.parametrize("run_id", ["run-42", "llama/7b:pretrain@node+1=ok", "a.b_c-d", "x" * 256])
+def test_run_ids_of_the_documented_characters_are_accepted(proc, run_id):
+    result = proc.process(_step(1, run_id=run_id), key=run_id.encode())
+    assert result.deadletter is None and run_id in proc.monitors

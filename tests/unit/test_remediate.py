@@ -487,6 +487,13 @@ def test_slack_payload_escapes_and_carries_the_action():
     assert {"title": "kind", "value": "stop", "short": True} in payload["attachments"][0]["fields"]
 
 
+def test_slack_payload_escapes_the_run_id_in_its_text_and_attachment():
+    payload = slack_payload(_action(run_id="r\n*forged* <!channel>"))
+    fields = {f["title"]: f["value"] for f in payload["attachments"][0]["fields"]}
+    assert fields["run_id"] == "r\\n*forged* &lt;!channel&gt;"
+    assert "\n" not in payload["text"] and "<!channel>" not in payload["text"]
+
+
 # -- running commands -------------------------------------------------------------------------------
 
 

@@ -31,8 +31,8 @@ from runwatch.streams.worker.state import (
 )
 
 SECRET = b"unit-test-secret-at-least-32-bytes-0123"
-WALL = datetime(2030, 1, 1, tzinfo=UTC)
 T0 = datetime(2024, 5, 1, 12, tzinfo=UTC)
+WALL = T0 + timedelta(days=1)  # the worker clock: events within 7 days before it are in the time window
 
 
 def _header(**fields) -> SnapshotHeader:
@@ -235,8 +235,8 @@ def _findings(results: list[ProcessResult]) -> tuple[dict[str, str], dict[str, l
     return anomalies, actions
 
 
-def _processor(store: Store) -> TelemetryProcessor:
-    return TelemetryProcessor(CONFIG, SECRET, clock=lambda: WALL, state_reader=store,  # type: ignore[arg-type]
+def _processor(store: Store, wall: datetime = WALL) -> TelemetryProcessor:
+    return TelemetryProcessor(CONFIG, SECRET, clock=lambda: wall, state_reader=store,  # type: ignore[arg-type]
                               state=StateOptions(every_events=25, interval_s=1e9))
 
 
@@ -404,9 +404,10 @@ def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judge
     from runwatch.detectors.baselines.summary import RunSummarizer
 
     store = Store()
-    first = _processor(store)
-    first.keep_partitions({0})
     events = run(9, run_id="live")
+    wall = events[-1].ts + timedelta(hours=1)
+    first = _processor(store, wall)
+    first.keep_partitions({0})
     first.process(RunStartEvent(run_id="live", ts=events[0].ts).to_json(), partition=0, offset=0)
     monitor = first.monitors["live"]
     history = [RunSummarizer(f"old-{i}").summary() for i in range(3)]
@@ -417,7 +418,7 @@ def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judge
     records, _ = first.take_snapshots(force_checkpoint=True)
     store.write(records)
 
-    second = _processor(store)
+    second = _processor(store, wall)
     second.keep_partitions({0})
     restored = second.monitors["live"]
     assert [s.run_id for s in restored.baseline.candidates] == ["old-0", "old-1", "old-2"]
