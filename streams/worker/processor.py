@@ -148,8 +148,8 @@ class TelemetryProcessor:
         is not trusted: the event's ``ts`` is then checked against the worker's clock."""
         received = self._receive_time(timestamp)
         try:
-            self._check_key(key, partition)
             event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
+            self._check_key(key, partition)
         except SchemaError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(exc.reason, raw, key, partition, offset))

@@ -107,13 +107,16 @@ def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored
     # (this process already holds the chdb path; a worker opens its own DSN)
     bands = BaselineLoader(sink.dsn, config, timeout_s=30.0, sink=sink)
     processor = TelemetryProcessor(config, b"secret", baselines=bands)
+
+    def anomalies(event):  # noqa: ANN001 - as the worker reads it: keyed by run id, sent at its ts
+        return processor.process(event.to_json(), event.run_id.encode(), timestamp=event.ts.timestamp()).anomalies
+
     try:
-        found = [a for e in runs["bad_init_audio"] for a in processor.process(e.to_json()).anomalies
-                 if a.detector == "baseline_trajectory"]
+        found = [a for e in runs["bad_init_audio"] for a in anomalies(e) if a.detector == "baseline_trajectory"]
         assert found[0].evidence["module"] == "(root)" and found[0].evidence["baseline_runs"] == 4
         other = [e.model_copy(update={"run_id": "unknown-job"}) for e in runs["bad_init_audio"]]
         other[0] = other[0].model_copy(update={"baseline_key": "nobody/else"})
-        said = [a for e in other for a in processor.process(e.to_json()).anomalies if a.detector == "baseline_trajectory"]
+        said = [a for e in other for a in anomalies(e) if a.detector == "baseline_trajectory"]
         assert [a.severity for a in said] == ["info"] and "no earlier completed run" in said[0].message
     finally:
         bands.close()

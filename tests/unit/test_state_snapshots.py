@@ -263,7 +263,7 @@ def _run(stream, cuts: set[int], batch: int = 10, snapshot_lost: bool = False) -
             continue
         chunk = stream[i:min(i + batch, pending[0] if pending else len(stream))]
         for p, o, raw in chunk:
-            results.append(proc.process(raw, partition=p, offset=o))
+            results.append(proc.process(raw, key=json.loads(raw)["run_id"].encode(), partition=p, offset=o))
             store.publish(results[-1])
         checkpoint_now = (i // batch) % 3 == 2  # every third batch, as the interval would
         records, checkpoint = proc.take_snapshots(force_checkpoint=checkpoint_now)
@@ -408,13 +408,13 @@ def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judge
     wall = events[-1].ts + timedelta(hours=1)
     first = _processor(store, wall)
     first.keep_partitions({0})
-    first.process(RunStartEvent(run_id="live", ts=events[0].ts).to_json(), partition=0, offset=0)
+    first.process(RunStartEvent(run_id="live", ts=events[0].ts).to_json(), key=b"live", partition=0, offset=0)
     monitor = first.monitors["live"]
     history = [RunSummarizer(f"old-{i}").summary() for i in range(3)]
     monitor.set_history(history, None)  # what the worker's BaselineLoader hands over at run_start
     hand_band(monitor.joined_detectors, BAND, None)
     for offset, event in enumerate(events[:50], start=1):
-        first.process(event.to_json(), partition=0, offset=offset)
+        first.process(event.to_json(), key=b"live", partition=0, offset=offset)
     records, _ = first.take_snapshots(force_checkpoint=True)
     store.write(records)
 
