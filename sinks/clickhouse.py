@@ -109,6 +109,24 @@ def default_dsn() -> str:
     return f"chdb://{DEFAULT_DSN_PATH.resolve()}"
 
 
+# Tables whose rows expire by their ``ts`` (``TTL toDateTime(ts) + INTERVAL n DAY`` in sinks/migrations.py)
+RETENTION_DAYS = {"telemetry": 90, "joined_steps": 90, "deadletter": 30}
+# toDateTime in those TTLs is 32-bit seconds: a later ts would be stored as another time
+LAST_STORABLE_TS = datetime(2106, 2, 7, tzinfo=UTC)
+
+
+def storable_time(table: str, ts: datetime, now: datetime) -> str | None:
+    """Why a row of ``table`` dated ``ts`` would not be kept as sent (None: it would): older than the
+    table's retention (ClickHouse would delete it at once), or past what its TTL can represent."""
+    days = RETENTION_DAYS.get(table)
+    if days is not None and ts < now - timedelta(days=days):
+        return (f"ts: {ts.isoformat()} is older than the {table} table's {days}-day retention: it would be "
+                "deleted as soon as stored")
+    if ts >= LAST_STORABLE_TS:
+        return f"ts: {ts.isoformat()} is past {LAST_STORABLE_TS.date()}, the last time the {table} table can hold"
+    return None
+
+
 def as_utc(ts: datetime) -> datetime:
     """``ts`` with UTC as its zone if it has none (ClickHouse's DateTime64 columns are UTC)."""
     return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)

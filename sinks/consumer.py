@@ -22,9 +22,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from runwatch.producer import topics
+from runwatch.producer.actions.inbox import ActionInbox
 from runwatch.producer.schema import (
     DEFAULT_LIMITS,
     DeadLetter,
@@ -33,9 +35,10 @@ from runwatch.producer.schema import (
     decode_action,
     decode_anomaly,
     decode_event,
-    record_time,
+    receive_time,
+    utc_now,
 )
-from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
+from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable, storable_time
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.summaries import SummaryUpkeep
 
@@ -83,14 +86,18 @@ class SinkConsumer:
         died_after_s: float = 600.0,
         summary_interval_s: float = 30.0,
         summary_loss_every: int = 100,
+        secret: bytes | None = None,
     ):
         """``deadletter_producer``: a kafka-python ``KafkaProducer`` for the sink's dead letters
         (default: one on ``bootstrap``, made by ``run``; one given here is not closed by it).
         ``limits``: the worker's (``limits:`` in its YAML), so that both accept the same telemetry.
         ``summarize``: write run summaries (see the module doc); ``died_after_s``: a run whose last
         event is older is summarised as ``died``; ``summary_interval_s``: how often to look for them;
-        ``summary_loss_every``: the summaries' loss_at_step_N (the config's ``baseline.loss_every``)."""
+        ``summary_loss_every``: the summaries' loss_at_step_N (the config's ``baseline.loss_every``).
+        ``secret``: the action secret; actions not signed with it (or dated in the future) are dead-lettered,
+        not stored (None: stored unchecked; ``runwatch sink`` always gives it)."""
         self.limits = limits
+        self._actions = ActionInbox(secret, remember=False) if secret is not None else None
         self.sink = sink
         self.bootstrap = bootstrap
         self.group_id = group_id
@@ -116,33 +123,48 @@ class SinkConsumer:
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def _decode_batch(self, records: list) -> dict[str, list[tuple[Any, Any]]]:
-        """(record, item) per table, ``item`` being what ``ClickHouseSink.store`` takes."""
+    def _decode_batch(self, records: list) -> tuple[dict[str, list[tuple[Any, Any]]], list[tuple[Any, str]]]:
+        """(record, item) per table, ``item`` being what ``ClickHouseSink.store`` takes; and (record,
+        reason) of each message refused before it reaches ClickHouse (it would not be stored as sent)."""
         batch: dict[str, list[tuple[Any, Any]]] = {table: [] for table in TOPIC_TABLES.values()}
+        refused: list[tuple[Any, str]] = []
+        now = utc_now()
         for r in records:
             table = TOPIC_TABLES.get(r.topic)
             if table is None:
                 continue
             try:
-                if r.topic == topics.TELEMETRY:
-                    # the same verdict as the worker's: same limits, same receive time (the record's)
-                    item: Any = (decode_event(r.value, received_at=record_time(r.timestamp / 1000 if r.timestamp is not None else None), limits=self.limits,
-                                              key=r.key),
-                                 r.value)
-                elif r.topic == topics.ANOMALIES:
-                    item = decode_anomaly(r.value)
-                elif r.topic == topics.ACTIONS:
-                    item = decode_action(r.value)
-                elif r.topic == topics.DEADLETTER:
-                    item = DeadLetter.model_validate_json(r.value)
-                else:
-                    item = JoinedStep.model_validate_json(r.value)
+                item, problem = self._decode(r, now)
             except Exception:  # noqa: BLE001 - whatever was sent, it must not stop the sink
                 # Malformed telemetry is the worker's to dead-letter; the sink just skips it.
                 self.stats.skipped[r.topic] += 1
                 continue
-            batch[table].append((r, item))
-        return batch
+            if problem is not None:
+                refused.append((r, problem))
+            else:
+                batch[table].append((r, item))
+        return batch, refused
+
+    def _decode(self, r: Any, now: datetime) -> tuple[Any, str | None]:
+        if r.topic == topics.TELEMETRY:
+            # the same verdict as the worker's: same limits, same receive time
+            received = receive_time(r.timestamp / 1000 if r.timestamp is not None else None, now, self.limits)
+            event = decode_event(r.value, received_at=received, limits=self.limits, key=r.key)
+            return (event, r.value), storable_time("telemetry", event.ts, now)
+        if r.topic == topics.ANOMALIES:
+            return decode_anomaly(r.value), None
+        if r.topic == topics.ACTIONS:
+            action = decode_action(r.value)
+            if self._actions is None:
+                return action, None
+            verdict = self._actions.judge(r.value)  # the listener's and the remediator's check
+            if verdict.reason not in (None, "expired"):  # (an expired action is history, stored as it was)
+                return action, f"action {verdict.reason}: not stored (runwatch.actions holds only what the workers sign)"
+            return action, None
+        if r.topic == topics.DEADLETTER:
+            return DeadLetter.model_validate_json(r.value), None
+        joined = JoinedStep.model_validate_json(r.value)
+        return joined, storable_time("joined_steps", joined.ts, now)
 
     def _write(self, batch: dict[str, list[tuple[Any, Any]]]) -> list[tuple[Any, str]]:
         """Store the batch; returns (record, reason) of each message that cannot be stored.
@@ -211,8 +233,8 @@ class SinkConsumer:
     def _act(self, pending: list) -> dict[tuple[str, int], int]:
         """Store ``pending`` and publish its dead letters; returns, per (topic, partition), the
         first offset whose dead letter could not be published (``ConsumeLoop`` rewinds it)."""
-        batch = self._decode_batch(pending)
-        letters = retry_durably(lambda: self._deadletters(self._write(batch)), stopping=self.stopping,
+        batch, refused = self._decode_batch(pending)
+        letters = retry_durably(lambda: self._deadletters(refused + self._write(batch)), stopping=self.stopping,
                                 errors=ClickHouseUnavailable, on_error=self._write_failed,
                                 give_up=lambda: self.stats.write_errors > 20)
         failed = self._publish(letters)

@@ -85,6 +85,11 @@ def build_detectors(config: RunwatchConfig, names: frozenset[str], progress: Run
 class RunMonitor:
     """All detector and policy state of one run. ``observe`` each event in order; ``tick`` on a timer."""
 
+    # From its run_start: whether one came, and the attempt it named (class defaults: a monitor pickled
+    # before they existed reads them as unknown).
+    started: bool = False
+    attempt: str | None = None
+
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
         self.config = config
@@ -137,7 +142,13 @@ class RunMonitor:
 
     # -- one handler per event kind (``_ROUTES``) ------------------------------------------------
 
+    def is_new_attempt(self, event: RunStartEvent) -> bool:
+        """Whether ``event`` starts another attempt of this run (a requeued or restarted job under the
+        same run id), which is watched as a fresh run."""
+        return event.attempt is not None and self.started and event.attempt != self.attempt
+
     def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
+        self.started, self.attempt = True, event.attempt
         self.join.set_world_size(event.world_size)
         self.job = {name: value for name, value in (
             ("job_id", event.job_id), ("host", event.host), ("pod", event.tags.get("pod"))) if value}

@@ -7,7 +7,10 @@ order, each counted in ``ignored``:
 - ``malformed``: not a valid action (or anything else that makes judging it fail);
 - ``other_run``: addressed to another run (only with ``run_id``: the trainer's inbox);
 - ``bad_signature``: not signed with the shared secret over its canonical body;
-- ``future``: issued later than now plus the clock-skew allowance (only with ``clock_skew``);
+- ``other_attempt``: issued for another attempt of the run (only with ``attempt``: a trainer's inbox,
+  when both the trainer and the action name one);
+- ``future``: issued later than now plus the clock-skew allowance (``clock_skew``, by default
+  ``DEFAULT_CLOCK_SKEW``: the listener and the remediator refuse the same actions);
 - ``expired``: past its ``expires_at``;
 - ``stale``: issued before ``not_before`` (the listener's start minus the allowance);
 - ``duplicate``: admitted once already by this inbox (with ``remember``);
@@ -30,6 +33,10 @@ from runwatch.producer.wire.signing import verify_action
 
 log = logging.getLogger(__name__)
 
+# How far an action's issued_at may lie ahead of the reader's clock (and, for a trainer, before its
+# start): the worker's and the reader's clocks may differ by this much.
+DEFAULT_CLOCK_SKEW = timedelta(seconds=30)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -51,7 +58,8 @@ class ActionInbox:
         secret: bytes,
         *,
         run_id: str | None = None,
-        clock_skew: timedelta | None = None,
+        attempt: str | None = None,
+        clock_skew: timedelta = DEFAULT_CLOCK_SKEW,
         not_before: datetime | None = None,
         remember: bool = True,
         handled: Callable[[Action], str | None] = lambda _action: None,
@@ -59,6 +67,7 @@ class ActionInbox:
     ):
         self._secret = secret
         self._run_id = run_id
+        self._attempt = attempt
         self._clock_skew = clock_skew
         self._not_before = not_before
         self._remember = remember
@@ -103,7 +112,9 @@ class ActionInbox:
         now = self._now()
         if not verify_action(action, self._secret):
             return Verdict(action, "bad_signature")
-        if self._clock_skew is not None and action.issued_at > now + self._clock_skew:
+        if self._attempt is not None and action.attempt is not None and action.attempt != self._attempt:
+            return Verdict(action, "other_attempt")  # e.g. the stop that ended the job before it was requeued
+        if action.issued_at > now + self._clock_skew:
             return Verdict(action, "future")  # signed, but not issued yet by our clock: never take it on trust
         if action.is_expired(now):
             return Verdict(action, "expired")

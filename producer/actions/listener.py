@@ -2,10 +2,11 @@
 
 A daemon thread (:mod:`~runwatch.producer.actions.reader`) consumes ``runwatch.actions``; its
 :mod:`~runwatch.producer.actions.inbox` keeps only actions that are addressed to this run, signed
-with the shared secret, unexpired, issued neither before the listener started nor in the future
-(both with a clock-skew allowance, ``clock_skew_s``) and neither seen before nor applied before a
-restart. Everything else is counted in ``ignored`` by reason: ``other_run``, ``malformed``,
-``bad_signature``, ``future``, ``expired``, ``stale``, ``duplicate`` (delivered again to this
+with the shared secret, issued for this attempt of the run (when both name one: ``RunWatch.attempt``),
+unexpired, issued neither before the listener started nor in the future (both with a clock-skew
+allowance, ``clock_skew_s``) and neither seen before nor applied before a restart. Everything else is
+counted in ``ignored`` by reason: ``other_run``, ``malformed``, ``bad_signature``, ``other_attempt``,
+``future``, ``expired``, ``stale``, ``duplicate`` (delivered again to this
 listener), ``already_applied`` (handled before the trainer restarted, or by another rank). Training
 code calls :meth:`ActionListener.poll` once per step; it never waits on the network (except while
 paused, which is the point of a pause).
@@ -31,7 +32,7 @@ from runwatch.producer.actions.applied_ids import STATE_MAX_IDS, AppliedIds, def
 from runwatch.producer.actions.apply import ActionApplier, AppliedAction
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn, torch_restore
-from runwatch.producer.actions.inbox import ActionInbox
+from runwatch.producer.actions.inbox import DEFAULT_CLOCK_SKEW, ActionInbox
 from runwatch.producer.actions.rank_sync import RankSync, sync_group
 from runwatch.producer.actions.reader import ActionReader
 from runwatch.producer.actions.watchdog import StopWatchdog
@@ -52,7 +53,7 @@ class ActionListener:
         *,
         secret: str | bytes | None = None,
         restore: RestoreFn | None = None,
-        clock_skew_s: float = 30.0,
+        clock_skew_s: float = DEFAULT_CLOCK_SKEW.total_seconds(),
         pause_timeout_s: float = 300.0,
         heartbeat: Any = None,
         stop_exit_after_s: float | None = None,
@@ -88,7 +89,8 @@ class ActionListener:
         self.applied_ids = AppliedIds(path, state_max_ids, run_id=rw.run_id, rank=rw.rank)
         clock_skew = timedelta(seconds=clock_skew_s)
         started_at = utc_now() - clock_skew
-        self._inbox = ActionInbox(secret_bytes, run_id=rw.run_id, clock_skew=clock_skew,
+        self._inbox = ActionInbox(secret_bytes, run_id=rw.run_id, attempt=getattr(rw, "attempt", None),
+                                  clock_skew=clock_skew,
                                   not_before=started_at, handled=self._handled_before)
         self.ignored = self._inbox.ignored
         self._arrivals = Arrivals(self.applied_ids, self.ignored)

@@ -64,12 +64,12 @@ class ActionReader:
                         continue
                     tps = [TopicPartition(self._topic, p) for p in sorted(partitions)]
                     consumer.assign(tps)
-                    # Start at the listener's start time; older actions are not ours to act on.
+                    # Start at the listener's start time; older actions are not ours to act on. A partition
+                    # with no record since then starts at its end as of before the lookup (nothing appended
+                    # meanwhile is missed), never at its beginning: that is every other run's history.
+                    ends = consumer.end_offsets(tps)
                     for tp, found in consumer.offsets_for_times({tp: self._start_ms for tp in tps}).items():
-                        if found is not None:
-                            consumer.seek(tp, found.offset)
-                        else:
-                            consumer.seek_to_beginning(tp)
+                        consumer.seek(tp, found.offset if found is not None else ends[tp])
                     self.ready.set()
                 for records in consumer.poll(timeout_ms=100).values():
                     for record in records:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +49,14 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound="RunWatch")
 
 
+def resolve_attempt(attempt: str | None, rank: int) -> str | None:
+    """The attempt a ``RunWatch`` names: given, from ``$RUNWATCH_ATTEMPT``, or new on rank 0."""
+    attempt = attempt or os.environ.get(topics.ATTEMPT_ENV) or (uuid.uuid4().hex if rank == 0 else None)
+    if attempt is not None and not 0 < len(attempt) <= 128:
+        raise ValueError(f"attempt: {len(attempt)} characters (1 to 128)")
+    return attempt
+
+
 class RunWatch:
     """Publishes one rank's telemetry for one run.
 
@@ -72,6 +81,12 @@ class RunWatch:
     ``delivery``: where the events go instead of Kafka (the Kafka and spool options are then
     unused); :class:`~runwatch.producer.publish.recorder.JsonlRecorder` is a ``RunWatch`` whose
     delivery writes a JSONL file.
+
+    ``attempt`` names this attempt of the run (default: ``$RUNWATCH_ATTEMPT``, else a new random id on
+    rank 0 and none on the other ranks): a job requeued or restarted under the same ``run_id`` is a new
+    attempt, watched as a fresh run, and its listener refuses actions issued for another attempt. Give
+    every rank the same value (``RUNWATCH_ATTEMPT`` set by the launcher, new for each launch) for every
+    rank's listener to check it; without it, rank 0 decides for the others when they apply in step.
     """
 
     def __init__(
@@ -100,6 +115,7 @@ class RunWatch:
         spool_overflow: Overflow = "drop_newest",
         clock: Callable[[], datetime] | None = None,
         delivery: Delivery | None = None,
+        attempt: str | None = None,
     ):
         if rank is None or world_size is None:
             detected_rank, detected_world = detect_rank_world()
@@ -107,6 +123,7 @@ class RunWatch:
             world_size = detected_world if world_size is None else world_size
         self._events = RunEvents(run_id, rank, clock)
         self.world_size = world_size
+        self.attempt = resolve_attempt(attempt, rank)
         self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
         self.spool_path: Path | None = None  # the Kafka delivery's disk spool (None: off, or another delivery)
         if delivery is None:
@@ -133,6 +150,8 @@ class RunWatch:
             found = run_start_fields(world_size, collect_metadata, config=config, seed=seed,
                                      dataset_version=dataset_version, tags=tags, baseline_key=baseline_key,
                                      job_id=job_id)
+            if self.attempt is not None:
+                found["attempt"] = self.attempt
             self.publish(self._events.build(RunStartEvent, **{**found, **(run_start or {})}))
 
     @property

@@ -99,6 +99,9 @@ class EventBase(WireModel):
 
 class RunStartEvent(EventBase):
     kind: Literal["run_start"] = "run_start"
+    # One attempt of the run: a requeued or restarted job keeps its run id and sends a new attempt, which
+    # the worker watches as a fresh run; actions carry the attempt they were issued for.
+    attempt: str | None = Field(default=None, min_length=1, max_length=128)
     job_id: str | None = None
     baseline_key: str | None = None
     git_sha: str | None = None
@@ -329,6 +332,7 @@ class Action(WireModel):
     onset_step: int | None = None
     target_checkpoint: CheckpointRef | None = None
     params: dict[str, Any] = Field(default_factory=dict)
+    attempt: str | None = None  # the run's attempt it was issued for (its run_start's), when it sent one
     issued_at: datetime
     expires_at: datetime
     signature: str = ""
@@ -637,6 +641,18 @@ def record_time(timestamp_s: float | None) -> datetime | None:
         return datetime.fromtimestamp(timestamp_s, UTC)
     except (OverflowError, OSError, ValueError):
         return None
+
+
+def receive_time(timestamp_s: float | None, now: datetime, limits: WireLimits = DEFAULT_LIMITS) -> datetime:
+    """The ``received_at`` a consumer (the worker, the sink) checks an event's ``ts`` against: the
+    Kafka record's timestamp, unless it is missing, unusable or more than ``limits.max_future_s``
+    ahead of ``now`` (the reader's clock), in which case ``now``. A client sets the record time (0,
+    -1, year 9999): one in the future is no send time. A past one is trusted, so that a backlog or a
+    recording replayed with its timestamps keeps its verdicts."""
+    received = record_time(timestamp_s)
+    if received is None or (received - now).total_seconds() > limits.max_future_s:
+        return now
+    return received
 
 
 def decode_event(

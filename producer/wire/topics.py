@@ -29,6 +29,7 @@ ALL_GROUPS = (DETECT_GROUP, SINK_GROUP, REMEDIATE_GROUP)
 
 BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
 SECRET_ENV = "RUNWATCH_ACTION_SECRET"
+ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same on every rank (RunWatch)
 
 # Pinned so that constructors never probe the broker (kafka-python 3.x returns at
 # once with an explicit api_version, even when nothing is listening).

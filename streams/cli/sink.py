@@ -25,11 +25,16 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
          died_after: float) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
+    from runwatch.producer.signing import MissingSecretError, resolve_secret
     from runwatch.sinks import SinkConsumer
     from runwatch.streams.cli.startup import open_store, redacted, require_topics
 
     config = cli_config(config_path)
     limits = config.limits
+    try:
+        secret = resolve_secret()  # actions are stored only when signed with it
+    except MissingSecretError as exc:
+        raise click.ClickException(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = open_store(dsn)
     try:
@@ -39,7 +44,8 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
         raise
     click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
     consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
-                            died_after_s=died_after, summary_loss_every=config.baseline.loss_every)
+                            died_after_s=died_after, summary_loss_every=config.baseline.loss_every,
+                            secret=secret)
     run_until_signalled(consumer, store)
     stats = consumer.stats
     click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "

@@ -142,7 +142,7 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         sink = ClickHouseSink(opts.dsn)
         stack.callback(sink.close)
         sink.migrate()
-        sink_consumer = SinkConsumer(sink, bootstrap, batch_interval_s=0.25)
+        sink_consumer = SinkConsumer(sink, bootstrap, batch_interval_s=0.25, secret=secret.encode())
         sink_thread = threading.Thread(target=sink_consumer.run, name="runwatch-sink", daemon=True)
         sink_thread.start()
 

@@ -30,7 +30,7 @@ from runwatch.producer.schema import (
     TelemetryEvent,
     action_expiry,
     decode_event,
-    record_time,
+    receive_time,
     utc_now,
 )
 from runwatch.producer.signing import sign_action
@@ -146,7 +146,7 @@ class TelemetryProcessor:
         receive time that an event's ``ts`` must lie near (``limits.max_future_s`` / ``max_past_s``). A
         record time that is missing, unusable or more than ``max_future_s`` ahead of this worker's clock
         is not trusted: the event's ``ts`` is then checked against the worker's clock."""
-        received = self._receive_time(timestamp)
+        received = receive_time(timestamp, self._clock(), self.config.limits)
         try:
             event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
             self._check_key(key, partition)
@@ -178,23 +178,18 @@ class TelemetryProcessor:
                                   f"{expected} of {self.partitions} (murmur2 of the key, the Java and "
                                   "kafka-python default partitioner)")
 
-    def _receive_time(self, timestamp: float | None) -> datetime:
-        # A client sets the record time (0, -1, year 9999): one in the future is not a send time. A past
-        # one is trusted, so that a backlog or a recording replayed with its timestamps keeps its verdicts.
-        now = self._clock()
-        received = record_time(timestamp)
-        if received is None or (received - now).total_seconds() > self.config.limits.max_future_s:
-            return now
-        return received
-
     def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None,
                  offset: int | None = None) -> ProcessResult:
         run_id = event.run_id
         monitor = self.monitors.get(run_id)
         flushed = None
-        if monitor is not None and monitor.ended_at is not None and isinstance(event, RunStartEvent):
-            flushed = monitor.finish()  # the run starts again under its id (a resumed job): a new monitor
+        if monitor is not None and isinstance(event, RunStartEvent) and (
+                monitor.ended_at is not None or monitor.is_new_attempt(event)):
+            # The run starts again under its id (a resumed, requeued or restarted job): a new monitor
+            # (and policy), whether or not the old attempt said goodbye.
+            flushed = self._result(monitor.finish())  # (its actions name the attempt they were for)
             self._forget(run_id, "restarted")
+            log.info("run %s: a new attempt %s: watched as a fresh run", run_id, event.attempt or "(after run_end)")
             monitor = None
         if monitor is None:
             monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
@@ -202,10 +197,6 @@ class TelemetryProcessor:
         if self.baselines is not None and isinstance(event, RunStartEvent):
             self.baselines.hand(monitor, event)
         out = monitor.observe(event)
-        if flushed is not None:
-            out.joined[:0] = flushed.joined
-            out.anomalies[:0] = flushed.anomalies
-            out.decisions[:0] = flushed.decisions
         # The run's clock: its newest event time, never ahead of when the record was sent (one event
         # with a skewed clock must not make the run's other ranks look silent).
         ts = event.ts if received is None else min(event.ts, received + _CLOCK_SLACK)
@@ -215,6 +206,9 @@ class TelemetryProcessor:
         if partition is not None:
             self._partition[run_id] = partition
         result = self._result(out)
+        if flushed is not None:
+            result.joined[:0], result.anomalies[:0], result.actions[:0] = (
+                flushed.joined, flushed.anomalies, flushed.actions)
         if self.states is not None:
             self.states.observed(run_id, partition, offset, emitted=bool(result.anomalies or result.actions))
         if monitor.ended_at is not None and monitor.join.world_size <= 1:
@@ -439,10 +433,15 @@ class TelemetryProcessor:
             onset_step=decision.onset_step,
             target_checkpoint=decision.target_checkpoint,
             params=self._with_job(decision),
+            attempt=self._attempt(decision.run_id),
             issued_at=issued,
             expires_at=action_expiry(issued, self.config.policy.action_ttl_s),
         )
         return sign_action(action, self._secret)
+
+    def _attempt(self, run_id: str) -> str | None:
+        monitor = self.monitors.get(run_id)
+        return monitor.attempt if monitor is not None else None
 
     def _with_job(self, decision: ActionDecision) -> dict:
         """The run's job_id, host and pod (from its run_start) join the action's params, signed with it."""

@@ -399,3 +399,35 @@ def test_every_ignored_action_is_counted_by_reason_and_none_stops_the_consumer()
     assert [a.action.action_id for a in listener.poll(step=1)] == [first.action_id]
     assert dict(listener.ignored) == {"other_run": 2, "bad_signature": 1, "future": 1, "expired": 1, "stale": 1,
                                       "duplicate": 1, "malformed": 3}
+
+
+# -- issue 23, cases 2 and 3: a requeued trainer applies only its own attempt's actions ---------------
+
+
+def _for_attempt(kind: str, attempt: str | None) -> Action:
+    a = action(kind).model_copy(update={"attempt": attempt, "signature": ""})
+    return sign_action(a, SECRET.encode())
+
+
+def test_a_restarted_trainer_refuses_the_stop_issued_for_its_previous_attempt(monkeypatch):
+    monkeypatch.delenv("RUNWATCH_ATTEMPT", raising=False)
+    rw = RecordingPublisher()
+    start = next(e for e in rw.events if e.kind == "run_start")
+    assert rw.attempt and start.attempt == rw.attempt  # rank 0 names a new attempt in its run_start
+    listener = make(rw)
+    # issued seconds ago (within the clock-skew allowance) for the attempt that was killed
+    deliver(listener, _for_attempt("alert", "previous"), _for_attempt("stop", "previous"))
+    assert listener.poll(step=1) == [] and listener.ignored["other_attempt"] == 2
+    assert rw.stopped_by is None
+    deliver(listener, _for_attempt("alert", rw.attempt), _for_attempt("alert", None))
+    assert [r.kind for r in listener.poll(step=2)] == ["alert", "alert"]
+
+
+def test_the_attempt_comes_from_the_environment_on_every_rank(monkeypatch):
+    monkeypatch.setenv("RUNWATCH_ATTEMPT", "slurm-81234-requeue-2")
+    assert RecordingPublisher().attempt == RecordingPublisher(rank=3).attempt == "slurm-81234-requeue-2"
+    monkeypatch.delenv("RUNWATCH_ATTEMPT")
+    assert RecordingPublisher(rank=3).attempt is None  # rank 0 decides for it when ranks apply in step
+    first, second = RecordingPublisher(), RecordingPublisher()
+    assert first.attempt != second.attempt  # every launch is a new attempt
+

@@ -473,3 +473,37 @@ def test_a_run_id_outside_the_documented_characters_is_deadlettered(proc, run_id
 def test_run_ids_of_the_documented_characters_are_accepted(proc, run_id):
     result = proc.process(_step(1, run_id=run_id), key=run_id.encode())
     assert result.deadletter is None and run_id in proc.monitors
+
+
+# -- issue 23, case 2: a requeued job is a new attempt, watched as a fresh run ---------------------
+
+
+def _nan_attempt(proc, attempt: str | None, start: datetime) -> list:
+    from runwatch.producer.schema import RunStartEvent
+
+    actions = proc.process(RunStartEvent(run_id="rq", attempt=attempt, ts=start).to_json(), key=b"rq").actions
+    for s in range(6):  # no checkpoint: the NaN streak ends in a stop
+        actions += proc.process(StepEvent(run_id="rq", step=s, loss=math.nan, ts=start + timedelta(seconds=s)).to_json(),
+                                key=b"rq").actions
+    return actions
+
+
+def test_a_new_attempt_without_run_end_is_watched_fresh_and_its_actions_name_it(proc):
+    first = _nan_attempt(proc, "a1", T0)
+    assert [a.kind for a in first] == ["alert", "stop"] and {a.attempt for a in first} == {"a1"}
+    # killed after the stop, no run_end; requeued under the same run id with a new attempt
+    second = _nan_attempt(proc, "a2", T0 + timedelta(minutes=5))
+    assert [a.kind for a in second] == ["alert", "stop"] and {a.attempt for a in second} == {"a2"}
+    assert all(verify_action(a, SECRET) for a in second)
+    assert not {a.action_id for a in first} & {a.action_id for a in second}
+
+
+def test_the_same_attempt_starting_again_is_not_a_new_run(proc):
+    from runwatch.producer.schema import RunStartEvent
+
+    assert [a.kind for a in _nan_attempt(proc, "a1", T0)] == ["alert", "stop"]
+    monitor = proc.monitors["rq"]
+    # run_start delivered again (a spool replayed, a producer retry): the same attempt, the same run
+    again = RunStartEvent(run_id="rq", attempt="a1", ts=T0 + timedelta(seconds=9)).to_json()
+    assert proc.process(again, key=b"rq").actions == [] and proc.monitors["rq"] is monitor
+    assert monitor.policy.stopped

@@ -329,6 +329,17 @@ def _one_command(platform: Platform | None = None, **config) -> tuple[Calls, Rem
                              poster=calls.poster, now=lambda: NOW + timedelta(seconds=1))
 
 
+def test_a_signed_action_dated_an_hour_ahead_is_not_run(platform):
+    """The remediator refuses a future-dated action as the trainer's listener does (one inbox)."""
+    calls, rem = _one_command(platform)
+    platform.set(jobs={"777": "run-1"})
+    ahead = NOW + timedelta(hours=1)
+    assert rem.handle(_signed(params={"job_id": "777"}, issued_at=ahead, expires_at=ahead + timedelta(minutes=2))) == []
+    assert rem.ignored["future"] == 1 and calls.recorded == []
+    [execution] = rem.handle(_signed(params={"job_id": "777"}))  # a current one still runs
+    assert execution.argv == ["scancel", "777"]
+
+
 def test_a_job_verified_as_the_runs_is_cancelled(platform):
     calls, rem = _one_command(platform)
     platform.set(jobs={"777": "run-1"})
