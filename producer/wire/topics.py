@@ -45,6 +45,6 @@ def key_partition(key: bytes, partitions: int) -> int:
     """The partition a record keyed ``key`` belongs on among ``partitions``: murmur2 of the key, the
     Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's
     events are all on this one partition; the worker refuses a record found elsewhere."""
-    from kafka.partitioner.default import murmur2  # (lazily: the wire contract imports without Kafka)
+    from kafka.partitioner.default import murmur2  # type: ignore[import-untyped]  # (lazily: imports without Kafka)
 
-    return (murmur2(key) & 0x7FFFFFFF) % partitions
+    return int(murmur2(key) & 0x7FFFFFFF) % partitions
