@@ -33,7 +33,6 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
         secret = resolve_secret()
     except (ConfigError, MissingSecretError) as exc:
         raise click.ClickException(str(exc)) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Its own embedded path by default: a chdb path is open in one process at a time (the sink's).
     store = open_store(dsn or f"chdb://{(Path('.runwatch') / 'remediate').resolve()}")
     try:
@@ -41,6 +40,8 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     except click.ClickException:
         store.close()
         raise
+    # (after the startup checks: what a client library logs while it retries is not the one line)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
     n_commands = sum(len(rule.commands) for rule in config.rules)
     click.echo(f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "

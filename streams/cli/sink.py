@@ -35,13 +35,14 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
         secret = resolve_secret()  # actions are stored only when signed with it
     except MissingSecretError as exc:
         raise click.ClickException(str(exc)) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = open_store(dsn)
     try:
         require_topics(bootstrap, topics.ALL_TOPICS)
     except click.ClickException:
         store.close()
         raise
+    # (after the startup checks: what a client library logs while it retries is not the one line)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
     consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
                             died_after_s=died_after, summary_loss_every=config.baseline.loss_every,

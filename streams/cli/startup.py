@@ -4,6 +4,7 @@ or the command exits non-zero with one line naming what it could not reach."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ def open_store(dsn: str | None) -> ClickHouseSink:
     from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
 
     dsn = dsn or default_dsn()
+    # clickhouse-connect logs its failed attempt before raising; the exception says it in our one line
+    logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
 
     def opened() -> ClickHouseSink:
         store = ClickHouseSink(dsn)

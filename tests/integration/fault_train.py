@@ -13,7 +13,12 @@ every ``--checkpoint-every`` steps) and acts on what the worker sends. Faults (`
 - ``degrade:S``: ``lr_spike:S``, and after the first rollback 8 labels of every batch are wrong
   (the loss settles about 1.4x higher, no spike);
 - ``bad_batch:S``: the batch of step S is a hard one (3% of its labels wrong: its loss about 4x),
-  once; the run recovers on its own.
+  once; the run recovers on its own;
+- ``nan:S``: the batch of step S holds a NaN, once: the loss, the gradients and (after the update)
+  the weights are NaN until a rollback restores them.
+
+``--exit-on-stop kill``: after an applied stop the process ends at once, as a preempted or killed job
+does (no run_end, no exit handlers), once result.json is written.
 
 ``result.json`` in ``--out``: status, the actions applied, the losses of the final timeline, the
 LR of every step, the base LR.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fault", default="none")
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--step-sleep", type=float, default=0.01)
+    p.add_argument("--exit-on-stop", choices=("return", "kill"), default="return")
     return p.parse_args()
 
 
@@ -95,6 +102,10 @@ def main() -> int:
                     stop = True
             if stop:
                 result["status"] = "stopped"
+                if args.exit_on_stop == "kill":
+                    result["ignored"] = dict(listener.ignored)
+                    out.write_text(json.dumps(result))
+                    os._exit(137)  # killed: no run_end, no exit handlers
                 break
             hard = kind == "bad_batch" and step == fault_step and not faulted
             faulted = faulted or hard
@@ -102,6 +113,9 @@ def main() -> int:
             if kind == "degrade" and last_rollback_at is not None:
                 wrong = 0.004  # 8 wrong labels in every batch from now on: loss about 1.4x, never 2x
             x, y = batch(step, wrong=wrong)
+            if kind == "nan" and step == fault_step and not faulted:
+                faulted = True
+                x[0, 0] = float("nan")
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             if kind in ("lr_spike", "degrade") and step == fault_step and not faulted:
@@ -124,6 +138,7 @@ def main() -> int:
             time.sleep(args.step_sleep)
         listener.close()
     result["lr"] = optimizer.param_groups[0]["lr"]
+    result["ignored"] = dict(listener.ignored)
     out.write_text(json.dumps(result))
     return 0
 
