@@ -32,6 +32,7 @@ from runwatch.producer.schema import (
     DeadLetter,
     JoinedStep,
     WireLimits,
+    check_record_key,
     decode_action,
     decode_anomaly,
     decode_event,
@@ -87,6 +88,7 @@ class SinkConsumer:
         summary_interval_s: float = 30.0,
         summary_loss_every: int = 100,
         secret: bytes | None = None,
+        partitions: int | None = None,
     ):
         """``deadletter_producer``: a kafka-python ``KafkaProducer`` for the sink's dead letters
         (default: one on ``bootstrap``, made by ``run``; one given here is not closed by it).
@@ -95,7 +97,10 @@ class SinkConsumer:
         event is older is summarised as ``died``; ``summary_interval_s``: how often to look for them;
         ``summary_loss_every``: the summaries' loss_at_step_N (the config's ``baseline.loss_every``).
         ``secret``: the action secret; actions not signed with it (or dated in the future) are dead-lettered,
-        not stored (None: stored unchecked; ``runwatch sink`` always gives it)."""
+        not stored (None: stored unchecked; ``runwatch sink`` always gives it). ``partitions``: the telemetry
+        topic's partition count; a record on another partition than its key's is not stored (the worker
+        dead-letters it)."""
+        self.partitions = partitions
         self.limits = limits
         self._actions = ActionInbox(secret, remember=False) if secret is not None else None
         self.sink = sink
@@ -150,6 +155,7 @@ class SinkConsumer:
             # the same verdict as the worker's: same limits, same receive time
             received = receive_time(r.timestamp / 1000 if r.timestamp is not None else None, now, self.limits)
             event = decode_event(r.value, received_at=received, limits=self.limits, key=r.key)
+            check_record_key(r.key, r.partition, self.partitions)
             return (event, r.value), storable_time("telemetry", event.ts, now)
         if r.topic == topics.ANOMALIES:
             return decode_anomaly(r.value), None

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
+from runwatch.producer.wire import topics
+
 SCHEMA_VERSION = 1
 
 Phase = Literal["train", "eval", "checkpoint", "dataload", "idle"]
@@ -641,6 +643,21 @@ def record_time(timestamp_s: float | None) -> datetime | None:
         return datetime.fromtimestamp(timestamp_s, UTC)
     except (OverflowError, OSError, ValueError):
         return None
+
+
+def check_record_key(key: bytes | None, partition: int | None, partitions: int | None) -> None:
+    """Raise ``SchemaError`` unless a telemetry record has a key and, where the topic's partition count
+    is known, sits on its key's partition (murmur2, ``topics.key_partition``). The key is the run id and
+    decides the partition, hence which worker owns the run: a record without one, or elsewhere, would
+    split a run's state between workers. (That the key equals the event's run id ``decode_event`` checks.)"""
+    if key is None:
+        raise SchemaError("key: missing (the record's key must be the run id)")
+    if partitions and partition is not None:
+        expected = topics.key_partition(key, partitions)
+        if partition != expected:
+            raise SchemaError(f"partition: the record is on partition {partition}, its key's partition is "
+                              f"{expected} of {partitions} (murmur2 of the key, the Java and kafka-python "
+                              "default partitioner)")
 
 
 def receive_time(timestamp_s: float | None, now: datetime, limits: WireLimits = DEFAULT_LIMITS) -> datetime:

@@ -37,7 +37,7 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
         raise click.ClickException(str(exc)) from None
     store = open_store(dsn)
     try:
-        require_topics(bootstrap, topics.ALL_TOPICS)
+        partitions = require_topics(bootstrap, topics.ALL_TOPICS)[topics.TELEMETRY]
     except click.ClickException:
         store.close()
         raise
@@ -46,7 +46,7 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
     click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
     consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
                             died_after_s=died_after, summary_loss_every=config.baseline.loss_every,
-                            secret=secret)
+                            secret=secret, partitions=partitions)
     run_until_signalled(consumer, store)
     stats = consumer.stats
     click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "

@@ -29,6 +29,7 @@ from runwatch.producer.schema import (
     SchemaError,
     TelemetryEvent,
     action_expiry,
+    check_record_key,
     decode_event,
     receive_time,
     utc_now,
@@ -149,7 +150,7 @@ class TelemetryProcessor:
         received = receive_time(timestamp, self._clock(), self.config.limits)
         try:
             event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
-            self._check_key(key, partition)
+            check_record_key(key, partition, self.partitions)
         except SchemaError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(exc.reason, raw, key, partition, offset))
@@ -165,18 +166,6 @@ class TelemetryProcessor:
             return self._observe(event, received, partition, offset)
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
-
-    def _check_key(self, key: bytes | None, partition: int | None) -> None:
-        """The key is the run id and decides the partition, hence which worker owns the run: a record
-        without one, or on another partition, would split a run's state between workers."""
-        if key is None:
-            raise SchemaError("key: missing (the record's key must be the run id)")
-        if self.partitions and partition is not None:
-            expected = topics.key_partition(key, self.partitions)
-            if partition != expected:
-                raise SchemaError(f"partition: the record is on partition {partition}, its key's partition is "
-                                  f"{expected} of {self.partitions} (murmur2 of the key, the Java and "
-                                  "kafka-python default partitioner)")
 
     def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None,
                  offset: int | None = None) -> ProcessResult:

@@ -14,7 +14,11 @@ from datetime import UTC, datetime
 
 import orjson
 
-Poison = tuple[bytes | None, bytes | None]
+# (key, value), or (key, value, the record's metadata as KafkaProducer.send's keyword arguments)
+Poison = tuple[bytes | None, bytes | None] | tuple[bytes | None, bytes | None, dict]
+Y9999_MS = 253402300799000  # 9999-12-31T23:59:59Z as a record timestamp
+Y2200_MS = 7258118400000  # 2200-01-01
+PARTITIONS = 4  # the telemetry topic's (ensure_topics)
 
 
 def _now_iso() -> str:
@@ -100,6 +104,18 @@ class PoisonFactory:
             "long_run_id": lambda: self.with_fields(run_id="r" * 1_000),
             "heartbeat_bad_phase": lambda: self.with_fields(kind="heartbeat", phase="sleeping"),
             "step_above_limit": lambda: self.with_fields(step=10**13),
+            # issue 23: what the record's metadata says (its timestamp, key, partition) and the run id
+            "i23_case1_ts_9999_record_time_0": lambda: self.with_record({"timestamp_ms": 0},
+                                                                        ts="9999-12-31T23:59:59Z"),
+            "i23_ts_9999_record_time_negative": lambda: self.with_record({"timestamp_ms": -1},
+                                                                         ts="9999-12-31T23:59:59Z"),
+            "i23_ts_9999_record_time_9999": lambda: self.with_record({"timestamp_ms": Y9999_MS},
+                                                                     ts="9999-12-31T23:59:59Z"),
+            "i23_ts_2200_record_time_2200": lambda: self.with_record({"timestamp_ms": Y2200_MS},
+                                                                     ts="2200-01-01T00:00:10Z"),
+            "i23_no_key": self.no_key,
+            "i23_wrong_partition": self.wrong_partition,
+            "i23_run_id_newline": self.run_id_newline,
         }
         # Big messages (about 1 MB): few, for the time they take; not picked at random.
         self.big: dict[str, Callable[[], Poison]] = {
@@ -149,6 +165,26 @@ class PoisonFactory:
         key, event = self._base()
         event["run_id"] = key.decode() + "-other"
         return key, orjson.dumps(event)
+
+    def with_record(self, metadata: dict, **fields) -> Poison:
+        key, value = self.with_fields(**fields)
+        return key, value, metadata
+
+    def no_key(self) -> Poison:
+        key, value = self.with_fields()
+        return None, value, {"partition": self.rng.randrange(PARTITIONS)}
+
+    def wrong_partition(self) -> Poison:
+        from kafka.partitioner.default import murmur2
+
+        key, value = self.with_fields()
+        home = (murmur2(key) & 0x7FFFFFFF) % PARTITIONS
+        return key, value, {"partition": (home + 1 + self.rng.randrange(PARTITIONS - 1)) % PARTITIONS}
+
+    def run_id_newline(self) -> Poison:
+        run_id = f"fuzz-nl-{self.rng.randrange(64)}\nERROR forged"
+        event = _event(self.rng, run_id)
+        return run_id.encode(), orjson.dumps(event)
 
     def make(self) -> tuple[str, Poison]:
         name = self.rng.choice(list(self.classes))

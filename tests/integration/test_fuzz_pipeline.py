@@ -104,7 +104,8 @@ def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chd
         worker = WorkerProcess(broker.bootstrap, secret, tmp_path / "worker.log", group="runwatch-fuzz")
         store = ClickHouseSink(chdb_dsn)
         store.migrate()
-        sink = SinkConsumer(store, broker.bootstrap, group_id="runwatch-sink-fuzz", batch_interval_s=0.3)
+        sink = SinkConsumer(store, broker.bootstrap, group_id="runwatch-sink-fuzz", batch_interval_s=0.3,
+                            secret=secret.encode(), partitions=topics.DEFAULT_PARTITIONS)
         sink_errors: list[BaseException] = []
 
         def run_sink() -> None:
@@ -140,8 +141,9 @@ def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chd
             futures = []
             for tag, item in ordered:
                 if tag == "poison":
-                    name, key, value = item
-                    futures.append((tag, name, producer.send(topics.TELEMETRY, key=key, value=value)))
+                    name, key, value, *record = item  # (record: the record's timestamp or partition)
+                    futures.append((tag, name, producer.send(topics.TELEMETRY, key=key, value=value,
+                                                             **(record[0] if record else {}))))
                 else:
                     run_id, i = item
                     event = runs[run_id][i]
