@@ -78,6 +78,19 @@ class JoinConfig(Strict):
     )
 
 
+class RunsConfig(Strict):
+    """How long a worker holds a run that says nothing more, and how many it holds at most (a run that
+    never sends run_end, a crashed job, must not hold memory forever; docs/state.md, "Run lifecycle")."""
+
+    silence_retention_s: float = Field(
+        default=6 * 3600.0, gt=0, description="a run with no event for this long is let go, with an info finding "
+                                              "that it went silent (hours past the stall detector's silence and idle "
+                                              "allowance, which alert long before)")
+    max_runs: int = Field(
+        default=10_000, ge=1, description="runs one worker holds at most (about 40 KB each for one rank); past it "
+                                          "the least recently active run is let go, with an info finding saying why")
+
+
 ActionName = Literal["alert", "pause", "rollback", "stop"]  # the wire ActionKinds a policy rule may name
 
 
@@ -137,6 +150,7 @@ class PolicyConfig(Strict):
 class RunwatchConfig(Strict):
     detectors: DetectorsConfig = DetectorsConfig()
     join: JoinConfig = JoinConfig()
+    runs: RunsConfig = RunsConfig()
     policy: PolicyConfig = PolicyConfig()
     # What the worker accepts from the telemetry topic (docs/wire-format.md); the rest is dead-lettered.
     limits: WireLimits = WireLimits()

@@ -36,6 +36,12 @@ from runwatch.producer.schema import (
 )
 from runwatch.producer.signing import sign_action
 from runwatch.streams.worker.published import Published, read_published
+from runwatch.streams.worker.run_lifecycle import (
+    RunActivity,
+    eviction_message,
+    lifecycle_finding,
+    silence_message,
+)
 from runwatch.streams.worker.run_states import RunStates, StateOptions
 from runwatch.streams.worker.state import (
     SnapshotError,
@@ -96,6 +102,7 @@ class WorkerCounters:
     restore_failures: int = 0  # unreadable state records: those runs started fresh
     replay_skipped: int = 0  # events read again that a restored snapshot already included
     repeats_withheld: int = 0  # anomalies and actions decided again that a predecessor had published (published.py)
+    runs_let_go: Counter = field(default_factory=Counter)  # runs let go without run_end, by why (silent, evicted)
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -134,6 +141,8 @@ class TelemetryProcessor:
         self._loaded: set[int] = set()  # telemetry partitions whose runs' state was read back
         self._state_prefix = f"{group}/"
         self._published = Published()  # what predecessors published for the runs restored here
+        self._activity = RunActivity()  # runs, least recently active first (run_lifecycle.py)
+        self._let_go: list[Anomaly] = []  # findings of runs let go outside a request's result, sent with the next tick
 
     def process(
         self,
@@ -181,6 +190,7 @@ class TelemetryProcessor:
             log.info("run %s: a new attempt %s: watched as a fresh run", run_id, event.attempt or "(after run_end)")
             monitor = None
         if monitor is None:
+            self._make_room(1)
             monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
             self._tick_order.append(run_id)
         if self.baselines is not None and isinstance(event, RunStartEvent):
@@ -192,9 +202,13 @@ class TelemetryProcessor:
         previous = self._last_seen.get(run_id)
         if previous is None or ts >= previous[0]:
             self._last_seen[run_id] = (ts, self._clock())
+        self._activity.seen(run_id, self._clock())
         if partition is not None:
             self._partition[run_id] = partition
         result = self._result(out)
+        if self._let_go:  # (runs evicted to make room for this one)
+            result.anomalies[:0] = self._let_go
+            self._let_go = []
         if flushed is not None:
             result.joined[:0], result.anomalies[:0], result.actions[:0] = (
                 flushed.joined, flushed.anomalies, flushed.actions)
@@ -211,10 +225,33 @@ class TelemetryProcessor:
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
         self._published.forget(run_id)
+        self._activity.forget(run_id)
         # (_tick_order drops it lazily)
         if self.states is not None:
-            {"ended": self.states.ended_run, "reset": self.states.dropped,
-             "moved": self.states.moved, "restarted": self.states.moved}[why](run_id)
+            {"ended": self.states.ended_run, "reset": self.states.dropped, "silent": self.states.dropped,
+             "evicted": self.states.dropped, "moved": self.states.moved, "restarted": self.states.moved}[why](run_id)
+
+    def _make_room(self, coming: int) -> None:
+        """Let the least recently active runs go until ``coming`` more fit under ``runs.max_runs``."""
+        excess = len(self.monitors) + coming - self.config.runs.max_runs
+        if excess <= 0:
+            return
+        held = self.config.runs.max_runs
+        for run_id in self._activity.least_recent(excess):
+            self._let_go.append(self._lifecycle(run_id, "evicted", eviction_message(held), value=float(held)))
+
+    def _lifecycle(self, run_id: str, why: str, message: str, value: float | None = None,
+                   threshold: float | None = None, ts: datetime | None = None) -> Anomaly:
+        """Let ``run_id`` go for ``why`` (``silent``, ``evicted``); the info finding that says so."""
+        monitor = self.monitors.get(run_id)
+        seen = self._last_seen.get(run_id)
+        ts = ts or (seen[0] if seen is not None else self._clock())
+        finding = lifecycle_finding(run_id, why, message, step=monitor.last_step if monitor else None, ts=ts,
+                                    value=value, threshold=threshold).model_copy(update={"detected_at": self._clock()})
+        self.counters.runs_let_go[why] += 1
+        log.warning("run %s: %s", run_id, message)
+        self._forget(run_id, why)
+        return finding
 
     def _reset_run(self, run_id: str, exc: BaseException, raw: bytes | None, key: bytes | None,
                    partition: int | None, offset: int | None) -> ProcessResult:
@@ -286,9 +323,11 @@ class TelemetryProcessor:
                 # its clock resumes from now: the time no worker held the run is not the run's silence
                 self._last_seen[run_id] = (state.last_seen[0], self._clock())
             self.states.restored(run_id, header.partition, header.offset)
+            self._activity.seen(run_id, self._clock())
             restored.append(run_id)
         if restored:  # their predecessor may have published more than its last snapshot knows of
             self._published.update(read_published(self._reader.scan, restored))
+            self._make_room(0)  # (more partitions than the predecessor held may bring more runs than fit)
         self.counters.restored_runs += len(restored)
         self.counters.runs = len(self.monitors)
         log.info("restored %d run(s) of telemetry partition(s) %s in %.3f s", len(restored), sorted(new),
@@ -344,7 +383,10 @@ class TelemetryProcessor:
         for the next tick (0.25 s later), so one slow run cannot hold up every other's timer.
         """
         now = now or self._clock()
-        result = ProcessResult()
+        result = ProcessResult(anomalies=self._silent_runs(now, behind))
+        if self._let_go:
+            result.anomalies[:0] = self._let_go
+            self._let_go = []
         started = self._perf()
         order = self._tick_order
         judged: set[str] = set()
@@ -380,6 +422,20 @@ class TelemetryProcessor:
             result.joined.extend(part.joined)
         self.counters.runs = len(self.monitors)
         return result
+
+    def _silent_runs(self, now: datetime, behind: set[int] | frozenset[int]) -> list[Anomaly]:
+        """Let go of the runs that have sent nothing for ``runs.silence_retention_s`` (not those of partitions
+        this worker is behind on: their events may be waiting to be read)."""
+        retention_s = self.config.runs.silence_retention_s
+        lagging = [r for r, p in self._partition.items() if p in behind] if behind else ()
+        silent = list(self._activity.silent(now, timedelta(seconds=retention_s), skip=lagging))
+        out = []
+        for run_id in silent:
+            event_ts, arrived = self._last_seen.get(run_id, (now, now))
+            quiet_s = (now - arrived).total_seconds()
+            out.append(self._lifecycle(run_id, "silent", silence_message(quiet_s, retention_s), value=quiet_s,
+                                       threshold=retention_s, ts=event_ts + (now - arrived)))
+        return out
 
     def _result(self, out: MonitorOutput) -> ProcessResult:
         # detected_at: this worker's wall clock when the monitor produced them (the monitor has no clock;

@@ -125,7 +125,7 @@ def test_binary_file_is_a_config_error(tmp_path):
 
 def test_defaults_yaml_is_valid_yaml_with_every_section():
     data = yaml.safe_load(defaults_yaml())
-    assert set(data) == {"detectors", "join", "policy", "limits", "baseline"}
+    assert set(data) == {"detectors", "join", "runs", "policy", "limits", "baseline"}
     assert set(data["detectors"]) == {"non_finite", "loss_spike", "grad_norm_spike", "module_grad_explosion",
                                       "update_ratio", "throughput_drift", "data_wait", "memory_growth",
                                       "category_divergence", "val_vs_train", "stall", "straggler", "hung_rank",

@@ -507,3 +507,39 @@ def test_the_same_attempt_starting_again_is_not_a_new_run(proc):
     again = RunStartEvent(run_id="rq", attempt="a1", ts=T0 + timedelta(seconds=9)).to_json()
     assert proc.process(again, key=b"rq").actions == [] and proc.monitors["rq"] is monitor
     assert monitor.policy.stopped
+
+
+# -- issue 23, case 4: runs that never end are let go -------------------------------------------------
+
+
+def test_a_run_silent_past_the_retention_is_let_go_with_a_finding_but_not_while_its_partition_lags():
+    wall = [WALL]
+    config = RunwatchConfig.model_validate({"runs": {"silence_retention_s": 600}})
+    proc = TelemetryProcessor(config, SECRET, clock=lambda: wall[0])
+    proc.process(_step(0, run_id="quiet"), key=b"quiet", partition=1)
+    wall[0] = WALL + timedelta(seconds=300)
+    proc.process(_step(1, run_id="talks"), key=b"talks", partition=2)
+    later = WALL + timedelta(seconds=601)
+    assert proc.tick(later, behind={1}).anomalies == [] and "quiet" in proc.monitors  # its events may be waiting
+    (finding,) = proc.tick(later).anomalies
+    assert (finding.run_id, finding.detector, finding.metric, finding.severity) == (
+        "quiet", "run_lifecycle", "silent", "info")
+    assert finding.step == 0 and "went silent" in finding.message and finding.value == pytest.approx(601)
+    assert set(proc.monitors) == {"talks"} and proc.counters.runs_let_go["silent"] == 1
+    assert proc.tick(later + timedelta(seconds=1)).anomalies == []  # said once
+    # an event of it later: watched afresh
+    assert proc.process(_step(2, run_id="quiet"), key=b"quiet", partition=1).deadletter is None
+    assert "quiet" in proc.monitors
+
+
+def test_past_max_runs_the_least_recently_active_run_is_let_go_with_a_finding():
+    config = RunwatchConfig.model_validate({"runs": {"max_runs": 3}})
+    proc = TelemetryProcessor(config, SECRET, clock=lambda: WALL)
+    for run in ("r1", "r2", "r3"):
+        proc.process(_step(0, run_id=run), key=run.encode())
+    proc.process(_step(1, run_id="r1"), key=b"r1")  # r1 active again: r2 is now the least recent
+    result = proc.process(_step(0, run_id="r4"), key=b"r4")
+    (finding,) = result.anomalies
+    assert (finding.run_id, finding.metric, finding.severity) == ("r2", "evicted", "info")
+    assert "limit of 3 runs" in finding.message
+    assert set(proc.monitors) == {"r1", "r3", "r4"} and proc.counters.runs_let_go["evicted"] == 1

@@ -455,3 +455,32 @@ def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(c
     assert not published.is_repeat(found.model_copy(update={"severity": "critical"}))  # an update is sent
     assert len(published) == 1  # run-b was not restored here
     assert [r.message.split(":")[0] for r in caplog.records] == [topics.ANOMALIES, topics.ACTIONS]
+
+
+def test_a_run_let_go_has_its_snapshot_deleted_so_no_successor_restores_it():
+    store = Store()
+    wall = [WALL]
+    config = RunwatchConfig.model_validate({"runs": {"silence_retention_s": 60, "max_runs": 2},
+                                            "policy": {"confirm_steps": 12}})
+    proc = TelemetryProcessor(config, SECRET, clock=lambda: wall[0], state_reader=store,  # type: ignore[arg-type]
+                              state=StateOptions(every_events=25, interval_s=1e9))
+    proc.keep_partitions({0})
+    for i, run in enumerate(("crashed", "evicted", "live")):
+        wall[0] = WALL + timedelta(seconds=i)
+        ts = WALL - timedelta(seconds=10)
+        proc.process(StepEvent(run_id=run, step=1, loss=1.0, ts=ts).to_json(), key=run.encode(), partition=0, offset=i)
+        if i == 1:
+            store.write(proc.take_snapshots(force_checkpoint=True)[0])  # both snapshotted...
+    assert {"crashed", "evicted"} <= {k.split("/", 1)[1] for k in store.read({0})}
+    # ... then "crashed" was evicted to make room for "live" (max_runs 2); "evicted" goes silent
+    wall[0] = WALL + timedelta(seconds=62)
+    proc.process(StepEvent(run_id="live", step=2, loss=1.0, ts=WALL).to_json(), key=b"live", partition=0, offset=3)
+    let_go = proc.tick(wall[0]).anomalies
+    assert [(a.run_id, a.metric) for a in let_go] == [("evicted", "silent")]
+    store.write(proc.take_snapshots(force_checkpoint=True)[0])
+    held = {k.split("/", 1)[1]: v for k, v in store.read({0}).items()}
+    assert held["crashed"] is None and held["evicted"] is None and held["live"] is not None  # tombstones
+    successor = TelemetryProcessor(config, SECRET, clock=lambda: wall[0], state_reader=store,  # type: ignore[arg-type]
+                                   state=StateOptions(every_events=25, interval_s=1e9))
+    successor.keep_partitions({0})
+    assert set(successor.monitors) == {"live"}
