@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 TELEMETRY = "runwatch.telemetry"
@@ -40,7 +39,6 @@ def bootstrap_from_env(default: str | None = None) -> str | None:
     return os.environ.get(BOOTSTRAP_ENV, default)
 
 
-@functools.lru_cache(maxsize=65_536)
 def key_partition(key: bytes, partitions: int) -> int:
     """The partition a record keyed ``key`` belongs on among ``partitions``: murmur2 of the key, the
     Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's

@@ -85,6 +85,37 @@ def state_outgoing(records: list[StateRecord]) -> list[Outgoing]:
     return [Outgoing(topics.STATE, r.key.encode(), r.value, r.partition) for r in records]
 
 
+RELEASE_EVERY_S = 5.0  # at most this often, freed memory is given back after runs were let go
+
+
+_released = [0.0]  # monotonic time of the last release (one detector process per interpreter)
+
+
+def release_memory() -> None:
+    """Give freed memory back to the system: a collection, then glibc's ``malloc_trim`` (elsewhere a no-op).
+    Without it the allocator keeps the pages of thousands of runs let go, and the process never shrinks."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    before = _rss_mib()
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc
+    log.info("runs were let go: memory given back, resident %.0f -> %.0f MiB", before, _rss_mib())
+
+
+def _rss_mib() -> float:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return float("nan")  # not Linux
+
+
 def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     """One request, as the child runs it (also usable in-process, e.g. by tests)."""
     reply = Reply()
@@ -101,6 +132,11 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     elif kind == "tick":  # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
         rebalancing, behind = payload if isinstance(payload, tuple) else (bool(payload), ())
         reply.records = outgoing(processor.tick(behind=frozenset(behind)))
+        let_go = sum(processor.counters.runs_let_go.values())
+        if let_go > processor.counters.runs_let_go_released and time.monotonic() - _released[0] >= RELEASE_EVERY_S:
+            processor.counters.runs_let_go_released = let_go
+            _released[0] = time.monotonic()
+            release_memory()
     elif kind == "keep_partitions":
         reply.dropped_runs = processor.keep_partitions(payload)
     else:
@@ -140,6 +176,7 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
             reader = StateReader(state_bootstrap, timeout_s=max(5.0, reply_timeout_s - 5.0))
         processor = TelemetryProcessor(config, secret, baselines=baselines, state_reader=reader, state=state,
                                        group=group, partitions=partitions)
+        processor.on_restore_progress = lambda body: replies.put(("progress", body))
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
         replies.put(("error", traceback.format_exc()))
         return
@@ -183,6 +220,8 @@ class DetectorProcess:
         self._pending: deque[asyncio.Future] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request
         self._last_reply = time.monotonic()
+        self._last_progress = 0.0  # monotonic time of the child's latest progress report (a long restore)
+        self.restore_progress: dict[str, Any] | None = None  # the latest one
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._failure: DetectorProcessError | None = None
@@ -223,14 +262,28 @@ class DetectorProcess:
         except IndexError:
             return 0.0
 
+    def stalled_s(self) -> float:
+        """How long the child has neither answered the oldest request nor reported progress on it (0 when
+        nothing is pending): a restore that goes on for minutes while it reports progress is not stalled."""
+        try:
+            since = max(self._sent_at[0], self._last_progress)
+        except IndexError:
+            return 0.0
+        return max(0.0, time.monotonic() - since)
+
     def health(self) -> dict[str, Any]:
         """For the worker's health endpoint."""
+        progress = None
+        if self.restore_progress is not None:
+            progress = {**self.restore_progress, "age_s": round(time.monotonic() - self._last_progress, 3)}
         return {
             "alive": self._process.is_alive() and self._failure is None,
             "pid": self._process.pid,
             "ready": self._ready.is_set() and self._failure is None,
             "pending_requests": len(self._sent_at),
             "oldest_pending_s": round(self.oldest_pending_s(), 3),
+            "stalled_s": round(self.stalled_s(), 3),
+            "restore": progress,
             "last_reply_age_s": round(time.monotonic() - self._last_reply, 3),
             "failure": str(self._failure).splitlines()[0] if self._failure is not None else None,
         }
@@ -261,11 +314,11 @@ class DetectorProcess:
                     code = self._process.exitcode
                     self._fail(DetectorProcessError(f"the detector process exited with code {code}"))
                     return
-                waited = self.oldest_pending_s()
+                waited = self.stalled_s()
                 if waited > self.reply_timeout_s:
                     self._fail(DetectorProcessError(
-                        f"the detector process (pid {self._process.pid}) has not answered for {waited:.0f} s "
-                        f"(limit {self.reply_timeout_s:.0f} s): frozen or stuck; it was killed"))
+                        f"the detector process (pid {self._process.pid}) has neither answered nor reported progress "
+                        f"for {waited:.0f} s (limit {self.reply_timeout_s:.0f} s): frozen or stuck; it was killed"))
                     self._process.kill()
                     return
                 continue
@@ -274,6 +327,8 @@ class DetectorProcess:
                 return
             if status == "ready":
                 self._ready.set()
+            elif status == "progress":  # a long request (a restore) going on: not frozen
+                self.restore_progress, self._last_progress = body, time.monotonic()
             elif status == "ok":
                 self._resolve(body)
             else:

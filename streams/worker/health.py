@@ -1,10 +1,12 @@
 """The worker's health endpoint (``--web-port``), for a supervisor's liveness and readiness probes.
 
 - ``GET /livez``: 200 while the worker can make progress: not failed, and its detector process
-  alive and answering (no request waiting longer than ``stuck_after_s``); else 503.
-- ``GET /readyz``: 200 when live, partitions are assigned and the detector process is ready.
+  alive and answering (no request waiting longer than ``stuck_after_s`` without a progress report:
+  a restore of many runs reports its progress); else 503.
+- ``GET /readyz``: 200 when live, partitions are assigned, the detector process is ready and no
+  restore of runs is under way.
 - ``GET /health``: the figures behind both, as JSON (partitions, age of the last offset commit and
-  of the last acknowledged batch, the detector process, counters).
+  of the last acknowledged batch, the detector process and the latest restore's progress, counters).
 
 A worker that cannot make progress does not wait for a probe: it exits non-zero by itself (see
 ``WorkerHealth.fail``); the endpoint tells a supervisor (or a person) before that.
@@ -61,8 +63,8 @@ class WorkerHealth:
         detector = self.detectors.health()
         if not detector["alive"]:
             return False, f"detector process not alive: {detector['failure'] or 'exited'}"
-        if detector["oldest_pending_s"] > self.stuck_after_s:
-            return False, f"detector process has not answered for {detector['oldest_pending_s']:.1f} s"
+        if detector["stalled_s"] > self.stuck_after_s:
+            return False, f"detector process has neither answered nor made progress for {detector['stalled_s']:.1f} s"
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:
@@ -73,6 +75,9 @@ class WorkerHealth:
             return False, "detector process starting"
         if not self.partitions:
             return False, "no partitions assigned"
+        restore = self.detectors.health()["restore"]
+        if restore is not None and restore["phase"] != "done":
+            return False, f"restoring runs of partitions {restore['partitions']} ({restore['phase']})"
         return True, "ok"
 
     def snapshot(self) -> dict[str, Any]:
@@ -91,7 +96,8 @@ class WorkerHealth:
             "last_ack_age_s": None if self.last_ack is None else round(now - self.last_ack, 3),
             "publish_failures": self.publish_failures,
             "detector_process": self.detectors.health(),
-            "counters": {**asdict(counters), "actions": dict(counters.actions)},
+            "counters": {**asdict(counters), "actions": dict(counters.actions),
+                         "runs_let_go": dict(counters.runs_let_go)},
         }
 
 

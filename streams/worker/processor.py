@@ -103,6 +103,7 @@ class WorkerCounters:
     replay_skipped: int = 0  # events read again that a restored snapshot already included
     repeats_withheld: int = 0  # anomalies and actions decided again that a predecessor had published (published.py)
     runs_let_go: Counter = field(default_factory=Counter)  # runs let go without run_end, by why (silent, evicted)
+    runs_let_go_released: int = 0  # of those, how many when freed memory was last given back (detector_process.py)
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -143,6 +144,8 @@ class TelemetryProcessor:
         self._published = Published()  # what predecessors published for the runs restored here
         self._activity = RunActivity()  # runs, least recently active first (run_lifecycle.py)
         self._let_go: list[Anomaly] = []  # findings of runs let go outside a request's result, sent with the next tick
+        # Called about once a second while partitions are restored (the detector process tells its parent)
+        self.on_restore_progress: Callable[[dict], None] | None = None
 
     def process(
         self,
@@ -159,7 +162,9 @@ class TelemetryProcessor:
         received = receive_time(timestamp, self._clock(), self.config.limits)
         try:
             event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
-            check_record_key(key, partition, self.partitions)
+            # (a run's partition, once checked, is not hashed again for each of its events)
+            known = event.run_id in self._partition and self._partition[event.run_id] == partition
+            check_record_key(key, partition, None if known else self.partitions)
         except SchemaError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(exc.reason, raw, key, partition, offset))
@@ -237,6 +242,7 @@ class TelemetryProcessor:
         if excess <= 0:
             return
         held = self.config.runs.max_runs
+        log.warning("holding runs.max_runs (%d) runs: the %d least recently active let go", held, excess)
         for run_id in self._activity.least_recent(excess):
             self._let_go.append(self._lifecycle(run_id, "evicted", eviction_message(held), value=float(held)))
 
@@ -249,7 +255,7 @@ class TelemetryProcessor:
         finding = lifecycle_finding(run_id, why, message, step=monitor.last_step if monitor else None, ts=ts,
                                     value=value, threshold=threshold).model_copy(update={"detected_at": self._clock()})
         self.counters.runs_let_go[why] += 1
-        log.warning("run %s: %s", run_id, message)
+        log.debug("run %s: %s", run_id, message)  # (the finding says it; a flood would fill the log)
         self._forget(run_id, why)
         return finding
 
@@ -290,7 +296,12 @@ class TelemetryProcessor:
         self._loaded |= new
         started = self._perf()
         restored: list[str] = []
-        for key, raw in self._reader.read(new).items():
+        progress = RestoreProgress(sorted(new), self._perf, self.on_restore_progress)
+        if hasattr(self._reader, "on_progress"):
+            self._reader.on_progress = progress.reading
+        records = self._reader.read(new)
+        for key, raw in records.items():
+            progress.restoring(len(restored), len(records))
             if not key.startswith(self._state_prefix):
                 continue  # another group's
             run_id = key[len(self._state_prefix):]
@@ -330,6 +341,7 @@ class TelemetryProcessor:
             self._make_room(0)  # (more partitions than the predecessor held may bring more runs than fit)
         self.counters.restored_runs += len(restored)
         self.counters.runs = len(self.monitors)
+        progress.done(len(restored), len(records))
         log.info("restored %d run(s) of telemetry partition(s) %s in %.3f s", len(restored), sorted(new),
                  self._perf() - started)
 
@@ -429,6 +441,9 @@ class TelemetryProcessor:
         retention_s = self.config.runs.silence_retention_s
         lagging = [r for r, p in self._partition.items() if p in behind] if behind else ()
         silent = list(self._activity.silent(now, timedelta(seconds=retention_s), skip=lagging))
+        if silent:
+            log.warning("%d run(s) silent for over %.0f s let go (runs.silence_retention_s); %d held", len(silent),
+                        retention_s, len(self.monitors) - len(silent))
         out = []
         for run_id in silent:
             event_ts, arrived = self._last_seen.get(run_id, (now, now))
@@ -502,3 +517,43 @@ class TelemetryProcessor:
 
 
 _CLOCK_SLACK = timedelta(seconds=1)
+
+
+class RestoreProgress:
+    """How a restore goes, reported about once a second to ``report`` and every few seconds to the log:
+    so that a long restore is seen to make progress (and its worker is not taken for frozen)."""
+
+    EVERY_S = 1.0
+    LOG_EVERY_S = 5.0
+
+    def __init__(self, partitions: list[int], perf: Callable[[], float], report: Callable[[dict], None] | None):
+        self.partitions = partitions
+        self._perf = perf
+        self._report = report
+        self.started = self._last = self._logged = perf()
+
+    def reading(self, records: int) -> None:
+        self._maybe({"phase": "reading", "records_read": records})
+
+    def restoring(self, runs: int, records: int) -> None:
+        if self._perf() - self._last >= self.EVERY_S:
+            self._maybe({"phase": "restoring", "runs_restored": runs, "records": records})
+
+    def done(self, runs: int, records: int) -> None:
+        self._send({"phase": "done", "runs_restored": runs, "records": records}, log_it=False)
+
+    def _maybe(self, what: dict) -> None:
+        now = self._perf()
+        if now - self._last >= self.EVERY_S:
+            self._send(what, log_it=now - self._logged >= self.LOG_EVERY_S)
+
+    def _send(self, what: dict, log_it: bool) -> None:
+        now = self._perf()
+        self._last = now
+        body = {"partitions": self.partitions, **what, "elapsed_s": round(now - self.started, 3)}
+        if log_it:
+            self._logged = now
+            log.info("restoring telemetry partition(s) %s: %s", self.partitions,
+                     ", ".join(f"{k} {v}" for k, v in what.items()))
+        if self._report is not None:
+            self._report(body)

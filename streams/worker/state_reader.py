@@ -6,8 +6,15 @@ compacted topic can look like: offsets with gaps (the position simply jumps them
 partition (first == end: nothing to read), a log start that retention moves during the read
 (``auto_offset_reset="earliest"`` puts the position at the new start), and a tail the cleaner
 emptied (tombstones removed after ``delete.retention.ms``: fetches return nothing below the end
-offset, so a partition whose fetches stay empty for ``idle_s`` is at its end). Records written
+offset). A partition is taken for such a tail only when the broker has answered its fetches and *no*
+partition of the read has delivered anything for ``idle_s`` (longer on a slow broker: three times the
+longest wait between deliveries so far): under load one partition's fetches wait behind another's
+backlog, which is no evidence that its tail is gone. Records written
 after the read started are not waited for (one that arrives in time is read: the newest wins).
+
+A read ends in failure (``StateReadError``) only when nothing at all arrived for ``timeout_s``: a large
+read takes as long as it takes while it makes progress, and ``on_progress`` (records read so far) is
+called about once a second so that its owner can say so.
 
 The end offset is a lower bound, not a stop: a partition is read until its position has passed the
 end offset noted at the start *and* a fetch from there returns nothing. (Tansu 0.6, the embedded
@@ -19,14 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from runwatch.producer import topics
 
 log = logging.getLogger("runwatch.worker")
 
-DEFAULT_TIMEOUT_S = 25.0  # under the detector process's reply timeout (30 s): a slow read fails the worker itself
+DEFAULT_TIMEOUT_S = 25.0  # nothing read for this long: the read fails (and with it the worker: a successor retries)
 IDLE_S = 5.0
+PROGRESS_EVERY_S = 1.0
 
 
 class StateReadError(RuntimeError):
@@ -42,6 +50,7 @@ class StateReader:
         self.timeout_s = timeout_s
         self.idle_s = idle_s
         self._consumer = consumer
+        self.on_progress: Callable[[int], None] | None = None  # records read so far, about once a second
 
     def _client(self):  # noqa: ANN202 - kafka-python's KafkaConsumer
         if self._consumer is None:
@@ -85,23 +94,38 @@ class StateReader:
             consumer.seek(tp, start[tp])
         started = time.monotonic()
         last_progress = {tp: started for tp in todo}
+        any_progress = started  # when any partition of this read last delivered a record
+        longest_gap = 0.0  # the longest wait between deliveries so far: how slow the broker is today
+        read, reported = 0, started
         try:
             while todo:
                 now = time.monotonic()
-                if now - started > limit:
-                    raise StateReadError(f"reading {topic} partitions {sorted(tp.partition for tp in todo)} took "
-                                         f"over {limit:g} s")
+                if now - any_progress > limit:
+                    raise StateReadError(f"reading {topic} partitions {sorted(tp.partition for tp in todo)}: nothing "
+                                         f"arrived for {limit:g} s ({read} records read in {now - started:.0f} s)")
                 batches = consumer.poll(timeout_ms=200, max_records=5000)
+                now = time.monotonic()
+                if any(batches.values()):
+                    longest_gap = max(longest_gap, now - any_progress)
                 for tp, records in batches.items():
-                    last_progress[tp] = time.monotonic()
+                    if records:
+                        last_progress[tp] = any_progress = now
                     for record in records:
                         yield record.key, record.value
+                    read += len(records)
+                if self.on_progress is not None and now - reported >= PROGRESS_EVERY_S:
+                    self.on_progress(read)
+                    reported = now
+                # A cleaned tail only when the whole read has been quiet for idle_s and three times its slowest
+                # delivery so far, and the broker has answered a fetch of the partition (its high watermark)
+                quiet_for = max(self.idle_s, 3 * longest_gap)
                 for tp in list(todo):
                     if consumer.position(tp) >= end[tp] and not batches.get(tp):
                         todo.discard(tp)  # past the end, and nothing more to fetch
-                    elif time.monotonic() - last_progress[tp] > self.idle_s:
-                        log.info("%s[%d]: nothing to fetch from %d below its end %d for %g s: a cleaned tail, read",
-                                 topic, tp.partition, consumer.position(tp), end[tp], self.idle_s)
+                    elif now - any_progress > quiet_for and consumer.highwater(tp) is not None:
+                        log.info("%s[%d]: nothing to fetch from %d below its end %d for %.1f s, nor from any other "
+                                 "partition: a cleaned tail, read", topic, tp.partition, consumer.position(tp),
+                                 end[tp], now - any_progress)
                         todo.discard(tp)
         finally:
             consumer.assign([])

@@ -23,7 +23,7 @@ from runwatch.streams.worker.state_reader import StateReader
 pytestmark = pytest.mark.integration
 
 SECRET = b"integration-state-secret-of-32-bytes-ok"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
+T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)  # within the worker clock's 7-day window
 GROUP = "restore-test"
 
 

@@ -112,7 +112,7 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
             # The health endpoint reports it while the worker is still running ...
             def unhealthy():
                 status, body = worker.health("/livez")
-                return status == 503 and "has not answered" in body["reason"] and worker.process.poll() is None
+                return status == 503 and "has neither answered nor made progress" in body["reason"] and worker.process.poll() is None
             eventually(unhealthy, 30, "/livez to report the frozen detector process", interval=0.2)
             reported_after = time.monotonic() - frozen_at
             # ... and then the worker exits non-zero by itself.
@@ -124,7 +124,7 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
             # (reply timeout 6 s + the reader's 0.5 s poll + at most the 15 s grace, with slack for a busy machine)
             assert exited_after < 6 + 0.5 + 15 + 15, exited_after
             log = worker.log_path.read_text()
-            assert "has not answered for" in log and "frozen or stuck" in log
+            assert "has neither answered nor reported progress for" in log and "frozen or stuck" in log
         finally:
             worker.stop()
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -353,6 +354,9 @@ class CompactedLog:
     def position(self, tp):  # noqa: ANN001
         return self.position_of[tp]
 
+    def highwater(self, tp):  # noqa: ANN001 - the broker has answered a fetch of the partition
+        return self.partitions[tp.partition][1]
+
     def poll(self, timeout_ms: int, max_records: int):
         self.polls += 1
         out = {}
@@ -380,6 +384,42 @@ def test_reading_a_compacted_partition_keeps_each_run_s_newest_record_and_forget
     })
     reader = StateReader("unused:9092", consumer=log, idle_s=0.2, timeout_s=10)
     assert reader.read({0, 1}) == {"g/a": b"a2", "g/b": None, "g/c": b"c1"}
+
+
+class StarvedLog(CompactedLog):
+    """A slow broker (a poll every 0.1 s) where partition 1's fetches wait behind partition 0's backlog:
+    nothing of partition 1 arrives until ``after_s`` past partition 0's last record."""
+
+    def __init__(self, partitions, after_s: float):  # noqa: ANN001
+        super().__init__(partitions)
+        self.after_s = after_s
+        self.backlog_done: float | None = None
+
+    def poll(self, timeout_ms: int, max_records: int):
+        time.sleep(0.1)
+        out = super().poll(timeout_ms, max_records)
+        for tp in list(out):
+            if tp.partition == 0 and self.position_of[tp] >= self.partitions[0][1]:
+                self.backlog_done = time.monotonic()
+            if tp.partition == 1 and (self.backlog_done is None or time.monotonic() < self.backlog_done + self.after_s):
+                self.position_of[tp] -= len(out.pop(tp))  # not delivered yet
+        return out
+
+
+def test_a_partition_starved_behind_another_s_backlog_is_read_to_its_end():
+    """Issue 23, case 5: under load one partition's fetches came back empty for the idle time while
+    another's backlog was read, and the reader took it for a cleaned tail: its snapshots were dropped."""
+    from runwatch.streams.worker.state_reader import StateReader
+
+    backlog = [_Record(i, f"g/r{i}".encode(), b"v") for i in range(30)]  # two a poll: about 1.5 s
+    starved = [_Record(i, f"g/s{i}".encode(), b"w") for i in range(4)]
+    log = StarvedLog({0: (0, 30, backlog), 1: (0, 4, starved)}, after_s=0.25)
+    progress: list[int] = []
+    reader = StateReader("unused:9092", consumer=log, idle_s=0.2, timeout_s=10)
+    reader.on_progress = progress.append
+    got = reader.read({0, 1})
+    assert sorted(got) == sorted([f"g/r{i}" for i in range(30)] + [f"g/s{i}" for i in range(4)])
+    assert progress and progress == sorted(progress)  # reported as it went
 
 
 def test_reading_while_retention_moves_the_log_start_ends_at_the_new_start():
