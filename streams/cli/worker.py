@@ -46,9 +46,16 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
     from pydantic import ValidationError
 
     from runwatch.producer.signing import MissingSecretError, resolve_secret
-    from runwatch.streams.worker.app import create_app, run_worker
+    from runwatch.streams.worker.health_server import HealthServer
     from runwatch.streams.worker.run_states import StateOptions
 
+    server = None
+    if web_port:  # first: a supervisor's probe is answered from the first second (live, starting)
+        try:
+            server = HealthServer(web_host, web_port).start()
+        except OSError as exc:
+            raise click.ClickException(f"the health endpoint cannot listen on {web_host}:{web_port}: {exc.strerror} "
+                                       "(another worker there? give each its own --web-port, or 0 for none)") from None
     config = cli_config(config_path)
     try:
         secret = resolve_secret()
@@ -59,11 +66,17 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
                              interval_s=snapshot_interval, retention_s=state_retention)
     except ValidationError as exc:
         raise click.ClickException(f"bad snapshot option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    if server is not None:
+        server.starting.phase = f"reaching the Kafka broker at {bootstrap}"
     partitions = _check_topics(bootstrap, state.enabled)
-    app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=web_port or None, web_host=web_host,
+    if server is not None:
+        server.starting.phase = "starting Faust and the detector process"
+    from runwatch.streams.worker.app import create_app, run_worker
+
+    app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=None,
                         ready_file=Path(ready_file) if ready_file else None, detector_timeout_s=detector_timeout,
                         delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn, state=state,
-                        partitions=partitions)
+                        partitions=partitions, health_server=server)
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
 

@@ -26,7 +26,8 @@ from runwatch.streams.worker.detector_process import (
     DetectorProcessError,
     Outgoing,
 )
-from runwatch.streams.worker.health import CommitSensor, WorkerHealth, serve_health
+from runwatch.streams.worker.health import CommitSensor, WorkerHealth
+from runwatch.streams.worker.health_server import HealthServer
 from runwatch.streams.worker.run_states import StateOptions
 
 log = logging.getLogger("runwatch.worker")
@@ -106,12 +107,14 @@ def create_app(
     baseline_dsn: str | None = None,
     state: StateOptions | None = None,
     partitions: int | None = None,
+    health_server: HealthServer | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
     delivered and a state checkpoint after them is too (streams/worker/run_states.py). Whatever stops progress (the detector process dies or stops answering, results cannot
     be published) fails the worker: it exits non-zero and its successor reads the events again.
-    ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off. ``baseline_dsn``:
+    ``web_port`` serves the health endpoint (streams/worker/health.py); None turns it off; ``health_server``:
+    one already serving it (``runwatch worker`` starts it before anything else), which this worker takes over. ``baseline_dsn``:
     the ClickHouse the runs' baseline bands are loaded from at their start (streams/worker/baselines.py).
     ``state``: the runs' state snapshots to ``runwatch.state`` (streams/worker/run_states.py); on by default.
     ``partitions``: the telemetry topic's partition count, against which each record's partition is checked."""
@@ -269,19 +272,17 @@ def create_app(
         log.info("processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s", c.processed,
                  c.deadlettered, c.detector_errors, c.anomalies, dict(c.actions))
 
-    if web_port is not None:
-        runners: list = []
-
-        @app.task
-        async def health_endpoint() -> None:
-            runners.append(await serve_health(health, web_host, web_port))
+    if health_server is None and web_port is not None:
+        health_server = HealthServer(web_host, web_port).start()
+    if health_server is not None:
+        health_server.health = health
+        server = health_server
 
         @app.on_before_shutdown.connect
         async def stop_health(sender, **kwargs) -> None:  # noqa: ANN001
             if health.failure is not None:
                 return  # a failing worker keeps saying why until the process ends
-            for runner in runners:
-                await runner.cleanup()
+            server.close()
 
     @app.on_before_shutdown.connect
     async def stop_detectors(sender, **kwargs) -> None:  # noqa: ANN001

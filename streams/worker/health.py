@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from aiohttp import web
 from faust.sensors import Sensor
 
 from runwatch.streams.worker.detector_process import DetectorProcess
@@ -116,27 +115,3 @@ class CommitSensor(Sensor):
 
     def on_commit_completed(self, consumer: Any, state: Any) -> None:
         self._health.last_commit = time.monotonic()
-
-
-async def serve_health(health: WorkerHealth, host: str, port: int) -> web.AppRunner:
-    """Start the endpoint on the running loop; the caller cleans the runner up."""
-
-    def probe(check: Any) -> Any:
-        async def handler(_request: web.Request) -> web.Response:
-            ok, why = check()
-            return web.json_response({"ok": ok, "reason": why}, status=200 if ok else 503)
-        return handler
-
-    async def full(_request: web.Request) -> web.Response:
-        snap = health.snapshot()
-        return web.json_response(snap, status=200 if snap["live"] else 503)
-
-    app = web.Application()
-    app.router.add_get("/livez", probe(health.live))
-    app.router.add_get("/readyz", probe(health.ready))
-    app.router.add_get("/health", full)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("health endpoint on http://%s:%d/health", host, port)
-    return runner

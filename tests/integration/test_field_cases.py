@@ -307,3 +307,39 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
     finally:
         kafka.close()
         sink.close()
+
+
+def test_case6_the_health_port_answers_from_the_first_second_while_the_worker_starts(secret, tmp_path):
+    import urllib.request
+
+    nothing = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    env = {**os.environ, topics.SECRET_ENV: secret}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", nothing,
+                             "--web-port", str(port), "--web-host", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        def answer(path: str):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+            except OSError:
+                return None
+
+        status, body = eventually(lambda: answer("/livez"), 10, "the health port to answer", interval=0.05)
+        answered_s = time.monotonic() - started
+        assert status == 200 and body["reason"].startswith("starting: "), body  # live: not to be killed
+        eventually(lambda: answer("/livez")[1]["reason"] == f"starting: reaching the Kafka broker at {nothing}", 10,
+                   "the endpoint to say what the worker waits for")
+        assert answer("/readyz")[0] == 503
+        # (about 0.3 s on an idle machine; under two CPU hogs the interpreter's start alone takes longer)
+        assert answered_s < 5, answered_s
+        _, err = proc.communicate(timeout=45)
+        assert proc.returncode == 1 and err.decode().strip().startswith("Error: cannot reach the Kafka broker")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
