@@ -87,7 +87,7 @@ class RunsConfig(Strict):
                                               "that it went silent (hours past the stall detector's silence and idle "
                                               "allowance, which alert long before)")
     max_runs: int = Field(
-        default=10_000, ge=1, description="runs one worker holds at most (about 40 KB each for one rank); past it "
+        default=5_000, ge=1, description="runs one worker holds at most (40-250 KB each for one rank, by its events); past it "
                                           "the least recently active run is let go, with an info finding saying why")
 
 

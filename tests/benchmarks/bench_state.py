@@ -149,6 +149,52 @@ def snapshot_size() -> dict:
     return out
 
 
+# -- memory per held run ----------------------------------------------------------------------------
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def held_memory(runs: int, steps: int) -> dict:
+    """Resident memory of a processor holding ``runs`` single-rank runs of ``steps`` events each (the
+    bench's step events: 20 modules, 8 categories), then after they went silent and were let go. Run in a
+    process of its own (``--memory``) so that the figures are that process's alone."""
+    from runwatch.streams.worker.detector_process import release_memory
+
+    config = RunwatchConfig.model_validate({"runs": {"silence_retention_s": 60, "max_runs": runs + 1}})
+    proc = TelemetryProcessor(config, SECRET)
+    warm = stream(20, steps, seed=9)
+    for value, key, partition in warm:
+        proc.process(value, key, partition)
+    proc.tick(datetime.now(UTC) + timedelta(hours=2))
+    release_memory()
+    before = _rss_mib()
+    rng, t0 = random.Random(4), datetime.now(UTC) - timedelta(hours=1)
+    started = time.perf_counter()
+    for step in range(steps):  # (made as they go: a list of them all would be most of what is measured)
+        for r in range(runs):
+            run = f"bench-{r}"
+            proc.process(step_event(run, step, rng, t0).to_json(), run.encode(), r % PARTITIONS)
+    fill_s = time.perf_counter() - started
+    held = _rss_mib()
+    assert len(proc.monitors) == runs
+    proc.tick(datetime.now(UTC) + timedelta(hours=2))
+    release_memory()
+    after = _rss_mib()
+    return {"runs": runs, "events_per_run": steps, "rss_before_mib": round(before, 1),
+            "rss_holding_mib": round(held, 1), "kib_per_held_run": round((held - before) * 1024 / runs, 1),
+            "rss_after_let_go_mib": round(after, 1), "fill_s": round(fill_s, 2)}
+
+
+def held_memory_in_child(runs: int, steps: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--memory", str(runs), str(steps)], capture_output=True,
+                         text=True, timeout=1800, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # -- restore time ---------------------------------------------------------------------------------
 
 def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
@@ -352,15 +398,21 @@ def main() -> None:
                     help="events/s one worker handles: a checkpoint (5 s) every rate x 5 events")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--memory", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_process(*args.worker)
+        return
+    if args.memory:
+        print(json.dumps(held_memory(*args.memory)))
         return
     started = time.monotonic()
     result: dict = {"benchmark": "state_snapshots_and_scale_out"}
     result["snapshot_cost"] = snapshot_cost(args.runs, 1000, int(args.checkpoint_rate * 5))
     result["snapshot_size_one_run"] = snapshot_size()
     log(f"snapshot size: {result['snapshot_size_one_run']}")
+    result["memory_per_held_run"] = [held_memory_in_child(10_000, 3), held_memory_in_child(2_000, 200)]
+    log(f"memory per held run: {result['memory_per_held_run']}")
     with tempfile.TemporaryDirectory() as tmp:
         with EmbeddedBroker(log_path=Path(tmp) / "broker.log") as broker:
             ensure_topics(broker.bootstrap, partitions=PARTITIONS)
