@@ -88,7 +88,9 @@ def state_outgoing(records: list[StateRecord]) -> list[Outgoing]:
 RELEASE_EVERY_S = 5.0  # at most this often, freed memory is given back after runs were let go
 
 
-_released = [0.0]  # monotonic time of the last release (one detector process per interpreter)
+# When freed memory was last given back, and how many runs had been let go by then (one detector
+# process per interpreter)
+_released: dict[str, float] = {"at": 0.0, "let_go": 0}
 
 
 def release_memory() -> None:
@@ -133,9 +135,8 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
         rebalancing, behind = payload if isinstance(payload, tuple) else (bool(payload), ())
         reply.records = outgoing(processor.tick(behind=frozenset(behind)))
         let_go = sum(processor.counters.runs_let_go.values())
-        if let_go > processor.counters.runs_let_go_released and time.monotonic() - _released[0] >= RELEASE_EVERY_S:
-            processor.counters.runs_let_go_released = let_go
-            _released[0] = time.monotonic()
+        if let_go > _released["let_go"] and time.monotonic() - _released["at"] >= RELEASE_EVERY_S:
+            _released.update(let_go=let_go, at=time.monotonic())
             release_memory()
     elif kind == "keep_partitions":
         reply.dropped_runs = processor.keep_partitions(payload)

@@ -36,6 +36,7 @@ from runwatch.producer.schema import (
 )
 from runwatch.producer.signing import sign_action
 from runwatch.streams.worker.published import Published, read_published
+from runwatch.streams.worker.restore_progress import RestoreProgress
 from runwatch.streams.worker.run_lifecycle import (
     RunActivity,
     eviction_message,
@@ -103,7 +104,6 @@ class WorkerCounters:
     replay_skipped: int = 0  # events read again that a restored snapshot already included
     repeats_withheld: int = 0  # anomalies and actions decided again that a predecessor had published (published.py)
     runs_let_go: Counter = field(default_factory=Counter)  # runs let go without run_end, by why (silent, evicted)
-    runs_let_go_released: int = 0  # of those, how many when freed memory was last given back (detector_process.py)
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -518,42 +518,3 @@ class TelemetryProcessor:
 
 _CLOCK_SLACK = timedelta(seconds=1)
 
-
-class RestoreProgress:
-    """How a restore goes, reported about once a second to ``report`` and every few seconds to the log:
-    so that a long restore is seen to make progress (and its worker is not taken for frozen)."""
-
-    EVERY_S = 1.0
-    LOG_EVERY_S = 5.0
-
-    def __init__(self, partitions: list[int], perf: Callable[[], float], report: Callable[[dict], None] | None):
-        self.partitions = partitions
-        self._perf = perf
-        self._report = report
-        self.started = self._last = self._logged = perf()
-
-    def reading(self, records: int) -> None:
-        self._maybe({"phase": "reading", "records_read": records})
-
-    def restoring(self, runs: int, records: int) -> None:
-        if self._perf() - self._last >= self.EVERY_S:
-            self._maybe({"phase": "restoring", "runs_restored": runs, "records": records})
-
-    def done(self, runs: int, records: int) -> None:
-        self._send({"phase": "done", "runs_restored": runs, "records": records}, log_it=False)
-
-    def _maybe(self, what: dict) -> None:
-        now = self._perf()
-        if now - self._last >= self.EVERY_S:
-            self._send(what, log_it=now - self._logged >= self.LOG_EVERY_S)
-
-    def _send(self, what: dict, log_it: bool) -> None:
-        now = self._perf()
-        self._last = now
-        body = {"partitions": self.partitions, **what, "elapsed_s": round(now - self.started, 3)}
-        if log_it:
-            self._logged = now
-            log.info("restoring telemetry partition(s) %s: %s", self.partitions,
-                     ", ".join(f"{k} {v}" for k, v in what.items()))
-        if self._report is not None:
-            self._report(body)
