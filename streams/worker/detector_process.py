@@ -173,7 +173,8 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
         if state_bootstrap and state.enabled:
             from runwatch.streams.worker.state_reader import StateReader
 
-            # (a restore is one request: it must end, or fail, before the parent's reply timeout kills us)
+            # (a restore that reads nothing for this long fails, before the parent would take us for frozen;
+            # one that reads goes on as long as it needs, and says so: RestoreProgress)
             reader = StateReader(state_bootstrap, timeout_s=max(5.0, reply_timeout_s - 5.0))
         processor = TelemetryProcessor(config, secret, baselines=baselines, state_reader=reader, state=state,
                                        group=group, partitions=partitions)
