@@ -88,6 +88,8 @@ class RunStates:
             run = self.runs[run_id] = _Run(partition)
             self.ended.pop(run_id, None)  # (an ended run started again under its id)
             self._tombstones.pop(run_id, None)
+        if partition is not None and run.partition is not None and partition != run.partition:
+            run.last_offset = -1  # a replay marker is one partition's: another's offsets say nothing of it
         if offset is not None:
             run.last_offset = max(run.last_offset, offset)
         run.partition = partition if partition is not None else run.partition

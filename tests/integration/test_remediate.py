@@ -1,6 +1,6 @@
 """`runwatch remediate` against the real broker, the real embedded ClickHouse, a real local HTTP
 server as the chat webhook and a real command (verified by a stand-in scheduler): a signed action
-delivered twice runs its command and posts once, a forged one does nothing, every execution is
+delivered twice runs its command and posts once, a forged one and a future-dated one do nothing, every execution is
 recorded, and a restarted remediator does not repeat what is recorded. Targets that are not the
 run's and unsafe values: test_remediate_targets.py."""
 
@@ -126,6 +126,10 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
 
     stop = _action(run_id, "stop", secret)
     forged = _action(run_id, "stop", b"attacker-key")
+    # signed, but dated an hour ahead: the trainer's listener refuses it, so must the remediator (issue 23)
+    ahead = utc_now() + timedelta(hours=1)
+    future = sign_action(_action(run_id, "stop", secret).model_copy(
+        update={"issued_at": ahead, "expires_at": ahead + timedelta(seconds=120), "signature": ""}), secret)
     sentinel = _action(run_id, "alert", secret)  # same partition, after the rest: all handled when it is
 
     with Webhook() as hook:
@@ -135,14 +139,14 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            publish_actions(broker.bootstrap, [stop, forged, stop, sentinel])  # the stop arrives twice
+            publish_actions(broker.bootstrap, [stop, forged, future, stop, sentinel])  # the stop arrives twice
             eventually(lambda: hook.for_action(sentinel.action_id), 30, "the sentinel action's webhook post")
         finally:
             consumer.stopping.set()
             thread.join(15)
 
         assert _marker_lines(marker, stop.action_id) == [f"{stop.action_id} 4242 node-7.cluster"]
-        assert _marker_lines(marker, forged.action_id) == []
+        assert _marker_lines(marker, forged.action_id) == [] == _marker_lines(marker, future.action_id)
         posts = hook.for_action(stop.action_id)
         assert len(posts) == 1
         post = posts[0]
@@ -152,7 +156,8 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         assert fields["run_id"] == run_id and fields["kind"] == "stop" and fields["command"].endswith("ok (exit 0)")
         assert hook.for_action(forged.action_id) == []
         rem = consumer.remediator
-        assert rem.ignored["bad_signature"] >= 1 and rem.ignored["duplicate"] >= 1
+        assert rem.ignored["bad_signature"] >= 1 and rem.ignored["duplicate"] >= 1 and rem.ignored["future"] == 1
+        assert hook.for_action(future.action_id) == [] and store.executions(future.action_id) == []
 
         rows = store.executions(stop.action_id)
         assert sorted((r["target"], r["status"], r["exit_code"]) for r in rows) == [

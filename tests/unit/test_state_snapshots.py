@@ -524,3 +524,14 @@ def test_a_run_let_go_has_its_snapshot_deleted_so_no_successor_restores_it():
                                    state=StateOptions(every_events=25, interval_s=1e9))
     successor.keep_partitions({0})
     assert set(successor.monitors) == {"live"}
+
+
+def test_a_replay_marker_is_one_partition_s_offset():
+    """Issue 23, case 7: a stray record of a run on another partition at a high offset became the run's
+    replay marker, and after a restart its own events below that offset were skipped. (The worker now
+    refuses a record off its key's partition; without the partition count the marker still holds.)"""
+    states, _ = _states()
+    states.observed("r", 1, 5, emitted=False)
+    states.observed("r", 3, 900, emitted=False)  # the stray record
+    states.observed("r", 1, 6, emitted=False)
+    assert (states.runs["r"].partition, states.runs["r"].last_offset) == (1, 6)
