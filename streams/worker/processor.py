@@ -108,6 +108,8 @@ class WorkerCounters:
 
 _Published = TypeVar("_Published", Anomaly, Action)
 
+EVICTION_LOG_EVERY_S = 10.0  # runs evicted past runs.max_runs are logged as one line at most this often
+
 # A tick judges runs until this much wall time has passed, then leaves the rest to the next tick
 # (round robin), so that one slow run cannot freeze the other runs' timers.
 TICK_BUDGET_S = 0.1
@@ -144,6 +146,7 @@ class TelemetryProcessor:
         self._published = Published()  # what predecessors published for the runs restored here
         self._activity = RunActivity()  # runs, least recently active first (run_lifecycle.py)
         self._let_go: list[Anomaly] = []  # findings of runs let go outside a request's result, sent with the next tick
+        self._evictions_unlogged, self._evictions_logged_at = 0, float("-inf")
         # Called about once a second while partitions are restored (the detector process tells its parent)
         self.on_restore_progress: Callable[[dict], None] | None = None
 
@@ -242,7 +245,11 @@ class TelemetryProcessor:
         if excess <= 0:
             return
         held = self.config.runs.max_runs
-        log.warning("holding runs.max_runs (%d) runs: the %d least recently active let go", held, excess)
+        self._evictions_unlogged += excess
+        if self._perf() - self._evictions_logged_at >= EVICTION_LOG_EVERY_S:  # (a flood would fill the log)
+            log.warning("holding runs.max_runs (%d) runs: %d least recently active let go for new ones", held,
+                        self._evictions_unlogged)
+            self._evictions_unlogged, self._evictions_logged_at = 0, self._perf()
         for run_id in self._activity.least_recent(excess):
             self._let_go.append(self._lifecycle(run_id, "evicted", eviction_message(held), value=float(held)))
 

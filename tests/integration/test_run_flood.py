@@ -43,7 +43,8 @@ def _counters(worker: WorkerProcess) -> dict:
 
 def test_a_flood_of_runs_that_never_end_is_let_go_and_a_successor_restores_in_time(tmp_path, secret):
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"runs": {"silence_retention_s": RETENTION_S}}))
+    # (max_runs above the flood: every run is held until its silence; eviction is the unit tests')
+    config.write_text(yaml.safe_dump({"runs": {"silence_retention_s": RETENTION_S, "max_runs": 2 * FLOOD}}))
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
         first = WorkerProcess(broker.bootstrap, secret, tmp_path / "first.log", config, group="runwatch-flood")
