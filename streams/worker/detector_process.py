@@ -229,7 +229,16 @@ class DetectorProcess:
         self._failure: DetectorProcessError | None = None
         self._closing = False
         self.counters = WorkerCounters()  # as of the latest reply
-        self._process.start()
+        # One malloc arena in the child (glibc reads this when a process starts): the replies its queue
+        # thread pickles otherwise fill arenas of their own, which keep their pages after runs are let go
+        # (a flood of 10,000 runs: +62 MiB left after they went, against +75 to +85 MiB with glibc's default).
+        before = os.environ.get("MALLOC_ARENA_MAX")
+        os.environ.setdefault("MALLOC_ARENA_MAX", "1")
+        try:
+            self._process.start()
+        finally:
+            if before is None:
+                os.environ.pop("MALLOC_ARENA_MAX", None)
         self._reader = threading.Thread(target=self._read, name="runwatch-detector-replies", daemon=True)
         self._reader.start()
 
