@@ -83,3 +83,20 @@ def test_migrates_a_real_embedded_clickhouse_once(tmp_path):
     second = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr
     assert "applied now: none" in second.stdout
+
+
+def test_the_sinks_retention_figures_are_the_tables_ttls():
+    """The sink refuses rows its tables' TTL would delete at once (sinks/clickhouse.py RETENTION_DAYS): those
+    figures must be the migrations' own."""
+    import re
+
+    from runwatch.sinks.clickhouse import RETENTION_DAYS
+
+    ttls = {}
+    for migration in MIGRATIONS:
+        for statement in migration.statements:
+            table = re.search(r"CREATE TABLE IF NOT EXISTS \{db\}\.(\w+)", statement)
+            ttl = re.search(r"TTL toDateTime\(ts\) \+ INTERVAL (\d+) DAY", statement)
+            if table and ttl:
+                ttls[table.group(1)] = int(ttl.group(1))
+    assert ttls == RETENTION_DAYS
