@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -47,7 +48,7 @@ class Browser:
 
     def __init__(self, binary: str, width: int = 1500, height: int = 1000):
         self.binary, self.width, self.height = binary, width, height
-        self.profile = tempfile.TemporaryDirectory(prefix="runwatch-chromium-")
+        self.profile = tempfile.mkdtemp(prefix="runwatch-chromium-")
         self.console_errors: list[str] = []
         self._ids = itertools.count(1)
 
@@ -56,8 +57,11 @@ class Browser:
 
         argv = [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--remote-debugging-port=0",
-                f"--user-data-dir={self.profile.name}", f"--window-size={self.width},{self.height}", "about:blank"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                f"--user-data-dir={self.profile}", f"--window-size={self.width},{self.height}", "about:blank"]
+        # Its own process group: the renderer and crashpad children write to the profile too, so all of them
+        # are ended before the profile is removed.
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         port = self._devtools_port(timeout=60)
         pages = self._page_targets(port, timeout=30)
         self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True)
@@ -70,13 +74,34 @@ class Browser:
             self.ws.close()
         except Exception:  # noqa: BLE001, S110 - closing anyway
             pass
-        self.proc.terminate()
+        self._end_group(signal.SIGTERM)
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._end_group(signal.SIGKILL)
             self.proc.wait(10)
-        self.profile.cleanup()
+        self._end_group(signal.SIGKILL)  # children that outlived the browser process
+        self._remove_profile(timeout=10)
+
+    def _end_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _remove_profile(self, timeout: float) -> None:
+        # A child killed a moment ago may still flush a file into the profile: try again until it is gone.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                shutil.rmtree(self.profile)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def _devtools_port(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
