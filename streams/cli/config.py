@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["detectors"])
 @click.option("--defaults", is_flag=True, help="print the default configuration")
 @click.argument("path", required=False, type=click.Path(exists=True, dir_okay=False))
 def config(defaults: bool, path: str | None) -> None:

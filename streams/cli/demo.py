@@ -8,6 +8,7 @@ import click
 import orjson
 
 from runwatch.producer import topics
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config, require_torch
 
 
@@ -23,7 +24,7 @@ def _outage_window(_ctx, _param, value: str | None) -> tuple[float, float] | Non
     return start, end
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["demo"])
 @click.option("--scenario", default="nan", show_default=True,
               help="any catalog scenario: healthy, nan or grad-spike (the small demo model) or one of "
                    "`runwatch scenarios generate` (e.g. stall_hang_train, streamed live on a simulated clock); "

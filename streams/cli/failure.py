@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
+from runwatch.streams.cli.needs import current_command, require_engine
+
 if TYPE_CHECKING:
     from runwatch.sinks.clickhouse import ClickHouseSink
 
@@ -26,6 +28,7 @@ def open_sink(dsn: str | None) -> ClickHouseSink:
     from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
 
     dsn = dsn or default_dsn()
+    require_engine(current_command(), dsn)
     try:
         sink = ClickHouseSink(dsn)
     except Exception as exc:  # noqa: BLE001 - a bad DSN or an unreachable server, said plainly

@@ -8,6 +8,7 @@ from collections import Counter
 import click
 
 from runwatch.streams.cli.failure import fail
+from runwatch.streams.cli.needs import NeedsExtra
 
 DEFAULT_DATASOURCE_URL = "native://runwatch_reader@clickhouse:9000/runwatch"
 
@@ -17,7 +18,7 @@ def grafana() -> None:
     """Grafana dashboards on ClickHouse: generate them, provision them into a Grafana."""
 
 
-@grafana.command()
+@grafana.command(cls=NeedsExtra, extras=["grafana"], without=["grafana-client"])
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="deploy/grafana/dashboards",
               show_default=True, help="the directory to write the dashboards' JSON files to")
 @click.option("--database", default="runwatch", show_default=True, help="the sink's ClickHouse database")
@@ -42,7 +43,7 @@ def generate(out_dir: str, database: str, check: bool) -> None:
         click.echo(f"wrote {path}")
 
 
-@grafana.command()
+@grafana.command(cls=NeedsExtra, extras=["grafana"], without=["grafana-foundation-sdk"])
 @click.option("--url", envvar="RUNWATCH_GRAFANA_URL", required=True,
               help="Grafana's base URL, http(s)://host:3000[/prefix] [$RUNWATCH_GRAFANA_URL]")
 @click.option("--token", envvar="RUNWATCH_GRAFANA_TOKEN",

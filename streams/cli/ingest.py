@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from runwatch.streams.cli.failure import DSN_HELP, fail
+from runwatch.streams.cli.needs import NeedsExtra
 
 WRITE_CHUNK = 5000  # events per insert
 TELEMETRY_TTL_DAYS = 90  # the telemetry table's TTL (sinks/migrations.py)
@@ -31,7 +32,7 @@ def recordings(paths: tuple[str, ...]) -> list[Path]:
     return files
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["sink"])
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
 @click.option("--loss-every", type=click.IntRange(min=1), default=100, show_default=True,

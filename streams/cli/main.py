@@ -22,9 +22,10 @@ from runwatch.streams.cli import (
     sink,
     worker,
 )
+from runwatch.streams.cli.needs import RunwatchGroup
 
 
-@click.group()
+@click.group(cls=RunwatchGroup)
 def main() -> None:
     """runwatch: see training regressions while the run is still going, and act on them."""
     logsafe.install()  # what a client sent (a run id, a module name) cannot forge a log line

@@ -7,8 +7,10 @@ import time
 
 import click
 
+from runwatch.streams.cli.needs import NeedsExtra, require_engine
 
-@click.command()
+
+@click.command(cls=NeedsExtra, extras=["sink"])
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds to keep retrying while the server does not answer (it may still be starting)")
@@ -19,9 +21,10 @@ def migrate(dsn: str | None, wait_s: float) -> None:
     tables there and never race each other to create them."""
     from clickhouse_connect.driver.exceptions import OperationalError
 
-    from runwatch.sinks import ClickHouseSink
+    from runwatch.sinks import ClickHouseSink, default_dsn
     from runwatch.streams.cli.startup import redacted
 
+    require_engine("runwatch migrate", dsn or default_dsn())
     deadline = time.monotonic() + wait_s
     while True:
         try:

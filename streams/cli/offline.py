@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import orjson
 
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config
 
 CONFIG_HELP = "detector/policy YAML (default: the built-in defaults)"
@@ -17,7 +18,7 @@ def _dump(obj: object) -> None:
     sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["detectors"])
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--tick", "tick_every_s", type=click.FloatRange(min=0.01), default=0.25, show_default=True,
@@ -55,7 +56,7 @@ def replay(path: str, config_path: str | None, tick_every_s: float, as_json: boo
         console.print(table)
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["detectors"])
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with `scenarios` and `summary`")
@@ -96,7 +97,7 @@ def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
                   f"{summary['false_alarms_per_10k_healthy_steps']}, median delay {summary['median_delay_steps']} steps")
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["detectors"])
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--target-false-alarms", type=click.FloatRange(min=0),
               help="false alarms per 10,000 healthy steps allowed, per detector (a per-run corpus: required)")

@@ -8,11 +8,12 @@ from pathlib import Path
 import click
 
 from runwatch.producer import topics
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import BOOTSTRAP_HELP
 from runwatch.streams.cli.signals import run_until_signalled
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["remediate"])
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="remediation YAML: rules (action kinds -> argv command templates) and webhooks")

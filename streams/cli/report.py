@@ -8,9 +8,10 @@ from pathlib import Path
 import click
 
 from runwatch.streams.cli.failure import DSN_HELP, fail
+from runwatch.streams.cli.needs import NeedsExtra
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["report"])
 @click.argument("run_id")
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path),

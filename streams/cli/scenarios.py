@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import require_torch
 
 
@@ -14,7 +15,7 @@ def scenarios() -> None:
     """Labelled training scenarios (faults and healthy runs) recorded as telemetry JSONL."""
 
 
-@scenarios.command("generate")
+@scenarios.command("generate", cls=NeedsExtra, extras=["torch", "detectors"])
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--only", "only", multiple=True, metavar="NAME", help="record only this scenario (repeatable)")
 @click.option("--quick", is_flag=True, help="far fewer steps per scenario (for tests)")
@@ -47,7 +48,7 @@ def scenarios_generate(out_dir: str, only: tuple[str, ...], quick: bool) -> None
                f"{time.perf_counter() - started:.1f} s -> {Path(out_dir) / 'labels.json'}")
 
 
-@scenarios.command("history")
+@scenarios.command("history", cls=NeedsExtra, extras=["torch", "detectors"])
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--quick", is_flag=True, help="far fewer steps per run (for tests); still every run and every day")
 def scenarios_history(out_dir: str, quick: bool) -> None:

@@ -7,11 +7,12 @@ import logging
 import click
 
 from runwatch.producer import topics
+from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
 from runwatch.streams.cli.signals import run_until_signalled
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["sink"])
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
 @click.option("--batch-size", type=int, default=2000, show_default=True)

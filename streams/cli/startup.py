@@ -12,6 +12,7 @@ import click
 
 from runwatch.producer import topics
 from runwatch.reach import CONNECT_TIMEOUT_S, Unreachable, call_within, kafka_partition_counts
+from runwatch.streams.cli.needs import current_command, require_engine
 
 if TYPE_CHECKING:
     from runwatch.sinks.clickhouse import ClickHouseSink
@@ -44,6 +45,7 @@ def open_store(dsn: str | None) -> ClickHouseSink:
     from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
 
     dsn = dsn or default_dsn()
+    require_engine(current_command(), dsn)
     # clickhouse-connect logs its failed attempt before raising; the exception says it in our one line
     logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
 

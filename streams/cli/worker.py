@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 
 from runwatch.producer import topics
+from runwatch.streams.cli.needs import NeedsExtra, require, require_engine
 from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
 
 
-@click.command()
+@click.command(cls=NeedsExtra, extras=["worker"])
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="detector/policy YAML")
 @click.option("--web-port", type=int, default=6066, show_default=True,
@@ -43,6 +44,9 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
            no_state: bool, snapshot_every_events: int, snapshot_interval: float, state_retention: float,
            loglevel: str) -> None:
     """Run the Faust detection worker."""
+    if baseline_dsn:  # the history is read from ClickHouse
+        require("runwatch worker --baseline-dsn", ["sink"])
+        require_engine("runwatch worker --baseline-dsn", baseline_dsn)
     from pydantic import ValidationError
 
     from runwatch.producer.signing import MissingSecretError, resolve_secret
