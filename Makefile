@@ -1,23 +1,33 @@
-# runwatch: `make demo` and `make test` work on a fresh machine; `make setup` is their shared first step.
+# runwatch: `make demo` and `make test` work on a fresh machine. `make demo` installs only what the demo
+# runs (the `demo` extra); `make setup` (run by `make test`) adds the test tooling and the other extras
+# on top of it. docs/install.md says what each extra holds.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+DEMO_STAMP := $(VENV)/.runwatch-demo-installed
 STAMP := $(VENV)/.runwatch-installed
 
-.PHONY: setup clients browser demo test test-fast lint bench clean
+.PHONY: setup demo-setup clients browser demo test test-fast lint bench clean
 
 setup: $(STAMP)
+demo-setup: $(DEMO_STAMP)
 
 # torch first, pinned, so the project's torch range is already satisfied by the local CPU wheel
 # and pip never reaches for the multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+# Only adds to the demo's environment: the test tooling, the framework callbacks, the embedded engine,
+# grafana-client.
+$(STAMP): $(DEMO_STAMP)
 	# grafana-client's niquests needs urllib3-future; built from source with URLLIB3_NO_OVERRIDE=1 it sits beside
 	# urllib3 instead of overwriting it (its wheel replaces urllib3 environment-wide, under clickhouse-connect).
 	URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install --quiet --no-binary urllib3-future "urllib3-future>=2.12,<3" urllib3
-	$(PY) -m pip install --quiet -e ".[torch,embedded,dev,lightning,hf,grafana]"
+	$(PY) -m pip install --quiet -e ".[torch,embedded,dev,lightning,hf,grafana,server]"
 	touch $(STAMP)
 
 # Non-Python clients for tests/integration/test_non_python_client.py, which runs the examples of
@@ -52,7 +62,7 @@ $(CLIENTS_STAMP):
 browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { $(call apt_install,chromium); }
 
-demo: setup
+demo: demo-setup
 	$(VENV)/bin/runwatch demo --scenario nan
 
 # The type check first: strict for detectors/ and the wire package (pyproject's [tool.mypy]). mypy cannot
