@@ -1,5 +1,6 @@
-# The runwatch image for workers, the sink and the remediator: `pip install .` with no extras, so no torch
-# (the training side brings its own). Build from the repository root:
+# The runwatch image for workers, the sink and the remediator: `pip install ".[server]"`, the server side's
+# extra (worker, sink, remediate, report, grafana generate), so no torch (the training side brings its own)
+# and no grafana-client (docs/install.md). Build from the repository root:
 #   docker build -t runwatch:local .
 # deploy/compose.yaml builds and runs it; deploy/README.md explains the rest.
 FROM python:3.11-slim
@@ -17,7 +18,7 @@ COPY producer/ producer/
 COPY detectors/ detectors/
 COPY streams/ streams/
 COPY sinks/ sinks/
-RUN pip install . && rm -rf /src
+RUN pip install ".[server]" && rm -rf /src
 
 # Faust keeps its data directory (<app id>-data) in the working directory: give it one the user owns.
 RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/runwatch runwatch

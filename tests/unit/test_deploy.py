@@ -221,9 +221,15 @@ def test_dockerfile_installs_every_package_without_torch():
     dockerfile = (ROOT / "Dockerfile").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert re.search(r"^FROM python:3\.11-slim$", dockerfile, flags=re.M)
-    assert re.search(r"^RUN pip install \.( |$)", dockerfile, flags=re.M), "no extras: the worker image has no torch"
+    assert re.search(r'^RUN pip install "\.\[server\]"( |$)', dockerfile, flags=re.M), "the server extra: no torch"
     assert not [line for line in dockerfile.splitlines() if "torch" in line and not line.startswith("#")]
     assert not any(dep.split("[")[0].strip().startswith("torch") for dep in pyproject["project"]["dependencies"])
+    from runwatch import extras
+
+    server = extras.distributions("server", extras.parse_extras(
+        f"{req}; extra == '{name}'" for name, reqs in pyproject["project"]["optional-dependencies"].items()
+        for req in reqs))
+    assert "faust-streaming" in server and not [d for d in server if d in ("torch", "grafana-client")], server
     assert re.search(r'^ENTRYPOINT \["runwatch"\]$', dockerfile, flags=re.M)
     copied = set(re.findall(r"^COPY (\S+)/ ", dockerfile, flags=re.M))
     sources = {path.split("/")[0] for path in pyproject["tool"]["setuptools"]["package-dir"].values()}
