@@ -24,31 +24,13 @@ ROOT_MODULE = "(root)"  # name for parameters owned by the model object itself
 CLIP_EPS = 1e-6  # the same epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 
 
-def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
-    """Indices of ``tensors`` grouped by (device, dtype): a fused kernel takes one of each."""
+def _by_device_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), in order of first appearance: a fused kernel
+    takes one of each. Computed once per layout (gradients share their parameter's device and dtype)."""
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    return groups
-
-
-def _foreach_norms(tensors: list[torch.Tensor], out_device: torch.device) -> torch.Tensor:
-    """Per-tensor 2-norms as one float64 vector on ``out_device``, in input order.
-
-    Low-precision tensors are reduced in float32.
-    """
-    import torch
-
-    groups = _by_device_dtype(tensors)
-    if len(groups) == 1:
-        ((device, dtype), _), = groups.items()
-        norms = torch._foreach_norm(tensors, 2, dtype=_acc_dtype(dtype))
-        return torch.stack(norms).to(out_device, torch.float64)
-    out = torch.empty(len(tensors), dtype=torch.float64, device=out_device)
-    for (_device, dtype), idx in groups.items():
-        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=_acc_dtype(dtype))
-        out[torch.tensor(idx, device=out_device)] = torch.stack(norms).to(out_device, torch.float64)
-    return out
+    return list(groups.values())
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype | None:
@@ -59,21 +41,44 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 @dataclass
 class GradNorms:
-    """One step's gradient figures, all device tensors (0-d unless noted)."""
+    """One step's gradient figures, all device tensors.
 
-    total: torch.Tensor  # global norm before clipping
-    clip_coef: torch.Tensor  # factor the gradients were (or would be) multiplied by, <= 1
-    modules: torch.Tensor  # per-module norms before clipping, shape (n_modules,)
-    nonfinite: torch.Tensor  # parameter tensors whose gradient holds a NaN or Inf
+    ``figures``: per-module norms before clipping, then the global norm (shape ``(n_modules + 1,)``,
+    float64); ``clip_coef``: the factor the gradients were (or would be) multiplied by, <= 1, shape
+    ``(1,)``; ``nonfinite``: how many parameter tensors have a gradient holding a NaN or Inf, shape ``(1,)``.
+    """
+
+    figures: torch.Tensor
+    clip_coef: torch.Tensor
+    nonfinite: torch.Tensor
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.figures[-1]
+
+    @property
+    def modules(self) -> torch.Tensor:
+        return self.figures[:-1]
 
 
 @dataclass
 class UpdateNorms:
-    param: torch.Tensor  # norm of all trainable parameters before the step
-    update: torch.Tensor  # norm of (after - before) over all trainable parameters
+    norms: torch.Tensor  # (norm of the trainable parameters before the step, norm of the step's change)
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.norms[0]
+
+    @property
+    def update(self) -> torch.Tensor:
+        return self.norms[1]
 
 
 ShardSpec = Iterable[str] | Callable[[str, Any], bool]
+
+# Module sums by one matrix-vector product while the 0/1 matrix stays small; past this many entries
+# (float64) by index_add_.
+_MAX_SUM_MATRIX = 1 << 22
 
 
 class ParamLayout:
@@ -83,6 +88,10 @@ class ParamLayout:
     names; a tied parameter may be named by any of its names) or a callable ``(name, param) ->
     bool``. Only those are kept; a module that owns none of them has no entry. ``n_params`` still
     counts every trainable parameter of the model (each rank computes with the whole model).
+
+    What a step needs is resolved here, once: the parameters grouped by device and dtype (one fused
+    kernel per group), and the matrix that sums squared per-tensor norms into per-module and global
+    sums in one product, so a step runs no Python loop over parameters or modules.
     """
 
     def __init__(self, model: torch.nn.Module, shard: ShardSpec | None = None):
@@ -114,17 +123,70 @@ class ParamLayout:
                                  "this rank owns")
             raise ValueError("the model has no trainable parameters to watch")
         self.device = self.params[0].device
+        self.owners = owners
         self.owner_index = torch.tensor(owners, dtype=torch.long, device=self.device)
         self.n_params = n_params
+        self.groups = _by_device_dtype(self.params)
+        self._sum_matrix = _sum_matrix(owners, len(self.module_names), self.device)
 
-    def grads(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Gradients that exist this step and the owner index of each."""
+    def grads(self) -> tuple[list[torch.Tensor], list[int] | None]:
+        """Gradients that exist this step, and which parameters they belong to (None: all of them)."""
         grads = [p.grad for p in self.params]
-        if all(g is not None for g in grads):
-            return grads, self.owner_index  # the common case: no per-step index building
+        if all(g is not None for g in grads):  # (`None in grads` would compare tensors with ==)
+            return grads, None  # the common case: no per-step index building
         present = [i for i, g in enumerate(grads) if g is not None]
-        index = self.owner_index[torch_tensor(present, self.device)] if present else self.owner_index[:0]
-        return [grads[i] for i in present], index
+        return [grads[i] for i in present], present
+
+    def per_tensor_norms(self, tensors: list[torch.Tensor], which: list[int] | None = None) -> torch.Tensor:
+        """2-norms of ``tensors`` (one per parameter, or those listed in ``which``) as one vector on the
+        layout's device, in order; low-precision tensors are reduced in float32."""
+        import torch
+
+        groups = self.groups if which is None else _by_device_dtype(tensors)
+        if len(groups) == 1:
+            return torch.stack(torch._foreach_norm(tensors, 2, dtype=_acc_dtype(tensors[0].dtype)))
+        pieces = []
+        for idx in groups:
+            part = [tensors[i] for i in idx]
+            norms = torch._foreach_norm(part, 2, dtype=_acc_dtype(part[0].dtype))
+            pieces.append(torch.stack(norms).to(self.device, torch.float64))
+        order = torch.tensor([i for idx in groups for i in idx], dtype=torch.long, device=self.device)
+        out = torch.empty(len(tensors), dtype=torch.float64, device=self.device)
+        return out.index_copy_(0, order, torch.cat(pieces))
+
+    def module_sums(self, squares: torch.Tensor, which: list[int] | None) -> torch.Tensor:
+        """Per-module sums of ``squares`` (float64, one per tensor of ``which``), then their total."""
+        import torch
+
+        if which is None and self._sum_matrix is not None:
+            return torch.mv(self._sum_matrix, squares)
+        index = self.owner_index if which is None else self.owner_index[torch_tensor(which, self.device)]
+        sums = torch.zeros(len(self.module_names) + 1, dtype=torch.float64, device=self.device)
+        sums.index_add_(0, index, squares)
+        sums[-1] = squares.sum()
+        return sums
+
+    def scale_(self, tensors: list[torch.Tensor], coef: torch.Tensor, which: list[int] | None) -> None:
+        """Multiply ``tensors`` in place by the 1-element ``coef``, one fused kernel per device/dtype (as
+        torch's ``clip_grad_norm_`` does)."""
+        import torch
+
+        for idx in (self.groups if which is None else _by_device_dtype(tensors)):
+            part = [tensors[i] for i in idx] if len(idx) != len(tensors) else tensors
+            torch._foreach_mul_(part, coef.to(part[0].device, part[0].dtype).view(()))
+
+
+def _sum_matrix(owners: list[int], n_modules: int, device: torch.device) -> torch.Tensor | None:
+    """``(n_modules + 1, n_tensors)`` float64: row m sums module m's tensors, the last row all of them."""
+    import torch
+
+    n = len(owners)
+    if n * (n_modules + 1) > _MAX_SUM_MATRIX:
+        return None
+    matrix = torch.zeros(n_modules + 1, n, dtype=torch.float64)
+    matrix[torch.tensor(owners, dtype=torch.long), torch.arange(n)] = 1.0
+    matrix[-1] = 1.0
+    return matrix.to(device)
 
 
 def _shard_selector(model: torch.nn.Module, shard: ShardSpec) -> Callable[[str, Any], bool]:
@@ -154,40 +216,36 @@ def torch_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 def grad_norms(layout: ParamLayout, max_norm: float | None = None, apply_clip: bool = True) -> GradNorms | None:
     """Per-module and global gradient norms, and the clip factor for ``max_norm``.
 
-    With ``apply_clip`` the gradients are scaled in place by that factor, as
-    ``clip_grad_norm_`` would; without it the factor only describes clipping done
-    elsewhere. Returns None when no parameter has a gradient.
+    One pass over the gradients (the fused per-tensor norms that clipping needs) gives all the norms;
+    with ``apply_clip`` the gradients are then scaled in place by the factor, as ``clip_grad_norm_``
+    would; without it the factor only describes clipping done elsewhere. Returns None when no
+    parameter has a gradient.
     """
     import torch
 
-    grads, owner_index = layout.grads()
+    grads, which = layout.grads()
     if not grads:
         return None
-    per_param = _foreach_norms(grads, layout.device)
-    module_sq = torch.zeros(len(layout.module_names), dtype=torch.float64, device=layout.device)
-    module_sq.index_add_(0, owner_index, per_param.square())
-    total = module_sq.sum().sqrt()
-    nonfinite = (~torch.isfinite(per_param)).sum()
-    limit = max_norm if max_norm is not None else float("inf")
-    clip_coef = torch.clamp(limit / (total + CLIP_EPS), max=1.0)
-    if max_norm is not None and apply_clip:
-        _scale_(grads, clip_coef)
-    return GradNorms(total=total, clip_coef=clip_coef, modules=module_sq.sqrt(), nonfinite=nonfinite)
-
-
-def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply in place by ``coef`` as torch's clip_grad_norm_ does (fused, per device/dtype)."""
-    import torch
-
-    for (device, dtype), idx in _by_device_dtype(tensors).items():
-        torch._foreach_mul_([tensors[i] for i in idx], coef.to(device, dtype))
+    with torch.no_grad():
+        per_tensor = layout.per_tensor_norms(grads, which)
+        figures = layout.module_sums(per_tensor.double().square(), which).sqrt_()
+        # x * 0 is 0 for a finite norm and NaN for an infinite or NaN one (fewer kernels than isfinite)
+        nonfinite = torch.mul(per_tensor, 0).ne_(0).sum(0, keepdim=True)
+        if max_norm is None:
+            clip_coef = torch.ones(1, dtype=torch.float64, device=layout.device)
+        else:
+            clip_coef = (figures[-1:] + CLIP_EPS).reciprocal_().mul_(max_norm).clamp_max_(1.0)
+            if apply_clip:
+                layout.scale_(grads, clip_coef, which)
+    return GradNorms(figures=figures, clip_coef=clip_coef, nonfinite=nonfinite)
 
 
 class UpdateProbe:
     """Keeps a device copy of the parameters across one optimizer step to measure the update.
 
     Costs one parameter-sized buffer on the device while armed, which is why it runs every
-    K steps rather than every step.
+    K steps rather than every step. Four passes over the parameters in all: the copy, its norm,
+    the in-place difference, and the difference's norm.
     """
 
     def __init__(self, layout: ParamLayout):
@@ -201,8 +259,8 @@ class UpdateProbe:
     def arm(self) -> None:
         import torch
 
-        with torch.no_grad():
-            self._before = _fused_copy([p.detach() for p in self.layout.params])
+        with torch.no_grad():  # no detach() per parameter: no graph is built under no_grad
+            self._before = _fused_copy(self.layout)
 
     def measure(self) -> UpdateNorms | None:
         """Norms of the parameters before the step and of the step's change; frees the copy."""
@@ -211,29 +269,32 @@ class UpdateProbe:
         before, self._before = self._before, None
         if before is None:
             return None
+        layout = self.layout
         with torch.no_grad():
-            param = _foreach_norms(before, self.layout.device).square().sum().sqrt()
-            after = [p.detach() for p in self.layout.params]
-            _sub_from_(before, after)  # before := after - before, reusing the copy's memory
-            update = _foreach_norms(before, self.layout.device).square().sum().sqrt()
-        return UpdateNorms(param=param, update=update)
+            param = layout.per_tensor_norms(before)
+            _sub_(before, layout)  # before := before - after: the step's change, negated (same norm)
+            update = layout.per_tensor_norms(before)
+            norms = torch.linalg.vector_norm(torch.stack([param.double(), update.double()]), dim=1)
+        return UpdateNorms(norms=norms)
 
 
-def _fused_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _sub_(before: list[torch.Tensor], layout: ParamLayout) -> None:
     import torch
 
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for idx in _by_device_dtype(tensors).values():
-        for i, c in zip(idx, torch._foreach_mul([tensors[i] for i in idx], 1.0), strict=True):
+    if len(layout.groups) == 1:
+        torch._foreach_sub_(before, layout.params)
+        return
+    for idx in layout.groups:
+        torch._foreach_sub_([before[i] for i in idx], [layout.params[i] for i in idx])
+
+
+def _fused_copy(layout: ParamLayout) -> list[torch.Tensor]:
+    import torch
+
+    if len(layout.groups) == 1:
+        return list(torch._foreach_mul(layout.params, 1.0))
+    out: list[torch.Tensor | None] = [None] * len(layout.params)
+    for idx in layout.groups:
+        for i, c in zip(idx, torch._foreach_mul([layout.params[i] for i in idx], 1.0), strict=True):
             out[i] = c
     return out  # type: ignore[return-value]
-
-
-def _sub_from_(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
-    """``before[i] = after[i] - before[i]`` in place, fused per device/dtype."""
-    import torch
-
-    for idx in _by_device_dtype(before).values():
-        b = [before[i] for i in idx]
-        torch._foreach_neg_(b)
-        torch._foreach_add_(b, [after[i] for i in idx])

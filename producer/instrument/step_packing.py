@@ -25,33 +25,25 @@ class StepPacking:
         self._segments: dict[str, slice] = {}
         self._size = 0
 
-    def add(self, name: str, values: torch.Tensor) -> None:
-        """A 1-d tensor becomes the segment ``name``."""
-        n = values.numel()
+    def add(self, name: str, values: torch.Tensor, size: int | None = None) -> None:
+        """A 1-d tensor (of ``size`` values, when the caller knows it) becomes the segment ``name``."""
+        n = values.numel() if size is None else size
         self._segments[name] = slice(self._size, self._size + n)
         self._size += n
         self._pieces.append(values)
 
-    def add_scalars(self, scalars: dict[str, torch.Tensor]) -> None:
-        """Each 0-d tensor becomes a one-value segment of its name; stacked in one op, not one piece each."""
-        import torch
-
-        for name in scalars:
-            self._segments[name] = slice(self._size, self._size + 1)
-            self._size += 1
-        # Stacking tensors of one dtype is faster than letting stack promote a mixed list.
-        self._pieces.append(torch.stack([t if t.dtype == torch.float64 else t.double() for t in scalars.values()]))
-
     def pack(self, device: torch.device) -> torch.Tensor | None:
-        """All segments as one float64 tensor on ``device`` (None when nothing was added)."""
+        """All segments as one float64 tensor on ``device`` (None when nothing was added): one ``cat``,
+        which promotes the pieces' dtypes."""
         import torch
 
         if not self._pieces:
             return None
+        pieces = [p if p.device == device else p.to(device) for p in self._pieces]
         with torch.no_grad():
-            packed = torch.cat([p.to(device, torch.float64) for p in self._pieces])
+            packed = torch.cat(pieces)
         self._pieces = []  # the device tensors are not needed once packed
-        return packed
+        return packed if packed.dtype == torch.float64 else packed.double()
 
     def unpack(self, values: Sequence[float]) -> dict[str, Sequence[float]]:
         """The host copy of :meth:`pack`'s tensor, split back into its named segments."""

@@ -56,6 +56,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,11 @@ log = logging.getLogger(__name__)
 
 # Time in these phases is not part of any step: it is left out of the next step's step_time_s.
 OFF_STEP_PHASES = frozenset({"eval", "checkpoint", "idle"})
+# Memory is a slow signal: one sample per this many seconds serves the leak and fragmentation detectors
+# as well as one per step, for a fraction of the host time on a loop of 10 ms steps.
+MEMORY_INTERVAL_S = 0.1
+# CUDA: steps whose device-to-host copy may still be under way before end_step waits for the oldest.
+MAX_PENDING_COPIES = 4
 
 
 @dataclass
@@ -169,7 +175,8 @@ class Watcher:
         self._peak = peak_flops(self.layout.device, override=peak_flops_per_s)
         self._grad: GradNorms | None = None
         self._update: UpdateNorms | None = None
-        self._pending: _PendingStep | None = None
+        self._pending: deque[_PendingStep] = deque()  # steps whose figures are on their way to the host
+        self._host_buffers = _HostBuffers()
         self._closed = False
         self.errors = 0  # failures inside runwatch's own calls, logged once, never raised
         self._lr: list[float] | None = None  # read before the step, as the step used it
@@ -181,6 +188,10 @@ class Watcher:
         self._off_spans: list[tuple[float, float]] = []  # the same stretches as (start, end), for compute_s
         self._set_phase_name = "train"
         self._clock = clock or time.perf_counter
+        # On the wall clock memory is sampled at most every MEMORY_INTERVAL_S (a fast loop's steps share
+        # a sample); on a clock of the caller's (a simulated run) every step, as the run is replayed.
+        self._memory_interval_s = MEMORY_INTERVAL_S if clock is None else 0.0
+        self._memory_at = -math.inf
         self.heartbeat = Heartbeat(rw, heartbeat_s, **({"clock": clock} if clock else {})) if heartbeat_s else None
         self.sync_timer: DDPSyncTimer | None = None
         if sync_timing and is_ddp(model):
@@ -274,7 +285,7 @@ class Watcher:
             utilisation = mfu(flops, step_time, self._peak)
             if utilisation is not None:
                 fields["mfu"] = utilisation
-        memory = self._memory.sample() if self._memory else None
+        memory = self._memory.sample() if self._memory and self._memory_due() else None
         if memory is not None:
             fields["memory"] = memory
         if self.layout.sharded:
@@ -284,7 +295,7 @@ class Watcher:
         pending = _PendingStep(step=step, fields=fields, packing=packing, categories=category_loss, sync=sync,
                                off_step=off_spans)
         if isinstance(loss, torch.Tensor):
-            packing.add("loss", loss.detach().reshape(-1)[:1])
+            packing.add("loss", loss.detach().reshape(-1)[:1], 1)
         elif loss is not None:
             fields["loss"] = float(loss)
         grad, self._grad = self._grad, None
@@ -296,17 +307,24 @@ class Watcher:
             # read after the update may have been clipped already: their clip factor says nothing.
             pending.clipped = ((self.clip is not None or self.external_clip is not None) and not self.layout.sharded
                                and not read_late)
-            packing.add_scalars({"grad_norm": grad.total, "clip_coef": grad.clip_coef,
-                                 "nonfinite_grads": grad.nonfinite})
-            if self.module_norms:
-                packing.add("module_grad_norms", grad.modules)
+            n_modules = len(self.layout.module_names)
+            packing.add("grad", grad.figures, n_modules + 1)  # per-module norms, then the global norm
+            packing.add("clip_coef", grad.clip_coef, 1)
+            packing.add("nonfinite_grads", grad.nonfinite, 1)
         update, self._update = self._update, None
         if update is not None:
-            packing.add_scalars({"param_norm": update.param, "update_norm": update.update})
+            packing.add("update", update.norms, 2)
         if category_loss is not None:
             packing.add("category_loss", category_loss.packed())
 
         self._ship(pending)
+
+    def _memory_due(self) -> bool:
+        now = self._clock()
+        if now - self._memory_at < self._memory_interval_s:
+            return False
+        self._memory_at = now
+        return True
 
     def _current_lr(self) -> list[float]:
         if self.optimizer is not None:
@@ -420,50 +438,57 @@ class Watcher:
     # -- the single device-to-host copy ---------------------------------------------------
 
     def _ship(self, pending: _PendingStep) -> None:
-        import torch
 
         packed = pending.packing.pack(self.layout.device)
         if packed is not None:
             if self._cuda:
-                # Asynchronous copy into pinned memory, read at the next step: no stall of the GPU.
-                pending.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                # Asynchronous copy into pinned memory (reused), published once the copy is done: the
+                # GPU is never made to wait, and neither is the loop unless the GPU is far behind.
+                pending.host, pending.ready = self._host_buffers.take(packed.numel())
                 pending.host.copy_(packed, non_blocking=True)
-                pending.ready = torch.cuda.Event()
                 pending.ready.record()
             else:
                 pending.host = packed
-        previous, self._pending = self._pending, pending
-        if previous is not None:
-            self._publish(previous)
-        if not self._cuda:
-            self._flush_pending()
+        self._pending.append(pending)
+        self._publish_done(keep=MAX_PENDING_COPIES if self._cuda else 0)
+
+    def _publish_done(self, keep: int) -> None:
+        """Publish, in step order, the pending steps whose copy has arrived, and the oldest beyond ``keep``
+        (waiting for those)."""
+        while self._pending:
+            head = self._pending[0]
+            if len(self._pending) <= keep and head.ready is not None and not head.ready.query():
+                return
+            self._pending.popleft()
+            self._publish(head)
 
     def _flush_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._publish(pending)
+        self._publish_done(keep=0)
 
     def _publish(self, p: _PendingStep) -> None:
         if p.ready is not None:
-            p.ready.synchronize()
-        figures = p.packing.unpack(p.host.tolist() if p.host is not None else [])
+            p.ready.synchronize()  # returns at once when the copy is done (the usual case)
+        values = p.host.tolist() if p.host is not None else []
+        if p.ready is not None:
+            self._host_buffers.give_back(p.host, p.ready)
+        figures = p.packing.unpack(values)
         fields = p.fields
         if "loss" in figures:
             fields["loss"] = figures["loss"][0]
         clipped_norm = None
-        if "grad_norm" in figures:
-            total, coef, nonfinite = figures["grad_norm"][0], figures["clip_coef"][0], figures["nonfinite_grads"][0]
+        if "grad" in figures:
+            grad = figures["grad"]
+            total, coef = grad[-1], figures["clip_coef"][0]
             fields["grad_norm"] = total
-            fields["nonfinite_grads"] = int(nonfinite)
+            fields["nonfinite_grads"] = int(figures["nonfinite_grads"][0])
             clipped_norm = total * coef
             if p.clipped:
                 fields["grad_norm_clipped"] = clipped_norm
                 fields["clip_ratio"] = coef
-            if "module_grad_norms" in figures:
-                fields["module_grad_norms"] = dict(zip(self.layout.module_names, figures["module_grad_norms"],
-                                                       strict=True))
-        if "param_norm" in figures:
-            param, update = figures["param_norm"][0], figures["update_norm"][0]
+            if self.module_norms:
+                fields["module_grad_norms"] = dict(zip(self.layout.module_names, grad[:-1], strict=True))
+        if "update" in figures:
+            param, update = figures["update"]
             fields["param_norm"] = param
             fields["update_norm"] = update
             if not self.layout.sharded:  # a shard's ratios are not the model's: the worker's join has those
@@ -478,6 +503,27 @@ class Watcher:
             if compute is not None:
                 fields["compute_s"] = compute
         self.rw.step(p.step, **fields)
+
+
+class _HostBuffers:
+    """Pinned host buffers and their CUDA events, reused: pinning memory and creating events every step
+    costs more host time than the step's whole copy."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[tuple[Any, Any]]] = {}
+
+    def take(self, size: int) -> tuple[Any, Any]:
+        import torch
+
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        return torch.empty(size, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
+
+    def give_back(self, host: Any, ready: Any) -> None:
+        free = self._free.setdefault(host.numel(), [])
+        if len(free) <= MAX_PENDING_COPIES:
+            free.append((host, ready))
 
 
 def _lr_list(lr: float | Sequence[float] | None) -> list[float] | None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,10 @@ _REPLAY_RECORDS = 500  # per replay batch once the broker answers
 _REPLAY_BYTES = 1 << 20
 _PROBE_BACKOFF_S = (0.2, 2.0)  # first and longest wait between probes of a broker that is down
 _APPEND_PER_TURN = 1000
+# The publisher thread wakes this often and sends everything queued since, in one go: one wake-up, one
+# produce request and one round of client bookkeeping per batch instead of per event (the GIL it holds
+# meanwhile is time taken from the training loop). Events reach the broker this much later at most.
+DRAIN_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -110,7 +114,10 @@ class KafkaDelivery:
         self._spool_max_bytes = spool_max_bytes
         self._spool_overflow: Overflow = spool_overflow
         self._key = run_id.encode()
-        self._queue: queue.Queue[EventBase] = queue.Queue(maxsize=queue_size)
+        # A deque, not a queue.Queue: appending takes no lock and wakes no thread (the drain thread
+        # polls every DRAIN_INTERVAL_S); append and popleft are atomic.
+        self._queue: deque[EventBase] = deque()
+        self._queue_size = queue_size
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._offsets: dict[int, int] = {}  # partition -> highest acknowledged offset
@@ -141,6 +148,8 @@ class KafkaDelivery:
             # which tells the worker the world size, rely on it). acks=1 turns idempotence off, and
             # with it kafka-python's own ordering guarantee.
             max_in_flight_requests_per_connection=1,
+            # Per-request sensors cost more host time than the send itself; nothing reads them.
+            metrics_enabled=False,
             # Short, so that a dead broker hands events to the spool within seconds and the
             # client's own buffer (rate x delivery timeout) stays small.
             delivery_timeout_ms=delivery_timeout_ms,
@@ -155,11 +164,10 @@ class KafkaDelivery:
 
     def deliver(self, event: EventBase) -> bool:
         """Queue one event; never blocks. Returns False if it was dropped."""
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
+        if len(self._queue) >= self._queue_size:
             self._count_drop("queue_full", after_queue=False)
             return False
+        self._queue.append(event)
         with self._lock:
             self.stats.queued += 1
         return True
@@ -284,13 +292,13 @@ class KafkaDelivery:
                 if self._spool_turn(producer, closing):
                     return
                 continue
-            try:
-                event = self._queue.get(timeout=0.05)
-            except queue.Empty:
+            events = self._take(DRAIN_INTERVAL_S)
+            if not events:
                 if closing:
                     return  # in-flight sends are flushed (and failures spooled) by _shutdown
                 continue
-            self._send_direct(producer, event.to_json(), _timestamp_ms(event))
+            for event in events:
+                self._send_direct(producer, event.to_json(), _timestamp_ms(event))
 
     def _send_direct(self, producer: Any, value: bytes, timestamp_ms: int | None = None) -> None:
         self._seq += 1
@@ -311,10 +319,9 @@ class KafkaDelivery:
         """One turn of spooling mode; True when a closing publisher has nothing left to do."""
         self._absorb_failures()
         for _ in range(_APPEND_PER_TURN):
-            try:
-                self._spool_event(self._queue.get_nowait())
-            except queue.Empty:
+            if not self._queue:
                 break
+            self._spool_event(self._queue.popleft())
         spool = self._spool
         if self._replay is not None:
             if not self._replay.done():  # a probe of a dead broker may take delivery_timeout_ms
@@ -326,7 +333,7 @@ class KafkaDelivery:
             self._broker_down = False
             return False
         if producer is None:
-            if closing and self._queue.empty():
+            if closing and not self._queue:
                 return True
             self._wait_for_event(0.05)
             return False
@@ -338,10 +345,18 @@ class KafkaDelivery:
         return False
 
     def _wait_for_event(self, timeout: float) -> None:
-        try:
-            self._spool_event(self._queue.get(timeout=timeout))
-        except queue.Empty:
-            pass
+        for event in self._take(timeout):
+            self._spool_event(event)
+
+    def _take(self, timeout: float) -> list[EventBase]:
+        """Everything queued; when nothing is, wait up to ``timeout`` first (close() cuts the wait short)."""
+        if not self._queue:
+            if self._closing.is_set():
+                time.sleep(timeout)
+            else:
+                self._closing.wait(timeout)
+        queued = self._queue
+        return [queued.popleft() for _ in range(len(queued))]
 
     def _start_replay(self, producer: Any) -> None:
         # While the broker is down, probe with the oldest record alone.
@@ -497,11 +512,8 @@ class KafkaDelivery:
                     self._failed.extend(self._inflight.items())
                     self._inflight.clear()
                 self._absorb_failures()
-                while True:
-                    try:
-                        self._spool_event(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
+                while self._queue:
+                    self._spool_event(self._queue.popleft())
         except Exception:
             log.exception("runwatch: could not spool what was left at close")
         spool = self._spool
