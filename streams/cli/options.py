@@ -21,7 +21,9 @@ def cli_config(path: str | None):  # noqa: ANN201 - a RunwatchConfig, imported l
 
 def require_torch(command: str) -> None:
     """Stop ``command`` with one line naming the extra when torch cannot be imported: the commands that train
-    real models need it, but a worker's install (``pip install runwatch``, no extras) has none."""
+    real models need it, but a server's install (``pip install 'runwatch[server]'``) has none. (Their extras'
+    distributions are checked first, by ``needs.NeedsExtra``; this catches a torch that is installed but does
+    not import.)"""
     try:
         import torch  # noqa: F401
     except ImportError:
