@@ -41,9 +41,8 @@ _REPLAY_RECORDS = 500  # per replay batch once the broker answers
 _REPLAY_BYTES = 1 << 20
 _PROBE_BACKOFF_S = (0.2, 2.0)  # first and longest wait between probes of a broker that is down
 _APPEND_PER_TURN = 1000
-# The publisher thread wakes this often and sends everything queued since, in one go: one wake-up, one
-# produce request and one round of client bookkeeping per batch instead of per event (the GIL it holds
-# meanwhile is time taken from the training loop). Events reach the broker this much later at most.
+# The publisher thread is woken by an event and sends everything queued since, in one go (one produce
+# request per batch, not per event); with nothing queued it looks again after this long.
 DRAIN_INTERVAL_S = 0.1
 
 
@@ -114,9 +113,10 @@ class KafkaDelivery:
         self._spool_max_bytes = spool_max_bytes
         self._spool_overflow: Overflow = spool_overflow
         self._key = run_id.encode()
-        # A deque, not a queue.Queue: appending takes no lock and wakes no thread (the drain thread
-        # polls every DRAIN_INTERVAL_S); append and popleft are atomic.
+        # A deque (append and popleft are atomic) and a wake-up flag: the drain thread takes everything
+        # queued at each wake, so a burst of events goes out as one batch.
         self._queue: deque[EventBase] = deque()
+        self._wake = threading.Event()
         self._queue_size = queue_size
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -168,6 +168,7 @@ class KafkaDelivery:
             self._count_drop("queue_full", after_queue=False)
             return False
         self._queue.append(event)
+        self._wake.set()
         with self._lock:
             self.stats.queued += 1
         return True
@@ -183,6 +184,7 @@ class KafkaDelivery:
             return
         self._close_deadline = time.monotonic() + timeout
         self._closing.set()
+        self._wake.set()
         self._thread.join(timeout + 5.0)
         with self._lock:
             self._final = True  # late callbacks from a stuck client must not change the books
@@ -354,7 +356,8 @@ class KafkaDelivery:
             if self._closing.is_set():
                 time.sleep(timeout)
             else:
-                self._closing.wait(timeout)
+                self._wake.wait(timeout)
+        self._wake.clear()
         queued = self._queue
         return [queued.popleft() for _ in range(len(queued))]
 
