@@ -7,30 +7,19 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+from tests.integration.test_base_install import copy_sources
 
-REPO = Path(__file__).resolve().parents[2]
-# What the image's Dockerfile copies: the packages, the build file and the README.
-SOURCES = ("pyproject.toml", "README.md", "runwatch", "producer", "detectors", "streams", "sinks")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 
 def test_the_server_install_has_no_torch_and_the_worker_runs(tmp_path):
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in SOURCES:
-        path = REPO / name
-        if path.is_dir():
-            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(path, source / name)
+    source = copy_sources(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
