@@ -89,6 +89,13 @@ class RunMonitor:
     # before they existed reads them as unknown).
     started: bool = False
     attempt: str | None = None
+    # A rollback is settled once every rank has acknowledged it. Until then a rank that has not is still
+    # sending steps from before it (ranks publish independently, so one rank's acknowledgement can arrive
+    # before another's last faulty steps): those steps, and joined steps older than the replay's
+    # generation, are kept out of the rewound detectors.
+    _settling: str | None = None  # the applied rollback not every rank has acknowledged yet
+    _before_rollback: frozenset[int] = frozenset()  # ranks yet to acknowledge it
+    _replay_generation: int = 0  # joined steps of an older generation were sent before the latest rollback
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -157,7 +164,7 @@ class RunMonitor:
     def _on_step(self, event: StepEvent, out: MonitorOutput) -> None:
         self.last_step = event.step
         self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
-        self._to_rank(event, out)
+        self._to_rank(event, out, stale=self._sent_before_rollback(event))
         for joined in self.join.add(event):
             self._observe_joined(joined, out)
 
@@ -171,14 +178,16 @@ class RunMonitor:
         self._to_rank(event, out)
 
     def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
-        if event.ok:
+        if event.ok and not self._sent_before_rollback(event):  # (a checkpoint of the fault is no target)
             self.checkpoints.register(CheckpointRef(step=event.step, uri=event.uri, lr=event.lr))
             self.snapshots.take(event.step, self._rewindable())
         self._to_rank(event, out)
 
     def _on_action_ack(self, event: ActionAckEvent, out: MonitorOutput) -> None:
-        self.policy.acknowledge(event.action_id)
-        self._rollback_acknowledged(event)
+        if event.action_kind == "rollback":
+            self._rollback_acknowledged(event)
+        else:
+            self.policy.acknowledge(event.action_id)
         self._to_cross_rank(event, out)
 
     def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
@@ -201,14 +210,17 @@ class RunMonitor:
     # -- where an event goes ---------------------------------------------------------------------
 
     def _to_rank(self, event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent,
-                 out: MonitorOutput) -> None:
-        """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors."""
+                 out: MonitorOutput, stale: bool = False) -> None:
+        """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors (a
+        ``stale`` step, sent before a rollback the detectors were rewound for, only the liveness ones)."""
         self.progress.observe(event)
         self._to_cross_rank(event, out)
         detectors = self.ranks.get(event.rank)
         if detectors is None:
             detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW, self.progress)
         for detector in detectors:
+            if stale and detector.name not in EPISODIC_DETECTORS:
+                continue
             for finding in detector.update(event, event.ts):
                 self._emit(finding, event.ts, event.event_id, out)
 
@@ -229,6 +241,8 @@ class RunMonitor:
         event = joined.event
         if joined.record is not None:
             out.joined.append(joined.record)
+        if joined.generation < self._replay_generation:
+            return  # completed after the rollback it came before: the rewound detectors must not judge it
         for detector in self.joined_detectors:
             for finding in detector.update(event, event.ts):
                 self._emit(self._run_level(finding), event.ts, event.event_id, out)
@@ -269,19 +283,39 @@ class RunMonitor:
                 self.ranks[rank][i] = detector
 
     def _rollback_acknowledged(self, ack: ActionAckEvent) -> None:
-        """A rank applied (or failed) a rollback: the replay starts, and so does its verification."""
-        if ack.action_kind != "rollback":
-            return
+        """A rank applied (or failed) a rollback: the replay starts, and so does its verification. The
+        policy holds further rollbacks until every rank has acknowledged this one."""
         check = self.recovery
         if ack.outcome == "applied" and ack.to_step is not None:
             self.checkpoints.rolled_back(ack.to_step)
-            if self._rewound_for != ack.action_id:  # every rank acks: rewind once
+            if self._rewound_for != ack.action_id:  # every rank acks: rewind once, at the first
                 self._rewound_for = ack.action_id
                 self._rewind(ack.to_step)
+                self._settling = ack.action_id
+                self._before_rollback = frozenset(self.join.expected())
+                # the acknowledging rank's next steps are the replay's: a generation after its current one
+                self._replay_generation = self.join.generation(ack.rank) + 1
             if check is not None and check.action_id == ack.action_id and check.to_step is None:
                 check.arm(ack.to_step)
         elif check is not None and check.action_id == ack.action_id and check.to_step is None:
             self.recovery = None  # the rollback did not happen: nothing to verify
+        if self._settling == ack.action_id:
+            self._before_rollback = self._before_rollback - {ack.rank}
+            if not self._before_rollback:
+                self._settling = None
+                self.policy.acknowledge(ack.action_id)
+        else:
+            self.policy.acknowledge(ack.action_id)  # not applied anywhere: nothing is in flight
+
+    def _sent_before_rollback(self, event: StepEvent | CheckpointEvent) -> bool:
+        """Whether ``event`` comes from a rank that has not acknowledged the rollback the detectors were
+        rewound for (its steps were sent before the rollback took effect)."""
+        if self._settling is None or event.rank not in self._before_rollback:
+            return False
+        if not self.policy.rollback_pending(event.ts):  # never acknowledged by every rank: expired
+            self._settling, self._before_rollback = None, frozenset()
+            return False
+        return True
 
     def _run_level(self, finding: Finding) -> Finding:
         """A joined-view finding is about the run, not the rank whose figures the join started from."""

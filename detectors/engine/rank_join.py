@@ -48,6 +48,7 @@ class Joined:
 
     event: StepEvent
     record: JoinedStep | None
+    generation: int = 0  # of its key: a step sent before a rollback took effect is of an older one
 
 
 class StepJoin:
@@ -91,7 +92,7 @@ class StepJoin:
         if single:
             self._emitted = key
             self.joined += 1
-            return [Joined(event=event, record=None)]
+            return [Joined(event=event, record=None, generation=key[0])]
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = _Pending(first_ts=event.ts)
@@ -110,6 +111,11 @@ class StepJoin:
         generation = 0 if last is None else last[0] + (step < last[1])
         key = self._last_key[rank] = (generation, step)
         return key
+
+    def generation(self, rank: int) -> int:
+        """The generation of ``rank``'s newest step (0 before any)."""
+        last = self._last_key.get(rank)
+        return 0 if last is None else last[0]
 
     def expire(self, now: datetime) -> list[Joined]:
         """Emit the steps that have waited ``timeout_s`` (and every earlier one), as partial."""
@@ -140,7 +146,8 @@ class StepJoin:
 
     def _combine(self, key: Key, pending: _Pending, missing: list[int]) -> Joined:
         if self.world_size == 1 and len(pending.events) == 1:
-            return Joined(event=next(iter(pending.events.values())), record=None)  # nothing to combine
+            return Joined(event=next(iter(pending.events.values())), record=None,
+                          generation=key[0])  # nothing to combine
         events = [pending.events[r] for r in sorted(pending.events)]
         ts = max(e.ts for e in events)
         sharded = all(e.grad_sharded for e in events)
@@ -207,7 +214,7 @@ class StepJoin:
             late_events=self.late,
             duplicate_events=self.duplicates,
         )
-        return Joined(event=event, record=record)
+        return Joined(event=event, record=record, generation=key[0])
 
 
 def _memory_figure(event: StepEvent) -> int | None:

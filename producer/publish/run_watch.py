@@ -23,7 +23,12 @@ from pydantic import ValidationError
 
 from runwatch.producer.publish.delivery import Delivery, PublisherStats
 from runwatch.producer.publish.events import RunEvents
-from runwatch.producer.publish.kafka_delivery import DEFAULT_SPOOL_MAX_BYTES, KafkaDelivery, default_spool_dir
+from runwatch.producer.publish.kafka_delivery import (
+    DEFAULT_BATCH_INTERVAL_S,
+    DEFAULT_SPOOL_MAX_BYTES,
+    KafkaDelivery,
+    default_spool_dir,
+)
 from runwatch.producer.publish.lr import base_lrs
 from runwatch.producer.publish.metadata import detect_rank_world, run_start_fields
 from runwatch.producer.publish.run_end import end_status, exit_status, stop_record
@@ -78,6 +83,10 @@ class RunWatch:
     (default) or the oldest events. A ``RunWatch`` started with the same spool directory
     (a restarted run) replays what an earlier process left there.
 
+    Events go to the broker in batches at most every ``batch_interval_s`` (default 0.1 s: a fast
+    loop's events share produce requests, which cost the publisher thread far more than the events);
+    an event after a quieter spell goes at once.
+
     ``delivery``: where the events go instead of Kafka (the Kafka and spool options are then
     unused); :class:`~runwatch.producer.publish.recorder.JsonlRecorder` is a ``RunWatch`` whose
     delivery writes a JSONL file.
@@ -116,6 +125,7 @@ class RunWatch:
         clock: Callable[[], datetime] | None = None,
         delivery: Delivery | None = None,
         attempt: str | None = None,
+        batch_interval_s: float = DEFAULT_BATCH_INTERVAL_S,
     ):
         if rank is None or world_size is None:
             detected_rank, detected_world = detect_rank_world()
@@ -132,7 +142,8 @@ class RunWatch:
             delivery = KafkaDelivery(run_id, rank, self.bootstrap, topic=topic, queue_size=queue_size,
                                      max_block_ms=max_block_ms, linger_ms=linger_ms,
                                      delivery_timeout_ms=delivery_timeout_ms, spool_path=self.spool_path,
-                                     spool_max_bytes=spool_max_bytes, spool_overflow=spool_overflow)
+                                     spool_max_bytes=spool_max_bytes, spool_overflow=spool_overflow,
+                                     batch_interval_s=batch_interval_s)
         self.delivery = delivery
         self.checkpoints: list[CheckpointRef] = []
         self.stopped_by: dict[str, str] | None = None  # the applied stop action's id and cause (see note_stop)

@@ -17,7 +17,7 @@ from runwatch.detectors.engine.monitor import RunMonitor
 from runwatch.detectors.engine.recovery import RecoveryCheck
 from runwatch.detectors.spike import SpikeDetector
 from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, scale_lr
-from runwatch.producer.schema import ActionAckEvent, CheckpointEvent, CheckpointRef, StepEvent
+from runwatch.producer.schema import ActionAckEvent, CheckpointEvent, CheckpointRef, RunStartEvent, StepEvent
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 
@@ -199,3 +199,92 @@ def test_confirmation_must_outlast_the_divergence_wait():
     with pytest.raises(ValueError, match="judged_over"):
         RecoveryConfig(within_steps=3, judged_over=5)
     assert issubclass(ConfigError, Exception)
+
+
+# -- many ranks: a rollback is settled once every rank has acknowledged it -----------------------
+
+MULTI_RANK = {
+    "detectors": {"loss_spike": {"divergence_steps": 0}, "grad_norm_spike": {"divergence_steps": 0}},
+    "policy": {"rules": [{"detector": "grad_norm_spike", "min_severity": "warning", "action": "rollback"}],
+               "max_rollbacks": 3, "confirm_steps": 3, "cooldown_s": 0.0},
+}
+
+
+class _ThreeRanks:
+    """Feeds a 3-rank run's events in a chosen order, one second of event time apart."""
+
+    def __init__(self):
+        self.monitor = RunMonitor("r", RunwatchConfig.model_validate(MULTI_RANK))
+        self.n = 0
+        self.decisions = []
+        self.anomaly_steps: list[int] = []
+        self._observe(RunStartEvent(run_id="r", world_size=3, ts=self._ts(), event_id="start"))
+
+    def _ts(self):
+        self.n += 1
+        return T0 + timedelta(seconds=self.n)
+
+    def _observe(self, event):
+        out = self.monitor.observe(event)
+        self.decisions.extend(out.decisions)
+        self.anomaly_steps.extend(a.step for a in out.anomalies)
+
+    def step(self, rank: int, step: int, grad_norm: float, generation: int = 0):
+        self._observe(StepEvent(run_id="r", rank=rank, step=step, loss=1.0, ts=self._ts(),
+                                grad_norm=grad_norm * (1 + 0.01 * math.sin(step)), event_id=f"s{generation}-{rank}-{step}"))
+        if rank == 0 and step % 10 == 0:
+            self._observe(CheckpointEvent(run_id="r", rank=0, step=step, uri=f"/c/{step}", lr=[0.1], ts=self._ts(),
+                                          event_id=f"c{generation}-{step}"))
+
+    def steps(self, ranks, steps, grad_norm=lambda s: 1.0, generation: int = 0):
+        for s in steps:
+            for rank in ranks:
+                self.step(rank, s, grad_norm(s), generation)
+
+    def ack(self, rank: int, action_id: str, to_step: int):
+        self._observe(ActionAckEvent(run_id="r", rank=rank, action_id=action_id, action_kind="rollback",
+                                     outcome="applied", to_step=to_step, ts=self._ts(), event_id=f"ack-{rank}-{action_id}"))
+
+    def rollbacks(self):
+        return [d for d in self.decisions if d.kind == "rollback"]
+
+
+def _exploded(onset: int):
+    return lambda s: 1e5 if s >= onset else 1.0
+
+
+def test_a_ranks_steps_from_before_the_rollback_arriving_after_another_ranks_ack_are_not_judged_again():
+    run = _ThreeRanks()
+    run.steps(range(3), range(0, 35))
+    # the explosion at 35: rank 0 is ahead (36, 37 sent), ranks 1 and 2 report 35, the joined 35 rolls back
+    run.steps([0], range(35, 38), _exploded(35))
+    run.steps([1, 2], [35], _exploded(35))
+    (rollback,) = run.rollbacks()
+    assert rollback.target_checkpoint.step == 30
+    # rank 0 applies it first; ranks 1 and 2 publish more slowly: their 36 and 37 (still exploded, and
+    # completing the joined 36 and 37) arrive after rank 0's acknowledgement, then their own
+    run.ack(0, rollback.action_id, 30)
+    judged_before = len(run.anomaly_steps)
+    run.steps([1, 2], [36, 37], _exploded(35))
+    assert run.anomaly_steps[judged_before:] == []  # kept out of the rewound detectors: no finding ...
+    run.ack(1, rollback.action_id, 30)
+    run.ack(2, rollback.action_id, 30)
+    run.steps(range(3), range(31, 60), generation=1)  # the healthy replay
+    assert len(run.rollbacks()) == 1  # ... and no second rollback
+    # once every rank has acknowledged, the policy is free again: a new fault rolls back
+    run.steps(range(3), range(60, 64), _exploded(60), generation=1)
+    assert len(run.rollbacks()) == 2 and run.rollbacks()[1].target_checkpoint.step < 60
+
+
+def test_a_rank_that_never_acknowledges_holds_the_next_rollback_only_until_the_action_expires():
+    run = _ThreeRanks()
+    run.steps(range(3), range(0, 35))
+    run.steps(range(3), [35], _exploded(35))
+    (rollback,) = run.rollbacks()
+    run.ack(0, rollback.action_id, 30)
+    run.ack(1, rollback.action_id, 30)  # rank 2 never acknowledges (its listener is gone)
+    run.steps([0, 1], range(31, 45), generation=1)  # rank 2 silent: the join times out without it
+    run.n += int(RunwatchConfig().policy.action_ttl_s) + 1
+    run.steps([0, 1], range(45, 60), generation=1)
+    run.steps([0, 1], range(60, 64), _exploded(60), generation=1)
+    assert len(run.rollbacks()) == 2  # the rollback expired unsettled: a new fault still rolls back
