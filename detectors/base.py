@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from runwatch.detectors.findings import Finding
-from runwatch.producer.schema import JoinedStep, TelemetryEvent
+from runwatch.producer.wire.schema import JoinedStep, TelemetryEvent
 
 
 class Detector:

@@ -37,7 +37,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.baselines.band import EVAL_PREFIX, MEMORY_FIELDS, MODULE_PREFIX, BaselineBand
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import EvalEvent, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import EvalEvent, StepEvent, TelemetryEvent
 
 
 class BaselineTrajectoryConfig(Strict):

@@ -17,8 +17,8 @@ from pydantic import Field, create_model, field_validator, model_validator
 from runwatch.configfile import ConfigError as ConfigError  # re-exported: callers catch it from here
 from runwatch.configfile import load_yaml_model
 from runwatch.detectors.registry import BUILTIN_MODULES, Strict, known_finding_names, specs
-from runwatch.producer.schema import WireLimits
-from runwatch.producer.wire.schema import Severity
+from runwatch.producer.wire.action_kinds import PolicyActionKind
+from runwatch.producer.wire.schema import Severity, WireLimits
 
 # The built-in detectors register themselves on import; their config sections are defined beside them.
 # More detector modules (your own) are named in $RUNWATCH_DETECTOR_MODULES, comma-separated: they are
@@ -91,13 +91,12 @@ class RunsConfig(Strict):
                                           "the least recently active run is let go, with an info finding saying why")
 
 
-ActionName = Literal["alert", "pause", "rollback", "stop"]  # the wire ActionKinds a policy rule may name
 
 
 class PolicyRule(Strict):
     detector: str = Field(default="*", description="detector name, or * for any")
     min_severity: Severity = "warning"
-    action: ActionName
+    action: PolicyActionKind
 
     @field_validator("detector")
     @classmethod

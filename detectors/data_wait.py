@@ -28,7 +28,7 @@ from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.wire.schema import StepEvent
 
 
 class DataWaitConfig(Strict):

@@ -25,7 +25,7 @@ from river import stats, utils
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import EvalEvent, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import EvalEvent, StepEvent, TelemetryEvent
 
 
 class GeneralizationConfig(Strict):

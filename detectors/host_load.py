@@ -43,7 +43,7 @@ from typing import Any
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
-from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
 
 HISTORY = 256  # heartbeats remembered per rank
 BASELINE_SAMPLES = 12  # the "before" median's samples: the last ones before the onset

@@ -34,7 +34,7 @@ from runwatch.detectors.engine.progress import RunProgress
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.stall import StallConfig
-from runwatch.producer.schema import JoinedStep, RunEndEvent, TelemetryEvent
+from runwatch.producer.wire.schema import JoinedStep, RunEndEvent, TelemetryEvent
 
 
 class HungRankConfig(Strict):

@@ -30,8 +30,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import StepEvent, TelemetryEvent
-from runwatch.producer.wire.schema import Severity
+from runwatch.producer.wire.schema import Severity, StepEvent, TelemetryEvent
 
 
 class MemoryConfig(Strict):

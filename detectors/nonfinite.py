@@ -14,7 +14,7 @@ from pydantic import Field
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding, is_finite
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class NonFiniteConfig(Strict):

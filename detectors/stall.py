@@ -33,8 +33,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import HeartbeatEvent, RunEndEvent, TelemetryEvent
-from runwatch.producer.wire.schema import Severity
+from runwatch.producer.wire.schema import HeartbeatEvent, RunEndEvent, Severity, TelemetryEvent
 
 
 class StallConfig(Strict):

@@ -24,7 +24,7 @@ from river import stats
 from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import JoinedStep, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import JoinedStep, StepEvent, TelemetryEvent
 
 
 class StragglerConfig(Strict):

@@ -38,7 +38,7 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.wire.schema import StepEvent
 
 
 class ThroughputConfig(Strict):

@@ -30,7 +30,7 @@ from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
-from runwatch.producer.schema import StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class UpdateRatioConfig(Strict):

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:  # AttributeError lets ``from runwatch.producer import topics`` find the submodule
+    if module is None:  # AttributeError lets ``from runwatch.producer import wire`` find the subpackage
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value

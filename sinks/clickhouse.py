@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
-from runwatch.producer.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
+from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
 
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.band import BaselineBand
     from runwatch.detectors.baselines.summary import RunSummary
-    from runwatch.producer.schema import TelemetryEvent
+    from runwatch.producer.wire.schema import TelemetryEvent
 from runwatch.sinks.migrations import MIGRATIONS
 
 log = logging.getLogger(__name__)
@@ -542,7 +542,7 @@ class ClickHouseSink:
         and the step events of the other ranks (what ``RunSummarizer`` uses: rank 0's steps for the
         step figures, every rank's memory maxima; other ranks' heartbeats and acks add nothing to
         it). A payload that no longer decodes is skipped with a warning."""
-        from runwatch.producer.schema import SchemaError, decode_event
+        from runwatch.producer.wire.schema import SchemaError, decode_event
 
         rows = self.query("SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s AND (rank = 0 OR kind = 'step') "
                           "ORDER BY ts, rank, step, event_id", {"r": run_id})

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from runwatch.producer import topics
 from runwatch.producer.actions.inbox import ActionInbox
-from runwatch.producer.schema import (
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
     DEFAULT_LIMITS,
     DeadLetter,
     JoinedStep,

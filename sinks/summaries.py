@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary, Status
-from runwatch.producer.schema import TelemetryEvent
+from runwatch.producer.wire.schema import TelemetryEvent
 from runwatch.sinks.clickhouse import ClickHouseSink
 
 log = logging.getLogger(__name__)

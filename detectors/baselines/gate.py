@@ -15,7 +15,7 @@ from runwatch.detectors.baselines.check import check_run
 from runwatch.detectors.baselines.compare import BaselineConfig, MetricComparison
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.findings import Finding
-from runwatch.producer.schema import Anomaly, RunEndEvent, TelemetryEvent
+from runwatch.producer.wire.schema import Anomaly, RunEndEvent, TelemetryEvent
 
 NAME = "baseline_outliers"
 

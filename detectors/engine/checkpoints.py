@@ -19,7 +19,7 @@ Pure and picklable: the monitor feeds it joined steps, checkpoints, findings and
 
 from __future__ import annotations
 
-from runwatch.producer.schema import CheckpointRef
+from runwatch.producer.wire.schema import CheckpointRef
 
 
 class CheckpointLedger:

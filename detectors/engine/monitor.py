@@ -25,7 +25,7 @@ from runwatch.detectors.engine.rank_join import Joined, StepJoin
 from runwatch.detectors.engine.recovery import RecoveryCheck
 from runwatch.detectors.engine.rewind import DetectorSnapshots
 from runwatch.detectors.findings import Finding
-from runwatch.producer.schema import (
+from runwatch.producer.wire.schema import (
     ActionAckEvent,
     Anomaly,
     CheckpointEvent,

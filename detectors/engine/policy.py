@@ -37,9 +37,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from runwatch.detectors import registry
-from runwatch.detectors.config import ActionName, PolicyConfig, PolicyRule
-from runwatch.producer.schema import SEVERITY_RANK, Anomaly, CheckpointRef
-from runwatch.producer.wire.schema import ActionKind
+from runwatch.detectors.config import PolicyConfig, PolicyRule
+from runwatch.producer.wire.action_kinds import ActionKind, PolicyActionKind
+from runwatch.producer.wire.schema import SEVERITY_RANK, Anomaly, CheckpointRef
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
 # Evidence an alert carries on in its params, for the remediator's notification.
@@ -100,7 +100,7 @@ class ActionPolicy:
                 return rule
         return None
 
-    def _action_for(self, anomaly: Anomaly) -> ActionName | None:
+    def _action_for(self, anomaly: Anomaly) -> PolicyActionKind | None:
         rule = self._rule_for(anomaly)
         if rule is None:
             return None

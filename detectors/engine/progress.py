@@ -30,7 +30,7 @@ from typing import Protocol
 
 from river import stats
 
-from runwatch.producer.schema import HeartbeatEvent, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent, TelemetryEvent
 
 INTERVAL_WINDOW = 100  # step intervals in a rolling median
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from runwatch.producer.schema import CategoryLoss, JoinedStep, StepEvent
+from runwatch.producer.wire.schema import CategoryLoss, JoinedStep, StepEvent
 
 Key = tuple[int, int]  # (generation, step)
 

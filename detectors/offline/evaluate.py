@@ -26,7 +26,7 @@ from runwatch.detectors.baselines.band import (
 )
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.offline.replay import ReplayError, read_events, replay
-from runwatch.producer.schema import Anomaly, TelemetryEvent
+from runwatch.producer.wire.schema import Anomaly, TelemetryEvent
 
 LABELS_FILE = "labels.json"
 # Which evidence key of a finding must equal which label field, where the label has it.

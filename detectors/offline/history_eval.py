@@ -32,7 +32,7 @@ from runwatch.detectors.baselines.check import BaselineReport, check_run
 from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.offline.replay import ReplayError, read_events
-from runwatch.producer.schema import TelemetryEvent
+from runwatch.producer.wire.schema import TelemetryEvent
 
 LABELS_FILE = "labels.json"
 HISTORY_KIND = "history"

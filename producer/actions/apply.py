@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn
 from runwatch.producer.publish.lr import scale_lr
+from runwatch.producer.wire.action_kinds import Applies, applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
 
 
@@ -86,20 +88,24 @@ class ActionApplier:
         if check_expiry and action.is_expired(utc_now()):  # it may have waited in the queue
             self._ignored["expired"] += 1
             return None
-        if action.kind == "rollback":
-            result = self._rollback(action, step)
-        elif action.kind == "pause":
-            result = self._pause(action, step)
-        elif action.kind == "resume":
-            ended = self._ended_pause.pop(action.action_id, None)
-            result = AppliedAction(action, "applied", from_step=step,
-                                   detail=f"ended pause {ended}" if ended else "not paused")
-        else:  # alert, stop: the training loop decides what a stop means for it
-            ended = self._ended_pause.pop(action.action_id, None)
-            result = AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None)
-            if action.kind == "stop" and hasattr(self.rw, "note_stop"):
-                self.rw.note_stop(action)  # run_end then says "stopped", with this action's id and cause
-        return self.record(result, step)
+        handler = self._HANDLERS[applies(action.kind)]  # one per way of applying (wire/action_kinds.py)
+        return self.record(handler(self, action, step), step)
+
+    def _note(self, action: Action, step: int | None) -> AppliedAction:
+        """An alert: nothing to do here but acknowledge it (and end a pause it ended)."""
+        ended = self._ended_pause.pop(action.action_id, None)
+        return AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None)
+
+    def _resume(self, action: Action, step: int | None) -> AppliedAction:
+        ended = self._ended_pause.pop(action.action_id, None)
+        return AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else "not paused")
+
+    def _stop(self, action: Action, step: int | None) -> AppliedAction:
+        """Handed to the training loop, which decides what a stop means for it."""
+        result = self._note(action, step)
+        if hasattr(self.rw, "note_stop"):
+            self.rw.note_stop(action)  # run_end then says "stopped", with this action's id and cause
+        return result
 
     def record(self, result: AppliedAction, step: int | None) -> AppliedAction:
         """Remember ``result`` (on disk first: a restart never applies it again), then acknowledge it."""
@@ -165,6 +171,7 @@ class ActionApplier:
                              lr_scale=lr_scale, lr_factor=lr_factor, skip_steps=skip)
 
     def _pause(self, action: Action, step: int | None) -> AppliedAction:
+        """Blocks until a pause ender arrives or the timeout passes (arrivals wait, in order)."""
         timeout = float(action.params.get("timeout_s", self._pause_timeout_s))
         started = time.monotonic()
         deadline = started + timeout
@@ -188,3 +195,7 @@ class ActionApplier:
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.pop()
+
+    _HANDLERS: dict[Applies, Callable[[ActionApplier, Action, int | None], AppliedAction]] = {
+        "note": _note, "pause": _pause, "resume": _resume, "rollback": _rollback, "stop": _stop,
+    }

@@ -13,6 +13,7 @@ import queue
 from collections import Counter
 
 from runwatch.producer.actions.applied_ids import AppliedIds
+from runwatch.producer.wire.action_kinds import PAUSE_ENDERS, applies
 from runwatch.producer.wire.schema import Action
 
 
@@ -88,8 +89,8 @@ class Arrivals:
         for seq, pending in self.pending.values():
             if seq <= after:
                 continue
-            if pending.kind == "pause":
+            if applies(pending.kind) == "pause":
                 return None
-            if pending.kind in ("resume", "stop"):
+            if pending.kind in PAUSE_ENDERS:
                 return pending
         return None

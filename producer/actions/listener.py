@@ -37,6 +37,7 @@ from runwatch.producer.actions.rank_sync import RankSync, sync_group
 from runwatch.producer.actions.reader import ActionReader
 from runwatch.producer.actions.watchdog import StopWatchdog
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.action_kinds import applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
 from runwatch.producer.wire.signing import resolve_secret
 
@@ -145,7 +146,7 @@ class ActionListener:
             result = self._applier.apply(action, step)
             if result is not None:
                 results.append(result)
-                if action.kind == "stop":
+                if applies(action.kind) == "stop":
                     self.watchdog.arm_on_stop()
                     break
         return results
@@ -187,7 +188,7 @@ class ActionListener:
                     result = self._applier.apply(item, step, check_expiry=False)  # rank 0 checked: all ranks agree
                 if result is not None:
                     results.append(result)
-                    if result.kind == "stop":
+                    if applies(result.kind) == "stop":
                         self.watchdog.arm_on_stop()
                         return results
 
@@ -216,7 +217,7 @@ class ActionListener:
         action = self._inbox.admit(raw)
         if action is None:
             return
-        if action.kind == "stop":
+        if applies(action.kind) == "stop":
             # Armed on receipt: a rank blocked in a collective or hung never reaches poll().
             self.watchdog.arm_on_stop()
         self._arrivals.put(action)

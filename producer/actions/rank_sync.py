@@ -33,6 +33,7 @@ from typing import Any
 
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
+from runwatch.producer.wire.action_kinds import applies
 from runwatch.producer.wire.schema import Action, utc_now
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class RankSync:
                 self._ignored["expired"] += 1
                 continue
             batch.append(action)
-            if action.kind == "stop":
+            if applies(action.kind) == "stop":
                 break
         return batch
 

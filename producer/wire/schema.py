@@ -20,12 +20,12 @@ import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.action_kinds import ActionKind
 
 SCHEMA_VERSION = 1
 
 Phase = Literal["train", "eval", "checkpoint", "dataload", "idle"]
 Severity = Literal["info", "warning", "critical"]
-ActionKind = Literal["alert", "pause", "resume", "rollback", "stop"]
 
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 

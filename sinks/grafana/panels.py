@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runwatch.detectors.baselines.compare import METRICS, PREFIXED, BaselineConfig
+from runwatch.producer.wire.action_kinds import ACTION_KINDS, POLICY_KINDS
 
 PanelKind = Literal["timeseries", "table", "stat", "heatmap", "state_timeline", "bar_chart"]
 TIME_SERIES_KINDS = frozenset({"timeseries", "heatmap", "state_timeline"})
@@ -154,11 +155,12 @@ ANOMALY_MARKS = AnnotationSpec(
     "       [detector, severity] AS tags\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND $__timeFilter(ts) ORDER BY time",
     "red")
-ACTION_MARKS = AnnotationSpec(
-    "Actions",
+# One per action kind, in the kind's colour (the report's too: producer/wire/action_kinds.py).
+ACTION_MARKS = tuple(AnnotationSpec(
+    f"Actions: {name}",
     "SELECT issued_at AS time, concat(kind, ' at step ', toString(step), ': ', reason) AS text, [kind] AS tags\n"
-    f"FROM {{db}}.actions FINAL WHERE {RUN} AND $__timeFilter(issued_at) ORDER BY time",
-    "orange")
+    f"FROM {{db}}.actions FINAL WHERE {RUN} AND kind = '{name}' AND $__timeFilter(issued_at) ORDER BY time",
+    spec.color) for name, spec in ACTION_KINDS.items())
 ROLLBACK_MARKS = AnnotationSpec(
     "Rollbacks",
     "SELECT ts AS time,\n"
@@ -221,12 +223,16 @@ FLEET_ANOMALIES = PanelSpec(
     "SELECT $__timeInterval(ts) AS time, run_id, count() AS anomalies\n"
     f"FROM {{db}}.anomalies FINAL WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\nGROUP BY time, run_id ORDER BY time",
     ("time", "run_id", "anomalies"), "Findings per interval and run, by the time of the step they are about.")
+# The action kinds by how drastic they are (producer/wire/action_kinds.py), for ClickHouse's transform().
+_KIND_ORDER = (f"transform(kind, [{', '.join(repr(k) for k in ACTION_KINDS)}], "
+               f"[{', '.join(str(s.order) for s in ACTION_KINDS.values())}], 0)")
 FLEET_ACTIONS = PanelSpec(
     "Actions per run", "table",
     "SELECT run_id, kind, count() AS actions, max(issued_at) AS last_issued\n"
     f"FROM {{db}}.actions FINAL WHERE $__timeFilter(issued_at) AND {RUNS_OF_KEY}\n"
-    "GROUP BY run_id, kind ORDER BY last_issued DESC",
-    ("run_id", "kind", "actions", "last_issued"), "Actions the workers issued (alert, pause, rollback, stop) per run.")
+    f"GROUP BY run_id, kind ORDER BY {_KIND_ORDER} DESC, last_issued DESC",
+    ("run_id", "kind", "actions", "last_issued"),
+    f"Actions the workers issued ({', '.join(POLICY_KINDS)}) per run, the most drastic kinds first.")
 FLEET_DEADLETTERS = PanelSpec(
     "Dead letters", "timeseries",
     "SELECT $__timeInterval(ts) AS time, stage, count() AS dead_letters\n"
@@ -376,7 +382,7 @@ RUN_DASHBOARD = DashboardSpec(
      ("Runtime", (RUN_STEP_TIME, RUN_THROUGHPUT, RUN_MFU, RUN_DATA_WAIT, RUN_MEMORY)),
      ("Evaluation", (RUN_EVAL,)),
      ("Findings and actions", (RUN_FINDINGS, RUN_ACTIONS))),
-    (ANOMALY_MARKS, ACTION_MARKS, ROLLBACK_MARKS),
+    (ANOMALY_MARKS, *ACTION_MARKS, ROLLBACK_MARKS),
 )
 
 # -- Ranks ------------------------------------------------------------------------------------------
@@ -450,7 +456,7 @@ RANKS_DASHBOARD = DashboardSpec(
     "now-24h", (BASELINE_KEY, RUN_VAR, RANK_VAR),
     (("Time per rank", (RANK_STEP_TIME, RANK_COMPUTE, RANK_GAP, RANK_SLOWEST, RANK_STRAGGLER)),
      ("Liveness", (RANK_HEARTBEATS, RANK_HEARTBEAT_STEP, RANK_PHASES, RANK_HUNG, RANK_JOIN))),
-    (ANOMALY_MARKS, ACTION_MARKS),
+    (ANOMALY_MARKS, *ACTION_MARKS),
 )
 
 # -- Baselines --------------------------------------------------------------------------------------

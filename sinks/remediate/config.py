@@ -20,7 +20,7 @@ import orjson
 from pydantic import Field, PrivateAttr, RootModel, field_validator, model_validator
 
 from runwatch.configfile import Strict, load_yaml_model
-from runwatch.producer.wire.schema import ActionKind
+from runwatch.producer.wire.action_kinds import ActionKind
 from runwatch.sinks.remediate.templates import (
     ALLOWED_FIELDS,
     DEFAULT_FIELD_RULES,

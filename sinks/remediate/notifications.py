@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from runwatch.logsafe import escape_control
+from runwatch.producer.wire.action_kinds import ACTION_KINDS
 from runwatch.producer.wire.schema import Action
 from runwatch.sinks.remediate.record import OUTPUT_LIMIT, Execution, tail
 
@@ -21,7 +22,7 @@ def _slack_escape(text: str) -> str:
     return escape_control(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-COLORS = {"alert": "warning", "pause": "warning", "resume": "good", "rollback": "danger", "stop": "danger"}
+COLORS = {name: spec.chat_color for name, spec in ACTION_KINDS.items()}
 
 
 def _figure(value: Any) -> str:

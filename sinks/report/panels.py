@@ -16,12 +16,12 @@ from typing import Any
 
 import orjson
 
+from runwatch.producer.wire.action_kinds import ACTION_KINDS
 from runwatch.sinks.report.data import ReportData
 
 MAX_POINTS = 2000  # per trace: a long run is thinned (each bucket's extremes kept), so the file stays small
 SEVERITY_COLORS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
-ACTION_COLORS = {"alert": "#ff7f0e", "pause": "#9467bd", "resume": "#2ca02c", "rollback": "#d62728",
-                 "stop": "#000000"}
+ACTION_COLORS = {name: spec.color for name, spec in ACTION_KINDS.items()}
 GIB = 1024.0 ** 3
 
 Figure = dict[str, Any]

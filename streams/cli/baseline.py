@@ -12,16 +12,11 @@ import click
 from runwatch.streams.cli.failure import DSN_HELP, fail
 from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config
+from runwatch.streams.cli.output import print_json
 
 CONFIG_HELP = ("runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
                "as `runwatch calibrate` proposes them)")
 GIT_REPO_HELP = "a clone of the code the runs ran: show the commits between the runs (git log A..B)"
-
-
-def _dump(obj: Any) -> None:
-    import orjson
-
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
 
 
 def _repo(path: str | None) -> Path | None:
@@ -99,7 +94,7 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
         except GitError as exc:
             fail(f"--git-repo: {exc}")
     if as_json:
-        _dump({**report.model_dump(mode="json"),
+        print_json({**report.model_dump(mode="json"),
                "commit_range": commits.model_dump(mode="json") if commits is not None else None})
     elif as_markdown:
         click.echo(render_markdown(report, commits), nl=False)
@@ -157,7 +152,7 @@ def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], d
                 row["subject"] = info[1]
         rows.append(row)
     if as_json:
-        _dump({"baseline_key": baseline_key, "fingerprint": fingerprint, "runs": len(summaries), "change_points": rows})
+        print_json({"baseline_key": baseline_key, "fingerprint": fingerprint, "runs": len(summaries), "change_points": rows})
         return
     click.echo(f"{baseline_key}: {len(summaries)} run(s), {len(rows)} change point(s)")
     for metric in dict.fromkeys(r["metric"] for r in rows):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.cli.needs import require
 from runwatch.streams.cli.signals import wait_for_signal
 

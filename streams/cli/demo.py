@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-import orjson
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config, require_torch
+from runwatch.streams.cli.output import print_json
 
 
 def _outage_window(_ctx, _param, value: str | None) -> tuple[float, float] | None:  # noqa: ANN001
@@ -66,6 +66,6 @@ def demo(scenario: str, steps: int, fault_step: int | None, bootstrap: str | Non
     except (DemoError, LocalStackError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        print_json(report)
     else:
         console.summary(report)

@@ -9,6 +9,7 @@ import click
 
 from runwatch.streams.cli.failure import fail
 from runwatch.streams.cli.needs import NeedsExtra
+from runwatch.streams.cli.output import print_json
 
 DEFAULT_DATASOURCE_URL = "native://runwatch_reader@clickhouse:9000/runwatch"
 
@@ -77,7 +78,6 @@ def provision(url: str, token: str | None, folder_title: str, folder_uid: str | 
     update). Exits 2 when Grafana cannot be reached, refuses the token (401/403) or answers nonsense."""
     from pathlib import Path
 
-    import orjson
     from pydantic import ValidationError
 
     from runwatch.sinks.grafana import provision as prov
@@ -100,7 +100,7 @@ def provision(url: str, token: str | None, folder_title: str, folder_uid: str | 
     if as_json:
         report = {"url": url, "dry_run": dry_run, "objects": [o.model_dump() for o in outcomes],
                   "counts": dict(counts), "not_runwatch": [{"uid": u, "title": t} for u, t in strays]}
-        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+        print_json(report)
         return
     for o in outcomes:
         detail = f"  ({', '.join(o.changed)})" if o.changed else ""

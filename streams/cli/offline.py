@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
-import orjson
 
 from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import cli_config
+from runwatch.streams.cli.output import print_json
 
 CONFIG_HELP = "detector/policy YAML (default: the built-in defaults)"
-
-
-def _dump(obj: object) -> None:
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
 
 
 @click.command(cls=NeedsExtra, extras=["detectors"])
@@ -34,7 +29,7 @@ def replay(path: str, config_path: str | None, tick_every_s: float, as_json: boo
     except ReplayError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        _dump({
+        print_json({
             "events": result.events,
             "steps": result.steps,
             "runs": result.runs,
@@ -77,7 +72,7 @@ def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
     except ReplayError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        _dump(evaluation.to_json())
+        print_json(evaluation.to_json())
         return
     from rich.console import Console
     from rich.table import Table
@@ -157,7 +152,7 @@ def _evaluate_history(directory: str, baseline: object, as_json: bool) -> None:
     except ReplayError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        _dump(evaluation.to_json())
+        print_json(evaluation.to_json())
         return
     from rich.console import Console
     from rich.table import Table

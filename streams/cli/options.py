@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 
 BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import BOOTSTRAP_HELP
 from runwatch.streams.cli.signals import run_until_signalled
@@ -23,7 +23,7 @@ from runwatch.streams.cli.signals import run_until_signalled
 def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
     from runwatch.configfile import ConfigError
-    from runwatch.producer.signing import MissingSecretError, resolve_secret
+    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
     from runwatch.sinks.remediate.config import load_remediation_config
     from runwatch.sinks.remediate.consumer import RemediateConsumer
     from runwatch.sinks.remediate.record import RemediationStore

@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.cli.needs import NeedsExtra
 from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
 from runwatch.streams.cli.signals import run_until_signalled
@@ -26,7 +26,7 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
          died_after: float) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
-    from runwatch.producer.signing import MissingSecretError, resolve_secret
+    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
     from runwatch.sinks import SinkConsumer
     from runwatch.streams.cli.startup import open_store, redacted, require_topics
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.reach import CONNECT_TIMEOUT_S, Unreachable, call_within, kafka_partition_counts
 from runwatch.streams.cli.needs import current_command, require_engine
 

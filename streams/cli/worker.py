@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.cli.needs import NeedsExtra, require, require_engine
 from runwatch.streams.cli.options import BOOTSTRAP_HELP, cli_config
 
@@ -49,7 +49,7 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
         require_engine("runwatch worker --baseline-dsn", baseline_dsn)
     from pydantic import ValidationError
 
-    from runwatch.producer.signing import MissingSecretError, resolve_secret
+    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
     from runwatch.streams.worker.health_server import HealthServer
     from runwatch.streams.worker.run_states import StateOptions
 

@@ -20,7 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runwatch.producer import ActionListener, AppliedAction, RunWatch, topics
+from runwatch.producer import ActionListener, AppliedAction, RunWatch
+from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.report import write_report
 from runwatch.streams.demo.training import TrainingConfig, default_fault_step, train

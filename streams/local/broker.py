@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 
 log = logging.getLogger(__name__)
 

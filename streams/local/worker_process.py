@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.local.broker import free_port
 
 

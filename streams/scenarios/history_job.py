@@ -27,7 +27,7 @@ from torch import nn
 
 from runwatch.producer.instrument.runtime import transformer_flops_per_step
 from runwatch.producer.publish.recorder import JsonlRecorder
-from runwatch.producer.schema import MemoryStats
+from runwatch.producer.wire.schema import MemoryStats
 from runwatch.streams.scenarios.catalog import Scenario
 from runwatch.streams.scenarios.faults import FaultInjector, FaultRun
 from runwatch.streams.scenarios.tasks import AudioTask, Batch, Task

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from runwatch.producer.instrument.memory import MemorySampler
-from runwatch.producer.schema import MemoryStats
+from runwatch.producer.wire.schema import MemoryStats
 
 
 class CachingAllocatorModel:

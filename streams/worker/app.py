@@ -18,7 +18,7 @@ import faust
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.offline.replay import TICK_EVERY_S
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.worker import transport
 from runwatch.streams.worker.detector_process import (
     REPLY_TIMEOUT_S,
@@ -30,7 +30,7 @@ from runwatch.streams.worker.health import CommitSensor, WorkerHealth
 from runwatch.streams.worker.health_server import HealthServer
 from runwatch.streams.worker.run_states import StateOptions
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 DETECT_GROUP = topics.DETECT_GROUP
 # Events go to the detector process in batches: up to this many, or what arrived within this wait

@@ -33,9 +33,9 @@ from runwatch.detectors.baselines.check import select_history
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.schema import RunStartEvent
+from runwatch.producer.wire.schema import RunStartEvent
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 600.0
 DEFAULT_TIMEOUT_S = 2.0

@@ -29,11 +29,11 @@ from typing import Any
 
 from runwatch import logsafe
 from runwatch.detectors import RunwatchConfig
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor, WorkerCounters
 from runwatch.streams.worker.run_states import StateOptions
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often each side checks that the other is still there
 _START_TIMEOUT_S = 120.0

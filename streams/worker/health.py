@@ -25,7 +25,7 @@ from faust.sensors import Sensor
 
 from runwatch.streams.worker.detector_process import DetectorProcess
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 STUCK_AFTER_S = 5.0  # a detector request waiting longer than this: not live (it is killed at 30 s)
 EXIT_GRACE_S = 15.0  # a failed worker that has not exited by itself this long after failing is ended

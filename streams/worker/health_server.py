@@ -17,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 
 class Health(Protocol):

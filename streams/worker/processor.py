@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
 from runwatch.detectors.engine.policy import ActionDecision
-from runwatch.producer import topics
-from runwatch.producer.schema import (
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
     Action,
     Anomaly,
     DeadLetter,
@@ -34,7 +34,7 @@ from runwatch.producer.schema import (
     receive_time,
     utc_now,
 )
-from runwatch.producer.signing import sign_action
+from runwatch.producer.wire.signing import sign_action
 from runwatch.streams.worker.published import Published, read_published
 from runwatch.streams.worker.restore_progress import RestoreProgress
 from runwatch.streams.worker.run_lifecycle import (
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from runwatch.streams.worker.baselines import BaselineLoader
     from runwatch.streams.worker.state_reader import StateReader
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, Anomaly
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, Anomaly
 from runwatch.streams.worker.state_reader import StateReadError
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 TAIL_RECORDS = 5000
 READ_BUDGET_S = 5.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 
 class RestoreProgress:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 
-from runwatch.producer.schema import Anomaly
+from runwatch.producer.wire.schema import Anomaly
 
 LIFECYCLE = "run_lifecycle"  # the detector name of these findings
 _NAMESPACE = uuid.UUID("5f0c2a8e-93d1-4c2b-b7a4-1e6d0f3a9c55")

@@ -28,9 +28,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 
-log = logging.getLogger("runwatch.worker")
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 25.0  # nothing read for this long: the read fails (and with it the worker: a successor retries)
 IDLE_S = 5.0

@@ -94,7 +94,7 @@ def bench_check(n: int, repeats: int) -> dict:
 
 
 def step_stream(run_id: str, start: datetime, steps: int, modules: int, seed: int) -> list:
-    from runwatch.producer.schema import MemoryStats, StepEvent
+    from runwatch.producer.wire.schema import MemoryStats, StepEvent
 
     rng = random.Random(seed)
     names = [f"layers.{i}" for i in range(modules)]

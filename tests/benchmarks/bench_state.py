@@ -43,8 +43,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from runwatch.detectors import RunwatchConfig
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.streams.worker.processor import TelemetryProcessor
 from runwatch.streams.worker.published import READ_BUDGET_S, TAIL_RECORDS, read_published
@@ -127,7 +127,7 @@ def snapshot_size() -> dict:
             took = time.perf_counter() - started
             (record,) = records
             out[f"after_{n + 1}_events"] = {"bytes": len(record.value or b""), "ms_to_take": round(took * 1e3, 2)}
-    from runwatch.producer.schema import RunStartEvent
+    from runwatch.producer.wire.schema import RunStartEvent
 
     for world in (8, 32):  # a multi-rank run: per-rank detectors and the join grow with its ranks
         proc = TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9))

@@ -28,8 +28,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from runwatch.producer import topics
-from runwatch.producer.schema import CategoryLoss, MemoryStats, StepEvent
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import CategoryLoss, MemoryStats, StepEvent
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.local.worker_process import WorkerProcess
 

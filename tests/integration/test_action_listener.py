@@ -11,9 +11,10 @@ import pytest
 import torch
 from kafka import KafkaProducer
 
-from runwatch.producer import ActionListener, RunWatch, save_checkpoint, topics
-from runwatch.producer.schema import Action, CheckpointRef, decode_event, utc_now
-from runwatch.producer.signing import sign_action
+from runwatch.producer import ActionListener, RunWatch, save_checkpoint
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, CheckpointRef, decode_event, utc_now
+from runwatch.producer.wire.signing import sign_action
 
 from .conftest import eventually, read_topic
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from runwatch.producer import decode_event, topics
+from runwatch.producer import decode_event
+from runwatch.producer.wire import topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

@@ -22,8 +22,9 @@ import pytest
 import torch
 import yaml
 
-from runwatch.producer import RunWatch, topics
+from runwatch.producer import RunWatch
 from runwatch.producer.publish.recorder import JsonlRecorder
+from runwatch.producer.wire import topics
 from runwatch.streams.scenarios.threads import one_torch_thread
 
 from .conftest import eventually, read_topic, worker_with_config

@@ -20,8 +20,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from runwatch.producer import RunWatch, topics
-from runwatch.producer.schema import Anomaly, decode_anomaly
+from runwatch.producer import RunWatch
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Anomaly, decode_anomaly
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.scenarios.threads import one_torch_thread
 

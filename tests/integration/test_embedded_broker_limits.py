@@ -13,7 +13,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.offline.evaluate import Corpus, corpus_bands, evaluate_corpus
 from runwatch.detectors.offline.replay import replay
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
-from runwatch.producer.schema import EvalEvent, HeartbeatEvent, StepEvent
+from runwatch.producer.wire.schema import EvalEvent, HeartbeatEvent, StepEvent
 from runwatch.streams.scenarios.corpus import generate
 
 pytestmark = pytest.mark.integration

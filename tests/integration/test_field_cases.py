@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, StepEvent, decode_action
-from runwatch.producer.signing import sign_action
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, StepEvent, decode_action
+from runwatch.producer.wire.signing import sign_action
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 from .conftest import eventually, read_topic
@@ -94,7 +94,7 @@ def test_case7_records_without_a_key_or_on_the_wrong_partition_are_deadlettered(
 
 
 def _deadletters_without_key(bootstrap: str) -> list:
-    from runwatch.producer.schema import DeadLetter
+    from runwatch.producer.wire.schema import DeadLetter
 
     records = read_topic(bootstrap, topics.DEADLETTER, lambda rs: any(r.key is None for r in rs))
     return [DeadLetter.model_validate_json(r.value) for r in records if r.key is None]

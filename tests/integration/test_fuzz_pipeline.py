@@ -25,8 +25,8 @@ import pytest
 from kafka import KafkaProducer
 
 from runwatch.detectors.offline.replay import read_events, replay
-from runwatch.producer import topics
-from runwatch.producer.schema import DeadLetter, decode_action, decode_anomaly
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import DeadLetter, decode_action, decode_anomaly
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics
 from runwatch.streams.local.worker_process import WorkerProcess

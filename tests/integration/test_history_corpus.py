@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.offline.history_eval import HistoryCorpus, evaluate_history, propose_tolerances
 from runwatch.detectors.offline.replay import read_events
-from runwatch.producer.schema import RunStartEvent, StepEvent
+from runwatch.producer.wire.schema import RunStartEvent, StepEvent
 from runwatch.streams.cli.main import main as cli
 
 pytestmark = pytest.mark.integration

@@ -18,10 +18,11 @@ import pytest
 import torch
 from kafka import KafkaProducer
 
-from runwatch.producer import ActionListener, RunWatch, topics
+from runwatch.producer import ActionListener, RunWatch
 from runwatch.producer.actions.applied_ids import default_state_path
-from runwatch.producer.schema import Action, decode_event, utc_now
-from runwatch.producer.signing import sign_action
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, decode_event, utc_now
+from runwatch.producer.wire.signing import sign_action
 
 from .conftest import eventually, read_topic
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, Anomaly, JoinedStep
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, Anomaly, JoinedStep
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 from .conftest import read_topic, worker_with_config

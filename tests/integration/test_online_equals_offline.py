@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from runwatch.detectors.offline.replay import read_events, replay
-from runwatch.producer import topics
-from runwatch.producer.schema import decode_anomaly
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import decode_anomaly
 from runwatch.streams.scenarios.corpus import generate
 from tests.integration.conftest import read_topic
 

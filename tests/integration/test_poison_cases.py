@@ -26,8 +26,8 @@ import pytest
 from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
-from runwatch.producer import topics
-from runwatch.producer.schema import (
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
     CheckpointEvent,
     DeadLetter,
     HeartbeatEvent,

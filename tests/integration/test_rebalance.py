@@ -20,8 +20,8 @@ import pytest
 from kafka import KafkaProducer
 
 from runwatch.detectors import RunMonitor, RunwatchConfig
-from runwatch.producer import topics
-from runwatch.producer.schema import Anomaly, RunStartEvent, StepEvent, decode_event
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Anomaly, RunStartEvent, StepEvent, decode_event
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.local.worker_process import WorkerProcess
 

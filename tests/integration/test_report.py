@@ -125,7 +125,7 @@ def test_report_command_on_the_demo_data(nan_demo):
 # -- a two-rank run of a job with history: the Baselines panels and per-rank step time -------------------
 
 def _run_events(run_id: str, start: datetime, step_time: float, ranks: int = 2, steps: int = 60) -> list:
-    from runwatch.producer.schema import MemoryStats, RunEndEvent, RunStartEvent, StepEvent
+    from runwatch.producer.wire.schema import MemoryStats, RunEndEvent, RunStartEvent, StepEvent
 
     events: list = [RunStartEvent(run_id=run_id, ts=start, baseline_key="report-job", world_size=ranks,
                                   git_sha=f"{abs(hash(run_id)) % 16**12:012x}", host="node-1")]

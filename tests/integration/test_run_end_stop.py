@@ -12,9 +12,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from runwatch.producer import ActionListener, RunWatch, topics
-from runwatch.producer.schema import Action, decode_event, utc_now
-from runwatch.producer.signing import sign_action
+from runwatch.producer import ActionListener, RunWatch
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, decode_event, utc_now
+from runwatch.producer.wire.signing import sign_action
 
 from .conftest import publish_actions, read_topic
 

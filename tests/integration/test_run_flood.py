@@ -17,8 +17,8 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 
-from runwatch.producer import topics
-from runwatch.producer.schema import RunStartEvent, StepEvent
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import RunStartEvent, StepEvent
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.local.worker_process import WorkerProcess
 

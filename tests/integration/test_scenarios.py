@@ -9,7 +9,7 @@ import statistics
 import pytest
 from click.testing import CliRunner
 
-from runwatch.producer.schema import decode_event
+from runwatch.producer.wire.schema import decode_event
 from runwatch.streams.cli.main import main
 from runwatch.streams.scenarios.catalog import DETECTOR_FOR, FAULT_TYPES
 

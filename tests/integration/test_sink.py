@@ -9,7 +9,8 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from runwatch.producer import StepEvent, topics
+from runwatch.producer import StepEvent
+from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
@@ -64,7 +65,7 @@ def _store_twice_delivered_run(broker: EmbeddedBroker, chdb_dsn: str) -> None:
 def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
     from datetime import UTC, datetime
 
-    from runwatch.producer.schema import JoinedStep
+    from runwatch.producer.wire.schema import JoinedStep
 
     sink = ClickHouseSink(chdb_dsn)
     try:

@@ -21,8 +21,9 @@ import orjson
 import pytest
 from kafka import KafkaProducer
 
-from runwatch.producer import StepEvent, topics
-from runwatch.producer.schema import Anomaly, DeadLetter, JoinedStep, decode_anomaly, decode_event
+from runwatch.producer import StepEvent
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Anomaly, DeadLetter, JoinedStep, decode_anomaly, decode_event
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.clickhouse import COLUMN_BOUNDS, INT64, UINT32
 from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics

@@ -11,8 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from runwatch.producer import RunWatch, StepEvent, topics
+from runwatch.producer import RunWatch, StepEvent
 from runwatch.producer.publish.spool import DiskSpool
+from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink
 from runwatch.streams.demo.run import DemoOptions, run_demo
 from runwatch.streams.local.broker import free_port

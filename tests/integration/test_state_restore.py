@@ -13,8 +13,8 @@ import pytest
 from kafka import KafkaProducer
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer import topics
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import StepEvent
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor
 from runwatch.streams.worker.run_states import StateOptions
@@ -103,7 +103,7 @@ def test_a_record_that_cannot_be_read_is_logged_and_its_run_starts_fresh(bootstr
     _publish(bootstrap, [*good, *unsigned, (f"{GROUP}/garbage", 2, b"\x00not a snapshot at all")])
 
     second = _processor(bootstrap)
-    with caplog.at_level(logging.ERROR, logger="runwatch.worker"):
+    with caplog.at_level(logging.ERROR, logger="runwatch.streams.worker"):
         second.keep_partitions({2})
     assert set(second.monitors) == {"good"} and second.counters.restore_failures == 2
     said = " ".join(r.getMessage() for r in caplog.records)

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, Anomaly
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, Anomaly
 from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.local.worker_process import WorkerProcess
 
@@ -98,7 +98,7 @@ def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, secret)
     committed only behind a checkpoint, and Faust waits for every acknowledgement before it stops.)"""
     from kafka import KafkaProducer
 
-    from runwatch.producer.schema import StepEvent
+    from runwatch.producer.wire.schema import StepEvent
     from runwatch.streams.local.broker import committed_offset
 
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, Anomaly, RunEndEvent
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, Anomaly, RunEndEvent
 
 from .conftest import read_topic
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
-from runwatch.producer import topics
-from runwatch.producer.schema import CheckpointEvent, StepEvent, decode_action
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import CheckpointEvent, StepEvent, decode_action
 from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics
 from runwatch.streams.local.worker_process import WorkerProcess
 

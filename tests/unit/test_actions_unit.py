@@ -29,8 +29,8 @@ from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.publish.lr import LR_SCALE_KEY, scale_lr
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.schema import Action, CheckpointRef, utc_now
-from runwatch.producer.signing import sign_action
+from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
+from runwatch.producer.wire.signing import sign_action
 
 SECRET = "unit-secret-of-at-least-32-bytes-0123"
 REPO = Path(__file__).resolve().parents[2]

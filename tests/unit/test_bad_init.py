@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.wire.schema import StepEvent
 from runwatch.streams.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
 from runwatch.streams.scenarios.threads import one_torch_thread
 from tests.unit.test_instrumentation import RecordingPublisher

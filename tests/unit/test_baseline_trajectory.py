@@ -27,7 +27,7 @@ from runwatch.detectors.baselines.band import (
 )
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.schema import EvalEvent, MemoryStats, StepEvent
+from runwatch.producer.wire.schema import EvalEvent, MemoryStats, StepEvent
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
 STEPS = 120

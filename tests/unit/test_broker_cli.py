@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.cli.main import main
 from runwatch.streams.local import broker as broker_module
 

@@ -36,7 +36,7 @@ from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
 from runwatch.detectors.engine.rank_join import StepJoin
-from runwatch.producer.schema import (
+from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CategoryLoss,
     CheckpointEvent,

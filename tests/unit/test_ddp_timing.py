@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.schema import HeartbeatEvent, StepEvent
+from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
 
 WORLD = 3
 SLOW_RANK = 2

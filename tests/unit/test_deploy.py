@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from runwatch.detectors import load_config
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.sinks.remediate.config import load_remediation_config
 from runwatch.streams.cli.main import main as cli
 

@@ -17,9 +17,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer import topics
-from runwatch.producer.schema import Action, Anomaly, CheckpointEvent, StepEvent
-from runwatch.producer.signing import verify_action
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action, Anomaly, CheckpointEvent, StepEvent
+from runwatch.producer.wire.signing import verify_action
 from runwatch.streams.worker.detector_process import DetectorProcess, DetectorProcessError, handle
 from runwatch.streams.worker.processor import TelemetryProcessor
 

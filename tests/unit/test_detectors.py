@@ -14,7 +14,7 @@ import pytest
 from runwatch.detectors.config import NonFiniteConfig, SpikeConfig
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.spike import SpikeDetector
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.wire.schema import StepEvent
 
 # -- NonFiniteDetector ----------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.generalization import ValVsTrainDetector
 from runwatch.detectors.memory_growth import MemoryGrowthDetector
 from runwatch.detectors.stall import StallDetector
-from runwatch.producer.schema import CategoryLoss, EvalEvent, HeartbeatEvent, MemoryStats, StepEvent
+from runwatch.producer.wire.schema import CategoryLoss, EvalEvent, HeartbeatEvent, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 GiB = 1 << 30

@@ -23,7 +23,7 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.module_grad import ModuleGradDetector
 from runwatch.detectors.throughput import ThroughputDetector
 from runwatch.detectors.update_ratio import UpdateRatioDetector
-from runwatch.producer.schema import HeartbeatEvent, StepEvent
+from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from runwatch.producer.wire.action_kinds import ACTION_KINDS
 from runwatch.sinks.grafana.dashboards import DATASOURCE_UID, PLUGIN_ID, all_dashboards
 from runwatch.sinks.grafana.generate import stale_files
 from runwatch.sinks.grafana.macros import MacroError, QueryContext, expand, sqlstring
@@ -67,7 +68,7 @@ def test_five_dashboards_with_their_variables_and_panels():
     assert names["runwatch-run"] == names["runwatch-ranks"] == ["baseline_key", "run", "rank"]
     assert names["runwatch-baselines"][:2] == ["baseline_key", "run"]
     assert [a["name"] for a in boards["runwatch-run"]["annotations"]["list"]] == [
-        "Annotations & Alerts", "Anomalies", "Actions", "Rollbacks"]
+        "Annotations & Alerts", "Anomalies", *(f"Actions: {kind}" for kind in ACTION_KINDS), "Rollbacks"]
     assert "Commits" in [a["name"] for a in boards["runwatch-baselines"]["annotations"]["list"]]
     for uid, board in boards.items():
         panels = [p for p in board["panels"] if p["type"] != "row"]

@@ -24,7 +24,7 @@ from runwatch.producer import MemoryDelivery
 from runwatch.producer.instrument import heartbeat as heartbeat_module
 from runwatch.producer.instrument.heartbeat import Heartbeat, HostLoadSampler
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.schema import (
+from runwatch.producer.wire.schema import (
     Anomaly,
     HeartbeatEvent,
     HostLoad,
@@ -328,7 +328,7 @@ def test_a_held_finding_goes_out_without_a_verdict_when_no_heartbeat_comes():
 
 def test_the_run_end_releases_held_findings():
     from runwatch.detectors.engine.monitor import RunMonitor
-    from runwatch.producer.schema import RunEndEvent, RunStartEvent
+    from runwatch.producer.wire.schema import RunEndEvent, RunStartEvent
 
     monitor = RunMonitor("r", RunwatchConfig())
     anomalies = monitor.observe(RunStartEvent(run_id="r", ts=_ts(-1))).anomalies

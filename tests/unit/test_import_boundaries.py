@@ -63,7 +63,7 @@ def test_detectors_never_load_kafka_or_torch():
 @pytest.mark.parametrize("statement", [
     "import runwatch.producer.wire",
     "from runwatch.producer.wire import schema, signing, topics",
-    "from runwatch.producer.schema import StepEvent",  # the old path, a re-export
+    "from runwatch.producer.wire.schema import StepEvent",  # the old path, a re-export
 ])
 def test_the_wire_contract_imports_alone(statement):
     assert offenders(loaded_after(statement), TRAINING_SIDE + WORKER_SIDE + ("kafka",)) == []
@@ -91,8 +91,7 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 """
 # Only these train real models, or are the framework callbacks that the lightning / hf extras bring torch for.
-NEEDS_TORCH = ("runwatch.streams.demo", "runwatch.streams.scenarios", "runwatch.producer.integrations",
-               "runwatch.producer.lightning", "runwatch.producer.hf")
+NEEDS_TORCH = ("runwatch.streams.demo", "runwatch.streams.scenarios", "runwatch.producer.integrations")
 
 
 def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -139,7 +138,7 @@ def test_runwatch_worker_help_runs_without_torch():
 
 
 def test_commands_that_train_nothing_run_without_torch(tmp_path: Path):
-    from runwatch.producer.schema import StepEvent
+    from runwatch.producer.wire.schema import StepEvent
 
     recording = tmp_path / "nan.jsonl"
     events = [StepEvent(run_id="r", step=s, loss=float("nan") if s >= 40 else 1.0, grad_norm=1.0) for s in range(50)]
@@ -173,3 +172,34 @@ def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path)
         f"Error: runwatch {' '.join(command[:2 if len(command) > 1 else 1])} trains real models and needs "
         "PyTorch: pip install 'runwatch[torch]'"]
     assert not (tmp_path / command[-1]).exists()
+
+
+# One import path per module (issue 25): the wire contract is ``runwatch.producer.wire`` and the framework
+# callbacks ``runwatch.producer.integrations``; the shims that gave them second paths are gone.
+REMOVED_PATHS = ("runwatch.producer.schema", "runwatch.producer.topics", "runwatch.producer.signing",
+                 "runwatch.producer.hf", "runwatch.producer.lightning")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("module", REMOVED_PATHS)
+def test_a_removed_second_path_does_not_import(module):
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
+
+
+def _tree_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60)
+    return [ROOT / f for f in listed.stdout.split() if Path(f).suffix in (".py", ".md", ".yaml", ".yml", ".toml")
+            and not f.startswith("build/")]
+
+
+def test_nothing_in_the_tree_names_a_removed_path():
+    import re
+
+    removed = re.compile(r"runwatch\.producer\.(schema|topics|signing|hf|lightning)\b"
+                         r"|^\s*from runwatch\.producer import [^\n]*\b(schema|topics|signing)\b", re.M)
+    this = Path(__file__).resolve()
+    found = [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for path in _tree_files() if path != this and path.is_file()
+             for m in removed.finditer(path.read_text(errors="replace"))]
+    assert found == []

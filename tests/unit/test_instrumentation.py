@@ -12,7 +12,7 @@ from runwatch.producer.instrument.categories import category_loss
 from runwatch.producer.instrument.gradstats import ROOT_MODULE, ParamLayout, grad_norms
 from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.schema import StepEvent
+from runwatch.producer.wire.schema import StepEvent
 
 REL = 1e-5
 

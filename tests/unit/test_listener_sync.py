@@ -27,7 +27,7 @@ from test_actions_unit import SECRET, RecordingPublisher, action, deliver
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
-from runwatch.producer.schema import Action, CheckpointRef
+from runwatch.producer.wire.schema import Action, CheckpointRef
 
 WORLD = 3
 POLL_S = 0.05  # the loop's step between polls

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from runwatch.producer import ActionListener, JsonlRecorder, save_checkpoint
-from runwatch.producer.schema import Action, decode_event, utc_now
-from runwatch.producer.signing import sign_action
+from runwatch.producer.wire.schema import Action, decode_event, utc_now
+from runwatch.producer.wire.signing import sign_action
 
 LR = 0.1
 SECRET = "manual-update-secret-of-32-bytes-or-more"

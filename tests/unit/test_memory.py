@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runwatch.producer.instrument.memory import MemorySampler, find_cgroup_memory_files
-from runwatch.producer.schema import MemoryStats, StepEvent
+from runwatch.producer.wire.schema import MemoryStats, StepEvent
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 1 << 20

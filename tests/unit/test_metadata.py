@@ -22,7 +22,7 @@ from runwatch.producer.publish.metadata import (
     parse_nvidia_driver_version,
     to_jsonable,
 )
-from runwatch.producer.schema import RunStartEvent
+from runwatch.producer.wire.schema import RunStartEvent
 
 LAUNCHER_VARS = (
     "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",

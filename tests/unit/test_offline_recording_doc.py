@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import runwatch.producer
-from runwatch.producer.schema import decode_event
+from runwatch.producer.wire.schema import decode_event
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "offline-recording.md"

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from runwatch.detectors.config import PolicyConfig, PolicyRule, RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
 from runwatch.detectors.engine.policy import ActionPolicy
-from runwatch.producer.schema import (
+from runwatch.producer.wire.schema import (
     ActionAckEvent,
     Anomaly,
     CheckpointEvent,
@@ -371,7 +371,7 @@ def test_persisting_stall_escalates_on_tick_unless_the_rank_progresses():
 def test_a_stall_that_persists_escalates_to_stop_through_the_monitor_ticks():
     from datetime import UTC, datetime, timedelta
 
-    from runwatch.producer.schema import HeartbeatEvent
+    from runwatch.producer.wire.schema import HeartbeatEvent
 
     t0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
     config = RunwatchConfig.model_validate({"policy": {"escalate_after_s": 120}})

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer import topics
+from runwatch.producer.wire import topics
 from runwatch.streams.worker.processor import TelemetryProcessor
 
 WALL = datetime(2026, 11, 27, 12, tzinfo=UTC)

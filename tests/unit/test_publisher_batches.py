@@ -15,7 +15,7 @@ from kafka.future import Future
 from kafka.producer.future import RecordMetadata
 
 from runwatch.producer.publish.kafka_delivery import KafkaDelivery
-from runwatch.producer.schema import HeartbeatEvent
+from runwatch.producer.wire.schema import HeartbeatEvent
 
 
 class _RecordingClient:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.schema import HeartbeatEvent
+from runwatch.producer.wire.schema import HeartbeatEvent
 
 NO_BROKER = "127.0.0.1:1"
 

@@ -13,7 +13,7 @@ from runwatch.detectors.config import HungRankConfig, StallConfig, StragglerConf
 from runwatch.detectors.engine.rank_join import StepJoin
 from runwatch.detectors.hung_rank import HungRankDetector
 from runwatch.detectors.straggler import StragglerDetector
-from runwatch.producer.schema import (
+from runwatch.producer.wire.schema import (
     CategoryLoss,
     HeartbeatEvent,
     JoinedStep,

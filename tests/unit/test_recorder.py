@@ -9,7 +9,7 @@ from torch import nn
 
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.publish.recorder import JsonlRecorder
-from runwatch.producer.schema import decode_event
+from runwatch.producer.wire.schema import decode_event
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -15,9 +15,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.configfile import ConfigError
-from runwatch.producer.schema import Action, CheckpointRef
-from runwatch.producer.signing import sign_action
-from runwatch.producer.topics import SECRET_ENV
+from runwatch.producer.wire.schema import Action, CheckpointRef
+from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.topics import SECRET_ENV
 from runwatch.sinks.remediate.config import RemediationConfig, Target, load_remediation_config
 from runwatch.sinks.remediate.notifications import slack_payload
 from runwatch.sinks.remediate.remediator import Remediator

@@ -17,7 +17,13 @@ from runwatch.detectors.engine.monitor import RunMonitor
 from runwatch.detectors.engine.recovery import RecoveryCheck
 from runwatch.detectors.spike import SpikeDetector
 from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, scale_lr
-from runwatch.producer.schema import ActionAckEvent, CheckpointEvent, CheckpointRef, RunStartEvent, StepEvent
+from runwatch.producer.wire.schema import (
+    ActionAckEvent,
+    CheckpointEvent,
+    CheckpointRef,
+    RunStartEvent,
+    StepEvent,
+)
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 

@@ -13,8 +13,8 @@ import torch
 
 from runwatch.producer import ActionListener, JsonlRecorder, RunWatch
 from runwatch.producer.publish.spool import DiskSpool
-from runwatch.producer.schema import Action, decode_event, utc_now
-from runwatch.producer.signing import sign_action
+from runwatch.producer.wire.schema import Action, decode_event, utc_now
+from runwatch.producer.wire.signing import sign_action
 
 SECRET = "run-end-secret-of-at-least-32-bytes-0123"
 NO_BROKER = "127.0.0.1:1"

@@ -11,7 +11,7 @@ import pytest
 
 from runwatch.detectors.baselines.compare import BaselineConfig, compare_run, outliers
 from runwatch.detectors.baselines.summary import RunSummarizer, hardware_fingerprint
-from runwatch.producer.schema import (
+from runwatch.producer.wire.schema import (
     ActionAckEvent,
     Anomaly,
     CategoryLoss,

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.producer.schema import Action, CheckpointRef, decode_action
-from runwatch.producer.signing import MissingSecretError, resolve_secret, sign_action, verify_action
-from runwatch.producer.topics import SECRET_ENV
+from runwatch.producer.wire.schema import Action, CheckpointRef, decode_action
+from runwatch.producer.wire.signing import MissingSecretError, resolve_secret, sign_action, verify_action
+from runwatch.producer.wire.topics import SECRET_ENV
 
 SECRET = b"s3cret-shared-by-worker-and-trainer"
 ISSUED = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -155,8 +155,8 @@ def test_signature_follows_the_documented_canonical_form():
     import json
     from datetime import UTC, datetime, timedelta
 
-    from runwatch.producer.schema import Action, CheckpointRef
-    from runwatch.producer.signing import sign_action
+    from runwatch.producer.wire.schema import Action, CheckpointRef
+    from runwatch.producer.wire.signing import sign_action
 
     issued = datetime(2026, 11, 21, 9, 30, tzinfo=UTC)
     action = sign_action(

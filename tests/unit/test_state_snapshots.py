@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer import topics
-from runwatch.producer.schema import (
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CheckpointEvent,
     RunEndEvent,
@@ -473,7 +473,7 @@ def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judge
 def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(caplog):
     """The published tail is read inside the reply the worker waits for: past its budget it gives up
     with a warning instead of failing the worker, keeping what it read by then."""
-    from runwatch.producer.schema import Anomaly
+    from runwatch.producer.wire.schema import Anomaly
     from runwatch.streams.worker.published import read_published
     from runwatch.streams.worker.state_reader import StateReadError
 
@@ -488,7 +488,7 @@ def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(c
             yield b"run-b", found.model_copy(update={"anomaly_id": "b1", "run_id": "run-b"}).to_json()
         raise StateReadError(f"reading {topic} partitions [0] took over {timeout_s:g} s")
 
-    with caplog.at_level("WARNING", logger="runwatch.worker"):
+    with caplog.at_level("WARNING", logger="runwatch.streams.worker"):
         published = read_published(slow_scan, ["run-a"], budget_s=0.5)
     assert budgets == [0.5, 0.5]
     assert published.is_repeat(found.model_copy(update={"detected_at": T0 + timedelta(seconds=1)}))

@@ -11,7 +11,7 @@ from pydantic import Field
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.schema import StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 NAME = "toy_loss_ceiling"
 
