@@ -39,8 +39,9 @@ from runwatch.producer.wire.schema import (
     receive_time,
     utc_now,
 )
-from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable, storable_time
+from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
+from runwatch.sinks.rows import storable_time
 from runwatch.sinks.summaries import SummaryUpkeep
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class SinkConsumer:
     # -- one batch ---------------------------------------------------------------------------
 
     def _decode_batch(self, records: list) -> tuple[dict[str, list[tuple[Any, Any]]], list[tuple[Any, str]]]:
-        """(record, item) per table, ``item`` being what ``ClickHouseSink.store`` takes; and (record,
+        """(record, item) per table, ``item`` being what ``SinkWriter.store`` takes; and (record,
         reason) of each message refused before it reaches ClickHouse (it would not be stored as sent)."""
         batch: dict[str, list[tuple[Any, Any]]] = {table: [] for table in TOPIC_TABLES.values()}
         refused: list[tuple[Any, str]] = []
@@ -179,7 +180,7 @@ class SinkConsumer:
         for table, entries in batch.items():
             if not entries:
                 continue
-            result = self.sink.store(table, [item for _, item in entries])
+            result = self.sink.writer.store(table, [item for _, item in entries])
             self.stats.rows[table] += result.stored
             refused.extend((entries[i][0], reason) for i, reason in result.refused)
         return refused
@@ -193,7 +194,7 @@ class SinkConsumer:
             letters.append((r, letter))
         if letters:
             # Visible in the table at once, whatever becomes of the topic copy (same id: idempotent).
-            result = self.sink.store("deadletter", [letter for _, letter in letters])
+            result = self.sink.writer.store("deadletter", [letter for _, letter in letters])
             for i, reason in result.refused:  # cannot happen with a well-formed DeadLetter; say so if it does
                 log.error("runwatch sink: dead letter for %s[%d]@%d not stored in ClickHouse: %s",
                           letters[i][0].topic, letters[i][0].partition, letters[i][0].offset, reason)

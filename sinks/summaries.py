@@ -32,7 +32,7 @@ def summarize_stored_run(sink: ClickHouseSink, run_id: str, status_if_not_ended:
     """Summarise ``run_id`` from its stored events and anomalies, write the row, return it.
     ``status_if_not_ended``: the status of a run with no ``run_end`` stored. Raises ``RunNotFound``
     when the run has no stored telemetry."""
-    events = sink.stored_run_events(run_id)
+    events = sink.runs.stored_events(run_id)
     if not events:
         raise RunNotFound(f"no telemetry stored for run {run_id!r}")
     return summarize_run(sink, run_id, events, status_if_not_ended, loss_every)
@@ -48,11 +48,11 @@ def summarize_run(sink: ClickHouseSink, run_id: str, events: Iterable[TelemetryE
     for event in events:
         if event.run_id == run_id:
             summarizer.observe(event)
-    for anomaly in sink.stored_run_anomalies(run_id):
+    for anomaly in sink.runs.stored_anomalies(run_id):
         if anomaly.detector not in SUMMARY_DETECTORS:
             summarizer.add_anomaly(anomaly)
     summary = summarizer.summary(status_if_not_ended)
-    sink.write_summaries([summary])
+    sink.writer.write_summaries([summary])
     return summary
 
 
@@ -103,7 +103,7 @@ class SummaryUpkeep:
             if not self._summarize(run_id, "running"):
                 self._again.add(run_id)
         try:
-            stopped = self.sink.runs_to_summarize(self._now(), self.died_after_s)
+            stopped = self.sink.runs.to_summarize(self._now(), self.died_after_s)
         except Exception as exc:  # noqa: BLE001 - ClickHouse away: the next sweep tries again
             self.errors += 1
             log.warning("runwatch sink: looking for runs to summarise failed (%r)", exc)

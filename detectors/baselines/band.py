@@ -10,7 +10,7 @@ Steps may be bucketed (``bucket_steps``: every step of a bucket, of every run, p
 bucket's quantiles), which bounds the band's size for long runs; a bucket is named by its first
 step. Within one run a step seen twice (replayed after a rollback) counts once, with its newest
 value. Quantiles interpolate linearly between order statistics (R-7, numpy's default; ClickHouse's
-``quantileExactInclusive``), so ``band_from_runs`` here and ``ClickHouseSink.baseline_band`` give
+``quantileExactInclusive``), so ``band_from_runs`` here and ``BaselineReads.band`` give
 the same band.
 
 Which runs make the band (``select_baseline_runs``): the newest ``max_runs`` of the run's history

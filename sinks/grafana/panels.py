@@ -463,7 +463,7 @@ RANKS_DASHBOARD = DashboardSpec(
 
 _DEFAULTS = BaselineConfig()
 WINDOW_DAYS = int(_DEFAULTS.window_days)
-BAND_MAX_RUNS = 20  # ClickHouseSink.baseline_band's default
+BAND_MAX_RUNS = 20  # BaselineReads.band's default
 BAND_MAX_BUCKETS = 2000
 
 # The run itself, and when its history starts: its window, or the latest new baseline declared
@@ -527,7 +527,7 @@ BASELINE_BAND = PanelSpec(
     f"The run's ${{metric}} (rank 0) at each step against the 10th-90th percentile band of the same step "
     f"in its baseline runs: the newest {BAND_MAX_RUNS} completed runs of the same baseline key and "
     f"hardware fingerprint that started in the {WINDOW_DAYS} days before it (or since a declared new "
-    "baseline), as ClickHouseSink.baseline_band computes it. Drawn at the run's own time of each step.",
+    "baseline), as BaselineReads.band computes it. Drawn at the run's own time of each step.",
     width=24, height=10)
 
 

@@ -54,14 +54,14 @@ class RemediationStore:
         self.sink = sink
 
     def done_keys(self) -> set[tuple[str, str]]:
-        return self.sink.remediation_keys()
+        return self.sink.runs.remediation_keys()
 
     def write(self, execution: Execution) -> None:
-        self.sink.write_remediation(execution.row())
+        self.sink.writer.write_remediation(execution.row())
 
     def run_metadata(self, run_id: str) -> dict[str, Any]:
         """The fields of the run's newest ``run_start`` (empty if none is stored, or unreadable)."""
-        payload = self.sink.run_start_payload(run_id)
+        payload = self.sink.runs.start_payload(run_id)
         if payload is None:
             return {}
         try:
@@ -71,4 +71,4 @@ class RemediationStore:
         return meta if isinstance(meta, dict) else {}
 
     def executions(self, action_id: str) -> list[dict[str, Any]]:
-        return self.sink.remediations(action_id)
+        return self.sink.runs.remediations(action_id)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from runwatch.sinks.clickhouse import as_utc
+from runwatch.sinks.rows import as_utc
 
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.band import BaselineBand
@@ -66,16 +66,16 @@ def run_summary(sink: ClickHouseSink, run_id: str, loss_every: int) -> RunSummar
     from runwatch.detectors.baselines.summary import RunSummarizer
     from runwatch.sinks.summaries import SUMMARY_DETECTORS
 
-    stored = sink.run_summary(run_id)
+    stored = sink.baselines.summary(run_id)
     if stored is not None:
         return stored
-    events = sink.stored_run_events(run_id)
+    events = sink.runs.stored_events(run_id)
     if not events:
         return None
     summarizer = RunSummarizer(run_id, loss_every)
     for event in events:
         summarizer.observe(event)
-    for anomaly in sink.stored_run_anomalies(run_id):
+    for anomaly in sink.runs.stored_anomalies(run_id):
         if anomaly.detector not in SUMMARY_DETECTORS:
             summarizer.add_anomaly(anomaly)
     return summarizer.summary("running")
@@ -93,10 +93,10 @@ def _baseline(sink: ClickHouseSink, run_id: str, config: BaselineConfig
     if summary.baseline_key is None or summary.started_at is None:
         return None, None, ("no baseline history: this run has no baseline key (set `baseline_key` in its "
                             "run_start), so there is nothing to compare it with")
-    candidates = sink.baseline_candidates(summary.baseline_key, summary.fingerprint, summary.started_at,
+    candidates = sink.baselines.candidates(summary.baseline_key, summary.fingerprint, summary.started_at,
                                           config.window_days)
     report = check_run(summary, candidates, config)
-    band = sink.baseline_band(summary.baseline_key, summary.fingerprint, summary.started_at, config.window_days,
+    band = sink.baselines.band(summary.baseline_key, summary.fingerprint, summary.started_at, config.window_days,
                               exclude_run=run_id)
     note = ""
     if report.history_size == 0:
@@ -114,18 +114,18 @@ def collect(sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = N
     from runwatch.detectors.baselines.compare import BaselineConfig
 
     config = config or BaselineConfig()
-    info = sink.report_run_info(run_id)
+    info = sink.report.run_info(run_id)
     if info is None:
         raise UnknownRun(f"unknown run {run_id!r}: no telemetry for it in ClickHouse at {sink.dsn}")
-    steps = sink.report_steps(run_id)
+    steps = sink.report.steps(run_id)
     last_step = max((int(s["step"]) for s in steps if s["step"] is not None), default=0)
     bucket = max(1, -(-last_step // HEATMAP_COLUMNS))
     baseline, band, note = _baseline(sink, run_id, config)
     return ReportData(
         run_id=run_id, info=info, run_start=_json(info["run_start"]) or {}, run_end=_json(info["run_end"]),
-        steps=steps, rank_step_times=sink.report_rank_step_times(run_id) if info["ranks"] > 1 else [],
-        modules=sink.report_module_grad_norms(run_id, TOP_MODULES),
-        heatmap=sink.report_module_heatmap(run_id, bucket, HEATMAP_MODULES), heatmap_bucket_steps=bucket,
-        evals=sink.report_evals(run_id), anomalies=sink.report_anomalies(run_id), actions=sink.report_actions(run_id),
+        steps=steps, rank_step_times=sink.report.rank_step_times(run_id) if info["ranks"] > 1 else [],
+        modules=sink.report.module_grad_norms(run_id, TOP_MODULES),
+        heatmap=sink.report.module_heatmap(run_id, bucket, HEATMAP_MODULES), heatmap_bucket_steps=bucket,
+        evals=sink.report.evals(run_id), anomalies=sink.report.anomalies(run_id), actions=sink.report.actions(run_id),
         baseline=baseline, band=band, baseline_note=note, generated_at=as_utc(now) if now else None,
     )

@@ -70,7 +70,7 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
     repo = _repo(git_repo)
     sink = open_sink(dsn)
     try:
-        run = sink.run_summary(run_id)
+        run = sink.baselines.summary(run_id)
         if run is None:  # not summarised yet (the sink summarises at run end): do it from its telemetry
             try:
                 run = summarize_stored_run(sink, run_id, "running", config.loss_every)
@@ -78,7 +78,7 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
                 fail(f"unknown run {run_id!r}: no summary and no telemetry in ClickHouse at {sink.dsn}")
         candidates = []
         if run.baseline_key is not None and run.started_at is not None:
-            candidates = sink.baseline_candidates(run.baseline_key, run.fingerprint, run.started_at,
+            candidates = sink.baselines.candidates(run.baseline_key, run.fingerprint, run.started_at,
                                                   config.window_days)
     except SystemExit:
         raise
@@ -126,7 +126,7 @@ def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], d
     repo = _repo(git_repo)
     sink = open_sink(dsn)
     try:
-        summaries = sink.summaries_for_key(baseline_key, fingerprint)
+        summaries = sink.baselines.for_key(baseline_key, fingerprint)
     except Exception as exc:  # noqa: BLE001
         fail(f"reading ClickHouse at {sink.dsn} failed: {type(exc).__name__}: {exc}")
     finally:

@@ -60,7 +60,7 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
     try:
         for path, events in loaded:
             for i in range(0, len(events), WRITE_CHUNK):
-                sink.write_events(events[i:i + WRITE_CHUNK])
+                sink.writer.write_events(events[i:i + WRITE_CHUNK])
             for event in events:
                 runs.setdefault(event.run_id, []).append(event)
             names = set(e.run_id for e in events)

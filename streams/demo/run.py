@@ -210,9 +210,9 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         wait_until(lambda: sink_consumer.stats.last_empty_poll > caught_up + 0.3, 30, "the sink to drain")
         stop_sink()
 
-        counts = sink.run_counts(run_id)
-        anomalies = sink.run_anomalies(run_id)
-        actions = sink.run_actions(run_id)
+        counts = sink.runs.counts(run_id)
+        anomalies = sink.runs.anomalies(run_id)
+        actions = sink.runs.actions(run_id)
         # the report is made here: this process holds the embedded ClickHouse path
         report_path: Path | None = None
         try:

@@ -2,9 +2,9 @@
 monitor, whose detectors do no I/O themselves.
 
 ``BaselineLoader.hand(monitor, run_start)`` loads, for the run's baseline key and hardware
-fingerprint, the candidate summaries (``ClickHouseSink.baseline_candidates``), chooses the run's
+fingerprint, the candidate summaries (``BaselineReads.candidates``), chooses the run's
 history from them (``check.select_history``, the gate's rule) and builds the per-step band of its
-newest ``max_runs`` runs (``ClickHouseSink.band_of_runs``). The band goes to the
+newest ``max_runs`` runs (``BaselineReads.band_of_runs``). The band goes to the
 ``baseline_trajectory`` detector (in flight), the history to the run-end check
 (``baselines/gate.py``). Both are cached per (key, fingerprint) for ``ttl_s``: runs started within
 that time share what the first of them loaded. A load runs in a background thread and is waited
@@ -138,12 +138,12 @@ class BaselineLoader:
         assert probe.baseline_key is not None  # load_for checked
         section = self.config.detectors.baseline_trajectory
         started = time.perf_counter()
-        candidates = self._sink.baseline_candidates(probe.baseline_key, probe.fingerprint, start.ts,
+        candidates = self._sink.baselines.candidates(probe.baseline_key, probe.fingerprint, start.ts,
                                                     self.config.baseline.window_days)
         history = select_history(probe, candidates, self.config.baseline)
         band: BaselineBand | None = None
         if section.enabled and section.max_runs > 0:
-            band = self._sink.band_of_runs([r.run_id for r in history[-section.max_runs:]], probe.baseline_key,
+            band = self._sink.baselines.band_of_runs([r.run_id for r in history[-section.max_runs:]], probe.baseline_key,
                                            probe.fingerprint, max_buckets=section.max_buckets)
         log.info("history of %s (%s): %d run(s), a band of %s run(s) with %d metrics, loaded in %.3f s",
                  probe.baseline_key, probe.fingerprint, len(history), band.n_runs if band else 0,

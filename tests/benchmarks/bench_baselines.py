@@ -5,7 +5,7 @@ in-flight detector per step event.
   history, compare every metric) for one run, with ``--summaries`` generated run summaries stored
   in the embedded ClickHouse (default 10,000: 2,000 runs of each of five baseline keys, two
   fingerprints), against the same with a tenth of them stored (the ratio shows how it scales).
-- ``band_load``: ``ClickHouseSink.baseline_band`` at a run's start, ``--band-runs`` baseline runs of
+- ``band_load``: ``BaselineReads.band`` at a run's start, ``--band-runs`` baseline runs of
   ``--band-steps`` steps stored as telemetry (what the worker does once per baseline key and
   fingerprint; then it is cached).
 - ``detector``: the ``baseline_trajectory`` detector's ``update`` per step event with a band
@@ -66,7 +66,7 @@ def time_check(sink: ClickHouseSink, run: RunSummary, repeats: int) -> list[floa
     for _ in range(repeats):
         started = time.perf_counter()
         assert run.baseline_key is not None and run.started_at is not None
-        candidates = sink.baseline_candidates(run.baseline_key, run.fingerprint, run.started_at, config.window_days)
+        candidates = sink.baselines.candidates(run.baseline_key, run.fingerprint, run.started_at, config.window_days)
         report = check_run(run, candidates, config)
         times.append(time.perf_counter() - started)
     assert report.history_size >= config.min_runs
@@ -82,7 +82,7 @@ def bench_check(n: int, repeats: int) -> dict:
             summaries = generated_summaries(count)
             started = time.perf_counter()
             for i in range(0, len(summaries), 1000):
-                sink.write_summaries(summaries[i:i + 1000])
+                sink.writer.write_summaries(summaries[i:i + 1000])
             write_s = time.perf_counter() - started
             times = time_check(sink, summaries[-1], repeats)
             sink.close()
@@ -120,7 +120,7 @@ def bench_band(runs: int, steps: int, modules: int, repeats: int) -> dict:
         summaries = []
         for i in range(runs):
             events = step_stream(f"band-{i}", now - timedelta(days=runs - i), steps, modules, seed=i)
-            sink.write_events(events)
+            sink.writer.write_events(events)
             summarizer = RunSummarizer(f"band-{i}")
             for event in events:
                 summarizer.observe(event)
@@ -128,11 +128,11 @@ def bench_band(runs: int, steps: int, modules: int, repeats: int) -> dict:
                 "baseline_key": "bench/band", "fingerprint": fingerprint_id(parts), "fingerprint_parts": parts,
                 "status": "completed"})
             summaries.append(summary)
-        sink.write_summaries(summaries)
+        sink.writer.write_summaries(summaries)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            band = sink.baseline_band("bench/band", fingerprint_id(parts), now, 30, runs)
+            band = sink.baselines.band("bench/band", fingerprint_id(parts), now, 30, runs)
             times.append(time.perf_counter() - started)
         sink.close()
     assert band is not None and band.n_runs == runs

@@ -1,4 +1,4 @@
-"""The per-step baseline band computed by ClickHouse (``ClickHouseSink.baseline_band``, on the embedded
+"""The per-step baseline band computed by ClickHouse (``BaselineReads.band``, on the embedded
 engine) equals the pure one (``band_from_runs``) on real recorded training runs, and its baseline runs
 are chosen from ``run_summaries`` by the same rule as ``select_baseline_runs``."""
 
@@ -34,12 +34,12 @@ def stored(tmp_path_factory):
     sink.migrate()
     summaries = []
     for events in runs.values():
-        sink.write_events(events)
+        sink.writer.write_events(events)
         summarizer = RunSummarizer(events[0].run_id)
         for event in events:
             summarizer.observe(event)
         summaries.append(summarizer.summary())
-    sink.write_summaries(summaries)
+    sink.writer.write_summaries(summaries)
     yield sink, runs
     sink.close()
 
@@ -52,7 +52,7 @@ def test_the_sql_band_equals_the_pure_band_on_real_runs(stored):
         me = records[name]
         history = select_baseline_runs(me, records.values(), window_days=30, max_runs=20)
         for bucket in (1, 7):
-            band = sink.baseline_band(me.baseline_key, me.fingerprint, me.started_at, 30, 20, exclude_run=me.run_id,
+            band = sink.baselines.band(me.baseline_key, me.fingerprint, me.started_at, 30, 20, exclude_run=me.run_id,
                                       bucket_steps=bucket)
             pure = band_from_runs([runs[by_id[h.run_id]] for h in history], baseline_key=me.baseline_key,
                                   fingerprint=me.fingerprint, bucket_steps=bucket)
@@ -71,27 +71,27 @@ def test_the_band_runs_follow_the_history_rule(stored):
     sink, runs = stored
     records = {name: run_record(events) for name, events in runs.items()}
     me = records["bad_init_audio"]
-    assert sink.baseline_band_runs(me.baseline_key, me.fingerprint, me.started_at, 30, 2, me.run_id) == [
+    assert sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 30, 2, me.run_id) == [
         records["healthy_audio_fixed_init_seed1"].run_id, records["healthy_audio_fixed_init"].run_id]
     first = records["healthy_audio_fixed_init_seed3"]  # the job's first run has no history
-    assert sink.baseline_band(first.baseline_key, first.fingerprint, first.started_at, exclude_run=first.run_id) is None
+    assert sink.baselines.band(first.baseline_key, first.fingerprint, first.started_at, exclude_run=first.run_id) is None
     # the window: runs started more than 2.5 days before are out
-    assert len(sink.baseline_band_runs(me.baseline_key, me.fingerprint, me.started_at, 2.5, 20, me.run_id)) == 2
-    assert sink.baseline_band_runs(me.baseline_key, "another-fingerprint", me.started_at, 30, 20, me.run_id) == []
+    assert len(sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 2.5, 20, me.run_id)) == 2
+    assert sink.baselines.band_runs(me.baseline_key, "another-fingerprint", me.started_at, 30, 20, me.run_id) == []
 
 
 def test_a_declared_new_baseline_restarts_the_history(stored):
     sink, runs = stored
     records = {name: run_record(events) for name, events in runs.items()}
     me = records["bad_init_audio"]
-    declaring = sink.run_summary(records["healthy_audio_fixed_init_seed2"].run_id)
-    sink.write_summaries([declaring.model_copy(update={"new_baseline": True})])
+    declaring = sink.baselines.summary(records["healthy_audio_fixed_init_seed2"].run_id)
+    sink.writer.write_summaries([declaring.model_copy(update={"new_baseline": True})])
     try:
-        assert sink.baseline_band_runs(me.baseline_key, me.fingerprint, me.started_at, 30, 20, me.run_id) == [
+        assert sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 30, 20, me.run_id) == [
             records[name].run_id for name in ("healthy_audio_fixed_init_seed2", "healthy_audio_fixed_init_seed1",
                                               "healthy_audio_fixed_init")]
     finally:
-        sink.write_summaries([declaring])
+        sink.writer.write_summaries([declaring])
 
 
 def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored):

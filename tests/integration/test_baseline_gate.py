@@ -173,25 +173,25 @@ def test_the_sinks_upkeep_summarises_ended_runs_and_runs_whose_events_stopped(tm
     sink = ClickHouseSink(chdb_dsn)
     sink.migrate()
     try:
-        sink.write_events(read_events(ended))
-        sink.write_events(died_events)
+        sink.writer.write_events(read_events(ended))
+        sink.writer.write_events(died_events)
         last = max(e.ts for e in died_events)
         ticks = iter(range(1000))
         upkeep = SummaryUpkeep(sink, died_after_s=600, interval_s=30, clock=lambda: float(next(ticks) * 10),
                                now=lambda: last + timedelta(seconds=601))
         upkeep.ended({f"{key}-ended"})
-        summary = sink.run_summary(f"{key}-ended")
+        summary = sink.baselines.summary(f"{key}-ended")
         assert summary is not None and summary.status == "completed" and summary.metrics["steps"] == STEPS
         assert summary.git_sha == "a" * 40 and summary.baseline_key == key
-        assert sink.run_summary(f"{key}-died") is None
+        assert sink.baselines.summary(f"{key}-died") is None
         upkeep.tick()  # t=10: not yet an interval
-        assert sink.run_summary(f"{key}-died") is None
+        assert sink.baselines.summary(f"{key}-died") is None
         for _ in range(3):
             upkeep.tick()
-        died = sink.run_summary(f"{key}-died")
+        died = sink.baselines.summary(f"{key}-died")
         assert died is not None and died.status == "died"
         assert abs(died.ended_at - last) < timedelta(milliseconds=1)  # the column keeps milliseconds
-        assert f"{key}-died" not in sink.runs_to_summarize(last + timedelta(days=1), 600)
+        assert f"{key}-died" not in sink.runs.to_summarize(last + timedelta(days=1), 600)
         assert upkeep.errors == 0
         # an unreachable ClickHouse is logged and retried, never raised
         broken = SummaryUpkeep(ClickHouseSink(chdb_dsn), interval_s=0)
@@ -232,7 +232,7 @@ def test_the_sink_consumer_summarises_a_run_when_its_run_end_is_stored(broker, c
     thread.start()
     reader = ClickHouseSink(chdb_dsn)  # not the consumer's client, which its thread is using
     try:
-        summary = eventually(lambda: reader.run_summary(run_id), 60, "the run's summary", interval=0.2)
+        summary = eventually(lambda: reader.baselines.summary(run_id), 60, "the run's summary", interval=0.2)
     finally:
         consumer.stopping.set()
         thread.join(30)

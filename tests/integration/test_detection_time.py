@@ -60,7 +60,7 @@ def test_detected_at_is_stored_and_latency_is_a_query(broker, worker, chdb_dsn):
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            eventually(lambda: sink.run_counts(run_id)["anomalies"] >= len({a.anomaly_id for a in ours}), 60,
+            eventually(lambda: sink.runs.counts(run_id)["anomalies"] >= len({a.anomaly_id for a in ours}), 60,
                        "the sink to store the run's anomalies")
         finally:
             consumer.stopping.set()

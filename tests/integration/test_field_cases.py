@@ -293,7 +293,7 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
         consumer = SinkConsumer(sink, broker.bootstrap, group_id=group, batch_interval_s=0.2, secret=secret.encode())
         with _running(consumer):
             eventually(lambda: len(_sink_letters(sink, run_id)) >= 5, 60, "the sink's dead letters")
-            eventually(lambda: sink.run_counts(run_id)["actions"] == 1, 30, "the signed action stored")
+            eventually(lambda: sink.runs.counts(run_id)["actions"] == 1, 30, "the signed action stored")
         letters = _sink_letters(sink, run_id)
         assert set(letters) == {(topics.TELEMETRY, ancient.partition, ancient.offset),
                                 *((topics.ACTIONS, p, o) for p, o in refused)}
@@ -303,7 +303,7 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
         assert reasons == ["action bad_signature"] * 3 + ["action future"], reasons
         stored = sink.query("SELECT action_id, kind FROM {db}.actions FINAL WHERE run_id = %(r)s", {"r": run_id})
         assert stored == [(signed.action_id, "rollback")]
-        assert sink.run_counts(run_id)["telemetry"] == len(good)
+        assert sink.runs.counts(run_id)["telemetry"] == len(good)
     finally:
         kafka.close()
         sink.close()

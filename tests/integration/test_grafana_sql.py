@@ -11,7 +11,7 @@ returns the columns its panel expects, with rows:
   summaries.
 
 The Baselines dashboard's band and outlier table are also checked against the Python they mirror
-(``ClickHouseSink.baseline_band``, ``check_run``)."""
+(``BaselineReads.band``, ``check_run``)."""
 
 from __future__ import annotations
 
@@ -116,12 +116,12 @@ def history(chdb_dsn, tmp_path_factory) -> dict[str, str]:
         summaries = []
         for run_id, events in recorded.items():
             moved = [e.model_copy(update={"ts": e.ts + shift}) for e in events]
-            sink.write_events(moved)
+            sink.writer.write_events(moved)
             summarizer = RunSummarizer(run_id, labels["loss_every"])
             for event in moved:
                 summarizer.observe(event)
             summaries.append(summarizer.summary())
-        sink.write_summaries(summaries)
+        sink.writer.write_summaries(summaries)
     finally:
         sink.close()
     step_sync = next(r for r in labels["regressions"] if "step_time_median_s" in r["metrics"])
@@ -234,8 +234,8 @@ def test_the_ranks_dashboard_names_the_straggler_and_the_hung_rank(stored, conte
 
 def test_the_band_panel_is_the_sinks_baseline_band(stored, context):
     sink, runs = stored
-    me = sink.run_summary(runs["bad"])
-    band = sink.baseline_band(me.baseline_key, me.fingerprint, me.started_at, exclude_run=me.run_id)
+    me = sink.baselines.summary(runs["bad"])
+    band = sink.baselines.band(me.baseline_key, me.fingerprint, me.started_at, exclude_run=me.run_id)
     assert band is not None and band.n_runs == 5  # the job's five runs before the regression
     compared = 0
     for metric in METRIC_VAR.values:
@@ -254,9 +254,9 @@ def test_the_band_panel_is_the_sinks_baseline_band(stored, context):
 
 def test_the_outlier_table_gives_the_verdicts_of_baseline_check(stored, context):
     sink, runs = stored
-    me = sink.run_summary(runs["bad"])
+    me = sink.baselines.summary(runs["bad"])
     config = BaselineConfig()
-    report = check_run(me, sink.baseline_candidates(me.baseline_key, me.fingerprint, me.started_at,
+    report = check_run(me, sink.baselines.candidates(me.baseline_key, me.fingerprint, me.started_at,
                                                     config.window_days), config)
     variables = _variables(sink, BASELINES_DASHBOARD, context, runs["bad"])
     rows = {r[0]: r for r in _run(sink, BASELINE_OUTLIERS.sql, context, variables)[1]}

@@ -122,7 +122,7 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
     sink = ClickHouseSink(chdb_dsn)
     sink.migrate()
     # The run's metadata, as `runwatch sink` stores it: where {job_id} and {host} come from.
-    sink.write_events([RunStartEvent(run_id=run_id, job_id="4242", host="node-7.cluster")])
+    sink.writer.write_events([RunStartEvent(run_id=run_id, job_id="4242", host="node-7.cluster")])
     store = RemediationStore(sink)
 
     stop = _action(run_id, "stop", secret)

@@ -150,7 +150,7 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
     sink.migrate()
     store = RemediationStore(sink)
     # What each run declares about itself, as `runwatch sink` stores it.
-    sink.write_events([
+    sink.writer.write_events([
         RunStartEvent(run_id=attacker, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}),  # team b's
         RunStartEvent(run_id=honest, job_id="5002", host="node-l", tags={"pod": "l-trainer-0"}),
         RunStartEvent(run_id=mapped, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}),  # overridden
@@ -217,7 +217,7 @@ def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_pa
             events.append(RunStartEvent(run_id=run_id, job_id=declared["job_id"], host=declared["host"],
                                         tags={"pod": declared["pod"]}))
             actions.append(_action(run_id, secret))
-    sink.write_events(events)
+    sink.writer.write_events(events)
     try:
         _remediate(platform, secret, store, broker.bootstrap, actions, actions)
         for action, (_run_id, field, value, reason, _declared) in zip(actions, cases, strict=True):

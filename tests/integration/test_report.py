@@ -152,8 +152,8 @@ def test_a_multi_rank_run_against_its_baseline_band(chdb_dsn, chromium, tmp_path
     now = datetime.now(UTC).replace(microsecond=0)
     history = [f"report-hist-{i}" for i in range(6)]
     for i, run_id in enumerate(history):
-        sink.write_events(_run_events(run_id, now - timedelta(days=6 - i), step_time=0.10 + 0.002 * (i % 3)))
-    sink.write_events(_run_events("report-slow", now, step_time=0.16))  # 60% slower than its history
+        sink.writer.write_events(_run_events(run_id, now - timedelta(days=6 - i), step_time=0.10 + 0.002 * (i % 3)))
+    sink.writer.write_events(_run_events("report-slow", now, step_time=0.16))  # 60% slower than its history
     for run_id in [*history, "report-slow"]:
         summarize_stored_run(sink, run_id)
 

@@ -54,7 +54,7 @@ def _store_twice_delivered_run(broker: EmbeddedBroker, chdb_dsn: str) -> None:
         finally:
             consumer.stopping.set()
             thread.join(30)
-        assert sink.run_counts(run_id)["telemetry"] == 50
+        assert sink.runs.counts(run_id)["telemetry"] == 50
         rows = sink.query("SELECT step, loss FROM {db}.telemetry FINAL WHERE run_id = %(r)s ORDER BY step", {"r": run_id})
         assert [r[0] for r in rows] == list(range(1, 51))
         assert rows[6][1] != rows[6][1]  # the NaN loss is stored as NaN, not null or zero
@@ -76,8 +76,8 @@ def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
                            ranks_missing=[2] if s == 4 else [], grad_norm=float(s), step_time_max_s=0.5,
                            step_time_max_rank=2)
                 for g in (0, 1) for s in range(5)]
-        assert sink.write_joined(rows + rows[:3]) == 10  # a redelivered batch adds nothing
-        sink.write_joined(rows[:3])
+        assert sink.writer.write_joined(rows + rows[:3]) == 10  # a redelivered batch adds nothing
+        sink.writer.write_joined(rows[:3])
         got = sink.query("SELECT generation, step, complete, ranks_missing, step_time_max_rank FROM "
                          "{db}.joined_steps FINAL WHERE run_id = %(r)s ORDER BY generation, step", {"r": run_id})
         assert len(got) == 10
@@ -112,7 +112,7 @@ def test_the_stored_payload_is_the_bytes_received(broker, chdb_dsn):
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            eventually(lambda: sink.run_counts(run_id)["telemetry"] == 2, 60, "the sink to store both events")
+            eventually(lambda: sink.runs.counts(run_id)["telemetry"] == 2, 60, "the sink to store both events")
             eventually(lambda: committed_offset(broker.bootstrap, group, topics.TELEMETRY, sent[-1].partition)
                        > sent[-1].offset, 30, "the commit")
         finally:

@@ -25,7 +25,7 @@ from runwatch.producer import StepEvent
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Anomaly, DeadLetter, JoinedStep, decode_anomaly, decode_event
 from runwatch.sinks import ClickHouseSink, SinkConsumer
-from runwatch.sinks.clickhouse import COLUMN_BOUNDS, INT64, UINT32
+from runwatch.sinks.rows import COLUMN_BOUNDS, INT64, UINT32
 from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics
 
 from .conftest import eventually, read_topic
@@ -147,18 +147,18 @@ def test_bisect_finds_the_rows_clickhouse_refuses_and_stores_the_rest(chdb_dsn):
                             "CONSTRAINT non_negative CHECK v >= 0) ENGINE = MergeTree ORDER BY id")
         server_bad = {0, 17, 18, 39}
         rows = [(f"s{i}", -1 if i in server_bad else i) for i in range(40)]
-        refused = sink.insert_isolating(table, rows, ("id", "v"))
+        refused = sink.writer.insert_isolating(table, rows, ("id", "v"))
         assert [i for i, _ in refused] == sorted(server_bad)
         assert all("non_negative" in reason and "VIOLATED_CONSTRAINT" in reason for _, reason in refused)
         assert sink.query(f"SELECT count() FROM {{db}}.{table}")[0][0] == 36
 
         client_bad = {5, 6, 31}
         rows = [(f"c{i}", 2**63 + i if i in client_bad else i) for i in range(32)]
-        refused = sink.insert_isolating(table, rows, ("id", "v"))
+        refused = sink.writer.insert_isolating(table, rows, ("id", "v"))
         assert [i for i, _ in refused] == sorted(client_bad)
         assert all("column `v`" in reason for _, reason in refused)
         assert sink.query(f"SELECT count() FROM {{db}}.{table} WHERE id LIKE 'c%%'")[0][0] == 29
-        assert sink.insert_isolating(table, [], ("id", "v")) == []
+        assert sink.writer.insert_isolating(table, [], ("id", "v")) == []
     finally:
         sink.client.command(f"DROP TABLE IF EXISTS {sink.database}.{table}")
         sink.close()
@@ -173,13 +173,13 @@ def test_store_refuses_unstorable_items_and_stores_the_rest(chdb_dsn):
         anomalies[2] = _anomaly(run_id, 2).model_copy(update={"step": 2**63})
         anomalies[5] = _anomaly(run_id, 5).model_copy(update={"rank": -1})
         anomalies[9] = _anomaly(run_id, 9, evidence={"x": _nested(DEPTH)})
-        result = sink.store("anomalies", anomalies)
+        result = sink.writer.store("anomalies", anomalies)
         reasons = dict(result.refused)
         assert sorted(reasons) == [2, 5, 9] and result.stored == 9
         assert "anomalies.step" in reasons[2] and "Int64" in reasons[2]
         assert "anomalies.rank" in reasons[5] and "UInt32" in reasons[5]
         assert "serialise" in reasons[9]
-        assert sink.run_counts(run_id)["anomalies"] == 9
+        assert sink.runs.counts(run_id)["anomalies"] == 9
 
         # Telemetry is stored from the bytes received, never re-serialised: deep nesting is no fault
         # there; an integer out of its column's range is (rank UInt32, step Int64).
@@ -188,7 +188,7 @@ def test_store_refuses_unstorable_items_and_stores_the_rest(chdb_dsn):
         far = StepEvent.model_construct(run_id=run_id, step=2**64)
         ok = StepEvent(run_id=run_id, step=3)
         raws = [b'{"deep": "as received"}', b"{}", b"{}", ok.to_json()]
-        result = sink.store("telemetry", list(zip([deep, wide, far, ok], raws, strict=True)))
+        result = sink.writer.store("telemetry", list(zip([deep, wide, far, ok], raws, strict=True)))
         assert [i for i, _ in result.refused] == [1, 2] and result.stored == 2
         payloads = sink.query("SELECT step, payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s ORDER BY step",
                               {"r": run_id})
@@ -205,14 +205,14 @@ def test_bounded_deadletter_fields_are_stored(chdb_dsn):
         raw = b"x" * 10_000
         letter = DeadLetter.for_message("too big", raw, source_topic=topics.TELEMETRY, partition=1, offset=7,
                                         key=run_id.encode(), stage="sink", traceback="Traceback: ...")
-        assert sink.write_deadletters([letter, letter]) == 1
-        assert sink.write_deadletters([letter]) == 1  # a re-delivered letter replaces itself
+        assert sink.writer.write_deadletters([letter, letter]) == 1
+        assert sink.writer.write_deadletters([letter]) == 1  # a re-delivered letter replaces itself
         rows = sink.query("SELECT stage, size, sha256, raw_truncated, length(raw), traceback FROM {db}.deadletter "
                           "FINAL WHERE run_key = %(r)s", {"r": run_id})
         assert rows == [("sink", 10_000, letter.sha256, True, 4096, "Traceback: ...")]
         # the worker's letter for the same message (stage decode) is a row of its own
-        sink.write_deadletters([letter.model_copy(update={"stage": "decode"})])
-        assert sink.run_counts(run_id)["deadletter"] == 2
+        sink.writer.write_deadletters([letter.model_copy(update={"stage": "decode"})])
+        assert sink.runs.counts(run_id)["deadletter"] == 2
     finally:
         sink.close()
 
@@ -286,7 +286,7 @@ def test_poison_messages_never_wedge_the_sink(broker, chdb_dsn):
         """Within a bounded time: every stored message once, every poison dead-lettered (table and
         topic, stage sink, with a reason), and every partition committed past the last message."""
         want = len(stored[topics.TELEMETRY])
-        eventually(lambda: sink.run_counts(run_id)["telemetry"] == want, 60, f"{want} telemetry rows")
+        eventually(lambda: sink.runs.counts(run_id)["telemetry"] == want, 60, f"{want} telemetry rows")
         eventually(lambda: set(_sink_letters(sink, run_id)) == letters, 60, "the sink's dead letters in the table")
         for (topic, partition), offset in last.items():
             eventually(lambda t=topic, p=partition, o=offset: committed_offset(broker.bootstrap, group, t, p) > o,
@@ -358,11 +358,11 @@ def test_clickhouse_down_retries_the_whole_batch_and_dead_letters_nothing(broker
             assert committed_offset(broker.bootstrap, group, topics.TELEMETRY, sent[0][0]) == 0
             assert consumer.stored_through(topics.TELEMETRY, sent[0][0]) == 0
             sink.client = clickhouse_connect.get_client(dsn=chdb_dsn)  # ... and comes back
-            eventually(lambda: sink.run_counts(run_id)["telemetry"] == 5, 60, "the batch to be stored")
+            eventually(lambda: sink.runs.counts(run_id)["telemetry"] == 5, 60, "the batch to be stored")
             eventually(lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, good[0]) > good[1], 30,
                        "the commit past the anomalies")
         assert set(_sink_letters(sink, run_id)) == {(topics.ANOMALIES, *bad)}
-        assert sink.run_counts(run_id)["anomalies"] == 1
+        assert sink.runs.counts(run_id)["anomalies"] == 1
         assert committed_offset(broker.bootstrap, group, topics.TELEMETRY, sent[0][0]) > max(o for _, o in sent)
     finally:
         producer.close()
@@ -408,15 +408,16 @@ def test_a_dead_letter_that_cannot_be_published_is_not_committed_past(own_broker
             eventually(lambda: (topics.ANOMALIES, partition, bad_offset) in _sink_letters(sink, run_id), 60,
                        "the refused message's dead letter in the table")  # stored there before publishing
             eventually(lambda: stuck.stats.deadletter_errors >= 2, 60, "the failed publish to be counted (twice)")
-            # The group started at the beginning of the topic: an earlier test's poison on this partition
-            # stops the commit first. Either way, the commit stops at the first unpublished dead letter.
+            # The commit stops at the first unpublished dead letter: this test's, on its own broker. (The
+            # ClickHouse is the session's: other tests' brokers left dead letters at the same topic,
+            # partition and offsets, so they are told apart by the run's key.)
             first_refused = sink.query("SELECT min(offset) FROM {db}.deadletter FINAL WHERE stage = 'sink' AND "
-                                       "source_topic = %(t)s AND partition = %(p)s",
-                                       {"t": topics.ANOMALIES, "p": partition})[0][0]
+                                       "source_topic = %(t)s AND partition = %(p)s AND run_key = %(k)s",
+                                       {"t": topics.ANOMALIES, "p": partition, "k": run_id})[0][0]
             assert first_refused <= bad_offset
             eventually(lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) == first_refused,
                        30, "the commit up to the first refused message")
-            eventually(lambda: sink.run_counts(run_id)["anomalies"] == 2, 30, "the rows around it to be stored")
+            eventually(lambda: sink.runs.counts(run_id)["anomalies"] == 2, 30, "the rows around it to be stored")
             assert stuck.stored_through(topics.ANOMALIES, partition) == first_refused
             assert committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) == first_refused
         broken.close(timeout=1)
@@ -427,7 +428,7 @@ def test_a_dead_letter_that_cannot_be_published_is_not_committed_past(own_broker
                        "the commit past the message once its dead letter is published")
             assert healthy.stats.deadletter_errors == 0
         assert set(_topic_letters(broker.bootstrap, key, 1)) == {(topics.ANOMALIES, partition, bad_offset)}
-        assert sink.run_counts(run_id)["anomalies"] == 2
+        assert sink.runs.counts(run_id)["anomalies"] == 2
     finally:
         producer.close()
         sink.close()

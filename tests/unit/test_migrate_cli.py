@@ -86,11 +86,11 @@ def test_migrates_a_real_embedded_clickhouse_once(tmp_path):
 
 
 def test_the_sinks_retention_figures_are_the_tables_ttls():
-    """The sink refuses rows its tables' TTL would delete at once (sinks/clickhouse.py RETENTION_DAYS): those
+    """The sink refuses rows its tables' TTL would delete at once (sinks/rows.py RETENTION_DAYS): those
     figures must be the migrations' own."""
     import re
 
-    from runwatch.sinks.clickhouse import RETENTION_DAYS
+    from runwatch.sinks.rows import RETENTION_DAYS
 
     ttls = {}
     for migration in MIGRATIONS:
