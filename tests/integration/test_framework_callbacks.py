@@ -341,14 +341,3 @@ def test_hf_callback_unscales_fp16_gradients_before_it_clips(broker, tmp_path):
     # runwatch clipped in the Trainer's place: the same weights as when the Trainer clips itself
     for mine, theirs in zip(trainer.model.parameters(), control.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs)
-
-
-@pytest.mark.parametrize("framework", [
-    pytest.param("lightning", marks=needs_lightning),
-    pytest.param("hf", marks=needs_hf),
-])
-def test_the_earlier_documented_paths_still_import(framework):
-    """Training scripts written against docs before the producer's rooms import from here."""
-    earlier = importlib.import_module(f"runwatch.producer.{framework}")
-    assert earlier.RunWatchCallback is importlib.import_module(
-        f"runwatch.producer.integrations.{framework}").RunWatchCallback
