@@ -247,6 +247,7 @@ CHILD = textwrap.dedent("""
     """)
 
 
+@pytest.mark.integration  # starts a process
 @pytest.mark.parametrize("mode", ["hang", "graceful"])
 def test_stop_watchdog_hard_exits_a_process_that_does_not_exit(mode):
     code = CHILD.format(tests=str(REPO / "tests"), secret=SECRET)

@@ -22,6 +22,8 @@ from torch import nn
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
 
+pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
+
 WORLD = 3
 SLOW_RANK = 2
 SLOW_S = 0.15

@@ -23,6 +23,8 @@ from runwatch.producer.wire.signing import verify_action
 from runwatch.streams.worker.detector_process import DetectorProcess, DetectorProcessError, handle
 from runwatch.streams.worker.processor import TelemetryProcessor
 
+pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
+
 SECRET = b"unit-test-secret-at-least-32-bytes-0123"
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 

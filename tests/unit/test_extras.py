@@ -10,6 +10,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 from runwatch import extras
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +108,7 @@ runpy.run_module("runwatch.streams.cli", run_name="__main__")
 """
 
 
+@pytest.mark.integration  # starts a process
 def test_a_module_missing_while_a_command_runs_is_the_same_one_line(tmp_path: Path):
     recording = tmp_path / "r.jsonl"
     recording.write_text("")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
+
 TRAINING_SIDE = ("runwatch.producer.publish", "runwatch.producer.instrument", "runwatch.producer.actions.listener", "torch")
 WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb")
 

@@ -29,6 +29,8 @@ from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.wire.schema import Action, CheckpointRef
 
+pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
+
 WORLD = 3
 POLL_S = 0.05  # the loop's step between polls
 POLLS = 16

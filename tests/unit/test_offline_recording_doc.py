@@ -11,8 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import runwatch.producer
 from runwatch.producer.wire.schema import decode_event
+
+pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "offline-recording.md"

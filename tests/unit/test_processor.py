@@ -38,6 +38,7 @@ def _step(step: int, loss: float = 1.0, run_id: str = "run-1") -> bytes:
     return StepEvent(run_id=run_id, step=step, loss=loss, ts=T0 + timedelta(seconds=step)).to_json()
 
 
+@pytest.mark.integration  # starts a process
 def test_importing_the_processor_needs_no_broker_or_faust():
     code = (
         "import sys, runwatch.streams.worker.processor as p; "

@@ -75,6 +75,7 @@ print(json.dumps({"config": config.detectors.toy_loss_ceiling.ceiling, "wired": 
 """
 
 
+@pytest.mark.integration  # starts a process
 def test_a_detector_from_your_own_module_is_configured_wired_and_replayed(tmp_path):
     env = {**os.environ, "RUNWATCH_DETECTOR_MODULES": "toy_detector",
            "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}

@@ -126,6 +126,7 @@ def test_with_block_completed_failed_interrupted_and_stopped(tmp_path):
     assert run_end_of(rec.path).status == "completed"
 
 
+@pytest.mark.integration  # starts a process
 def test_a_torch_loop_that_raises_inside_a_runwatch_with_block_ends_failed(tmp_path):
     """RunWatch itself (no broker: every event goes to its disk spool, read back here)."""
     spool_dir = tmp_path / "spool"
