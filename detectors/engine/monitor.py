@@ -91,11 +91,11 @@ class RunMonitor:
     attempt: str | None = None
     # A rollback is settled once every rank has acknowledged it. Until then a rank that has not is still
     # sending steps from before it (ranks publish independently, so one rank's acknowledgement can arrive
-    # before another's last faulty steps): those steps, and joined steps older than the replay's
-    # generation, are kept out of the rewound detectors.
+    # before another's last faulty steps): those steps, and the joined steps up to the first acknowledging
+    # rank's newest, are kept out of the rewound detectors.
     _settling: str | None = None  # the applied rollback not every rank has acknowledged yet
     _before_rollback: frozenset[int] = frozenset()  # ranks yet to acknowledge it
-    _replay_generation: int = 0  # joined steps of an older generation were sent before the latest rollback
+    _stale_through: tuple[int, int] | None = None  # joined steps up to this (generation, step) came before it
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -241,7 +241,7 @@ class RunMonitor:
         event = joined.event
         if joined.record is not None:
             out.joined.append(joined.record)
-        if joined.generation < self._replay_generation:
+        if self._stale_through is not None and (joined.generation, event.step) <= self._stale_through:
             return  # completed after the rollback it came before: the rewound detectors must not judge it
         for detector in self.joined_detectors:
             for finding in detector.update(event, event.ts):
@@ -293,8 +293,10 @@ class RunMonitor:
                 self._rewind(ack.to_step)
                 self._settling = ack.action_id
                 self._before_rollback = frozenset(self.join.expected())
-                # the acknowledging rank's next steps are the replay's: a generation after its current one
-                self._replay_generation = self.join.generation(ack.rank) + 1
+                # Every step up to the acknowledging rank's newest came before the rollback; what follows is
+                # the replay (a step counter that goes back starts a new generation, one that does not
+                # goes on past it).
+                self._stale_through = self.join.last_key(ack.rank)
             if check is not None and check.action_id == ack.action_id and check.to_step is None:
                 check.arm(ack.to_step)
         elif check is not None and check.action_id == ack.action_id and check.to_step is None:

@@ -112,10 +112,9 @@ class StepJoin:
         key = self._last_key[rank] = (generation, step)
         return key
 
-    def generation(self, rank: int) -> int:
-        """The generation of ``rank``'s newest step (0 before any)."""
-        last = self._last_key.get(rank)
-        return 0 if last is None else last[0]
+    def last_key(self, rank: int) -> Key | None:
+        """The (generation, step) of ``rank``'s newest step, or None before any."""
+        return self._last_key.get(rank)
 
     def expire(self, now: datetime) -> list[Joined]:
         """Emit the steps that have waited ``timeout_s`` (and every earlier one), as partial."""

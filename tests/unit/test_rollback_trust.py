@@ -294,3 +294,19 @@ def test_a_rank_that_never_acknowledges_holds_the_next_rollback_only_until_the_a
     run.steps([0, 1], range(45, 60), generation=1)
     run.steps([0, 1], range(60, 64), _exploded(60), generation=1)
     assert len(run.rollbacks()) == 2  # the rollback expired unsettled: a new fault still rolls back
+
+
+def test_a_loop_whose_step_counter_goes_on_after_a_rollback_is_still_judged():
+    """Some loops restore a checkpoint but keep counting steps up (no new generation): the steps after
+    the acknowledgement are the replay's, judged as ever, and a new fault there rolls back again."""
+    run = _ThreeRanks()
+    run.steps(range(3), range(0, 35))
+    run.steps(range(3), [35], _exploded(35))
+    (rollback,) = run.rollbacks()
+    for rank in range(3):
+        run.ack(rank, rollback.action_id, 30)
+    judged_before = len(run.anomaly_steps)
+    run.steps(range(3), range(36, 60))  # healthy, counting on from 36
+    run.steps(range(3), range(60, 64), _exploded(60))
+    assert len(run.rollbacks()) == 2
+    assert any(step >= 60 for step in run.anomaly_steps[judged_before:])
