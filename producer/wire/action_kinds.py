@@ -1,9 +1,10 @@
 """The action kinds, declared once: every part that issues, applies, shows or documents an action reads
 this table (the policy, the trainer's listener, the report, the notifications, Grafana and the docs).
 
-Adding a kind: its row here, its name in ``ActionKind`` (checked against the table on import), its
-trainer-side handler (``producer/actions/apply.py``, keyed by ``applies``) and its row in
-docs/remediation.md's table (checked by tests/unit/test_action_kinds.py, which also runs every kind
+Adding a kind: its row here and its name in ``ActionKind`` (and ``PolicyActionKind`` if a policy rule
+may name it; both checked against the table on import), a trainer-side handler in
+``producer/actions/apply.py`` if it is applied in a new way (keyed by ``applies``), and its row in
+docs/wire-format.md's table (checked by tests/unit/test_action_kinds.py, which also runs every kind
 through issue, sign, apply, acknowledge and report).
 """
 
