@@ -13,11 +13,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 # Only what the wheel is built from (.dockerignore keeps the rest of the tree out of the context).
 COPY pyproject.toml README.md ./
-COPY runwatch/ runwatch/
 COPY producer/ producer/
 COPY detectors/ detectors/
 COPY streams/ streams/
 COPY sinks/ sinks/
+COPY cli/ cli/
+COPY local/ local/
+COPY demo/ demo/
+COPY scenarios/ scenarios/
 RUN pip install ".[server]" && rm -rf /src
 
 # Faust keeps its data directory (<app id>-data) in the working directory: give it one the user owns.

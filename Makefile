@@ -65,12 +65,10 @@ browser:
 demo: demo-setup
 	$(VENV)/bin/runwatch demo --scenario nan
 
-# The type check first: strict for detectors/ and the wire package (pyproject's [tool.mypy]). mypy cannot
-# follow package-dir's mapping (detectors/ is runwatch.detectors), so it reads a tree of links named as installed.
-test: setup clients browser
-	@rm -rf .runwatch/typecheck && mkdir -p .runwatch/typecheck/runwatch && \
-	  for p in runwatch/* detectors producer streams sinks; do ln -s ../../../$$p .runwatch/typecheck/runwatch/; done
-	$(VENV)/bin/mypy -p runwatch.detectors -p runwatch.producer.wire
+# The type check first: mypy strict over every package, reading the rooms as they are (pyproject's [tool.mypy]);
+# then ruff's lint and format check; then the suite.
+test: setup clients browser lint
+	$(VENV)/bin/mypy -p runwatch
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test-fast: setup
@@ -78,6 +76,7 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(PY) tests/benchmarks/bench_publish.py

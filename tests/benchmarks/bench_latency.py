@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer import ActionListener, RunWatch
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
 
 
 def one_run(bootstrap: str, secret: str, index: int, warmup_steps: int, timeout: float) -> float | None:

@@ -14,8 +14,8 @@ import statistics
 import tempfile
 import time
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer import RunWatch
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 
 def time_calls(rw: RunWatch, calls: int) -> list[float]:

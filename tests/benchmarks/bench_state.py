@@ -43,9 +43,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from runwatch.detectors import RunwatchConfig
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.streams.worker.processor import TelemetryProcessor
 from runwatch.streams.worker.published import READ_BUDGET_S, TAIL_RECORDS, read_published
 from runwatch.streams.worker.run_states import StateOptions

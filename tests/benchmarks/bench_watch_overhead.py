@@ -37,8 +37,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from watch_host_cost import count_ops, measure  # noqa: E402
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port  # noqa: E402
 from runwatch.producer import RunWatch  # noqa: E402
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port  # noqa: E402
 
 # name: (vocab, width, layers, heads, batch, seq)
 CONFIGS = {

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +113,7 @@ def nan_demo_run(broker, secret, chdb_dsn, tmp_path_factory) -> dict:
     config signing with the session ``secret`` (so it may share partitions with the session
     ``worker``), the sink in this process. The NaN is found, rolled back once and the run completes.
     Returns ``run_demo``'s report (run_id, fault_step, anomalies, actions, rollbacks, ...)."""
-    from runwatch.streams.demo.run import DemoOptions, run_demo
+    from runwatch.demo.run import DemoOptions, run_demo
 
     folder = tmp_path_factory.mktemp("nan-demo")
     with pytest.MonkeyPatch.context() as mp:

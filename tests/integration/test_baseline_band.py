@@ -11,9 +11,9 @@ import pytest
 from runwatch.detectors.baselines.band import band_from_runs, run_record, select_baseline_runs
 from runwatch.detectors.baselines.summary import RunSummarizer
 from runwatch.detectors.offline.evaluate import Corpus
+from runwatch.scenarios.clocks import START
+from runwatch.scenarios.corpus import generate
 from runwatch.sinks.clickhouse import ClickHouseSink
-from runwatch.streams.scenarios.clocks import START
-from runwatch.streams.scenarios.corpus import generate
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from runwatch.cli.main import main
 from runwatch.producer.publish.recorder import JsonlRecorder
+from runwatch.scenarios.clocks import SimulatedClock
 from runwatch.sinks.clickhouse import ClickHouseSink
 from runwatch.sinks.summaries import SummaryUpkeep
-from runwatch.streams.cli.main import main
-from runwatch.streams.scenarios.clocks import SimulatedClock
 
 pytestmark = pytest.mark.integration
 

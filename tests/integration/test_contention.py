@@ -20,11 +20,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer import RunWatch
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Anomaly, decode_anomaly
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.scenarios.threads import one_torch_thread
+from runwatch.scenarios.threads import one_torch_thread
 
 from .conftest import read_topic, worker_with_config
 

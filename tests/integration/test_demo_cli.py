@@ -19,7 +19,7 @@ STEPS = 160
 def run_demo(scenario: str, cwd, *options: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET")}
     proc = subprocess.run(
-        [sys.executable, "-m", "runwatch.streams.cli", "demo", "--scenario", scenario, "--steps", str(STEPS), "--json",
+        [sys.executable, "-m", "runwatch.cli", "demo", "--scenario", scenario, "--steps", str(STEPS), "--json",
          *options],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
     )
@@ -100,7 +100,7 @@ def test_a_recorded_fault_scenario_takes_its_actions_through_a_broker_outage(tmp
 
 
 def test_an_unknown_scenario_is_refused_with_the_choices(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "runwatch.streams.cli", "demo", "--scenario", "no-such-thing"],
+    proc = subprocess.run([sys.executable, "-m", "runwatch.cli", "demo", "--scenario", "no-such-thing"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "stall_hang_train" in proc.stderr and "grad-spike" in proc.stderr

@@ -1,7 +1,7 @@
 """The embedded broker's limits, as docs/embedded-broker.md states them (measured on Tansu 0.6.0).
 
 If one of these starts failing, Tansu changed: update docs/embedded-broker.md (and
-``committed_offset`` in streams/local/broker.py, which works around the wrong latest offset).
+``committed_offset`` in local/runwatch/local/broker.py, which works around the wrong latest offset).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer.wire import topics
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 
 pytestmark = pytest.mark.integration
 

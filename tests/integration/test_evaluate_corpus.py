@@ -15,7 +15,7 @@ from runwatch.detectors.offline.evaluate import Corpus, corpus_bands, evaluate_c
 from runwatch.detectors.offline.replay import replay
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.producer.wire.schema import EvalEvent, HeartbeatEvent, StepEvent
-from runwatch.streams.scenarios.corpus import generate
+from runwatch.scenarios.corpus import generate
 
 pytestmark = pytest.mark.integration
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, StepEvent, decode_action
 from runwatch.producer.wire.signing import sign_action
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 from .conftest import eventually, read_topic
 from .test_poison_cases import (
@@ -180,7 +180,7 @@ def test_case6_worker_sink_and_remediate_exit_with_one_line_when_nothing_answers
     config.write_text("rules: []\nwebhooks: []\n")
     env = {**os.environ, topics.SECRET_ENV: secret}
     env.pop(topics.BOOTSTRAP_ENV, None)
-    cli = [sys.executable, "-m", "runwatch.streams.cli"]
+    cli = [sys.executable, "-m", "runwatch.cli"]
     commands = {
         "worker": [*cli, "worker", "--bootstrap", nothing, "--web-port", "0"],
         "sink": [*cli, "sink", "--bootstrap", nothing, "--dsn", f"chdb://{tmp_path / 'sink-db'}"],
@@ -316,7 +316,7 @@ def test_case6_the_health_port_answers_from_the_first_second_while_the_worker_st
     port = free_port()
     env = {**os.environ, topics.SECRET_ENV: secret}
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", nothing,
+    proc = subprocess.Popen([sys.executable, "-m", "runwatch.cli", "worker", "--bootstrap", nothing,
                              "--web-port", str(port), "--web-host", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path, start_new_session=True)
     try:

@@ -25,12 +25,12 @@ import pytest
 from kafka import KafkaProducer
 
 from runwatch.detectors.offline.replay import read_events, replay
+from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import DeadLetter, decode_action, decode_anomaly
+from runwatch.scenarios.corpus import generate
 from runwatch.sinks import ClickHouseSink, SinkConsumer
-from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
-from runwatch.streams.scenarios.corpus import generate
 
 from .conftest import eventually, read_topic
 from .poison import PoisonFactory

@@ -34,7 +34,7 @@ def grafana() -> Iterator[GrafanaStandIn]:
 
 def provision(url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RUNWATCH_GRAFANA", "RUNWATCH_CLICKHOUSE_READER"))}
-    return subprocess.run([sys.executable, "-m", "runwatch.streams.cli", "grafana", "provision", "--url", url, *args],
+    return subprocess.run([sys.executable, "-m", "runwatch.cli", "grafana", "provision", "--url", url, *args],
                           capture_output=True, text=True, timeout=120, env={**base, **(env or {})}, check=False)
 
 

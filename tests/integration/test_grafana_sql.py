@@ -26,8 +26,10 @@ from runwatch.detectors.baselines.check import check_run
 from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.baselines.summary import RunSummarizer
 from runwatch.detectors.offline.replay import read_events
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.action_kinds import ACTION_KINDS
+from runwatch.scenarios.history import generate as generate_history
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.grafana.dashboards import DATABASE
 from runwatch.sinks.grafana.macros import QueryContext, expand, interval_for
@@ -42,8 +44,6 @@ from runwatch.sinks.grafana.panels import (
     RANKS_DASHBOARD,
     RUN_DASHBOARD,
 )
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.scenarios.history import generate as generate_history
 
 from .conftest import eventually, worker_with_config
 from .test_multi_rank import CONFIG as DIST_CONFIG

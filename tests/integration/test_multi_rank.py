@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, Anomaly, JoinedStep
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 from .conftest import read_topic, worker_with_config
 

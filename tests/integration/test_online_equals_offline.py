@@ -11,7 +11,7 @@ import pytest
 from runwatch.detectors.offline.replay import read_events, replay
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import decode_anomaly
-from runwatch.streams.scenarios.corpus import generate
+from runwatch.scenarios.corpus import generate
 from tests.integration.conftest import read_topic
 
 pytestmark = pytest.mark.integration

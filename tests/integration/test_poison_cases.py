@@ -26,6 +26,8 @@ import pytest
 from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
+from runwatch.local.broker import committed_offset
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import (
     CheckpointEvent,
@@ -38,8 +40,6 @@ from runwatch.producer.wire.schema import (
     decode_action,
     decode_anomaly,
 )
-from runwatch.streams.local.broker import committed_offset
-from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import eventually, read_topic
 
@@ -449,7 +449,7 @@ def test_case8_every_loose_message_is_deadlettered_naming_its_field(broker, unha
 
 def test_case12_a_one_character_secret_is_refused_and_the_health_endpoint_answers(broker, unharmed, tmp_path):
     env = {**os.environ, topics.SECRET_ENV: "x"}
-    proc = subprocess.run([sys.executable, "-m", "runwatch.streams.cli", "worker", "--bootstrap", broker.bootstrap,
+    proc = subprocess.run([sys.executable, "-m", "runwatch.cli", "worker", "--bootstrap", broker.bootstrap,
                            "--web-port", "0", "--ready-file", str(tmp_path / "ready")],
                           env=env, capture_output=True, text=True, timeout=30)
     output = proc.stdout + proc.stderr

@@ -20,10 +20,10 @@ import pytest
 from kafka import KafkaProducer
 
 from runwatch.detectors import RunMonitor, RunwatchConfig
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Anomaly, RunStartEvent, StepEvent, decode_event
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import read_topic
 

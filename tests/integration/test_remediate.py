@@ -192,7 +192,7 @@ def test_remediate_command_line(broker, tmp_path):
     marker = tmp_path / "ran.txt"
     with Webhook() as hook:
         config = _write_config(tmp_path, hook.url, marker, {"777": {"host": "gpu-3", "comment": run_id}})
-        args = [sys.executable, "-m", "runwatch.streams.cli", "remediate", "--bootstrap", broker.bootstrap,
+        args = [sys.executable, "-m", "runwatch.cli", "remediate", "--bootstrap", broker.bootstrap,
                 "--config", str(config), "--dsn", f"chdb://{tmp_path / 'clickhouse'}"]
         env = {k: v for k, v in os.environ.items() if k != topics.SECRET_ENV}
         refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)

@@ -37,7 +37,7 @@ def chromium() -> str:
 def runwatch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET",
                                                            "RUNWATCH_CLICKHOUSE_DSN")}
-    return subprocess.run([sys.executable, "-m", "runwatch.streams.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "runwatch.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

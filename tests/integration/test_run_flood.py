@@ -17,10 +17,10 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import RunStartEvent, StepEvent
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import eventually
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 FLOOD = 10_000
 RETENTION_S = 20.0
-CHECKPOINT_S = 5.0  # state.interval_s's default (streams/worker/run_states.py)
+CHECKPOINT_S = 5.0  # state.interval_s's default (streams/runwatch/streams/worker/run_states.py)
 
 
 def _rss_mib(pid: int) -> float:

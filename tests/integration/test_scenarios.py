@@ -9,9 +9,9 @@ import statistics
 import pytest
 from click.testing import CliRunner
 
+from runwatch.cli.main import main
 from runwatch.producer.wire.schema import decode_event
-from runwatch.streams.cli.main import main
-from runwatch.streams.scenarios.catalog import DETECTOR_FOR, FAULT_TYPES
+from runwatch.scenarios.catalog import DETECTOR_FOR, FAULT_TYPES
 
 pytestmark = pytest.mark.integration
 

@@ -9,11 +9,11 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer import StepEvent
 from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 
 from .conftest import eventually
 
@@ -90,7 +90,7 @@ def test_the_stored_payload_is_the_bytes_received(broker, chdb_dsn):
     """Not a re-serialisation: whitespace, key order, number spelling, escapes and unicode survive."""
     from datetime import UTC, datetime
 
-    from runwatch.streams.local.broker import committed_offset
+    from runwatch.local.broker import committed_offset
 
     run_id = f"payload-{uuid.uuid4().hex[:8]}"
     ts = datetime.now(UTC).isoformat()

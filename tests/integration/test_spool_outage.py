@@ -11,12 +11,12 @@ from pathlib import Path
 import orjson
 import pytest
 
+from runwatch.demo.run import DemoOptions, run_demo
+from runwatch.local.broker import free_port
 from runwatch.producer import RunWatch, StepEvent
 from runwatch.producer.publish.spool import DiskSpool
 from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink
-from runwatch.streams.demo.run import DemoOptions, run_demo
-from runwatch.streams.local.broker import free_port
 
 from .conftest import read_topic
 

@@ -13,9 +13,9 @@ import pytest
 from kafka import KafkaProducer
 
 from runwatch.detectors.config import RunwatchConfig
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import StepEvent
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor
 from runwatch.streams.worker.run_states import StateOptions
 from runwatch.streams.worker.state_reader import StateReader

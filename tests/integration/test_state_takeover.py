@@ -18,10 +18,10 @@ import time
 
 import pytest
 
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, Anomaly
-from runwatch.streams.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import read_topic
 from .test_trusted_rollback import Training
@@ -98,8 +98,8 @@ def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, secret)
     committed only behind a checkpoint, and Faust waits for every acknowledgement before it stops.)"""
     from kafka import KafkaProducer
 
+    from runwatch.local.broker import committed_offset
     from runwatch.producer.wire.schema import StepEvent
-    from runwatch.streams.local.broker import committed_offset
 
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import CheckpointEvent, StepEvent, decode_action
-from runwatch.streams.local.broker import EmbeddedBroker, committed_offset, ensure_topics
-from runwatch.streams.local.worker_process import WorkerProcess
 
 from .conftest import eventually, read_topic
 
@@ -137,8 +137,8 @@ def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_pas
     """The broker becomes unreachable between the worker reading a malformed message and publishing
     its dead letter: the worker must neither commit past the message nor wait silently. It fails
     (the health endpoint says why), exits non-zero, and its successor dead-letters the message."""
-    from runwatch.streams.local.broker import free_port
-    from runwatch.streams.local.netcut import NetCut
+    from runwatch.local.broker import free_port
+    from runwatch.local.netcut import NetCut
 
     run_id = f"undelivered-{uuid.uuid4().hex[:8]}"
     group = "runwatch-undelivered-test"

@@ -1,4 +1,4 @@
-"""Every action kind, declared once in ``producer/wire/action_kinds.py``, runs the whole way: a policy
+"""Every action kind, declared once in ``producer/runwatch/producer/wire/action_kinds.py``, runs the whole way: a policy
 rule may name exactly the kinds the table says; each kind is issued (an ``Action``), signed, accepted by
 the trainer's listener, applied by the handler the table names, acknowledged with an ``action_ack``,
 and shown in the report and the notifications in the table's colours, with a Grafana annotation of

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.wire.schema import StepEvent
-from runwatch.streams.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
-from runwatch.streams.scenarios.threads import one_torch_thread
+from runwatch.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
+from runwatch.scenarios.threads import one_torch_thread
 from tests.unit.test_instrumentation import RecordingPublisher
 
 N_MELS, CLASSES = 40, 4  # TinyAudioNet's defaults

@@ -1,5 +1,5 @@
-"""The per-step baseline band (detectors/baselines/band.py) and the in-flight detector that compares a
-run with it (detectors/baseline_trajectory.py), on seeded synthetic runs."""
+"""The per-step baseline band (detectors/runwatch/detectors/baselines/band.py) and the in-flight detector that compares a
+run with it (detectors/runwatch/detectors/baseline_trajectory.py), on seeded synthetic runs."""
 
 from __future__ import annotations
 

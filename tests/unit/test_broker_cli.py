@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from runwatch.cli.main import main
+from runwatch.local import broker as broker_module
 from runwatch.producer.wire import topics
-from runwatch.streams.cli.main import main
-from runwatch.streams.local import broker as broker_module
 
 
 @pytest.fixture

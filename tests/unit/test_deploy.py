@@ -20,10 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from runwatch.cli.main import main as cli
 from runwatch.detectors import load_config
 from runwatch.producer.wire import topics
 from runwatch.sinks.remediate.config import load_remediation_config
-from runwatch.streams.cli.main import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -224,7 +224,7 @@ def test_dockerfile_installs_every_package_without_torch():
     assert re.search(r'^RUN pip install "\.\[server\]"( |$)', dockerfile, flags=re.M), "the server extra: no torch"
     assert not [line for line in dockerfile.splitlines() if "torch" in line and not line.startswith("#")]
     assert not any(dep.split("[")[0].strip().startswith("torch") for dep in pyproject["project"]["dependencies"])
-    from runwatch import extras
+    from runwatch.cli import extras
 
     server = extras.distributions("server", extras.parse_extras(
         f"{req}; extra == '{name}'" for name, reqs in pyproject["project"]["optional-dependencies"].items()
@@ -232,10 +232,19 @@ def test_dockerfile_installs_every_package_without_torch():
     assert "faust-streaming" in server and not [d for d in server if d in ("torch", "grafana-client")], server
     assert re.search(r'^ENTRYPOINT \["runwatch"\]$', dockerfile, flags=re.M)
     copied = set(re.findall(r"^COPY (\S+)/ ", dockerfile, flags=re.M))
-    sources = {path.split("/")[0] for path in pyproject["tool"]["setuptools"]["package-dir"].values()}
+    sources = set(pyproject["tool"]["setuptools"]["packages"]["find"]["where"])
     assert sources <= copied, f"not copied into the image: {sources - copied}"
     allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
     assert sources | {"pyproject.toml", "README.md"} <= allowed, ".dockerignore keeps a package out of the build"
+
+
+def test_the_type_checkers_read_the_rooms_the_wheel_is_built_from():
+    """One list of rooms (docs/architecture.md): the wheel's, mypy's and pyright's must not drift apart."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    rooms = pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
+    assert pyproject["tool"]["mypy"]["mypy_path"] == rooms == pyproject["tool"]["pyright"]["extraPaths"]
+    assert all((ROOT / room / "runwatch" / room).is_dir() for room in rooms)
+    assert not list(ROOT.glob("*/runwatch/__init__.py")), "runwatch is a namespace package: no __init__.py"
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------

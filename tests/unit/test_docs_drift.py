@@ -13,9 +13,9 @@ from pathlib import Path
 import click
 import pytest
 
+from runwatch.cli.main import main as cli
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig  # noqa: F401 - registers the built-in detectors
-from runwatch.streams.cli.main import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

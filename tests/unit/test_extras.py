@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runwatch import extras
+from runwatch.cli import extras
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -104,7 +104,7 @@ class Hide:
 sys.meta_path.insert(0, Hide())
 import runpy
 sys.argv[0] = "runwatch"
-runpy.run_module("runwatch.streams.cli", run_name="__main__")
+runpy.run_module("runwatch.cli", run_name="__main__")
 """
 
 

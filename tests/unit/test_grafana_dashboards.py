@@ -14,16 +14,16 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from runwatch.cli.main import main as cli
 from runwatch.producer.wire.action_kinds import ACTION_KINDS
 from runwatch.sinks.grafana.dashboards import DATASOURCE_UID, PLUGIN_ID, all_dashboards
 from runwatch.sinks.grafana.generate import stale_files
 from runwatch.sinks.grafana.macros import MacroError, QueryContext, expand, sqlstring
 from runwatch.sinks.grafana.panels import DASHBOARDS
-from runwatch.streams.cli.main import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "deploy" / "grafana" / "dashboards"
-SCHEMA = ROOT / "sinks" / "grafana" / "schema" / "dashboard.jsonschema.json"
+SCHEMA = ROOT / "sinks" / "runwatch" / "sinks" / "grafana" / "schema" / "dashboard.jsonschema.json"
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 
 

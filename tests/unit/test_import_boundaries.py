@@ -93,7 +93,7 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 """
 # Only these train real models, or are the framework callbacks that the lightning / hf extras bring torch for.
-NEEDS_TORCH = ("runwatch.streams.demo", "runwatch.streams.scenarios", "runwatch.producer.integrations")
+NEEDS_TORCH = ("runwatch.demo", "runwatch.scenarios", "runwatch.producer.integrations")
 
 
 def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -103,7 +103,7 @@ def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess[str]
 
 @pytest.mark.parametrize("statement", [
     "import runwatch.streams.worker.app",
-    "import runwatch.streams.cli.main",
+    "import runwatch.cli.main",
     "from runwatch.sinks.consumer import SinkConsumer",
     "import runwatch.sinks.remediate",
 ])
@@ -130,7 +130,7 @@ print(json.dumps(failed))
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
 
 
-CLI = "import runpy\nsys.argv[0] = 'runwatch'\nrunpy.run_module('runwatch.streams.cli', run_name='__main__')\n"
+CLI = "import runpy\nsys.argv[0] = 'runwatch'\nrunpy.run_module('runwatch.cli', run_name='__main__')\n"
 
 
 def test_runwatch_worker_help_runs_without_torch():
@@ -151,7 +151,7 @@ def test_commands_that_train_nothing_run_without_torch(tmp_path: Path):
     code = f"""
 import json
 from click.testing import CliRunner
-from runwatch.streams.cli.main import main
+from runwatch.cli.main import main
 results = {{}}
 for args in {commands!r}:
     out = CliRunner().invoke(main, args)
@@ -178,8 +178,12 @@ def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path)
 
 # One import path per module (issue 25): the wire contract is ``runwatch.producer.wire`` and the framework
 # callbacks ``runwatch.producer.integrations``; the shims that gave them second paths are gone.
+# The command line, the local stack, the demo and the scenario corpus have rooms of their own (runwatch.cli,
+# .local, .demo, .scenarios), and the loose top-level modules went where they are used.
 REMOVED_PATHS = ("runwatch.producer.schema", "runwatch.producer.topics", "runwatch.producer.signing",
-                 "runwatch.producer.hf", "runwatch.producer.lightning")
+                 "runwatch.producer.hf", "runwatch.producer.lightning", "runwatch.streams.cli", "runwatch.streams.local",
+                 "runwatch.streams.demo", "runwatch.streams.scenarios", "runwatch.configfile", "runwatch.logsafe",
+                 "runwatch.extras", "runwatch.gitlog", "runwatch.reach")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -200,7 +204,9 @@ def test_nothing_in_the_tree_names_a_removed_path():
     import re
 
     removed = re.compile(r"runwatch\.producer\.(schema|topics|signing|hf|lightning)\b"
-                         r"|^\s*from runwatch\.producer import [^\n]*\b(schema|topics|signing)\b", re.M)
+                         r"|runwatch\.streams\.(cli|local|demo|scenarios)\b|runwatch\.(configfile|logsafe|extras|gitlog|reach)\b"
+                         r"|^\s*from runwatch\.producer import [^\n]*\b(schema|topics|signing)\b"
+                         r"|^\s*from runwatch import", re.M)
     this = Path(__file__).resolve()
     found = [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for path in _tree_files() if path != this and path.is_file()
              for m in removed.finditer(path.read_text(errors="replace"))]

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from clickhouse_connect.driver.exceptions import OperationalError
 
 import runwatch.sinks
+from runwatch.cli.main import main as cli
 from runwatch.sinks.migrations import MIGRATIONS
-from runwatch.streams.cli.main import main as cli
 
 
 class FakeStore:
@@ -76,7 +76,7 @@ def test_migrates_a_real_embedded_clickhouse_once(tmp_path):
     """The real engine (chdb), in its own process: a chdb path is open in one process at a time."""
     pytest.importorskip("chdb")
     dsn = f"chdb://{tmp_path / 'ch'}"
-    command = [sys.executable, "-m", "runwatch.streams.cli", "migrate", "--dsn", dsn, "--wait", "0"]
+    command = [sys.executable, "-m", "runwatch.cli", "migrate", "--dsn", dsn, "--wait", "0"]
     first = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     assert f"applied now: {[m.version for m in MIGRATIONS]}" in first.stdout
@@ -86,7 +86,7 @@ def test_migrates_a_real_embedded_clickhouse_once(tmp_path):
 
 
 def test_the_sinks_retention_figures_are_the_tables_ttls():
-    """The sink refuses rows its tables' TTL would delete at once (sinks/rows.py RETENTION_DAYS): those
+    """The sink refuses rows its tables' TTL would delete at once (sinks/runwatch/sinks/rows.py RETENTION_DAYS): those
     figures must be the migrations' own."""
     import re
 

@@ -11,12 +11,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from runwatch.cli.main import main
 from runwatch.detectors.config import RunwatchConfig, load_config
 from runwatch.detectors.offline.calibrate import calibrate
 from runwatch.detectors.offline.evaluate import Corpus, evaluate_dir
 from runwatch.detectors.offline.replay import ReplayError, read_events, replay, replay_file
 from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
-from runwatch.streams.cli.main import main
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 STEPS = 300

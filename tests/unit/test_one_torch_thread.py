@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runwatch.streams.scenarios.threads import one_torch_thread
+from runwatch.scenarios.threads import one_torch_thread
 
 
 def test_one_thread_inside_and_the_callers_count_restored_after_an_error() -> None:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.configfile import ConfigError
+from runwatch.detectors.configfile import ConfigError
 from runwatch.producer.wire.schema import Action, CheckpointRef
 from runwatch.producer.wire.signing import sign_action
 from runwatch.producer.wire.topics import SECRET_ENV

@@ -305,7 +305,7 @@ def test_results_are_the_same_whichever_processor_holds_the_run_and_however_ofte
 def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_its_last_snapshot():
     """The worker died after the broker took an action and before it took the snapshot sent after it:
     the successor restores the snapshot before, replays, decides the action again, and finds it
-    already on the action topic (streams/worker/published.py). Without that read it is issued twice."""
+    already on the action topic (streams/runwatch/streams/worker/published.py). Without that read it is issued twice."""
     draft = _stream()
     first, _ = _run(draft, set())
     stream = _with_rollback_ack(draft, next(a for r in first for a in r.actions if a.kind == "rollback").action_id)

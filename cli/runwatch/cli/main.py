@@ -1,0 +1,41 @@
+"""The ``runwatch`` command line: broker, worker, sink, remediate, migrate, demo, scenarios, config, replay, evaluate,
+calibrate, ingest, baseline, report; each command group in its own module, imported lazily inside the command
+(the CLI starts fast)."""
+
+from __future__ import annotations
+
+import click
+
+from runwatch.cli import (
+    baseline,
+    broker,
+    config,
+    demo,
+    grafana,
+    ingest,
+    migrate,
+    offline,
+    remediate,
+    report,
+    scenarios,
+    sink,
+    worker,
+)
+from runwatch.cli.needs import RunwatchGroup
+from runwatch.producer.wire import logsafe
+
+
+@click.group(cls=RunwatchGroup)
+def main() -> None:
+    """runwatch: see training regressions while the run is still going, and act on them."""
+    logsafe.install()  # what a client sent (a run id, a module name) cannot forge a log line
+
+
+for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,
+                config.config, offline.replay, offline.evaluate, offline.calibrate, ingest.ingest, baseline.baseline,
+                report.report, grafana.grafana, migrate.migrate):
+    main.add_command(command)
+
+
+if __name__ == "__main__":
+    main()

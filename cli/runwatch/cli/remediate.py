@@ -1,0 +1,52 @@
+"""``runwatch remediate``: command templates and webhooks for signed actions."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from runwatch.cli.needs import NeedsExtra
+from runwatch.cli.options import BOOTSTRAP_HELP
+from runwatch.cli.signals import run_until_signalled
+from runwatch.producer.wire import topics
+
+
+@click.command(cls=NeedsExtra, extras=["remediate"])
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="remediation YAML: rules (action kinds -> argv command templates) and webhooks")
+@click.option("--dsn", envvar="RUNWATCH_REMEDIATE_DSN",
+              help="ClickHouse DSN for the remediations record; default chdb:///.runwatch/remediate "
+                   "(give it a ClickHouse server shared with the sink to resolve {job_id}/{host}/{pod} from run_start)")
+def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
+    """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
+    from runwatch.cli.startup import open_store, require_topics
+    from runwatch.detectors.configfile import ConfigError
+    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
+    from runwatch.sinks.remediate.config import load_remediation_config
+    from runwatch.sinks.remediate.consumer import RemediateConsumer
+    from runwatch.sinks.remediate.record import RemediationStore
+
+    try:
+        config = load_remediation_config(config_path)
+        secret = resolve_secret()
+    except (ConfigError, MissingSecretError) as exc:
+        raise click.ClickException(str(exc)) from None
+    # Its own embedded path by default: a chdb path is open in one process at a time (the sink's).
+    store = open_store(dsn or f"chdb://{(Path('.runwatch') / 'remediate').resolve()}")
+    try:
+        require_topics(bootstrap, [topics.ACTIONS])
+    except click.ClickException:
+        store.close()
+        raise
+    # (after the startup checks: what a client library logs while it retries is not the one line)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
+    n_commands = sum(len(rule.commands) for rule in config.rules)
+    click.echo(f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "
+               f"record in {store.dsn}; {len(consumer.remediator.done)} execution(s) already recorded")
+    run_until_signalled(consumer, store)
+    rem = consumer.remediator
+    click.echo(f"remediate stopped: executions {dict(rem.executed)}, ignored {dict(rem.ignored)}")

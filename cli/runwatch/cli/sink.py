@@ -1,0 +1,54 @@
+"""``runwatch sink``: telemetry, anomalies, actions and dead letters into ClickHouse."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from runwatch.cli.needs import NeedsExtra
+from runwatch.cli.options import BOOTSTRAP_HELP, cli_config
+from runwatch.cli.signals import run_until_signalled
+from runwatch.producer.wire import topics
+
+
+@click.command(cls=NeedsExtra, extras=["sink"])
+@click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
+@click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
+@click.option("--batch-size", type=int, default=2000, show_default=True)
+@click.option("--batch-interval", type=float, default=1.0, show_default=True, help="seconds")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers'), "
+                   "its `baseline.loss_every` the run summaries' loss_at_step_N")
+@click.option("--died-after", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="seconds without an event after which a run with no run_end is summarised as died")
+def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float, config_path: str | None,
+         died_after: float) -> None:
+    """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
+    write each run's summary (run_summaries) when it ends or dies."""
+    from runwatch.cli.startup import open_store, redacted, require_topics
+    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
+    from runwatch.sinks import SinkConsumer
+
+    config = cli_config(config_path)
+    limits = config.limits
+    try:
+        secret = resolve_secret()  # actions are stored only when signed with it
+    except MissingSecretError as exc:
+        raise click.ClickException(str(exc)) from None
+    store = open_store(dsn)
+    try:
+        partitions = require_topics(bootstrap, topics.ALL_TOPICS)[topics.TELEMETRY]
+    except click.ClickException:
+        store.close()
+        raise
+    # (after the startup checks: what a client library logs while it retries is not the one line)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
+    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
+                            died_after_s=died_after, summary_loss_every=config.baseline.loss_every,
+                            secret=secret, partitions=partitions)
+    run_until_signalled(consumer, store)
+    stats = consumer.stats
+    click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "
+               f"dead-lettered {dict(stats.deadlettered)}, dead letters not published {stats.deadletter_errors}")

@@ -1,0 +1,178 @@
+"""The one YAML file that configures every detector and the action policy.
+
+Every field has a documented default (``runwatch config --defaults`` prints them);
+unknown keys are rejected so that a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import Field, create_model, field_validator, model_validator
+
+from runwatch.detectors.configfile import (
+    ConfigError as ConfigError,  # re-exported: callers catch it from here
+)
+from runwatch.detectors.configfile import load_yaml_model
+from runwatch.detectors.registry import BUILTIN_MODULES, Strict, known_finding_names, specs
+from runwatch.producer.wire.action_kinds import PolicyActionKind
+from runwatch.producer.wire.schema import Severity, WireLimits
+
+# The built-in detectors register themselves on import; their config sections are defined beside them.
+# More detector modules (your own) are named in $RUNWATCH_DETECTOR_MODULES, comma-separated: they are
+# imported here, before the config model is built from the registry (docs/detectors.md).
+DETECTOR_MODULES_ENV = "RUNWATCH_DETECTOR_MODULES"
+for _module in BUILTIN_MODULES + tuple(m.strip() for m in os.environ.get(DETECTOR_MODULES_ENV, "").split(",")
+                                       if m.strip()):
+    importlib.import_module(_module)
+
+# Re-exported from where they now live, for callers that import them from here.
+from runwatch.detectors.baseline_trajectory import BaselineTrajectoryConfig as BaselineTrajectoryConfig  # noqa: E402
+from runwatch.detectors.baselines.compare import BaselineConfig as BaselineConfig  # noqa: E402
+from runwatch.detectors.category import CategoryConfig as CategoryConfig  # noqa: E402
+from runwatch.detectors.data_wait import DataWaitConfig as DataWaitConfig  # noqa: E402
+from runwatch.detectors.engine.recovery import RecoveryConfig as RecoveryConfig  # noqa: E402
+from runwatch.detectors.generalization import GeneralizationConfig as GeneralizationConfig  # noqa: E402
+from runwatch.detectors.hung_rank import HungRankConfig as HungRankConfig  # noqa: E402
+from runwatch.detectors.memory_growth import MemoryConfig as MemoryConfig  # noqa: E402
+from runwatch.detectors.module_grad import ModuleGradConfig as ModuleGradConfig  # noqa: E402
+from runwatch.detectors.nonfinite import NonFiniteConfig as NonFiniteConfig  # noqa: E402
+from runwatch.detectors.spike import SpikeConfig as SpikeConfig  # noqa: E402
+from runwatch.detectors.stall import StallConfig as StallConfig  # noqa: E402
+from runwatch.detectors.straggler import StragglerConfig as StragglerConfig  # noqa: E402
+from runwatch.detectors.throughput import ThroughputConfig as ThroughputConfig  # noqa: E402
+from runwatch.detectors.update_ratio import UpdateRatioConfig as UpdateRatioConfig  # noqa: E402
+
+
+def detectors_config_model() -> type[Strict]:
+    """The ``detectors:`` section: one field per registered detector, its config beside its code."""
+    fields: dict[str, Any] = {
+        s.name: (s.config, Field(default_factory=s.default_section, description=s.summary)) for s in specs()
+    }
+    return create_model("DetectorsConfig", __base__=Strict, **fields)
+
+
+if TYPE_CHECKING:
+    class DetectorsConfig(Strict):
+        """What the type checker sees of the registry-built model: the sections the code reads by name
+        (every other section is read with ``getattr``, by its registered name)."""
+
+        loss_spike: SpikeConfig = Field(default_factory=SpikeConfig)
+        grad_norm_spike: SpikeConfig = Field(default_factory=SpikeConfig)
+        stall: StallConfig = Field(default_factory=StallConfig)
+        straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+        hung_rank: HungRankConfig = Field(default_factory=HungRankConfig)
+        baseline_trajectory: BaselineTrajectoryConfig = Field(default_factory=BaselineTrajectoryConfig)
+else:
+    DetectorsConfig = detectors_config_model()
+
+
+class JoinConfig(Strict):
+    """The per-step join of a run's ranks in the worker."""
+
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="a step is joined without the ranks that have not reported it this long "
+                                        "after the first did (and those ranks are not waited for until they report)"
+    )
+
+
+class RunsConfig(Strict):
+    """How long a worker holds a run that says nothing more, and how many it holds at most (a run that
+    never sends run_end, a crashed job, must not hold memory forever; docs/state.md, "Run lifecycle")."""
+
+    silence_retention_s: float = Field(
+        default=6 * 3600.0, gt=0, description="a run with no event for this long is let go, with an info finding "
+                                              "that it went silent (hours past the stall detector's silence and idle "
+                                              "allowance, which alert long before)")
+    max_runs: int = Field(
+        default=5_000, ge=1, description="runs one worker holds at most (40-250 KB each for one rank, by its events); past it "
+                                          "the least recently active run is let go, with an info finding saying why")
+
+
+
+
+class PolicyRule(Strict):
+    detector: str = Field(default="*", description="detector name, or * for any")
+    min_severity: Severity = "warning"
+    action: PolicyActionKind
+
+    @field_validator("detector")
+    @classmethod
+    def _known_detector(cls, name: str) -> str:
+        known = known_finding_names()
+        if name != "*" and name not in known:
+            raise ValueError(f"unknown detector {name!r}; known: *, {', '.join(known)}")
+        return name
+
+
+def default_rules() -> list[PolicyRule]:
+    """Roll back what will not heal on its own; alert on the rest (docs/remediation.md says why)."""
+    return [
+        PolicyRule(detector="non_finite", min_severity="critical", action="rollback"),
+        # critical: a divergence (the spike did not come back) or a huge spike; a transient one is a warning
+        PolicyRule(detector="loss_spike", min_severity="critical", action="rollback"),
+        PolicyRule(detector="grad_norm_spike", min_severity="critical", action="rollback"),
+        PolicyRule(detector="not_recovered", min_severity="warning", action="rollback"),
+        PolicyRule(detector="*", min_severity="warning", action="alert"),
+    ]
+
+
+class PolicyConfig(Strict):
+    rules: list[PolicyRule] = Field(default_factory=default_rules, description="first matching rule wins")
+    alert_only: bool = Field(
+        default=False, description="true: every rule's action is an alert (runwatch never acts on the run)"
+    )
+    confirm_steps: int = Field(
+        default=20, ge=1, description="healthy steps after a checkpoint, with no finding of a detector that can "
+                                      "trigger a rollback, before a rollback may restore it"
+    )
+    no_good_checkpoint: Literal["pause", "stop"] = Field(
+        default="stop", description="what a rollback becomes when no confirmed-good checkpoint precedes the fault"
+    )
+    recovery: RecoveryConfig = RecoveryConfig()
+    cooldown_s: float = Field(default=60.0, ge=0, description="same action for the same detector, at most once per")
+    max_rollbacks: int = Field(default=3, ge=0, description="after this many rollbacks a rollback becomes a stop")
+    action_ttl_s: float = Field(default=120.0, gt=0, description="actions expire this long after issue")
+    lr_scale_on_rollback: float = Field(
+        default=0.5, gt=0, le=1, description="each rollback multiplies the LR by this (cumulative: 0.5, 0.25, ...)"
+    )
+    skip_data_window: bool = Field(
+        default=False, description="a rollback tells the trainer to skip the batches from the checkpoint to the anomaly"
+    )
+    escalate_after_s: float = Field(
+        default=600.0, ge=0, description="a detector still alerting this long after its first alert: stop (0: off)"
+    )
+
+
+class RunwatchConfig(Strict):
+    detectors: DetectorsConfig = DetectorsConfig()
+    join: JoinConfig = JoinConfig()
+    runs: RunsConfig = RunsConfig()
+    policy: PolicyConfig = PolicyConfig()
+    # What the worker accepts from the telemetry topic (docs/wire-format.md); the rest is dead-lettered.
+    limits: WireLimits = WireLimits()
+    # How a run is judged against its job's history (detectors/runwatch/detectors/baselines/, docs/baselines.md).
+    baseline: BaselineConfig = BaselineConfig()
+
+    @model_validator(mode="after")
+    def _confirmation_covers_divergence(self) -> RunwatchConfig:
+        # A checkpoint confirmed before a divergence can be found might already hold the fault.
+        delay = max(self.detectors.loss_spike.divergence_steps, self.detectors.grad_norm_spike.divergence_steps)
+        if self.policy.confirm_steps <= delay:
+            raise ValueError(f"policy.confirm_steps ({self.policy.confirm_steps}) must exceed the spike detectors' "
+                             f"divergence_steps ({delay}): a checkpoint is confirmed only after a divergence could "
+                             "have been found")
+        return self
+
+
+def load_config(path: str | Path | None = None) -> RunwatchConfig:
+    """Read and validate a YAML config; ``None`` gives the defaults."""
+    return RunwatchConfig() if path is None else load_yaml_model(path, RunwatchConfig)
+
+
+def defaults_yaml() -> str:
+    return yaml.safe_dump(RunwatchConfig().model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,390 @@
+"""``RunMonitor``: all detector and policy state of one run, fed one event at a time.
+
+It runs inside the Faust worker and takes no I/O and no clock (event timestamps are its
+only time), so the same code can replay a recorded stream offline. Its state pickles.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any, TypedDict, cast
+
+from runwatch.detectors import registry
+from runwatch.detectors.base import CrossRankDetector, Detector
+from runwatch.detectors.baselines.gate import RunEndBaselineCheck
+from runwatch.detectors.baselines.summary import RunSummary
+from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.engine.checkpoints import CheckpointLedger
+from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
+from runwatch.detectors.engine.progress import RunProgress
+from runwatch.detectors.engine.rank_join import Joined, StepJoin
+from runwatch.detectors.engine.recovery import RecoveryCheck
+from runwatch.detectors.engine.rewind import DetectorSnapshots
+from runwatch.detectors.findings import Finding
+from runwatch.producer.wire.schema import (
+    ActionAckEvent,
+    Anomaly,
+    CheckpointEvent,
+    CheckpointRef,
+    EvalEvent,
+    HeartbeatEvent,
+    JoinedStep,
+    RunEndEvent,
+    RunStartEvent,
+    StepEvent,
+    TelemetryEvent,
+)
+
+_ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
+
+
+RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
+LOSS_HISTORY = 1024  # joined steps' losses kept per run: a rollback's recovery is judged against them
+
+
+@dataclass
+class MonitorOutput:
+    anomalies: list[Anomaly] = field(default_factory=list)
+    decisions: list[ActionDecision] = field(default_factory=list)
+    joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
+
+
+class _RewindState(TypedDict):
+    """The step-indexed detectors' state, as snapshotted at a checkpoint (the rank ones by position)."""
+
+    joined: list[Detector]
+    ranks: dict[int, dict[int, Detector]]
+
+
+def _builder(spec: registry.DetectorSpec) -> Callable[[RunwatchConfig, RunProgress], Detector]:
+    return lambda config, progress: spec.make(config.detectors, progress)
+
+
+# Every detector the monitor drives, by name (the registry's order), and which view each reads. The
+# model's health is one for the whole run, so it is judged on the joined step (one finding, not one
+# per rank); the machine's (throughput, data, memory, liveness, a NaN on one rank) is each rank's
+# own. In a single-rank run both views are its rank. Cross-rank detectors (straggler, hung rank)
+# compare ranks: every rank's events, then each joined step's record, in runs of more than one rank.
+DETECTORS: dict[str, Callable[[RunwatchConfig, RunProgress], Detector]] = {
+    s.name: _builder(s) for s in registry.specs()
+}
+JOINED_VIEW = frozenset(registry.names("joined"))
+CROSS_RANK_VIEW = frozenset(registry.names("cross_rank"))
+RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW - CROSS_RANK_VIEW
+
+
+def build_detectors(config: RunwatchConfig, names: frozenset[str], progress: RunProgress) -> list[Detector]:
+    return [make(config, progress) for name, make in DETECTORS.items()
+            if name in names and getattr(config.detectors, name).enabled]
+
+
+class RunMonitor:
+    """All detector and policy state of one run. ``observe`` each event in order; ``tick`` on a timer."""
+
+    # From its run_start: whether one came, and the attempt it named (class defaults: a monitor pickled
+    # before they existed reads them as unknown).
+    started: bool = False
+    attempt: str | None = None
+    # A rollback is settled once every rank has acknowledged it. Until then a rank that has not is still
+    # sending steps from before it (ranks publish independently, so one rank's acknowledgement can arrive
+    # before another's last faulty steps): those steps, and the joined steps up to the first acknowledging
+    # rank's newest, are kept out of the rewound detectors.
+    _settling: str | None = None  # the applied rollback not every rank has acknowledged yet
+    _before_rollback: frozenset[int] = frozenset()  # ranks yet to acknowledge it
+    _stale_through: tuple[int, int] | None = None  # joined steps up to this (generation, step) came before it
+
+    def __init__(self, run_id: str, config: RunwatchConfig):
+        self.run_id = run_id
+        self.config = config
+        # Every rank's progress and liveness, read by the stall and hung-rank detectors.
+        self.progress = RunProgress(config.detectors.stall)
+        self.ranks: dict[int, list[Detector]] = {}
+        self.joined_detectors = build_detectors(config, JOINED_VIEW, self.progress)
+        self.cross_rank_detectors = cast(list[CrossRankDetector],
+                                         build_detectors(config, CROSS_RANK_VIEW, self.progress))
+        self.join = StepJoin(run_id, config.join.timeout_s)
+        self.policy = ActionPolicy(config.policy)
+        self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
+        self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps
+        self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
+        # The step-indexed detectors' state at each checkpoint a rollback may target (rewind.py).
+        self.snapshots: DetectorSnapshots[_RewindState] = DetectorSnapshots()
+        self._rewound_for: str | None = None  # the rollback whose ack rewound the detectors (one per rollback)
+        self.events_seen = 0
+        self.last_step: int | None = None
+        self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
+        # From run_start: job_id, host, pod (a tag) for actions' params, so a remediator's
+        # `scancel {job_id}` needs no lookup.
+        self.job: dict[str, str] = {}
+        # When rank 0's run_end came: from then on only the join goes on (other ranks' last steps may
+        # still be on their way), until the worker lets the run go a join timeout later.
+        self.ended_at: datetime | None = None
+        # The run's summary as it goes, judged against its job's history when it ends (the worker
+        # hands the history over with ``set_history``).
+        self.baseline = RunEndBaselineCheck(run_id, config.baseline)
+
+    def _seen_before(self, event_id: str) -> bool:
+        if event_id in self._recent_ids:
+            return True
+        self._recent_ids[event_id] = None
+        if len(self._recent_ids) > RECENT_EVENT_IDS:
+            del self._recent_ids[next(iter(self._recent_ids))]
+        return False
+
+    def observe(self, event: TelemetryEvent) -> MonitorOutput:
+        out = MonitorOutput()
+        if self._seen_before(event.event_id):  # redelivered (a producer retry, a worker restart)
+            self.join.count_duplicate()
+            return out
+        self.events_seen += 1
+        self.baseline.observe(event)
+        if self.ended_at is not None and event.kind not in ("step", "run_end"):
+            return out  # the run is over: nothing but its last steps' join is judged
+        _ROUTES[event.kind](self, event, out)
+        return out
+
+    # -- one handler per event kind (``_ROUTES``) ------------------------------------------------
+
+    def is_new_attempt(self, event: RunStartEvent) -> bool:
+        """Whether ``event`` starts another attempt of this run (a requeued or restarted job under the
+        same run id), which is watched as a fresh run."""
+        return event.attempt is not None and self.started and event.attempt != self.attempt
+
+    def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
+        self.started, self.attempt = True, event.attempt
+        self.join.set_world_size(event.world_size)
+        self.job = {name: value for name, value in (
+            ("job_id", event.job_id), ("host", event.host), ("pod", event.tags.get("pod"))) if value}
+        self._to_cross_rank(event, out)
+
+    def _on_step(self, event: StepEvent, out: MonitorOutput) -> None:
+        self.last_step = event.step
+        self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
+        self._to_rank(event, out, stale=self._sent_before_rollback(event))
+        for joined in self.join.add(event):
+            self._observe_joined(joined, out)
+
+    def _on_eval(self, event: EvalEvent, out: MonitorOutput) -> None:
+        self._to_rank(event, out)
+        for detector in self.joined_detectors:  # evals are the run's, not a rank's: the joined view's
+            for finding in detector.update(event, event.ts):
+                self._emit(self._run_level(finding), event.ts, event.event_id, out)
+
+    def _on_heartbeat(self, event: HeartbeatEvent, out: MonitorOutput) -> None:
+        self._to_rank(event, out)
+
+    def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
+        if event.ok and not self._sent_before_rollback(event):  # (a checkpoint of the fault is no target)
+            self.checkpoints.register(CheckpointRef(step=event.step, uri=event.uri, lr=event.lr))
+            self.snapshots.take(event.step, self._rewindable())
+        self._to_rank(event, out)
+
+    def _on_action_ack(self, event: ActionAckEvent, out: MonitorOutput) -> None:
+        if event.action_kind == "rollback":
+            self._rollback_acknowledged(event)
+        else:
+            self.policy.acknowledge(event.action_id)
+        self._to_cross_rank(event, out)
+
+    def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
+        """From now on only the join goes on. The rank detectors hear of it too: findings they held
+        back waiting for a heartbeat's host load (throughput, data wait: detectors/runwatch/detectors/host_load.py) go
+        out with what is known."""
+        self.ended_at = event.ts
+        for detectors in self.ranks.values():
+            for detector in detectors:
+                for finding in detector.update(event, event.ts):
+                    self._emit(finding, event.ts, event.event_id, out)
+        for finding in self.baseline.finish(event):
+            self._emit(finding, event.ts, event.event_id, out)
+
+    def set_history(self, candidates: list[RunSummary] | None, unavailable: str | None = None) -> None:
+        """The earlier runs of this run's baseline key and fingerprint (their summaries), for the
+        check when it ends; None where they could not be loaded (``unavailable`` says why)."""
+        self.baseline.set_history(candidates, unavailable)
+
+    # -- where an event goes ---------------------------------------------------------------------
+
+    def _to_rank(self, event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent,
+                 out: MonitorOutput, stale: bool = False) -> None:
+        """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors (a
+        ``stale`` step, sent before a rollback the detectors were rewound for, only the liveness ones)."""
+        self.progress.observe(event)
+        self._to_cross_rank(event, out)
+        detectors = self.ranks.get(event.rank)
+        if detectors is None:
+            detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW, self.progress)
+        for detector in detectors:
+            if stale and detector.name not in EPISODIC_DETECTORS:
+                continue
+            for finding in detector.update(event, event.ts):
+                self._emit(finding, event.ts, event.event_id, out)
+
+    def _to_cross_rank(self, event: TelemetryEvent, out: MonitorOutput) -> None:
+        if self.join.world_size > 1:  # compares ranks: nothing to do for one
+            for detector in self.cross_rank_detectors:
+                for finding in detector.update(event, event.ts):
+                    self._emit(finding, event.ts, event.event_id, out)
+
+    def finish(self) -> MonitorOutput:
+        """The run is let go: its steps still waiting for a rank are joined as they are."""
+        out = MonitorOutput()
+        for joined in self.join.flush():
+            self._observe_joined(joined, out)
+        return out
+
+    def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
+        event = joined.event
+        if joined.record is not None:
+            out.joined.append(joined.record)
+        if self._stale_through is not None and (joined.generation, event.step) <= self._stale_through:
+            return  # completed after the rollback it came before: the rewound detectors must not judge it
+        for detector in self.joined_detectors:
+            for finding in detector.update(event, event.ts):
+                self._emit(self._run_level(finding), event.ts, event.event_id, out)
+        if joined.record is not None and self.join.world_size > 1:
+            for detector in self.cross_rank_detectors:
+                for finding in detector.update(joined.record, event.ts):
+                    self._emit(finding, event.ts, event.event_id, out)
+        if event.loss is not None:
+            self.losses.pop(event.step, None)  # a replayed step is the newest again
+            self.losses[event.step] = event.loss
+            if len(self.losses) > LOSS_HISTORY:
+                del self.losses[next(iter(self.losses))]
+        if self.recovery is not None and self.recovery.to_step is None and not self.policy.rollback_pending(event.ts):
+            self.recovery = None  # the rollback expired unacknowledged: there is no replay to verify
+        if self.recovery is not None:
+            unrecovered = self.recovery.update(event.step, event.loss)
+            if unrecovered is not None:
+                self._emit(unrecovered, event.ts, f"{event.event_id}|recovery", out)
+            if self.recovery is not None and self.recovery.done:
+                self.recovery = None
+        # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
+        if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
+            self.snapshots.prune([c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good])
+
+    def _rewindable(self) -> _RewindState:
+        """The detectors whose state is about steps (not the liveness ones, which are about time)."""
+        return {"joined": self.joined_detectors,
+                "ranks": {rank: {i: d for i, d in enumerate(detectors) if d.name not in EPISODIC_DETECTORS}
+                          for rank, detectors in self.ranks.items()}}
+
+    def _rewind(self, to_step: int) -> None:
+        state = self.snapshots.restore(to_step)
+        if state is None:
+            return  # no snapshot (an old checkpoint, a restarted worker): the detectors judge the replay as they are
+        self.joined_detectors = state["joined"]
+        for rank, saved in state["ranks"].items():
+            for i, detector in saved.items():
+                self.ranks[rank][i] = detector
+
+    def _rollback_acknowledged(self, ack: ActionAckEvent) -> None:
+        """A rank applied (or failed) a rollback: the replay starts, and so does its verification. The
+        policy holds further rollbacks until every rank has acknowledged this one."""
+        check = self.recovery
+        if ack.outcome == "applied" and ack.to_step is not None:
+            self.checkpoints.rolled_back(ack.to_step)
+            if self._rewound_for != ack.action_id:  # every rank acks: rewind once, at the first
+                self._rewound_for = ack.action_id
+                self._rewind(ack.to_step)
+                self._settling = ack.action_id
+                self._before_rollback = frozenset(self.join.expected())
+                # Every step up to the acknowledging rank's newest came before the rollback; what follows is
+                # the replay (a step counter that goes back starts a new generation, one that does not
+                # goes on past it).
+                self._stale_through = self.join.last_key(ack.rank)
+            if check is not None and check.action_id == ack.action_id and check.to_step is None:
+                check.arm(ack.to_step)
+        elif check is not None and check.action_id == ack.action_id and check.to_step is None:
+            self.recovery = None  # the rollback did not happen: nothing to verify
+        if self._settling == ack.action_id:
+            self._before_rollback = self._before_rollback - {ack.rank}
+            if not self._before_rollback:
+                self._settling = None
+                self.policy.acknowledge(ack.action_id)
+        else:
+            self.policy.acknowledge(ack.action_id)  # not applied anywhere: nothing is in flight
+
+    def _sent_before_rollback(self, event: StepEvent | CheckpointEvent) -> bool:
+        """Whether ``event`` comes from a rank that has not acknowledged the rollback the detectors were
+        rewound for (its steps were sent before the rollback took effect)."""
+        if self._settling is None or event.rank not in self._before_rollback:
+            return False
+        if not self.policy.rollback_pending(event.ts):  # never acknowledged by every rank: expired
+            self._settling, self._before_rollback = None, frozenset()
+            return False
+        return True
+
+    def _run_level(self, finding: Finding) -> Finding:
+        """A joined-view finding is about the run, not the rank whose figures the join started from."""
+        return replace(finding, rank=None) if self.join.world_size > 1 and finding.rank is not None else finding
+
+    def tick(self, now: datetime) -> MonitorOutput:
+        """Time-based checks at ``now`` (a timer online, event time offline): steps whose join timed
+        out, stalled or silent ranks, a hung rank, and the escalation of what persists."""
+        out = MonitorOutput()
+        for joined in self.join.expire(now):
+            self._observe_joined(joined, out)
+        if self.ended_at is not None:
+            return out  # an ended run stalls, hangs and escalates no more
+        self.progress.tick(now)
+        ticking: list[Sequence[Detector]] = [self.cross_rank_detectors, *self.ranks.values()]
+        for detectors in ticking:
+            for detector in detectors:
+                for finding in detector.tick(now):
+                    # Keyed by what the finding is about (one per stall episode), not by the tick's
+                    # time, so online and offline ticks give the same anomaly id.
+                    self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
+        out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
+        return out
+
+    def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:
+        anomaly = self._to_anomaly(finding, ts, cause)
+        out.anomalies.append(anomaly)
+        self.baseline.add_anomaly(anomaly)
+        onset = anomaly.evidence.get("onset_step", anomaly.step)
+        if anomaly.severity != "info" and self.policy.rolls_back_on(anomaly.detector):
+            self.checkpoints.reject_for(onset)  # a checkpoint near a fault is never confirmed
+        decision = self.policy.decide(anomaly, ts, self.checkpoints.target(onset))
+        if decision is None:
+            return
+        out.decisions.append(decision)
+        if decision.kind == "rollback" and self.config.policy.recovery.enabled and onset is not None:
+            healthy = {s: loss for s, loss in self.losses.items() if s < onset and math.isfinite(loss) and loss > 0}
+            self.recovery = RecoveryCheck(self.config.policy.recovery, decision.action_id, onset, healthy,
+                                          anomaly.evidence.get("fault_onset_step"))
+
+    def _to_anomaly(self, finding: Finding, ts: datetime, cause: str) -> Anomaly:
+        # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).
+        key = f"{self.run_id}|{finding.detector}|{finding.metric}|{finding.rank}|{cause}"
+        return Anomaly(
+            anomaly_id=uuid.uuid5(_ANOMALY_NAMESPACE, key).hex,
+            run_id=self.run_id,
+            step=finding.step,
+            rank=finding.rank,
+            detector=finding.detector,
+            metric=finding.metric,
+            value=finding.value,
+            threshold=finding.threshold,
+            score=finding.score,
+            severity=finding.severity,
+            message=finding.message,
+            evidence=finding.evidence,
+            ts=ts,
+        )
+
+
+# kind -> what the monitor does with an event of that kind
+_ROUTES: dict[str, Callable[[RunMonitor, Any, MonitorOutput], None]] = {
+    "run_start": RunMonitor._on_run_start,
+    "step": RunMonitor._on_step,
+    "eval": RunMonitor._on_eval,
+    "heartbeat": RunMonitor._on_heartbeat,
+    "checkpoint": RunMonitor._on_checkpoint,
+    "action_ack": RunMonitor._on_action_ack,
+    "run_end": RunMonitor._on_run_end,
+}

@@ -1,0 +1,92 @@
+"""``runwatch worker`` as a child process, for the demo and the tests, and waiting on what it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from runwatch.local.broker import free_port
+from runwatch.producer.wire import topics
+
+
+class LocalStackError(RuntimeError):
+    """A local process did not come up, or something did not happen in time."""
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise LocalStackError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class WorkerProcess:
+    """``runwatch worker`` as a child process, stopped by pid."""
+
+    def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None,
+                 group: str | None = None, extra_args: tuple[str, ...] = ()):
+        log_path = Path(log_path).resolve()  # (the worker runs in the log's folder: every path it gets is absolute)
+        self.ready_file = log_path.with_suffix(".ready")
+        self.ready_file.unlink(missing_ok=True)
+        self.web_port = free_port()
+        cmd = [sys.executable, "-m", "runwatch.cli", "worker", "--bootstrap", bootstrap,
+               "--web-port", str(self.web_port), "--web-host", "127.0.0.1", "--ready-file", str(self.ready_file)]
+        if config_path is not None:
+            cmd += ["--config", str(Path(config_path).resolve())]
+        if group is not None:
+            cmd += ["--group", group]
+        cmd += list(extra_args)
+        env = dict(os.environ, **{topics.SECRET_ENV: secret})
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        # (in the log's folder: Faust keeps a data directory, "<group>-data", in its working directory)
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True, cwd=log_path.parent)
+
+    def wait_ready(self, timeout: float) -> None:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise LocalStackError(f"the worker exited with {self.process.returncode}; see {self.log_path}")
+            return self.ready_file.exists()
+
+        wait_until(ready, timeout, "the worker to join its consumer group")
+
+        def answering() -> bool:  # (the ready file can come before the health endpoint listens)
+            try:
+                self.health("/livez", timeout=1.0)
+                return True
+            except OSError:
+                return False
+
+        wait_until(answering, timeout, "the worker's health endpoint")
+
+    def health(self, path: str = "/health", timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+        """GET the worker's health endpoint: (HTTP status, JSON body)."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}{path}", timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+        self.ready_file.unlink(missing_ok=True)

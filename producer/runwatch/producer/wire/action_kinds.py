@@ -1,0 +1,59 @@
+"""The action kinds, declared once: every part that issues, applies, shows or documents an action reads
+this table (the policy, the trainer's listener, the report, the notifications, Grafana and the docs).
+
+Adding a kind: its row here and its name in ``ActionKind`` (and ``PolicyActionKind`` if a policy rule
+may name it; both checked against the table on import), a trainer-side handler in
+``producer/runwatch/producer/actions/apply.py`` if it is applied in a new way (keyed by ``applies``), and its row in
+docs/wire-format.md's table (checked by tests/unit/test_action_kinds.py, which also runs every kind
+through issue, sign, apply, acknowledge and report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+ActionKind = Literal["alert", "pause", "resume", "rollback", "stop"]
+PolicyActionKind = Literal["alert", "pause", "rollback", "stop"]  # the kinds a policy rule may name
+
+# How the trainer's listener applies a kind (producer/runwatch/producer/actions/apply.py has one handler per value).
+Applies = Literal["note", "pause", "resume", "rollback", "stop"]
+
+
+@dataclass(frozen=True)
+class ActionKindSpec:
+    name: str  # the wire name (``Action.kind``)
+    order: int  # how drastic, for sorting and escalation: alert < pause < rollback < stop
+    policy_rule: bool  # whether a policy rule may name it (``policy.rules[].action``)
+    applies: Applies  # how the trainer's listener applies it
+    ends_pause: bool  # a pending pause ends when it arrives
+    color: str  # the report's (a CSS colour)
+    chat_color: str  # Slack-style attachment colour in notifications: good, warning or danger
+    summary: str  # what it does, for the docs' table
+
+
+ACTION_KINDS: dict[str, ActionKindSpec] = {spec.name: spec for spec in (
+    ActionKindSpec("alert", 1, True, "note", False, "#ff7f0e", "warning",
+                   "tells people (the notification channels); the trainer only acknowledges it"),
+    ActionKindSpec("pause", 2, True, "pause", False, "#9467bd", "warning",
+                   "blocks the training loop until a `resume` or `stop` arrives or the pause times out"),
+    ActionKindSpec("resume", 0, False, "resume", True, "#2ca02c", "good",
+                   "ends a pause (sent by an operator or a remediator, never by the policy)"),
+    ActionKindSpec("rollback", 3, True, "rollback", False, "#d62728", "danger",
+                   "restores the last confirmed-good checkpoint, scales the LR and names the data window to skip"),
+    ActionKindSpec("stop", 4, True, "stop", True, "#000000", "danger",
+                   "ends the run gracefully at the next step (and ends a pause)"),
+)}
+
+POLICY_KINDS: tuple[str, ...] = tuple(name for name, spec in ACTION_KINDS.items() if spec.policy_rule)
+PAUSE_ENDERS: frozenset[str] = frozenset(name for name, spec in ACTION_KINDS.items() if spec.ends_pause)
+
+# One declaration: the types (which pydantic and mypy read) must say what the table says.
+if tuple(ACTION_KINDS) != get_args(ActionKind) or POLICY_KINDS != get_args(PolicyActionKind):
+    raise RuntimeError(f"ActionKind {get_args(ActionKind)} / PolicyActionKind {get_args(PolicyActionKind)} "
+                       f"disagree with ACTION_KINDS {tuple(ACTION_KINDS)} (policy kinds {POLICY_KINDS})")
+
+
+def applies(kind: str) -> Applies:
+    """How the trainer applies ``kind``."""
+    return ACTION_KINDS[kind].applies

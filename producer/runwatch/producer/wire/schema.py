@@ -1,0 +1,730 @@
+"""The wire contract: every message on every runwatch topic, defined once.
+
+Messages are JSON (orjson) objects. Telemetry events are discriminated by ``kind``.
+Non-finite floats travel as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``
+because JSON has no literal for them and a NaN loss is exactly what we must not lose.
+Unknown fields from a newer producer are kept (``extra="allow"``); a missing required
+field is a validation error, which the worker routes to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.action_kinds import ActionKind
+
+SCHEMA_VERSION = 1
+
+Phase = Literal["train", "eval", "checkpoint", "dataload", "idle"]
+Severity = Literal["info", "warning", "critical"]
+
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+# A run id: ASCII letters, digits and ``. _ - : / @ + =``, at most RUN_ID_MAX_CHARS. It is the Kafka key,
+# part of state keys, log lines, chat messages and command lines: nothing in it may read as markup,
+# whitespace or a control character.
+RUN_ID_MAX_CHARS = 256
+_RUN_ID = re.compile(r"[A-Za-z0-9._:/@+=-]+", re.ASCII)
+
+
+def run_id_problem(run_id: str, max_chars: int = RUN_ID_MAX_CHARS) -> str | None:
+    """Why ``run_id`` is not a valid run id, or None."""
+    if not run_id:
+        return "run_id: empty"
+    if len(run_id) > max_chars:
+        return f"run_id: {len(run_id)} characters (limit {max_chars})"
+    if not _RUN_ID.fullmatch(run_id):
+        bad = next(c for c in run_id if not _RUN_ID.fullmatch(c))
+        return (f"run_id: {bad!r} at position {run_id.index(bad)} is outside the run id characters "
+                "(ASCII letters, digits and . _ - : / @ + =)")
+    return None
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class WireModel(BaseModel):
+    """Base of every wire message: keeps unknown fields, writes NaN/Inf as strings."""
+
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="strings", populate_by_name=True)
+
+    def to_json(self) -> bytes:
+        # pydantic's serializer, not orjson: orjson writes NaN as null, which would erase
+        # the very non-finite loss a detector must see. Decoding uses orjson.
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+def _parse_time(value: Any) -> Any:
+    """ISO 8601 text to a datetime (strict decoding takes no other form); datetimes pass."""
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"not an ISO 8601 time: {value[:40]!r}") from None
+    return value
+
+
+def _wire_float(value: Any) -> Any:
+    """The strings that stand for non-finite floats on the wire; everything else as it is."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    return value
+
+
+_NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+# A float on the wire: a JSON number, or "NaN"/"Infinity"/"-Infinity" (never other text).
+WireFloat = Annotated[float, BeforeValidator(_wire_float)]
+WireTime = Annotated[datetime, BeforeValidator(_parse_time)]
+
+
+class EventBase(WireModel):
+    schema_version: int = SCHEMA_VERSION
+    event_id: str = Field(default_factory=new_id, min_length=1)
+    run_id: str = Field(min_length=1)
+    rank: int = Field(default=0, ge=0)
+    ts: WireTime = Field(default_factory=utc_now)
+
+
+class RunStartEvent(EventBase):
+    kind: Literal["run_start"] = "run_start"
+    # One attempt of the run: a requeued or restarted job keeps its run id and sends a new attempt, which
+    # the worker watches as a fresh run; actions carry the attempt they were issued for.
+    attempt: str | None = Field(default=None, min_length=1, max_length=128)
+    job_id: str | None = None
+    baseline_key: str | None = None
+    git_sha: str | None = None
+    git_dirty: bool | None = None
+    host: str | None = None
+    world_size: int = Field(default=1, ge=1)
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    driver_version: str | None = None
+    gpu_names: list[str] = Field(default_factory=list)
+    config: dict[str, Any] = Field(default_factory=dict)
+    config_hash: str | None = None
+    seed: int | None = None
+    dataset_version: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+class CategoryLoss(WireModel):
+    mean: WireFloat
+    count: int = Field(ge=0)
+
+
+class MemoryStats(WireModel):
+    """Bytes. A source that is not available is absent, never zero."""
+
+    allocated: int | None = None
+    reserved: int | None = None
+    peak: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    host_rss: int | None = None
+    cgroup_usage: int | None = None
+    cgroup_limit: int | None = None
+    device_total: int | None = None  # CUDA device capacity: the limit allocated/reserved grow towards
+
+
+class StepEvent(EventBase):
+    kind: Literal["step"] = "step"
+    step: int = Field(ge=0)
+    loss: WireFloat | None = None
+    lr: list[WireFloat] = Field(default_factory=list)
+    grad_norm: WireFloat | None = None
+    grad_norm_clipped: WireFloat | None = None
+    clip_ratio: WireFloat | None = None
+    param_norm: WireFloat | None = None
+    update_norm: WireFloat | None = None
+    relative_update_norm: WireFloat | None = None
+    effective_lr_ratio: WireFloat | None = None
+    module_grad_norms: dict[str, WireFloat] = Field(default_factory=dict)
+    category_loss: dict[str, CategoryLoss] = Field(default_factory=dict)
+    step_time_s: WireFloat | None = None
+    data_wait_s: WireFloat | None = None
+    samples_per_s: WireFloat | None = None
+    tokens_per_s: WireFloat | None = None
+    mfu: WireFloat | None = None
+    memory: MemoryStats | None = None
+    nonfinite_grads: int | None = Field(default=None, ge=0)
+    # True: grad_norm, grad_norm_clipped, module_grad_norms, param_norm and update_norm cover only
+    # this rank's shard of the parameters (FSDP/ZeRO style); the worker's cross-rank join takes the
+    # root of the sum of squares. Absent/False: every rank holds the full (replicated) figures.
+    grad_sharded: bool | None = None
+    # Seconds of this rank's own work in the step (from the step's start until it was ready to
+    # synchronise gradients with its peers), without the time spent waiting for slower peers.
+    # What straggler detection compares; absent where it is not measured.
+    compute_s: WireFloat | None = Field(default=None, ge=0)
+
+
+class EvalEvent(EventBase):
+    kind: Literal["eval"] = "eval"
+    step: int = Field(ge=0)
+    split: str = "val"
+    loss: WireFloat | None = None
+    metrics: dict[str, WireFloat] = Field(default_factory=dict)
+    per_category: dict[str, dict[str, WireFloat]] = Field(default_factory=dict)
+
+
+class HostLoad(WireModel):
+    """How busy the rank's host was over the last heartbeat period. A figure that cannot be read
+    on this host is absent, never zero. Fixed bounds (not configurable): finite, >= 0, fractions
+    of the period <= 1 (``steal_frac``), counts >= 1."""
+
+    load1: float | None = Field(default=None, ge=0, le=1e6, allow_inf_nan=False,
+                                description="1-minute load average (os.getloadavg)")
+    cpus: int | None = Field(default=None, ge=1, le=1 << 20, description="CPUs of the host (os.cpu_count)")
+    steal_frac: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
+                                     description="share of CPU time the hypervisor took (/proc/stat 'steal')")
+    process_cpu_frac: float | None = Field(default=None, ge=0, le=1 << 20, allow_inf_nan=False,
+                                           description="this process's CPU seconds per wall second (all threads)")
+    cpu_wait_frac: float | None = Field(default=None, ge=0, le=1 << 20, allow_inf_nan=False,
+                                        description="seconds this process's threads waited for a CPU per wall "
+                                                    "second (/proc/self/task/*/schedstat run delay)")
+
+
+class HeartbeatEvent(EventBase):
+    kind: Literal["heartbeat"] = "heartbeat"
+    step: int | None = None
+    phase: Phase = "train"
+    time_in_phase_s: WireFloat = Field(default=0.0, ge=0)
+    # True: this rank has done its part of the current step and waits for its peers (its gradient
+    # synchronisation is launched); False: it is still working on it; absent: not measured.
+    in_sync: bool | None = None
+    # The producer's heartbeat period: the worker calls a rank silent (dead) after a number of
+    # missed periods rather than one fixed time; absent: only the configured floor applies.
+    interval_s: WireFloat | None = Field(default=None, gt=0)
+    # The host's load over the last heartbeat period (producer/runwatch/producer/instrument/heartbeat.py): what a throughput or
+    # data-wait finding is compared against, to tell a noisy neighbour from a code regression.
+    host_load: HostLoad | None = None
+
+
+class CheckpointEvent(EventBase):
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int = Field(ge=0)
+    uri: str = Field(min_length=1)
+    ok: bool = True
+    # Each param group's LR when it was saved, without runwatch's rollback scale: a rollback to this
+    # checkpoint sets the LR to this times the action's lr_scale. Absent: not known.
+    lr: list[WireFloat] | None = None
+
+
+class ActionAckEvent(EventBase):
+    kind: Literal["action_ack"] = "action_ack"
+    action_id: str = Field(min_length=1)
+    action_kind: ActionKind | None = None
+    outcome: Literal["applied", "ignored", "failed"]
+    detail: str | None = None
+    step: int | None = None
+    to_step: int | None = None
+
+
+class RunEndEvent(EventBase):
+    kind: Literal["run_end"] = "run_end"
+    status: Literal["completed", "failed", "stopped", "interrupted"] = "completed"
+    summary: dict[str, float | int | str | None] = Field(default_factory=dict)
+
+
+TelemetryEvent = Annotated[
+    RunStartEvent | StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent | ActionAckEvent | RunEndEvent,
+    Field(discriminator="kind"),
+]
+EVENT_KINDS: tuple[str, ...] = (
+    "run_start", "step", "eval", "heartbeat", "checkpoint", "action_ack", "run_end",
+)
+_telemetry_adapter: TypeAdapter[TelemetryEvent] = TypeAdapter(TelemetryEvent)
+
+
+class Anomaly(WireModel):
+    """A detector finding, as published on ``runwatch.anomalies``."""
+
+    schema_version: int = SCHEMA_VERSION
+    anomaly_id: str = Field(min_length=1)
+    run_id: str = Field(min_length=1)
+    step: int | None = None
+    rank: int | None = None
+    detector: str
+    metric: str
+    value: float | None = None
+    threshold: float | None = None
+    score: float | None = None
+    severity: Severity
+    message: str
+    evidence: dict[str, Any] = Field(default_factory=dict)
+    ts: datetime  # the event time of what the finding is about (the step's, or the tick's)
+    # When the worker produced it, by the worker's own wall clock (UTC); ``detected_at - ts`` is the
+    # detection latency. None where no worker made it (offline replay): the detectors have no clock.
+    detected_at: datetime | None = None
+
+
+class JoinedStep(WireModel):
+    """One step of a run across its ranks, as the worker's join combined it (``runwatch.joined``).
+
+    Gradient norms: the root of the sum of squares of the ranks' figures when they report shards
+    (``grad_sharded``), else the largest (replicas agree). Loss: the mean over the ranks. Step time
+    and memory: the extremes and the rank that has them. Throughput: the sum. ``complete`` is
+    False when the join timed out without every rank (``ranks_missing``).
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str = Field(min_length=1)
+    step: int = Field(ge=0)
+    generation: int = Field(default=0, ge=0, description="rollbacks seen before this step (steps repeat after one)")
+    ts: datetime
+    world_size: int = Field(ge=1)
+    complete: bool
+    ranks_reported: list[int]
+    ranks_missing: list[int] = Field(default_factory=list)
+    loss_mean: float | None = None
+    grad_norm: float | None = None
+    grad_sharded: bool = False
+    step_time_max_s: float | None = None
+    step_time_max_rank: int | None = None
+    step_time_min_s: float | None = None
+    compute_max_s: float | None = None
+    compute_max_rank: int | None = None
+    compute_min_s: float | None = None
+    memory_max_bytes: int | None = None
+    memory_max_rank: int | None = None
+    memory_min_bytes: int | None = None
+    memory_min_rank: int | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    late_events: int = Field(default=0, ge=0, description="events of this run that came after their step was joined")
+    duplicate_events: int = Field(default=0, ge=0, description="events of this run delivered more than once")
+
+
+class CheckpointRef(WireModel):
+    step: int = Field(ge=0)
+    uri: str
+    lr: list[WireFloat] | None = None  # as in its CheckpointEvent
+
+
+def newest_checkpoint_before(checkpoints: list[CheckpointRef], onset_step: int | None) -> CheckpointRef | None:
+    """The rollback target both sides agree on: the newest checkpoint strictly before the onset
+    (a checkpoint taken at the faulty step may already hold its damage)."""
+    earlier = [c for c in checkpoints if onset_step is None or c.step < onset_step]
+    return max(earlier, key=lambda c: c.step) if earlier else None
+
+
+class Action(WireModel):
+    """A signed instruction to the trainer and remediators, on ``runwatch.actions``."""
+
+    schema_version: int = SCHEMA_VERSION
+    action_id: str = Field(min_length=1)
+    run_id: str = Field(min_length=1)
+    kind: ActionKind
+    reason: str
+    anomaly_ids: list[str] = Field(default_factory=list)
+    step: int | None = None
+    onset_step: int | None = None
+    target_checkpoint: CheckpointRef | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    attempt: str | None = None  # the run's attempt it was issued for (its run_start's), when it sent one
+    issued_at: datetime
+    expires_at: datetime
+    signature: str = ""
+
+    def body_bytes(self) -> bytes:
+        """Canonical bytes the signature covers: the message as sent (no null fields, NaN/Inf
+        as strings) without ``signature``, keys sorted at every level, no whitespace."""
+        sent = orjson.loads(self.model_dump_json(exclude={"signature"}, exclude_none=True))
+        return orjson.dumps(sent, option=orjson.OPT_SORT_KEYS)
+
+    def is_expired(self, now: datetime) -> bool:
+        return now >= self.expires_at
+
+
+DEADLETTER_RAW_MAX_BYTES = 4096  # a dead letter carries at most this much of the message it stands for
+_DEADLETTER_TEXT_MAX = 2000  # reason and traceback: enough to act on, never the message again
+
+
+class DeadLetter(WireModel):
+    """Why a message could not be processed: the reason, where it came from, its size and hash,
+    and at most the first ``DEADLETTER_RAW_MAX_BYTES`` of it, so that a dead letter always fits
+    on its topic whatever was sent. ``stage`` says who refused it: ``decode`` (the worker's
+    validation), ``detector`` (an error while a detector handled a valid event: ``detector_error``)
+    or ``sink`` (a row ClickHouse refused)."""
+
+    reason: str
+    source_topic: str
+    partition: int | None = None
+    offset: int | None = None
+    key: str | None = None
+    stage: Literal["decode", "detector", "sink"] = "decode"
+    size: int = Field(default=0, ge=0, description="bytes of the original message value (0 for a null value)")
+    sha256: str | None = Field(default=None, description="hex SHA-256 of the original value; absent for a null value")
+    raw: str = Field(description="the first bytes of the value, as UTF-8 with replacement characters")
+    raw_truncated: bool = False
+    traceback: str | None = None
+    ts: datetime = Field(default_factory=utc_now)
+
+    @classmethod
+    def for_message(
+        cls,
+        reason: str,
+        raw: bytes | None,
+        *,
+        source_topic: str,
+        partition: int | None = None,
+        offset: int | None = None,
+        key: bytes | None = None,
+        stage: Literal["decode", "detector", "sink"] = "decode",
+        traceback: str | None = None,
+    ) -> DeadLetter:
+        """A dead letter for ``raw`` (a message value, possibly None) that is bounded in size."""
+        value = raw if raw is not None else b""
+        head = value[:DEADLETTER_RAW_MAX_BYTES]
+        return cls(
+            reason=_clip(reason, _DEADLETTER_TEXT_MAX),
+            source_topic=source_topic,
+            partition=partition,
+            offset=offset,
+            key=_clip(key.decode(errors="replace"), 256) if key is not None else None,
+            stage=stage,
+            size=len(value),
+            sha256=hashlib.sha256(value).hexdigest() if raw is not None else None,
+            raw=head.decode(errors="replace"),
+            raw_truncated=len(value) > len(head),
+            traceback=_clip(traceback, 4 * _DEADLETTER_TEXT_MAX) if traceback else None,
+        )
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class SchemaError(ValueError):
+    """A message that is not valid runwatch JSON; ``reason`` says why in one line."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+# Present in every telemetry event, whatever its kind: a missing one is refused, never defaulted
+# (a defaulted event_id would defeat deduplication, a defaulted ts or rank would lie).
+REQUIRED_FIELDS = ("schema_version", "event_id", "run_id", "rank", "ts", "kind")
+
+
+class WireLimits(BaseModel):
+    """What the worker and the sink accept from the telemetry topic; anything outside is dead-lettered.
+
+    One list, documented in docs/wire-format.md. Configurable under ``limits:`` in the worker's YAML.
+    Times are checked against the *receive time*: the Kafka record's timestamp (the producing
+    client's send time, or the broker's append time on a LogAppendTime topic), so that re-reading a
+    backlog later gives the same verdicts.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_message_bytes: int = Field(default=1_048_576, ge=1024, description="size of one message value")
+    max_depth: int = Field(default=32, ge=4, le=512, description="nesting of JSON objects and arrays")
+    max_string_chars: int = Field(default=4096, ge=64, description="any one string (names, uris, ids)")
+    max_id_chars: int = Field(default=256, ge=16, description="run_id and event_id")
+    max_modules: int = Field(default=10_000, ge=1, description="entries of module_grad_norms")
+    max_categories: int = Field(default=1_000, ge=1, description="entries of category_loss / per_category")
+    max_metrics: int = Field(default=1_000, ge=1, description="entries of lr, metrics, summary, tags, gpu_names")
+    max_step: int = Field(default=10**12, ge=1, le=2**62, description="largest step number")
+    max_world_size: int = Field(default=16_384, ge=1, le=10**6, description="largest world size; rank < this")
+    max_duration_s: float = Field(default=7 * 86400.0, gt=0, description="step, data-wait, compute, phase times")
+    max_interval_s: float = Field(default=3600.0, gt=0, description="a heartbeat's declared period")
+    max_memory_bytes: int = Field(default=2**50, ge=2**30, description="any memory figure (1 PiB)")
+    max_rate: float = Field(default=1e12, gt=0, description="samples/s, tokens/s, a checkpoint's lr")
+    max_future_s: float = Field(default=300.0, ge=0, description="ts may be this far after the receive time")
+    max_past_s: float = Field(default=7 * 86400.0, gt=0, description="ts may be this far before the receive time")
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+def _loads(raw: bytes | str | None) -> Any:
+    if raw is None:
+        raise SchemaError("null value (a Kafka tombstone): a telemetry message must be a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SchemaError(f"not JSON: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<message>"
+        parts.append(f"{loc}: {err['msg']}")
+    return "schema: " + "; ".join(parts)
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects/arrays deeper than ``limit`` (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children: Iterable[Any]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+def _longest_string(value: Any) -> int:
+    """Length of the longest string (key or value) in a decoded JSON value."""
+    longest, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            longest = max(longest, len(item))
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                longest = max(longest, len(k))
+                stack.append(v)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return longest
+
+
+# Known fields whose decoded shape is already fixed by the schema (flat maps of numbers): the
+# generic depth/string walk skips them, which keeps it off the hot path of a step event.
+_TYPED_FLAT = frozenset({"module_grad_norms", "category_loss", "memory", "lr", "metrics", "per_category"})
+_STEP_FIELDS = frozenset(StepEvent.model_fields) - {"event_id", "run_id"}
+
+
+def _check_free_form(key: str, value: Any, lim: WireLimits) -> str | None:
+    if isinstance(value, str):
+        if len(value) > lim.max_string_chars:
+            return f"{key}: a string of {len(value)} characters (limit {lim.max_string_chars})"
+    elif isinstance(value, dict | list):
+        if _depth_exceeds(value, lim.max_depth - 1):
+            return f"{key}: nested deeper than {lim.max_depth} levels"
+        if _longest_string(value) > lim.max_string_chars:
+            return f"{key}: holds a string longer than {lim.max_string_chars} characters"
+        if len(value) > lim.max_metrics and key != "config":
+            return f"{key}: {len(value)} entries (limit {lim.max_metrics})"
+    return None
+
+
+def _check_time(ts: datetime, received_at: datetime | None, limits: WireLimits) -> str | None:
+    if ts.tzinfo is None or ts.utcoffset() is None:
+        return "ts: needs a timezone (ISO 8601 with Z or +00:00)"
+    if received_at is None:
+        return None
+    ahead = (ts - received_at).total_seconds()
+    if ahead > limits.max_future_s:
+        return (f"ts: {ts.isoformat()} is {ahead:.0f} s after the receive time {received_at.isoformat()} "
+                f"(allowed: {limits.max_future_s:.0f} s)")
+    if -ahead > limits.max_past_s:
+        return (f"ts: {ts.isoformat()} is {-ahead:.0f} s before the receive time {received_at.isoformat()} "
+                f"(allowed: {limits.max_past_s:.0f} s)")
+    return None
+
+
+def _out_of_range(name: str, value: float | int | None, upper: float, *, positive: bool = False) -> str | None:
+    # One chained comparison is False for NaN, infinities and anything outside [0, upper].
+    if value is None or (0 <= value <= upper and (value > 0 or not positive)):
+        return None
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"{name}: must be finite, got {value}"
+    if value < 0 or (positive and value == 0):
+        return f"{name}: must be {'positive' if positive else 'non-negative'}, got {value}"
+    return f"{name}: {value} is above the limit {upper:g}"
+
+
+def _check_limits(event: Any, data: dict[str, Any], received_at: datetime | None, lim: WireLimits) -> str | None:
+    """The bounds pydantic's types do not say: sizes, ranges, finiteness, the time window."""
+    if len(event.event_id) > lim.max_id_chars:
+        return f"event_id: longer than {lim.max_id_chars} characters"
+    problem = run_id_problem(event.run_id, lim.max_id_chars)
+    if problem:
+        return problem
+    if event.rank >= lim.max_world_size:
+        return f"rank: {event.rank} is not below the maximum world size {lim.max_world_size}"
+    problem = _check_time(event.ts, received_at, lim)
+    if problem:
+        return problem
+    # Unknown fields (kept from a newer producer) and free-form maps: nesting and string length. A step
+    # event's own fields are numbers and flat maps whose shape the schema fixed: only its extras are walked.
+    skip = _STEP_FIELDS if event.kind == "step" else _TYPED_FLAT
+    for key in data.keys() - skip:
+        problem = _check_free_form(key, data[key], lim)
+        if problem:
+            return problem
+    step = getattr(event, "step", None)
+    if step is not None and step > lim.max_step:
+        return f"step: {step} is above the limit {lim.max_step}"
+    kind = event.kind
+    if kind == "step":
+        return _check_step(event, lim)
+    if kind == "heartbeat":
+        return (_out_of_range("time_in_phase_s", event.time_in_phase_s, lim.max_duration_s)
+                or _out_of_range("interval_s", event.interval_s, lim.max_interval_s, positive=True))
+    if kind == "run_start":
+        if event.world_size > lim.max_world_size:
+            return f"world_size: {event.world_size} is above the limit {lim.max_world_size}"
+        if len(event.gpu_names) > lim.max_metrics or len(event.tags) > lim.max_metrics:
+            return f"gpu_names/tags: more than {lim.max_metrics} entries"
+    elif kind == "eval":
+        if len(event.metrics) > lim.max_metrics:
+            return f"metrics: {len(event.metrics)} entries (limit {lim.max_metrics})"
+        if len(event.per_category) > lim.max_categories or any(
+                len(m) > lim.max_metrics for m in event.per_category.values()):
+            return f"per_category: more than {lim.max_categories} categories or {lim.max_metrics} metrics each"
+    elif kind == "run_end":
+        if len(event.summary) > lim.max_metrics:
+            return f"summary: {len(event.summary)} entries (limit {lim.max_metrics})"
+    elif kind == "checkpoint":
+        if len(event.uri) > lim.max_string_chars:
+            return f"uri: longer than {lim.max_string_chars} characters"
+        if event.lr is not None:
+            if len(event.lr) > lim.max_metrics:
+                return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
+            for value in event.lr:
+                problem = _out_of_range("lr", value, lim.max_rate)
+                if problem:
+                    return problem
+    return None
+
+
+def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
+    modules, categories = event.module_grad_norms, event.category_loss
+    if len(modules) > lim.max_modules:
+        return f"module_grad_norms: {len(modules)} modules (limit {lim.max_modules})"
+    if len(categories) > lim.max_categories:
+        return f"category_loss: {len(categories)} categories (limit {lim.max_categories})"
+    if len(event.lr) > lim.max_metrics:
+        return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
+    problem = (_out_of_range("step_time_s", event.step_time_s, lim.max_duration_s)
+               or _out_of_range("data_wait_s", event.data_wait_s, lim.max_duration_s)
+               or _out_of_range("compute_s", event.compute_s, lim.max_duration_s)
+               or _out_of_range("samples_per_s", event.samples_per_s, lim.max_rate)
+               or _out_of_range("tokens_per_s", event.tokens_per_s, lim.max_rate)
+               or _out_of_range("mfu", event.mfu, 100.0))
+    if problem:
+        return problem
+    if event.memory is not None:
+        for name, value in event.memory.__dict__.items():
+            if type(value) is int and not 0 <= value <= lim.max_memory_bytes:
+                return _out_of_range(f"memory.{name}", value, lim.max_memory_bytes)
+    for name, cat in categories.items():
+        if cat.count > 2**53:
+            return f"category_loss.{name}.count: {cat.count} is above 2^53"
+    if (modules and max(map(len, modules)) > lim.max_string_chars) or (
+            categories and max(map(len, categories)) > lim.max_string_chars):
+        return f"module/category name longer than {lim.max_string_chars} characters"
+    return None
+
+
+def record_time(timestamp_s: float | None) -> datetime | None:
+    """A Kafka record's timestamp (seconds since the epoch) as the UTC ``received_at`` that
+    ``decode_event`` bounds ``ts`` by; None when absent or unusable (then ``ts`` is not bounded)."""
+    if timestamp_s is None or not timestamp_s > 0:
+        return None
+    try:
+        return datetime.fromtimestamp(timestamp_s, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def check_record_key(key: bytes | None, partition: int | None, partitions: int | None) -> None:
+    """Raise ``SchemaError`` unless a telemetry record has a key and, where the topic's partition count
+    is known, sits on its key's partition (murmur2, ``topics.key_partition``). The key is the run id and
+    decides the partition, hence which worker owns the run: a record without one, or elsewhere, would
+    split a run's state between workers. (That the key equals the event's run id ``decode_event`` checks.)"""
+    if key is None:
+        raise SchemaError("key: missing (the record's key must be the run id)")
+    if partitions and partition is not None:
+        expected = topics.key_partition(key, partitions)
+        if partition != expected:
+            raise SchemaError(f"partition: the record is on partition {partition}, its key's partition is "
+                              f"{expected} of {partitions} (murmur2 of the key, the Java and kafka-python "
+                              "default partitioner)")
+
+
+def receive_time(timestamp_s: float | None, now: datetime, limits: WireLimits = DEFAULT_LIMITS) -> datetime:
+    """The ``received_at`` a consumer (the worker, the sink) checks an event's ``ts`` against: the
+    Kafka record's timestamp, unless it is missing, unusable or more than ``limits.max_future_s``
+    ahead of ``now`` (the reader's clock), in which case ``now``. A client sets the record time (0,
+    -1, year 9999): one in the future is no send time. A past one is trusted, so that a backlog or a
+    recording replayed with its timestamps keeps its verdicts."""
+    received = record_time(timestamp_s)
+    if received is None or (received - now).total_seconds() > limits.max_future_s:
+        return now
+    return received
+
+
+def decode_event(
+    raw: bytes | str | None,
+    *,
+    received_at: datetime | None = None,
+    limits: WireLimits = DEFAULT_LIMITS,
+    key: bytes | None = None,
+) -> TelemetryEvent:
+    """Parse and check one telemetry message; raises ``SchemaError`` with a one-line reason.
+
+    Strict: every field of ``REQUIRED_FIELDS`` present, no coercion between types (a step must be
+    a JSON integer, a loss a number or one of "NaN"/"Infinity"/"-Infinity", ``ts`` an ISO 8601
+    string with a timezone), a supported ``schema_version``, and the bounds of ``limits``.
+    ``received_at`` (the record's timestamp) bounds ``ts``; None skips that check (offline replay).
+    ``key``: the Kafka key, which must be the run id (it decides the partition, hence which worker
+    owns the run); None skips that check.
+    """
+    if raw is not None and len(raw) > limits.max_message_bytes:
+        raise SchemaError(f"message of {len(raw)} bytes (limit {limits.max_message_bytes})")
+    data = _loads(raw)
+    if not isinstance(data, dict):
+        raise SchemaError(f"schema: expected a JSON object, got {type(data).__name__}")
+    missing = [name for name in REQUIRED_FIELDS if name not in data]
+    if missing:
+        raise SchemaError(f"schema: missing required field(s) {', '.join(missing)}")
+    version = data["schema_version"]
+    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaError(f"schema_version: {version!r} is not supported (supported: "
+                          f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+    try:
+        event = _telemetry_adapter.validate_python(data, strict=True)
+    except ValidationError as exc:
+        raise SchemaError(_describe(exc)) from None
+    problem = _check_limits(event, data, received_at, limits)
+    if problem:
+        raise SchemaError(f"limits: {problem}")
+    if key is not None and key != event.run_id.encode():
+        raise SchemaError(f"key {key[:100]!r} does not match run_id {event.run_id[:100]!r}")
+    return event
+
+
+def decode_anomaly(raw: bytes | str) -> Anomaly:
+    try:
+        return Anomaly.model_validate(_loads(raw))
+    except ValidationError as exc:
+        raise SchemaError(_describe(exc)) from None
+
+
+def decode_action(raw: bytes | str) -> Action:
+    try:
+        return Action.model_validate(_loads(raw))
+    except ValidationError as exc:
+        raise SchemaError(_describe(exc)) from None
+
+
+def action_expiry(issued_at: datetime, ttl_s: float) -> datetime:
+    return issued_at + timedelta(seconds=ttl_s)

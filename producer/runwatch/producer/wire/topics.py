@@ -1,0 +1,48 @@
+"""Topic names and defaults shared by every component (overridable by environment)."""
+
+from __future__ import annotations
+
+import os
+
+TELEMETRY = "runwatch.telemetry"
+ANOMALIES = "runwatch.anomalies"
+ACTIONS = "runwatch.actions"
+DEADLETTER = "runwatch.deadletter"
+JOINED = "runwatch.joined"  # per-step cross-rank joins, for ClickHouse/Grafana
+ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)  # what the sink stores
+# The workers' per-run state snapshots (streams/runwatch/streams/worker/state.py): compacted, keyed by run id, and
+# partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry comes from).
+STATE = "runwatch.state"
+STATE_MAX_BYTES = 16 * 1024 * 1024  # a snapshot is one record: a large multi-rank run's can be megabytes
+STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STATE_MAX_BYTES)}
+CREATED_TOPICS = (*ALL_TOPICS, STATE)  # what `runwatch broker` / ensure_topics create
+
+DEFAULT_PARTITIONS = 4
+
+# Every consumer group, in one place (docs/operations.md lists them). The action listener
+# has none: each trainer rank assigns itself the actions topic's partitions.
+DETECT_GROUP = "runwatch-detect"  # the detection workers' consumer group (Faust app id)
+SINK_GROUP = "runwatch-sink"  # the ClickHouse sink
+REMEDIATE_GROUP = "runwatch-remediate"  # the remediator
+ALL_GROUPS = (DETECT_GROUP, SINK_GROUP, REMEDIATE_GROUP)
+
+BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
+SECRET_ENV = "RUNWATCH_ACTION_SECRET"
+ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same on every rank (RunWatch)
+
+# Pinned so that constructors never probe the broker (kafka-python 3.x returns at
+# once with an explicit api_version, even when nothing is listening).
+KAFKA_API_VERSION = (2, 8, 0)
+
+
+def bootstrap_from_env(default: str | None = None) -> str | None:
+    return os.environ.get(BOOTSTRAP_ENV, default)
+
+
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition a record keyed ``key`` belongs on among ``partitions``: murmur2 of the key, the
+    Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's
+    events are all on this one partition; the worker refuses a record found elsewhere."""
+    from kafka.partitioner.default import murmur2  # type: ignore[import-untyped]  # (lazily: imports without Kafka)
+
+    return int(murmur2(key) & 0x7FFFFFFF) % partitions

@@ -1,0 +1,402 @@
+"""Fault injectors: one class per fault kind, its mechanism chosen by explicit parameters.
+
+A scenario's training loop (:mod:`.training` for the recorded scenarios, the demo's regressor loop)
+calls every hook at a fixed point of each step; an injector changes only what its fault needs and
+leaves the rest alone, so the loop itself never asks which fault it runs. The catalog holds one
+configured injector per scenario; :meth:`FaultInjector.for_run` gives each run a fresh copy, whose
+:meth:`~FaultInjector.start` binds it to that run (the onset step, the model, the clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Self
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runwatch.scenarios.tasks import Batch, Task
+
+
+@dataclass
+class FaultRun:
+    """What an injector may know about the run it is injected into."""
+
+    onset: int | None  # the step the fault starts at (None: no fault)
+    steps: int
+    model: nn.Module
+    seed: int = 0
+    step_time_s: float = 0.0  # the scenario's modelled compute time per step
+    base_lr: Callable[[int], float] = lambda _step: 0.0  # the schedule's LR at a step
+    mark_onset: Callable[[], None] = lambda: None  # record the onset's wall time (once)
+
+
+@dataclass
+class FaultInjector:
+    """No fault: every hook leaves the step as it is. Subclasses override the hooks their fault needs."""
+
+    kind: ClassVar[str] = "healthy"
+
+    def for_run(self) -> Self:
+        return dataclasses.replace(self)
+
+    def start(self, run: FaultRun) -> None:
+        self.run = run
+
+    # -- what the labels and the recorded config say about the fault
+    def describe(self) -> dict[str, Any]:
+        """``module``, ``category``, ``kind`` and ``magnitude`` (None where they do not apply)."""
+        return {"module": None, "category": None, "kind": None, "magnitude": None}
+
+    def label_fields(self) -> dict[str, Any]:
+        fields = {k: v for k, v in self.describe().items() if k != "magnitude" and v is not None}
+        magnitude = self.describe()["magnitude"]
+        if magnitude is not None:
+            fields["magnitude"] = magnitude if math.isfinite(magnitude) else str(magnitude)
+        return fields
+
+    # -- when
+    def active(self, step: int) -> bool:
+        return self.run.onset is not None and step >= self.run.onset
+
+    def at_onset(self, step: int) -> bool:
+        return self.run.onset is not None and step == self.run.onset
+
+    # -- the hooks, in the order a step calls them
+    def data_wait(self, step: int, wait: float, timing: random.Random) -> float:
+        return wait
+
+    def batch_length(self, step: int) -> int | None:
+        return None
+
+    def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
+        return batch
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def forward(self, model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+        return model(x)
+
+    def loss(self, loss: torch.Tensor, logits: torch.Tensor, step: int) -> torch.Tensor:
+        return loss
+
+    def backward_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, batch: Batch, step: int) -> torch.Tensor:
+        return loss
+
+    def retain(self, model: nn.Module, batch: Batch, logits: torch.Tensor, step: int) -> list[int]:
+        """Bytes of the tensors this step keeps alive for good (the memory model allocates them)."""
+        return []
+
+    def compute_time(self, seconds: float, step: int) -> float:
+        return seconds
+
+    def step_computed(self, step: int) -> None:
+        """The step's compute time has passed: a fault that starts here has its onset now."""
+        if self.at_onset(step):
+            self.run.mark_onset()
+
+    def step_published(self, step: int, advance: Callable[[float], None]) -> str | None:
+        """After the step's event: the run_end status if the run ends here, else None."""
+        return None
+
+    def onset_from_evals(self, best_val: tuple[float, int, Any] | None) -> tuple[int, Any, float] | None:
+        """(onset step, onset time, best validation loss) where the onset is only known afterwards."""
+        return None
+
+
+Healthy = FaultInjector
+
+
+@dataclass
+class NonFinite(FaultInjector):
+    """At the onset the loss (``where="loss"``: a ``log(0)`` term, NaN loss and NaN gradients) or the
+    embeddings (``where="embeddings"``: scaled by ``magnitude * 1e3`` to overflow) become non-finite."""
+
+    kind: ClassVar[str] = "non_finite"
+    where: Literal["loss", "embeddings"]
+    magnitude: float
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "magnitude": self.magnitude}
+
+    def forward(self, model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+        if self.where != "embeddings" or not self.at_onset(step):
+            return model(x)
+        n = x.shape[1]
+        h = (model.embed(x) + model.pos(torch.arange(n))) * self.magnitude * 1e3
+        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        return model.head(model.norm(model.encoder(h, src_mask=mask, is_causal=True)))
+
+    def loss(self, loss: torch.Tensor, logits: torch.Tensor, step: int) -> torch.Tensor:
+        if self.where != "loss" or not self.at_onset(step):
+            return loss
+        return loss + 0.0 * torch.log(logits.abs().min() * 0.0)  # log(0) * 0: NaN, and NaN gradients
+
+
+@dataclass
+class LossSpike(FaultInjector):
+    """One corrupted batch at the onset: labels shifted by ``label_shift`` classes, and with
+    ``image_scale`` the inputs inverted and scaled by it."""
+
+    kind: ClassVar[str] = "loss_spike"
+    label_shift: int
+    image_scale: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "magnitude": self.image_scale or float(self.label_shift)}
+
+    def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
+        if not self.at_onset(step):
+            return batch
+        assert task is not None
+        y = (batch.y + self.label_shift) % task.classes
+        if self.image_scale is not None:
+            return Batch(-self.image_scale * batch.x, y, batch.cat)
+        return Batch(batch.x, y, batch.cat)
+
+
+@dataclass
+class GradNormSpike(FaultInjector):
+    """One step whose gradient is ``magnitude`` times too large: back-propagating the loss summed over the
+    samples (``how="sample_sum"``) or over every element (``"element_sum"``), or a batch whose inputs are
+    ``magnitude`` times out of range (``"scaled_inputs"``)."""
+
+    kind: ClassVar[str] = "grad_norm_spike"
+    how: Literal["sample_sum", "element_sum", "scaled_inputs"]
+    magnitude: float
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "magnitude": self.magnitude}
+
+    def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
+        if self.how != "scaled_inputs" or not self.at_onset(step):
+            return batch
+        return Batch(batch.x * self.magnitude, batch.y, batch.cat, batch.tokens)
+
+    def backward_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, batch: Batch, step: int) -> torch.Tensor:
+        if not self.at_onset(step):
+            return loss
+        if self.how == "sample_sum":
+            return per_sample.sum()
+        if self.how == "element_sum":
+            return loss * (batch.x.numel())
+        return loss
+
+
+@dataclass
+class ModuleGradExplosion(FaultInjector):
+    """From the onset the gradient of ``module`` grows by ``growth`` per step (a hook multiplying it), up to
+    ``cap``. ``growth=None``: nothing is injected, the model is built with the fault (a bad init, present
+    from step 0)."""
+
+    kind: ClassVar[str] = "module_grad_explosion"
+    module: str
+    growth: float | None = None
+    cap: float = 1e4
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "module": self.module, "kind": "bad_init" if self.growth is None else None,
+                "magnitude": self.growth}
+
+    def start(self, run: FaultRun) -> None:
+        super().start(run)
+        self.multiplier = 1.0
+        if self.growth is None:
+            return
+        target = dict(run.model.named_modules())[self.module]
+        for p in target.parameters(recurse=False):
+            p.register_hook(lambda g: g * self.multiplier)
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.growth is not None and self.active(step):
+            self.multiplier = min(self.cap, self.growth ** (step - self.run.onset + 1))
+
+
+@dataclass
+class BadInit(FaultInjector):
+    """A mistake built into the model from step 0 (the randn mel scale): nothing is injected while
+    training. Only a comparison with earlier runs of the job, its correctly initialised twin, shows it;
+    ``module`` is the owner of the badly initialised parameter."""
+
+    kind: ClassVar[str] = "bad_init"
+    module: str
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "module": self.module}
+
+
+@dataclass
+class UpdateRatio(FaultInjector):
+    """From the onset the LR is ``lr_scale`` times the schedule's (a resumed scheduler's bad state)."""
+
+    kind: ClassVar[str] = "update_ratio"
+    lr_scale: float
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "too_large" if self.lr_scale > 1 else "vanishing",
+                "magnitude": self.lr_scale}
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.active(step):
+            for g in optimizer.param_groups:
+                g["lr"] = self.run.base_lr(step) * self.lr_scale
+
+
+@dataclass
+class ThroughputDrift(FaultInjector):
+    """From the onset steps take ``factor`` times as long, at once or (``ramp``) growing linearly to it by
+    the end of the run."""
+
+    kind: ClassVar[str] = "throughput_drift"
+    factor: float
+    ramp: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "magnitude": self.factor}
+
+    def compute_time(self, seconds: float, step: int) -> float:
+        if not self.active(step):
+            return seconds
+        if not self.ramp:
+            return seconds * self.factor
+        onset, n = self.run.onset, self.run.steps
+        return seconds * (1 + (self.factor - 1) * (step - onset + 1) / max(1, n - onset))
+
+
+@dataclass
+class DataWait(FaultInjector):
+    """From the onset the wait per batch jumps to about ``jump_to_s`` seconds, or grows linearly to
+    ``grow_to_step_times`` times the compute time by the end of the run."""
+
+    kind: ClassVar[str] = "data_wait"
+    jump_to_s: float | None = None
+    grow_to_step_times: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "magnitude": self.jump_to_s or self.grow_to_step_times}
+
+    def data_wait(self, step: int, wait: float, timing: random.Random) -> float:
+        if not self.active(step):
+            return wait
+        if self.jump_to_s is not None:
+            return self.jump_to_s * timing.lognormvariate(0, 0.1)
+        onset, n = self.run.onset, self.run.steps
+        return wait + self.grow_to_step_times * self.run.step_time_s * (step - onset + 1) / max(1, n - onset)
+
+
+@dataclass
+class MemoryLeak(FaultInjector):
+    """From the onset every step's input, hidden activations and logits are kept in a list never cleared
+    (needs a model with an ``encoder`` whose first layer takes the batch)."""
+
+    kind: ClassVar[str] = "memory_leak"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "leak"}
+
+    def start(self, run: FaultRun) -> None:
+        super().start(run)
+        self.retained: list[torch.Tensor] = []
+
+    def retain(self, model: nn.Module, batch: Batch, logits: torch.Tensor, step: int) -> list[int]:
+        if not self.active(step):
+            return []
+        with torch.no_grad():
+            h1 = model.encoder[0](batch.x)
+            kept = [batch.x.clone(), h1, F.gelu(h1), model.encoder(batch.x), logits.detach().clone()]
+        self.retained.extend(kept)  # the bug: a list that is never cleared
+        return [t.numel() * t.element_size() for t in kept]
+
+
+@dataclass
+class MemoryFragmentation(FaultInjector):
+    """From the onset every batch has a random sequence length between ``min_length`` and ``max_length``."""
+
+    kind: ClassVar[str] = "memory_fragmentation"
+    min_length: int = 16
+    max_length: int = 256
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "fragmentation"}
+
+    def start(self, run: FaultRun) -> None:
+        super().start(run)
+        self.lengths = random.Random(run.seed)
+
+    def batch_length(self, step: int) -> int | None:
+        return self.lengths.randint(self.min_length, self.max_length) if self.active(step) else None
+
+
+@dataclass
+class CategoryDivergence(FaultInjector):
+    """From the onset a share of ``category``'s samples, growing to ``share`` over ``ramp_steps``, carry
+    wrong labels (a fixed permutation of the classes)."""
+
+    kind: ClassVar[str] = "category_divergence"
+    category: str
+    share: float
+    ramp_steps: int = 100
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "category": self.category, "magnitude": self.share}
+
+    def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
+        if not self.active(step):
+            return batch
+        assert task is not None
+        hit = batch.cat == task.names.index(self.category)
+        ramp = min(1.0, (step - self.run.onset + 1) / self.ramp_steps)
+        g = torch.Generator().manual_seed(step)
+        hit &= torch.rand(hit.shape, generator=g) < self.share * ramp
+        wrong = (3 * batch.y + 1) % task.classes  # a fixed permutation of the classes with no fixed point
+        return Batch(batch.x, torch.where(hit, wrong, batch.y), batch.cat)
+
+
+@dataclass
+class Overfitting(FaultInjector):
+    """Nothing is injected into a step: the task overfits (a tiny, noisy training set, in the scenario's
+    ``extra``). The onset is the eval step with the best validation loss, known once the run is over."""
+
+    kind: ClassVar[str] = "val_vs_train"
+
+    def onset_from_evals(self, best_val: tuple[float, int, Any] | None) -> tuple[int, Any, float] | None:
+        return None if best_val is None else (best_val[1], best_val[2], best_val[0])
+
+
+@dataclass
+class Stall(FaultInjector):
+    """The rank hangs for ``seconds``: in the training phase after the onset step (the run is then killed),
+    or in the data loader before the step after it (then recovers). Heartbeats go on throughout."""
+
+    kind: ClassVar[str] = "stall"
+    phase: Literal["train", "dataload"]
+    seconds: float
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": self.phase, "magnitude": self.seconds}
+
+    def label_fields(self) -> dict[str, Any]:
+        # the label's kind is the finding's ("stalled"); the phase it hangs in is its own field
+        return {"phase": self.phase, "kind": "stalled", "magnitude": self.seconds}
+
+    def data_wait(self, step: int, wait: float, timing: random.Random) -> float:
+        if self.phase == "dataload" and step == (self.run.onset or 0) + 1:
+            self.run.mark_onset()
+            return wait + self.seconds
+        return wait
+
+    def step_computed(self, step: int) -> None:
+        pass  # the onset is when the hang starts, below or in the data wait
+
+    def step_published(self, step: int, advance: Callable[[float], None]) -> str | None:
+        if self.phase != "train" or not self.at_onset(step):
+            return None
+        self.run.mark_onset()
+        advance(self.seconds)  # hung: the heartbeats go on, no step completes
+        return "interrupted"

@@ -1,0 +1,271 @@
+"""The remediation config (``runwatch remediate --config``): rules (action kinds -> argv command
+templates, each optionally behind a ``verify`` command), webhooks, fixed ``vars``, per-field
+patterns (``fields``) and the platform's ``targets`` mapping (inline or ``targets_file``).
+
+Loading refuses a config that could run something unintended: an unknown placeholder, a program
+that is a placeholder, an unsafe ``vars`` value, or a command aimed at a target the trainer
+declares itself (``{job_id}``, ``{host}``, ``{pod}``) with neither a ``verify`` command nor a
+``targets`` mapping. See docs/remediation.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from pydantic import Field, PrivateAttr, RootModel, field_validator, model_validator
+
+from runwatch.detectors.configfile import Strict, load_yaml_model
+from runwatch.producer.wire.action_kinds import ActionKind
+from runwatch.sinks.remediate.templates import (
+    ALLOWED_FIELDS,
+    DEFAULT_FIELD_RULES,
+    RUN_FIELDS,
+    FieldRule,
+    argv_fields,
+    check_argv_template,
+    unsafe_var_reason,
+)
+
+log = logging.getLogger(__name__)
+
+
+class VerifyCommand(Strict):
+    """Run before a command that uses self-declared targets: it must exit 0 within ``timeout_s``
+    and print the run id (and nothing else) on each non-empty line of its stdout."""
+
+    argv: list[str] = Field(min_length=1, description="program and arguments; {placeholders} allowed after argv[0]")
+    timeout_s: float = Field(default=10.0, gt=0, le=300)
+
+    @field_validator("argv")
+    @classmethod
+    def _check_argv(cls, argv: list[str]) -> list[str]:
+        return check_argv_template(argv)
+
+
+class CommandTemplate(Strict):
+    argv: list[str] = Field(min_length=1, description="program and arguments; {placeholders} allowed after argv[0]")
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    verify: VerifyCommand | None = Field(default=None, description="default: the rule's verify")
+
+    @field_validator("argv")
+    @classmethod
+    def _check_argv(cls, argv: list[str]) -> list[str]:
+        return check_argv_template(argv)
+
+    def key(self) -> str:
+        return "command:" + hashlib.sha1(orjson.dumps(self.argv)).hexdigest()[:16]
+
+    def declared_fields(self) -> list[str]:
+        """The self-declared fields (``RUN_FIELDS``) this command's argv uses."""
+        return [name for name in argv_fields(self.argv) if name in RUN_FIELDS]
+
+
+class Rule(Strict):
+    kinds: list[ActionKind] = Field(min_length=1)
+    commands: list[CommandTemplate] = Field(min_length=1)
+    verify: VerifyCommand | None = Field(default=None, description="for its commands that have none of their own")
+
+    @model_validator(mode="after")
+    def _inherit_verify(self) -> Rule:
+        for command in self.commands:
+            if command.verify is None and self.verify is not None:
+                command.verify = self.verify
+        return self
+
+
+class Target(Strict):
+    """Where a run really runs, as the platform knows it."""
+
+    job_id: str | None = None
+    host: str | None = None
+    pod: str | None = None
+
+    @field_validator("job_id", "host", "pod", mode="before")
+    @classmethod
+    def _number_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    def values(self) -> dict[str, str | None]:
+        return {name: getattr(self, name) for name in RUN_FIELDS}
+
+
+class TargetsMapping(RootModel[dict[str, Target]]):
+    """A targets file: a YAML mapping of run id -> {job_id, host, pod}."""
+
+
+def read_targets_file(path: Path) -> dict[str, Target]:
+    """The targets file's entries; raises ``ConfigError`` (a ``ValueError``) saying what is wrong."""
+    return load_yaml_model(path, TargetsMapping, "targets file").root
+
+
+class TargetsFile:
+    """The platform's mapping file, re-read when its modification time or size changes; if a
+    re-read fails (a half-written file), the last good contents stay in use."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = read_targets_file(path)  # raises: a config pointing at a bad file is refused
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def get(self, run_id: str) -> Target | None:
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self.entries = read_targets_file(self.path)
+            except ValueError as exc:
+                log.warning("remediate: targets file re-read failed (%s); keeping its last good contents", exc)
+        return self.entries.get(run_id)
+
+
+class Webhook(Strict):
+    url: str
+    kinds: list[ActionKind] | None = Field(default=None, description="default: every kind")
+    timeout_s: float = Field(default=10.0, gt=0, le=300)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{url!r} is not an http(s) URL")
+        return url
+
+    def key(self) -> str:
+        return "webhook:" + hashlib.sha1(self.url.encode()).hexdigest()[:16]
+
+    def redacted_url(self) -> str:
+        """Scheme and host only: a chat webhook's path is its secret."""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}/…" if parts.path.strip("/") or parts.query else self.url
+
+    def wants(self, kind: str) -> bool:
+        return self.kinds is None or kind in self.kinds
+
+
+class RemediationConfig(Strict):
+    vars: dict[str, str] = Field(default_factory=dict, description="fixed placeholder values")
+    fields: dict[str, FieldRule] = Field(
+        default_factory=dict, description="field -> full-match pattern, or {pattern, allow: [hazards]}")
+    targets: dict[str, Target] | None = Field(
+        default=None, description="platform mapping: run id -> {job_id, host, pod}, overriding the run's own")
+    targets_file: str | None = Field(default=None, description="absolute path of a YAML file like `targets`")
+    rules: list[Rule] = Field(default_factory=list)
+    webhooks: list[Webhook] = Field(default_factory=list)
+
+    _rules: dict[str, FieldRule] = PrivateAttr(default_factory=dict)
+    _targets_file: TargetsFile | None = PrivateAttr(default=None)
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _pattern_shorthand(cls, fields: Any) -> Any:
+        if isinstance(fields, dict):
+            return {k: {"pattern": v} if isinstance(v, str) else v for k, v in fields.items()}
+        return fields
+
+    @model_validator(mode="after")
+    def _check(self) -> RemediationConfig:
+        for name, value in self.vars.items():
+            if not name.isidentifier() or name in ALLOWED_FIELDS:
+                raise ValueError(f"vars.{name}: must be a plain name other than {', '.join(ALLOWED_FIELDS)}")
+            reason = unsafe_var_reason(value)
+            if reason:
+                raise ValueError(f"vars.{name} = {value!r} {reason}")
+        for name in self.fields:
+            if name not in ALLOWED_FIELDS:
+                raise ValueError(f"fields.{name}: patterns are for {', '.join(ALLOWED_FIELDS)} "
+                                 "(vars are checked as written)")
+        self._rules = {**DEFAULT_FIELD_RULES, **self.fields}
+
+        allowed = set(ALLOWED_FIELDS) | set(self.vars)
+        mapped = self.targets is not None or self.targets_file is not None
+        by_key: dict[str, CommandTemplate] = {}
+        for r, rule in enumerate(self.rules):
+            for c, command in enumerate(rule.commands):
+                where = f"rules.{r}.commands.{c} {command.argv}"
+                templates = [("", command.argv)] + ([("verify ", command.verify.argv)] if command.verify else [])
+                for what, argv in templates:
+                    for name in argv_fields(argv):
+                        if name not in allowed:
+                            raise ValueError(f"{where}: {what}{{{name}}}: allowed placeholders are "
+                                             f"{', '.join(sorted(allowed))}")
+                declared = command.declared_fields()
+                if command.verify is not None:
+                    missing = [n for n in declared if n not in argv_fields(command.verify.argv)]
+                    if missing:
+                        raise ValueError(
+                            f"{where}: its verify command {command.verify.argv} must use every self-declared "
+                            f"field the command uses, so that it checks that target: missing "
+                            f"{', '.join('{' + n + '}' for n in missing)}")
+                elif declared and not mapped:
+                    raise ValueError(
+                        f"{where} uses {', '.join('{' + n + '}' for n in declared)}, which the trainer declares "
+                        "itself (run_start), with neither a `verify` command (whose output must be the run id) "
+                        "nor a platform `targets`/`targets_file` mapping: any run could aim it at another "
+                        "team's job. Add one; see docs/remediation.md")
+                earlier = by_key.setdefault(command.key(), command)
+                if earlier.verify != command.verify:
+                    raise ValueError(f"{where} appears twice with different verify commands")
+
+        for run_id, target in (self.targets or {}).items():
+            for name, value in target.values().items():
+                reason = None if value is None else self._rules[name].reason(value)
+                if reason:
+                    raise ValueError(f"targets.{run_id}.{name} = {value!r} {reason}")
+        if self.targets_file is not None:
+            path = Path(self.targets_file)
+            if not path.is_absolute():
+                raise ValueError(f"targets_file {self.targets_file!r} must be an absolute path")
+            try:
+                self._targets_file = TargetsFile(path)
+            except ValueError as exc:
+                raise ValueError(f"targets_file: {exc}") from None
+        return self
+
+    def field_rules(self) -> dict[str, FieldRule]:
+        """Every field's rule: the defaults with the config's ``fields`` over them."""
+        return self._rules or dict(DEFAULT_FIELD_RULES)
+
+    @property
+    def has_mapping(self) -> bool:
+        return self.targets is not None or self.targets_file is not None
+
+    def target_for(self, run_id: str) -> Target | None:
+        """The platform's entry for ``run_id`` (the file's over the inline one), if any."""
+        if self._targets_file is not None:
+            entry = self._targets_file.get(run_id)
+            if entry is not None:
+                return entry
+        return (self.targets or {}).get(run_id)
+
+    def commands_for(self, kind: str) -> list[CommandTemplate]:
+        """Every command of every rule matching ``kind``, an identical template once."""
+        seen: dict[str, CommandTemplate] = {}
+        for rule in self.rules:
+            if kind in rule.kinds:
+                for command in rule.commands:
+                    seen.setdefault(command.key(), command)
+        return list(seen.values())
+
+    def webhooks_for(self, kind: str) -> list[Webhook]:
+        seen: dict[str, Webhook] = {}
+        for hook in self.webhooks:
+            if hook.wants(kind):
+                seen.setdefault(hook.key(), hook)
+        return list(seen.values())
+
+
+def load_remediation_config(path: str | Path) -> RemediationConfig:
+    return load_yaml_model(path, RemediationConfig, "remediation config")

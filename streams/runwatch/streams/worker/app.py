@@ -1,0 +1,299 @@
+"""The Faust application: consumes telemetry as raw bytes, has the detector process run the
+processor on it (streams/runwatch/streams/worker/detector_process.py), and publishes the results.
+
+Built by ``create_app`` (not at import time) so that the bootstrap, config and secret
+come from the command line. ``run_worker`` starts it in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import faust
+
+from runwatch.detectors import RunwatchConfig
+from runwatch.detectors.offline.replay import TICK_EVERY_S
+from runwatch.producer.wire import topics
+from runwatch.streams.worker import transport
+from runwatch.streams.worker.detector_process import (
+    REPLY_TIMEOUT_S,
+    DetectorProcess,
+    DetectorProcessError,
+    Outgoing,
+)
+from runwatch.streams.worker.health import CommitSensor, WorkerHealth
+from runwatch.streams.worker.health_server import HealthServer
+from runwatch.streams.worker.run_states import StateOptions
+
+log = logging.getLogger(__name__)
+
+DETECT_GROUP = topics.DETECT_GROUP
+# Events go to the detector process in batches: up to this many, or what arrived within this wait
+# (the wait adds at most that much to detection latency; a backlog fills batches at once).
+BATCH_MAX_EVENTS = 500
+BATCH_WAIT_S = 0.01
+MAX_BATCHES_IN_FLIGHT = 6  # batches sent to the detector process and not yet answered (a few, so it never idles)
+
+
+def faust_broker_url(bootstrap: str) -> str:
+    # runwatch:// is Faust's Kafka transport with a short fetch wait (streams/runwatch/streams/worker/transport.py)
+    return ";".join(f"{transport.SCHEME}://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
+
+
+class RunwatchApp(faust.App):
+    """Faust's app with hooks run first thing when it stops, while its agents and timers still run
+    (Faust waits for every read event's acknowledgement before its ``on_before_shutdown``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.before_stop: list[Callable[[], Awaitable[None]]] = []
+
+    async def on_stop(self) -> None:
+        for hook in self.before_stop:
+            try:
+                await hook()
+            except Exception:  # noqa: BLE001 - stopping goes on; what was not acknowledged is read again
+                log.exception("a stop hook failed")
+        await super().on_stop()
+
+
+def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> RunwatchApp:
+    """A Faust app with runwatch's settings (raw bytes, short fetch wait, quick group joins)."""
+    return RunwatchApp(
+        app_id,
+        broker=faust_broker_url(bootstrap),
+        value_serializer="raw",
+        key_serializer="raw",
+        processing_guarantee="at_least_once",
+        # Tansu (and small clusters) join groups in about half the session timeout;
+        # Faust's 60 s default leaves a new worker idle for 30 s.
+        broker_session_timeout=6.0,
+        broker_heartbeat_interval=1.0,
+        broker_commit_interval=1.0,
+        consumer_auto_offset_reset="earliest",
+        topic_allow_declare=False,  # topics are created by `runwatch broker` / ensure_topics
+        topic_partitions=topics.DEFAULT_PARTITIONS,
+        store="memory://",
+        producer_max_request_size=topics.STATE_MAX_BYTES + (1 << 20),  # a run's snapshot is one record
+        web_enabled=False,
+        web_port=web_port,
+    )
+
+
+def write_ready_file(ready_file: Path, assigned) -> None:  # noqa: ANN001 - a set of Faust TPs
+    ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
+
+
+MAX_BATCHES_AWAITING_DELIVERY = 64  # batches whose records are sent, waiting for the broker's acknowledgement
+DELIVERY_TIMEOUT_S = 60.0  # the producer retries within this; a record still undelivered fails the worker
+
+
+def create_app(
+    bootstrap: str,
+    config: RunwatchConfig,
+    secret: bytes,
+    *,
+    app_id: str = DETECT_GROUP,
+    web_port: int | None = 6066,
+    web_host: str = "0.0.0.0",
+    ready_file: Path | None = None,
+    detector_timeout_s: float = REPLY_TIMEOUT_S,
+    delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
+    baseline_dsn: str | None = None,
+    state: StateOptions | None = None,
+    partitions: int | None = None,
+    health_server: HealthServer | None = None,
+) -> tuple[faust.App, DetectorProcess]:
+    """The worker: a Faust agent that batches telemetry to the detector process and publishes what
+    comes back. Events are acknowledged (their offsets committed) only once their results are
+    delivered and a state checkpoint after them is too (streams/runwatch/streams/worker/run_states.py). Whatever stops progress (the detector process dies or stops answering, results cannot
+    be published) fails the worker: it exits non-zero and its successor reads the events again.
+    ``web_port`` serves the health endpoint (streams/runwatch/streams/worker/health.py); None turns it off; ``health_server``:
+    one already serving it (``runwatch worker`` starts it before anything else), which this worker takes over. ``baseline_dsn``:
+    the ClickHouse the runs' baseline bands are loaded from at their start (streams/runwatch/streams/worker/baselines.py).
+    ``state``: the runs' state snapshots to ``runwatch.state`` (streams/runwatch/streams/worker/run_states.py); on by default.
+    ``partitions``: the telemetry topic's partition count, against which each record's partition is checked."""
+    app = faust_app(bootstrap, app_id, web_port or 6066)
+    telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
+    out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
+                  for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)}
+    state = state or StateOptions()
+    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s, baseline_dsn=baseline_dsn,
+                                state_bootstrap=bootstrap if state.enabled else None, state=state, group=app_id,
+                                partitions=partitions)
+    health = WorkerHealth(detectors)
+    app.sensors.add(CommitSensor(health))
+
+    async def fail(reason: str, exc: BaseException) -> None:
+        health.fail(reason)
+        await app.crash(exc)
+        raise exc
+
+    async def send(records: list[Outgoing]) -> list[asyncio.Future]:
+        """Hand the records to the producer in order; returns their delivery futures."""
+        try:
+            return [await out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
+                    for r in records]
+        except Exception as exc:  # noqa: BLE001 - refused before sending (e.g. too large): never acked
+            health.publish_failures += 1
+            await fail(f"cannot publish results ({len(records)} records): {exc!r}; their events stay "
+                       "uncommitted", exc)
+            raise
+
+    # One pipeline, in request order: the agent's batches and the timer's ticks go to the detector
+    # process, their records are published, and events are acknowledged once a checkpoint's records
+    # (every run's state as of then: streams/runwatch/streams/worker/run_states.py) are delivered after them.
+    pipeline: dict[str, Any] = {}
+    in_order = asyncio.Lock()
+    submitted: dict[int, int] = {}  # telemetry partition -> the newest offset handed to the detector process
+
+    def behind() -> list[int]:
+        """Telemetry partitions whose broker holds events this worker has not handed on yet."""
+        lagging = []
+        for tp in app.consumer.assignment():
+            if tp.topic != topics.TELEMETRY or tp.partition not in submitted:
+                continue  # (nothing read from it yet: unknown, judged as caught up)
+            try:
+                high = app.consumer.highwater(tp)
+            except Exception:  # noqa: BLE001 - no fetch answered yet
+                continue
+            if high is not None and high - 1 > submitted[tp.partition]:
+                lagging.append(tp.partition)
+        return lagging
+
+    async def submit(kind: str, payload: Any, batch: list | None, done: asyncio.Future | None = None) -> None:
+        """``done`` resolves once this request's records are delivered and, at a checkpoint, acknowledged."""
+        async with in_order:  # (the child answers in request order: the queue must hold that order too)
+            await pipeline["inflight"].put((batch, detectors.submit(kind, payload), done))
+
+    async def acknowledge(stream, delivered: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
+        # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
+        # acknowledged every record they produced, and a checkpoint after them. The producer retries
+        # transient errors itself; what still fails fails the worker, and the events are read again by
+        # its successor.
+        held: list[list] = []
+        while True:
+            batch, futures, checkpoint, done = await delivered.get()
+            try:
+                await asyncio.wait_for(asyncio.gather(*futures), delivery_timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                health.publish_failures += 1
+                what = f"results of {len(batch)} events" if batch else "timer findings and snapshots"
+                await fail(f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc)
+            if batch:
+                held.append(batch)
+            if checkpoint:
+                for events in held:
+                    for event in events:
+                        await stream.ack(event)
+                held.clear()
+                health.last_ack = time.monotonic()
+            if done is not None and not done.done():
+                done.set_result(checkpoint)
+
+    async def complete(inflight: asyncio.Queue, delivered: asyncio.Queue) -> None:
+        # In order: send a request's records, then hand them to the acknowledger, while the next runs.
+        while True:
+            batch, reply, done = await inflight.get()
+            try:
+                answer = await reply
+            except DetectorProcessError as exc:
+                await fail(str(exc).splitlines()[0], exc)
+            await delivered.put((batch, await send(answer.records), answer.checkpoint, done))
+
+    @app.agent(telemetry)
+    async def detect(stream):  # noqa: ANN001
+        inflight: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
+        delivered: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
+        completer = asyncio.ensure_future(complete(inflight, delivered))
+        acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
+        await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
+        pipeline["inflight"] = inflight
+        try:
+            async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
+                raw = [(e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
+                       for e in batch]
+                for _value, _key, partition, offset, _ts in raw:
+                    submitted[partition] = max(offset, submitted.get(partition, -1))
+                await submit("events", raw, batch)
+                for task in (completer, acknowledger):
+                    if task.done():
+                        task.result()  # the detector process or publishing failed: crash with its error
+        finally:
+            pipeline.clear()
+            completer.cancel()
+            acknowledger.cancel()
+
+    @app.on_partitions_assigned.connect
+    async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
+        owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
+        for partition in set(submitted) - owned:
+            del submitted[partition]
+        health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
+        # Drops the runs moved away and restores those of new partitions (before any of their events:
+        # the child handles requests in order). The reply also says the detector process is up: only
+        # then is the worker ready.
+        try:
+            reply = await detectors.submit("keep_partitions", owned)
+        except DetectorProcessError as exc:
+            await fail(str(exc).splitlines()[0], exc)
+        for run in reply.dropped_runs:
+            log.info("run %s moved to another worker", run)
+        if ready_file is not None:
+            write_ready_file(ready_file, assigned)
+
+    async def last_checkpoint() -> None:
+        # Stopping: every run's state now, so that what this worker read is acknowledged and committed
+        # (Faust waits for that) and its successor starts where it stopped.
+        if "inflight" not in pipeline or detectors.failed:
+            return
+        done = asyncio.get_running_loop().create_future()
+        await submit("tick", (True, []), None, done)
+        await asyncio.wait_for(done, delivery_timeout_s)
+
+    app.before_stop.append(last_checkpoint)
+
+    @app.timer(TICK_EVERY_S)  # as `runwatch replay --tick` does on event time
+    async def tick() -> None:
+        # Stalled or silent ranks are found by time passing, not by an event arriving; not for runs
+        # whose partition this worker is behind on. During a rebalance the tick asks for a checkpoint
+        # at once: the revoke waits for every event's ack.
+        if "inflight" in pipeline:
+            await submit("tick", (bool(app.rebalancing), behind()), None)
+
+    @app.timer(30.0)
+    async def report_counters() -> None:
+        c = detectors.counters
+        log.info("processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s", c.processed,
+                 c.deadlettered, c.detector_errors, c.anomalies, dict(c.actions))
+
+    if health_server is None and web_port is not None:
+        health_server = HealthServer(web_host, web_port).start()
+    if health_server is not None:
+        health_server.health = health
+        server = health_server
+
+        @app.on_before_shutdown.connect
+        async def stop_health(sender, **kwargs) -> None:  # noqa: ANN001
+            if health.failure is not None:
+                return  # a failing worker keeps saying why until the process ends
+            server.close()
+
+    @app.on_before_shutdown.connect
+    async def stop_detectors(sender, **kwargs) -> None:  # noqa: ANN001
+        detectors.close()
+
+    return app, detectors
+
+
+def run_worker(app: faust.App, loglevel: str = "WARNING") -> None:
+    """Run until SIGINT/SIGTERM (blocks; Faust installs the signal handlers)."""
+    from faust.worker import Worker
+
+    logging.getLogger("runwatch").setLevel(logging.INFO)
+    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
