@@ -44,19 +44,34 @@ def generated_summaries(n: int, seed: int = 0) -> list[RunSummary]:
     for i in range(n):
         parts = FINGERPRINTS[i % 2]
         metrics: dict[str, float | None] = {
-            "training_time_s": 3600 * rng.gauss(1, 0.02), "steps": 1000.0,
-            "step_time_median_s": 0.5 * rng.gauss(1, 0.01), "step_time_p95_s": 0.6 * rng.gauss(1, 0.02),
-            "samples_per_s": 512 * rng.gauss(1, 0.01), "mfu": 0.42 * rng.gauss(1, 0.01),
-            "data_wait_share": 0.02 * rng.gauss(1, 0.05), "max_cuda_peak_bytes": 6e10 * rng.gauss(1, 0.002),
-            "max_host_rss_bytes": 3e10 * rng.gauss(1, 0.01), "final_loss": 2.1 * rng.gauss(1, 0.005),
-            "last_eval_loss": 2.2 * rng.gauss(1, 0.005), "best_eval_loss": 2.19 * rng.gauss(1, 0.005),
+            "training_time_s": 3600 * rng.gauss(1, 0.02),
+            "steps": 1000.0,
+            "step_time_median_s": 0.5 * rng.gauss(1, 0.01),
+            "step_time_p95_s": 0.6 * rng.gauss(1, 0.02),
+            "samples_per_s": 512 * rng.gauss(1, 0.01),
+            "mfu": 0.42 * rng.gauss(1, 0.01),
+            "data_wait_share": 0.02 * rng.gauss(1, 0.05),
+            "max_cuda_peak_bytes": 6e10 * rng.gauss(1, 0.002),
+            "max_host_rss_bytes": 3e10 * rng.gauss(1, 0.01),
+            "final_loss": 2.1 * rng.gauss(1, 0.005),
+            "last_eval_loss": 2.2 * rng.gauss(1, 0.005),
+            "best_eval_loss": 2.19 * rng.gauss(1, 0.005),
             **{f"loss_at_step_{s}": (4 - s / 400) * rng.gauss(1, 0.005) for s in range(100, 1001, 100)},
             "rollbacks": 0.0,
         }
-        out.append(RunSummary(run_id=f"bench-{i:06d}", baseline_key=KEYS[(i // 2) % len(KEYS)], git_sha=f"{i:040x}",
-                              fingerprint=fingerprint_id(parts), fingerprint_parts=parts,
-                              started_at=NOW - timedelta(days=60) + timedelta(seconds=60 * 86400 * i / n),
-                              ended_at=None, status="completed", metrics=metrics))
+        out.append(
+            RunSummary(
+                run_id=f"bench-{i:06d}",
+                baseline_key=KEYS[(i // 2) % len(KEYS)],
+                git_sha=f"{i:040x}",
+                fingerprint=fingerprint_id(parts),
+                fingerprint_parts=parts,
+                started_at=NOW - timedelta(days=60) + timedelta(seconds=60 * 86400 * i / n),
+                ended_at=None,
+                status="completed",
+                metrics=metrics,
+            )
+        )
     return out
 
 
@@ -66,7 +81,9 @@ def time_check(sink: ClickHouseSink, run: RunSummary, repeats: int) -> list[floa
     for _ in range(repeats):
         started = time.perf_counter()
         assert run.baseline_key is not None and run.started_at is not None
-        candidates = sink.baselines.candidates(run.baseline_key, run.fingerprint, run.started_at, config.window_days)
+        candidates = sink.baselines.candidates(
+            run.baseline_key, run.fingerprint, run.started_at, config.window_days
+        )
         report = check_run(run, candidates, config)
         times.append(time.perf_counter() - started)
     assert report.history_size >= config.min_runs
@@ -82,14 +99,19 @@ def bench_check(n: int, repeats: int) -> dict:
             summaries = generated_summaries(count)
             started = time.perf_counter()
             for i in range(0, len(summaries), 1000):
-                sink.writer.write_summaries(summaries[i:i + 1000])
+                sink.writer.write_summaries(summaries[i : i + 1000])
             write_s = time.perf_counter() - started
             times = time_check(sink, summaries[-1], repeats)
             sink.close()
-        result[label] = {"summaries": count, "write_s": round(write_s, 3),
-                         "check_median_ms": round(1000 * statistics.median(times), 2),
-                         "check_max_ms": round(1000 * max(times), 2)}
-    result["ratio_full_over_tenth"] = round(result["full"]["check_median_ms"] / result["tenth"]["check_median_ms"], 2)
+        result[label] = {
+            "summaries": count,
+            "write_s": round(write_s, 3),
+            "check_median_ms": round(1000 * statistics.median(times), 2),
+            "check_max_ms": round(1000 * max(times), 2),
+        }
+    result["ratio_full_over_tenth"] = round(
+        result["full"]["check_median_ms"] / result["tenth"]["check_median_ms"], 2
+    )
     return result
 
 
@@ -101,11 +123,18 @@ def step_stream(run_id: str, start: datetime, steps: int, modules: int, seed: in
     events = []
     for step in range(steps):
         noise = math.exp(rng.gauss(0, 0.1))
-        events.append(StepEvent(
-            run_id=run_id, step=step, ts=start + timedelta(seconds=0.5 * step), loss=3 * math.exp(-step / 500) * noise,
-            grad_norm=noise, step_time_s=0.5 * math.exp(rng.gauss(0, 0.02)),
-            module_grad_norms={n: 0.1 * noise * math.exp(rng.gauss(0, 0.1)) for n in names},
-            memory=MemoryStats(allocated=30_000_000_000 + rng.randrange(10**8), peak=31_000_000_000)))
+        events.append(
+            StepEvent(
+                run_id=run_id,
+                step=step,
+                ts=start + timedelta(seconds=0.5 * step),
+                loss=3 * math.exp(-step / 500) * noise,
+                grad_norm=noise,
+                step_time_s=0.5 * math.exp(rng.gauss(0, 0.02)),
+                module_grad_norms={n: 0.1 * noise * math.exp(rng.gauss(0, 0.1)) for n in names},
+                memory=MemoryStats(allocated=30_000_000_000 + rng.randrange(10**8), peak=31_000_000_000),
+            )
+        )
     return events
 
 
@@ -124,9 +153,14 @@ def bench_band(runs: int, steps: int, modules: int, repeats: int) -> dict:
             summarizer = RunSummarizer(f"band-{i}")
             for event in events:
                 summarizer.observe(event)
-            summary = summarizer.summary().model_copy(update={
-                "baseline_key": "bench/band", "fingerprint": fingerprint_id(parts), "fingerprint_parts": parts,
-                "status": "completed"})
+            summary = summarizer.summary().model_copy(
+                update={
+                    "baseline_key": "bench/band",
+                    "fingerprint": fingerprint_id(parts),
+                    "fingerprint_parts": parts,
+                    "status": "completed",
+                }
+            )
             summaries.append(summary)
         sink.writer.write_summaries(summaries)
         times = []
@@ -136,8 +170,14 @@ def bench_band(runs: int, steps: int, modules: int, repeats: int) -> dict:
             times.append(time.perf_counter() - started)
         sink.close()
     assert band is not None and band.n_runs == runs
-    return {"baseline_runs": runs, "steps": steps, "modules": modules, "metrics": len(band.metrics),
-            "load_median_s": round(statistics.median(times), 3), "load_max_s": round(max(times), 3)}
+    return {
+        "baseline_runs": runs,
+        "steps": steps,
+        "modules": modules,
+        "metrics": len(band.metrics),
+        "load_median_s": round(statistics.median(times), 3),
+        "load_max_s": round(max(times), 3),
+    }
 
 
 def bench_detector(events: int, modules: int) -> dict:
@@ -163,10 +203,14 @@ def bench_detector(events: int, modules: int) -> dict:
     for event in stream:
         monitor.observe(event)
     monitor_per_event = (time.perf_counter() - started) / len(stream)
-    return {"events": len(stream), "modules": modules, "band_metrics": len(band.metrics),
-            "detector_us_per_event": round(1e6 * per_event, 1),
-            "monitor_us_per_event": round(1e6 * monitor_per_event, 1),
-            "detector_share_of_monitor": round(per_event / monitor_per_event, 3)}
+    return {
+        "events": len(stream),
+        "modules": modules,
+        "band_metrics": len(band.metrics),
+        "detector_us_per_event": round(1e6 * per_event, 1),
+        "monitor_us_per_event": round(1e6 * monitor_per_event, 1),
+        "detector_share_of_monitor": round(per_event / monitor_per_event, 3),
+    }
 
 
 def main() -> None:
@@ -178,11 +222,18 @@ def main() -> None:
     parser.add_argument("--modules", type=int, default=20)
     parser.add_argument("--events", type=int, default=2000)
     args = parser.parse_args()
-    print(json.dumps({
-        "check": bench_check(args.summaries, args.repeats),
-        "band_load": bench_band(args.band_runs, args.band_steps, args.modules, max(3, args.repeats // 4)),
-        "detector": bench_detector(args.events, args.modules),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "check": bench_check(args.summaries, args.repeats),
+                "band_load": bench_band(
+                    args.band_runs, args.band_steps, args.modules, max(3, args.repeats // 4)
+                ),
+                "detector": bench_detector(args.events, args.modules),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -75,16 +75,21 @@ def main() -> None:
     def pct(q: float) -> float | None:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 1) if ordered else None
 
-    print(json.dumps({
-        "benchmark": "detection_latency_faulty_step_to_trainer",
-        "runs": args.runs,
-        "missed": missed,
-        "fetch_max_wait_ms": int(os.environ.get("RUNWATCH_FETCH_MAX_WAIT_MS", "50")),
-        "p50_ms": pct(0.5),
-        "p99_ms": pct(0.99),
-        "max_ms": round(ordered[-1] * 1e3, 1) if ordered else None,
-        "mean_ms": round(statistics.fmean(ordered) * 1e3, 1) if ordered else None,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "detection_latency_faulty_step_to_trainer",
+                "runs": args.runs,
+                "missed": missed,
+                "fetch_max_wait_ms": int(os.environ.get("RUNWATCH_FETCH_MAX_WAIT_MS", "50")),
+                "p50_ms": pct(0.5),
+                "p99_ms": pct(0.99),
+                "max_ms": round(ordered[-1] * 1e3, 1) if ordered else None,
+                "mean_ms": round(statistics.fmean(ordered) * 1e3, 1) if ordered else None,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

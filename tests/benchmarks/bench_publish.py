@@ -32,8 +32,11 @@ def time_calls(rw: RunWatch, calls: int) -> list[float]:
 
 def summarize(samples: list[float]) -> dict:
     s = sorted(samples)
-    return {"median_us": round(statistics.median(s) * 1e6, 2), "p99_us": round(s[int(0.99 * len(s))] * 1e6, 2),
-            "max_us": round(s[-1] * 1e6, 2)}
+    return {
+        "median_us": round(statistics.median(s) * 1e6, 2),
+        "p99_us": round(s[int(0.99 * len(s))] * 1e6, 2),
+        "max_us": round(s[-1] * 1e6, 2),
+    }
 
 
 def main() -> None:
@@ -52,12 +55,21 @@ def main() -> None:
     result = {
         "benchmark": "publish_call",
         "calls": args.calls,
-        "reachable_broker": {**summarize(reachable), "published": up_stats.published, "dropped": up_stats.dropped},
-        "no_broker": {**summarize(unreachable), "published": down_stats.published, "dropped": down_stats.dropped,
-                     "spooled": down_stats.spooled},
+        "reachable_broker": {
+            **summarize(reachable),
+            "published": up_stats.published,
+            "dropped": up_stats.dropped,
+        },
+        "no_broker": {
+            **summarize(unreachable),
+            "published": down_stats.published,
+            "dropped": down_stats.dropped,
+            "spooled": down_stats.spooled,
+        },
     }
     result["ratio_median_no_broker_over_reachable"] = round(
-        result["no_broker"]["median_us"] / result["reachable_broker"]["median_us"], 3)
+        result["no_broker"]["median_us"] / result["reachable_broker"]["median_us"], 3
+    )
     print(json.dumps(result, indent=2))
 
 

@@ -60,11 +60,17 @@ def log(message: str) -> None:
 
 def step_event(run: str, step: int, rng: random.Random, t0: datetime) -> StepEvent:
     return StepEvent(
-        run_id=run, step=step, ts=t0 + timedelta(seconds=0.2 * step),
-        loss=2.0 * math.exp(rng.gauss(0, 0.05)), lr=[3e-4], grad_norm=1.0 + rng.random() * 0.1,
+        run_id=run,
+        step=step,
+        ts=t0 + timedelta(seconds=0.2 * step),
+        loss=2.0 * math.exp(rng.gauss(0, 0.05)),
+        lr=[3e-4],
+        grad_norm=1.0 + rng.random() * 0.1,
         module_grad_norms={f"layers.{k}": 0.1 + rng.random() * 0.01 for k in range(20)},
         category_loss={f"c{k}": CategoryLoss(mean=2.0 + rng.gauss(0, 0.05), count=16) for k in range(8)},
-        step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)), data_wait_s=0.01, samples_per_s=640.0,
+        step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)),
+        data_wait_s=0.01,
+        samples_per_s=640.0,
         memory=MemoryStats(allocated=10**10, reserved=12 * 10**9, host_rss=8 * 2**30),
     )
 
@@ -73,8 +79,11 @@ def stream(runs: int, steps: int, seed: int = 0) -> list[tuple[bytes, bytes, int
     """(value, key, partition) of ``steps`` events of each of ``runs`` runs, interleaved."""
     rng = random.Random(seed)
     t0 = datetime.now(UTC) - timedelta(hours=1)
-    return [(step_event(f"bench-{r}", s, rng, t0).to_json(), f"bench-{r}".encode(), r % PARTITIONS)
-            for s in range(steps) for r in range(runs)]
+    return [
+        (step_event(f"bench-{r}", s, rng, t0).to_json(), f"bench-{r}".encode(), r % PARTITIONS)
+        for s in range(steps)
+        for r in range(runs)
+    ]
 
 
 class NoState:
@@ -86,12 +95,17 @@ class NoState:
 
 # -- snapshot cost per event ------------------------------------------------------------------------
 
+
 def snapshot_cost(runs: int, steps: int, checkpoint_every: int) -> dict:
     events = stream(runs, steps)
     rates = {}
     for mode in ("off", "on", "off", "on"):  # alternated, the second of each counts
-        proc = TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=NoState() if mode == "on" else None,
-                                  state=StateOptions(interval_s=1e9))
+        proc = TelemetryProcessor(
+            RunwatchConfig(),
+            SECRET,
+            state_reader=NoState() if mode == "on" else None,
+            state=StateOptions(interval_s=1e9),
+        )
         proc.keep_partitions(set(range(PARTITIONS)))
         written = 0
         started = time.perf_counter()
@@ -101,22 +115,31 @@ def snapshot_cost(runs: int, steps: int, checkpoint_every: int) -> dict:
                 records, _ = proc.take_snapshots(force_checkpoint=(i + 1) % checkpoint_every < 500)
                 written += sum(len(r.value or b"") for r in records)
         elapsed = time.perf_counter() - started
-        rates[mode] = {"us_per_event": elapsed / len(events) * 1e6, "snapshots": proc.counters.snapshots,
-                       "snapshot_mb": written / 1e6}
+        rates[mode] = {
+            "us_per_event": elapsed / len(events) * 1e6,
+            "snapshots": proc.counters.snapshots,
+            "snapshot_mb": written / 1e6,
+        }
         log(f"snapshot cost, state {mode}: {rates[mode]}")
-    return {"events": len(events), "runs": runs,
-            "us_per_event_state_off": round(rates["off"]["us_per_event"], 1),
-            "us_per_event_state_on": round(rates["on"]["us_per_event"], 1),
-            "ratio_on_over_off": round(rates["on"]["us_per_event"] / rates["off"]["us_per_event"], 3),
-            "snapshots_written": rates["on"]["snapshots"], "snapshot_mb_written": round(rates["on"]["snapshot_mb"], 1),
-            "checkpoint_every_events": checkpoint_every}
+    return {
+        "events": len(events),
+        "runs": runs,
+        "us_per_event_state_off": round(rates["off"]["us_per_event"], 1),
+        "us_per_event_state_on": round(rates["on"]["us_per_event"], 1),
+        "ratio_on_over_off": round(rates["on"]["us_per_event"] / rates["off"]["us_per_event"], 3),
+        "snapshots_written": rates["on"]["snapshots"],
+        "snapshot_mb_written": round(rates["on"]["snapshot_mb"], 1),
+        "checkpoint_every_events": checkpoint_every,
+    }
 
 
 def snapshot_size() -> dict:
     """One run's snapshot bytes and time to take, as it grows."""
     rng = random.Random(1)
     t0 = datetime.now(UTC) - timedelta(hours=2)
-    proc = TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9))
+    proc = TelemetryProcessor(
+        RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9)
+    )
     proc.keep_partitions({0})
     out = {}
     for n in range(5000):
@@ -126,11 +149,16 @@ def snapshot_size() -> dict:
             records, _ = proc.take_snapshots(force_checkpoint=True)
             took = time.perf_counter() - started
             (record,) = records
-            out[f"after_{n + 1}_events"] = {"bytes": len(record.value or b""), "ms_to_take": round(took * 1e3, 2)}
+            out[f"after_{n + 1}_events"] = {
+                "bytes": len(record.value or b""),
+                "ms_to_take": round(took * 1e3, 2),
+            }
     from runwatch.producer.wire.schema import RunStartEvent
 
     for world in (8, 32):  # a multi-rank run: per-rank detectors and the join grow with its ranks
-        proc = TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9))
+        proc = TelemetryProcessor(
+            RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9)
+        )
         proc.keep_partitions({0})
         run = f"ranks-{world}"
         proc.process(RunStartEvent(run_id=run, world_size=world, ts=t0).to_json(), run.encode(), 0, 0)
@@ -144,12 +172,16 @@ def snapshot_size() -> dict:
         records, _ = proc.take_snapshots(force_checkpoint=True)
         took = time.perf_counter() - started
         size = len(records[0].value or b"")
-        out[f"{world}_ranks_after_200_steps"] = {"bytes": size, "bytes_per_rank": size // world,
-                                                 "ms_to_take": round(took * 1e3, 2)}
+        out[f"{world}_ranks_after_200_steps"] = {
+            "bytes": size,
+            "bytes_per_rank": size // world,
+            "ms_to_take": round(took * 1e3, 2),
+        }
     return out
 
 
 # -- memory per held run ----------------------------------------------------------------------------
+
 
 def _rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -184,31 +216,49 @@ def held_memory(runs: int, steps: int) -> dict:
     proc.tick(datetime.now(UTC) + timedelta(hours=2))
     release_memory()
     after = _rss_mib()
-    return {"runs": runs, "events_per_run": steps, "rss_before_mib": round(before, 1),
-            "rss_holding_mib": round(held, 1), "kib_per_held_run": round((held - before) * 1024 / runs, 1),
-            "rss_after_let_go_mib": round(after, 1), "fill_s": round(fill_s, 2)}
+    return {
+        "runs": runs,
+        "events_per_run": steps,
+        "rss_before_mib": round(before, 1),
+        "rss_holding_mib": round(held, 1),
+        "kib_per_held_run": round((held - before) * 1024 / runs, 1),
+        "rss_after_let_go_mib": round(after, 1),
+        "fill_s": round(fill_s, 2),
+    }
 
 
 def held_memory_in_child(runs: int, steps: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--memory", str(runs), str(steps)], capture_output=True,
-                         text=True, timeout=1800, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory", str(runs), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # -- restore time ---------------------------------------------------------------------------------
+
 
 def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
     from kafka import KafkaProducer
 
     from runwatch.streams.worker.state_reader import StateReader
 
-    builder = TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9))
+    builder = TelemetryProcessor(
+        RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9)
+    )
     builder.keep_partitions(set(range(PARTITIONS)))
     for i, (value, key, partition) in enumerate(stream(runs, steps, seed=2)):
         builder.process(value, key, partition, i)
     records, _ = builder.take_snapshots(force_checkpoint=True)
-    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION,
-                             max_request_size=topics.STATE_MAX_BYTES, linger_ms=20)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        api_version=topics.KAFKA_API_VERSION,
+        max_request_size=topics.STATE_MAX_BYTES,
+        linger_ms=20,
+    )
     for r in records:
         producer.send(topics.STATE, key=r.key.encode(), value=r.value, partition=r.partition)
     producer.flush(120)
@@ -218,20 +268,30 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
     started = time.perf_counter()
     read = reader.read(set(range(PARTITIONS)))
     read_s = time.perf_counter() - started
-    fresh = TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=StateReader(bootstrap, timeout_s=120),
-                               state=StateOptions(interval_s=1e9))
+    fresh = TelemetryProcessor(
+        RunwatchConfig(),
+        SECRET,
+        state_reader=StateReader(bootstrap, timeout_s=120),
+        state=StateOptions(interval_s=1e9),
+    )
     started = time.perf_counter()
     fresh.keep_partitions(set(range(PARTITIONS)))
     restore_s = time.perf_counter() - started
     reader.close()
     assert fresh.counters.restored_runs == runs == len(read), (fresh.counters.restored_runs, runs, len(read))
-    return {"runs": runs, "events_per_run": steps, "mb": round(total / 1e6, 1),
-            "median_snapshot_bytes": int(statistics.median(len(r.value or b"") for r in records)),
-            "read_s": round(read_s, 2), "restore_s": round(restore_s, 2),
-            "restore_s_per_1000_runs": round(restore_s / runs * 1000, 2)}
+    return {
+        "runs": runs,
+        "events_per_run": steps,
+        "mb": round(total / 1e6, 1),
+        "median_snapshot_bytes": int(statistics.median(len(r.value or b"") for r in records)),
+        "read_s": round(read_s, 2),
+        "restore_s": round(restore_s, 2),
+        "restore_s_per_1000_runs": round(restore_s / runs * 1000, 2),
+    }
 
 
 # -- the published tail, full -------------------------------------------------------------------------
+
 
 def tail_read(bootstrap: str, restored_runs: int = 1000, other_runs: int = 10_000) -> dict:
     """The successor's read of what was published, with every partition's tail full: ``TAIL_RECORDS``
@@ -248,11 +308,27 @@ def tail_read(bootstrap: str, restored_runs: int = 1000, other_runs: int = 10_00
     total = TAIL_RECORDS * PARTITIONS
     for i in range(total):
         run = rng.choice(runs)
-        anomaly = Anomaly(anomaly_id=f"{run}-a{i}", run_id=run, detector="loss_spike", metric="loss",
-                          severity="warning", message=f"loss {rng.uniform(2, 9):.3f} spiked over its median", ts=now,
-                          step=rng.randrange(100_000), score=rng.random())
-        action = Action(action_id=f"{run}-x{i}", run_id=run, kind="alert", reason="loss spike", step=anomaly.step,
-                        anomaly_ids=[anomaly.anomaly_id], issued_at=now, expires_at=now + timedelta(minutes=5))
+        anomaly = Anomaly(
+            anomaly_id=f"{run}-a{i}",
+            run_id=run,
+            detector="loss_spike",
+            metric="loss",
+            severity="warning",
+            message=f"loss {rng.uniform(2, 9):.3f} spiked over its median",
+            ts=now,
+            step=rng.randrange(100_000),
+            score=rng.random(),
+        )
+        action = Action(
+            action_id=f"{run}-x{i}",
+            run_id=run,
+            kind="alert",
+            reason="loss spike",
+            step=anomaly.step,
+            anomaly_ids=[anomaly.anomaly_id],
+            issued_at=now,
+            expires_at=now + timedelta(minutes=5),
+        )
         producer.send(topics.ANOMALIES, key=run.encode(), value=anomaly.to_json(), partition=i % PARTITIONS)
         producer.send(topics.ACTIONS, key=run.encode(), value=action.to_json(), partition=i % PARTITIONS)
     producer.flush(120)
@@ -264,12 +340,20 @@ def tail_read(bootstrap: str, restored_runs: int = 1000, other_runs: int = 10_00
         read_s = time.perf_counter() - started
     finally:
         reader.close()
-    return {"records_per_partition_per_topic": TAIL_RECORDS, "partitions": PARTITIONS,
-            "records_read": 2 * total, "restored_runs": restored_runs, "kept": len(published),
-            "read_s": round(read_s, 2), "budget_s": READ_BUDGET_S, "within_budget": read_s < READ_BUDGET_S}
+    return {
+        "records_per_partition_per_topic": TAIL_RECORDS,
+        "partitions": PARTITIONS,
+        "records_read": 2 * total,
+        "restored_runs": restored_runs,
+        "kept": len(published),
+        "read_s": round(read_s, 2),
+        "budget_s": READ_BUDGET_S,
+        "within_budget": read_s < READ_BUDGET_S,
+    }
 
 
 # -- one worker against two ------------------------------------------------------------------------
+
 
 def worker_process(bootstrap: str, group: str, state: str, out: str, ready: str) -> None:
     """A worker (create_app) that writes, per partition, when it handed its first and last event to
@@ -280,19 +364,28 @@ def worker_process(bootstrap: str, group: str, state: str, out: str, ready: str)
 
     from runwatch.streams.worker.app import create_app
 
-    app, detectors = create_app(bootstrap, RunwatchConfig(), SECRET, app_id=group, web_port=free_port(),
-                                ready_file=Path(ready), state=StateOptions(enabled=state == "on"))
+    app, detectors = create_app(
+        bootstrap,
+        RunwatchConfig(),
+        SECRET,
+        app_id=group,
+        web_port=free_port(),
+        ready_file=Path(ready),
+        state=StateOptions(enabled=state == "on"),
+    )
     seen: dict[int, list] = {}
     submit = detectors.submit
 
     def timed_submit(kind, payload=None):  # noqa: ANN001, ANN202
         reply = submit(kind, payload)
         if kind == "events":
+
             def done(_f) -> None:  # noqa: ANN001
                 now = time.time()
                 for _v, _k, p, o, _ts in payload:
                     entry = seen.setdefault(p, [now, now, o, 0])
                     entry[1], entry[2], entry[3] = now, max(entry[2], o), entry[3] + 1
+
             reply.add_done_callback(done)
         return reply
 
@@ -310,10 +403,17 @@ def worker_process(bootstrap: str, group: str, state: str, out: str, ready: str)
 def fill(bootstrap: str, n: int, runs: int) -> dict[int, int]:
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, acks=1,
-                             linger_ms=20, batch_size=256 * 1024)
-    futures = [producer.send(topics.TELEMETRY, key=key, value=value)
-               for value, key, _ in stream(runs, n // runs, seed=3)]
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        api_version=topics.KAFKA_API_VERSION,
+        acks=1,
+        linger_ms=20,
+        batch_size=256 * 1024,
+    )
+    futures = [
+        producer.send(topics.TELEMETRY, key=key, value=value)
+        for value, key, _ in stream(runs, n // runs, seed=3)
+    ]
     producer.flush(timeout=120)
     last: dict[int, int] = {}
     for f in futures:
@@ -331,8 +431,9 @@ def group_rate(workers: int, state: str, events: int, runs: int, tmp: Path, time
         return _group_rate(broker.bootstrap, workers, state, events, runs, tmp, timeout)
 
 
-def _group_rate(bootstrap: str, workers: int, state: str, events: int, runs: int, tmp: Path,
-                timeout: float) -> float:
+def _group_rate(
+    bootstrap: str, workers: int, state: str, events: int, runs: int, tmp: Path, timeout: float
+) -> float:
     group = f"bench-state-{secrets.token_hex(4)}"
     procs, outs, readies = [], [], []
     try:
@@ -340,9 +441,15 @@ def _group_rate(bootstrap: str, workers: int, state: str, events: int, runs: int
             out, ready = tmp / f"{group}-{w}.json", tmp / f"{group}-{w}.ready"
             outs.append(out)
             readies.append(ready)
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", bootstrap, group, state, str(out), str(ready)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=tmp))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", bootstrap, group, state, str(out), str(ready)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    cwd=tmp,
+                )
+            )
         deadline = time.monotonic() + timeout
 
         def assigned() -> list[set[str]]:
@@ -351,7 +458,11 @@ def _group_rate(bootstrap: str, workers: int, state: str, events: int, runs: int
         telemetry = {f"{topics.TELEMETRY}:{p}" for p in range(PARTITIONS)}
         while True:  # every worker holds some partitions and together they hold them all, once
             got = assigned()
-            if all(got) and set().union(*got) >= telemetry and sum(len(g & telemetry) for g in got) == PARTITIONS:
+            if (
+                all(got)
+                and set().union(*got) >= telemetry
+                and sum(len(g & telemetry) for g in got) == PARTITIONS
+            ):
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"the workers did not split the partitions: {got}")
@@ -394,8 +505,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--restore-runs", type=int, default=1000)
-    ap.add_argument("--checkpoint-rate", type=float, default=3500.0,
-                    help="events/s one worker handles: a checkpoint (5 s) every rate x 5 events")
+    ap.add_argument(
+        "--checkpoint-rate",
+        type=float,
+        default=3500.0,
+        help="events/s one worker handles: a checkpoint (5 s) every rate x 5 events",
+    )
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--memory", nargs=2, type=int, help=argparse.SUPPRESS)
@@ -428,12 +543,17 @@ def main() -> None:
             rates = {}
             for workers, state in order:
                 rates[f"{workers}_worker_state_{state}"] = group_rate(
-                    workers, state, args.events, args.runs, Path(tmp), args.timeout)
-                log(f"round {r}: {workers} worker(s), state {state}: {rates[f'{workers}_worker_state_{state}']:.0f} events/s")
+                    workers, state, args.events, args.runs, Path(tmp), args.timeout
+                )
+                log(
+                    f"round {r}: {workers} worker(s), state {state}: {rates[f'{workers}_worker_state_{state}']:.0f} events/s"
+                )
             rounds.append({k: round(v) for k, v in rates.items()})
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     result["throughput"] = {
-        "events": args.events, "runs": args.runs, "rounds": rounds,
+        "events": args.events,
+        "runs": args.runs,
+        "rounds": rounds,
         "median_events_per_s": {k: round(v) for k, v in med.items()},
         "ratio_two_workers_over_one": round(med["2_worker_state_on"] / med["1_worker_state_on"], 3),
         "ratio_state_on_over_off": round(med["1_worker_state_on"] / med["1_worker_state_off"], 3),

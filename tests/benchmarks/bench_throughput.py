@@ -74,8 +74,9 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
             async for event in stream.events():
                 clock(event.message.partition, event.message.offset)
     else:
-        app, detectors = create_app(bootstrap, RunwatchConfig(), secrets.token_bytes(32), app_id=group,
-                                    web_port=free_port())
+        app, detectors = create_app(
+            bootstrap, RunwatchConfig(), secrets.token_bytes(32), app_id=group, web_port=free_port()
+        )
         submit = detectors.submit
 
         def timed_submit(kind, payload=None):  # noqa: ANN001, ANN202 - an event counts once its reply is back
@@ -96,19 +97,30 @@ def fill(bootstrap: str, n: int, runs: int) -> dict[int, int]:
     from kafka import KafkaProducer
 
     rng = random.Random(0)
-    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, acks=1,
-                             linger_ms=20, batch_size=256 * 1024)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        api_version=topics.KAFKA_API_VERSION,
+        acks=1,
+        linger_ms=20,
+        batch_size=256 * 1024,
+    )
     last: dict[int, int] = {}
     t0 = datetime.now(UTC) - timedelta(hours=1)  # (ts must lie near the record timestamp: now)
     futures = []
     for i in range(n):
         run, step = f"bench-{i % runs}", i // runs
         event = StepEvent(
-            run_id=run, step=step, ts=t0 + timedelta(seconds=0.2 * step),
-            loss=2.0 * math.exp(rng.gauss(0, 0.05)), lr=[3e-4], grad_norm=1.0 + rng.random() * 0.1,
+            run_id=run,
+            step=step,
+            ts=t0 + timedelta(seconds=0.2 * step),
+            loss=2.0 * math.exp(rng.gauss(0, 0.05)),
+            lr=[3e-4],
+            grad_norm=1.0 + rng.random() * 0.1,
             module_grad_norms={f"layers.{k}": 0.1 + rng.random() * 0.01 for k in range(20)},
             category_loss={f"c{k}": CategoryLoss(mean=2.0 + rng.gauss(0, 0.05), count=16) for k in range(8)},
-            step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)), data_wait_s=0.01, samples_per_s=640.0,
+            step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)),
+            data_wait_s=0.01,
+            samples_per_s=640.0,
             memory=MemoryStats(allocated=10**10, reserved=12 * 10**9, host_rss=8 * 2**30),
         )
         futures.append(producer.send(topics.TELEMETRY, key=run.encode(), value=event.to_json()))
@@ -124,8 +136,12 @@ def consume(role: str, bootstrap: str, ends: dict[int, int], tmp: Path, timeout:
     """Run one consumer process until it has timed itself; returns its seconds."""
     out = tmp / f"{role}.json"
     out.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, __file__, "--consumer", role, bootstrap, json.dumps(ends), str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--consumer", role, bootstrap, json.dumps(ends), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + timeout
         while not out.exists():
@@ -154,7 +170,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--consumer", nargs=4, metavar=("ROLE", "BOOTSTRAP", "ENDS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--consumer", nargs=4, metavar=("ROLE", "BOOTSTRAP", "ENDS", "OUT"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.consumer:
         consumer(*args.consumer)
@@ -169,22 +187,37 @@ def main() -> None:
             order = ("noop", "runwatch") if r % 2 == 0 else ("runwatch", "noop")
             seconds = {role: consume(role, broker.bootstrap, ends, Path(tmp), args.timeout) for role in order}
             noop_rate, worker_rate = args.events / seconds["noop"], args.events / seconds["runwatch"]
-            rounds.append({"first": order[0], "noop_agent_events_per_s": round(noop_rate),
-                           "runwatch_worker_events_per_s": round(worker_rate),
-                           "ratio_worker_over_noop": round(worker_rate / noop_rate, 3)})
+            rounds.append(
+                {
+                    "first": order[0],
+                    "noop_agent_events_per_s": round(noop_rate),
+                    "runwatch_worker_events_per_s": round(worker_rate),
+                    "ratio_worker_over_noop": round(worker_rate / noop_rate, 3),
+                }
+            )
             print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({
-        "benchmark": "pipeline_throughput_step_events",
-        "events": args.events,
-        "runs": args.runs,
-        "fill_events_per_s": round(args.events / fill_s),
-        "rounds": rounds,
-        "median_noop_agent_events_per_s": round(statistics.median(r["noop_agent_events_per_s"] for r in rounds)),
-        "median_runwatch_worker_events_per_s": round(statistics.median(r["runwatch_worker_events_per_s"]
-                                                                       for r in rounds)),
-        "median_ratio_worker_over_noop": round(statistics.median(r["ratio_worker_over_noop"] for r in rounds), 3),
-        "target_ratio": 0.5,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "pipeline_throughput_step_events",
+                "events": args.events,
+                "runs": args.runs,
+                "fill_events_per_s": round(args.events / fill_s),
+                "rounds": rounds,
+                "median_noop_agent_events_per_s": round(
+                    statistics.median(r["noop_agent_events_per_s"] for r in rounds)
+                ),
+                "median_runwatch_worker_events_per_s": round(
+                    statistics.median(r["runwatch_worker_events_per_s"] for r in rounds)
+                ),
+                "median_ratio_worker_over_noop": round(
+                    statistics.median(r["ratio_worker_over_noop"] for r in rounds), 3
+                ),
+                "target_ratio": 0.5,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -95,7 +97,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_loop(config: str, device: str, bootstrap: str, blocks: int, block_steps: int, sync_check: bool) -> dict:
+def run_loop(
+    config: str, device: str, bootstrap: str, blocks: int, block_steps: int, sync_check: bool
+) -> dict:
     vocab = CONFIGS[config][0]
     batch, seq = CONFIGS[config][4:] if device == "cuda" else CPU_SHAPE[config]
     bare_model, bare_opt = make_arm(config, device, seq)
@@ -135,7 +139,7 @@ def run_loop(config: str, device: str, bootstrap: str, blocks: int, block_steps:
         sync_calls = 0
         step = 0
         for b in range(blocks):
-            for arm in (("bare", "watched") if b % 2 else ("watched", "bare")):
+            for arm in ("bare", "watched") if b % 2 else ("watched", "bare"):
                 fn = bare_step if arm == "bare" else watched_step
                 sync(device)
                 t = time.perf_counter()
@@ -156,13 +160,18 @@ def run_loop(config: str, device: str, bootstrap: str, blocks: int, block_steps:
         stats = rw.close(timeout=30)
     bare, watched = statistics.median(times["bare"]), statistics.median(times["watched"])
     return {
-        "batch": batch, "seq": seq, "blocks": blocks, "steps_per_block": block_steps,
+        "batch": batch,
+        "seq": seq,
+        "blocks": blocks,
+        "steps_per_block": block_steps,
         "bare_step_ms": round(bare / block_steps * 1e3, 3),
         "watched_step_ms": round(watched / block_steps * 1e3, 3),
         "ratio": round(watched / bare, 4),
         "sync_calls_in_watched_blocks": sync_calls if sync_check else None,
         "watch_errors": watch.errors,
-        "published": stats.published, "spooled": stats.spooled, "dropped": stats.dropped,
+        "published": stats.published,
+        "spooled": stats.spooled,
+        "dropped": stats.dropped,
     }
 
 
@@ -177,36 +186,52 @@ def params_and_tensors(config: str) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--configs", default=None, help="comma-separated of small,mid,large (default: all that fit "
-                                                    "the device; CPU: small)")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated of small,mid,large (default: all that fit the device; CPU: small)",
+    )
     ap.add_argument("--blocks", type=int, default=None, help="blocks per arm (default 10 on CUDA, 4 on CPU)")
-    ap.add_argument("--block-steps", type=int, default=None, help="steps per block (default 50 on CUDA, 10 on CPU)")
+    ap.add_argument(
+        "--block-steps", type=int, default=None, help="steps per block (default 50 on CUDA, 10 on CPU)"
+    )
     ap.add_argument("--host-steps", type=int, default=1000, help="steps of the host-cost part (0: skip it)")
-    ap.add_argument("--sync-check", action="store_true", help="CUDA: count synchronizing calls in watched blocks")
+    ap.add_argument(
+        "--sync-check", action="store_true", help="CUDA: count synchronizing calls in watched blocks"
+    )
     args = ap.parse_args()
     cuda = args.device == "cuda"
     configs = args.configs.split(",") if args.configs else (list(CONFIGS) if cuda else ["small"])
     blocks = args.blocks or (10 if cuda else 4)
     block_steps = args.block_steps or (50 if cuda else 10)
-    result: dict = {"benchmark": "watch_step_overhead", "device": args.device,
-                    "device_name": torch.cuda.get_device_name() if cuda else "cpu",
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    result: dict = {
+        "benchmark": "watch_step_overhead",
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
     with EmbeddedBroker() as broker:
         ensure_topics(broker.bootstrap)
         unreachable = f"127.0.0.1:{free_port()}"
         if args.host_steps:
-            result["host"] = {"tensor_ops_per_step": count_ops(),
-                              "broker_reachable": measure(broker.bootstrap, steps=args.host_steps),
-                              "broker_unreachable": measure(unreachable, steps=args.host_steps)}
+            result["host"] = {
+                "tensor_ops_per_step": count_ops(),
+                "broker_reachable": measure(broker.bootstrap, steps=args.host_steps),
+                "broker_unreachable": measure(unreachable, steps=args.host_steps),
+            }
         result["loops"] = {}
         for config in configs:
             params, tensors = params_and_tensors(config)
             result["loops"][config] = {
-                "params": params, "tensors": tensors,
-                "broker_reachable": run_loop(config, args.device, broker.bootstrap, blocks, block_steps,
-                                             args.sync_check),
-                "broker_unreachable": run_loop(config, args.device, unreachable, blocks, block_steps,
-                                               args.sync_check),
+                "params": params,
+                "tensors": tensors,
+                "broker_reachable": run_loop(
+                    config, args.device, broker.bootstrap, blocks, block_steps, args.sync_check
+                ),
+                "broker_unreachable": run_loop(
+                    config, args.device, unreachable, blocks, block_steps, args.sync_check
+                ),
             }
             print(json.dumps({config: result["loops"][config]}), file=sys.stderr, flush=True)  # progress
     print(json.dumps(result, indent=2))

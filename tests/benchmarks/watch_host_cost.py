@@ -64,7 +64,9 @@ def _time_calls(watch: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
     for name in names:
         original = getattr(watch, name)
 
-        def timed(*args: Any, _original: Any = original, _out: list[float] = times[name], **kwargs: Any) -> Any:
+        def timed(
+            *args: Any, _original: Any = original, _out: list[float] = times[name], **kwargs: Any
+        ) -> Any:
             t = time.thread_time()
             try:
                 return _original(*args, **kwargs)
@@ -84,8 +86,9 @@ def count_ops(update_every: int = 10) -> dict[str, Any]:
         from runwatch.producer import JsonlRecorder
 
         rw = JsonlRecorder(f"{spool}/events.jsonl", "bench-ops", collect_metadata=False)
-        watch = rw.watch(model, opt, clip=1.0, update_every=update_every, heartbeat_s=None, memory=False,
-                         hooks=False)
+        watch = rw.watch(
+            model, opt, clip=1.0, update_every=update_every, heartbeat_s=None, memory=False, hooks=False
+        )
         counts = []
         for step in range(2):
             model(x).square().mean().backward()
@@ -104,8 +107,12 @@ def count_ops(update_every: int = 10) -> dict[str, Any]:
     clip = OpCounter()
     with clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    return {"update_step": sum(counts[0].values()), "plain_step": sum(counts[1].values()),
-            "clip_grad_norm_": sum(clip.ops.values()), "plain_step_ops": dict(counts[1])}
+    return {
+        "update_step": sum(counts[0].values()),
+        "plain_step": sum(counts[1].values()),
+        "clip_grad_norm_": sum(clip.ops.values()),
+        "plain_step_ops": dict(counts[1]),
+    }
 
 
 def measure(bootstrap: str, steps: int = 2000, update_every: int = 10) -> dict[str, Any]:
@@ -146,7 +153,9 @@ def measure(bootstrap: str, steps: int = 2000, update_every: int = 10) -> dict[s
         cpu1 = _thread_cpu_s(threads)
         stats = rw.close(timeout=30)
     per_call = {name: statistics.fmean(t[warmup:]) * 1e6 for name, t in calls.items() if len(t) > warmup}
-    calls_us = sum(per_call.values())  # means over all steps: the update steps' extra cost is spread over them
+    calls_us = sum(
+        per_call.values()
+    )  # means over all steps: the update steps' extra cost is spread over them
     clip_us = statistics.fmean(clip_times[warmup:]) * 1e6
     background = (cpu1 - cpu0) / steps * 1e6
     return {

@@ -33,7 +33,10 @@ def find_chromium(install: bool = True) -> tuple[str | None, str]:
     if not install:
         return None, "no chromium on PATH"
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return None, "no chromium on PATH, and not root with apt-get to install it (Debian: apt-get install chromium)"
+        return (
+            None,
+            "no chromium on PATH, and not root with apt-get to install it (Debian: apt-get install chromium)",
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
@@ -55,16 +58,30 @@ class Browser:
     def __enter__(self) -> Browser:
         import websocket
 
-        argv = [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--remote-debugging-port=0",
-                f"--user-data-dir={self.profile}", f"--window-size={self.width},{self.height}", "about:blank"]
+        argv = [
+            self.binary,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={self.profile}",
+            f"--window-size={self.width},{self.height}",
+            "about:blank",
+        ]
         # Its own process group: the renderer and crashpad children write to the profile too, so all of them
         # are ended before the profile is removed.
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         port = self._devtools_port(timeout=60)
         pages = self._page_targets(port, timeout=30)
-        self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True)
+        self.ws = websocket.create_connection(
+            pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True
+        )
         for method in ("Runtime.enable", "Log.enable", "Page.enable"):
             self.call(method)
         return self
@@ -132,15 +149,22 @@ class Browser:
     def _on_event(self, message: dict[str, Any]) -> None:
         method, params = message.get("method"), message.get("params", {})
         if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-            self.console_errors.append("console." + params["type"] + ": " + " ".join(
-                str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
+            self.console_errors.append(
+                "console."
+                + params["type"]
+                + ": "
+                + " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
+            )
         elif method == "Runtime.exceptionThrown":
             details = params.get("exceptionDetails", {})
-            self.console_errors.append("uncaught: " + str(details.get("exception", {}).get("description")
-                                                          or details.get("text")))
+            self.console_errors.append(
+                "uncaught: " + str(details.get("exception", {}).get("description") or details.get("text"))
+            )
         elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
             entry = params["entry"]
-            self.console_errors.append(f"log ({entry.get('source')}): {entry.get('text')} {entry.get('url', '')}")
+            self.console_errors.append(
+                f"log ({entry.get('source')}): {entry.get('text')} {entry.get('url', '')}"
+            )
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         """Send one DevTools command and return its result (events seen meanwhile are recorded)."""
@@ -162,8 +186,13 @@ class Browser:
 
     def open(self, url: str, until: str, timeout: float = 60) -> Any:
         """Navigate to ``url`` and wait until the JavaScript ``until`` is truthy; returns its value."""
-        self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height, deviceScaleFactor=1,
-                  mobile=False)
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=self.width,
+            height=self.height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         self.call("Page.navigate", url=url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -171,14 +200,21 @@ class Browser:
             if value:
                 return value
             time.sleep(0.2)
-        raise TimeoutError(f"{until} not true within {timeout}s on {url}; console errors: {self.console_errors}")
+        raise TimeoutError(
+            f"{until} not true within {timeout}s on {url}; console errors: {self.console_errors}"
+        )
 
     def screenshot(self, path: Path, full_page: bool = True) -> Path:
         """A PNG of the page (its whole height when ``full_page``)."""
         if full_page:
             height = int(self.evaluate("document.documentElement.scrollHeight"))
-            self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=height, deviceScaleFactor=1,
-                      mobile=False)
+            self.call(
+                "Emulation.setDeviceMetricsOverride",
+                width=self.width,
+                height=height,
+                deviceScaleFactor=1,
+                mobile=False,
+            )
             time.sleep(0.5)  # plotly's responsive relayout
         data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
         path.write_bytes(base64.b64decode(data))

@@ -33,13 +33,21 @@ def secret() -> str:
 
 
 @contextlib.contextmanager
-def worker_with_config(broker: EmbeddedBroker, secret: str, folder: Path, config: dict,
-                       group: str, extra_args: tuple[str, ...] = ()) -> Iterator[WorkerProcess]:
+def worker_with_config(
+    broker: EmbeddedBroker,
+    secret: str,
+    folder: Path,
+    config: dict,
+    group: str,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[WorkerProcess]:
     """A worker of its own consumer group running ``config`` (the session's default-config worker
     may be running too), stopped by its pid at the end."""
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    w = WorkerProcess(broker.bootstrap, secret, folder / "worker.log", path, group=group, extra_args=extra_args)
+    w = WorkerProcess(
+        broker.bootstrap, secret, folder / "worker.log", path, group=group, extra_args=extra_args
+    )
     try:
         w.wait_ready(90)
         yield w
@@ -77,8 +85,9 @@ def read_topic(bootstrap: str, topic: str, until: Callable[[list], bool], timeou
     """Every record of ``topic`` from the beginning, polled until ``until(records)`` holds."""
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION,
-                             fetch_max_wait_ms=50)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, fetch_max_wait_ms=50
+    )
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
         consumer.assign(tps)
@@ -119,7 +128,8 @@ def nan_demo_run(broker, secret, chdb_dsn, tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)  # the demo keeps logs and checkpoints under ./.runwatch
         mp.setenv(topics.SECRET_ENV, secret)
-        report = run_demo(DemoOptions(scenario="nan", steps=160, bootstrap=broker.bootstrap, dsn=chdb_dsn,
-                                      timeout_s=120))
+        report = run_demo(
+            DemoOptions(scenario="nan", steps=160, bootstrap=broker.bootstrap, dsn=chdb_dsn, timeout_s=120)
+        )
     assert len(report["rollbacks"]) == 1 and report["steps_completed"] == 160, report
     return report

@@ -51,7 +51,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--fault", action="append", default=[], help="KIND:ARGS (repeatable)")
     p.add_argument("--shard", action="store_true")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step (real steps are slow)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="seconds of extra work per step (real steps are slow)"
+    )
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--stop-exit-after-s", type=float, default=2.0)
     return p.parse_args()
@@ -68,8 +70,13 @@ def main() -> int:
     faults = {kind: params for kind, *params in (f.split(":") for f in args.fault)}
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                            world_size=args.world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=120),
+    )
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR)
@@ -78,8 +85,14 @@ def main() -> int:
 
     rw = RunWatch(args.run_id, bootstrap=args.bootstrap, rank=args.rank, world_size=args.world, spool=False)
     watch = rw.watch(ddp, optimizer, heartbeat_s=0.5, update_every=0, shard=shard)
-    listener = ActionListener(rw, model, optimizer, heartbeat=watch.heartbeat,
-                              stop_exit_after_s=args.stop_exit_after_s, stop_exit_code=STOP_EXIT_CODE)
+    listener = ActionListener(
+        rw,
+        model,
+        optimizer,
+        heartbeat=watch.heartbeat,
+        stop_exit_after_s=args.stop_exit_after_s,
+        stop_exit_code=STOP_EXIT_CODE,
+    )
     listener.wait_ready(30)
     dist.barrier()
 
@@ -96,9 +109,16 @@ def main() -> int:
             applied_now = listener.poll(step)
             stop = False
             for applied in applied_now:
-                result["applied"].append({"kind": applied.kind, "outcome": applied.outcome, "at": step,
-                                          "to_step": applied.to_step, "lr_scale": applied.lr_scale,
-                                          "skip": applied.skip_steps})
+                result["applied"].append(
+                    {
+                        "kind": applied.kind,
+                        "outcome": applied.outcome,
+                        "at": step,
+                        "to_step": applied.to_step,
+                        "lr_scale": applied.lr_scale,
+                        "skip": applied.skip_steps,
+                    }
+                )
                 if applied.kind == "rollback" and applied.outcome == "applied":
                     step, skip = applied.to_step + 1, applied.skip_steps
                     batch_id = step  # replay the same data from there, except the window to skip
@@ -119,14 +139,16 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = nn.functional.mse_loss(ddp(x), y)
             if ("bad_batch" in faults and batch_id == int(faults["bad_batch"][0])) or (
-                    "bad_step" in faults and step == int(faults["bad_step"][0])):
+                "bad_step" in faults and step == int(faults["bad_step"][0])
+            ):
                 loss = loss * 1e6  # the gradients explode
             loss.backward()
             time.sleep(args.step_sleep)
             if args.shard and args.rank == 0:
                 grads = [p.grad for p in ddp.parameters()]
                 result["full_grad_norms"][step] = torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+                    torch.stack([torch.linalg.vector_norm(g) for g in grads])
+                ).item()
             optimizer.step()
             optimizer.zero_grad()
             watch.end_step(loss, step=step, samples=len(x))
@@ -148,7 +170,10 @@ def main() -> int:
     watch.close()
     listener.close()
     rw.close(status=result["status"] if result["status"] != "failed" else "failed")
-    result["published"], result["drop_reasons"] = rw.stats.published, rw.stats.drop_reasons  # for a failure's message
+    result["published"], result["drop_reasons"] = (
+        rw.stats.published,
+        rw.stats.drop_reasons,
+    )  # for a failure's message
     write()
     return 0
 

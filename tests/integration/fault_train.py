@@ -92,9 +92,16 @@ def main() -> int:
         while step < args.steps:
             stop = False
             for applied in listener.poll(step):
-                result["applied"].append({"kind": applied.kind, "outcome": applied.outcome, "at": step,
-                                          "to_step": applied.to_step, "lr_scale": applied.lr_scale,
-                                          "lr_after": optimizer.param_groups[0]["lr"]})
+                result["applied"].append(
+                    {
+                        "kind": applied.kind,
+                        "outcome": applied.outcome,
+                        "at": step,
+                        "to_step": applied.to_step,
+                        "lr_scale": applied.lr_scale,
+                        "lr_after": optimizer.param_groups[0]["lr"],
+                    }
+                )
                 if applied.kind == "rollback" and applied.outcome == "applied":
                     step = applied.to_step + 1
                     last_rollback_at = step

@@ -96,8 +96,13 @@ class GrafanaStandIn:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = raw.decode(errors="replace")
-                request = Request(self.command, unquote(parsed.path), parse_qs(parsed.query), body,
-                                  self.headers.get("Authorization"))
+                request = Request(
+                    self.command,
+                    unquote(parsed.path),
+                    parse_qs(parsed.query),
+                    body,
+                    self.headers.get("Authorization"),
+                )
                 with standin.lock:
                     standin.requests.append(request)
                     status, answer = standin.answer(request)
@@ -117,7 +122,9 @@ class GrafanaStandIn:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="grafana-standin", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="grafana-standin", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -138,11 +145,16 @@ class GrafanaStandIn:
     def answer(self, r: Request) -> tuple[int, Any]:
         """Grafana's status and JSON body for ``r`` (the caller holds the lock)."""
         token = (r.authorization or "").removeprefix("Bearer ")
-        if token not in (self.admin_token, self.viewer_token) or not (r.authorization or "").startswith("Bearer "):
+        if token not in (self.admin_token, self.viewer_token) or not (r.authorization or "").startswith(
+            "Bearer "
+        ):
             return 401, {"message": "invalid API key", "messageId": "api-keys.invalid", "statusCode": 401}
         if r.is_write and token != self.admin_token:
-            return 403, {"message": "You'll need additional permissions to perform this action. "
-                                    "Permissions needed: any of datasources:create", "accessErrorId": "ACE0000000001"}
+            return 403, {
+                "message": "You'll need additional permissions to perform this action. "
+                "Permissions needed: any of datasources:create",
+                "accessErrorId": "ACE0000000001",
+            }
         routes = [
             ("GET", r"/api/folders/([^/]+)", self.get_folder),
             ("POST", r"/api/folders", self.create_folder),
@@ -173,9 +185,20 @@ class GrafanaStandIn:
         if uid in self.state.folders:
             return 409, {"message": "a folder with the same uid already exists"}
         if any(f["title"] == title for f in self.state.folders.values()):
-            return 409, {"message": "a folder or dashboard in the general folder with the same name already exists"}
-        folder = {"id": self.state.new_id(), "uid": uid, "title": title, "url": f"/dashboards/f/{uid}/",
-                  "hasAcl": False, "canSave": True, "canEdit": True, "canAdmin": True, "version": 1}
+            return 409, {
+                "message": "a folder or dashboard in the general folder with the same name already exists"
+            }
+        folder = {
+            "id": self.state.new_id(),
+            "uid": uid,
+            "title": title,
+            "url": f"/dashboards/f/{uid}/",
+            "hasAcl": False,
+            "canSave": True,
+            "canEdit": True,
+            "canAdmin": True,
+            "version": 1,
+        }
         self.state.folders[uid] = folder
         return 200, folder
 
@@ -185,7 +208,10 @@ class GrafanaStandIn:
             return 404, {"message": "folder not found", "status": "not-found"}
         body = r.body or {}
         if not body.get("overwrite") and body.get("version") != folder["version"]:
-            return 412, {"message": "the folder has been changed by someone else", "status": "version-mismatch"}
+            return 412, {
+                "message": "the folder has been changed by someone else",
+                "status": "version-mismatch",
+            }
         folder.update(title=body.get("title", folder["title"]), version=folder["version"] + 1)
         return 200, folder
 
@@ -199,13 +225,26 @@ class GrafanaStandIn:
 
     def _stored_datasource(self, body: dict[str, Any], ds_id: int, version: int) -> dict[str, Any]:
         secure = body.get("secureJsonData") or {}
-        return {"id": ds_id, "uid": body["uid"], "orgId": 1, "name": body["name"], "type": body["type"],
-                "typeLogoUrl": "public/plugins/grafana-clickhouse-datasource/img/logo.svg",
-                "access": body.get("access", "proxy"), "url": body.get("url", ""), "user": body.get("user", ""),
-                "database": body.get("database", ""), "basicAuth": bool(body.get("basicAuth")),
-                "basicAuthUser": "", "withCredentials": False, "isDefault": bool(body.get("isDefault")),
-                "jsonData": copy.deepcopy(body.get("jsonData") or {}),
-                "secureJsonFields": {key: True for key in secure}, "version": version, "readOnly": False}
+        return {
+            "id": ds_id,
+            "uid": body["uid"],
+            "orgId": 1,
+            "name": body["name"],
+            "type": body["type"],
+            "typeLogoUrl": "public/plugins/grafana-clickhouse-datasource/img/logo.svg",
+            "access": body.get("access", "proxy"),
+            "url": body.get("url", ""),
+            "user": body.get("user", ""),
+            "database": body.get("database", ""),
+            "basicAuth": bool(body.get("basicAuth")),
+            "basicAuthUser": "",
+            "withCredentials": False,
+            "isDefault": bool(body.get("isDefault")),
+            "jsonData": copy.deepcopy(body.get("jsonData") or {}),
+            "secureJsonFields": {key: True for key in secure},
+            "version": version,
+            "readOnly": False,
+        }
 
     def create_datasource(self, r: Request) -> tuple[int, Any]:
         body = r.body or {}
@@ -219,8 +258,12 @@ class GrafanaStandIn:
         stored = self._stored_datasource({**body, "uid": uid}, self.state.new_id(), 1)
         self.state.datasources[uid] = stored
         self.state.secure[uid] = dict(body.get("secureJsonData") or {})
-        return 200, {"datasource": stored, "id": stored["id"], "message": "Datasource added",
-                     "name": stored["name"]}
+        return 200, {
+            "datasource": stored,
+            "id": stored["id"],
+            "message": "Datasource added",
+            "name": stored["name"],
+        }
 
     def update_datasource(self, r: Request, uid: str) -> tuple[int, Any]:
         current = self.state.datasources.get(uid)
@@ -228,14 +271,21 @@ class GrafanaStandIn:
             return 404, {"message": "Data source not found"}
         body = r.body or {}
         if "version" in body and body["version"] != current["version"]:
-            return 409, {"message": "Datasource has already been updated by someone else. Please reload and try again"}
+            return 409, {
+                "message": "Datasource has already been updated by someone else. Please reload and try again"
+            }
         secure = {**self.state.secure.get(uid, {}), **(body.get("secureJsonData") or {})}
-        stored = self._stored_datasource({**body, "uid": uid, "secureJsonData": secure}, current["id"],
-                                         current["version"] + 1)
+        stored = self._stored_datasource(
+            {**body, "uid": uid, "secureJsonData": secure}, current["id"], current["version"] + 1
+        )
         self.state.datasources[uid] = stored
         self.state.secure[uid] = secure
-        return 200, {"datasource": stored, "id": stored["id"], "message": "Datasource updated",
-                     "name": stored["name"]}
+        return 200, {
+            "datasource": stored,
+            "id": stored["id"],
+            "message": "Datasource updated",
+            "name": stored["name"],
+        }
 
     def get_dashboard(self, r: Request, uid: str) -> tuple[int, Any]:
         entry = self.state.dashboards.get(uid)
@@ -243,10 +293,18 @@ class GrafanaStandIn:
             return 404, {"message": "Dashboard not found"}
         folder = self.state.folders.get(entry["folderUid"] or "", {})
         dashboard = entry["dashboard"]
-        meta = {"type": "db", "canSave": True, "canEdit": True, "slug": _slug(dashboard["title"]),
-                "url": f"/d/{uid}/{_slug(dashboard['title'])}", "version": dashboard["version"],
-                "folderId": folder.get("id", 0), "folderUid": entry["folderUid"] or "",
-                "folderTitle": folder.get("title", "General"), "provisioned": False}
+        meta = {
+            "type": "db",
+            "canSave": True,
+            "canEdit": True,
+            "slug": _slug(dashboard["title"]),
+            "url": f"/d/{uid}/{_slug(dashboard['title'])}",
+            "version": dashboard["version"],
+            "folderId": folder.get("id", 0),
+            "folderUid": entry["folderUid"] or "",
+            "folderTitle": folder.get("title", "General"),
+            "provisioned": False,
+        }
         return 200, {"dashboard": copy.deepcopy(dashboard), "meta": meta}
 
     def save_dashboard(self, r: Request) -> tuple[int, Any]:
@@ -260,19 +318,43 @@ class GrafanaStandIn:
         uid = dashboard.get("uid") or f"d{self.state.next_id}"
         existing = self.state.dashboards.get(uid)
         for other_uid, other in self.state.dashboards.items():
-            if other_uid != uid and other["folderUid"] == folder_uid and other["dashboard"]["title"] == dashboard["title"]:
-                return 412, {"message": "A dashboard with the same name in the folder already exists",
-                             "status": "name-exists"}
-        if existing is not None and not body.get("overwrite") \
-                and dashboard.get("version") != existing["dashboard"]["version"]:
-            return 412, {"message": "The dashboard has been changed by someone else", "status": "version-mismatch"}
+            if (
+                other_uid != uid
+                and other["folderUid"] == folder_uid
+                and other["dashboard"]["title"] == dashboard["title"]
+            ):
+                return 412, {
+                    "message": "A dashboard with the same name in the folder already exists",
+                    "status": "name-exists",
+                }
+        if (
+            existing is not None
+            and not body.get("overwrite")
+            and dashboard.get("version") != existing["dashboard"]["version"]
+        ):
+            return 412, {
+                "message": "The dashboard has been changed by someone else",
+                "status": "version-mismatch",
+            }
         if existing is None and dashboard.get("id") is not None:
             return 404, {"message": "Dashboard not found"}
         version = existing["dashboard"]["version"] + 1 if existing else 1
-        dashboard.update(id=existing["dashboard"]["id"] if existing else self.state.new_id(), uid=uid, version=version)
-        self.state.dashboards[uid] = {"dashboard": dashboard, "folderUid": folder_uid, "message": body.get("message")}
-        return 200, {"id": dashboard["id"], "uid": uid, "url": f"/d/{uid}/{_slug(dashboard['title'])}",
-                     "status": "success", "version": version, "slug": _slug(dashboard["title"])}
+        dashboard.update(
+            id=existing["dashboard"]["id"] if existing else self.state.new_id(), uid=uid, version=version
+        )
+        self.state.dashboards[uid] = {
+            "dashboard": dashboard,
+            "folderUid": folder_uid,
+            "message": body.get("message"),
+        }
+        return 200, {
+            "id": dashboard["id"],
+            "uid": uid,
+            "url": f"/d/{uid}/{_slug(dashboard['title'])}",
+            "status": "success",
+            "version": version,
+            "slug": _slug(dashboard["title"]),
+        }
 
     def search(self, r: Request) -> tuple[int, Any]:
         query = (r.query.get("query") or [""])[0].lower()
@@ -281,18 +363,40 @@ class GrafanaStandIn:
         uids = set(r.query.get("dashboardUIDs") or [])
         hits: list[dict[str, Any]] = []
         if kind in ("", "dash-folder"):
-            hits += [{"id": f["id"], "uid": f["uid"], "title": f["title"], "type": "dash-folder",
-                      "url": f["url"], "tags": [], "isStarred": False} for f in self.state.folders.values()
-                     if query in f["title"].lower() and not folder_uids and (not uids or f["uid"] in uids)]
+            hits += [
+                {
+                    "id": f["id"],
+                    "uid": f["uid"],
+                    "title": f["title"],
+                    "type": "dash-folder",
+                    "url": f["url"],
+                    "tags": [],
+                    "isStarred": False,
+                }
+                for f in self.state.folders.values()
+                if query in f["title"].lower() and not folder_uids and (not uids or f["uid"] in uids)
+            ]
         if kind in ("", "dash-db"):
             for uid, entry in self.state.dashboards.items():
                 d, folder = entry["dashboard"], self.state.folders.get(entry["folderUid"], {})
-                if query in d["title"].lower() and (not folder_uids or entry["folderUid"] in folder_uids) \
-                        and (not uids or uid in uids):
-                    hits.append({"id": d["id"], "uid": uid, "title": d["title"], "type": "dash-db",
-                                 "url": f"/d/{uid}/{_slug(d['title'])}", "tags": d.get("tags", []),
-                                 "isStarred": False, "folderUid": entry["folderUid"],
-                                 "folderTitle": folder.get("title", "General")})
+                if (
+                    query in d["title"].lower()
+                    and (not folder_uids or entry["folderUid"] in folder_uids)
+                    and (not uids or uid in uids)
+                ):
+                    hits.append(
+                        {
+                            "id": d["id"],
+                            "uid": uid,
+                            "title": d["title"],
+                            "type": "dash-db",
+                            "url": f"/d/{uid}/{_slug(d['title'])}",
+                            "tags": d.get("tags", []),
+                            "isStarred": False,
+                            "folderUid": entry["folderUid"],
+                            "folderTitle": folder.get("title", "General"),
+                        }
+                    )
         return 200, sorted(hits, key=lambda h: h["title"])
 
 

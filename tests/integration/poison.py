@@ -27,11 +27,23 @@ def _now_iso() -> str:
 
 def _event(rng: random.Random, run_id: str, kind: str = "step") -> dict:
     """A valid event to be broken."""
-    event = {"schema_version": 1, "event_id": f"poison-{rng.getrandbits(64):016x}", "run_id": run_id,
-             "rank": 0, "ts": _now_iso(), "kind": kind}
+    event = {
+        "schema_version": 1,
+        "event_id": f"poison-{rng.getrandbits(64):016x}",
+        "run_id": run_id,
+        "rank": 0,
+        "ts": _now_iso(),
+        "kind": kind,
+    }
     if kind == "step":
-        event.update(step=rng.randrange(0, 10_000), loss=2.5, grad_norm=1.0, step_time_s=0.1,
-                     module_grad_norms={"encoder": 0.5, "head": 0.2}, memory={"allocated": 1 << 30})
+        event.update(
+            step=rng.randrange(0, 10_000),
+            loss=2.5,
+            grad_norm=1.0,
+            step_time_s=0.1,
+            module_grad_norms={"encoder": 0.5, "head": 0.2},
+            memory={"allocated": 1 << 30},
+        )
     elif kind == "heartbeat":
         event.update(step=5, phase="train", time_in_phase_s=0.0, interval_s=5.0)
     elif kind == "run_start":
@@ -61,7 +73,9 @@ class PoisonFactory:
             "case5_ts_9999": lambda: self.with_fields(ts="9999-12-31T00:00:00Z"),
             "case6_step_2_63": lambda: self.with_fields(step=2**63),
             "case6_step_2_64": self.step_2_64,
-            "case6_nesting_256_1023": lambda: self.with_raw_field("x", _nested(self.rng.randrange(256, 1024))),
+            "case6_nesting_256_1023": lambda: self.with_raw_field(
+                "x", _nested(self.rng.randrange(256, 1024))
+            ),
             "case7_ts_2099": lambda: self.with_fields(ts="2099-01-01T00:00:00Z"),
             "case7_interval_infinity": lambda: self.with_fields(kind="heartbeat", interval_s="Infinity"),
             "case7_interval_1e12": lambda: self.with_fields(kind="heartbeat", interval_s=1e12),
@@ -77,10 +91,16 @@ class PoisonFactory:
             "case8_schema_version_2": lambda: self.with_fields(schema_version=2),
             "case8_negative_memory": lambda: self.with_fields(memory={"allocated": -1}),
             "case8_negative_step_time": lambda: self.with_fields(step_time_s=-0.5),
-            "not_json": lambda: (self.key(), bytes(self.rng.getrandbits(8) for _ in range(self.rng.randrange(1, 200)))),
+            "not_json": lambda: (
+                self.key(),
+                bytes(self.rng.getrandbits(8) for _ in range(self.rng.randrange(1, 200))),
+            ),
             "truncated_json": self.truncated,
             "empty_value": lambda: (self.key(), b""),
-            "json_not_an_object": lambda: (self.key(), self.rng.choice([b"[1,2]", b"42", b"null", b'"step"', b"true"])),
+            "json_not_an_object": lambda: (
+                self.key(),
+                self.rng.choice([b"[1,2]", b"42", b"null", b'"step"', b"true"]),
+            ),
             "invalid_utf8": lambda: (self.key(), b'{"kind":"step","run_id":"\xff\xfe"}'),
             "missing_run_id": lambda: self.without("run_id"),
             "missing_kind": lambda: self.without("kind"),
@@ -97,22 +117,29 @@ class PoisonFactory:
             "memory_1e20": lambda: self.with_fields(memory={"reserved": 10**19}),
             "ts_1970": lambda: self.with_fields(ts="1970-01-01T00:00:00Z"),
             "ts_garbage": lambda: self.with_fields(ts="yesterday"),
-            "too_many_modules": lambda: self.with_fields(module_grad_norms={f"m{i}": 1.0 for i in range(10_001)}),
+            "too_many_modules": lambda: self.with_fields(
+                module_grad_norms={f"m{i}": 1.0 for i in range(10_001)}
+            ),
             "too_many_categories": lambda: self.with_fields(
-                category_loss={f"c{i}": {"mean": 1.0, "count": 1} for i in range(1_001)}),
+                category_loss={f"c{i}": {"mean": 1.0, "count": 1} for i in range(1_001)}
+            ),
             "long_string": lambda: self.with_fields(note="x" * 5_000),
             "long_run_id": lambda: self.with_fields(run_id="r" * 1_000),
             "heartbeat_bad_phase": lambda: self.with_fields(kind="heartbeat", phase="sleeping"),
             "step_above_limit": lambda: self.with_fields(step=10**13),
             # issue 23: what the record's metadata says (its timestamp, key, partition) and the run id
-            "i23_case1_ts_9999_record_time_0": lambda: self.with_record({"timestamp_ms": 0},
-                                                                        ts="9999-12-31T23:59:59Z"),
-            "i23_ts_9999_record_time_negative": lambda: self.with_record({"timestamp_ms": -1},
-                                                                         ts="9999-12-31T23:59:59Z"),
-            "i23_ts_9999_record_time_9999": lambda: self.with_record({"timestamp_ms": Y9999_MS},
-                                                                     ts="9999-12-31T23:59:59Z"),
-            "i23_ts_2200_record_time_2200": lambda: self.with_record({"timestamp_ms": Y2200_MS},
-                                                                     ts="2200-01-01T00:00:10Z"),
+            "i23_case1_ts_9999_record_time_0": lambda: self.with_record(
+                {"timestamp_ms": 0}, ts="9999-12-31T23:59:59Z"
+            ),
+            "i23_ts_9999_record_time_negative": lambda: self.with_record(
+                {"timestamp_ms": -1}, ts="9999-12-31T23:59:59Z"
+            ),
+            "i23_ts_9999_record_time_9999": lambda: self.with_record(
+                {"timestamp_ms": Y9999_MS}, ts="9999-12-31T23:59:59Z"
+            ),
+            "i23_ts_2200_record_time_2200": lambda: self.with_record(
+                {"timestamp_ms": Y2200_MS}, ts="2200-01-01T00:00:10Z"
+            ),
             "i23_no_key": self.no_key,
             "i23_wrong_partition": self.wrong_partition,
             "i23_run_id_newline": self.run_id_newline,

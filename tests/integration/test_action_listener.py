@@ -21,12 +21,30 @@ from .conftest import eventually, read_topic
 pytestmark = pytest.mark.integration
 
 
-def make_action(run_id: str, kind: str, secret: str, *, onset: int, ttl_s: float = 60, issued_delta_s: float = 0,
-                target: CheckpointRef | None = None, params: dict | None = None) -> Action:
+def make_action(
+    run_id: str,
+    kind: str,
+    secret: str,
+    *,
+    onset: int,
+    ttl_s: float = 60,
+    issued_delta_s: float = 0,
+    target: CheckpointRef | None = None,
+    params: dict | None = None,
+) -> Action:
     issued = utc_now() + timedelta(seconds=issued_delta_s)
-    action = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind=kind, reason="test", step=onset + 2,
-                    onset_step=onset, target_checkpoint=target, params=params or {}, issued_at=issued,
-                    expires_at=issued + timedelta(seconds=ttl_s))
+    action = Action(
+        action_id=uuid.uuid4().hex,
+        run_id=run_id,
+        kind=kind,
+        reason="test",
+        step=onset + 2,
+        onset_step=onset,
+        target_checkpoint=target,
+        params=params or {},
+        issued_at=issued,
+        expires_at=issued + timedelta(seconds=ttl_s),
+    )
     return sign_action(action, secret.encode())
 
 
@@ -70,8 +88,11 @@ def test_forged_and_expired_actions_are_ignored_and_a_valid_rollback_restores(br
 
     applied = []
     eventually(lambda: applied.extend(listener.poll(step=22)) or applied, 30, "the valid rollback")
-    eventually(lambda: listener.ignored["duplicate"] >= 1 and listener.ignored["other_run"] >= 1, 10,
-               "every bad action to be judged")
+    eventually(
+        lambda: listener.ignored["duplicate"] >= 1 and listener.ignored["other_run"] >= 1,
+        10,
+        "every bad action to be judged",
+    )
     assert [a.action.action_id for a in applied] == [valid.action_id]
     result = applied[0]
     assert (result.outcome, result.to_step, result.from_step) == ("applied", 10, 22)
@@ -85,8 +106,11 @@ def test_forged_and_expired_actions_are_ignored_and_a_valid_rollback_restores(br
     listener.close()
     rw.close()
     key = run_id.encode()
-    acks = read_topic(broker.bootstrap, topics.TELEMETRY,
-                      lambda rs: any(b'"action_ack"' in r.value for r in rs if r.key == key))
+    acks = read_topic(
+        broker.bootstrap,
+        topics.TELEMETRY,
+        lambda rs: any(b'"action_ack"' in r.value for r in rs if r.key == key),
+    )
     ack = next(decode_event(r.value) for r in acks if r.key == key and b'"action_ack"' in r.value)
     assert (ack.action_id, ack.outcome, ack.to_step) == (valid.action_id, "applied", 10)
 
@@ -132,14 +156,19 @@ def test_rollback_scales_the_lr_and_pause_holds_until_resume(broker, tmp_path):
     save_checkpoint(str(tmp_path / "c5.pt"), model, optimizer)
     rw.checkpoint(5, str(tmp_path / "c5.pt"))
 
-    rollback = make_action(run_id, "rollback", secret, onset=8, params={"lr_scale": 0.5, "skip_steps": [6, 10]})
+    rollback = make_action(
+        run_id, "rollback", secret, onset=8, params={"lr_scale": 0.5, "skip_steps": [6, 10]}
+    )
     _send(broker.bootstrap, rollback)
     applied = []
     eventually(lambda: applied.extend(listener.poll(step=11)) or applied, 30, "the rollback")
     assert (applied[0].outcome, applied[0].to_step, applied[0].skip_steps) == ("applied", 5, (6, 10))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
 
-    pause, resume = make_action(run_id, "pause", secret, onset=12), make_action(run_id, "resume", secret, onset=12)
+    pause, resume = (
+        make_action(run_id, "pause", secret, onset=12),
+        make_action(run_id, "resume", secret, onset=12),
+    )
     _send(broker.bootstrap, pause)
     sender = threading.Timer(1.0, _send, (broker.bootstrap, resume))
     sender.start()
@@ -153,8 +182,14 @@ def test_rollback_scales_the_lr_and_pause_holds_until_resume(broker, tmp_path):
     rw.close()
 
     key = run_id.encode()
-    records = read_topic(broker.bootstrap, topics.TELEMETRY,
-                         lambda rs: sum(b'"action_ack"' in r.value for r in rs if r.key == key) >= 3)
+    records = read_topic(
+        broker.bootstrap,
+        topics.TELEMETRY,
+        lambda rs: sum(b'"action_ack"' in r.value for r in rs if r.key == key) >= 3,
+    )
     acks = [decode_event(r.value) for r in records if r.key == key and b'"action_ack"' in r.value]
-    assert [(a.action_id, a.rank) for a in acks] == [(rollback.action_id, 2), (pause.action_id, 2),
-                                                      (resume.action_id, 2)]
+    assert [(a.action_id, a.rank) for a in acks] == [
+        (rollback.action_id, 2),
+        (pause.action_id, 2),
+        (resume.action_id, 2),
+    ]

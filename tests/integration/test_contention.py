@@ -65,7 +65,9 @@ def broker(tmp_path_factory):
 @pytest.fixture(scope="module")
 def contention_worker(broker, secret, tmp_path_factory):
     """The only worker of this module's broker, with the test-sized throughput config."""
-    with worker_with_config(broker, secret, tmp_path_factory.mktemp("contention-worker"), CONFIG, "runwatch-detect-contention") as worker:
+    with worker_with_config(
+        broker, secret, tmp_path_factory.mktemp("contention-worker"), CONFIG, "runwatch-detect-contention"
+    ) as worker:
         yield worker
 
 
@@ -74,7 +76,7 @@ def steady(step_times: list[float]) -> bool:
     if len(step_times) < STEADY_STEPS:
         return False
     recent = step_times[-STEADY_STEPS:]
-    medians = [statistics.median(recent[i:i + 20]) for i in range(0, STEADY_STEPS, 20)]
+    medians = [statistics.median(recent[i : i + 20]) for i in range(0, STEADY_STEPS, 20)]
     return max(medians) <= STEADY_SPREAD * min(medians)
 
 
@@ -84,8 +86,13 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
     first step after the slowdown began."""
     with one_torch_thread():  # one training thread, as a loaded data-parallel worker would have
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                    torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(512, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 10),
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = torch.randn(128, 512), torch.randint(0, 10, (128,))
         rw = RunWatch(run_id, bootstrap)
@@ -95,8 +102,11 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
         started = last = time.monotonic()
         try:
             while onset is None or last - slowed_at < SLOW_S:
-                if onset is None and last - started >= CALM_S and (
-                        steady(calm) or last - started >= CALM_S + STEADY_WAIT_S):
+                if (
+                    onset is None
+                    and last - started >= CALM_S
+                    and (steady(calm) or last - started >= CALM_S + STEADY_WAIT_S)
+                ):
                     per_step, onset, slowed_at = slow_down(statistics.median(calm)), step, last
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 optimizer.zero_grad()
@@ -107,7 +117,7 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
                 step += 1
                 now = time.monotonic()
                 if onset is None:
-                    calm = [*calm[-(STEADY_STEPS - 1):], now - last]
+                    calm = [*calm[-(STEADY_STEPS - 1) :], now - last]
                 last = now
         finally:
             watch.close()
@@ -125,16 +135,23 @@ def throughput_findings(bootstrap: str, run_id: str, onset: int, timeout: float 
 
     def ours(records) -> list[Anomaly]:
         found = [decode_anomaly(r.value) for r in records if r.key == key]
-        return [a for a in found if a.detector == "throughput_drift"
-                and a.step >= onset and a.evidence.get("onset_step", -10**9) >= onset - 100]
+        return [
+            a
+            for a in found
+            if a.detector == "throughput_drift"
+            and a.step >= onset
+            and a.evidence.get("onset_step", -(10**9)) >= onset - 100
+        ]
 
     try:
         return ours(read_topic(bootstrap, topics.ANOMALIES, lambda rs: bool(ours(rs)), timeout=timeout))
     except AssertionError:
         every = read_topic(bootstrap, topics.ANOMALIES, lambda rs: True, timeout=5)
         found = [decode_anomaly(r.value) for r in every if r.key == key]
-        raise AssertionError(f"no throughput finding near step {onset}; the run's: "
-                             f"{[(a.detector, a.step, a.message) for a in found]}") from None
+        raise AssertionError(
+            f"no throughput finding near step {onset}; the run's: "
+            f"{[(a.detector, a.step, a.message) for a in found]}"
+        ) from None
 
 
 def test_cpu_hogs_beside_the_run_are_named_in_the_throughput_finding(broker, contention_worker):

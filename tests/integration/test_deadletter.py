@@ -22,7 +22,13 @@ def test_malformed_messages_are_deadlettered_and_processing_continues(broker, wo
     run_id = f"dl-{uuid.uuid4().hex[:8]}"
     key = run_id.encode()
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
-    head = {"schema_version": 1, "rank": 0, "ts": datetime.now(UTC).isoformat(), "kind": "step", "run_id": run_id}
+    head = {
+        "schema_version": 1,
+        "rank": 0,
+        "ts": datetime.now(UTC).isoformat(),
+        "kind": "step",
+        "run_id": run_id,
+    }
     bad = {
         "not-json": b"this is { not json",
         "missing-step": orjson.dumps({**head, "event_id": "m1", "loss": 1.0}),
@@ -32,8 +38,14 @@ def test_malformed_messages_are_deadlettered_and_processing_continues(broker, wo
         producer.send(topics.TELEMETRY, key=key, value=raw)
     # A valid run after the garbage: 30 healthy steps, then NaN, which must still be detected.
     for step in range(1, 31):
-        producer.send(topics.TELEMETRY, key=key, value=StepEvent(run_id=run_id, step=step, loss=1.0, grad_norm=1.0).to_json())
-    producer.send(topics.TELEMETRY, key=key, value=StepEvent(run_id=run_id, step=31, loss=float("nan")).to_json())
+        producer.send(
+            topics.TELEMETRY,
+            key=key,
+            value=StepEvent(run_id=run_id, step=step, loss=1.0, grad_norm=1.0).to_json(),
+        )
+    producer.send(
+        topics.TELEMETRY, key=key, value=StepEvent(run_id=run_id, step=31, loss=float("nan")).to_json()
+    )
     producer.flush()
     producer.close()
 
@@ -49,7 +61,11 @@ def test_malformed_messages_are_deadlettered_and_processing_continues(broker, wo
     assert {d.raw for d in letters} == {raw.decode() for raw in bad.values()}
 
     def found(records):
-        return [a for a in (decode_anomaly(r.value) for r in records if r.key == key) if a.detector == "non_finite"]
+        return [
+            a
+            for a in (decode_anomaly(r.value) for r in records if r.key == key)
+            if a.detector == "non_finite"
+        ]
 
     anomalies = found(read_topic(broker.bootstrap, topics.ANOMALIES, lambda rs: bool(found(rs))))
     assert anomalies[0].step == 31

@@ -19,9 +19,23 @@ STEPS = 160
 def run_demo(scenario: str, cwd, *options: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET")}
     proc = subprocess.run(
-        [sys.executable, "-m", "runwatch.cli", "demo", "--scenario", scenario, "--steps", str(STEPS), "--json",
-         *options],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "runwatch.cli",
+            "demo",
+            "--scenario",
+            scenario,
+            "--steps",
+            str(STEPS),
+            "--json",
+            *options,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -49,7 +63,9 @@ def test_nan_is_found_at_its_step_and_rolled_back_once(tmp_path):
     assert report["clickhouse"]["actions"] == len(report["actions"])
     assert_nothing_lost(report)
     # The rollback restored a checkpoint the trainer registered before the fault.
-    assert (tmp_path / ".runwatch" / "checkpoints" / report["run_id"] / f"step-{rollback['to_step']:06d}.pt").exists()
+    assert (
+        tmp_path / ".runwatch" / "checkpoints" / report["run_id"] / f"step-{rollback['to_step']:06d}.pt"
+    ).exists()
 
 
 def test_grad_spike_is_found_within_one_step(tmp_path):
@@ -100,7 +116,12 @@ def test_a_recorded_fault_scenario_takes_its_actions_through_a_broker_outage(tmp
 
 
 def test_an_unknown_scenario_is_refused_with_the_choices(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "runwatch.cli", "demo", "--scenario", "no-such-thing"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runwatch.cli", "demo", "--scenario", "no-such-thing"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "stall_hang_train" in proc.stderr and "grad-spike" in proc.stderr

@@ -44,8 +44,9 @@ def test_detected_at_is_stored_and_latency_is_a_query(broker, worker, chdb_dsn):
         rw.close()
 
     key = run_id.encode()
-    records = read_topic(broker.bootstrap, topics.ANOMALIES,
-                         lambda rs: any(r.key == key for r in rs), timeout=60)
+    records = read_topic(
+        broker.bootstrap, topics.ANOMALIES, lambda rs: any(r.key == key for r in rs), timeout=60
+    )
     ours = [decode_anomaly(r.value) for r in records if r.key == key]
     assert ours and all(a.detected_at is not None for a in ours)
     for a in ours:  # the worker's clock at detection, after the step's event time and before now
@@ -56,22 +57,31 @@ def test_detected_at_is_stored_and_latency_is_a_query(broker, worker, chdb_dsn):
     try:
         sink.migrate()
         assert sink.schema_version() == LATEST_VERSION >= 5
-        consumer = SinkConsumer(sink, broker.bootstrap, group_id=f"sink-latency-{run_id}", batch_interval_s=0.2)
+        consumer = SinkConsumer(
+            sink, broker.bootstrap, group_id=f"sink-latency-{run_id}", batch_interval_s=0.2
+        )
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            eventually(lambda: sink.runs.counts(run_id)["anomalies"] >= len({a.anomaly_id for a in ours}), 60,
-                       "the sink to store the run's anomalies")
+            eventually(
+                lambda: sink.runs.counts(run_id)["anomalies"] >= len({a.anomaly_id for a in ours}),
+                60,
+                "the sink to store the run's anomalies",
+            )
         finally:
             consumer.stopping.set()
             thread.join(30)
-        rows = sink.query("SELECT anomaly_id, ts, detected_at FROM {db}.anomalies FINAL WHERE run_id = %(run)s",
-                          {"run": run_id})
+        rows = sink.query(
+            "SELECT anomaly_id, ts, detected_at FROM {db}.anomalies FINAL WHERE run_id = %(run)s",
+            {"run": run_id},
+        )
         stored = {r[0]: r for r in rows}
         for a in ours:
             _, ts, detected_at = stored[a.anomaly_id]
             assert detected_at is not None
-            assert abs((detected_at.replace(tzinfo=UTC) - a.detected_at).total_seconds()) < 0.002  # (ms precision)
+            assert (
+                abs((detected_at.replace(tzinfo=UTC) - a.detected_at).total_seconds()) < 0.002
+            )  # (ms precision)
         latency = sink.query(LATENCY_SQL, {"run": run_id})
         print(f"\ndetection latency (detector, n, min ms, max ms): {latency}")
         assert latency and {r[0] for r in latency} == {a.detector for a in ours}

@@ -71,7 +71,9 @@ def test_a_restart_loses_every_topic_and_record(tmp_path):
         ensure_topics(embedded.bootstrap)
         consumer = KafkaConsumer(bootstrap_servers=embedded.bootstrap, api_version=API)
         try:
-            tps = [TopicPartition(topics.TELEMETRY, p) for p in consumer.partitions_for_topic(topics.TELEMETRY)]
+            tps = [
+                TopicPartition(topics.TELEMETRY, p) for p in consumer.partitions_for_topic(topics.TELEMETRY)
+            ]
             assert sum(consumer.end_offsets(tps).values()) == 0  # and so are the 6 acknowledged records
         finally:
             consumer.close()

@@ -44,7 +44,8 @@ def test_every_detectable_fault_is_found_by_the_right_detector_with_no_false_ala
     missed = {s.name for s in faults if not s.correct_detector}
     assert missed == NOT_DETECTABLE_WITHIN_ONE_RUN
     assert all(s.false_alarms == 0 for s in results.values()), [
-        s.first_false_alarm for s in results.values() if s.false_alarms]
+        s.first_false_alarm for s in results.values() if s.false_alarms
+    ]
     assert default_evaluation.summary["false_alarms_per_10k_healthy_steps"] == 0
 
 
@@ -64,8 +65,11 @@ def test_the_bad_init_is_found_against_the_twins_history_naming_the_owner(corpus
     assert first.evidence["module"] == ROOT_MODULE and first.step < 20 and first.severity != "info"
     assert first.value > 10 * first.evidence["band_hi"]
     # every other run's band is empty of history or its own job's: nothing but info elsewhere
-    assert all(isinstance(b, str) for name, b in
-               ((n, bands[e[0].run_id]) for n, e in corpus.events.items()) if "audio" not in name)
+    assert all(
+        isinstance(b, str)
+        for name, b in ((n, bands[e[0].run_id]) for n, e in corpus.events.items())
+        if "audio" not in name
+    )
 
 
 def test_delays_meet_the_targets(default_evaluation, corpus):
@@ -79,8 +83,11 @@ def test_delays_meet_the_targets(default_evaluation, corpus):
     assert results["throughput_halved_cnn"].delay_steps <= 30
     for name in ("stall_hang_train", "stall_dataload_hang"):
         steps = [e for e in corpus.events[name] if isinstance(e, StepEvent)]
-        intervals = sorted((b.ts - a.ts).total_seconds() for a, b in zip(steps, steps[1:], strict=False)
-                           if b.step == a.step + 1)
+        intervals = sorted(
+            (b.ts - a.ts).total_seconds()
+            for a, b in zip(steps, steps[1:], strict=False)
+            if b.step == a.step + 1
+        )
         median = intervals[len(intervals) // 2]
         allowance = {"train": 10.0, "dataload": 60.0}[labels[name].phase]
         # within 3 median step intervals plus the phase allowance, plus one tick of the timer (0.25 s)
@@ -104,8 +111,17 @@ class FixedRule(Detector):
         hits = self._check(self, event) or []
         for key, message, evidence in hits:
             if key not in self._active:
-                found.append(Finding(detector=self.name, metric=self.name, step=getattr(event, "step", None),
-                                     rank=event.rank, severity="warning", message=message, evidence=evidence))
+                found.append(
+                    Finding(
+                        detector=self.name,
+                        metric=self.name,
+                        step=getattr(event, "step", None),
+                        rank=event.rank,
+                        severity="warning",
+                        message=message,
+                        evidence=evidence,
+                    )
+                )
         self._active = {key for key, _, _ in hits}
         return found
 
@@ -119,6 +135,7 @@ def _step_rule(name, predicate):
         if isinstance(event, StepEvent):
             return predicate(event) or []
         return []
+
     return lambda config, progress: FixedRule(name, check)
 
 
@@ -141,6 +158,7 @@ def _val_rule(config, progress):
             if previous is not None and event.loss > previous:
                 return [(event.step, "val loss went up", {})]
         return []
+
     return FixedRule("val_vs_train", check)
 
 
@@ -152,28 +170,65 @@ def _stall_rule(config, progress):
             if (event.ts - rule.last_step_ts).total_seconds() > 60:
                 return [("stall", "no step for 60 s", {"kind": "stalled", "phase": event.phase})]
         return []
+
     return FixedRule("stall", check)
 
 
 NAIVE_DETECTORS = {
     "non_finite": monitor.DETECTORS["non_finite"],
-    "loss_spike": _step_rule("loss_spike", lambda e: [("x", "loss > 3", {})] if _finite(e.loss) and e.loss > 3 else []),
-    "grad_norm_spike": _step_rule("grad_norm_spike", lambda e: [("x", "grad norm > 10", {})]
-                                  if _finite(e.grad_norm) and e.grad_norm > 10 else []),
-    "module_grad_explosion": _step_rule("module_grad_explosion", lambda e: [
-        (m, f"{m} grad norm > 5", {"module": m}) for m, v in e.module_grad_norms.items() if _finite(v) and v > 5]),
-    "update_ratio": _step_rule("update_ratio", lambda e: [] if not _finite(e.relative_update_norm) else (
-        [("hi", "update ratio > 1e-2", {"kind": "too_large"})] if e.relative_update_norm > 1e-2 else
-        [("lo", "update ratio < 1e-4", {"kind": "vanishing"})] if e.relative_update_norm < 1e-4 else [])),
-    "throughput_drift": _step_rule("throughput_drift", lambda e: [("x", "step time > 1 s", {})]
-                                   if _finite(e.step_time_s) and e.step_time_s > 1.0 else []),
-    "data_wait": _step_rule("data_wait", lambda e: [("x", "data wait > 30%", {})]
-                            if _finite(e.data_wait_s) and _finite(e.step_time_s) and e.step_time_s > 0
-                            and e.data_wait_s / e.step_time_s > 0.3 else []),
+    "loss_spike": _step_rule(
+        "loss_spike", lambda e: [("x", "loss > 3", {})] if _finite(e.loss) and e.loss > 3 else []
+    ),
+    "grad_norm_spike": _step_rule(
+        "grad_norm_spike",
+        lambda e: [("x", "grad norm > 10", {})] if _finite(e.grad_norm) and e.grad_norm > 10 else [],
+    ),
+    "module_grad_explosion": _step_rule(
+        "module_grad_explosion",
+        lambda e: [
+            (m, f"{m} grad norm > 5", {"module": m})
+            for m, v in e.module_grad_norms.items()
+            if _finite(v) and v > 5
+        ],
+    ),
+    "update_ratio": _step_rule(
+        "update_ratio",
+        lambda e: (
+            []
+            if not _finite(e.relative_update_norm)
+            else (
+                [("hi", "update ratio > 1e-2", {"kind": "too_large"})]
+                if e.relative_update_norm > 1e-2
+                else [("lo", "update ratio < 1e-4", {"kind": "vanishing"})]
+                if e.relative_update_norm < 1e-4
+                else []
+            )
+        ),
+    ),
+    "throughput_drift": _step_rule(
+        "throughput_drift",
+        lambda e: [("x", "step time > 1 s", {})] if _finite(e.step_time_s) and e.step_time_s > 1.0 else [],
+    ),
+    "data_wait": _step_rule(
+        "data_wait",
+        lambda e: (
+            [("x", "data wait > 30%", {})]
+            if _finite(e.data_wait_s)
+            and _finite(e.step_time_s)
+            and e.step_time_s > 0
+            and e.data_wait_s / e.step_time_s > 0.3
+            else []
+        ),
+    ),
     "memory_growth": _step_rule("memory_growth", _memory_hits),
-    "category_divergence": _step_rule("category_divergence", lambda e: [
-        (c, f"{c} loss > 2x the mean", {"category": c}) for c, v in e.category_loss.items()
-        if _finite(e.loss) and e.loss > 0 and _finite(v.mean) and v.mean > 2 * e.loss]),
+    "category_divergence": _step_rule(
+        "category_divergence",
+        lambda e: [
+            (c, f"{c} loss > 2x the mean", {"category": c})
+            for c, v in e.category_loss.items()
+            if _finite(e.loss) and e.loss > 0 and _finite(v.mean) and v.mean > 2 * e.loss
+        ],
+    ),
     "val_vs_train": _val_rule,
     "stall": _stall_rule,
 }
@@ -186,7 +241,8 @@ def test_naive_fixed_thresholds_do_measurably_worse(corpus, default_evaluation, 
     print("adaptive:", ours)
     print("naive:   ", theirs)
     assert theirs["recall"] < ours["recall"] or (
-        theirs["false_alarms_per_10k_healthy_steps"] > ours["false_alarms_per_10k_healthy_steps"])
+        theirs["false_alarms_per_10k_healthy_steps"] > ours["false_alarms_per_10k_healthy_steps"]
+    )
     # and concretely: naive thresholds both miss faults and cry wolf on this corpus (measured:
     # recall 0.77 against 0.95, and 1503 false alarms per 10k healthy steps against 0)
     assert theirs["recall"] < ours["recall"]

@@ -49,7 +49,10 @@ Y9999_MS = 253402300799000  # 9999-12-31T23:59:59Z as a record timestamp
 
 
 def test_case1_the_crash_loop_record_among_ten_live_runs_is_deadlettered_and_every_fault_acted_on(
-        broker, unharmed, producer):  # noqa: F811
+    broker,
+    unharmed,  # noqa: F811 - the fixture imported above
+    producer,  # noqa: F811
+):
     poison_runs = [new_run("y9999-rec") for _ in range(2)]
     live = [new_run("live10") for _ in range(10)]
     # The issue's reproduction: ts 9999-12-31 with a record time of 0, and the same with a record time
@@ -63,7 +66,9 @@ def test_case1_the_crash_loop_record_among_ten_live_runs_is_deadlettered_and_eve
         assert_fault_found(broker.bootstrap, run_id)  # an alert and a rollback for every live run
     for run_id in poison_runs:
         (letter,) = deadletters(broker.bootstrap, run_id.encode(), 1)
-        assert letter.reason.startswith("limits: ts: 9999-12-31") and "receive time" in letter.reason, letter.reason
+        assert letter.reason.startswith("limits: ts: 9999-12-31") and "receive time" in letter.reason, (
+            letter.reason
+        )
     for meta in last:
         wait_committed_past(broker.bootstrap, meta.partition, meta.offset)
     time.sleep(1.0)  # a few ticks (every 0.25 s) after the poison: the fixture checks nothing restarted
@@ -88,8 +93,11 @@ def test_case7_records_without_a_key_or_on_the_wrong_partition_are_deadlettered(
     assert_fault_found(broker.bootstrap, run_id)
     letters = {d.offset: d for d in deadletters(broker.bootstrap, key, 1)}  # (the keyless one has no key)
     assert letters[sent.offset].reason.startswith(f"partition: the record is on partition {stray_partition}")
-    keyless_letters = [d for d in _deadletters_without_key(broker.bootstrap)
-                       if (d.partition, d.offset) == (unkeyed.partition, unkeyed.offset)]
+    keyless_letters = [
+        d
+        for d in _deadletters_without_key(broker.bootstrap)
+        if (d.partition, d.offset) == (unkeyed.partition, unkeyed.offset)
+    ]
     assert [d.reason for d in keyless_letters] == ["key: missing (the record's key must be the run id)"]
 
 
@@ -127,8 +135,19 @@ def _attempt(bootstrap: str, secret: str, run_id: str, folder: Path, *args: str)
     # a fresh node: its own spool directory (and so its own record of applied actions)
     env = {**os.environ, topics.SECRET_ENV: secret, "RUNWATCH_SPOOL_DIR": str(folder / "spool")}
     env.pop(topics.ATTEMPT_ENV, None)
-    cmd = [sys.executable, str(SCRIPT), "--bootstrap", bootstrap, "--run-id", run_id, "--out", str(folder),
-           "--steps", "120", *args]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--bootstrap",
+        bootstrap,
+        "--run-id",
+        run_id,
+        "--out",
+        str(folder),
+        "--steps",
+        "120",
+        *args,
+    ]
     with open(folder / "train.log", "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -145,18 +164,30 @@ def _finish(proc: subprocess.Popen, folder: Path, expect: int, timeout: float = 
 
 
 def test_cases2_and_3_a_requeued_attempt_is_watched_fresh_and_the_old_stop_is_not_applied(
-        broker, secret, worker, tmp_path):
+    broker, secret, worker, tmp_path
+):
     run_id = new_run("requeue")
     # Attempt 1: NaN from step 30 and no checkpoint to roll back to: a stop, and the job is killed
     # (no run_end), as a preempted job is.
-    first = _attempt(broker.bootstrap, secret, run_id, tmp_path / "a1", "--fault", "nan:30",
-                     "--checkpoint-every", "1000", "--exit-on-stop", "kill")
+    first = _attempt(
+        broker.bootstrap,
+        secret,
+        run_id,
+        tmp_path / "a1",
+        "--fault",
+        "nan:30",
+        "--checkpoint-every",
+        "1000",
+        "--exit-on-stop",
+        "kill",
+    )
     one = _finish(first, tmp_path / "a1", expect=137)
     assert one["status"] == "stopped" and [a["kind"] for a in one["applied"]] == ["alert", "stop"]
     stopped_at = time.monotonic()
     # Attempt 2, within 30 s of the stop, same run id, a fresh spool directory: NaN at step 50 again.
-    second = _attempt(broker.bootstrap, secret, run_id, tmp_path / "a2", "--fault", "nan:50",
-                      "--checkpoint-every", "10")
+    second = _attempt(
+        broker.bootstrap, secret, run_id, tmp_path / "a2", "--fault", "nan:50", "--checkpoint-every", "10"
+    )
     assert time.monotonic() - stopped_at < 30
     two = _finish(second, tmp_path / "a2", expect=0)
 
@@ -164,9 +195,16 @@ def test_cases2_and_3_a_requeued_attempt_is_watched_fresh_and_the_old_stop_is_no
     assert ("stop", "applied") not in kinds, two["applied"]  # the old stop was not re-applied
     assert ("rollback", "applied") in kinds, two["applied"]  # the new attempt's NaN was acted on
     assert two["status"] == "completed" and two["ignored"].get("other_attempt", 0) >= 1, two
-    issued = [a for a in (decode_action(r.value) for r in read_topic(
-        broker.bootstrap, topics.ACTIONS, lambda rs: sum(r.key == run_id.encode() for r in rs) >= 4))
-        if a.run_id == run_id]
+    issued = [
+        a
+        for a in (
+            decode_action(r.value)
+            for r in read_topic(
+                broker.bootstrap, topics.ACTIONS, lambda rs: sum(r.key == run_id.encode() for r in rs) >= 4
+            )
+        )
+        if a.run_id == run_id
+    ]
     attempts = {a.kind: a.attempt for a in issued if a.kind in ("stop", "rollback")}
     assert attempts["stop"] and attempts["rollback"] and attempts["stop"] != attempts["rollback"]
 
@@ -184,15 +222,35 @@ def test_case6_worker_sink_and_remediate_exit_with_one_line_when_nothing_answers
     commands = {
         "worker": [*cli, "worker", "--bootstrap", nothing, "--web-port", "0"],
         "sink": [*cli, "sink", "--bootstrap", nothing, "--dsn", f"chdb://{tmp_path / 'sink-db'}"],
-        "remediate": [*cli, "remediate", "--bootstrap", nothing, "--config", str(config),
-                      "--dsn", f"chdb://{tmp_path / 'rem-db'}"],
+        "remediate": [
+            *cli,
+            "remediate",
+            "--bootstrap",
+            nothing,
+            "--config",
+            str(config),
+            "--dsn",
+            f"chdb://{tmp_path / 'rem-db'}",
+        ],
         "sink, no ClickHouse": [*cli, "sink", "--bootstrap", nothing, "--dsn", f"http://{nothing}"],
-        "remediate, no ClickHouse": [*cli, "remediate", "--bootstrap", nothing, "--config", str(config),
-                                     "--dsn", f"http://{nothing}"],
+        "remediate, no ClickHouse": [
+            *cli,
+            "remediate",
+            "--bootstrap",
+            nothing,
+            "--config",
+            str(config),
+            "--dsn",
+            f"http://{nothing}",
+        ],
     }
     started = time.monotonic()
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
-                                    start_new_session=True) for name, cmd in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path, start_new_session=True
+        )
+        for name, cmd in commands.items()
+    }
     try:
         for name, proc in procs.items():
             _, err = proc.communicate(timeout=max(1.0, 45 - (time.monotonic() - started)))
@@ -223,17 +281,27 @@ def test_case10_a_new_listener_reads_no_other_runs_history(tmp_path, secret):
         now = datetime.now(UTC)
 
         def signed(run_id: str) -> bytes:
-            a = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind="alert", reason="r", issued_at=now,
-                       expires_at=now + timedelta(minutes=5))
+            a = Action(
+                action_id=uuid.uuid4().hex,
+                run_id=run_id,
+                kind="alert",
+                reason="r",
+                issued_at=now,
+                expires_at=now + timedelta(minutes=5),
+            )
             return sign_action(a, secret.encode()).to_json()
 
         # other runs' history, on every partition, sent a minute before the trainer starts
         old_ms = int((now - timedelta(minutes=1)).timestamp() * 1000)
         for i in range(40):
-            producer.send(topics.ACTIONS, key=f"other-{i}".encode(), value=signed(f"other-{i}"), timestamp_ms=old_ms)
+            producer.send(
+                topics.ACTIONS, key=f"other-{i}".encode(), value=signed(f"other-{i}"), timestamp_ms=old_ms
+            )
         producer.flush(10)
         seen: list[bytes] = []
-        reader = ActionReader(broker.bootstrap, topics.ACTIONS, datetime.now(UTC), seen.append, client_id="case10")
+        reader = ActionReader(
+            broker.bootstrap, topics.ACTIONS, datetime.now(UTC), seen.append, client_id="case10"
+        )
         reader.start()
         try:
             assert reader.ready.wait(30)
@@ -248,12 +316,12 @@ def test_case10_a_new_listener_reads_no_other_runs_history(tmp_path, secret):
         broker.stop()
 
 
-
 # -- cases 8 and 9: the sink stores only what it can keep as sent, and only signed actions ----------
 
 
 def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_do_not_verify(
-        broker, chdb_dsn, secret):
+    broker, chdb_dsn, secret
+):
     from runwatch.sinks import ClickHouseSink, SinkConsumer
 
     from .test_sink_poison import _running, _send, _sink_letters
@@ -267,8 +335,14 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
     kafka = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
 
     def action(kind: str, **update) -> Action:
-        a = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind=kind, reason="loss NaN", issued_at=now,
-                   expires_at=now + timedelta(minutes=2))
+        a = Action(
+            action_id=uuid.uuid4().hex,
+            run_id=run_id,
+            kind=kind,
+            reason="loss NaN",
+            issued_at=now,
+            expires_at=now + timedelta(minutes=2),
+        )
         return sign_action(a, secret.encode()).model_copy(update=update)
 
     try:
@@ -277,31 +351,46 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
         for raw in good:
             _send(kafka, topics.TELEMETRY, key, raw)
         # a 1971 ts sent with a 1971 record time: accepted by the time window, deleted at once by the TTL
-        ancient = kafka.send(topics.TELEMETRY, key=key, value=StepEvent(run_id=run_id, step=3, ts=old).to_json(),
-                                timestamp_ms=int(old.timestamp() * 1000)).get(timeout=30)
+        ancient = kafka.send(
+            topics.TELEMETRY,
+            key=key,
+            value=StepEvent(run_id=run_id, step=3, ts=old).to_json(),
+            timestamp_ms=int(old.timestamp() * 1000),
+        ).get(timeout=30)
         signed = action("rollback")
         forged = action("stop", signature="0" * 64)
         tampered = sign_action(action("alert"), secret.encode()).model_copy(update={"kind": "stop"})
         unsigned = action("stop", signature="")
         ahead = now + timedelta(hours=1)
-        future = sign_action(action("stop").model_copy(update={"issued_at": ahead, "expires_at": ahead}),
-                             secret.encode())
-        refused = {_send(kafka, topics.ACTIONS, key, a.to_json()): a.action_id
-                   for a in (forged, tampered, unsigned, future)}
+        future = sign_action(
+            action("stop").model_copy(update={"issued_at": ahead, "expires_at": ahead}), secret.encode()
+        )
+        refused = {
+            _send(kafka, topics.ACTIONS, key, a.to_json()): a.action_id
+            for a in (forged, tampered, unsigned, future)
+        }
         _send(kafka, topics.ACTIONS, key, signed.to_json())
         kafka.flush()
-        consumer = SinkConsumer(sink, broker.bootstrap, group_id=group, batch_interval_s=0.2, secret=secret.encode())
+        consumer = SinkConsumer(
+            sink, broker.bootstrap, group_id=group, batch_interval_s=0.2, secret=secret.encode()
+        )
         with _running(consumer):
             eventually(lambda: len(_sink_letters(sink, run_id)) >= 5, 60, "the sink's dead letters")
             eventually(lambda: sink.runs.counts(run_id)["actions"] == 1, 30, "the signed action stored")
         letters = _sink_letters(sink, run_id)
-        assert set(letters) == {(topics.TELEMETRY, ancient.partition, ancient.offset),
-                                *((topics.ACTIONS, p, o) for p, o in refused)}
-        assert "older than the telemetry table's 90-day retention" in letters[
-            (topics.TELEMETRY, ancient.partition, ancient.offset)][0]
+        assert set(letters) == {
+            (topics.TELEMETRY, ancient.partition, ancient.offset),
+            *((topics.ACTIONS, p, o) for p, o in refused),
+        }
+        assert (
+            "older than the telemetry table's 90-day retention"
+            in letters[(topics.TELEMETRY, ancient.partition, ancient.offset)][0]
+        )
         reasons = sorted(letters[(topics.ACTIONS, p, o)][0].split(":")[0] for p, o in refused)
         assert reasons == ["action bad_signature"] * 3 + ["action future"], reasons
-        stored = sink.query("SELECT action_id, kind FROM {db}.actions FINAL WHERE run_id = %(r)s", {"r": run_id})
+        stored = sink.query(
+            "SELECT action_id, kind FROM {db}.actions FINAL WHERE run_id = %(r)s", {"r": run_id}
+        )
         assert stored == [(signed.action_id, "rollback")]
         assert sink.runs.counts(run_id)["telemetry"] == len(good)
     finally:
@@ -316,10 +405,27 @@ def test_case6_the_health_port_answers_from_the_first_second_while_the_worker_st
     port = free_port()
     env = {**os.environ, topics.SECRET_ENV: secret}
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "runwatch.cli", "worker", "--bootstrap", nothing,
-                             "--web-port", str(port), "--web-host", "127.0.0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runwatch.cli",
+            "worker",
+            "--bootstrap",
+            nothing,
+            "--web-port",
+            str(port),
+            "--web-host",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     try:
+
         def answer(path: str):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1) as resp:
@@ -332,13 +438,18 @@ def test_case6_the_health_port_answers_from_the_first_second_while_the_worker_st
         status, body = eventually(lambda: answer("/livez"), 10, "the health port to answer", interval=0.05)
         answered_s = time.monotonic() - started
         assert status == 200 and body["reason"].startswith("starting: "), body  # live: not to be killed
-        eventually(lambda: answer("/livez")[1]["reason"] == f"starting: reaching the Kafka broker at {nothing}", 10,
-                   "the endpoint to say what the worker waits for")
+        eventually(
+            lambda: answer("/livez")[1]["reason"] == f"starting: reaching the Kafka broker at {nothing}",
+            10,
+            "the endpoint to say what the worker waits for",
+        )
         assert answer("/readyz")[0] == 503
         # (about 0.3 s on an idle machine; under two CPU hogs the interpreter's start alone takes longer)
         assert answered_s < 5, answered_s
         _, err = proc.communicate(timeout=45)
-        assert proc.returncode == 1 and err.decode().strip().startswith("Error: cannot reach the Kafka broker")
+        assert proc.returncode == 1 and err.decode().strip().startswith(
+            "Error: cannot reach the Kafka broker"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

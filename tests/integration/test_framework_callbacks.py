@@ -36,14 +36,25 @@ EVAL_BATCH_S = 0.15  # each eval batch sleeps this long: evaluation outlasts a h
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
 MODULES = {"net.0", "net.2", "net.4"}  # the Linear layers of TinyNet
 # Fields every step event carries in all three setups (update norms only every UPDATE_EVERY steps).
-STEP_FIELDS = {"loss", "lr", "grad_norm", "grad_norm_clipped", "clip_ratio", "module_grad_norms",
-               "step_time_s", "samples_per_s", "nonfinite_grads"}
+STEP_FIELDS = {
+    "loss",
+    "lr",
+    "grad_norm",
+    "grad_norm_clipped",
+    "clip_ratio",
+    "module_grad_norms",
+    "step_time_s",
+    "samples_per_s",
+    "nonfinite_grads",
+}
 UPDATE_FIELDS = {"param_norm", "update_norm", "relative_update_norm"}
 # Neither framework lets a callback wrap its data loader, so data wait is absent there (not zero).
 NOT_FROM_FRAMEWORKS = {"data_wait_s"}
 
-needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                                     reason="PyTorch Lightning is not installed (pip install 'runwatch[lightning]')")
+needs_lightning = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None,
+    reason="PyTorch Lightning is not installed (pip install 'runwatch[lightning]')",
+)
 needs_hf = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
     reason="transformers/accelerate are not installed (pip install 'runwatch[hf]')",
@@ -53,8 +64,10 @@ needs_hf = pytest.mark.skipif(
 def _net() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(FEATURES, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
         torch.nn.Linear(HIDDEN, CLASSES),
     )
 
@@ -99,15 +112,19 @@ def _read_run(bootstrap: str, run_id: str) -> list:
     def mine(records):
         return [r for r in records if r.key == run_id.encode()]
 
-    records = read_topic(bootstrap, topics.TELEMETRY,
-                         until=lambda rs: any(decode_event(r.value).kind == "run_end" for r in mine(rs)))
+    records = read_topic(
+        bootstrap,
+        topics.TELEMETRY,
+        until=lambda rs: any(decode_event(r.value).kind == "run_end" for r in mine(rs)),
+    )
     return [decode_event(r.value) for r in mine(records)]
 
 
 def _summary(events: list) -> dict:
     steps = [e for e in events if e.kind == "step"]
-    populated = set.intersection(*({k for k, v in s.model_dump(exclude_none=True).items() if v not in ({}, [])}
-                                   for s in steps))
+    populated = set.intersection(
+        *({k for k, v in s.model_dump(exclude_none=True).items() if v not in ({}, [])} for s in steps)
+    )
     return {
         "kinds": {e.kind for e in events},
         "steps": steps,
@@ -128,7 +145,9 @@ def _check_steps(summary: dict) -> None:
         assert math.isfinite(s.grad_norm) and s.grad_norm > 0
         assert all(math.isfinite(v) and v > 0 for v in s.module_grad_norms.values())
         # module norms combine into the global norm
-        assert math.sqrt(sum(v * v for v in s.module_grad_norms.values())) == pytest.approx(s.grad_norm, rel=1e-6)
+        assert math.sqrt(sum(v * v for v in s.module_grad_norms.values())) == pytest.approx(
+            s.grad_norm, rel=1e-6
+        )
         assert s.grad_norm_clipped == pytest.approx(min(s.grad_norm, CLIP), rel=1e-4)
         assert 0 < s.clip_ratio <= 1
         assert math.isfinite(s.loss) and 0 < s.loss < 10
@@ -168,8 +187,10 @@ def plain(broker) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _data(STEPS * BATCH, seed=1)
     vx, vy = _data(2 * BATCH, seed=2)
-    w = rw.watch(model, optimizer, clip=CLIP, update_every=UPDATE_EVERY, heartbeat_s=HEARTBEAT_S, first_step=1)
-    batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
+    w = rw.watch(
+        model, optimizer, clip=CLIP, update_every=UPDATE_EVERY, heartbeat_s=HEARTBEAT_S, first_step=1
+    )
+    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
     for step, (bx, by) in enumerate(w.data(batches), start=1):
         loss = model(bx, labels=by)["loss"]
         loss.backward()
@@ -179,7 +200,9 @@ def plain(broker) -> dict:
         if step % EVAL_EVERY == 0:
             model.eval()
             with w.phase("eval"), torch.no_grad():
-                losses = [float(model(vx[i:i + BATCH], labels=vy[i:i + BATCH])["loss"]) for i in (0, BATCH)]
+                losses = [
+                    float(model(vx[i : i + BATCH], labels=vy[i : i + BATCH])["loss"]) for i in (0, BATCH)
+                ]
                 w.eval(step, "val", sum(losses) / len(losses))
             model.train()
     w.close()
@@ -226,10 +249,19 @@ def test_lightning_callback_matches_plain_loop(broker, plain, tmp_path):
     rw = RunWatch(run_id, broker.bootstrap)
     callback = RunWatchCallback(rw, update_every=UPDATE_EVERY, heartbeat_s=HEARTBEAT_S)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE,
-        gradient_clip_val=CLIP, val_check_interval=EVAL_EVERY * ACCUMULATE, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[callback], default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        val_check_interval=EVAL_EVERY * ACCUMULATE,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        default_root_dir=tmp_path,
     )
     trainer.fit(TinyModule(), train, val)
     rw.close()
@@ -252,12 +284,26 @@ def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     from runwatch.producer.integrations.hf import RunWatchCallback
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no",
-        max_steps=STEPS, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
-        per_device_eval_batch_size=BATCH, eval_strategy="steps", eval_steps=EVAL_EVERY,
-        learning_rate=LR, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0,
-        max_grad_norm=CLIP, logging_strategy="steps", logging_steps=1, disable_tqdm=True,
-        dataloader_num_workers=0, seed=0,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        per_device_eval_batch_size=BATCH,
+        eval_strategy="steps",
+        eval_steps=EVAL_EVERY,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=CLIP,
+        logging_strategy="steps",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
     )
     run_id = f"hf-{uuid.uuid4().hex[:8]}"
     rw = RunWatch(run_id, broker.bootstrap)
@@ -265,8 +311,13 @@ def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     x, y = _data(STEPS * ACCUMULATE * BATCH, seed=1)
 
     def train(callbacks):
-        trainer = Trainer(model=TinyNet(), args=args, train_dataset=Pairs(x, y),
-                          eval_dataset=Pairs(*_data(2 * BATCH, seed=2)), callbacks=callbacks)
+        trainer = Trainer(
+            model=TinyNet(),
+            args=args,
+            train_dataset=Pairs(x, y),
+            eval_dataset=Pairs(*_data(2 * BATCH, seed=2)),
+            callbacks=callbacks,
+        )
         trainer.train()
         return trainer
 
@@ -290,7 +341,9 @@ def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     assert [h["step"] for h in logged] == got["step_numbers"]
     assert [s.loss for s in got["steps"]] == pytest.approx([h["loss"] for h in logged], abs=1e-4)
     if all("grad_norm" in h for h in logged):  # 5.17 logs it without clipping too; 5.0 does not
-        assert [s.grad_norm for s in got["steps"]] == pytest.approx([h["grad_norm"] for h in logged], rel=1e-5)
+        assert [s.grad_norm for s in got["steps"]] == pytest.approx(
+            [h["grad_norm"] for h in logged], rel=1e-5
+        )
 
 
 @needs_hf
@@ -304,11 +357,24 @@ def test_hf_callback_unscales_fp16_gradients_before_it_clips(broker, tmp_path):
     from runwatch.producer.integrations.hf import RunWatchCallback
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), fp16=True, report_to=[], save_strategy="no", eval_strategy="no",
-        max_steps=STEPS, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
-        learning_rate=LR, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0,
-        max_grad_norm=CLIP, logging_strategy="steps", logging_steps=1, disable_tqdm=True,
-        dataloader_num_workers=0, seed=0,
+        output_dir=str(tmp_path),
+        fp16=True,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=CLIP,
+        logging_strategy="steps",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
     )
     x, y = _data(STEPS * ACCUMULATE * BATCH, seed=1)
 

@@ -33,21 +33,36 @@ def grafana() -> Iterator[GrafanaStandIn]:
 
 
 def provision(url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RUNWATCH_GRAFANA", "RUNWATCH_CLICKHOUSE_READER"))}
-    return subprocess.run([sys.executable, "-m", "runwatch.cli", "grafana", "provision", "--url", url, *args],
-                          capture_output=True, text=True, timeout=120, env={**base, **(env or {})}, check=False)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RUNWATCH_GRAFANA", "RUNWATCH_CLICKHOUSE_READER"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "runwatch.cli", "grafana", "provision", "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, **(env or {})},
+        check=False,
+    )
 
 
 def outcome_lines(stdout: str) -> list[list[str]]:
     """(action, kind, uid) of each object line."""
-    return [line.split()[:3] for line in stdout.splitlines() if line.split()[1:2] in (["folder"], ["datasource"],
-                                                                                      ["dashboard"])]
+    return [
+        line.split()[:3]
+        for line in stdout.splitlines()
+        if line.split()[1:2] in (["folder"], ["datasource"], ["dashboard"])
+    ]
 
 
 def datasource_refs(node: object) -> set[str]:
     """The uids of every ClickHouse datasource reference in a dashboard model."""
     if isinstance(node, dict):
-        own = {node["uid"]} if node.get("type") == "grafana-clickhouse-datasource" and "uid" in node else set()
+        own = (
+            {node["uid"]} if node.get("type") == "grafana-clickhouse-datasource" and "uid" in node else set()
+        )
         return own.union(*(datasource_refs(v) for v in node.values()))
     if isinstance(node, list):
         return set().union(*(datasource_refs(v) for v in node))
@@ -56,20 +71,38 @@ def datasource_refs(node: object) -> set[str]:
 
 def test_first_run_creates_everything_and_the_second_only_reads(grafana):
     assert len(DASHBOARDS) == 5, DASHBOARDS
-    first = provision(grafana.url, "--token", TOKEN, "--datasource-password", "s3cret",
-                      "--datasource-url", "native://reader@clickhouse.internal:9000/runwatch")
+    first = provision(
+        grafana.url,
+        "--token",
+        TOKEN,
+        "--datasource-password",
+        "s3cret",
+        "--datasource-url",
+        "native://reader@clickhouse.internal:9000/runwatch",
+    )
     assert first.returncode == 0, first.stderr
     lines = outcome_lines(first.stdout)
-    assert [line[:2] for line in lines] == [["created", "folder"], ["created", "datasource"]] + [["created", "dashboard"]] * 5
+    assert [line[:2] for line in lines] == [["created", "folder"], ["created", "datasource"]] + [
+        ["created", "dashboard"]
+    ] * 5
     assert "7 created, 0 updated, 0 unchanged" in first.stdout
 
     state = grafana.state
     assert list(state.folders) == ["runwatch"] and state.folders["runwatch"]["title"] == "runwatch"
     ds = state.datasources["runwatch-clickhouse"]
     assert ds["type"] == "grafana-clickhouse-datasource" and ds["access"] == "proxy"
-    assert ds["jsonData"] == {"host": "clickhouse.internal", "port": 9000, "protocol": "native", "secure": False,
-                              "username": "reader", "defaultDatabase": "runwatch", "tlsSkipVerify": False}
-    assert ds["secureJsonFields"] == {"password": True} and state.secure["runwatch-clickhouse"] == {"password": "s3cret"}
+    assert ds["jsonData"] == {
+        "host": "clickhouse.internal",
+        "port": 9000,
+        "protocol": "native",
+        "secure": False,
+        "username": "reader",
+        "defaultDatabase": "runwatch",
+        "tlsSkipVerify": False,
+    }
+    assert ds["secureJsonFields"] == {"password": True} and state.secure["runwatch-clickhouse"] == {
+        "password": "s3cret"
+    }
     assert "s3cret" not in json.dumps(ds)  # the password is only ever secure data
     wanted = {json.loads(p.read_text())["uid"] for p in DASHBOARDS}
     assert set(state.dashboards) == wanted
@@ -78,16 +111,29 @@ def test_first_run_creates_everything_and_the_second_only_reads(grafana):
         assert entry["dashboard"]["version"] == 1
         assert datasource_refs(entry["dashboard"]) == {"runwatch-clickhouse"}, uid
     first_writes = [(r.method, r.path) for r in grafana.requests if r.is_write]
-    assert first_writes == [("POST", "/api/folders"), ("POST", "/api/datasources")] + [("POST", "/api/dashboards/db")] * 5
+    assert (
+        first_writes
+        == [("POST", "/api/folders"), ("POST", "/api/datasources")] + [("POST", "/api/dashboards/db")] * 5
+    )
     assert all(r.authorization == f"Bearer {TOKEN}" for r in grafana.requests)
-    assert all(r.status != 404 or r.method == "GET" and r.path.startswith(("/api/folders/", "/api/datasources/",
-                                                                         "/api/dashboards/uid/"))
-               for r in grafana.requests)  # nothing outside the endpoints it means to call
+    assert all(
+        r.status != 404
+        or r.method == "GET"
+        and r.path.startswith(("/api/folders/", "/api/datasources/", "/api/dashboards/uid/"))
+        for r in grafana.requests
+    )  # nothing outside the endpoints it means to call
 
     before = json.dumps([state.folders, state.datasources, state.dashboards], sort_keys=True)
     seen = len(grafana.requests)
-    second = provision(grafana.url, "--token", TOKEN, "--datasource-password", "s3cret",
-                       "--datasource-url", "native://reader@clickhouse.internal:9000/runwatch")
+    second = provision(
+        grafana.url,
+        "--token",
+        TOKEN,
+        "--datasource-password",
+        "s3cret",
+        "--datasource-url",
+        "native://reader@clickhouse.internal:9000/runwatch",
+    )
     assert second.returncode == 0, second.stderr
     assert [line[0] for line in outcome_lines(second.stdout)] == ["unchanged"] * 7
     assert "0 created, 0 updated, 7 unchanged" in second.stdout
@@ -111,7 +157,11 @@ def test_what_someone_changed_in_grafana_is_put_back_and_only_that(grafana):
     run["panels"] = run["panels"][1:]  # someone deleted a panel in the UI
     run["version"] += 1
     ds = grafana.state.datasources["runwatch-clickhouse"]
-    ds["jsonData"] = {**ds["jsonData"], "host": "elsewhere", "version": "4.10.1"}  # the UI adds the plugin version
+    ds["jsonData"] = {
+        **ds["jsonData"],
+        "host": "elsewhere",
+        "version": "4.10.1",
+    }  # the UI adds the plugin version
     seen = len(grafana.requests)
 
     done = provision(grafana.url, "--token", TOKEN, "--json")

@@ -52,7 +52,6 @@ from .test_multi_rank import STOP_EXIT_CODE, WORLD, Run
 pytestmark = pytest.mark.integration
 
 
-
 @pytest.fixture(scope="module")
 def dist_run(chdb_dsn, secret, tmp_path_factory) -> str:
     """A 3-rank run (rank 2 a straggler, rank 1 hung at step 30 until the escalated stop) stored in
@@ -72,7 +71,15 @@ def dist_run(chdb_dsn, secret, tmp_path_factory) -> str:
         try:
             with worker_with_config(broker, secret, folder, DIST_CONFIG, "runwatch-detect-grafana"):
                 (folder / "run").mkdir()
-                run = Run(broker, secret, folder / "run", "slow:2:0.2", "hang:1:30", steps=400, stop_exit_after_s=2.0)
+                run = Run(
+                    broker,
+                    secret,
+                    folder / "run",
+                    "slow:2:0.2",
+                    "hang:1:30",
+                    steps=400,
+                    stop_exit_after_s=2.0,
+                )
                 try:
                     codes = run.wait(150)
                     assert codes == [STOP_EXIT_CODE] * WORLD, run.logs()
@@ -80,15 +87,31 @@ def dist_run(chdb_dsn, secret, tmp_path_factory) -> str:
                     run.kill()
 
                 def stored() -> bool:
-                    found = {d for (d,) in sink.query("SELECT DISTINCT detector FROM {db}.anomalies FINAL "
-                                                      "WHERE run_id = %(r)s", {"r": run.run_id})}
-                    kinds = {k for (k,) in sink.query("SELECT DISTINCT kind FROM {db}.actions FINAL "
-                                                      "WHERE run_id = %(r)s", {"r": run.run_id})}
+                    found = {
+                        d
+                        for (d,) in sink.query(
+                            "SELECT DISTINCT detector FROM {db}.anomalies FINAL WHERE run_id = %(r)s",
+                            {"r": run.run_id},
+                        )
+                    }
+                    kinds = {
+                        k
+                        for (k,) in sink.query(
+                            "SELECT DISTINCT kind FROM {db}.actions FINAL WHERE run_id = %(r)s",
+                            {"r": run.run_id},
+                        )
+                    }
                     return {"straggler", "hung_rank"} <= found and "stop" in kinds
 
-                eventually(stored, 60, "the straggler, the hung rank and the stop in ClickHouse", interval=0.5)
-                eventually(lambda: sink.query("SELECT count() FROM {db}.deadletter FINAL")[0][0] > 0, 30,
-                           "the dead letter in ClickHouse", interval=0.5)
+                eventually(
+                    stored, 60, "the straggler, the hung rank and the stop in ClickHouse", interval=0.5
+                )
+                eventually(
+                    lambda: sink.query("SELECT count() FROM {db}.deadletter FINAL")[0][0] > 0,
+                    30,
+                    "the dead letter in ClickHouse",
+                    interval=0.5,
+                )
                 time.sleep(1.0)  # the last heartbeats and joined steps of the stopped ranks
         finally:
             consumer.stopping.set()
@@ -142,7 +165,9 @@ def context() -> QueryContext:
     return QueryContext(start, end, interval_for(start, end))
 
 
-def _run(sink: ClickHouseSink, sql: str, ctx: QueryContext, variables: dict) -> tuple[tuple[str, ...], list[tuple]]:
+def _run(
+    sink: ClickHouseSink, sql: str, ctx: QueryContext, variables: dict
+) -> tuple[tuple[str, ...], list[tuple]]:
     """The expanded query's column names (from DESCRIBE, so also for no rows) and rows."""
     expanded = expand(sql.replace("{db}", DATABASE), ctx, variables)
     columns = tuple(row[0] for row in sink.client.query(f"DESCRIBE ({expanded})").result_rows)
@@ -186,8 +211,13 @@ MAY_BE_EMPTY = {
 }
 
 # Which stored runs each dashboard is looked at with (the ones without a run variable: None).
-CASES = {FLEET.uid: [None], PIPELINE.uid: [None], RUN_DASHBOARD.uid: ["nan", "dist", "bad"],
-         RANKS_DASHBOARD.uid: ["dist"], BASELINES_DASHBOARD.uid: ["bad"]}
+CASES = {
+    FLEET.uid: [None],
+    PIPELINE.uid: [None],
+    RUN_DASHBOARD.uid: ["nan", "dist", "bad"],
+    RANKS_DASHBOARD.uid: ["dist"],
+    BASELINES_DASHBOARD.uid: ["bad"],
+}
 
 
 @pytest.mark.parametrize("spec", DASHBOARDS, ids=lambda s: s.uid)
@@ -217,7 +247,9 @@ def test_the_nan_run_shows_its_finding_and_rollback_on_the_run_dashboard(stored,
     assert marks["Actions: alert"] and all(tags == ["alert"] for _, _, tags in marks["Actions: alert"])
     rollback = nan_demo_run["rollbacks"][0]
     assert f"-> {rollback['to_step']}" in marks["Rollbacks"][0][1]
-    findings = _run(sink, next(p for p in RUN_DASHBOARD.panels if p.title == "Findings").sql, context, variables)[1]
+    findings = _run(
+        sink, next(p for p in RUN_DASHBOARD.panels if p.title == "Findings").sql, context, variables
+    )[1]
     assert len(findings) == len(nan_demo_run["anomalies"])
 
 
@@ -247,8 +279,10 @@ def test_the_band_panel_is_the_sinks_baseline_band(stored, context):
             continue
         compared += 1
         assert len(rows) == len(expected.steps), metric  # one row per step of the run (bucket of one step)
-        assert [r[2:] for r in rows] == [pytest.approx((lo, mid, hi), rel=1e-9) for lo, mid, hi in
-                                          zip(expected.lo, expected.mid, expected.hi, strict=True)], metric
+        assert [r[2:] for r in rows] == [
+            pytest.approx((lo, mid, hi), rel=1e-9)
+            for lo, mid, hi in zip(expected.lo, expected.mid, expected.hi, strict=True)
+        ], metric
     assert compared >= 4  # loss, grad norm, step time, memory at least
 
 
@@ -256,12 +290,19 @@ def test_the_outlier_table_gives_the_verdicts_of_baseline_check(stored, context)
     sink, runs = stored
     me = sink.baselines.summary(runs["bad"])
     config = BaselineConfig()
-    report = check_run(me, sink.baselines.candidates(me.baseline_key, me.fingerprint, me.started_at,
-                                                    config.window_days), config)
+    report = check_run(
+        me,
+        sink.baselines.candidates(me.baseline_key, me.fingerprint, me.started_at, config.window_days),
+        config,
+    )
     variables = _variables(sink, BASELINES_DASHBOARD, context, runs["bad"])
     rows = {r[0]: r for r in _run(sink, BASELINE_OUTLIERS.sql, context, variables)[1]}
     assert sorted(rows) == sorted(c.metric for c in report.comparisons)
     for c in report.comparisons:
         metric, last, baseline, low, high, _, n, verdict = rows[c.metric]
         assert (verdict, n) == (c.verdict, c.n), c.metric
-        assert baseline == pytest.approx(c.median) and low == pytest.approx(c.low) and high == pytest.approx(c.high)
+        assert (
+            baseline == pytest.approx(c.median)
+            and low == pytest.approx(c.low)
+            and high == pytest.approx(c.high)
+        )

@@ -49,10 +49,14 @@ def evaluation(corpus_dir: Path) -> dict:
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True, timeout=30).stdout
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True, timeout=30
+    ).stdout
 
 
-def test_a_real_repository_whose_commits_the_runs_name(corpus_dir: Path, labels: dict, corpus: HistoryCorpus) -> None:
+def test_a_real_repository_whose_commits_the_runs_name(
+    corpus_dir: Path, labels: dict, corpus: HistoryCorpus
+) -> None:
     log = _git(corpus_dir / "repo", "log", "--format=%H %cI %s").splitlines()
     shas = {line.split()[0]: datetime.fromisoformat(line.split()[1]) for line in log}
     assert len(shas) == len({r["commit"] for r in labels["runs"]}) >= 20
@@ -69,10 +73,14 @@ def test_a_real_repository_whose_commits_the_runs_name(corpus_dir: Path, labels:
         assert len(changed) == 1 and changed[0] in ("train_config.json", "NOTES.md")
 
 
-def test_thirty_days_of_runs_on_two_fingerprints_with_real_figures(labels: dict, corpus: HistoryCorpus) -> None:
+def test_thirty_days_of_runs_on_two_fingerprints_with_real_figures(
+    labels: dict, corpus: HistoryCorpus
+) -> None:
     runs = labels["runs"]
     assert len(runs) >= 30
-    starts = sorted(next(e for e in corpus.events[r["run_id"]] if isinstance(e, RunStartEvent)).ts for r in runs)
+    starts = sorted(
+        next(e for e in corpus.events[r["run_id"]] if isinstance(e, RunStartEvent)).ts for r in runs
+    )
     assert (starts[-1] - starts[0]).days >= 30
     assert {r["fingerprint"] for r in runs} == {"cpu-a", "cpu-b"}
     steps = [e for e in corpus.events[runs[0]["run_id"]] if isinstance(e, StepEvent)]
@@ -116,14 +124,18 @@ def test_benign_commits_and_insufficient_history(evaluation: dict, labels: dict)
     move = [r["run_id"] for r in labels["runs"] if r["fingerprint"] == "cpu-b"]
     assert set(move[:5]) <= insufficient and move[5] not in insufficient  # the move to cpu-b starts afresh
     declared = next(r for r in labels["runs"] if r["new_baseline"])["run_id"]
-    after = ordered[ordered.index(declared):]
+    after = ordered[ordered.index(declared) :]
     assert set(after[:5]) <= insufficient  # the declared new baseline starts afresh too
     assert all(runs[r]["exit_code"] == 0 for r in after)  # slower by design: no outlier
 
 
-def test_calibrated_tolerances_leave_no_false_alarm(corpus_dir: Path, corpus: HistoryCorpus, tmp_path: Path) -> None:
+def test_calibrated_tolerances_leave_no_false_alarm(
+    corpus_dir: Path, corpus: HistoryCorpus, tmp_path: Path
+) -> None:
     out = tmp_path / "tolerances.yaml"
-    result = CliRunner().invoke(cli, ["calibrate", str(corpus_dir), "--out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli, ["calibrate", str(corpus_dir), "--out", str(out)], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     min_change = yaml.safe_load(out.read_text())["baseline"]["min_change"]
     assert min_change["category_loss_silence"] > 0.05 and min_change["max_cuda_peak_bytes"] >= 0.01

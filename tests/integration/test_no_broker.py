@@ -61,8 +61,14 @@ def test_a_broker_that_comes_up_after_the_run_started_gets_its_first_events(tmp_
     (100 ms) would drop rank 0's run_start, which tells the worker the world size, where there is no
     spool. The publisher's thread waits for the metadata up to the delivery timeout instead."""
     port = free_port()
-    rw = RunWatch("late-broker-run", f"127.0.0.1:{port}", world_size=3, collect_metadata=False, spool=False,
-                  delivery_timeout_ms=20_000)  # run_start is queued now, before any broker listens
+    rw = RunWatch(
+        "late-broker-run",
+        f"127.0.0.1:{port}",
+        world_size=3,
+        collect_metadata=False,
+        spool=False,
+        delivery_timeout_ms=20_000,
+    )  # run_start is queued now, before any broker listens
     time.sleep(1.0)  # well past max_block_ms
     with EmbeddedBroker(port=port, log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
@@ -70,7 +76,10 @@ def test_a_broker_that_comes_up_after_the_run_started_gets_its_first_events(tmp_
         stats = rw.close(timeout=15.0)
         assert stats.dropped == 0 and stats.drop_reasons == {}, stats
         assert stats.published == 3  # run_start, the step, run_end
-        mine = read_topic(broker.bootstrap, topics.TELEMETRY,
-                          lambda records: sum(b"late-broker-run" in r.value for r in records) >= 3)
+        mine = read_topic(
+            broker.bootstrap,
+            topics.TELEMETRY,
+            lambda records: sum(b"late-broker-run" in r.value for r in records) >= 3,
+        )
         kinds = [e.kind for e in (decode_event(r.value) for r in mine) if e.run_id == "late-broker-run"]
         assert kinds == ["run_start", "step", "run_end"]

@@ -69,8 +69,14 @@ def node_env() -> dict[str, str]:
 
 
 def run_sh(script: str, cwd: Path, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def python_partitions(bootstrap: str, keys: list[str], partitions: int) -> dict[str, int]:
@@ -131,8 +137,13 @@ def test_documented_node_example_publishes_a_run_the_worker_processes(broker, wo
         reported.add(int(match.group(1)))
 
     key = run_id.encode()
-    records = [r for r in read_topic(broker.bootstrap, topics.TELEMETRY,
-                                     lambda rs: sum(r.key == key for r in rs) >= 31) if r.key == key]
+    records = [
+        r
+        for r in read_topic(
+            broker.bootstrap, topics.TELEMETRY, lambda rs: sum(r.key == key for r in rs) >= 31
+        )
+        if r.key == key
+    ]
     assert len(records) == 31
     for record in records:
         check_event(record, run_id)
@@ -140,7 +151,9 @@ def test_documented_node_example_publishes_a_run_the_worker_processes(broker, wo
     assert {r.partition for r in records} == reported == {expected}
 
     def found(rs):
-        return [a for a in (decode_anomaly(r.value) for r in rs if r.key == key) if a.detector == "non_finite"]
+        return [
+            a for a in (decode_anomaly(r.value) for r in rs if r.key == key) if a.detector == "non_finite"
+        ]
 
     anomalies = found(read_topic(broker.bootstrap, topics.ANOMALIES, lambda rs: bool(found(rs)), timeout=60))
     assert anomalies[0].step == 31 and anomalies[0].run_id == run_id
@@ -151,12 +164,21 @@ def test_documented_publisher_partitions_runs_like_kafka_python(broker, tmp_path
     topic = new_topic(broker.bootstrap, partitions)
     env = {**node_env, topics.BOOTSTRAP_ENV: broker.bootstrap, "RUNWATCH_TOPIC": topic}
     first = f"node-{uuid.uuid4().hex[:8]}"
-    done = run_sh(with_event(doc_block(NODE_MARKER), first, 1, "2.5"), tmp_path, env)  # writes runwatch-publish.js
+    done = run_sh(
+        with_event(doc_block(NODE_MARKER), first, 1, "2.5"), tmp_path, env
+    )  # writes runwatch-publish.js
     assert done.returncode == 0, done.stderr
     keys = [first] + [f"run-{uuid.uuid4().hex[:10]}" for _ in range(199)]
     lines = "".join(f"{key}|{{}}\n" for key in keys[1:])
-    done = subprocess.run(["node", "runwatch-publish.js"], input=lines, cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        ["node", "runwatch-publish.js"],
+        input=lines,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
 
     wanted = {key.encode() for key in keys}
@@ -188,8 +210,11 @@ def test_documented_kcat_example_works_or_fails_as_documented(broker, tmp_path):
         return
     assert done.returncode == 0, done.stderr
     key = run_id.encode()
-    (record,) = [r for r in read_topic(broker.bootstrap, topics.TELEMETRY, lambda rs: any(r.key == key for r in rs))
-                 if r.key == key]
+    (record,) = [
+        r
+        for r in read_topic(broker.bootstrap, topics.TELEMETRY, lambda rs: any(r.key == key for r in rs))
+        if r.key == key
+    ]
     check_event(record, run_id)
     expected = python_partitions(broker.bootstrap, [run_id], telemetry_partitions(broker.bootstrap))[run_id]
     assert record.partition == expected

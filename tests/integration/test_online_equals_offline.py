@@ -34,15 +34,22 @@ def test_a_recorded_scenario_gives_the_same_findings_online_and_offline(broker, 
     try:
         for event in events:  # one key: one partition, so the worker sees the recorded order
             # a recording replayed keeps its timestamps: the record's is the event's (docs/wire-format.md)
-            producer.send(topics.TELEMETRY, key=run_id.encode(), value=event.to_json(),
-                          timestamp_ms=int(event.ts.timestamp() * 1000))
+            producer.send(
+                topics.TELEMETRY,
+                key=run_id.encode(),
+                value=event.to_json(),
+                timestamp_ms=int(event.ts.timestamp() * 1000),
+            )
         producer.flush(timeout=30)
     finally:
         producer.close()
 
     def ours(records):
-        return {(a.anomaly_id, a.detector, a.step, a.severity)
-                for a in (decode_anomaly(r.value) for r in records) if a.run_id == run_id}
+        return {
+            (a.anomaly_id, a.detector, a.step, a.severity)
+            for a in (decode_anomaly(r.value) for r in records)
+            if a.run_id == run_id
+        }
 
     # read from the start until the run's findings are all there (or time out failing)
     read_topic(broker.bootstrap, topics.ANOMALIES, lambda r: len(ours(r)) >= len(expected), timeout=60)

@@ -72,8 +72,14 @@ def run_on_partition_of(key: bytes, prefix: str) -> str:
 
 def event(run_id: str, kind: str = "step", **fields) -> dict:
     """A telemetry event with every required field, as a dict to spoil; ``fields`` override."""
-    body = {"schema_version": 1, "event_id": uuid.uuid4().hex, "run_id": run_id, "rank": 0,
-            "ts": datetime.now(UTC).isoformat(), "kind": kind}
+    body = {
+        "schema_version": 1,
+        "event_id": uuid.uuid4().hex,
+        "run_id": run_id,
+        "rank": 0,
+        "ts": datetime.now(UTC).isoformat(),
+        "kind": kind,
+    }
     if kind == "step":
         body["step"] = 1
     body.update(fields)
@@ -91,8 +97,11 @@ def without(body: dict, name: str) -> dict:
 
 @pytest.fixture
 def producer(broker) -> Iterator[KafkaProducer]:
-    p = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION,
-                      max_request_size=4 * 1024 * 1024)
+    p = KafkaProducer(
+        bootstrap_servers=broker.bootstrap,
+        api_version=topics.KAFKA_API_VERSION,
+        max_request_size=4 * 1024 * 1024,
+    )
     try:
         yield p
     finally:
@@ -114,7 +123,9 @@ def unharmed(worker) -> Iterator[WorkerProcess]:
     before = eventually(answering, 30, "the worker's health endpoint to answer 200", interval=0.2)
     detector_pid = before["detector_process"]["pid"]
     yield worker
-    assert worker.process.poll() is None, f"the worker exited with {worker.process.returncode}; see {worker.log_path}"
+    assert worker.process.poll() is None, (
+        f"the worker exited with {worker.process.returncode}; see {worker.log_path}"
+    )
     status, after = worker.health()
     assert status == 200 and after["live"], after
     assert after["pid"] == worker.process.pid == before["pid"]
@@ -155,7 +166,9 @@ def actions_of(bootstrap: str, run_id: str, timeout: float = 30.0) -> list[str]:
     def kinds(records):
         return [decode_action(r.value).kind for r in records if r.key == key]
 
-    return kinds(read_topic(bootstrap, topics.ACTIONS, lambda rs: {"rollback", "stop"} & set(kinds(rs)), timeout))
+    return kinds(
+        read_topic(bootstrap, topics.ACTIONS, lambda rs: {"rollback", "stop"} & set(kinds(rs)), timeout)
+    )
 
 
 def anomalies_of(bootstrap: str, run_id: str, until, timeout: float = 30.0) -> list:
@@ -190,8 +203,12 @@ def deadletters(bootstrap: str, key: bytes, count: int, timeout: float = 30.0) -
 
 
 def wait_committed_past(bootstrap: str, partition: int, offset: int, timeout: float = 30.0) -> None:
-    eventually(lambda: committed_offset(bootstrap, topics.DETECT_GROUP, topics.TELEMETRY, partition) > offset,
-               timeout, f"the worker's group to commit past {topics.TELEMETRY}[{partition}]@{offset}", interval=0.25)
+    eventually(
+        lambda: committed_offset(bootstrap, topics.DETECT_GROUP, topics.TELEMETRY, partition) > offset,
+        timeout,
+        f"the worker's group to commit past {topics.TELEMETRY}[{partition}]@{offset}",
+        interval=0.25,
+    )
 
 
 # -- case 1: a null value ------------------------------------------------------------------------
@@ -218,9 +235,11 @@ def test_case1_a_tombstone_is_deadlettered_and_committed_past(broker, unharmed, 
 def test_case2_a_ts_without_timezone_is_deadlettered(broker, unharmed, producer):
     run_id = new_run("naive")
     key = run_id.encode()
-    bad = [dumps(event(run_id, ts="2026-11-21T09:30:00")),
-           dumps(event(run_id, ts="2026-11-21")),
-           dumps(event(run_id, "heartbeat", ts="2026-11-21T09:30:00", interval_s=0.5))]
+    bad = [
+        dumps(event(run_id, ts="2026-11-21T09:30:00")),
+        dumps(event(run_id, ts="2026-11-21")),
+        dumps(event(run_id, "heartbeat", ts="2026-11-21T09:30:00", interval_s=0.5)),
+    ]
     partitions = {send(producer, key, raw).get(timeout=10).partition for raw in bad}
     valid = run_on_partition_of(key, "naive-valid")
     assert {publish_fault_run(producer, valid).partition} == partitions
@@ -239,8 +258,10 @@ def test_case3_a_megabyte_of_garbage_gets_a_bounded_deadletter_and_never_wedges(
     run_id = new_run("huge")
     key = run_id.encode()
     rng = random.Random(3)
-    bad = [b"not json " * 111_111 + b"x",  # 1,000,000 bytes, printable
-           b"\xff" + rng.randbytes(1_199_999)]  # 1.2 MB, random bytes: over the 1 MiB message limit too
+    bad = [
+        b"not json " * 111_111 + b"x",  # 1,000,000 bytes, printable
+        b"\xff" + rng.randbytes(1_199_999),
+    ]  # 1.2 MB, random bytes: over the 1 MiB message limit too
     assert [len(b) for b in bad] == [1_000_000, 1_200_000]
     sent = [send(producer, key, raw).get(timeout=30) for raw in bad]
     valid = run_on_partition_of(key, "huge-valid")
@@ -276,11 +297,13 @@ def test_case4_huge_rank_and_world_size_are_deadlettered_and_timers_keep_working
     run_id = new_run("rank")
     key = run_id.encode()
     _, before = unharmed.health()
-    bad = [dumps(event(run_id, "run_start", rank=10**6)),
-           dumps(event(run_id, "run_start", rank=10**7)),
-           dumps(event(run_id, "run_start", world_size=10**7)),
-           dumps(event(run_id, "step", rank=10**6, step=1, loss=1.0)),
-           dumps(event(run_id, "step", rank=10**7, step=1, loss=1.0))]
+    bad = [
+        dumps(event(run_id, "run_start", rank=10**6)),
+        dumps(event(run_id, "run_start", rank=10**7)),
+        dumps(event(run_id, "run_start", world_size=10**7)),
+        dumps(event(run_id, "step", rank=10**6, step=1, loss=1.0)),
+        dumps(event(run_id, "step", rank=10**7, step=1, loss=1.0)),
+    ]
     for raw in bad:
         send(producer, key, raw)
     # The same run, valid from here on, with two ranks: had a rank of 10^6 or a world size of 10^7
@@ -338,8 +361,10 @@ def test_case5_a_ts_in_year_9999_is_deadlettered_and_the_timer_keeps_ticking(bro
     run_id = new_run("y9999")
     key = run_id.encode()
     started = time.monotonic()
-    bad = [dumps(event(run_id, ts="9999-12-31T00:00:00Z")),
-           dumps(event(run_id, "heartbeat", ts="9999-12-31T00:00:00Z", interval_s=0.5))]
+    bad = [
+        dumps(event(run_id, ts="9999-12-31T00:00:00Z")),
+        dumps(event(run_id, "heartbeat", ts="9999-12-31T00:00:00Z", interval_s=0.5)),
+    ]
     partitions = {send(producer, key, raw).get(timeout=10).partition for raw in bad}
     valid = run_on_partition_of(key, "y9999-valid")
     assert {publish_fault_run(producer, valid).partition} == partitions
@@ -363,14 +388,20 @@ def test_case7_one_skewed_time_or_interval_does_not_make_live_ranks_silent(broke
     def beat(step: int) -> None:
         for rank in ranks:
             send(producer, key, HeartbeatEvent(run_id=run_id, rank=rank, step=step, interval_s=0.5).to_json())
-            send(producer, key, StepEvent(run_id=run_id, rank=rank, step=step, loss=1.0, grad_norm=1.0).to_json())
+            send(
+                producer,
+                key,
+                StepEvent(run_id=run_id, rank=rank, step=step, loss=1.0, grad_norm=1.0).to_json(),
+            )
         producer.flush()
 
     for rank in ranks:
         send(producer, key, RunStartEvent(run_id=run_id, rank=rank, world_size=2).to_json())
-    bad = [dumps(event(run_id, step=4, ts="2099-06-01T00:00:00+00:00")),
-           dumps(event(run_id, "heartbeat", rank=1, step=4, interval_s="Infinity")),  # the wire's infinity
-           dumps(event(run_id, "heartbeat", rank=1, step=4, interval_s=1e12))]
+    bad = [
+        dumps(event(run_id, step=4, ts="2099-06-01T00:00:00+00:00")),
+        dumps(event(run_id, "heartbeat", rank=1, step=4, interval_s="Infinity")),  # the wire's infinity
+        dumps(event(run_id, "heartbeat", rank=1, step=4, interval_s=1e12)),
+    ]
     step, poisoned_at = 0, None
     # A live run: heartbeats and steps of both ranks every 0.5 s; the poison at step 4, then ~5 s
     # more of the run, which must not find any rank silent.
@@ -382,7 +413,11 @@ def test_case7_one_skewed_time_or_interval_does_not_make_live_ranks_silent(broke
                 send(producer, key, raw)
             # Valid but 200 s ahead (inside the 300 s window): the run's clock must not follow it.
             ahead = datetime.now(UTC) + timedelta(seconds=200)
-            send(producer, key, HeartbeatEvent(run_id=run_id, rank=0, step=step, interval_s=0.5, ts=ahead).to_json())
+            send(
+                producer,
+                key,
+                HeartbeatEvent(run_id=run_id, rank=0, step=step, interval_s=0.5, ts=ahead).to_json(),
+            )
             producer.flush()
             poisoned_at = time.monotonic()
         time.sleep(0.5)
@@ -426,8 +461,10 @@ def test_case8_every_loose_message_is_deadlettered_naming_its_field(broker, unha
         "negative step time": ({**e, "step_time_s": -0.5}, "step_time_s"),
     }
     # every message unique (its raw bytes identify its dead letter)
-    sent = {dumps({**body, "event_id": name} if "event_id" in body else body): (name, field)
-            for name, (body, field) in cases.items()}
+    sent = {
+        dumps({**body, "event_id": name} if "event_id" in body else body): (name, field)
+        for name, (body, field) in cases.items()
+    }
     assert len(sent) == len(cases)
     partitions = {send(producer, key, raw).get(timeout=10).partition for raw in sent}
     valid = run_on_partition_of(key, "strict-valid")
@@ -449,9 +486,24 @@ def test_case8_every_loose_message_is_deadlettered_naming_its_field(broker, unha
 
 def test_case12_a_one_character_secret_is_refused_and_the_health_endpoint_answers(broker, unharmed, tmp_path):
     env = {**os.environ, topics.SECRET_ENV: "x"}
-    proc = subprocess.run([sys.executable, "-m", "runwatch.cli", "worker", "--bootstrap", broker.bootstrap,
-                           "--web-port", "0", "--ready-file", str(tmp_path / "ready")],
-                          env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runwatch.cli",
+            "worker",
+            "--bootstrap",
+            broker.bootstrap,
+            "--web-port",
+            "0",
+            "--ready-file",
+            str(tmp_path / "ready"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert "32" in output and "bytes" in output, output

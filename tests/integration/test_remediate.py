@@ -58,8 +58,13 @@ class Webhook:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                hook.posts.append({"path": self.path, "content_type": self.headers.get("Content-Type"),
-                                   "json": json.loads(body)})
+                hook.posts.append(
+                    {
+                        "path": self.path,
+                        "content_type": self.headers.get("Content-Type"),
+                        "json": json.loads(body),
+                    }
+                )
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -88,24 +93,59 @@ def _write_config(tmp_path: Path, hook_url: str, marker: Path, jobs: dict[str, d
     jobs_file = tmp_path / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
     path = tmp_path / "remediation.yaml"
-    path.write_text(yaml.safe_dump({
-        "vars": {"marker": str(marker)},
-        "rules": [{"kinds": ["stop"], "commands": [
-            {"argv": [sys.executable, "-c", MARKER_SCRIPT, "{marker}", "{action_id}", "{job_id}", "{host}"],
-             "timeout_s": 20,
-             "verify": {"argv": [sys.executable, "-c", SQUEUE_SCRIPT, str(jobs_file), "{job_id}", "{host}"],
-                        "timeout_s": 20}},
-        ]}],
-        "webhooks": [{"url": hook_url, "kinds": ["stop", "alert"]}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "vars": {"marker": str(marker)},
+                "rules": [
+                    {
+                        "kinds": ["stop"],
+                        "commands": [
+                            {
+                                "argv": [
+                                    sys.executable,
+                                    "-c",
+                                    MARKER_SCRIPT,
+                                    "{marker}",
+                                    "{action_id}",
+                                    "{job_id}",
+                                    "{host}",
+                                ],
+                                "timeout_s": 20,
+                                "verify": {
+                                    "argv": [
+                                        sys.executable,
+                                        "-c",
+                                        SQUEUE_SCRIPT,
+                                        str(jobs_file),
+                                        "{job_id}",
+                                        "{host}",
+                                    ],
+                                    "timeout_s": 20,
+                                },
+                            },
+                        ],
+                    }
+                ],
+                "webhooks": [{"url": hook_url, "kinds": ["stop", "alert"]}],
+            }
+        )
+    )
     return path
 
 
 def _action(run_id: str, kind: str, secret: bytes, **params) -> Action:
     now = utc_now()
-    action = Action(action_id=f"{kind}-{uuid.uuid4().hex[:12]}", run_id=run_id, kind=kind,
-                    reason="non-finite loss for 3 step(s)", step=12, params=params,
-                    issued_at=now, expires_at=now + timedelta(seconds=120))
+    action = Action(
+        action_id=f"{kind}-{uuid.uuid4().hex[:12]}",
+        run_id=run_id,
+        kind=kind,
+        reason="non-finite loss for 3 step(s)",
+        step=12,
+        params=params,
+        issued_at=now,
+        expires_at=now + timedelta(seconds=120),
+    )
     return sign_action(action, secret)
 
 
@@ -129,18 +169,25 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
     forged = _action(run_id, "stop", b"attacker-key")
     # signed, but dated an hour ahead: the trainer's listener refuses it, so must the remediator (issue 23)
     ahead = utc_now() + timedelta(hours=1)
-    future = sign_action(_action(run_id, "stop", secret).model_copy(
-        update={"issued_at": ahead, "expires_at": ahead + timedelta(seconds=120), "signature": ""}), secret)
+    future = sign_action(
+        _action(run_id, "stop", secret).model_copy(
+            update={"issued_at": ahead, "expires_at": ahead + timedelta(seconds=120), "signature": ""}
+        ),
+        secret,
+    )
     sentinel = _action(run_id, "alert", secret)  # same partition, after the rest: all handled when it is
 
     with Webhook() as hook:
         config = load_remediation_config(
-            _write_config(tmp_path, hook.url, marker, {"4242": {"host": "node-7.cluster", "comment": run_id}}))
+            _write_config(tmp_path, hook.url, marker, {"4242": {"host": "node-7.cluster", "comment": run_id}})
+        )
         consumer = RemediateConsumer(config, secret, store, broker.bootstrap, group_id=f"rem-{run_id}")
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            publish_actions(broker.bootstrap, [stop, forged, future, stop, sentinel])  # the stop arrives twice
+            publish_actions(
+                broker.bootstrap, [stop, forged, future, stop, sentinel]
+            )  # the stop arrives twice
             eventually(lambda: hook.for_action(sentinel.action_id), 30, "the sentinel action's webhook post")
         finally:
             consumer.stopping.set()
@@ -154,17 +201,27 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         assert post["path"] == "/services/T0/B0/secret-token" and post["content_type"] == "application/json"
         assert post["json"]["text"].startswith(f"runwatch *stop* for run `{run_id}` at step 12")
         fields = {f["title"]: f["value"] for f in post["json"]["attachments"][0]["fields"]}
-        assert fields["run_id"] == run_id and fields["kind"] == "stop" and fields["command"].endswith("ok (exit 0)")
+        assert (
+            fields["run_id"] == run_id
+            and fields["kind"] == "stop"
+            and fields["command"].endswith("ok (exit 0)")
+        )
         assert hook.for_action(forged.action_id) == []
         rem = consumer.remediator
-        assert rem.ignored["bad_signature"] >= 1 and rem.ignored["duplicate"] >= 1 and rem.ignored["future"] == 1
+        assert (
+            rem.ignored["bad_signature"] >= 1 and rem.ignored["duplicate"] >= 1 and rem.ignored["future"] == 1
+        )
         assert hook.for_action(future.action_id) == [] and store.executions(future.action_id) == []
 
         rows = store.executions(stop.action_id)
         assert sorted((r["target"], r["status"], r["exit_code"]) for r in rows) == [
-            ("command", "ok", 0), ("webhook", "ok", 200)]
+            ("command", "ok", 0),
+            ("webhook", "ok", 200),
+        ]
         command = next(r for r in rows if r["target"] == "command")
-        assert command["argv"][-3:] == [stop.action_id, "4242", "node-7.cluster"] and command["run_id"] == run_id
+        assert (
+            command["argv"][-3:] == [stop.action_id, "4242", "node-7.cluster"] and command["run_id"] == run_id
+        )
         webhook = next(r for r in rows if r["target"] == "webhook")
         assert "secret-token" not in webhook["url"]  # a chat webhook's path is its credential
         assert [r["target"] for r in store.executions(sentinel.action_id)] == ["webhook"]
@@ -175,7 +232,9 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         thread = threading.Thread(target=restarted.run, daemon=True)
         thread.start()
         try:
-            eventually(lambda: restarted.remediator.ignored["duplicate"] >= 3, 30, "the restart to see all three")
+            eventually(
+                lambda: restarted.remediator.ignored["duplicate"] >= 3, 30, "the restart to see all three"
+            )
         finally:
             restarted.stopping.set()
             thread.join(15)
@@ -192,8 +251,18 @@ def test_remediate_command_line(broker, tmp_path):
     marker = tmp_path / "ran.txt"
     with Webhook() as hook:
         config = _write_config(tmp_path, hook.url, marker, {"777": {"host": "gpu-3", "comment": run_id}})
-        args = [sys.executable, "-m", "runwatch.cli", "remediate", "--bootstrap", broker.bootstrap,
-                "--config", str(config), "--dsn", f"chdb://{tmp_path / 'clickhouse'}"]
+        args = [
+            sys.executable,
+            "-m",
+            "runwatch.cli",
+            "remediate",
+            "--bootstrap",
+            broker.bootstrap,
+            "--config",
+            str(config),
+            "--dsn",
+            f"chdb://{tmp_path / 'clickhouse'}",
+        ]
         env = {k: v for k, v in os.environ.items() if k != topics.SECRET_ENV}
         refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and topics.SECRET_ENV in refused.stderr
@@ -201,8 +270,14 @@ def test_remediate_command_line(broker, tmp_path):
         stop = _action(run_id, "stop", secret.encode(), job_id="777", host="gpu-3")  # signed params
         sentinel = _action(run_id, "alert", secret.encode())
         publish_actions(broker.bootstrap, [stop, stop, sentinel])
-        proc = subprocess.Popen(args, env={**env, topics.SECRET_ENV: secret}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        proc = subprocess.Popen(
+            args,
+            env={**env, topics.SECRET_ENV: secret},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+        )
         try:
             eventually(lambda: hook.for_action(sentinel.action_id), 45, "the remediate process to post")
         finally:

@@ -72,20 +72,71 @@ class Platform:
         (root / "pods.json").write_text(json.dumps(pods))
         (root / "targets.yaml").write_text(yaml.safe_dump(targets))
         self.config_path = root / "remediation.yaml"
-        self.config_path.write_text(yaml.safe_dump({
-            "vars": {"marker": str(self.marker), "verify_log": str(self.verify_log)},
-            "targets_file": str(root / "targets.yaml"),
-            "rules": [{"kinds": ["stop"], "commands": [
-                {"argv": [sys.executable, "-c", MARKER, "{marker}", "scancel", "{action_id}", "{job_id}", "{host}"],
-                 "timeout_s": 20,
-                 "verify": {"argv": [sys.executable, "-c", SQUEUE, str(root / "jobs.json"), "{verify_log}",
-                                     "{action_id}", "{job_id}", "{host}"], "timeout_s": 20}},
-                {"argv": [sys.executable, "-c", MARKER, "{marker}", "delete-pod", "{action_id}", "{pod}"],
-                 "timeout_s": 20,
-                 "verify": {"argv": [sys.executable, "-c", KUBECTL, str(root / "pods.json"), "{verify_log}",
-                                     "{action_id}", "{pod}"], "timeout_s": 20}},
-            ]}],
-        }))
+        self.config_path.write_text(
+            yaml.safe_dump(
+                {
+                    "vars": {"marker": str(self.marker), "verify_log": str(self.verify_log)},
+                    "targets_file": str(root / "targets.yaml"),
+                    "rules": [
+                        {
+                            "kinds": ["stop"],
+                            "commands": [
+                                {
+                                    "argv": [
+                                        sys.executable,
+                                        "-c",
+                                        MARKER,
+                                        "{marker}",
+                                        "scancel",
+                                        "{action_id}",
+                                        "{job_id}",
+                                        "{host}",
+                                    ],
+                                    "timeout_s": 20,
+                                    "verify": {
+                                        "argv": [
+                                            sys.executable,
+                                            "-c",
+                                            SQUEUE,
+                                            str(root / "jobs.json"),
+                                            "{verify_log}",
+                                            "{action_id}",
+                                            "{job_id}",
+                                            "{host}",
+                                        ],
+                                        "timeout_s": 20,
+                                    },
+                                },
+                                {
+                                    "argv": [
+                                        sys.executable,
+                                        "-c",
+                                        MARKER,
+                                        "{marker}",
+                                        "delete-pod",
+                                        "{action_id}",
+                                        "{pod}",
+                                    ],
+                                    "timeout_s": 20,
+                                    "verify": {
+                                        "argv": [
+                                            sys.executable,
+                                            "-c",
+                                            KUBECTL,
+                                            str(root / "pods.json"),
+                                            "{verify_log}",
+                                            "{action_id}",
+                                            "{pod}",
+                                        ],
+                                        "timeout_s": 20,
+                                    },
+                                },
+                            ],
+                        }
+                    ],
+                }
+            )
+        )
         self.config = load_remediation_config(self.config_path)
         self.scancel, self.delete_pod = self.config.commands_for("stop")
 
@@ -102,25 +153,42 @@ class Platform:
 
 def _action(run_id: str, secret: bytes, **params) -> Action:
     now = utc_now()
-    action = Action(action_id=f"stop-{uuid.uuid4().hex[:12]}", run_id=run_id, kind="stop",
-                    reason="non-finite loss for 3 step(s)", step=12, params=params,
-                    issued_at=now, expires_at=now + timedelta(seconds=300))
+    action = Action(
+        action_id=f"stop-{uuid.uuid4().hex[:12]}",
+        run_id=run_id,
+        kind="stop",
+        reason="non-finite loss for 3 step(s)",
+        step=12,
+        params=params,
+        issued_at=now,
+        expires_at=now + timedelta(seconds=300),
+    )
     return sign_action(action, secret)
 
 
-def _remediate(platform: Platform, secret: bytes, store: RemediationStore, bootstrap: str,
-               actions: list[Action], deliveries: list[Action]) -> RemediateConsumer:
+def _remediate(
+    platform: Platform,
+    secret: bytes,
+    store: RemediationStore,
+    bootstrap: str,
+    actions: list[Action],
+    deliveries: list[Action],
+) -> RemediateConsumer:
     """Publish ``deliveries`` and consume until both commands of every action are recorded."""
-    consumer = RemediateConsumer(platform.config, secret, store, bootstrap,
-                                 group_id=f"rem-targets-{uuid.uuid4().hex[:8]}")
+    consumer = RemediateConsumer(
+        platform.config, secret, store, bootstrap, group_id=f"rem-targets-{uuid.uuid4().hex[:8]}"
+    )
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
     keys = [platform.scancel.key(), platform.delete_pod.key()]
     try:
         publish_actions(bootstrap, deliveries)
         done = consumer.remediator.done  # written by the consumer's thread; membership tests only
-        eventually(lambda: all((a.action_id, k) in done for a in actions for k in keys), 60,
-                   "both commands of every action to be recorded")
+        eventually(
+            lambda: all((a.action_id, k) in done for a in actions for k in keys),
+            60,
+            "both commands of every action to be recorded",
+        )
     finally:
         consumer.stopping.set()
         thread.join(20)
@@ -141,8 +209,11 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
     victim, attacker, honest, mapped = (f"{team}-{tag}" for team in ("team-b", "team-a", "team-l", "team-m"))
     platform = Platform(
         tmp_path,
-        jobs={"5001": {"host": "node-b", "comment": victim}, "5002": {"host": "node-l", "comment": honest},
-              "5003": {"host": "node-m", "comment": mapped}},
+        jobs={
+            "5001": {"host": "node-b", "comment": victim},
+            "5002": {"host": "node-l", "comment": honest},
+            "5003": {"host": "node-m", "comment": mapped},
+        },
         pods={"b-trainer-0": victim, "l-trainer-0": honest, "m-trainer-0": mapped},
         targets={mapped: {"job_id": 5003, "host": "node-m", "pod": "m-trainer-0"}},
     )
@@ -150,11 +221,17 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
     sink.migrate()
     store = RemediationStore(sink)
     # What each run declares about itself, as `runwatch sink` stores it.
-    sink.writer.write_events([
-        RunStartEvent(run_id=attacker, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}),  # team b's
-        RunStartEvent(run_id=honest, job_id="5002", host="node-l", tags={"pod": "l-trainer-0"}),
-        RunStartEvent(run_id=mapped, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}),  # overridden
-    ])
+    sink.writer.write_events(
+        [
+            RunStartEvent(
+                run_id=attacker, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}
+            ),  # team b's
+            RunStartEvent(run_id=honest, job_id="5002", host="node-l", tags={"pod": "l-trainer-0"}),
+            RunStartEvent(
+                run_id=mapped, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}
+            ),  # overridden
+        ]
+    )
 
     from_run_start = _action(attacker, secret)
     # The worker copies run_start's job_id/host/pod into the signed params: signed, still self-declared.
@@ -163,8 +240,14 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
     by_mapping = _action(mapped, secret, job_id="5001", host="node-b", pod="b-trainer-0")
     actions = [from_run_start, from_params, verified, by_mapping]
     try:
-        consumer = _remediate(platform, secret, store, broker.bootstrap, actions,
-                              [from_run_start, from_params, verified, by_mapping, verified])  # twice
+        consumer = _remediate(
+            platform,
+            secret,
+            store,
+            broker.bootstrap,
+            actions,
+            [from_run_start, from_params, verified, by_mapping, verified],
+        )  # twice
 
         for action in (from_run_start, from_params):
             assert platform.ran(action.action_id) == []  # nothing ran against team b's job or pod
@@ -176,12 +259,16 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
             assert f"printed '{victim}', not the run id '{attacker}'" in rows["delete-pod"]["output"]
 
         assert sorted(platform.ran(verified.action_id)) == [
-            f"delete-pod {verified.action_id} l-trainer-0", f"scancel {verified.action_id} 5002 node-l"]
+            f"delete-pod {verified.action_id} l-trainer-0",
+            f"scancel {verified.action_id} 5002 node-l",
+        ]
         assert {(r["status"], r["exit_code"]) for r in _rows(store, verified).values()} == {("ok", 0)}
         assert len(platform.verified(verified.action_id)) == 2  # once each, not again for the duplicate
 
         assert sorted(platform.ran(by_mapping.action_id)) == [
-            f"delete-pod {by_mapping.action_id} m-trainer-0", f"scancel {by_mapping.action_id} 5003 node-m"]
+            f"delete-pod {by_mapping.action_id} m-trainer-0",
+            f"scancel {by_mapping.action_id} 5003 node-m",
+        ]
         assert {r["status"] for r in _rows(store, by_mapping).values()} == {"ok"}
 
         rem = consumer.remediator
@@ -190,8 +277,12 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
         sink.close()
 
 
-BAD_VALUES = [("@/etc/passwd", "contains '@'"), ("file:///x", "looks like a URL"),
-              ("/etc/passwd", "is an absolute path"), ("http://x", "looks like a URL")]
+BAD_VALUES = [
+    ("@/etc/passwd", "contains '@'"),
+    ("file:///x", "looks like a URL"),
+    ("/etc/passwd", "is an absolute path"),
+    ("http://x", "looks like a URL"),
+]
 
 
 def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_path):
@@ -214,8 +305,14 @@ def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_pa
         if n % 2:  # half declared in run_start (field, or the pod tag), half in the signed params
             actions.append(_action(run_id, secret, **declared))
         else:
-            events.append(RunStartEvent(run_id=run_id, job_id=declared["job_id"], host=declared["host"],
-                                        tags={"pod": declared["pod"]}))
+            events.append(
+                RunStartEvent(
+                    run_id=run_id,
+                    job_id=declared["job_id"],
+                    host=declared["host"],
+                    tags={"pod": declared["pod"]},
+                )
+            )
             actions.append(_action(run_id, secret))
     sink.writer.write_events(events)
     try:
@@ -225,8 +322,12 @@ def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_pa
             row = _rows(store, action)[refused]
             assert row["status"] == "refused", (field, value, row)
             assert row["output"].startswith(f"{{{field}}} = {value!r} {reason}"), row["output"]
-            assert row["argv"][-1] == ("{pod}" if field == "pod" else "{host}")  # the template: nothing filled
+            assert row["argv"][-1] == (
+                "{pod}" if field == "pod" else "{host}"
+            )  # the template: nothing filled
             assert not any(value in line for line in platform.ran(action.action_id))
-            assert not any(value in line for line in platform.verified(action.action_id))  # verify never saw it
+            assert not any(
+                value in line for line in platform.verified(action.action_id)
+            )  # verify never saw it
     finally:
         sink.close()

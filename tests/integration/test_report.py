@@ -22,8 +22,10 @@ STEPS = 160
 MAX_BYTES = 5_000_000
 DRAWN = "document.body && (document.body.dataset.drawn || document.body.dataset.error)"
 # per panel element: how many plotly SVG layers it drew (plotly adds .main-svg to every plot it draws)
-PANELS_DRAWN = ("Array.from(document.querySelectorAll('.panel')).map(p => "
-                "[p.dataset.panel, p.querySelectorAll('.main-svg').length, !!p.querySelector('.plot-container')])")
+PANELS_DRAWN = (
+    "Array.from(document.querySelectorAll('.panel')).map(p => "
+    "[p.dataset.panel, p.querySelectorAll('.main-svg').length, !!p.querySelector('.plot-container')])"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +37,19 @@ def chromium() -> str:
 
 
 def runwatch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET",
-                                                           "RUNWATCH_CLICKHOUSE_DSN")}
-    return subprocess.run([sys.executable, "-m", "runwatch.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET", "RUNWATCH_CLICKHOUSE_DSN")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "runwatch.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +71,19 @@ def open_report(chromium: str, path: Path, shot: Path) -> dict:
             "expected": int(browser.evaluate("document.body.dataset.panels")),
             "panels": browser.evaluate(PANELS_DRAWN),
             "loss_annotations": browser.evaluate(
-                "Array.from(document.querySelectorAll('#panel-loss .annotation-text')).map(a => a.textContent)"),
+                "Array.from(document.querySelectorAll('#panel-loss .annotation-text')).map(a => a.textContent)"
+            ),
             # plotly keeps the figure on its element: the anomaly markers it drew on the loss curve
             "loss_markers": browser.evaluate(
                 "(document.getElementById('panel-loss').data || []).filter(t => t.name === 'anomalies')"
-                ".map(t => t.x)"),
+                ".map(t => t.x)"
+            ),
             "loss_marker_points": browser.evaluate(
-                "document.querySelectorAll('#panel-loss .scatterlayer .trace:last-child .point').length"),
+                "document.querySelectorAll('#panel-loss .scatterlayer .trace:last-child .point').length"
+            ),
             "findings": browser.evaluate(
-                "Array.from(document.querySelectorAll('table.findings tbody tr')).map(r => r.innerText)"),
+                "Array.from(document.querySelectorAll('table.findings tbody tr')).map(r => r.innerText)"
+            ),
             "text": browser.evaluate("document.body.innerText"),
         }
         browser.screenshot(shot)
@@ -85,7 +100,9 @@ def assert_drawn(page: dict) -> None:
     assert not undrawn, f"panels that did not draw: {undrawn}"
 
 
-def test_the_nan_demo_report_draws_the_finding_and_the_rollback_on_the_loss_curve(nan_demo, chromium, tmp_path_factory):
+def test_the_nan_demo_report_draws_the_finding_and_the_rollback_on_the_loss_curve(
+    nan_demo, chromium, tmp_path_factory
+):
     cwd, demo = nan_demo
     path = Path(demo["report"])
     assert path.is_file() and path.is_relative_to(cwd)
@@ -96,8 +113,20 @@ def test_the_nan_demo_report_draws_the_finding_and_the_rollback_on_the_loss_curv
     page = open_report(chromium, path, tmp_path_factory.mktemp("screenshots") / "report-nan.png")
     assert_drawn(page)
     names = {name for name, _, _ in page["panels"]}
-    assert {"loss", "lr", "grad_norm", "modules", "module_heatmap", "step_time", "throughput", "mfu", "data_wait",
-            "memory", "category_loss", "eval"} <= names
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "modules",
+        "module_heatmap",
+        "step_time",
+        "throughput",
+        "mfu",
+        "data_wait",
+        "memory",
+        "category_loss",
+        "eval",
+    } <= names
     fault = demo["fault_step"]
     (rollback,) = demo["rollbacks"]
     # the non-finite finding is a marker on the loss curve at its step, and the rollback a labelled line
@@ -124,20 +153,38 @@ def test_report_command_on_the_demo_data(nan_demo):
 
 # -- a two-rank run of a job with history: the Baselines panels and per-rank step time -------------------
 
+
 def _run_events(run_id: str, start: datetime, step_time: float, ranks: int = 2, steps: int = 60) -> list:
     from runwatch.producer.wire.schema import MemoryStats, RunEndEvent, RunStartEvent, StepEvent
 
-    events: list = [RunStartEvent(run_id=run_id, ts=start, baseline_key="report-job", world_size=ranks,
-                                  git_sha=f"{abs(hash(run_id)) % 16**12:012x}", host="node-1")]
+    events: list = [
+        RunStartEvent(
+            run_id=run_id,
+            ts=start,
+            baseline_key="report-job",
+            world_size=ranks,
+            git_sha=f"{abs(hash(run_id)) % 16**12:012x}",
+            host="node-1",
+        )
+    ]
     for step in range(1, steps + 1):
         for rank in range(ranks):
             slow = 1.3 if rank == 1 else 1.0  # rank 1 straggles
-            events.append(StepEvent(
-                run_id=run_id, rank=rank, step=step, ts=start + timedelta(seconds=step, milliseconds=rank),
-                loss=2.0 / (1 + 0.05 * step), lr=[1e-3], grad_norm=1.0 + 0.01 * step,
-                step_time_s=step_time * slow, samples_per_s=64 / (step_time * slow),
-                module_grad_norms={"encoder": 0.5, "head": 0.8 + 0.001 * step},
-                memory=MemoryStats(allocated=2_000_000_000 + 1_000_000 * step, host_rss=3_000_000_000)))
+            events.append(
+                StepEvent(
+                    run_id=run_id,
+                    rank=rank,
+                    step=step,
+                    ts=start + timedelta(seconds=step, milliseconds=rank),
+                    loss=2.0 / (1 + 0.05 * step),
+                    lr=[1e-3],
+                    grad_norm=1.0 + 0.01 * step,
+                    step_time_s=step_time * slow,
+                    samples_per_s=64 / (step_time * slow),
+                    module_grad_norms={"encoder": 0.5, "head": 0.8 + 0.001 * step},
+                    memory=MemoryStats(allocated=2_000_000_000 + 1_000_000 * step, host_rss=3_000_000_000),
+                )
+            )
     events.append(RunEndEvent(run_id=run_id, ts=start + timedelta(seconds=steps + 1)))
     return events
 
@@ -152,7 +199,9 @@ def test_a_multi_rank_run_against_its_baseline_band(chdb_dsn, chromium, tmp_path
     now = datetime.now(UTC).replace(microsecond=0)
     history = [f"report-hist-{i}" for i in range(6)]
     for i, run_id in enumerate(history):
-        sink.writer.write_events(_run_events(run_id, now - timedelta(days=6 - i), step_time=0.10 + 0.002 * (i % 3)))
+        sink.writer.write_events(
+            _run_events(run_id, now - timedelta(days=6 - i), step_time=0.10 + 0.002 * (i % 3))
+        )
     sink.writer.write_events(_run_events("report-slow", now, step_time=0.16))  # 60% slower than its history
     for run_id in [*history, "report-slow"]:
         summarize_stored_run(sink, run_id)

@@ -26,8 +26,11 @@ SECRET = "run-end-integration-secret-of-32-bytes"
 
 def run_end(bootstrap: str, run_id: str):  # noqa: ANN201
     def ends(records: list) -> list:
-        return [e for e in (decode_event(r.value) for r in records if r.key == run_id.encode())
-                if e.kind == "run_end"]
+        return [
+            e
+            for e in (decode_event(r.value) for r in records if r.key == run_id.encode())
+            if e.kind == "run_end"
+        ]
 
     [end] = ends(read_topic(bootstrap, topics.TELEMETRY, lambda records: bool(ends(records))))
     return end
@@ -52,9 +55,19 @@ def test_a_stop_action_ends_the_run_as_stopped_with_its_id_and_cause(broker, tmp
             watch.end_step(loss, step=step)
             if step == 5:
                 issued = utc_now()
-                stop = sign_action(Action(action_id=uuid.uuid4().hex, run_id=run_id, kind="stop", reason="test",
-                                          step=5, params={"cause": "not_recovered"}, issued_at=issued,
-                                          expires_at=issued + timedelta(seconds=60)), SECRET.encode())
+                stop = sign_action(
+                    Action(
+                        action_id=uuid.uuid4().hex,
+                        run_id=run_id,
+                        kind="stop",
+                        reason="test",
+                        step=5,
+                        params={"cause": "not_recovered"},
+                        issued_at=issued,
+                        expires_at=issued + timedelta(seconds=60),
+                    ),
+                    SECRET.encode(),
+                )
                 publish_actions(broker.bootstrap, [stop])
             if any(a.kind == "stop" for a in listener.poll(step)):
                 stopped_at = step

@@ -22,8 +22,10 @@ def generated(tmp_path_factory):
     result = CliRunner().invoke(main, ["scenarios", "generate", str(out), "--quick"])
     assert result.exit_code == 0, result.output
     labels = json.loads((out / "labels.json").read_text())
-    runs = {lab["name"]: [decode_event(line) for line in (out / f"{lab['name']}.jsonl").read_bytes().splitlines()]
-            for lab in labels}
+    runs = {
+        lab["name"]: [decode_event(line) for line in (out / f"{lab['name']}.jsonl").read_bytes().splitlines()]
+        for lab in labels
+    }
     return labels, runs
 
 
@@ -130,7 +132,9 @@ def test_the_fault_is_visible_at_its_onset(generated):
             before = median(e.category_loss[cat].mean for e in pre if cat in e.category_loss)
             after = median(e.category_loss[cat].mean for e in last if cat in e.category_loss)
             assert after > 1.5 * before, name
-            assert median(e.loss for e in last) < 1.2 * median(e.loss for e in pre), name  # the mean looks fine
+            assert median(e.loss for e in last) < 1.2 * median(e.loss for e in pre), (
+                name
+            )  # the mean looks fine
         elif fault == "val_vs_train":
             evals = [e for e in runs[name] if e.kind == "eval"]
             best = min(evals, key=lambda e: e.loss)
@@ -165,7 +169,10 @@ def test_healthy_runs_carry_their_benign_events(generated):
         if "lr_restart" in benign:
             assert any(b > 5 * a for a, b in zip(lrs, lrs[1:], strict=False))
         if "long_checkpoint" in benign:
-            assert max(e.time_in_phase_s for e in events if e.kind == "heartbeat" and e.phase == "checkpoint") > 200
+            assert (
+                max(e.time_in_phase_s for e in events if e.kind == "heartbeat" and e.phase == "checkpoint")
+                > 200
+            )
         if "periodic_eval" in benign:
             assert max(e.time_in_phase_s for e in events if e.kind == "heartbeat" and e.phase == "eval") > 30
         if "single_slow_steps" in benign:

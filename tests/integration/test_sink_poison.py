@@ -44,15 +44,32 @@ def _nested(levels: int) -> list:
 
 def _event_json(run_id: str, **fields) -> bytes:
     """A telemetry event with every required field; stdlib json, which writes integers of any size."""
-    body = {"schema_version": 1, "event_id": uuid.uuid4().hex, "run_id": run_id, "rank": 0,
-            "ts": datetime.now(UTC).isoformat(), "kind": "step", "step": 1}
+    body = {
+        "schema_version": 1,
+        "event_id": uuid.uuid4().hex,
+        "run_id": run_id,
+        "rank": 0,
+        "ts": datetime.now(UTC).isoformat(),
+        "kind": "step",
+        "step": 1,
+    }
     body.update(fields)
     return json.dumps(body).encode()
 
 
 def _anomaly(run_id: str, n: int, **fields) -> Anomaly:
-    return Anomaly(anomaly_id=f"{run_id}-a{n}", run_id=run_id, step=n, detector="spike", metric="loss", value=1.0,
-                   severity="warning", message="m", ts=datetime.now(UTC), **fields)
+    return Anomaly(
+        anomaly_id=f"{run_id}-a{n}",
+        run_id=run_id,
+        step=n,
+        detector="spike",
+        metric="loss",
+        value=1.0,
+        severity="warning",
+        message="m",
+        ts=datetime.now(UTC),
+        **fields,
+    )
 
 
 def _anomaly_json(run_id: str, n: int, **fields) -> bytes:
@@ -62,8 +79,14 @@ def _anomaly_json(run_id: str, n: int, **fields) -> bytes:
 
 
 def _joined_json(run_id: str, step: int, **fields) -> bytes:
-    body = {"run_id": run_id, "step": step, "ts": datetime.now(UTC).isoformat(), "world_size": 2,
-            "complete": True, "ranks_reported": [0, 1]}
+    body = {
+        "run_id": run_id,
+        "step": step,
+        "ts": datetime.now(UTC).isoformat(),
+        "world_size": 2,
+        "complete": True,
+        "ranks_reported": [0, 1],
+    }
     body.update(fields)
     return json.dumps(body).encode()
 
@@ -94,8 +117,11 @@ def _send(producer: KafkaProducer, topic: str, key: bytes, value: bytes) -> tupl
 
 
 def _sink_letters(sink: ClickHouseSink, run_id: str) -> dict[tuple[str, int, int], tuple]:
-    rows = sink.query("SELECT source_topic, partition, offset, reason, size, sha256, raw_truncated FROM "
-                      "{db}.deadletter FINAL WHERE run_key = %(r)s AND stage = 'sink'", {"r": run_id})
+    rows = sink.query(
+        "SELECT source_topic, partition, offset, reason, size, sha256, raw_truncated FROM "
+        "{db}.deadletter FINAL WHERE run_key = %(r)s AND stage = 'sink'",
+        {"r": run_id},
+    )
     return {(r[0], r[1], r[2]): r[3:] for r in rows}
 
 
@@ -115,22 +141,30 @@ def test_column_bounds_match_the_migrated_schema(chdb_dsn):
     sink = ClickHouseSink(chdb_dsn)
     try:
         sink.migrate()
-        rows = sink.query("SELECT table, name, type FROM system.columns WHERE database = %(d)s AND table IN "
-                          "('telemetry', 'anomalies', 'actions', 'deadletter', 'joined_steps')", {"d": sink.database})
+        rows = sink.query(
+            "SELECT table, name, type FROM system.columns WHERE database = %(d)s AND table IN "
+            "('telemetry', 'anomalies', 'actions', 'deadletter', 'joined_steps')",
+            {"d": sink.database},
+        )
         found: dict[str, dict[str, str]] = {}
         for table, name, ch_type in rows:
             inner = ch_type
             for wrapper in ("Nullable(", "Array(", "LowCardinality("):
                 while inner.startswith(wrapper):
-                    inner = inner[len(wrapper):-1]
+                    inner = inner[len(wrapper) : -1]
             if inner.startswith(("Int", "UInt")):
                 found.setdefault(table, {})[name] = inner
         recorded = {t: {c: b.type for c, b in cols.items()} for t, cols in COLUMN_BOUNDS.items()}
         assert recorded == found
         assert COLUMN_BOUNDS["telemetry"] == {"rank": UINT32, "step": INT64}
         # migration 4: the bounded dead letter's fields are columns
-        columns = {r[0] for r in sink.query("SELECT name FROM system.columns WHERE database = %(d)s AND "
-                                             "table = 'deadletter'", {"d": sink.database})}
+        columns = {
+            r[0]
+            for r in sink.query(
+                "SELECT name FROM system.columns WHERE database = %(d)s AND table = 'deadletter'",
+                {"d": sink.database},
+            )
+        }
         assert {"stage", "size", "sha256", "raw_truncated", "traceback"} <= columns
     finally:
         sink.close()
@@ -143,8 +177,10 @@ def test_bisect_finds_the_rows_clickhouse_refuses_and_stores_the_rest(chdb_dsn):
     table = f"poison_{uuid.uuid4().hex[:8]}"
     try:
         sink.migrate()
-        sink.client.command(f"CREATE TABLE {sink.database}.{table} (id String, v Int64, "
-                            "CONSTRAINT non_negative CHECK v >= 0) ENGINE = MergeTree ORDER BY id")
+        sink.client.command(
+            f"CREATE TABLE {sink.database}.{table} (id String, v Int64, "
+            "CONSTRAINT non_negative CHECK v >= 0) ENGINE = MergeTree ORDER BY id"
+        )
         server_bad = {0, 17, 18, 39}
         rows = [(f"s{i}", -1 if i in server_bad else i) for i in range(40)]
         refused = sink.writer.insert_isolating(table, rows, ("id", "v"))
@@ -190,8 +226,9 @@ def test_store_refuses_unstorable_items_and_stores_the_rest(chdb_dsn):
         raws = [b'{"deep": "as received"}', b"{}", b"{}", ok.to_json()]
         result = sink.writer.store("telemetry", list(zip([deep, wide, far, ok], raws, strict=True)))
         assert [i for i, _ in result.refused] == [1, 2] and result.stored == 2
-        payloads = sink.query("SELECT step, payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s ORDER BY step",
-                              {"r": run_id})
+        payloads = sink.query(
+            "SELECT step, payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s ORDER BY step", {"r": run_id}
+        )
         assert payloads == [(1, '{"deep": "as received"}'), (3, ok.to_json().decode())]
     finally:
         sink.close()
@@ -203,12 +240,23 @@ def test_bounded_deadletter_fields_are_stored(chdb_dsn):
         sink.migrate()
         run_id = f"dlcols-{uuid.uuid4().hex[:8]}"
         raw = b"x" * 10_000
-        letter = DeadLetter.for_message("too big", raw, source_topic=topics.TELEMETRY, partition=1, offset=7,
-                                        key=run_id.encode(), stage="sink", traceback="Traceback: ...")
+        letter = DeadLetter.for_message(
+            "too big",
+            raw,
+            source_topic=topics.TELEMETRY,
+            partition=1,
+            offset=7,
+            key=run_id.encode(),
+            stage="sink",
+            traceback="Traceback: ...",
+        )
         assert sink.writer.write_deadletters([letter, letter]) == 1
         assert sink.writer.write_deadletters([letter]) == 1  # a re-delivered letter replaces itself
-        rows = sink.query("SELECT stage, size, sha256, raw_truncated, length(raw), traceback FROM {db}.deadletter "
-                          "FINAL WHERE run_key = %(r)s", {"r": run_id})
+        rows = sink.query(
+            "SELECT stage, size, sha256, raw_truncated, length(raw), traceback FROM {db}.deadletter "
+            "FINAL WHERE run_key = %(r)s",
+            {"r": run_id},
+        )
         assert rows == [("sink", 10_000, letter.sha256, True, 4096, "Traceback: ...")]
         # the worker's letter for the same message (stage decode) is a row of its own
         sink.writer.write_deadletters([letter.model_copy(update={"stage": "decode"})])
@@ -233,26 +281,38 @@ def _round(run_id: str, base: int) -> list[tuple[str, bytes, str]]:
     anomaly_poison = {3: {"step": 2**63}, 6: {"rank": -1}, 8: {"evidence": {"x": _nested(DEPTH)}}}
     out: list[tuple[str, bytes, str]] = []
     for i in range(1, 31):
-        out.append((topics.TELEMETRY, StepEvent(run_id=run_id, step=base + i, loss=1.0 / i).to_json(), "valid"))
+        out.append(
+            (topics.TELEMETRY, StepEvent(run_id=run_id, step=base + i, loss=1.0 / i).to_json(), "valid")
+        )
         if i in telemetry_poison:
             out.append((topics.TELEMETRY, *telemetry_poison[i]))
         if i <= 10:
             out.append((topics.ANOMALIES, _anomaly(run_id, base + i).to_json(), "valid"))
             if i in anomaly_poison:
-                out.append((topics.ANOMALIES, _anomaly_json(run_id, base + 1000 + i, **anomaly_poison[i]), "deadletter"))
+                out.append(
+                    (
+                        topics.ANOMALIES,
+                        _anomaly_json(run_id, base + 1000 + i, **anomaly_poison[i]),
+                        "deadletter",
+                    )
+                )
         if i <= 5:
             out.append((topics.JOINED, _joined_json(run_id, base + i), "valid"))
         if i == 2:
             out.append((topics.JOINED, _joined_json(run_id, 2**63), "deadletter"))
         if i == 4:
-            out.append((topics.JOINED, _joined_json(run_id, base + 50, ranks_reported=[0, 2**32]), "deadletter"))
+            out.append(
+                (topics.JOINED, _joined_json(run_id, base + 50, ranks_reported=[0, 2**32]), "deadletter")
+            )
         if i == 5:
             out.append((topics.JOINED, _joined_json(run_id, 10**4000), "deadletter"))  # a 4001-digit step
     return out
 
 
 _DECODERS: dict[str, Callable[[bytes], object]] = {
-    topics.TELEMETRY: decode_event, topics.ANOMALIES: decode_anomaly, topics.JOINED: JoinedStep.model_validate_json,
+    topics.TELEMETRY: decode_event,
+    topics.ANOMALIES: decode_anomaly,
+    topics.JOINED: JoinedStep.model_validate_json,
 }
 
 
@@ -264,7 +324,9 @@ def test_poison_messages_never_wedge_the_sink(broker, chdb_dsn):
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
     stored: dict[str, list[bytes]] = {topics.TELEMETRY: [], topics.ANOMALIES: [], topics.JOINED: []}
     letters: set[tuple[str, int, int]] = set()  # (topic, partition, offset) the sink must dead-letter
-    skipped = 0  # poison refused at decoding (after issue 11's stricter validation): the worker's to dead-letter
+    skipped = (
+        0  # poison refused at decoding (after issue 11's stricter validation): the worker's to dead-letter
+    )
     last: dict[tuple[str, int], int] = {}
 
     def send(messages: list[tuple[str, bytes, str]]) -> None:
@@ -287,18 +349,32 @@ def test_poison_messages_never_wedge_the_sink(broker, chdb_dsn):
         topic, stage sink, with a reason), and every partition committed past the last message."""
         want = len(stored[topics.TELEMETRY])
         eventually(lambda: sink.runs.counts(run_id)["telemetry"] == want, 60, f"{want} telemetry rows")
-        eventually(lambda: set(_sink_letters(sink, run_id)) == letters, 60, "the sink's dead letters in the table")
+        eventually(
+            lambda: set(_sink_letters(sink, run_id)) == letters, 60, "the sink's dead letters in the table"
+        )
         for (topic, partition), offset in last.items():
-            eventually(lambda t=topic, p=partition, o=offset: committed_offset(broker.bootstrap, group, t, p) > o,
-                       30, f"the committed offset of {topic}[{partition}] to pass {offset}")
+            eventually(
+                lambda t=topic, p=partition, o=offset: committed_offset(broker.bootstrap, group, t, p) > o,
+                30,
+                f"the committed offset of {topic}[{partition}] to pass {offset}",
+            )
         assert consumer.stats.deadletter_errors == 0 and consumer.stats.write_errors == 0
-        payloads = {r[0] for r in sink.query("SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s",
-                                             {"r": run_id})}
+        payloads = {
+            r[0]
+            for r in sink.query(
+                "SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s", {"r": run_id}
+            )
+        }
         assert payloads == {raw.decode() for raw in stored[topics.TELEMETRY]}  # the bytes sent, each once
         # the test's own anomalies, each once: the session's worker (when another test started it)
         # watches this run's telemetry too and may add an anomaly of its own, with its own id
-        ours = {r[0] for r in sink.query("SELECT anomaly_id FROM {db}.anomalies FINAL WHERE run_id = %(r)s",
-                                         {"r": run_id}) if r[0].startswith(f"{run_id}-a")}
+        ours = {
+            r[0]
+            for r in sink.query(
+                "SELECT anomaly_id FROM {db}.anomalies FINAL WHERE run_id = %(r)s", {"r": run_id}
+            )
+            if r[0].startswith(f"{run_id}-a")
+        }
         assert ours == {decode_anomaly(raw).anomaly_id for raw in stored[topics.ANOMALIES]}
         joined = sink.query("SELECT count() FROM {db}.joined_steps FINAL WHERE run_id = %(r)s", {"r": run_id})
         assert joined[0][0] == len(stored[topics.JOINED])
@@ -346,7 +422,10 @@ def test_clickhouse_down_retries_the_whole_batch_and_dead_letters_nothing(broker
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
     try:
         sink.migrate()
-        sent = [_send(producer, topics.TELEMETRY, key, StepEvent(run_id=run_id, step=s).to_json()) for s in range(1, 6)]
+        sent = [
+            _send(producer, topics.TELEMETRY, key, StepEvent(run_id=run_id, step=s).to_json())
+            for s in range(1, 6)
+        ]
         bad = _send(producer, topics.ANOMALIES, key, _anomaly_json(run_id, 1, step=2**63))
         good = _send(producer, topics.ANOMALIES, key, _anomaly(run_id, 2).to_json())
         producer.flush()
@@ -359,11 +438,16 @@ def test_clickhouse_down_retries_the_whole_batch_and_dead_letters_nothing(broker
             assert consumer.stored_through(topics.TELEMETRY, sent[0][0]) == 0
             sink.client = clickhouse_connect.get_client(dsn=chdb_dsn)  # ... and comes back
             eventually(lambda: sink.runs.counts(run_id)["telemetry"] == 5, 60, "the batch to be stored")
-            eventually(lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, good[0]) > good[1], 30,
-                       "the commit past the anomalies")
+            eventually(
+                lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, good[0]) > good[1],
+                30,
+                "the commit past the anomalies",
+            )
         assert set(_sink_letters(sink, run_id)) == {(topics.ANOMALIES, *bad)}
         assert sink.runs.counts(run_id)["anomalies"] == 1
-        assert committed_offset(broker.bootstrap, group, topics.TELEMETRY, sent[0][0]) > max(o for _, o in sent)
+        assert committed_offset(broker.bootstrap, group, topics.TELEMETRY, sent[0][0]) > max(
+            o for _, o in sent
+        )
     finally:
         producer.close()
         sink.close()
@@ -389,8 +473,13 @@ def test_a_dead_letter_that_cannot_be_published_is_not_committed_past(own_broker
         dead_port = s.getsockname()[1]
     sink = ClickHouseSink(chdb_dsn)
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
-    broken = KafkaProducer(bootstrap_servers=f"127.0.0.1:{dead_port}", api_version=topics.KAFKA_API_VERSION,
-                           max_block_ms=200, request_timeout_ms=200, delivery_timeout_ms=400)
+    broken = KafkaProducer(
+        bootstrap_servers=f"127.0.0.1:{dead_port}",
+        api_version=topics.KAFKA_API_VERSION,
+        max_block_ms=200,
+        request_timeout_ms=200,
+        delivery_timeout_ms=400,
+    )
     bad_raw = _anomaly_json(run_id, 1, step=2**63)
     # the test needs a message that decodes but ClickHouse refuses: if anomaly decoding is ever
     # tightened to refuse it, pick another such message rather than let the test pass unexercised
@@ -402,30 +491,53 @@ def test_a_dead_letter_that_cannot_be_published_is_not_committed_past(own_broker
         after = _send(producer, topics.ANOMALIES, key, _anomaly(run_id, 2).to_json())
         assert before[0] == partition == after[0]
         producer.flush()
-        stuck = SinkConsumer(sink, broker.bootstrap, group_id=group, batch_interval_s=0.2,
-                             deadletter_producer=broken, deadletter_timeout_s=0.5)
+        stuck = SinkConsumer(
+            sink,
+            broker.bootstrap,
+            group_id=group,
+            batch_interval_s=0.2,
+            deadletter_producer=broken,
+            deadletter_timeout_s=0.5,
+        )
         with _running(stuck):
-            eventually(lambda: (topics.ANOMALIES, partition, bad_offset) in _sink_letters(sink, run_id), 60,
-                       "the refused message's dead letter in the table")  # stored there before publishing
-            eventually(lambda: stuck.stats.deadletter_errors >= 2, 60, "the failed publish to be counted (twice)")
+            eventually(
+                lambda: (topics.ANOMALIES, partition, bad_offset) in _sink_letters(sink, run_id),
+                60,
+                "the refused message's dead letter in the table",
+            )  # stored there before publishing
+            eventually(
+                lambda: stuck.stats.deadletter_errors >= 2, 60, "the failed publish to be counted (twice)"
+            )
             # The commit stops at the first unpublished dead letter: this test's, on its own broker. (The
             # ClickHouse is the session's: other tests' brokers left dead letters at the same topic,
             # partition and offsets, so they are told apart by the run's key.)
-            first_refused = sink.query("SELECT min(offset) FROM {db}.deadletter FINAL WHERE stage = 'sink' AND "
-                                       "source_topic = %(t)s AND partition = %(p)s AND run_key = %(k)s",
-                                       {"t": topics.ANOMALIES, "p": partition, "k": run_id})[0][0]
+            first_refused = sink.query(
+                "SELECT min(offset) FROM {db}.deadletter FINAL WHERE stage = 'sink' AND "
+                "source_topic = %(t)s AND partition = %(p)s AND run_key = %(k)s",
+                {"t": topics.ANOMALIES, "p": partition, "k": run_id},
+            )[0][0]
             assert first_refused <= bad_offset
-            eventually(lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) == first_refused,
-                       30, "the commit up to the first refused message")
-            eventually(lambda: sink.runs.counts(run_id)["anomalies"] == 2, 30, "the rows around it to be stored")
+            eventually(
+                lambda: (
+                    committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) == first_refused
+                ),
+                30,
+                "the commit up to the first refused message",
+            )
+            eventually(
+                lambda: sink.runs.counts(run_id)["anomalies"] == 2, 30, "the rows around it to be stored"
+            )
             assert stuck.stored_through(topics.ANOMALIES, partition) == first_refused
             assert committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) == first_refused
         broken.close(timeout=1)
 
         healthy = SinkConsumer(sink, broker.bootstrap, group_id=group, batch_interval_s=0.2)
         with _running(healthy):
-            eventually(lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) > after[1], 60,
-                       "the commit past the message once its dead letter is published")
+            eventually(
+                lambda: committed_offset(broker.bootstrap, group, topics.ANOMALIES, partition) > after[1],
+                60,
+                "the commit past the message once its dead letter is published",
+            )
             assert healthy.stats.deadletter_errors == 0
         assert set(_topic_letters(broker.bootstrap, key, 1)) == {(topics.ANOMALIES, partition, bad_offset)}
         assert sink.runs.counts(run_id)["anomalies"] == 2

@@ -29,8 +29,15 @@ STEP_INTERVAL_S = 0.05  # a minimum: the middle third lasts about 5 s, past the 
 def test_middle_third_outage_ends_with_every_event_stored_exactly_once(tmp_path, monkeypatch, chdb_dsn):
     monkeypatch.chdir(tmp_path)  # the demo's state (spool, checkpoints, logs) goes under ./.runwatch
     monkeypatch.delenv(topics.BOOTSTRAP_ENV, raising=False)
-    report = run_demo(DemoOptions(scenario="healthy", steps=STEPS, dsn=chdb_dsn, step_interval_s=STEP_INTERVAL_S,
-                                  broker_outage=(1 / 3, 2 / 3)))
+    report = run_demo(
+        DemoOptions(
+            scenario="healthy",
+            steps=STEPS,
+            dsn=chdb_dsn,
+            step_interval_s=STEP_INTERVAL_S,
+            broker_outage=(1 / 3, 2 / 3),
+        )
+    )
     outage = report["broker_outage"]
     assert (outage["from_step"], outage["to_step"]) == (100, 200)
     assert outage["down_s"] > 3.0  # longer than RunWatch's delivery timeout
@@ -50,23 +57,33 @@ def test_middle_third_outage_ends_with_every_event_stored_exactly_once(tmp_path,
     sink = ClickHouseSink(chdb_dsn)
     try:
         run = {"run": report["run_id"]}
-        (final_rows, final_ids), = sink.query(
-            "SELECT count(), uniqExact(event_id) FROM {db}.telemetry FINAL WHERE run_id = %(run)s", run)
+        ((final_rows, final_ids),) = sink.query(
+            "SELECT count(), uniqExact(event_id) FROM {db}.telemetry FINAL WHERE run_id = %(run)s", run
+        )
         assert final_rows == final_ids == offered == report["clickhouse"]["telemetry_rows"]
-        steps = sink.query("SELECT step, count() FROM {db}.telemetry FINAL "
-                           "WHERE run_id = %(run)s AND kind = 'step' GROUP BY step ORDER BY step", run)
+        steps = sink.query(
+            "SELECT step, count() FROM {db}.telemetry FINAL "
+            "WHERE run_id = %(run)s AND kind = 'step' GROUP BY step ORDER BY step",
+            run,
+        )
         assert [s for s, _ in steps] == list(range(1, STEPS + 1))
         assert all(n == 1 for _, n in steps)
-        kinds = dict(sink.query("SELECT kind, count() FROM {db}.telemetry FINAL WHERE run_id = %(run)s "
-                                "GROUP BY kind", run))
+        kinds = dict(
+            sink.query(
+                "SELECT kind, count() FROM {db}.telemetry FINAL WHERE run_id = %(run)s GROUP BY kind", run
+            )
+        )
         assert kinds["run_start"] == kinds["run_end"] == 1
         assert kinds["checkpoint"] == len(range(0, STEPS + 1, 25))
-        (raw_rows, raw_ids), = sink.query(
-            "SELECT count(), uniqExact(event_id) FROM {db}.telemetry WHERE run_id = %(run)s", run)
+        ((raw_rows, raw_ids),) = sink.query(
+            "SELECT count(), uniqExact(event_id) FROM {db}.telemetry WHERE run_id = %(run)s", run
+        )
         assert raw_ids == offered
         # Duplicates before merge come from re-sent or re-delivered batches; FINAL folds them away.
-        print(f"outage {outage}, spool {spool}, raw duplicates {raw_rows - raw_ids}, "
-              f"wall {report['wall_time_s']}s")
+        print(
+            f"outage {outage}, spool {spool}, raw duplicates {raw_rows - raw_ids}, "
+            f"wall {report['wall_time_s']}s"
+        )
     finally:
         sink.close()
 

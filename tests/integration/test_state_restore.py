@@ -35,18 +35,28 @@ def bootstrap(tmp_path_factory):
 
 
 def _processor(bootstrap: str) -> TelemetryProcessor:
-    return TelemetryProcessor(RunwatchConfig(), SECRET, state_reader=StateReader(bootstrap, timeout_s=20),
-                              state=StateOptions(every_events=10_000, interval_s=1e9), group=GROUP)
+    return TelemetryProcessor(
+        RunwatchConfig(),
+        SECRET,
+        state_reader=StateReader(bootstrap, timeout_s=20),
+        state=StateOptions(every_events=10_000, interval_s=1e9),
+        group=GROUP,
+    )
 
 
 def _steps(run_id: str, first: int, last: int) -> list[bytes]:
-    return [StepEvent(run_id=run_id, step=s, loss=1.0 + 0.01 * (s % 3), ts=T0 + timedelta(seconds=s)).to_json()
-            for s in range(first, last)]
+    return [
+        StepEvent(run_id=run_id, step=s, loss=1.0 + 0.01 * (s % 3), ts=T0 + timedelta(seconds=s)).to_json()
+        for s in range(first, last)
+    ]
 
 
 def _publish(bootstrap: str, records: list[StateRecord | tuple[str, int, bytes | None]]) -> None:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION,
-                             max_request_size=topics.STATE_MAX_BYTES)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        api_version=topics.KAFKA_API_VERSION,
+        max_request_size=topics.STATE_MAX_BYTES,
+    )
     for r in records:
         key, partition, value = (r.key, r.partition, r.value) if isinstance(r, StateRecord) else r
         producer.send(topics.STATE, key=key.encode(), value=value, partition=partition)
@@ -54,7 +64,9 @@ def _publish(bootstrap: str, records: list[StateRecord | tuple[str, int, bytes |
     producer.close()
 
 
-def _feed(proc: TelemetryProcessor, run_id: str, partition: int, raws: list[bytes], first_offset: int) -> None:
+def _feed(
+    proc: TelemetryProcessor, run_id: str, partition: int, raws: list[bytes], first_offset: int
+) -> None:
     for i, raw in enumerate(raws):
         result = proc.process(raw, key=run_id.encode(), partition=partition, offset=first_offset + i)
         assert result.deadletter is None and not result.errors
@@ -79,7 +91,9 @@ def test_the_newest_snapshot_of_each_run_is_restored_and_a_tombstoned_run_is_not
     _feed(first, "kept", 1, _steps("kept", 30, 50), 40)
     newer, _ = first.take_snapshots(force_checkpoint=True)
     assert [r.key for r in newer] == [f"{GROUP}/kept"]
-    _publish(bootstrap, [*older, *newer, (f"{GROUP}/deleted", 1, None), ("another-group/kept", 1, b"not ours")])
+    _publish(
+        bootstrap, [*older, *newer, (f"{GROUP}/deleted", 1, None), ("another-group/kept", 1, b"not ours")]
+    )
 
     second = _processor(bootstrap)
     second.keep_partitions({1})
@@ -128,7 +142,9 @@ def test_what_the_predecessor_published_after_its_last_snapshot_is_not_published
     _feed(first, "spiky", 3, raws[:40], 0)
     snapshot, _ = first.take_snapshots(force_checkpoint=True)
     _publish(bootstrap, snapshot)
-    results = [first.process(raw, key=b"spiky", partition=3, offset=40 + i) for i, raw in enumerate(raws[40:])]
+    results = [
+        first.process(raw, key=b"spiky", partition=3, offset=40 + i) for i, raw in enumerate(raws[40:])
+    ]
     published = [a for r in results for a in r.anomalies]
     assert [a.detector for a in published] == ["loss_spike"]
     producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
@@ -148,6 +164,8 @@ def test_what_the_predecessor_published_after_its_last_snapshot_is_not_published
     calm = _processor(bootstrap)
     calm.keep_partitions({3})
     spike = StepEvent(run_id="calm", step=45, loss=8.0, ts=T0 + timedelta(seconds=45)).to_json()
-    found = [calm.process(raw, key=b"calm", partition=3, offset=100 + i)
-             for i, raw in enumerate([*_steps("calm", 0, 45), spike])]
+    found = [
+        calm.process(raw, key=b"calm", partition=3, offset=100 + i)
+        for i, raw in enumerate([*_steps("calm", 0, 45), spike])
+    ]
     assert [a.detector for r in found for a in r.anomalies] == ["loss_spike"]

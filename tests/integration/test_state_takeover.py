@@ -50,15 +50,24 @@ def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path
         run = None
         try:
             first.wait_ready(90)
-            run = Training(broker.bootstrap, secret, tmp_path, "lr_spike_repeat:200", steps=900, step_sleep=0.05)
-            _records(broker.bootstrap, topics.ACTIONS, run.run_id, lambda got: _kinds(got).count("rollback") >= 2,
-                     timeout=150)
+            run = Training(
+                broker.bootstrap, secret, tmp_path, "lr_spike_repeat:200", steps=900, step_sleep=0.05
+            )
+            _records(
+                broker.bootstrap,
+                topics.ACTIONS,
+                run.run_id,
+                lambda got: _kinds(got).count("rollback") >= 2,
+                timeout=150,
+            )
             os.kill(first.process.pid, signal.SIGKILL)  # no revoke, no last checkpoint: what a crash leaves
             first.process.wait(10)
             second = WorkerProcess(broker.bootstrap, secret, tmp_path / "second.log", group=GROUP)
             second.wait_ready(90)
             result = run.finish(timeout=240)
-            actions = _records(broker.bootstrap, topics.ACTIONS, run.run_id, lambda got: "stop" in _kinds(got))
+            actions = _records(
+                broker.bootstrap, topics.ACTIONS, run.run_id, lambda got: "stop" in _kinds(got)
+            )
             anomalies = _records(broker.bootstrap, topics.ANOMALIES, run.run_id, lambda got: bool(got))
         finally:
             for w in (first, second):
@@ -70,7 +79,12 @@ def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path
 
     # the cap held across the kill: two rollbacks before it, one after, then the stop
     assert result["status"] == "stopped", result["applied"]
-    assert [a["kind"] for a in result["applied"] if a["kind"] != "alert"] == ["rollback", "rollback", "rollback", "stop"]
+    assert [a["kind"] for a in result["applied"] if a["kind"] != "alert"] == [
+        "rollback",
+        "rollback",
+        "rollback",
+        "stop",
+    ]
     parsed = [Action.model_validate_json(v) for v in actions]
     assert _kinds(actions) == ["rollback", "rollback", "rollback", "stop"], [a.reason for a in parsed]
     assert next(a for a in parsed if a.kind == "stop").params["cause"] == "max_rollbacks"
@@ -103,13 +117,24 @@ def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, secret)
 
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
-        worker = WorkerProcess(broker.bootstrap, secret, tmp_path / "w.log", group="stop-test",
-                               extra_args=("--snapshot-interval", "600"))  # no checkpoint but the last one
+        worker = WorkerProcess(
+            broker.bootstrap,
+            secret,
+            tmp_path / "w.log",
+            group="stop-test",
+            extra_args=("--snapshot-interval", "600"),
+        )  # no checkpoint but the last one
         try:
             worker.wait_ready(90)
             producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
-            sent = [producer.send(topics.TELEMETRY, key=b"stopped-run",
-                                  value=StepEvent(run_id="stopped-run", step=s, loss=1.0).to_json()) for s in range(50)]
+            sent = [
+                producer.send(
+                    topics.TELEMETRY,
+                    key=b"stopped-run",
+                    value=StepEvent(run_id="stopped-run", step=s, loss=1.0).to_json(),
+                )
+                for s in range(50)
+            ]
             producer.flush(30)
             partition = sent[-1].get(10).partition
             deadline = time.monotonic() + 60

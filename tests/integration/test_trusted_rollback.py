@@ -36,24 +36,49 @@ BASE_LR = 0.1  # fault_train.BASE_LR
 class Training:
     """``fault_train.py`` as a child process (killed by pid at the end), and what it published."""
 
-    def __init__(self, bootstrap: str, secret: str, folder: Path, fault: str, steps: int = 300,
-                 step_sleep: float = 0.01):
+    def __init__(
+        self,
+        bootstrap: str,
+        secret: str,
+        folder: Path,
+        fault: str,
+        steps: int = 300,
+        step_sleep: float = 0.01,
+    ):
         self.run_id = f"rb-{uuid.uuid4().hex[:8]}"
         self.bootstrap = bootstrap
         self.folder = folder
         self.log = folder / "train.log"
         env = {**os.environ, topics.SECRET_ENV: secret}
-        cmd = [sys.executable, str(SCRIPT), "--bootstrap", bootstrap, "--run-id", self.run_id, "--out", str(folder),
-               "--steps", str(steps), "--fault", fault, "--step-sleep", str(step_sleep)]
+        cmd = [
+            sys.executable,
+            str(SCRIPT),
+            "--bootstrap",
+            bootstrap,
+            "--run-id",
+            self.run_id,
+            "--out",
+            str(folder),
+            "--steps",
+            str(steps),
+            "--fault",
+            fault,
+            "--step-sleep",
+            str(step_sleep),
+        ]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def finish(self, timeout: float = 240) -> dict:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"training did not end in {timeout} s:\n{self.log.read_text()[-3000:]}") from None
+            raise AssertionError(
+                f"training did not end in {timeout} s:\n{self.log.read_text()[-3000:]}"
+            ) from None
         assert code == 0, self.log.read_text()[-3000:]
         return json.loads((self.folder / "result.json").read_text())
 
@@ -105,7 +130,8 @@ def _losses(result: dict, first: int, last: int) -> list[float]:
 
 
 def test_an_lr_bug_saved_in_a_checkpoint_is_rolled_back_to_the_previous_confirmed_one_at_the_runs_own_lr(
-        worker, train):
+    worker, train
+):
     run = train("lr_spike:200")
     result = run.finish()
     assert result["status"] == "completed"
@@ -121,7 +147,9 @@ def test_an_lr_bug_saved_in_a_checkpoint_is_rolled_back_to_the_previous_confirme
     assert statistics.median(_losses(result, 280, 299)) <= before * 1.1
     assert max(_losses(result, 181, 299)) < 3 * before  # the final timeline holds no trace of the fault
 
-    (action,) = [a for a in run.actions(lambda got: any(a.kind == "rollback" for a in got)) if a.kind == "rollback"]
+    (action,) = [
+        a for a in run.actions(lambda got: any(a.kind == "rollback" for a in got)) if a.kind == "rollback"
+    ]
     assert action.target_checkpoint.step == 180 and action.target_checkpoint.lr == [pytest.approx(BASE_LR)]
     # the loss and grad norm of step 201 are the first computed with the bad weights (with this
     # data the loss may only spike at 202, the grad norm at 201)
@@ -138,7 +166,8 @@ def test_a_fault_repeated_after_every_rollback_ends_in_a_stop_at_the_cap(worker,
     kinds = [a["kind"] for a in result["applied"] if a["kind"] != "alert"]
     assert kinds == ["rollback", "rollback", "rollback", "stop"]
     assert [a["lr_after"] for a in result["applied"] if a["kind"] == "rollback"] == [
-        pytest.approx(BASE_LR * s) for s in (0.5, 0.25, 0.125)]
+        pytest.approx(BASE_LR * s) for s in (0.5, 0.25, 0.125)
+    ]
     stop = [a for a in run.actions(lambda got: any(a.kind == "stop" for a in got)) if a.kind == "stop"][0]
     assert stop.params["cause"] == "max_rollbacks"
     end = run.run_end()
@@ -164,7 +193,9 @@ def test_a_run_that_does_not_recover_after_a_rollback_is_rolled_back_again_then_
     kinds = [a["kind"] for a in result["applied"] if a["kind"] != "alert"]
     assert kinds == ["rollback", "rollback", "rollback", "stop"]
     # each failed recovery goes further back: 180 (the LR bug), then 160 and 140 (not recovered)
-    assert [a["to_step"] for a in result["applied"] if a["kind"] == "rollback"] == [180, 160, 140], result["applied"]
+    assert [a["to_step"] for a in result["applied"] if a["kind"] == "rollback"] == [180, 160, 140], result[
+        "applied"
+    ]
     anomalies = run.anomalies(lambda got: sum(a.detector == "not_recovered" for a in got) >= 3)
     missed = [a for a in anomalies if a.detector == "not_recovered"]
     assert len({a.anomaly_id for a in missed}) == len(missed) == 3

@@ -53,9 +53,13 @@ def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
             sent = []
             for s in range(30):  # a checkpoint at 1 (confirmed good at 21), NaN from 26
                 if s == 1:
-                    ckpt = CheckpointEvent(run_id=run_id, step=1, uri="/ckpt/1.pt", ts=t0 + timedelta(seconds=s))
+                    ckpt = CheckpointEvent(
+                        run_id=run_id, step=1, uri="/ckpt/1.pt", ts=t0 + timedelta(seconds=s)
+                    )
                     sent.append(producer.send(topics.TELEMETRY, key=run_id.encode(), value=ckpt.to_json()))
-                step = StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 26 else 1.0, ts=t0 + timedelta(seconds=s))
+                step = StepEvent(
+                    run_id=run_id, step=s, loss=math.nan if s >= 26 else 1.0, ts=t0 + timedelta(seconds=s)
+                )
                 sent.append(producer.send(topics.TELEMETRY, key=run_id.encode(), value=step.to_json()))
             producer.flush()
             producer.close()
@@ -67,7 +71,9 @@ def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
             assert code != 0, "the worker must fail when its detector process dies"
             assert "detector process exited with code -9" in first.log_path.read_text()
             # Nothing of the run was acknowledged: its events stay for the next worker.
-            assert committed_offset(broker.bootstrap, group, topics.TELEMETRY, partition) <= sent[0].get().offset
+            assert (
+                committed_offset(broker.bootstrap, group, topics.TELEMETRY, partition) <= sent[0].get().offset
+            )
 
             second = WorkerProcess(broker.bootstrap, secret, tmp_path / "second.log", group=group)
             second.wait_ready(90)
@@ -75,10 +81,15 @@ def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
             def kinds(records):
                 return [a.kind for a in (decode_action(r.value) for r in records if r.key == run_id.encode())]
 
-            actions = kinds(read_topic(broker.bootstrap, topics.ACTIONS, lambda rs: "rollback" in kinds(rs), 60))
+            actions = kinds(
+                read_topic(broker.bootstrap, topics.ACTIONS, lambda rs: "rollback" in kinds(rs), 60)
+            )
             assert actions == ["alert", "rollback"]
-            eventually(lambda: committed_offset(broker.bootstrap, group, topics.TELEMETRY, partition) > last_offset,
-                       30, "the second worker to commit the run's events")
+            eventually(
+                lambda: committed_offset(broker.bootstrap, group, topics.TELEMETRY, partition) > last_offset,
+                30,
+                "the second worker to commit the run's events",
+            )
         finally:
             first.stop()
             if second is not None:
@@ -92,8 +103,13 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
     run_id = f"frozen-{uuid.uuid4().hex[:8]}"
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
-        worker = WorkerProcess(broker.bootstrap, secret, tmp_path / "worker.log", group="runwatch-frozen-test",
-                               extra_args=("--detector-timeout", "6"))
+        worker = WorkerProcess(
+            broker.bootstrap,
+            secret,
+            tmp_path / "worker.log",
+            group="runwatch-frozen-test",
+            extra_args=("--detector-timeout", "6"),
+        )
         try:
             worker.wait_ready(90)
             assert eventually(lambda: worker.health("/readyz")[0] == 200, 30, "the worker to be ready")
@@ -105,20 +121,31 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
             os.kill(detector, signal.SIGSTOP)
             frozen_at = time.monotonic()
             producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
-            producer.send(topics.TELEMETRY, key=run_id.encode(), value=StepEvent(run_id=run_id, step=0, loss=1.0).to_json())
+            producer.send(
+                topics.TELEMETRY,
+                key=run_id.encode(),
+                value=StepEvent(run_id=run_id, step=0, loss=1.0).to_json(),
+            )
             producer.flush()
             producer.close()
 
             # The health endpoint reports it while the worker is still running ...
             def unhealthy():
                 status, body = worker.health("/livez")
-                return status == 503 and "has neither answered nor made progress" in body["reason"] and worker.process.poll() is None
+                return (
+                    status == 503
+                    and "has neither answered nor made progress" in body["reason"]
+                    and worker.process.poll() is None
+                )
+
             eventually(unhealthy, 30, "/livez to report the frozen detector process", interval=0.2)
             reported_after = time.monotonic() - frozen_at
             # ... and then the worker exits non-zero by itself.
             code = worker.process.wait(60)
             exited_after = time.monotonic() - frozen_at
-            print(f"frozen detector: /livez 503 after {reported_after:.1f} s, worker exit {code} after {exited_after:.1f} s")
+            print(
+                f"frozen detector: /livez 503 after {reported_after:.1f} s, worker exit {code} after {exited_after:.1f} s"
+            )
             assert code != 0
             assert reported_after < exited_after
             # (reply timeout 6 s + the reader's 0.5 s poll + at most the 15 s grace, with slack for a busy machine)
@@ -143,11 +170,18 @@ def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_pas
     run_id = f"undelivered-{uuid.uuid4().hex[:8]}"
     group = "runwatch-undelivered-test"
     proxy_port = free_port()
-    with EmbeddedBroker(log_path=tmp_path / "broker.log", advertised=f"127.0.0.1:{proxy_port}") as broker, \
-            NetCut(("127.0.0.1", broker.port), port=proxy_port) as net:
+    with (
+        EmbeddedBroker(log_path=tmp_path / "broker.log", advertised=f"127.0.0.1:{proxy_port}") as broker,
+        NetCut(("127.0.0.1", broker.port), port=proxy_port) as net,
+    ):
         ensure_topics(net.bootstrap)
-        worker = WorkerProcess(net.bootstrap, secret, tmp_path / "worker.log", group=group,
-                               extra_args=("--delivery-timeout", "5", "--detector-timeout", "120"))
+        worker = WorkerProcess(
+            net.bootstrap,
+            secret,
+            tmp_path / "worker.log",
+            group=group,
+            extra_args=("--delivery-timeout", "5", "--detector-timeout", "120"),
+        )
         second = None
         detector = None
         try:
@@ -157,15 +191,21 @@ def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_pas
             producer = KafkaProducer(bootstrap_servers=net.bootstrap, api_version=topics.KAFKA_API_VERSION)
             meta = producer.send(topics.TELEMETRY, key=run_id.encode(), value=b"{ not json").get(timeout=30)
             producer.close()
-            eventually(lambda: worker.health()[1]["detector_process"]["pending_requests"] > 0, 30,
-                       "the worker to hand the message to its detector process")
+            eventually(
+                lambda: worker.health()[1]["detector_process"]["pending_requests"] > 0,
+                30,
+                "the worker to hand the message to its detector process",
+            )
             net.cut()  # ... then the broker goes away before its dead letter can be published
             os.kill(detector, signal.SIGCONT)
 
             def says_why():
                 status, body = worker.health("/livez")
                 return status == 503 and "not delivered" in body["reason"]
-            eventually(says_why, 60, "the health endpoint to say the results were not delivered", interval=0.2)
+
+            eventually(
+                says_why, 60, "the health endpoint to say the results were not delivered", interval=0.2
+            )
             assert worker.process.wait(60) != 0
             assert "were not delivered" in worker.log_path.read_text()
 
@@ -176,10 +216,16 @@ def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_pas
 
             def ours(records):
                 return [r for r in records if r.key == run_id.encode()]
+
             [letter] = ours(read_topic(net.bootstrap, topics.DEADLETTER, lambda rs: bool(ours(rs)), 60))
             assert letter.value and b"not JSON" in letter.value
-            eventually(lambda: committed_offset(net.bootstrap, group, topics.TELEMETRY, meta.partition) > meta.offset,
-                       30, "the second worker to commit past the message")
+            eventually(
+                lambda: (
+                    committed_offset(net.bootstrap, group, topics.TELEMETRY, meta.partition) > meta.offset
+                ),
+                30,
+                "the second worker to commit past the message",
+            )
         finally:
             if detector is not None:
                 with contextlib.suppress(ProcessLookupError):

@@ -37,9 +37,18 @@ def _issue(kind: str, target: CheckpointRef | None = None) -> Action:
     params = {"timeout_s": 0.05} if ACTION_KINDS[kind].applies == "pause" else {}
     if kind == "rollback":
         params = {"lr_scale": 0.5, "skip_steps": [11, 17]}
-    action = Action(action_id=uuid.uuid4().hex, run_id="kinds", kind=kind, reason=f"a {kind}", step=17,
-                    onset_step=15, target_checkpoint=target, params=params, issued_at=issued,
-                    expires_at=issued + timedelta(seconds=60))
+    action = Action(
+        action_id=uuid.uuid4().hex,
+        run_id="kinds",
+        kind=kind,
+        reason=f"a {kind}",
+        step=17,
+        onset_step=15,
+        target_checkpoint=target,
+        params=params,
+        issued_at=issued,
+        expires_at=issued + timedelta(seconds=60),
+    )
     return sign_action(action, SECRET.encode())
 
 
@@ -49,7 +58,9 @@ def test_every_kind_is_issued_signed_applied_acknowledged_and_shown(kind, tmp_pa
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rw = RunWatch("kinds", "unused:9092", rank=0, world_size=1, collect_metadata=False, delivery=MemoryDelivery())
+    rw = RunWatch(
+        "kinds", "unused:9092", rank=0, world_size=1, collect_metadata=False, delivery=MemoryDelivery()
+    )
     checkpoint = tmp_path / "step10.pt"
     save_checkpoint(str(checkpoint), model, optimizer, step=10)
     rw.checkpoint(10, str(checkpoint), lr=[0.1])
@@ -72,8 +83,18 @@ def test_every_kind_is_issued_signed_applied_acknowledged_and_shown(kind, tmp_pa
 
     # the report: a line at the step it was taken, in the kind's colour
     fig = {"data": [], "layout": layout("loss")}
-    mark_actions(fig, [{"kind": kind, "step": action.step, "ack_step": ack.step, "outcome": ack.outcome,
-                        "to_step": ack.to_step}])
+    mark_actions(
+        fig,
+        [
+            {
+                "kind": kind,
+                "step": action.step,
+                "ack_step": ack.step,
+                "outcome": ack.outcome,
+                "to_step": ack.to_step,
+            }
+        ],
+    )
     (line,) = fig["layout"]["shapes"]
     assert line["x0"] == 18 and line["line"]["color"] == spec.color
     assert fig["layout"]["annotations"][0]["text"].startswith(kind)
@@ -100,12 +121,16 @@ def test_a_policy_rule_may_name_a_kind_only_where_the_table_says(kind):
 
 def docs_rows(kinds: dict[str, ActionKindSpec]) -> list[str]:
     """The docs table's rows as the table says they must read."""
-    return [f"| `{name}` | {spec.order} | {'yes' if spec.policy_rule else 'no'} | `{spec.applies}` | {spec.summary} |"
-            for name, spec in kinds.items()]
+    return [
+        f"| `{name}` | {spec.order} | {'yes' if spec.policy_rule else 'no'} | `{spec.applies}` | {spec.summary} |"
+        for name, spec in kinds.items()
+    ]
 
 
 def _documented_rows(text: str) -> list[str]:
-    start = text.index("| kind | order | a policy rule may name it | applied by the trainer as | what it does |")
+    start = text.index(
+        "| kind | order | a policy rule may name it | applied by the trainer as | what it does |"
+    )
     rows = []
     for line in text[start:].splitlines()[2:]:
         if not line.startswith("|"):
@@ -119,7 +144,9 @@ def test_the_docs_table_says_what_the_table_says():
 
 
 def test_the_docs_check_fails_on_a_kind_the_docs_lack():
-    added = {**ACTION_KINDS, "scratch": ActionKindSpec("scratch", 2, False, "note", False, "#777", "warning",
-                                                   "a throwaway kind")}
+    added = {
+        **ACTION_KINDS,
+        "scratch": ActionKindSpec("scratch", 2, False, "note", False, "#777", "warning", "a throwaway kind"),
+    }
     assert _documented_rows(DOCS.read_text()) != docs_rows(added)
     assert re.search(r"`scratch`", DOCS.read_text()) is None

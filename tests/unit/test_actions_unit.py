@@ -40,8 +40,14 @@ class RecordingPublisher(RunWatch):
     """A RunWatch that keeps its events: the listener's acks land here."""
 
     def __init__(self, run_id: str = "run-u", rank: int = 0):
-        super().__init__(run_id, "unused:9092", rank=rank, world_size=rank + 1, collect_metadata=False,
-                         delivery=MemoryDelivery())
+        super().__init__(
+            run_id,
+            "unused:9092",
+            rank=rank,
+            world_size=rank + 1,
+            collect_metadata=False,
+            delivery=MemoryDelivery(),
+        )
 
     @property
     def events(self) -> list:
@@ -51,12 +57,30 @@ class RecordingPublisher(RunWatch):
         return [e for e in self.events if e.kind == "action_ack"]
 
 
-def action(kind: str, run_id: str = "run-u", *, onset: int = 15, step: int = 17, params: dict | None = None,
-           target: CheckpointRef | None = None, secret: str = SECRET, issued_delta_s: float = 0) -> Action:
+def action(
+    kind: str,
+    run_id: str = "run-u",
+    *,
+    onset: int = 15,
+    step: int = 17,
+    params: dict | None = None,
+    target: CheckpointRef | None = None,
+    secret: str = SECRET,
+    issued_delta_s: float = 0,
+) -> Action:
     issued = utc_now() + timedelta(seconds=issued_delta_s)
-    a = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind=kind, reason="test", step=step, onset_step=onset,
-               target_checkpoint=target, params=params or {}, issued_at=issued,
-               expires_at=issued + timedelta(seconds=60))
+    a = Action(
+        action_id=uuid.uuid4().hex,
+        run_id=run_id,
+        kind=kind,
+        reason="test",
+        step=step,
+        onset_step=onset,
+        target_checkpoint=target,
+        params=params or {},
+        issued_at=issued,
+        expires_at=issued + timedelta(seconds=60),
+    )
     return sign_action(a, secret.encode())
 
 
@@ -73,8 +97,9 @@ def deliver(listener: ActionListener, *actions: Action) -> None:
 def trained(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.02}],
-                                momentum=0.9)
+    optimizer = torch.optim.SGD(
+        [{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.02}], momentum=0.9
+    )
 
     def step() -> None:
         loss = model(torch.randn(8, 4)).pow(2).mean()
@@ -105,9 +130,17 @@ def test_rollback_restores_then_scales_every_param_group(trained):
     assert torch.equal(model.weight, good)
     assert lrs(optimizer) == pytest.approx([0.05, 0.01])
     assert (applied.lr_scale, applied.lr_factor) == (0.5, 0.5)
-    assert applied.skip_steps == (11, 17) and applied.skips(11) and applied.skips(17) and not applied.skips(18)
+    assert (
+        applied.skip_steps == (11, 17) and applied.skips(11) and applied.skips(17) and not applied.skips(18)
+    )
     [ack] = rw.acks()
-    assert (ack.action_id, ack.outcome, ack.to_step, ack.step, ack.rank) == (first.action_id, "applied", 10, 18, 0)
+    assert (ack.action_id, ack.outcome, ack.to_step, ack.step, ack.rank) == (
+        first.action_id,
+        "applied",
+        10,
+        18,
+        0,
+    )
     assert "x0.5" in ack.detail and "11..17" in ack.detail
 
     # A checkpoint taken after the first rollback carries its scale; the second rollback (0.25 in
@@ -133,7 +166,9 @@ def test_skip_window_follows_the_checkpoint_actually_restored(trained):
     save_checkpoint(str(tmp / "c4.pt"), model, optimizer)
     rw.checkpoints.append(CheckpointRef(step=4, uri=str(tmp / "c4.pt")))
     # the worker proposed a checkpoint this trainer never registered: it restores step 4 instead
-    deliver(listener, action("rollback", params={"skip_steps": [9, 17]}, target=CheckpointRef(step=8, uri="/x")))
+    deliver(
+        listener, action("rollback", params={"skip_steps": [9, 17]}, target=CheckpointRef(step=8, uri="/x"))
+    )
     [applied] = listener.poll(step=18)
     assert applied.to_step == 4 and applied.skip_steps == (5, 17)
     assert applied.lr_scale is None and lrs(optimizer) == [0.1, 0.02]  # no lr_scale in the action
@@ -177,8 +212,10 @@ def test_a_rank_that_registered_no_checkpoint_restores_the_target_and_acks_with_
         assert torch.equal(model.weight, good)
         step()
     assert [(r.outcome, r.to_step) for r in results] == [("applied", 10), ("applied", 10)]
-    assert [(a.rank, a.action_id) for a in rank0.acks() + rank3.acks()] == [(0, rollback.action_id),
-                                                                            (3, rollback.action_id)]
+    assert [(a.rank, a.action_id) for a in rank0.acks() + rank3.acks()] == [
+        (0, rollback.action_id),
+        (3, rollback.action_id),
+    ]
 
 
 def test_forged_and_foreign_actions_are_not_applied():
@@ -319,8 +356,11 @@ def test_the_default_state_file_is_per_rank_beside_the_spool(tmp_path, monkeypat
     first = make(rank0)
     deliver(first, stop)
     assert [a.kind for a in first.poll(step=1)] == ["stop"]
-    assert json.loads((tmp_path / "run-u-r0.actions").read_text()) == {"run_id": "run-u", "rank": 0,
-                                                                        "applied": [stop.action_id]}
+    assert json.loads((tmp_path / "run-u-r0.actions").read_text()) == {
+        "run_id": "run-u",
+        "rank": 0,
+        "applied": [stop.action_id],
+    }
     other_rank = make(rank1)  # its own file: what rank 0 applied says nothing about rank 1
     deliver(other_rank, stop)
     assert [a.kind for a in other_rank.poll(step=1)] == ["stop"]
@@ -373,7 +413,9 @@ def test_an_unreadable_or_unwritable_state_file_never_stops_training(tmp_path, c
     blocked.write_text("")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions.applied_ids"):
-        unwritable = make(RecordingPublisher(), state_path=blocked / "sub" / "x.actions")  # its parent is a file
+        unwritable = make(
+            RecordingPublisher(), state_path=blocked / "sub" / "x.actions"
+        )  # its parent is a file
         deliver(unwritable, action("alert"))
         assert [a.kind for a in unwritable.poll(step=1)] == ["alert"]
     assert unwritable.applied_ids.errors == 2  # read, then write
@@ -384,22 +426,37 @@ def test_every_ignored_action_is_counted_by_reason_and_none_stops_the_consumer()
     rw = RecordingPublisher()
     listener = make(rw, state_path=False)
     first = action("alert")
-    naive = action("stop").model_copy(update={"issued_at": utc_now().replace(tzinfo=None),
-                                              "expires_at": (utc_now() + timedelta(seconds=60)).replace(tzinfo=None)})
+    naive = action("stop").model_copy(
+        update={
+            "issued_at": utc_now().replace(tzinfo=None),
+            "expires_at": (utc_now() + timedelta(seconds=60)).replace(tzinfo=None),
+        }
+    )
     naive = sign_action(naive, SECRET.encode())
-    deliver(listener,
-            action("stop", run_id="other-run"), action("alert", run_id="another", secret="theirs"),
-            action("stop", secret="wrong"),
-            action("stop", issued_delta_s=3600),
-            action("stop", issued_delta_s=-120),  # expired
-            action("stop", issued_delta_s=-50),  # issued before the start (minus 30 s), not expired yet
-            first, first)
+    deliver(
+        listener,
+        action("stop", run_id="other-run"),
+        action("alert", run_id="another", secret="theirs"),
+        action("stop", secret="wrong"),
+        action("stop", issued_delta_s=3600),
+        action("stop", issued_delta_s=-120),  # expired
+        action("stop", issued_delta_s=-50),  # issued before the start (minus 30 s), not expired yet
+        first,
+        first,
+    )
     listener._accept(None)  # a null value
     listener._accept(b"\xff\x00")
     listener._accept(naive.to_json())  # a timestamp without a timezone: refused, never raised
     assert [a.action.action_id for a in listener.poll(step=1)] == [first.action_id]
-    assert dict(listener.ignored) == {"other_run": 2, "bad_signature": 1, "future": 1, "expired": 1, "stale": 1,
-                                      "duplicate": 1, "malformed": 3}
+    assert dict(listener.ignored) == {
+        "other_run": 2,
+        "bad_signature": 1,
+        "future": 1,
+        "expired": 1,
+        "stale": 1,
+        "duplicate": 1,
+        "malformed": 3,
+    }
 
 
 # -- issue 23, cases 2 and 3: a requeued trainer applies only its own attempt's actions ---------------
@@ -431,4 +488,3 @@ def test_the_attempt_comes_from_the_environment_on_every_rank(monkeypatch):
     assert RecordingPublisher(rank=3).attempt is None  # rank 0 decides for it when ranks apply in step
     first, second = RecordingPublisher(), RecordingPublisher()
     assert first.attempt != second.attempt  # every launch is a new attempt
-

@@ -44,7 +44,6 @@ BATCH, FRAMES = 16, 32
 STEPS, WARMUP, PEAK_LR, CLIP = 40, 10, 1e-3, 1.0
 
 
-
 def log_mel_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Frames in dB, clamped to [-80, 0]: a -80..-70 floor, the class's band of bins 50 dB louder."""
     labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
@@ -52,8 +51,9 @@ def log_mel_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
     band = N_MELS // CLASSES
     for k in range(CLASSES):
         rows = labels == k
-        frames[rows, :, k * band:(k + 1) * band] += 50 + 10 * torch.randn(int(rows.sum()), FRAMES, band,
-                                                                          generator=generator)
+        frames[rows, :, k * band : (k + 1) * band] += 50 + 10 * torch.randn(
+            int(rows.sum()), FRAMES, band, generator=generator
+        )
     return frames.clamp(-80, 0), labels
 
 
@@ -86,8 +86,18 @@ def runs() -> dict[str, list[StepEvent]]:
 def test_the_bare_mel_scale_is_reported_under_its_owner_and_the_fix_under_its_module(runs):
     bad, fixed = runs["bad"], runs["fixed"]
     assert len(bad) == len(fixed) == STEPS
-    modules = {"conv1", "conv2", "encoder.self_attn", "encoder.self_attn.out_proj", "encoder.linear1",
-               "encoder.linear2", "encoder.norm1", "encoder.norm2", "norm", "head"}
+    modules = {
+        "conv1",
+        "conv2",
+        "encoder.self_attn",
+        "encoder.self_attn.out_proj",
+        "encoder.linear1",
+        "encoder.linear2",
+        "encoder.norm1",
+        "encoder.norm2",
+        "norm",
+        "head",
+    }
     for event in bad:
         assert set(event.module_grad_norms) == modules | {ROOT_MODULE}
         assert event.clip_ratio is not None and event.nonfinite_grads == 0

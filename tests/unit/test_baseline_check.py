@@ -23,12 +23,27 @@ T0 = datetime(2025, 3, 1, tzinfo=UTC)
 CONFIG = BaselineConfig()
 
 
-def run(i: int, step_time: float = 0.2, *, day: float | None = None, key: str = "job", fingerprint: str = "fp",
-        status: str = "completed", new_baseline: bool = False, peak: float = 4e9) -> RunSummary:
-    return RunSummary(run_id=f"r{i:02d}", baseline_key=key, git_sha=f"{i:02d}" * 20, fingerprint=fingerprint,
-                      started_at=T0 + timedelta(days=i if day is None else day), status=status,
-                      new_baseline=new_baseline,
-                      metrics={"step_time_median_s": step_time, "max_cuda_peak_bytes": peak, "steps": 100.0})
+def run(
+    i: int,
+    step_time: float = 0.2,
+    *,
+    day: float | None = None,
+    key: str = "job",
+    fingerprint: str = "fp",
+    status: str = "completed",
+    new_baseline: bool = False,
+    peak: float = 4e9,
+) -> RunSummary:
+    return RunSummary(
+        run_id=f"r{i:02d}",
+        baseline_key=key,
+        git_sha=f"{i:02d}" * 20,
+        fingerprint=fingerprint,
+        started_at=T0 + timedelta(days=i if day is None else day),
+        status=status,
+        new_baseline=new_baseline,
+        metrics={"step_time_median_s": step_time, "max_cuda_peak_bytes": peak, "steps": 100.0},
+    )
 
 
 def steady(n: int, seed: int = 0) -> list[RunSummary]:
@@ -44,8 +59,12 @@ def test_history_is_the_same_key_and_hardware_completed_earlier_and_in_the_windo
     this = run(40)
     candidates = [
         run(5),  # 35 days before: outside the 30-day window
-        run(12), run(20),
-        run(21, key="other"), run(22, fingerprint="fp2"), run(23, status="failed"), run(24, status="died"),
+        run(12),
+        run(20),
+        run(21, key="other"),
+        run(22, fingerprint="fp2"),
+        run(23, status="failed"),
+        run(24, status="died"),
         run(41),  # after the run
         this,  # itself
     ]
@@ -70,8 +89,13 @@ def test_a_normal_run_passes_and_names_the_most_recent_run_as_last_normal():
     history = steady(10)
     report = check_run(run(10, 0.201), history, CONFIG)
     assert report.exit_code == EXIT_NORMAL and report.outliers == []
-    assert report.history_size == 10 and report.last_normal_run == "r09" and report.last_normal_sha == "09" * 20
-    assert {c.metric for c in report.comparisons} == {"step_time_median_s", "max_cuda_peak_bytes"}  # steps: not judged
+    assert (
+        report.history_size == 10 and report.last_normal_run == "r09" and report.last_normal_sha == "09" * 20
+    )
+    assert {c.metric for c in report.comparisons} == {
+        "step_time_median_s",
+        "max_cuda_peak_bytes",
+    }  # steps: not judged
 
 
 def test_a_slower_run_is_an_outlier_and_the_last_normal_run_skips_runs_already_regressed():
@@ -92,8 +116,9 @@ def test_too_little_history_says_so_and_is_never_normal():
 
 def test_the_renderers_show_the_table_and_the_commit_range():
     report = check_run(run(10, 0.25), steady(10), CONFIG)
-    commits = CommitRange(from_sha="09" * 20, to_sha="10" * 20,
-                          commits=[Commit(sha="ab" * 20, subject="slower data loader")])
+    commits = CommitRange(
+        from_sha="09" * 20, to_sha="10" * 20, commits=[Commit(sha="ab" * 20, subject="slower data loader")]
+    )
     text = render_table(report, commits)
     assert "metric" in text and "baseline median" in text and "OUTLIER" in text
     assert "step_time_median_s  0.25" in text.replace("   ", "  ")
@@ -103,6 +128,9 @@ def test_the_renderers_show_the_table_and_the_commit_range():
     assert "🔴 OUTLIER" in md and "- `abababababab` slower data loader" in md
     data = json.loads(report.model_dump_json())
     assert data["exit_code"] == 1 and data["outliers"] == ["step_time_median_s"]
-    assert data["comparisons"][0]["metric"] == "step_time_median_s" and data["comparisons"][0]["verdict"] == "OUTLIER"
+    assert (
+        data["comparisons"][0]["metric"] == "step_time_median_s"
+        and data["comparisons"][0]["verdict"] == "OUTLIER"
+    )
     unknown = CommitRange(from_sha=None, to_sha="10" * 20, note="no last normal run")
     assert "(no last normal run)" in render_table(report, unknown)

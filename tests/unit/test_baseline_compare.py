@@ -42,7 +42,10 @@ def test_better_is_never_a_regression():
     assert judge("step_time_median_s", 0.150, history("step_time_median_s", 0.2, 0.01)).verdict == "normal"
     assert judge("mfu", 0.60, history("mfu", 0.40, 0.01)).verdict == "normal"
     assert judge("mfu", 0.30, history("mfu", 0.40, 0.01)).verdict == "OUTLIER"  # lower MFU is worse
-    assert judge("max_cuda_peak_bytes", 4e9 + 30e9, history("max_cuda_peak_bytes", 30e9, 0.005)).verdict == "OUTLIER"
+    assert (
+        judge("max_cuda_peak_bytes", 4e9 + 30e9, history("max_cuda_peak_bytes", 30e9, 0.005)).verdict
+        == "OUTLIER"
+    )
 
 
 def test_noise_inside_the_minimum_change_never_alarms_even_in_a_perfectly_steady_history():
@@ -61,16 +64,27 @@ def test_a_noisy_history_widens_the_band_and_reports_its_spread():
     assert judge("samples_per_s", 500.0, noisy).verdict == "OUTLIER"
 
 
-@pytest.mark.parametrize("value, reason", [(None, "missing"), (math.nan, "not finite"), (math.inf, "not finite"),
-                                           (-1.0, "sentinel"), (0.0, "sentinel")])
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        (None, "missing"),
+        (math.nan, "not finite"),
+        (math.inf, "not finite"),
+        (-1.0, "sentinel"),
+        (0.0, "sentinel"),
+    ],
+)
 def test_missing_non_finite_and_sentinel_values_are_invalid_never_normal(value, reason):
     c = judge("mfu", value, history("mfu", 0.4, 0.01))
     assert c.verdict == "INVALID" and reason in c.reason
 
 
 def test_too_little_history_says_so_and_invalid_history_does_not_count():
-    past = history("step_time_median_s", 0.2, 0.01, n=4) + [{"step_time_median_s": None},
-                                                           {"step_time_median_s": math.nan}, {}]
+    past = history("step_time_median_s", 0.2, 0.01, n=4) + [
+        {"step_time_median_s": None},
+        {"step_time_median_s": math.nan},
+        {},
+    ]
     c = judge("step_time_median_s", 0.5, past)
     assert c.verdict == "insufficient_history" and c.n == 4 and "5 needed" in c.reason
 

@@ -17,17 +17,33 @@ T0 = datetime(2026, 10, 1, tzinfo=UTC)
 KEY = "jobs/gate"
 
 
-def run_events(run_id: str, start: datetime, step_time: float, seed: int, steps: int = 120,
-               status: str = "completed", sha: str = "a" * 40) -> list:
+def run_events(
+    run_id: str,
+    start: datetime,
+    step_time: float,
+    seed: int,
+    steps: int = 120,
+    status: str = "completed",
+    sha: str = "a" * 40,
+) -> list:
     rng = random.Random(seed)
-    events: list = [RunStartEvent(run_id=run_id, ts=start, baseline_key=KEY, git_sha=sha,
-                                  tags={"hardware": "cpu-test"})]
+    events: list = [
+        RunStartEvent(run_id=run_id, ts=start, baseline_key=KEY, git_sha=sha, tags={"hardware": "cpu-test"})
+    ]
     t = start
     for step in range(steps):
         dt = step_time * (1 + rng.gauss(0, 0.01))
         t += timedelta(seconds=dt)
-        events.append(StepEvent(run_id=run_id, step=step, ts=t, loss=2.0 - step / steps + rng.gauss(0, 0.01),
-                                step_time_s=dt, samples_per_s=64 / dt))
+        events.append(
+            StepEvent(
+                run_id=run_id,
+                step=step,
+                ts=t,
+                loss=2.0 - step / steps + rng.gauss(0, 0.01),
+                step_time_s=dt,
+                samples_per_s=64 / dt,
+            )
+        )
     events.append(RunEndEvent(run_id=run_id, ts=t + timedelta(seconds=1), status=status))
     return events
 
@@ -55,7 +71,9 @@ def test_a_slower_run_ends_with_an_outlier_alert_that_names_the_metric_and_the_l
     monitor = RunMonitor("slow", RunwatchConfig())
     past = history()
     monitor.set_history(past)
-    anomalies, decisions = drive(monitor, run_events("slow", T0 + timedelta(days=10), 0.25, seed=99, sha="b" * 40))
+    anomalies, decisions = drive(
+        monitor, run_events("slow", T0 + timedelta(days=10), 0.25, seed=99, sha="b" * 40)
+    )
     found = [a for a in anomalies if a.detector == "baseline_outliers"]
     assert len(found) == 1
     rows = {row["metric"]: row for row in found[0].evidence["baseline"]["rows"]}
@@ -64,8 +82,15 @@ def test_a_slower_run_ends_with_an_outlier_alert_that_names_the_metric_and_the_l
     assert found[0].evidence["baseline"]["last_normal_sha"] == past[-1].git_sha
     alert = next(d for d in decisions if d.anomaly_ids == [found[0].anomaly_id])
     assert alert.kind == "alert" and alert.params["baseline"]["baseline_key"] == KEY
-    action = Action(action_id=alert.action_id, run_id="slow", kind="alert", reason=alert.reason,
-                    params=alert.params, issued_at=T0, expires_at=T0 + timedelta(minutes=2))
+    action = Action(
+        action_id=alert.action_id,
+        run_id="slow",
+        kind="alert",
+        reason=alert.reason,
+        params=alert.params,
+        issued_at=T0,
+        expires_at=T0 + timedelta(minutes=2),
+    )
     text = slack_payload(action)["text"]
     assert "outlier alert (30-day)" in text and KEY in text
     line = next(line for line in text.splitlines() if "step_time_median_s" in line)
@@ -81,8 +106,11 @@ def test_a_run_like_its_history_is_silent():
 
 def test_no_history_handed_or_too_little_history_or_a_failed_run_is_silent():
     slow = run_events("slow", T0 + timedelta(days=10), 0.3, seed=1)
-    for candidates, events in ((None, slow), (history(3), slow),
-                               (history(), run_events("slow", T0 + timedelta(days=10), 0.3, seed=1, status="failed"))):
+    for candidates, events in (
+        (None, slow),
+        (history(3), slow),
+        (history(), run_events("slow", T0 + timedelta(days=10), 0.3, seed=1, status="failed")),
+    ):
         monitor = RunMonitor("slow", RunwatchConfig())
         if candidates is not None:
             monitor.set_history(candidates)

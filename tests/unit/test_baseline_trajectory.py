@@ -34,8 +34,16 @@ STEPS = 120
 MODULES = ("embed", "block", "head")
 
 
-def run(seed: int, *, run_id: str | None = None, module_boost: float = 1.0, loss_boost: float = 1.0,
-        from_step: int = 0, slow: float = 1.0, val_boost: float = 1.0) -> list:
+def run(
+    seed: int,
+    *,
+    run_id: str | None = None,
+    module_boost: float = 1.0,
+    loss_boost: float = 1.0,
+    from_step: int = 0,
+    slow: float = 1.0,
+    val_boost: float = 1.0,
+) -> list:
     """A healthy seeded run; the boosts multiply a metric from ``from_step`` on."""
     rng = random.Random(seed)
     rid = run_id or f"run-{seed}"
@@ -44,15 +52,24 @@ def run(seed: int, *, run_id: str | None = None, module_boost: float = 1.0, loss
         t += timedelta(seconds=0.3)
         bad = step >= from_step
         noise = math.exp(rng.gauss(0, 0.1))
-        modules = {m: (0.5 if m == "block" else 0.1) * math.exp(-step / 80) * math.exp(rng.gauss(0, 0.1))
-                   for m in MODULES}
+        modules = {
+            m: (0.5 if m == "block" else 0.1) * math.exp(-step / 80) * math.exp(rng.gauss(0, 0.1))
+            for m in MODULES
+        }
         if bad:
             modules["embed"] *= module_boost
-        events.append(StepEvent(
-            run_id=rid, step=step, ts=t, loss=2.0 * math.exp(-step / 60) * noise * (loss_boost if bad else 1.0),
-            grad_norm=math.sqrt(sum(v * v for v in modules.values())), module_grad_norms=modules,
-            step_time_s=0.3 * math.exp(rng.gauss(0, 0.02)) * (slow if bad else 1.0),
-            memory=MemoryStats(allocated=1000 + step, peak=1500, host_rss=5000)))
+        events.append(
+            StepEvent(
+                run_id=rid,
+                step=step,
+                ts=t,
+                loss=2.0 * math.exp(-step / 60) * noise * (loss_boost if bad else 1.0),
+                grad_norm=math.sqrt(sum(v * v for v in modules.values())),
+                module_grad_norms=modules,
+                step_time_s=0.3 * math.exp(rng.gauss(0, 0.02)) * (slow if bad else 1.0),
+                memory=MemoryStats(allocated=1000 + step, peak=1500, host_rss=5000),
+            )
+        )
         if step % 20 == 19:
             val = 1.5 * math.exp(-step / 80) * math.exp(rng.gauss(0, 0.03)) * (val_boost if bad else 1.0)
             events.append(EvalEvent(run_id=rid, step=step, ts=t, loss=val))
@@ -75,6 +92,7 @@ def feed(d: BaselineTrajectoryDetector, events: list) -> list:
 
 # -- the band --------------------------------------------------------------------------------------
 
+
 def test_quantiles_interpolate_linearly_as_numpy_does():
     rng = random.Random(3)
     for n in (1, 2, 3, 7, 20):
@@ -86,8 +104,16 @@ def test_quantiles_interpolate_linearly_as_numpy_does():
 def test_the_band_holds_rank_zeros_quantiles_per_step_and_a_replayed_step_counts_once():
     band = BAND
     assert band.run_ids == [f"run-{s}" for s in range(1, 6)] and band.n_runs == 5
-    expected = {"loss", "grad_norm", "step_time_s", "memory_allocated", "memory_peak", "memory_host_rss",
-                "eval_loss/val", *(f"module_grad_norm/{m}" for m in MODULES)}
+    expected = {
+        "loss",
+        "grad_norm",
+        "step_time_s",
+        "memory_allocated",
+        "memory_peak",
+        "memory_host_rss",
+        "eval_loss/val",
+        *(f"module_grad_norm/{m}" for m in MODULES),
+    }
     assert set(band.metrics) == expected
     at7 = sorted(next(e.loss for e in r if isinstance(e, StepEvent) and e.step == 7) for r in HISTORY)
     loss = band.metrics["loss"]
@@ -95,8 +121,10 @@ def test_the_band_holds_rank_zeros_quantiles_per_step_and_a_replayed_step_counts
     assert (loss.lo[7], loss.mid[7], loss.hi[7]) == pytest.approx(tuple(np.quantile(at7, (0.1, 0.5, 0.9))))
     assert band.metrics["eval_loss/val"].steps == list(range(19, STEPS, 20))
     # another rank's steps are not the run's; a step replayed after a rollback keeps its newest value
-    extra = HISTORY[0] + [StepEvent(run_id="run-1", rank=1, step=7, ts=T0, loss=1e6),
-                          StepEvent(run_id="run-1", step=7, ts=T0 + timedelta(days=9), loss=1e6)]
+    extra = HISTORY[0] + [
+        StepEvent(run_id="run-1", rank=1, step=7, ts=T0, loss=1e6),
+        StepEvent(run_id="run-1", step=7, ts=T0 + timedelta(days=9), loss=1e6),
+    ]
     again = band_from_runs([extra], baseline_key="job", fingerprint="fp").metrics["loss"]
     assert again.mid[7] == 1e6 and again.runs[7] == 1 and len(again.steps) == STEPS
 
@@ -118,18 +146,34 @@ def record(run_id: str, day: float, **kw) -> RunRecord:  # noqa: ANN003
 
 def test_the_history_is_the_same_job_and_hardware_completed_before_it_in_the_window_since_a_new_baseline():
     me = record("me", 40)
-    candidates = [record("old", 5), record("a", 20), record("b", 30), record("failed", 31, status="failed"),
-                  record("other-job", 32, baseline_key="x"), record("other-hw", 33, fingerprint="y"),
-                  record("later", 41), record("c", 39), me]
+    candidates = [
+        record("old", 5),
+        record("a", 20),
+        record("b", 30),
+        record("failed", 31, status="failed"),
+        record("other-job", 32, baseline_key="x"),
+        record("other-hw", 33, fingerprint="y"),
+        record("later", 41),
+        record("c", 39),
+        me,
+    ]
     chosen = select_baseline_runs(me, candidates, window_days=30, max_runs=20)
     assert [r.run_id for r in chosen] == ["a", "b", "c"]  # "old" is outside the 30 days
     assert [r.run_id for r in select_baseline_runs(me, candidates, window_days=30, max_runs=2)] == ["b", "c"]
     declared = candidates + [record("new", 25, new_baseline=True)]
-    assert [r.run_id for r in select_baseline_runs(me, declared, window_days=30, max_runs=20)] == ["new", "b", "c"]
-    assert select_baseline_runs(record("me", 40, new_baseline=True), candidates, window_days=30, max_runs=20) == []
+    assert [r.run_id for r in select_baseline_runs(me, declared, window_days=30, max_runs=20)] == [
+        "new",
+        "b",
+        "c",
+    ]
+    assert (
+        select_baseline_runs(record("me", 40, new_baseline=True), candidates, window_days=30, max_runs=20)
+        == []
+    )
 
 
 # -- the detector ----------------------------------------------------------------------------------
+
 
 def test_a_healthy_run_of_the_job_raises_nothing():
     assert feed(detector(), run(11)) == []
@@ -141,7 +185,9 @@ def test_without_a_band_it_is_silent_and_when_told_why_it_says_so_once_as_info()
     assert feed(d, bad) == []  # nothing handed in: no source of history configured
     d.set_band(None, "no earlier completed run")
     said = feed(d, bad)
-    assert [(f.severity, f.metric, f.message) for f in said] == [("info", "baseline_band", "no earlier completed run")]
+    assert [(f.severity, f.metric, f.message) for f in said] == [
+        ("info", "baseline_band", "no earlier completed run")
+    ]
     few = BaselineTrajectoryDetector(BaselineTrajectoryConfig(min_runs=6))
     few.set_band(BAND)  # 5 runs
     said = feed(few, bad)
@@ -156,7 +202,9 @@ def test_a_module_far_above_where_it_sat_is_named_after_k_steps_with_the_band_in
     assert [(f.step, f.evidence["module"]) for f in found] == [(49, "embed")]
     f = found[0]
     assert f.metric == "module_grad_norm/embed" and f.evidence["onset_step"] == 40
-    assert f.value > f.threshold >= 5 * f.evidence["band_hi"] > f.evidence["band_median"] > f.evidence["band_lo"]
+    assert (
+        f.value > f.threshold >= 5 * f.evidence["band_hi"] > f.evidence["band_median"] > f.evidence["band_lo"]
+    )
     assert f.evidence["baseline_runs"] == 5 and f.evidence["ratio_to_median"] > 10
 
 
@@ -200,8 +248,12 @@ def test_state_pickles_with_its_band_and_resumes_with_the_same_findings():
 def test_the_monitor_takes_the_band_handed_to_its_detector():
     monitor = RunMonitor("run-21", RunwatchConfig())
     assert hand_band(monitor.joined_detectors, BAND)
-    found = [a for e in run(21, module_boost=30, from_step=40) for a in monitor.observe(e).anomalies
-             if a.detector == "baseline_trajectory" and a.evidence["family"] == "module"]
+    found = [
+        a
+        for e in run(21, module_boost=30, from_step=40)
+        for a in monitor.observe(e).anomalies
+        if a.detector == "baseline_trajectory" and a.evidence["family"] == "module"
+    ]
     assert [(a.step, a.evidence["module"]) for a in found] == [(49, "embed")]
 
 
@@ -214,8 +266,14 @@ def test_cost_per_step_event_is_small():
         for e in events:
             d.update(e, e.ts)
     per_event_us = (time.perf_counter() - started) / (20 * len(events)) * 1e6
-    print(json.dumps({"baseline_trajectory_us_per_step_event": round(per_event_us, 2),
-                      "metrics_per_event": 6 + len(MODULES)}))
+    print(
+        json.dumps(
+            {
+                "baseline_trajectory_us_per_step_event": round(per_event_us, 2),
+                "metrics_per_event": 6 + len(MODULES),
+            }
+        )
+    )
     assert per_event_us < 1000  # a sanity bound only
 
 

@@ -22,13 +22,18 @@ def no_broker_side_effects(monkeypatch) -> list:
             raise broker_module.BrokerError("not in a unit test")
 
     monkeypatch.setattr(broker_module, "EmbeddedBroker", FakeEmbedded)
-    monkeypatch.setattr(broker_module, "ensure_topics", lambda bootstrap, partitions: calls.append(
-        ("ensure_topics", bootstrap)) or [])
+    monkeypatch.setattr(
+        broker_module,
+        "ensure_topics",
+        lambda bootstrap, partitions: calls.append(("ensure_topics", bootstrap)) or [],
+    )
     return calls
 
 
 def test_port_with_bootstrap_from_the_environment_is_an_error_that_says_which_wins(no_broker_side_effects):
-    result = CliRunner().invoke(main, ["broker", "--port", "9092"], env={topics.BOOTSTRAP_ENV: "kafka-1:9092"})
+    result = CliRunner().invoke(
+        main, ["broker", "--port", "9092"], env={topics.BOOTSTRAP_ENV: "kafka-1:9092"}
+    )
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert "--port 9092 starts an embedded broker" in message
@@ -38,8 +43,9 @@ def test_port_with_bootstrap_from_the_environment_is_an_error_that_says_which_wi
 
 
 def test_port_with_bootstrap_option_is_an_error(no_broker_side_effects):
-    result = CliRunner().invoke(main, ["broker", "--port", "9092", "--bootstrap", "kafka-1:9092"],
-                                env={topics.BOOTSTRAP_ENV: None})
+    result = CliRunner().invoke(
+        main, ["broker", "--port", "9092", "--bootstrap", "kafka-1:9092"], env={topics.BOOTSTRAP_ENV: None}
+    )
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert "--port 9092 starts an embedded broker, --bootstrap kafka-1:9092 uses an existing Kafka" in message

@@ -52,7 +52,9 @@ def test_a_step_in_a_noisy_series_is_found_at_the_right_index():
     (cp,) = scan(values, seed=1)
     assert cp.index == 25
     assert cp.relative_change == pytest.approx(0.20, abs=0.03)
-    assert cp.mean_before == pytest.approx(0.200, rel=0.02) and cp.mean_after == pytest.approx(0.240, rel=0.02)
+    assert cp.mean_before == pytest.approx(0.200, rel=0.02) and cp.mean_after == pytest.approx(
+        0.240, rel=0.02
+    )
     assert cp.pvalue <= 0.01
 
 
@@ -90,17 +92,37 @@ def test_bad_input_is_refused():
         scan([1.0, 2.0, 3.0], power=2.0)
 
 
-def summary(i: int, step_time: float, mfu: float, *, fingerprint: str = "fp-a", new_baseline: bool = False,
-            status: str = "completed") -> RunSummary:
-    return RunSummary(run_id=f"run-{i:02d}", baseline_key="job", git_sha=f"sha{i:02d}", fingerprint=fingerprint,
-                      started_at=T0 + timedelta(days=i), status=status, new_baseline=new_baseline,
-                      metrics={"step_time_median_s": step_time, "mfu": mfu, "unjudged": 1.0})
+def summary(
+    i: int,
+    step_time: float,
+    mfu: float,
+    *,
+    fingerprint: str = "fp-a",
+    new_baseline: bool = False,
+    status: str = "completed",
+) -> RunSummary:
+    return RunSummary(
+        run_id=f"run-{i:02d}",
+        baseline_key="job",
+        git_sha=f"sha{i:02d}",
+        fingerprint=fingerprint,
+        started_at=T0 + timedelta(days=i),
+        status=status,
+        new_baseline=new_baseline,
+        metrics={"step_time_median_s": step_time, "mfu": mfu, "unjudged": 1.0},
+    )
 
 
 def test_the_history_scan_names_the_first_regressed_run_and_its_commit_by_direction():
     rng = np.random.default_rng(9)
-    runs = [summary(i, 0.2 * (1.2 if i >= 12 else 1.0) * (1 + rng.normal(0, 0.01)),
-                    0.4 * (1.1 if i >= 20 else 1.0) * (1 + rng.normal(0, 0.01))) for i in range(30)]
+    runs = [
+        summary(
+            i,
+            0.2 * (1.2 if i >= 12 else 1.0) * (1 + rng.normal(0, 0.01)),
+            0.4 * (1.1 if i >= 20 else 1.0) * (1 + rng.normal(0, 0.01)),
+        )
+        for i in range(30)
+    ]
     changes = scan_history(runs)
     step = first_level_change(changes, "step_time_median_s")
     assert step is not None and (step.run_id, step.git_sha, step.previous_sha) == ("run-12", "sha12", "sha11")

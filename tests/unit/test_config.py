@@ -26,9 +26,13 @@ def test_defaults_without_a_file():
     assert cfg.detectors.loss_spike.warmup <= cfg.detectors.loss_spike.window
     rules = [(r.detector, r.min_severity, r.action) for r in cfg.policy.rules]
     # a divergence (critical spike), a non-finite value and a failed recovery roll back; the rest alerts
-    assert rules == [("non_finite", "critical", "rollback"), ("loss_spike", "critical", "rollback"),
-                     ("grad_norm_spike", "critical", "rollback"), ("not_recovered", "warning", "rollback"),
-                     ("*", "warning", "alert")]
+    assert rules == [
+        ("non_finite", "critical", "rollback"),
+        ("loss_spike", "critical", "rollback"),
+        ("grad_norm_spike", "critical", "rollback"),
+        ("not_recovered", "warning", "rollback"),
+        ("*", "warning", "alert"),
+    ]
     assert cfg.policy.action_ttl_s > 0
 
 
@@ -126,7 +130,19 @@ def test_binary_file_is_a_config_error(tmp_path):
 def test_defaults_yaml_is_valid_yaml_with_every_section():
     data = yaml.safe_load(defaults_yaml())
     assert set(data) == {"detectors", "join", "runs", "policy", "limits", "baseline"}
-    assert set(data["detectors"]) == {"non_finite", "loss_spike", "grad_norm_spike", "module_grad_explosion",
-                                      "update_ratio", "throughput_drift", "data_wait", "memory_growth",
-                                      "category_divergence", "val_vs_train", "stall", "straggler", "hung_rank",
-                                      "baseline_trajectory"}
+    assert set(data["detectors"]) == {
+        "non_finite",
+        "loss_spike",
+        "grad_norm_spike",
+        "module_grad_explosion",
+        "update_ratio",
+        "throughput_drift",
+        "data_wait",
+        "memory_growth",
+        "category_divergence",
+        "val_vs_train",
+        "stall",
+        "straggler",
+        "hung_rank",
+        "baseline_trajectory",
+    }

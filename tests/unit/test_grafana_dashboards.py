@@ -37,7 +37,8 @@ def test_the_committed_json_is_what_the_code_generates():
     assert sorted(fresh) == sorted(p.name for p in COMMITTED.glob("*.json"))
     for name, text in fresh.items():
         assert (COMMITTED / name).read_text(encoding="utf-8") == text, (
-            f"{name} is out of date: run `runwatch grafana generate`")
+            f"{name} is out of date: run `runwatch grafana generate`"
+        )
     assert stale_files(COMMITTED) == []
 
 
@@ -56,19 +57,33 @@ def test_generate_writes_the_files_and_check_finds_a_changed_one(tmp_path):
 def test_every_dashboard_validates_against_the_sdk_schema():
     validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
     for name, text in all_dashboards().items():
-        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in validator.iter_errors(json.loads(text))]
+        errors = [
+            f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}"
+            for e in validator.iter_errors(json.loads(text))
+        ]
         assert errors == [], name
 
 
 def test_five_dashboards_with_their_variables_and_panels():
-    boards = {spec.uid: json.loads(text) for spec, text in zip(DASHBOARDS, all_dashboards().values(), strict=True)}
-    assert list(boards) == ["runwatch-fleet", "runwatch-run", "runwatch-ranks", "runwatch-baselines",
-                            "runwatch-pipeline"]
+    boards = {
+        spec.uid: json.loads(text) for spec, text in zip(DASHBOARDS, all_dashboards().values(), strict=True)
+    }
+    assert list(boards) == [
+        "runwatch-fleet",
+        "runwatch-run",
+        "runwatch-ranks",
+        "runwatch-baselines",
+        "runwatch-pipeline",
+    ]
     names = {uid: [v["name"] for v in b["templating"].get("list", [])] for uid, b in boards.items()}
     assert names["runwatch-run"] == names["runwatch-ranks"] == ["baseline_key", "run", "rank"]
     assert names["runwatch-baselines"][:2] == ["baseline_key", "run"]
     assert [a["name"] for a in boards["runwatch-run"]["annotations"]["list"]] == [
-        "Annotations & Alerts", "Anomalies", *(f"Actions: {kind}" for kind in ACTION_KINDS), "Rollbacks"]
+        "Annotations & Alerts",
+        "Anomalies",
+        *(f"Actions: {kind}" for kind in ACTION_KINDS),
+        "Rollbacks",
+    ]
     assert "Commits" in [a["name"] for a in boards["runwatch-baselines"]["annotations"]["list"]]
     for uid, board in boards.items():
         panels = [p for p in board["panels"] if p["type"] != "row"]
@@ -84,25 +99,34 @@ def test_every_query_is_a_clickhouse_sql_query_with_time_aliased_and_the_plugin_
         for target in _targets(board):
             assert target["editorType"] == "sql" and target["datasource"]["type"] == PLUGIN_ID
             sql = target["rawSql"]
-            if target["format"] == 0:  # time series: a time column named time, filtered by the range, ordered by it
+            if (
+                target["format"] == 0
+            ):  # time series: a time column named time, filtered by the range, ordered by it
                 assert re.search(r"\bAS time\b", sql) and sql.rstrip().endswith("ORDER BY time"), sql
                 assert "$__timeFilter(" in sql, sql
             assert "{db}" not in sql and "runwatch." in sql
 
 
 def test_macros_expand_as_the_plugin_writes_them():
-    ctx = QueryContext(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC), datetime(2026, 1, 2, 4, 4, 5, 250000, tzinfo=UTC),
-                       interval_s=30)
-    sql = ("SELECT $__timeInterval(ts) AS time FROM t WHERE $__timeFilter(ts) AND x = ${run:sqlstring} "
-           "AND r IN (${rank:sqlstring}) AND k IN ($keys) AND $__timeFilter_ms(toDateTime64(ts, 3)) "
-           "AND d < $__toTime AND n = $__interval_s")
+    ctx = QueryContext(
+        datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        datetime(2026, 1, 2, 4, 4, 5, 250000, tzinfo=UTC),
+        interval_s=30,
+    )
+    sql = (
+        "SELECT $__timeInterval(ts) AS time FROM t WHERE $__timeFilter(ts) AND x = ${run:sqlstring} "
+        "AND r IN (${rank:sqlstring}) AND k IN ($keys) AND $__timeFilter_ms(toDateTime64(ts, 3)) "
+        "AND d < $__toTime AND n = $__interval_s"
+    )
     out = expand(sql, ctx, {"run": "it's", "rank": ["0", "1"], "keys": ["a", "b"]})
-    assert out == ("SELECT toStartOfInterval(toDateTime(ts), INTERVAL 30 second) AS time FROM t "
-                   "WHERE ts >= toDateTime(1767323045) AND ts <= toDateTime(1767326645) AND x = 'it''s' "
-                   "AND r IN ('0','1') AND k IN ('a','b') "
-                   "AND toDateTime64(ts, 3) >= fromUnixTimestamp64Milli(1767323045000) AND "
-                   "toDateTime64(ts, 3) <= fromUnixTimestamp64Milli(1767326645250) "
-                   "AND d < toDateTime(1767326645) AND n = 30")
+    assert out == (
+        "SELECT toStartOfInterval(toDateTime(ts), INTERVAL 30 second) AS time FROM t "
+        "WHERE ts >= toDateTime(1767323045) AND ts <= toDateTime(1767326645) AND x = 'it''s' "
+        "AND r IN ('0','1') AND k IN ('a','b') "
+        "AND toDateTime64(ts, 3) >= fromUnixTimestamp64Milli(1767323045000) AND "
+        "toDateTime64(ts, 3) <= fromUnixTimestamp64Milli(1767326645250) "
+        "AND d < toDateTime(1767326645) AND n = 30"
+    )
     assert sqlstring(["a'b", "c"]) == "'a''b','c'"
     with pytest.raises(MacroError):
         expand("SELECT $__unknownMacro(ts)", ctx)
@@ -118,4 +142,8 @@ def test_the_provisioning_files_point_at_the_dashboards_and_a_read_only_user():
     assert ds["secureJsonData"]["password"].startswith("$")  # from Grafana's environment, never in the file
     providers = yaml.safe_load((PROVISIONING / "dashboards" / "runwatch.yaml").read_text())
     (provider,) = providers["providers"]
-    assert provider["type"] == "file" and provider["folder"] == "runwatch" and provider["allowUiUpdates"] is False
+    assert (
+        provider["type"] == "file"
+        and provider["folder"] == "runwatch"
+        and provider["allowUiUpdates"] is False
+    )

@@ -18,13 +18,16 @@ from runwatch.sinks.grafana.provision import (
 )
 
 
-@pytest.mark.parametrize(("url", "protocol", "secure", "port"), [
-    ("native://r@ch", "native", False, 9000),
-    ("clickhouse://r@ch", "native", False, 9000),
-    ("clickhouses://r@ch", "native", True, 9440),
-    ("http://r@ch", "http", False, 8123),
-    ("https://r@ch:9999", "http", True, 9999),
-])
+@pytest.mark.parametrize(
+    ("url", "protocol", "secure", "port"),
+    [
+        ("native://r@ch", "native", False, 9000),
+        ("clickhouse://r@ch", "native", False, 9000),
+        ("clickhouses://r@ch", "native", True, 9440),
+        ("http://r@ch", "http", False, 8123),
+        ("https://r@ch:9999", "http", True, 9999),
+    ],
+)
 def test_datasource_url_gives_protocol_tls_and_default_port(url, protocol, secure, port):
     ds = datasource_from_url(url)
     assert (ds.protocol, ds.secure, ds.port, ds.host, ds.username) == (protocol, secure, port, "ch", "r")
@@ -52,8 +55,13 @@ def test_the_body_keeps_extra_jsondata_and_sends_the_password_only_as_secure_dat
 
 
 def stored(ds: ClickHouseDatasource, password_set: bool) -> dict:
-    return {"name": ds.name, "type": "grafana-clickhouse-datasource", "access": "proxy",
-            "jsonData": {**ds.json_data(), "version": "4.1.0"}, "secureJsonFields": {"password": password_set}}
+    return {
+        "name": ds.name,
+        "type": "grafana-clickhouse-datasource",
+        "access": "proxy",
+        "jsonData": {**ds.json_data(), "version": "4.1.0"},
+        "secureJsonFields": {"password": password_set},
+    }
 
 
 def test_datasource_differences_compare_what_runwatch_sets_and_the_password_only_when_missing():
@@ -68,14 +76,25 @@ def test_datasource_differences_compare_what_runwatch_sets_and_the_password_only
 
 def test_dashboard_differences_ignore_grafanas_id_and_version():
     wanted = {"uid": "a", "title": "A", "panels": [1], "id": None}
-    assert dashboard_differences({"uid": "a", "title": "A", "panels": [1], "id": 7, "version": 4}, wanted) == []
-    assert dashboard_differences({"uid": "a", "title": "B", "panels": [], "id": 7}, wanted) == ["panels", "title"]
+    assert (
+        dashboard_differences({"uid": "a", "title": "A", "panels": [1], "id": 7, "version": 4}, wanted) == []
+    )
+    assert dashboard_differences({"uid": "a", "title": "B", "panels": [], "id": 7}, wanted) == [
+        "panels",
+        "title",
+    ]
 
 
 def test_wiring_points_every_clickhouse_reference_at_the_uid_and_leaves_variables():
-    model = {"panels": [{"datasource": {"type": "grafana-clickhouse-datasource", "uid": "runwatch-clickhouse"},
-                         "targets": [{"datasource": {"type": "grafana-clickhouse-datasource", "uid": "${ds}"}}]},
-                        {"datasource": {"type": "prometheus", "uid": "prom"}}]}
+    model = {
+        "panels": [
+            {
+                "datasource": {"type": "grafana-clickhouse-datasource", "uid": "runwatch-clickhouse"},
+                "targets": [{"datasource": {"type": "grafana-clickhouse-datasource", "uid": "${ds}"}}],
+            },
+            {"datasource": {"type": "prometheus", "uid": "prom"}},
+        ]
+    }
     wired = wire_datasource(model, "ours")
     assert wired["panels"][0]["datasource"]["uid"] == "ours"
     assert wired["panels"][0]["targets"][0]["datasource"]["uid"] == "${ds}"

@@ -12,9 +12,15 @@ T0 = datetime(2025, 3, 3, 21, tzinfo=UTC)
 
 
 def _run(i: int, step_time: float, fingerprint: str = "a") -> RunSummary:
-    return RunSummary(run_id=f"r{i:02d}", baseline_key="job", git_sha=f"sha{i}", fingerprint=fingerprint,
-                      started_at=T0 + timedelta(days=i), status="completed",
-                      metrics={"step_time_median_s": step_time})
+    return RunSummary(
+        run_id=f"r{i:02d}",
+        baseline_key="job",
+        git_sha=f"sha{i}",
+        fingerprint=fingerprint,
+        started_at=T0 + timedelta(days=i),
+        status="completed",
+        metrics={"step_time_median_s": step_time},
+    )
 
 
 def test_range_contains_on_a_linear_history() -> None:

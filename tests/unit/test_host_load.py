@@ -44,33 +44,56 @@ def _ts(seconds: float) -> datetime:
 
 # -- the wire ---------------------------------------------------------------------------------------
 
+
 def _heartbeat_json(host_load: str) -> str:
-    return ('{"schema_version":1,"event_id":"h1","run_id":"r","rank":0,"ts":"2026-05-01T00:00:00Z",'
-            f'"kind":"heartbeat","step":3,"phase":"train","interval_s":5.0,"host_load":{host_load}}}')
+    return (
+        '{"schema_version":1,"event_id":"h1","run_id":"r","rank":0,"ts":"2026-05-01T00:00:00Z",'
+        f'"kind":"heartbeat","step":3,"phase":"train","interval_s":5.0,"host_load":{host_load}}}'
+    )
 
 
 def test_heartbeat_host_load_decodes_and_every_figure_is_optional():
-    event = decode_event(_heartbeat_json(
-        '{"load1":1.5,"cpus":8,"steal_frac":0.02,"process_cpu_frac":3.9,"cpu_wait_frac":0.1}'))
-    assert event.host_load == HostLoad(load1=1.5, cpus=8, steal_frac=0.02, process_cpu_frac=3.9, cpu_wait_frac=0.1)
+    event = decode_event(
+        _heartbeat_json('{"load1":1.5,"cpus":8,"steal_frac":0.02,"process_cpu_frac":3.9,"cpu_wait_frac":0.1}')
+    )
+    assert event.host_load == HostLoad(
+        load1=1.5, cpus=8, steal_frac=0.02, process_cpu_frac=3.9, cpu_wait_frac=0.1
+    )
     assert decode_event(_heartbeat_json('{"load1":2}')).host_load.steal_frac is None
     assert decode_event(_heartbeat_json("{}")).host_load == HostLoad()
     plain = HeartbeatEvent(run_id="r", step=1)
     assert b"host_load" not in plain.to_json()  # absent, not null or zero
 
 
-@pytest.mark.parametrize("bad", [
-    '{"load1":-1}', '{"load1":"NaN"}', '{"steal_frac":1.5}', '{"cpus":0}', '{"cpus":2.0}',
-    '{"cpu_wait_frac":-0.1}', '{"process_cpu_frac":"Infinity"}', '{"load1":"1.0"}',
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"load1":-1}',
+        '{"load1":"NaN"}',
+        '{"steal_frac":1.5}',
+        '{"cpus":0}',
+        '{"cpus":2.0}',
+        '{"cpu_wait_frac":-0.1}',
+        '{"process_cpu_frac":"Infinity"}',
+        '{"load1":"1.0"}',
+    ],
+)
 def test_out_of_bounds_host_load_is_refused(bad):
     with pytest.raises(SchemaError, match="host_load"):
         decode_event(_heartbeat_json(bad))
 
 
 def test_anomaly_detected_at_round_trips_and_is_absent_when_unset():
-    base = dict(anomaly_id="a1", run_id="r", step=4, detector="throughput_drift", metric="step_time_s",
-                severity="warning", message="m", ts=_ts(0))
+    base = dict(
+        anomaly_id="a1",
+        run_id="r",
+        step=4,
+        detector="throughput_drift",
+        metric="step_time_s",
+        severity="warning",
+        message="m",
+        ts=_ts(0),
+    )
     unset = Anomaly(**base)
     assert unset.detected_at is None and b"detected_at" not in unset.to_json()
     stamped = Anomaly(**base, detected_at=_ts(0.25))
@@ -80,6 +103,7 @@ def test_anomaly_detected_at_round_trips_and_is_absent_when_unset():
 
 
 # -- the producer's sampler ---------------------------------------------------------------------------
+
 
 class Wall:
     def __init__(self) -> None:
@@ -102,8 +126,13 @@ def test_sampler_gives_load_now_and_period_shares_from_the_second_sample(monkeyp
     sampler = HostLoadSampler(clock=wall)
     assert sampler.sample() == {"load1": 1.25, "cpus": 4}  # no period yet: no shares (not zeros)
     wall.now += 2.0
-    assert sampler.sample() == {"load1": 1.25, "cpus": 4, "process_cpu_frac": 0.4, "steal_frac": 0.25,
-                                "cpu_wait_frac": 0.25}
+    assert sampler.sample() == {
+        "load1": 1.25,
+        "cpus": 4,
+        "process_cpu_frac": 0.4,
+        "steal_frac": 0.25,
+        "cpu_wait_frac": 0.25,
+    }
 
 
 def test_sampler_leaves_out_what_the_host_does_not_offer(monkeypatch):
@@ -173,11 +202,14 @@ def test_simulated_clocks_and_foreign_publishers_send_no_host_load():
 
 # -- the tracker and the busier rule -------------------------------------------------------------------
 
+
 def _hb(step: int, **host) -> HeartbeatEvent:
     return HeartbeatEvent(run_id="r", step=step, ts=_ts(step), host_load=HostLoad(**host))
 
 
-def _tracker(before: dict, after: dict, n_before: int = 10, n_after: int = 3, onset: int = 100) -> HostLoadTracker:
+def _tracker(
+    before: dict, after: dict, n_before: int = 10, n_after: int = 3, onset: int = 100
+) -> HostLoadTracker:
     t = HostLoadTracker()
     for i in range(n_before):
         t.observe(_hb(onset - 10 * (n_before - i), cpus=2, **before))
@@ -186,16 +218,23 @@ def _tracker(before: dict, after: dict, n_before: int = 10, n_after: int = 3, on
     return t
 
 
-@pytest.mark.parametrize(("before", "after", "reasons"), [
-    ({"load1": 1.0}, {"load1": 3.4}, ["load"]),  # +1.2 per CPU, 3.4x
-    ({"load1": 1.0}, {"load1": 1.6}, []),  # +0.3 per CPU: below the rise
-    ({"load1": 4.0}, {"load1": 5.2}, []),  # +0.6 per CPU but only 1.3x
-    ({"steal_frac": 0.01}, {"steal_frac": 0.2}, ["steal"]),
-    ({"steal_frac": 0.01}, {"steal_frac": 0.08}, []),
-    ({"cpu_wait_frac": 0.02}, {"cpu_wait_frac": 0.9}, ["cpu_wait"]),
-    ({"cpu_wait_frac": 0.3}, {"cpu_wait_frac": 0.5}, []),  # +0.2: below the rise
-    ({"load1": 1.0, "process_cpu_frac": 1.9}, {"load1": 1.0, "process_cpu_frac": 0.4}, []),  # own share: no say
-])
+@pytest.mark.parametrize(
+    ("before", "after", "reasons"),
+    [
+        ({"load1": 1.0}, {"load1": 3.4}, ["load"]),  # +1.2 per CPU, 3.4x
+        ({"load1": 1.0}, {"load1": 1.6}, []),  # +0.3 per CPU: below the rise
+        ({"load1": 4.0}, {"load1": 5.2}, []),  # +0.6 per CPU but only 1.3x
+        ({"steal_frac": 0.01}, {"steal_frac": 0.2}, ["steal"]),
+        ({"steal_frac": 0.01}, {"steal_frac": 0.08}, []),
+        ({"cpu_wait_frac": 0.02}, {"cpu_wait_frac": 0.9}, ["cpu_wait"]),
+        ({"cpu_wait_frac": 0.3}, {"cpu_wait_frac": 0.5}, []),  # +0.2: below the rise
+        (
+            {"load1": 1.0, "process_cpu_frac": 1.9},
+            {"load1": 1.0, "process_cpu_frac": 0.4},
+            [],
+        ),  # own share: no say
+    ],
+)
 def test_busier_rule(before, after, reasons):
     evidence = _tracker(before, after).evidence(100)
     assert evidence["reasons"] == reasons and evidence["busier"] is bool(reasons)
@@ -205,7 +244,16 @@ def test_busier_rule(before, after, reasons):
 def test_before_is_the_median_before_the_onset_and_now_the_heartbeats_mostly_after_it():
     t = HostLoadTracker()
     # the heartbeat at step 100 covers steps 41..100: mostly before the onset at 95, so neither side's
-    for step, load in [(10, 1.0), (20, 9.0), (30, 1.2), (40, 0.8), (100, 2.5), (102, 3.0), (110, 3.5), (120, 3.3)]:
+    for step, load in [
+        (10, 1.0),
+        (20, 9.0),
+        (30, 1.2),
+        (40, 0.8),
+        (100, 2.5),
+        (102, 3.0),
+        (110, 3.5),
+        (120, 3.3),
+    ]:
         t.observe(_hb(step, load1=load, cpus=2, cpu_wait_frac=load / 10))
     ev = t.evidence(95)
     assert ev["before"]["load1"] == pytest.approx(1.1) and ev["before"]["samples"] == 4
@@ -228,8 +276,10 @@ def test_no_claim_without_a_sample_on_both_sides_or_a_comparable_figure():
 
 def test_messages():
     busy = _tracker({"load1": 1.0, "cpu_wait_frac": 0.02}, {"load1": 3.4, "cpu_wait_frac": 0.9}).evidence(100)
-    assert describe(busy) == ("; host busier at the same step: load 1.0 → 3.4 on 2 CPUs, this process waited "
-                              "for a CPU 2% → 90% of the time")
+    assert describe(busy) == (
+        "; host busier at the same step: load 1.0 → 3.4 on 2 CPUs, this process waited "
+        "for a CPU 2% → 90% of the time"
+    )
     calm = _tracker({"load1": 1.0}, {"load1": 1.1}).evidence(100)
     assert describe(calm) == "; host load unchanged (1.0 → 1.1 on 2 CPUs)"
 
@@ -237,8 +287,14 @@ def test_messages():
 def test_annotate_keeps_the_finding_and_adds_the_evidence():
     from runwatch.detectors.findings import Finding
 
-    finding = Finding(detector="throughput_drift", metric="step_time_s", step=120, severity="warning",
-                      message="step time rose", evidence={"onset_step": 100})
+    finding = Finding(
+        detector="throughput_drift",
+        metric="step_time_s",
+        step=120,
+        severity="warning",
+        message="step time rose",
+        evidence={"onset_step": 100},
+    )
     assert annotate(HostLoadTracker(), finding) is finding  # no heartbeat with host_load: unchanged
     out = annotate(_tracker({"load1": 1.0}, {"load1": 3.4}), finding)
     assert out.message.startswith("step time rose; host busier") and out.evidence["onset_step"] == 100
@@ -247,6 +303,7 @@ def test_annotate_keeps_the_finding_and_adds_the_evidence():
 
 # -- the detectors ---------------------------------------------------------------------------------
 
+
 def _run(detector, events):
     found = []
     for event in events:
@@ -254,8 +311,9 @@ def _run(detector, events):
     return found
 
 
-def _stream(seed: int, slow_from: int, *, contended: bool, data_wait: bool = False,
-            n: int = 1200) -> Iterator[StepEvent | HeartbeatEvent]:
+def _stream(
+    seed: int, slow_from: int, *, contended: bool, data_wait: bool = False, n: int = 1200
+) -> Iterator[StepEvent | HeartbeatEvent]:
     """0.25 s steps slowing 2x at ``slow_from`` (or, ``data_wait``, a loader wait of 0.2 s from there);
     a heartbeat every 10 steps whose host either gets contended at the same step or stays calm."""
     rng = np.random.default_rng(seed)
@@ -270,10 +328,18 @@ def _stream(seed: int, slow_from: int, *, contended: bool, data_wait: bool = Fal
         yield StepEvent(run_id="r", step=i, ts=_ts(i), step_time_s=t + wait, data_wait_s=wait)
         if i % 10 == 0:
             busy = slow and contended
-            yield HeartbeatEvent(run_id="r", step=i, ts=_ts(i + 0.5), host_load=HostLoad(
-                load1=(3.5 if busy else 1.0) + rng.uniform(0, 0.1), cpus=2, steal_frac=0.01,
-                process_cpu_frac=(0.8 if busy else 0.95) if not slow or busy else 0.5,
-                cpu_wait_frac=(0.7 if busy else 0.02) + rng.uniform(0, 0.01)))
+            yield HeartbeatEvent(
+                run_id="r",
+                step=i,
+                ts=_ts(i + 0.5),
+                host_load=HostLoad(
+                    load1=(3.5 if busy else 1.0) + rng.uniform(0, 0.1),
+                    cpus=2,
+                    steal_frac=0.01,
+                    process_cpu_frac=(0.8 if busy else 0.95) if not slow or busy else 0.5,
+                    cpu_wait_frac=(0.7 if busy else 0.02) + rng.uniform(0, 0.01),
+                ),
+            )
 
 
 @pytest.mark.parametrize("contended", [True, False])
@@ -284,16 +350,23 @@ def test_throughput_finding_says_whether_the_host_got_busier(contended):
     assert host["before"]["last_step"] < finding.evidence["onset_step"] <= host["now"]["first_step"]
     if contended:
         assert host["reasons"] == ["load", "cpu_wait"]
-        assert re.search(r"; host busier at the same step: load 1\.\d → 3\.\d on 2 CPUs, this process waited for "
-                         r"a CPU 2% → 7\d% of the time$", finding.message), finding.message
+        assert re.search(
+            r"; host busier at the same step: load 1\.\d → 3\.\d on 2 CPUs, this process waited for "
+            r"a CPU 2% → 7\d% of the time$",
+            finding.message,
+        ), finding.message
     else:
         assert host["reasons"] == []
-        assert re.search(r"; host load unchanged \(1\.\d → 1\.\d on 2 CPUs\)$", finding.message), finding.message
+        assert re.search(r"; host load unchanged \(1\.\d → 1\.\d on 2 CPUs\)$", finding.message), (
+            finding.message
+        )
 
 
 @pytest.mark.parametrize("contended", [True, False])
 def test_data_wait_finding_says_whether_the_host_got_busier(contended):
-    (finding,) = _run(DataWaitDetector(DataWaitConfig()), _stream(2, 600, contended=contended, data_wait=True))
+    (finding,) = _run(
+        DataWaitDetector(DataWaitConfig()), _stream(2, 600, contended=contended, data_wait=True)
+    )
     assert finding.evidence["host_load"]["busier"] is contended
     assert ("host busier" in finding.message) is contended
 
@@ -312,7 +385,9 @@ def test_a_finding_waits_for_a_heartbeat_since_its_onset():
 
 
 def test_a_held_finding_goes_out_without_a_verdict_when_no_heartbeat_comes():
-    events = [e for e in _stream(1, 600, contended=True) if not (isinstance(e, HeartbeatEvent) and e.step >= 600)]
+    events = [
+        e for e in _stream(1, 600, contended=True) if not (isinstance(e, HeartbeatEvent) and e.step >= 600)
+    ]
     det = ThroughputDetector(ThroughputConfig())
     released = []
     for event in events:
@@ -332,19 +407,30 @@ def test_the_run_end_releases_held_findings():
 
     monitor = RunMonitor("r", RunwatchConfig())
     anomalies = monitor.observe(RunStartEvent(run_id="r", ts=_ts(-1))).anomalies
-    events = [e for e in _stream(1, 600, contended=True, n=610) if not (isinstance(e, HeartbeatEvent) and e.step >= 600)]
+    events = [
+        e
+        for e in _stream(1, 600, contended=True, n=610)
+        if not (isinstance(e, HeartbeatEvent) and e.step >= 600)
+    ]
     for event in events:
         anomalies += monitor.observe(event).anomalies
-    assert not [a for a in anomalies if a.detector == "throughput_drift"]  # held: no heartbeat since the onset
+    assert not [
+        a for a in anomalies if a.detector == "throughput_drift"
+    ]  # held: no heartbeat since the onset
     end = RunEndEvent(run_id="r", ts=_ts(611))
     (anomaly,) = [a for a in monitor.observe(end).anomalies if a.detector == "throughput_drift"]
     assert anomaly.ts == end.ts and anomaly.evidence["host_load"]["busier"] is None
-    assert replay([RunStartEvent(run_id="r", ts=_ts(-1)), *events, end]).anomalies[-1].anomaly_id == anomaly.anomaly_id
+    assert (
+        replay([RunStartEvent(run_id="r", ts=_ts(-1)), *events, end]).anomalies[-1].anomaly_id
+        == anomaly.anomaly_id
+    )
 
 
 def test_without_host_load_on_heartbeats_nothing_is_held_or_added():
-    plain = [e.model_copy(update={"host_load": None}) if isinstance(e, HeartbeatEvent) else e
-             for e in _stream(1, 600, contended=True)]
+    plain = [
+        e.model_copy(update={"host_load": None}) if isinstance(e, HeartbeatEvent) else e
+        for e in _stream(1, 600, contended=True)
+    ]
     (finding,) = _run(ThroughputDetector(ThroughputConfig()), plain)
     assert "host_load" not in finding.evidence and finding.step < 610
 
@@ -362,6 +448,7 @@ def test_host_load_state_pickles_with_the_detector():
 
 # -- detected_at -----------------------------------------------------------------------------------
 
+
 def _nan_steps(run_id: str) -> list[StepEvent]:
     return [StepEvent(run_id=run_id, step=i, ts=_ts(i), loss=math.nan if i >= 8 else 1.0) for i in range(12)]
 
@@ -376,5 +463,6 @@ def test_the_worker_stamps_detected_at_with_its_clock_and_the_monitor_does_not()
     assert online and [a.anomaly_id for a in online] == [a.anomaly_id for a in offline]  # ids unchanged
     assert all(a.detected_at == wall for a in online)
     assert all(a.detected_at is None for a in offline)  # replay has no clock: left unset
-    assert [a.model_dump_json(exclude={"detected_at"}) for a in online] == \
-        [a.model_dump_json(exclude={"detected_at"}) for a in offline]  # (NaN values: compared as JSON)
+    assert [a.model_dump_json(exclude={"detected_at"}) for a in online] == [
+        a.model_dump_json(exclude={"detected_at"}) for a in offline
+    ]  # (NaN values: compared as JSON)

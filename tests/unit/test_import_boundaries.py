@@ -18,14 +18,21 @@ import pytest
 
 pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
 
-TRAINING_SIDE = ("runwatch.producer.publish", "runwatch.producer.instrument", "runwatch.producer.actions.listener", "torch")
+TRAINING_SIDE = (
+    "runwatch.producer.publish",
+    "runwatch.producer.instrument",
+    "runwatch.producer.actions.listener",
+    "torch",
+)
 WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb")
 
 
 def loaded_after(statement: str) -> set[str]:
     """The modules a fresh interpreter holds after running ``statement``."""
     code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -34,11 +41,14 @@ def offenders(modules: set[str], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(m for m in modules if any(m == f or m.startswith(f + ".") for f in forbidden))
 
 
-@pytest.mark.parametrize("statement", [
-    "import runwatch.detectors",
-    "import runwatch.sinks",
-    "from runwatch.sinks.remediate.consumer import RemediateConsumer",
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import runwatch.detectors",
+        "import runwatch.sinks",
+        "from runwatch.sinks.remediate.consumer import RemediateConsumer",
+    ],
+)
 def test_detectors_and_sinks_never_load_the_training_side(statement):
     assert offenders(loaded_after(statement), TRAINING_SIDE) == []
 
@@ -49,11 +59,14 @@ def test_the_remediator_takes_the_listeners_inbox_and_nothing_else_of_it():
     assert actions == ["runwatch.producer.actions", "runwatch.producer.actions.inbox"]
 
 
-@pytest.mark.parametrize("statement", [
-    "import runwatch.producer",
-    "from runwatch.producer import RunWatch",
-    "from runwatch.producer import ActionListener, JsonlRecorder, Watcher",
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import runwatch.producer",
+        "from runwatch.producer import RunWatch",
+        "from runwatch.producer import ActionListener, JsonlRecorder, Watcher",
+    ],
+)
 def test_producer_never_loads_the_worker_or_the_sink(statement):
     assert offenders(loaded_after(statement), WORKER_SIDE) == []
 
@@ -62,11 +75,14 @@ def test_detectors_never_load_kafka_or_torch():
     assert offenders(loaded_after("import runwatch.detectors"), ("kafka", "torch")) == []
 
 
-@pytest.mark.parametrize("statement", [
-    "import runwatch.producer.wire",
-    "from runwatch.producer.wire import schema, signing, topics",
-    "from runwatch.producer.wire.schema import StepEvent",  # the old path, a re-export
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import runwatch.producer.wire",
+        "from runwatch.producer.wire import schema, signing, topics",
+        "from runwatch.producer.wire.schema import StepEvent",  # the old path, a re-export
+    ],
+)
 def test_the_wire_contract_imports_alone(statement):
     assert offenders(loaded_after(statement), TRAINING_SIDE + WORKER_SIDE + ("kafka",)) == []
 
@@ -97,16 +113,24 @@ NEEDS_TORCH = ("runwatch.demo", "runwatch.scenarios", "runwatch.producer.integra
 
 
 def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", NO_TORCH + code, *args], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", NO_TORCH + code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
-@pytest.mark.parametrize("statement", [
-    "import runwatch.streams.worker.app",
-    "import runwatch.cli.main",
-    "from runwatch.sinks.consumer import SinkConsumer",
-    "import runwatch.sinks.remediate",
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import runwatch.streams.worker.app",
+        "import runwatch.cli.main",
+        "from runwatch.sinks.consumer import SinkConsumer",
+        "import runwatch.sinks.remediate",
+    ],
+)
 def test_the_worker_sink_remediator_and_cli_never_load_torch(statement):
     assert offenders(loaded_after(statement), ("torch",)) == []
 
@@ -143,11 +167,19 @@ def test_commands_that_train_nothing_run_without_torch(tmp_path: Path):
     from runwatch.producer.wire.schema import StepEvent
 
     recording = tmp_path / "nan.jsonl"
-    events = [StepEvent(run_id="r", step=s, loss=float("nan") if s >= 40 else 1.0, grad_norm=1.0) for s in range(50)]
+    events = [
+        StepEvent(run_id="r", step=s, loss=float("nan") if s >= 40 else 1.0, grad_norm=1.0) for s in range(50)
+    ]
     recording.write_text("".join(e.to_json().decode() + "\n" for e in events))
-    commands = [["sink", "--help"], ["remediate", "--help"], ["config", "--defaults"], ["baseline", "--help"],
-                ["report", "--help"], ["grafana", "generate", "--out", str(tmp_path / "dashboards")],
-                ["replay", str(recording), "--json"]]
+    commands = [
+        ["sink", "--help"],
+        ["remediate", "--help"],
+        ["config", "--defaults"],
+        ["baseline", "--help"],
+        ["report", "--help"],
+        ["grafana", "generate", "--out", str(tmp_path / "dashboards")],
+        ["replay", str(recording), "--json"],
+    ]
     code = f"""
 import json
 from click.testing import CliRunner
@@ -165,14 +197,23 @@ print(json.dumps(results))
     assert {a["detector"] for a in json.loads(results["replay"][1])["anomalies"]} == {"non_finite"}
 
 
-@pytest.mark.parametrize("command", [["demo"], ["scenarios", "generate", "corpus"], ["scenarios", "history", "h"]])
+@pytest.mark.parametrize(
+    "command", [["demo"], ["scenarios", "generate", "corpus"], ["scenarios", "history", "h"]]
+)
 def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path):
-    done = subprocess.run([sys.executable, "-c", NO_TORCH + CLI, *command], capture_output=True, text=True,
-                          timeout=120, check=False, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TORCH + CLI, *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        f"Error: runwatch {' '.join(command[:2 if len(command) > 1 else 1])} trains real models and needs "
-        "PyTorch: pip install 'runwatch[torch]'"]
+        f"Error: runwatch {' '.join(command[: 2 if len(command) > 1 else 1])} trains real models and needs "
+        "PyTorch: pip install 'runwatch[torch]'"
+    ]
     assert not (tmp_path / command[-1]).exists()
 
 
@@ -180,34 +221,59 @@ def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path)
 # callbacks ``runwatch.producer.integrations``; the shims that gave them second paths are gone.
 # The command line, the local stack, the demo and the scenario corpus have rooms of their own (runwatch.cli,
 # .local, .demo, .scenarios), and the loose top-level modules went where they are used.
-REMOVED_PATHS = ("runwatch.producer.schema", "runwatch.producer.topics", "runwatch.producer.signing",
-                 "runwatch.producer.hf", "runwatch.producer.lightning", "runwatch.streams.cli", "runwatch.streams.local",
-                 "runwatch.streams.demo", "runwatch.streams.scenarios", "runwatch.configfile", "runwatch.logsafe",
-                 "runwatch.extras", "runwatch.gitlog", "runwatch.reach")
+REMOVED_PATHS = (
+    "runwatch.producer.schema",
+    "runwatch.producer.topics",
+    "runwatch.producer.signing",
+    "runwatch.producer.hf",
+    "runwatch.producer.lightning",
+    "runwatch.streams.cli",
+    "runwatch.streams.local",
+    "runwatch.streams.demo",
+    "runwatch.streams.scenarios",
+    "runwatch.configfile",
+    "runwatch.logsafe",
+    "runwatch.extras",
+    "runwatch.gitlog",
+    "runwatch.reach",
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("module", REMOVED_PATHS)
 def test_a_removed_second_path_does_not_import(module):
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode != 0 and "ModuleNotFoundError" in done.stderr
 
 
 def _tree_files() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60)
-    return [ROOT / f for f in listed.stdout.split() if Path(f).suffix in (".py", ".md", ".yaml", ".yml", ".toml")
-            and not f.startswith("build/")]
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    )
+    return [
+        ROOT / f
+        for f in listed.stdout.split()
+        if Path(f).suffix in (".py", ".md", ".yaml", ".yml", ".toml") and not f.startswith("build/")
+    ]
 
 
 def test_nothing_in_the_tree_names_a_removed_path():
     import re
 
-    removed = re.compile(r"runwatch\.producer\.(schema|topics|signing|hf|lightning)\b"
-                         r"|runwatch\.streams\.(cli|local|demo|scenarios)\b|runwatch\.(configfile|logsafe|extras|gitlog|reach)\b"
-                         r"|^\s*from runwatch\.producer import [^\n]*\b(schema|topics|signing)\b"
-                         r"|^\s*from runwatch import", re.M)
+    removed = re.compile(
+        r"runwatch\.producer\.(schema|topics|signing|hf|lightning)\b"
+        r"|runwatch\.streams\.(cli|local|demo|scenarios)\b|runwatch\.(configfile|logsafe|extras|gitlog|reach)\b"
+        r"|^\s*from runwatch\.producer import [^\n]*\b(schema|topics|signing)\b"
+        r"|^\s*from runwatch import",
+        re.M,
+    )
     this = Path(__file__).resolve()
-    found = [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for path in _tree_files() if path != this and path.is_file()
-             for m in removed.finditer(path.read_text(errors="replace"))]
+    found = [
+        f"{path.relative_to(ROOT)}: {m.group(0).strip()}"
+        for path in _tree_files()
+        if path != this and path.is_file()
+        for m in removed.finditer(path.read_text(errors="replace"))
+    ]
     assert found == []

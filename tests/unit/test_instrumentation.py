@@ -80,7 +80,9 @@ def reference_module_norms(model: nn.Module) -> dict[str, float]:
     for name, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if own:
-            out[name or ROOT_MODULE] = math.sqrt(sum(torch.linalg.vector_norm(p.grad).item() ** 2 for p in own))
+            out[name or ROOT_MODULE] = math.sqrt(
+                sum(torch.linalg.vector_norm(p.grad).item() ** 2 for p in own)
+            )
     return out
 
 
@@ -90,7 +92,11 @@ def test_module_and_global_grad_norms_equal_per_parameter_vector_norms():
     result = grad_norms(ParamLayout(model))
     names = ParamLayout(model).module_names
     reference = reference_module_norms(model)
-    assert set(names) == {ROOT_MODULE, "blocks.0", "blocks.0.fc", "blocks.1", "blocks.1.fc", "head"} == set(reference)
+    assert (
+        set(names)
+        == {ROOT_MODULE, "blocks.0", "blocks.0.fc", "blocks.1", "blocks.1.fc", "head"}
+        == set(reference)
+    )
     assert "frozen" not in names  # no trainable parameters, no entry
     for name, value in zip(names, result.modules.tolist(), strict=True):
         assert value == pytest.approx(reference[name], rel=REL)
@@ -160,7 +166,9 @@ def flat_norm(tensors) -> float:
 
 
 def test_update_norm_equals_an_explicit_before_after_snapshot_every_k_steps():
-    steps, snapshots = run_watched(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=7, update_every=3)
+    steps, snapshots = run_watched(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=7, update_every=3
+    )
     assert [e.step for e in steps] == list(range(7))
     with_update = [e.step for e in steps if e.update_norm is not None]
     assert with_update == [0, 3, 6]
@@ -178,7 +186,9 @@ def test_update_norm_equals_an_explicit_before_after_snapshot_every_k_steps():
 
 def test_plain_sgd_effective_lr_ratio_is_the_learning_rate():
     lr = 0.03
-    steps, _ = run_watched(lambda m: torch.optim.SGD(m.parameters(), lr=lr), steps=4, update_every=1, clip=0.05)
+    steps, _ = run_watched(
+        lambda m: torch.optim.SGD(m.parameters(), lr=lr), steps=4, update_every=1, clip=0.05
+    )
     for event in steps:
         assert event.clip_ratio < 1  # clipping acted, so the ratio uses the clipped norm
         assert event.grad_norm_clipped == pytest.approx(event.grad_norm * event.clip_ratio, rel=REL)
@@ -191,7 +201,14 @@ def test_step_events_carry_loss_lr_module_norms_and_timing():
     steps, _ = run_watched(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=3, update_every=0)
     for event in steps:
         assert event.loss is not None and math.isfinite(event.loss)
-        assert set(event.module_grad_norms) == {ROOT_MODULE, "blocks.0", "blocks.0.fc", "blocks.1", "blocks.1.fc", "head"}
+        assert set(event.module_grad_norms) == {
+            ROOT_MODULE,
+            "blocks.0",
+            "blocks.0.fc",
+            "blocks.1",
+            "blocks.1.fc",
+            "head",
+        }
         assert event.grad_norm_clipped is None and event.clip_ratio is None  # nothing clips
         assert event.update_norm is None  # update_every=0 turns it off
         assert event.step_time_s > 0 and event.samples_per_s > 0
@@ -284,8 +301,10 @@ def test_data_wait_memory_and_heartbeat_phases_come_with_the_steps():
     for event in rw.steps:
         assert event.data_wait_s >= 0.045
         assert event.step_time_s >= event.data_wait_s
-        assert event.memory is None or (event.memory.host_rss > 0  # /proc is there on Linux
-                                        and event.memory.allocated is None)  # no CUDA here: absent, not zero
+        assert event.memory is None or (
+            event.memory.host_rss > 0  # /proc is there on Linux
+            and event.memory.allocated is None
+        )  # no CUDA here: absent, not zero
     # on the wall clock memory is sampled at most every MEMORY_INTERVAL_S: the first step has one
     assert rw.steps[0].memory is not None
     phases = {phase for _, phase, _ in rw.heartbeats}
@@ -351,8 +370,16 @@ def test_three_shards_combine_into_the_full_model_by_root_sum_of_squares():
         model, x, y = make()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         rw = RecordingPublisher()
-        watch = Watcher(rw, model, optimizer, update_every=1, heartbeat_s=None, memory=False, shard=shard,
-                        external_clip=0.05 if shard is not None else None)
+        watch = Watcher(
+            rw,
+            model,
+            optimizer,
+            update_every=1,
+            heartbeat_s=None,
+            memory=False,
+            shard=shard,
+            external_clip=0.05 if shard is not None else None,
+        )
         for _ in range(2):
             optimizer.zero_grad()
             loss = backward(model, x, y)
@@ -380,8 +407,10 @@ def test_three_shards_combine_into_the_full_model_by_root_sum_of_squares():
             owners = {n.rsplit(".", 1)[0] if "." in n else ROOT_MODULE for n in shard}
             assert set(e.module_grad_norms) == owners
         # a shard's clip factor and ratios need the global norm: left to the join
-        assert all(e.clip_ratio is None and e.grad_norm_clipped is None and e.relative_update_norm is None
-                   for e in events)
+        assert all(
+            e.clip_ratio is None and e.grad_norm_clipped is None and e.relative_update_norm is None
+            for e in events
+        )
 
 
 def test_shard_rejects_clip_unknown_names_and_an_empty_selection():
@@ -403,8 +432,12 @@ def test_a_steps_packed_figures_come_back_by_name_as_float64():
     packing.add("module_grad_norms", torch.tensor([1.0, 2.0], dtype=torch.float64))
     packed = packing.pack(torch.device("cpu"))
     assert packed.dtype == torch.float64 and packed.numel() == 5
-    assert packing.unpack(packed.tolist()) == {"loss": [2.5], "grad_norm": [3.0], "nonfinite_grads": [1.0],
-                                               "module_grad_norms": [1.0, 2.0]}
+    assert packing.unpack(packed.tolist()) == {
+        "loss": [2.5],
+        "grad_norm": [3.0],
+        "nonfinite_grads": [1.0],
+        "module_grad_norms": [1.0, 2.0],
+    }
     assert StepPacking().pack(torch.device("cpu")) is None  # nothing measured: no copy
 
 

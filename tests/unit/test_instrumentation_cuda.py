@@ -40,7 +40,9 @@ def test_cuda_watcher_numbers_async_copy_and_memory():
             assert event.module_grad_norms[name] == pytest.approx(value, rel=1e-5)
         assert event.effective_lr_ratio == pytest.approx(0.01, rel=1e-4)
         memory = event.memory
-        assert memory.allocated > 0 and memory.reserved >= memory.allocated and memory.peak >= memory.allocated
+        assert (
+            memory.allocated > 0 and memory.reserved >= memory.allocated and memory.peak >= memory.allocated
+        )
         assert memory.ooms == 0 and memory.alloc_retries is not None
 
 

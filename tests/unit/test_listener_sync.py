@@ -40,16 +40,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+    )
     plan = {k: Action.model_validate_json(v) for k, v in json.loads(actions_json).items()}
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rw = RecordingPublisher(run_id="run-u", rank=rank)
     heartbeat = Heartbeat(rw, interval_s=60)  # not started: beats by hand below
-    listener = ActionListener(rw, model, optimizer, secret=SECRET, consume=False, sync_timeout_s=SYNC_TIMEOUT_S,
-                              heartbeat=heartbeat)
+    listener = ActionListener(
+        rw, model, optimizer, secret=SECRET, consume=False, sync_timeout_s=SYNC_TIMEOUT_S, heartbeat=heartbeat
+    )
     leader = rank == 0
     torch.manual_seed(100 + rank)  # each rank's training drifts its own way until the rollback
 
@@ -88,9 +90,18 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
         started = time.monotonic()
         results = listener.poll(step=100 + i)
         for r in results:
-            log.append({"poll": i, "kind": r.kind, "outcome": r.outcome, "to_step": r.to_step, "detail": r.detail,
-                        "id": r.action.action_id, "waited": time.monotonic() - started,
-                        "weight": float(model.weight.detach().double().sum()) if r.kind == "rollback" else None})
+            log.append(
+                {
+                    "poll": i,
+                    "kind": r.kind,
+                    "outcome": r.outcome,
+                    "to_step": r.to_step,
+                    "detail": r.detail,
+                    "id": r.action.action_id,
+                    "waited": time.monotonic() - started,
+                    "weight": float(model.weight.detach().double().sum()) if r.kind == "rollback" else None,
+                }
+            )
         if any(r.kind == "stop" for r in results):
             break
         loss = model(torch.randn(4, 8)).pow(2).mean()  # one local training step
@@ -100,8 +111,9 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
         time.sleep(POLL_S)
     acks = [(a.action_id, a.outcome, a.rank) for a in rw.acks()]
     beats = [(e.step, e.in_sync) for e in rw.events if e.kind == "heartbeat"]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"log": log, "acks": acks, "beats": beats,
-                                                                 "synced": listener.synced}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps({"log": log, "acks": acks, "beats": beats, "synced": listener.synced})
+    )
     # Leave together and skip interpreter teardown, which can abort on gloo's threads (see test_ddp_timing).
     dist.barrier()
     dist.destroy_process_group()
@@ -122,8 +134,13 @@ def ranks(tmp_path_factory) -> tuple[list[dict], dict[str, Action], float]:
     }
     actions_json = json.dumps({k: v.model_dump_json() for k, v in plan.items()})
     started = time.monotonic()
-    ctx = mp.start_processes(_rank, args=(str(tmp / "rendezvous"), str(tmp), actions_json, uri), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _rank,
+        args=(str(tmp / "rendezvous"), str(tmp), actions_json, uri),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
     while not ctx.join(timeout=1):  # raises if a rank failed
         assert time.monotonic() - started < 90, "ranks did not finish"
     reference = float(torch.load(uri, weights_only=False)["model"]["weight"].double().sum())
@@ -144,7 +161,9 @@ def test_a_rollback_received_late_elsewhere_is_applied_at_the_same_poll_with_the
     applied = [by_id(r["log"], plan["rollback"].action_id) for r in results]
     assert all(len(a) == 1 for a in applied), applied
     assert {(a[0]["poll"], a[0]["outcome"], a[0]["to_step"]) for a in applied} == {(3, "applied", 2)}
-    assert all(a[0]["weight"] == pytest.approx(reference, abs=1e-12) for a in applied)  # same state everywhere
+    assert all(
+        a[0]["weight"] == pytest.approx(reference, abs=1e-12) for a in applied
+    )  # same state everywhere
     assert all(a[0]["waited"] >= 1.5 * 0.05 for a in applied[1:])  # the others waited for their copy
 
 
@@ -192,7 +211,9 @@ CHILD = textwrap.dedent("""
 
 def test_a_stop_arms_the_watchdog_on_receipt_for_a_rank_that_never_polls():
     code = CHILD.format(tests=str(REPO / "tests" / "unit"), secret=SECRET)
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = child.stdout.readline()
         blocked = time.monotonic()
@@ -240,13 +261,20 @@ RESTART_SYNC_TIMEOUT_S = 5.0  # long, so that a wait for the dropped action woul
 
 def _restarted_rank(rank: int, init_file: str, out_dir: str, actions_json: str, state_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+    )
     plan = {k: Action.model_validate_json(v) for k, v in json.loads(actions_json).items()}
     rw = RecordingPublisher(run_id="run-u", rank=rank)
     state = Path(state_dir, f"r{rank}.actions")
-    listener = ActionListener(rw, torch.nn.Linear(2, 2), secret=SECRET, consume=False,
-                              sync_timeout_s=RESTART_SYNC_TIMEOUT_S, state_path=state)
+    listener = ActionListener(
+        rw,
+        torch.nn.Linear(2, 2),
+        secret=SECRET,
+        consume=False,
+        sync_timeout_s=RESTART_SYNC_TIMEOUT_S,
+        state_path=state,
+    )
     loaded = len(listener.applied_ids)
     log = []
     for i in range(RESTART_POLLS):
@@ -266,22 +294,42 @@ def _restarted_rank(rank: int, init_file: str, out_dir: str, actions_json: str, 
         if any(r.kind == "stop" for r in results):
             break
         time.sleep(POLL_S)
-    Path(out_dir, f"restart{rank}.json").write_text(json.dumps({
-        "log": log, "ignored": dict(listener.ignored), "loaded": loaded, "synced": listener.synced,
-        "acks": [a.action_id for a in rw.acks()], "state": json.loads(state.read_text())["applied"]}))
+    Path(out_dir, f"restart{rank}.json").write_text(
+        json.dumps(
+            {
+                "log": log,
+                "ignored": dict(listener.ignored),
+                "loaded": loaded,
+                "synced": listener.synced,
+                "acks": [a.action_id for a in rw.acks()],
+                "state": json.loads(state.read_text())["applied"],
+            }
+        )
+    )
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
 
 def test_an_action_one_rank_applied_before_a_restart_is_applied_by_none_and_nobody_waits(tmp_path):
-    plan = {"old": action("rollback", params={"lr_scale": 0.5}), "fresh": action("alert"), "stop": action("stop")}
+    plan = {
+        "old": action("rollback", params={"lr_scale": 0.5}),
+        "fresh": action("alert"),
+        "stop": action("stop"),
+    }
     # Before the restart rank 1 applied "old" and wrote it down; rank 0's and rank 2's files were lost.
-    Path(tmp_path, "r1.actions").write_text(json.dumps({"applied": ["something-older", plan["old"].action_id]}))
+    Path(tmp_path, "r1.actions").write_text(
+        json.dumps({"applied": ["something-older", plan["old"].action_id]})
+    )
     actions_json = json.dumps({k: v.model_dump_json() for k, v in plan.items()})
     started = time.monotonic()
-    ctx = mp.start_processes(_restarted_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path), actions_json,
-                                                    str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _restarted_rank,
+        args=(str(tmp_path / "rendezvous"), str(tmp_path), actions_json, str(tmp_path)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
     while not ctx.join(timeout=1):  # raises if a rank failed
         assert time.monotonic() - started < 90, "ranks did not finish"
     results = [json.loads((tmp_path / f"restart{r}.json").read_text()) for r in range(WORLD)]
@@ -293,7 +341,9 @@ def test_an_action_one_rank_applied_before_a_restart_is_applied_by_none_and_nobo
         assert r["acks"] == [plan["fresh"].action_id, plan["stop"].action_id]
         # rank 0 held it when the ranks agreed, rank 1 refused it on arrival, rank 2 when it came late
         assert r["ignored"] == {"already_applied": 1}, (rank, r["ignored"])
-        assert plan["old"].action_id in r["state"] and r["state"][-2:] == [plan["fresh"].action_id,
-                                                                          plan["stop"].action_id]
+        assert plan["old"].action_id in r["state"] and r["state"][-2:] == [
+            plan["fresh"].action_id,
+            plan["stop"].action_id,
+        ]
         # nobody waited for the dropped action
         assert max(e["waited"] for e in r["log"] if "waited" in e) < RESTART_SYNC_TIMEOUT_S / 2, r["log"]

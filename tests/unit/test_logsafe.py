@@ -22,8 +22,10 @@ def test_control_characters_in_a_runwatch_log_argument_are_escaped():
     finally:
         log.removeHandler(handler)
     lines = stream.getvalue().splitlines()
-    assert lines == ["WARNING anomaly run=r\\nERROR forged line module enc\\x00\\u2028oder",
-                     "WARNING mapping a\\rb"]
+    assert lines == [
+        "WARNING anomaly run=r\\nERROR forged line module enc\\x00\\u2028oder",
+        "WARNING mapping a\\rb",
+    ]
 
 
 def test_printable_text_is_left_as_it_is():

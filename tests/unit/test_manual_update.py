@@ -148,9 +148,20 @@ def test_a_rollback_with_no_optimizer_restores_the_model_and_leaves_the_lr(tmp_p
     for step in range(1, 5):
         train(step)
     issued = utc_now()
-    rollback = sign_action(Action(action_id=uuid.uuid4().hex, run_id=rec.run_id, kind="rollback", reason="t",
-                                  step=4, onset_step=3, params={"lr_scale": 0.5}, issued_at=issued,
-                                  expires_at=issued + timedelta(seconds=60)), SECRET.encode())
+    rollback = sign_action(
+        Action(
+            action_id=uuid.uuid4().hex,
+            run_id=rec.run_id,
+            kind="rollback",
+            reason="t",
+            step=4,
+            onset_step=3,
+            params={"lr_scale": 0.5},
+            issued_at=issued,
+            expires_at=issued + timedelta(seconds=60),
+        ),
+        SECRET.encode(),
+    )
     listener._accept(rollback.to_json())
     [applied] = listener.poll(step=5)
     assert (applied.outcome, applied.to_step) == ("applied", 1)
@@ -172,8 +183,13 @@ def test_the_documented_hand_written_loop_runs_as_it_stands(tmp_path):
     model = make_model()
     torch.manual_seed(1)
     batches = [batch() for _ in range(250)]
-    scope = {"torch": torch, "rw": rec, "model": model, "criterion": torch.nn.functional.mse_loss,
-             "batches": batches}
+    scope = {
+        "torch": torch,
+        "rw": rec,
+        "model": model,
+        "criterion": torch.nn.functional.mse_loss,
+        "batches": batches,
+    }
     exec(compile(code, str(doc), "exec"), scope)  # noqa: S102
     rec.close()  # closes the watcher the block made, too
     assert scope["watch"].errors == 0

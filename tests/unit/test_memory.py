@@ -53,7 +53,9 @@ print(json.dumps([before, after, peak]))
 def test_host_rss_from_real_proc_tracks_resident_memory():
     # In a fresh interpreter: in the suite's own process, threads left by earlier tests allocate and
     # free at the same time, and the difference of two samples is theirs as much as the ballast's.
-    out = subprocess.run([sys.executable, "-c", _RSS_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
     before, after, peak_rss = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0 < before
     assert after - before >= 60 * MiB

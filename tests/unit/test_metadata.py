@@ -25,8 +25,14 @@ from runwatch.producer.publish.metadata import (
 from runwatch.producer.wire.schema import RunStartEvent
 
 LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-    "RUNWATCH_JOB_ID", "SLURM_JOB_ID",
+    "RANK",
+    "WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "RUNWATCH_JOB_ID",
+    "SLURM_JOB_ID",
 )
 
 
@@ -43,7 +49,10 @@ def clean_env(monkeypatch, tmp_path):
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(
         ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", *args],
-        cwd=repo, check=True, capture_output=True, text=True,
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
 
 
@@ -231,8 +240,13 @@ def test_to_jsonable_leaves_json_values_alone():
 def test_result_validates_as_run_start_with_every_argument(repo, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "991")
     fields = collect_run_start(
-        world_size=8, config={"lr": 1e-3}, seed=1234, dataset_version="v2024-05",
-        tags={"team": "nlp", "attempt": 2}, baseline_key="gpt-small", cwd=repo,
+        world_size=8,
+        config={"lr": 1e-3},
+        seed=1234,
+        dataset_version="v2024-05",
+        tags={"team": "nlp", "attempt": 2},
+        baseline_key="gpt-small",
+        cwd=repo,
     )
     event = RunStartEvent(run_id="r", **fields)
     assert (event.job_id, event.baseline_key, event.world_size, event.seed) == ("991", "gpt-small", 8, 1234)
@@ -275,10 +289,15 @@ def test_bad_seed_and_tags_are_absent_not_raised():
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
-         "GCC version:  gcc version 12.2.0\n", "535.104.05"),
-        ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder)\n",
-         "550.54.15"),
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+            "GCC version:  gcc version 12.2.0\n",
+            "535.104.05",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder)\n",
+            "550.54.15",
+        ),
         ("NVRM version: NVIDIA UNIX aarch64 Kernel Module  570.86.10  Thu Jan 30 2025\n", "570.86.10"),
         ("garbage\n", None),
     ],
@@ -290,7 +309,9 @@ def test_driver_version_file_parsing(text, expected):
 def test_driver_version_from_nvidia_smi_when_the_proc_file_is_missing(tmp_path, monkeypatch):
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho '550.54.15, NVIDIA H100 80GB HBM3'\necho '550.54.15, NVIDIA H100 80GB HBM3'\n")
+    fake.write_text(
+        "#!/bin/sh\necho '550.54.15, NVIDIA H100 80GB HBM3'\necho '550.54.15, NVIDIA H100 80GB HBM3'\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
     monkeypatch.setattr(metadata, "NVIDIA_DRIVER_VERSION_FILE", str(tmp_path / "missing"))

@@ -48,7 +48,9 @@ def fake_store(monkeypatch):
 
 def test_waits_for_the_server_then_migrates_without_printing_the_password(fake_store):
     fake_store.refusals = 2
-    result = CliRunner().invoke(cli, ["migrate", "--dsn", "http://runwatch:s3cret@clickhouse:8123", "--wait", "60"])
+    result = CliRunner().invoke(
+        cli, ["migrate", "--dsn", "http://runwatch:s3cret@clickhouse:8123", "--wait", "60"]
+    )
     assert result.exit_code == 0, result.output
     assert fake_store.attempts == 3 and fake_store.migrated == 1
     assert f"schema v{MIGRATIONS[-1].version}" in result.output

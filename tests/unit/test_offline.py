@@ -32,8 +32,11 @@ def run_events(name: str, seed: int, fault: str | None = None, onset: int = 200,
             loss = grad = float("nan")
         if fault == "loss_spike" and step == onset:
             loss *= 40
-        events.append(StepEvent(run_id=name, step=step, ts=T0 + timedelta(seconds=0.5 * step), loss=loss,
-                                grad_norm=grad))
+        events.append(
+            StepEvent(
+                run_id=name, step=step, ts=T0 + timedelta(seconds=0.5 * step), loss=loss, grad_norm=grad
+            )
+        )
     return events
 
 
@@ -42,13 +45,23 @@ def write_corpus(directory, noisy_healthy: bool = False):
     specs = [("nan-1", "non_finite", "non_finite", 0), ("spike-1", "loss_spike", "loss_spike", 1)]
     specs += [(f"healthy-{i}", "healthy", None, 10 + i) for i in range(3)]
     for name, fault, detector, seed in specs:
-        events = run_events(name, seed, None if fault == "healthy" else fault,
-                            noise=0.3 if noisy_healthy and fault == "healthy" else 0.05)
+        events = run_events(
+            name,
+            seed,
+            None if fault == "healthy" else fault,
+            noise=0.3 if noisy_healthy and fault == "healthy" else 0.05,
+        )
         (directory / f"{name}.jsonl").write_text("".join(e.to_json().decode() + "\n" for e in events))
-        labels.append({"name": name, "fault": fault, "expected_detector": detector,
-                       "onset_step": None if fault == "healthy" else 200,
-                       "onset_ts": None if fault == "healthy" else (T0 + timedelta(seconds=100)).isoformat(),
-                       "steps": STEPS})
+        labels.append(
+            {
+                "name": name,
+                "fault": fault,
+                "expected_detector": detector,
+                "onset_step": None if fault == "healthy" else 200,
+                "onset_ts": None if fault == "healthy" else (T0 + timedelta(seconds=100)).isoformat(),
+                "steps": STEPS,
+            }
+        )
     (directory / "labels.json").write_text(json.dumps(labels))
     return directory
 
@@ -68,7 +81,11 @@ def test_replay_finds_a_nan_at_its_onset_with_event_time(tmp_path):
 def test_replay_names_the_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = StepEvent(run_id="r", step=0, ts=T0).to_json().decode()
-    path.write_text(good + "\n" + '{"schema_version": 1, "event_id": "x", "rank": 0, "ts": "2024-01-01T00:00:00Z", "kind": "step", "run_id": "r"}\n')
+    path.write_text(
+        good
+        + "\n"
+        + '{"schema_version": 1, "event_id": "x", "rank": 0, "ts": "2024-01-01T00:00:00Z", "kind": "step", "run_id": "r"}\n'
+    )
     with pytest.raises(ReplayError, match=r"bad.jsonl:2: schema: step"):
         read_events(path)
 
@@ -91,8 +108,15 @@ def test_replay_ticks_on_event_time_across_a_gap(monkeypatch):
     from runwatch.detectors.engine import monitor
 
     counter = TickCounter()
-    monkeypatch.setattr(monitor, "build_detectors", lambda config, names, progress: [counter] if names == monitor.RANK_VIEW else [])
-    events = [HeartbeatEvent(run_id="r", step=1, ts=T0), HeartbeatEvent(run_id="r", step=1, ts=T0 + timedelta(seconds=10))]
+    monkeypatch.setattr(
+        monitor,
+        "build_detectors",
+        lambda config, names, progress: [counter] if names == monitor.RANK_VIEW else [],
+    )
+    events = [
+        HeartbeatEvent(run_id="r", step=1, ts=T0),
+        HeartbeatEvent(run_id="r", step=1, ts=T0 + timedelta(seconds=10)),
+    ]
     replay(events, tick_every_s=2.0)
     assert counter.ticks == [T0 + timedelta(seconds=s) for s in (2, 4, 6, 8, 10)]
 
@@ -140,7 +164,8 @@ def test_cli_replay_evaluate_calibrate(tmp_path):
     assert out.exit_code == 0, out.output
     data = json.loads(out.output)
     assert {"name", "fault", "detected", "correct_detector", "delay_steps", "delay_s", "false_alarms"} <= set(
-        data["scenarios"][0])
+        data["scenarios"][0]
+    )
     assert {"recall", "false_alarms_per_10k_healthy_steps", "median_delay_steps"} <= set(data["summary"])
 
     out = runner.invoke(main, ["replay", str(corpus / "nan-1.jsonl"), "--json"])
@@ -159,8 +184,9 @@ def test_cli_replay_evaluate_calibrate(tmp_path):
 def test_calibrate_warns_when_the_corpus_cannot_resolve_the_target(tmp_path):
     (tmp_path / "corpus").mkdir()
     corpus_dir = write_corpus(tmp_path / "corpus")
-    out = CliRunner().invoke(main, ["calibrate", str(corpus_dir), "--target-false-alarms", "1",
-                                    "--out", str(tmp_path / "c.yaml")])
+    out = CliRunner().invoke(
+        main, ["calibrate", str(corpus_dir), "--target-false-alarms", "1", "--out", str(tmp_path / "c.yaml")]
+    )
     assert out.exit_code == 0, out.output
     # 3 healthy runs of 300 steps: one alarm is already 11.1 per 10k steps
     assert "11.1 per 10k" in out.output

@@ -38,11 +38,15 @@ def test_jsonl_recorder_is_exported():
 
 
 def test_the_documented_recording_replays_and_the_nan_is_found(tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "RUNWATCH_SPOOL_DIR": str(tmp_path / "spool")}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "RUNWATCH_SPOOL_DIR": str(tmp_path / "spool"),
+    }
     (tmp_path / "record.py").write_text(block("python"))
-    done = subprocess.run([sys.executable, "record.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "record.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
 
     events = [decode_event(line) for line in (tmp_path / "run.jsonl").read_bytes().splitlines()]
@@ -53,8 +57,14 @@ def test_the_documented_recording_replays_and_the_nan_is_found(tmp_path):
     assert all(s.grad_norm is not None and s.step_time_s is not None for s in steps)
     assert steps[249].loss == steps[249].loss and steps[250].loss != steps[250].loss  # NaN from step 250
 
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block("sh")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block("sh")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"run.jsonl: {len(events)} events (300 steps) in 1 run(s)" in done.stdout
     assert re.search(r"│ 250\s+│ 0\s+│ non_finite\s+│", done.stdout), done.stdout

@@ -37,8 +37,15 @@ def _anomaly(
 ) -> Anomaly:
     evidence = {"onset_step": onset} if onset is not None else {}
     return Anomaly(
-        anomaly_id=anomaly_id, run_id=run_id, step=step, detector=detector, metric="loss",
-        severity=severity, message=f"{detector} {severity} at {step}", evidence=evidence, ts=T0,
+        anomaly_id=anomaly_id,
+        run_id=run_id,
+        step=step,
+        detector=detector,
+        metric="loss",
+        severity=severity,
+        message=f"{detector} {severity} at {step}",
+        evidence=evidence,
+        ts=T0,
     )
 
 
@@ -91,7 +98,9 @@ def test_without_a_confirmed_checkpoint_a_rollback_becomes_a_stop_or_a_pause():
         monitor.observe(_ckpt(0))  # registered, but only 2 healthy steps follow it
         _, decisions = _run_nan(monitor, first_nan=3, last=6)
         assert [d.kind for d in decisions] == ["alert", choice]
-        assert decisions[1].target_checkpoint is None and decisions[1].params == {"cause": "no_good_checkpoint"}
+        assert decisions[1].target_checkpoint is None and decisions[1].params == {
+            "cause": "no_good_checkpoint"
+        }
         assert "no confirmed-good checkpoint" in decisions[1].reason
 
 
@@ -107,7 +116,9 @@ def test_no_second_rollback_while_one_is_pending_then_allowed_after_ack():
     assert [a.severity for a in found] == ["warning", "critical"]
     assert [d.kind for d in second if d.kind == "rollback"] == []
 
-    monitor.observe(ActionAckEvent(run_id="run-1", action_id=rollbacks[0].action_id, outcome="applied", ts=_at(17)))
+    monitor.observe(
+        ActionAckEvent(run_id="run-1", action_id=rollbacks[0].action_id, outcome="applied", ts=_at(17))
+    )
     _, third = _run_nan(monitor, first_nan=19, last=22, start=18)
     again = [d for d in third if d.kind == "rollback"]
     assert len(again) == 1
@@ -138,7 +149,9 @@ def test_default_rules_warning_alerts_and_info_is_ignored():
 def test_by_default_a_critical_spike_or_divergence_rolls_back_and_a_warning_spike_alerts():
     policy = ActionPolicy(PolicyConfig(cooldown_s=0))
     assert policy.decide(_anomaly("w", detector="loss_spike", severity="warning"), _at(0)).kind == "alert"
-    assert policy.decide(_anomaly("g", detector="grad_norm_spike", severity="warning"), _at(1)).kind == "alert"
+    assert (
+        policy.decide(_anomaly("g", detector="grad_norm_spike", severity="warning"), _at(1)).kind == "alert"
+    )
     decision = policy.decide(_anomaly("c", detector="loss_spike", severity="critical"), _at(2), GOOD)
     assert decision.kind == "rollback"
     assert policy.rolls_back_on("loss_spike") and policy.rolls_back_on("not_recovered")
@@ -148,7 +161,9 @@ def test_by_default_a_critical_spike_or_divergence_rolls_back_and_a_warning_spik
 def test_alert_only_turns_every_action_into_an_alert():
     policy = ActionPolicy(PolicyConfig(alert_only=True, cooldown_s=0))
     assert policy.decide(_anomaly("n"), _at(0), GOOD).kind == "alert"
-    assert policy.decide(_anomaly("c", detector="loss_spike", severity="critical"), _at(1), GOOD).kind == "alert"
+    assert (
+        policy.decide(_anomaly("c", detector="loss_spike", severity="critical"), _at(1), GOOD).kind == "alert"
+    )
     assert not policy.rolls_back_on("non_finite")
 
 
@@ -160,7 +175,9 @@ def test_after_the_cap_a_milder_return_of_the_fault_stops_the_run():
     assert policy.decide(_anomaly("w0", detector="loss_spike", severity="warning"), _at(1)) is None
     policy.acknowledge(first.action_id)
     # unrelated detectors still only alert
-    assert policy.decide(_anomaly("t", detector="throughput_drift", severity="warning"), _at(2)).kind == "alert"
+    assert (
+        policy.decide(_anomaly("t", detector="throughput_drift", severity="warning"), _at(2)).kind == "alert"
+    )
     stop = policy.decide(_anomaly("w1", detector="loss_spike", severity="warning"), _at(3))
     assert stop.kind == "stop" and stop.params["cause"] == "max_rollbacks"
 
@@ -174,7 +191,9 @@ def test_first_matching_rule_wins():
     policy = ActionPolicy(PolicyConfig(rules=rules, cooldown_s=0))
     assert policy.decide(_anomaly("a", detector="loss_spike", severity="critical"), _at(0)).kind == "pause"
     assert policy.decide(_anomaly("b", detector="loss_spike", severity="warning"), _at(1)).kind == "alert"
-    assert policy.decide(_anomaly("c", detector="grad_norm_spike", severity="critical"), _at(2)).kind == "alert"
+    assert (
+        policy.decide(_anomaly("c", detector="grad_norm_spike", severity="critical"), _at(2)).kind == "alert"
+    )
 
 
 def test_rollback_target_is_the_checkpoint_passed_in():
@@ -212,7 +231,9 @@ def test_alert_cooldown_per_detector():
     assert policy.decide(_anomaly("a2", **warn), _at(30)) is None
     assert policy.decide(_anomaly("a3", **warn), _at(59.9)) is None
     # another detector has its own cooldown
-    assert policy.decide(_anomaly("g1", detector="grad_norm_spike", severity="warning"), _at(31)).kind == "alert"
+    assert (
+        policy.decide(_anomaly("g1", detector="grad_norm_spike", severity="warning"), _at(31)).kind == "alert"
+    )
     assert policy.decide(_anomaly("a4", **warn), _at(61)).kind == "alert"
 
 
@@ -284,7 +305,9 @@ def test_lr_scale_one_leaves_the_lr_alone():
 
 def test_skip_window_from_the_checkpoint_to_the_anomaly():
     policy = ActionPolicy(PolicyConfig(skip_data_window=True))
-    decision = policy.decide(_anomaly(step=12, onset=10), _at(0), checkpoint=CheckpointRef(step=4, uri="/c/4"))
+    decision = policy.decide(
+        _anomaly(step=12, onset=10), _at(0), checkpoint=CheckpointRef(step=4, uri="/c/4")
+    )
     assert decision.params["skip_steps"] == [5, 12]  # inclusive: the batches trained after the checkpoint
     policy.acknowledge(decision.action_id)
     other = policy.decide(_anomaly("an-2", step=30, onset=27), _at(10), CheckpointRef(step=20, uri="/c/20"))
@@ -292,7 +315,9 @@ def test_skip_window_from_the_checkpoint_to_the_anomaly():
 
 
 def test_no_skip_window_by_default():
-    decision = ActionPolicy(PolicyConfig()).decide(_anomaly(), _at(0), checkpoint=CheckpointRef(step=4, uri="/c"))
+    decision = ActionPolicy(PolicyConfig()).decide(
+        _anomaly(), _at(0), checkpoint=CheckpointRef(step=4, uri="/c")
+    )
     assert "skip_steps" not in decision.params
 
 
@@ -305,7 +330,13 @@ def test_recurring_alert_escalates_to_stop_after_escalate_after_s():
     for i, t in enumerate([0, 30, 200, 400, 430]):
         decision = policy.decide(_anomaly(f"s{i}", **WARN), _at(t))
         kinds.append(decision.kind if decision else None)
-    assert kinds == ["alert", None, "alert", "alert", None]  # held back by the cooldown, yet they continue the episode
+    assert kinds == [
+        "alert",
+        None,
+        "alert",
+        "alert",
+        None,
+    ]  # held back by the cooldown, yet they continue the episode
     stop = policy.decide(_anomaly("s5", **WARN), _at(600))
     assert stop.kind == "stop" and stop.params["cause"] == "escalation"
     assert stop.params["detector"] == "loss_spike" and stop.params["alerting_s"] == 600
@@ -327,7 +358,9 @@ def test_escalation_needs_the_condition_to_persist():
     # another detector's alerts do not continue this one's episode
     other = ActionPolicy(PolicyConfig(cooldown_s=0, escalate_after_s=600))
     other.decide(_anomaly("x", **WARN), _at(0))
-    assert other.decide(_anomaly("y", detector="grad_norm_spike", severity="warning"), _at(650)).kind == "alert"
+    assert (
+        other.decide(_anomaly("y", detector="grad_norm_spike", severity="warning"), _at(650)).kind == "alert"
+    )
 
 
 def test_a_rollback_in_between_resets_escalation():
@@ -343,13 +376,25 @@ def test_a_rollback_in_between_resets_escalation():
 
 def test_escalation_off_with_zero():
     policy = ActionPolicy(PolicyConfig(cooldown_s=0, escalate_after_s=0))
-    assert [policy.decide(_anomaly(f"a{t}", **WARN), _at(t)).kind for t in range(0, 5000, 100)] == ["alert"] * 50
+    assert [policy.decide(_anomaly(f"a{t}", **WARN), _at(t)).kind for t in range(0, 5000, 100)] == [
+        "alert"
+    ] * 50
     assert policy.tick(_at(10_000)) == []
 
 
 def _stall(anomaly_id: str, rank: int = 1) -> Anomaly:
-    return Anomaly(anomaly_id=anomaly_id, run_id="run-1", step=50, rank=rank, detector="stall", metric="step_progress",
-                   severity="warning", message="stalled", evidence={"kind": "stalled"}, ts=T0)
+    return Anomaly(
+        anomaly_id=anomaly_id,
+        run_id="run-1",
+        step=50,
+        rank=rank,
+        detector="stall",
+        metric="step_progress",
+        severity="warning",
+        message="stalled",
+        evidence={"kind": "stalled"},
+        ts=T0,
+    )
 
 
 def test_persisting_stall_escalates_on_tick_unless_the_rank_progresses():

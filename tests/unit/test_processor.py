@@ -30,8 +30,9 @@ HEAD = b'{"schema_version":1,"event_id":"e","rank":0,"ts":"2024-05-01T12:00:00Z"
 @pytest.fixture
 def proc() -> TelemetryProcessor:
     # checkpoints confirmed after 6 healthy steps, so short test runs have a rollback target
-    return TelemetryProcessor(RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}), SECRET,
-                              clock=lambda: WALL)
+    return TelemetryProcessor(
+        RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}), SECRET, clock=lambda: WALL
+    )
 
 
 def _step(step: int, loss: float = 1.0, run_id: str = "run-1") -> bytes:
@@ -120,8 +121,10 @@ def test_nan_run_yields_a_signed_rollback(proc):
     assert all(r.deadletter is None for r in results)
     actions = [a for r in results for a in r.actions]
     anomalies = [a for r in results for a in r.anomalies]
-    assert [(a.step, a.severity, a.detector) for a in anomalies] == [(8, "warning", "non_finite"),
-                                                                     (10, "critical", "non_finite")]
+    assert [(a.step, a.severity, a.detector) for a in anomalies] == [
+        (8, "warning", "non_finite"),
+        (10, "critical", "non_finite"),
+    ]
     assert [a.kind for a in actions] == ["alert", "rollback"]
     rollback = actions[1]
     assert rollback.run_id == "run-1"
@@ -153,8 +156,10 @@ def test_reprocessing_the_same_bytes_gives_the_same_ids():
     def run():
         p = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL)
         results = [p.process(r, key=b"run-1") for r in raws]
-        return ([a.anomaly_id for r in results for a in r.anomalies],
-                [a.action_id for r in results for a in r.actions])
+        return (
+            [a.anomaly_id for r in results for a in r.anomalies],
+            [a.action_id for r in results for a in r.actions],
+        )
 
     assert run() == run()
     assert len(run()[1]) == 2
@@ -191,8 +196,11 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
         def tick(self, now):
             return [Finding(detector="stall", metric="step", step=3, severity="warning", message="stalled")]
 
-    monkeypatch.setattr(monitor_module, "build_detectors",
-                        lambda config, names, progress: [FiresOnTick()] if names == monitor_module.RANK_VIEW else [])
+    monkeypatch.setattr(
+        monitor_module,
+        "build_detectors",
+        lambda config, names, progress: [FiresOnTick()] if names == monitor_module.RANK_VIEW else [],
+    )
     processor = TelemetryProcessor(RunwatchConfig(), b"secret")
     for run in ("run-a", "run-b"):
         processor.process(StepEvent(run_id=run, step=3).to_json(), run.encode())
@@ -218,8 +226,11 @@ def _record_ticks(monkeypatch) -> list:  # noqa: ANN001
             ticked.append(now)
             return []
 
-    monkeypatch.setattr(monitor_module, "build_detectors",
-                        lambda config, names, progress: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [])
+    monkeypatch.setattr(
+        monitor_module,
+        "build_detectors",
+        lambda config, names, progress: [RecordsTicks()] if names == monitor_module.RANK_VIEW else [],
+    )
     return ticked
 
 
@@ -258,11 +269,15 @@ def test_multi_rank_steps_come_out_joined(proc):
     from runwatch.producer.wire.schema import RunStartEvent
 
     proc.process(RunStartEvent(run_id="dist", world_size=2, ts=T0).to_json(), key=b"dist")
-    first = proc.process(StepEvent(run_id="dist", rank=0, step=0, grad_norm=3.0, grad_sharded=True, ts=T0).to_json(),
-                         key=b"dist")
+    first = proc.process(
+        StepEvent(run_id="dist", rank=0, step=0, grad_norm=3.0, grad_sharded=True, ts=T0).to_json(),
+        key=b"dist",
+    )
     assert first.joined == []
-    second = proc.process(StepEvent(run_id="dist", rank=1, step=0, grad_norm=4.0, grad_sharded=True, ts=T0).to_json(),
-                          key=b"dist")
+    second = proc.process(
+        StepEvent(run_id="dist", rank=1, step=0, grad_norm=4.0, grad_sharded=True, ts=T0).to_json(),
+        key=b"dist",
+    )
     (joined,) = second.joined
     assert joined.grad_norm == pytest.approx(5.0) and joined.ranks_reported == [0, 1]
 
@@ -270,14 +285,20 @@ def test_multi_rank_steps_come_out_joined(proc):
 def test_actions_carry_the_runs_job_id_for_remediation(proc):
     from runwatch.producer.wire.schema import RunStartEvent
 
-    proc.process(RunStartEvent(run_id="job-run", job_id="81234", host="node7", tags={"pod": "trainer-0"}, ts=T0).to_json(),
-                 key=b"job-run")
+    proc.process(
+        RunStartEvent(
+            run_id="job-run", job_id="81234", host="node7", tags={"pod": "trainer-0"}, ts=T0
+        ).to_json(),
+        key=b"job-run",
+    )
     actions = []
     for s in range(5):
         actions += proc.process(_step(s, loss=math.nan, run_id="job-run"), key=b"job-run").actions
     assert actions
-    assert all(a.params["job_id"] == "81234" and a.params["host"] == "node7" and a.params["pod"] == "trainer-0"
-               for a in actions)
+    assert all(
+        a.params["job_id"] == "81234" and a.params["host"] == "node7" and a.params["pod"] == "trainer-0"
+        for a in actions
+    )
     assert all(verify_action(a, proc._secret) for a in actions)
 
 
@@ -393,15 +414,20 @@ def test_a_rank_whose_last_steps_come_after_run_end_is_still_joined(proc):
     joined = []
     for s in range(5):
         for rank in (0, 1):
-            joined += proc.process(ev(StepEvent(run_id="run-1", rank=rank, step=s, loss=1.0,
-                                                ts=T0 + timedelta(seconds=s))), key=b"run-1").joined
+            joined += proc.process(
+                ev(StepEvent(run_id="run-1", rank=rank, step=s, loss=1.0, ts=T0 + timedelta(seconds=s))),
+                key=b"run-1",
+            ).joined
     # rank 0's last two steps and its run_end, then rank 1's step 5 only (its step 6 never comes)
     for s in (5, 6):
-        proc.process(ev(StepEvent(run_id="run-1", rank=0, step=s, loss=1.0, ts=T0 + timedelta(seconds=s))),
-                     key=b"run-1")
+        proc.process(
+            ev(StepEvent(run_id="run-1", rank=0, step=s, loss=1.0, ts=T0 + timedelta(seconds=s))),
+            key=b"run-1",
+        )
     proc.process(ev(RunEndEvent(run_id="run-1", rank=0, ts=T0 + timedelta(seconds=6.5))), key=b"run-1")
-    joined += proc.process(ev(StepEvent(run_id="run-1", rank=1, step=5, loss=1.0, ts=T0 + timedelta(seconds=5))),
-                           key=b"run-1").joined
+    joined += proc.process(
+        ev(StepEvent(run_id="run-1", rank=1, step=5, loss=1.0, ts=T0 + timedelta(seconds=5))), key=b"run-1"
+    ).joined
     assert [(j.step, j.complete) for j in joined] == [(s, True) for s in range(6)]
     assert "run-1" in proc.monitors
     assert proc.tick(WALL + timedelta(seconds=1)).anomalies == []  # an ended run is not judged stalled
@@ -416,19 +442,24 @@ def test_a_run_started_again_under_its_id_right_after_run_end_gets_a_fresh_monit
     proc.process(RunStartEvent(run_id="run-1", world_size=2, ts=T0).to_json(), key=b"run-1")
     proc.process(RunEndEvent(run_id="run-1", ts=T0 + timedelta(seconds=1)).to_json(), key=b"run-1")
     ended = proc.monitors["run-1"]
-    proc.process(RunStartEvent(run_id="run-1", world_size=4, ts=T0 + timedelta(seconds=2)).to_json(), key=b"run-1")
+    proc.process(
+        RunStartEvent(run_id="run-1", world_size=4, ts=T0 + timedelta(seconds=2)).to_json(), key=b"run-1"
+    )
     resumed = proc.monitors["run-1"]
     assert resumed is not ended and resumed.ended_at is None and resumed.join.world_size == 4
 
 
 # -- issue 23: a record time a client chose must not take the worker down -------------------------
 
-_Y9999 = (b'{"schema_version":1,"event_id":"e1","run_id":"r","rank":0,"ts":"9999-12-31T23:59:59Z",'
-          b'"kind":"step","step":1,"loss":2.0}')
+_Y9999 = (
+    b'{"schema_version":1,"event_id":"e1","run_id":"r","rank":0,"ts":"9999-12-31T23:59:59Z",'
+    b'"kind":"step","step":1,"loss":2.0}'
+)
 
 
-@pytest.mark.parametrize("record_ts", [None, 0.0, -1.0, 253402300800.0 * 10, float("nan"), float("inf"),
-                                       253402300799.0])  # missing, 0, -1, past year 9999, NaN, inf, 9999-12-31
+@pytest.mark.parametrize(
+    "record_ts", [None, 0.0, -1.0, 253402300800.0 * 10, float("nan"), float("inf"), 253402300799.0]
+)  # missing, 0, -1, past year 9999, NaN, inf, 9999-12-31
 def test_an_untrusted_record_time_makes_the_worker_clock_bound_ts(proc, record_ts):
     """The crash-loop record: ts 9999-12-31 with a record time 0 (or missing, or absurd) was accepted
     unchecked, and the next tick overflowed outside its guard, killing every successor."""
@@ -460,10 +491,21 @@ def test_a_run_clock_that_overflows_in_the_tick_resets_only_that_run(proc):
     assert proc.tick(WALL + timedelta(seconds=11)).errors == []
 
 
-@pytest.mark.parametrize("run_id", ["a\nb", "a\x00b", "has space", "tab\there", "ü-run", "a<b>", "x" * 257, ""])
+@pytest.mark.parametrize(
+    "run_id", ["a\nb", "a\x00b", "has space", "tab\there", "ü-run", "a<b>", "x" * 257, ""]
+)
 def test_a_run_id_outside_the_documented_characters_is_deadlettered(proc, run_id):
-    raw = json.dumps({"schema_version": 1, "event_id": "e", "run_id": run_id, "rank": 0,
-                      "ts": T0.isoformat(), "kind": "step", "step": 1}).encode()
+    raw = json.dumps(
+        {
+            "schema_version": 1,
+            "event_id": "e",
+            "run_id": run_id,
+            "rank": 0,
+            "ts": T0.isoformat(),
+            "kind": "step",
+            "step": 1,
+        }
+    ).encode()
     result = proc.process(raw, key=run_id.encode() or None)
     assert result.deadletter is not None, run_id
     assert "run_id" in result.deadletter.reason
@@ -484,8 +526,10 @@ def _nan_attempt(proc, attempt: str | None, start: datetime) -> list:
 
     actions = proc.process(RunStartEvent(run_id="rq", attempt=attempt, ts=start).to_json(), key=b"rq").actions
     for s in range(6):  # no checkpoint: the NaN streak ends in a stop
-        actions += proc.process(StepEvent(run_id="rq", step=s, loss=math.nan, ts=start + timedelta(seconds=s)).to_json(),
-                                key=b"rq").actions
+        actions += proc.process(
+            StepEvent(run_id="rq", step=s, loss=math.nan, ts=start + timedelta(seconds=s)).to_json(),
+            key=b"rq",
+        ).actions
     return actions
 
 
@@ -521,10 +565,16 @@ def test_a_run_silent_past_the_retention_is_let_go_with_a_finding_but_not_while_
     wall[0] = WALL + timedelta(seconds=300)
     proc.process(_step(1, run_id="talks"), key=b"talks", partition=2)
     later = WALL + timedelta(seconds=601)
-    assert proc.tick(later, behind={1}).anomalies == [] and "quiet" in proc.monitors  # its events may be waiting
+    assert (
+        proc.tick(later, behind={1}).anomalies == [] and "quiet" in proc.monitors
+    )  # its events may be waiting
     (finding,) = proc.tick(later).anomalies
     assert (finding.run_id, finding.detector, finding.metric, finding.severity) == (
-        "quiet", "run_lifecycle", "silent", "info")
+        "quiet",
+        "run_lifecycle",
+        "silent",
+        "info",
+    )
     assert finding.step == 0 and "went silent" in finding.message and finding.value == pytest.approx(601)
     assert set(proc.monitors) == {"talks"} and proc.counters.runs_let_go["silent"] == 1
     assert proc.tick(later + timedelta(seconds=1)).anomalies == []  # said once

@@ -34,15 +34,32 @@ _KIND_FIELDS = {
 }
 _extreme_times = st.one_of(
     st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30), timezones=st.just(UTC)).map(
-        lambda t: t.isoformat()),
-    st.sampled_from(["9999-12-31T23:59:59Z", "0001-01-01T00:00:00Z", "2026-11-27T12:00:00", "soon", "",
-                     (WALL + timedelta(seconds=299)).isoformat(), (WALL - timedelta(days=6, hours=23)).isoformat()]))
-_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["NaN", "Infinity", "-Infinity"]),
-                    st.integers(min_value=-(2**70), max_value=2**70))
+        lambda t: t.isoformat()
+    ),
+    st.sampled_from(
+        [
+            "9999-12-31T23:59:59Z",
+            "0001-01-01T00:00:00Z",
+            "2026-11-27T12:00:00",
+            "soon",
+            "",
+            (WALL + timedelta(seconds=299)).isoformat(),
+            (WALL - timedelta(days=6, hours=23)).isoformat(),
+        ]
+    ),
+)
+_floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["NaN", "Infinity", "-Infinity"]),
+    st.integers(min_value=-(2**70), max_value=2**70),
+)
 _ints = st.one_of(st.integers(min_value=-5, max_value=50), st.integers(min_value=-(2**70), max_value=2**70))
 # the record's timestamp in seconds: missing, 0, negative, NaN, infinite, past 9999, any other
-_record_times = st.one_of(st.none(), st.sampled_from([0.0, -1.0, math.nan, math.inf, 253402300799.0, 1e15]),
-                          st.floats(min_value=WALL.timestamp() - 86400 * 30, max_value=WALL.timestamp() + 86400 * 30))
+_record_times = st.one_of(
+    st.none(),
+    st.sampled_from([0.0, -1.0, math.nan, math.inf, 253402300799.0, 1e15]),
+    st.floats(min_value=WALL.timestamp() - 86400 * 30, max_value=WALL.timestamp() + 86400 * 30),
+)
 
 # What a careless or hostile client changes in a valid message: (field, values); "key", "partition" and
 # "record_ts" are the record's metadata; None as a value drops the field.
@@ -52,13 +69,20 @@ _MUTATIONS = st.one_of(
     st.tuples(st.just("ts+record_ts"), st.tuples(_extreme_times, _record_times)),  # both: a client sets both
     st.tuples(st.just("key"), st.sampled_from([None, b"other-run", b"\xff\xfe"])),
     st.tuples(st.just("partition"), st.integers(min_value=0, max_value=3)),
-    st.tuples(st.sampled_from(["loss", "grad_norm", "step_time_s", "interval_s", "time_in_phase_s"]), _floats),
+    st.tuples(
+        st.sampled_from(["loss", "grad_norm", "step_time_s", "interval_s", "time_in_phase_s"]), _floats
+    ),
     st.tuples(st.sampled_from(["step", "rank", "world_size"]), _ints),
     st.tuples(st.just("run_id"), st.sampled_from(["a\nb", "x" * 300, "", "ü"])),
     st.tuples(st.sampled_from(["event_id", "ts", "kind", "rank", "step", "uri"]), st.none()),
     st.tuples(st.just("memory"), st.fixed_dictionaries({}, optional={"allocated": _ints, "host_rss": _ints})),
-    st.tuples(st.just("module_grad_norms"), st.dictionaries(st.sampled_from(["enc", "head\n"]), _floats, max_size=2)),
-    st.tuples(st.just("extra"), st.recursive(st.none() | st.integers(), lambda c: st.lists(c, max_size=2), max_leaves=60)),
+    st.tuples(
+        st.just("module_grad_norms"), st.dictionaries(st.sampled_from(["enc", "head\n"]), _floats, max_size=2)
+    ),
+    st.tuples(
+        st.just("extra"),
+        st.recursive(st.none() | st.integers(), lambda c: st.lists(c, max_size=2), max_leaves=60),
+    ),
 )
 
 _messages = st.tuples(
@@ -70,11 +94,20 @@ _messages = st.tuples(
 )
 
 
-def _record(i: int, kind: str, run_id: str, ago: int, mutations: list) -> tuple[bytes, bytes | None, int, float | None]:
+def _record(
+    i: int, kind: str, run_id: str, ago: int, mutations: list
+) -> tuple[bytes, bytes | None, int, float | None]:
     """(value, key, partition, record time) of a valid message of ``kind``, then ``mutations`` applied."""
     sent = WALL - timedelta(seconds=ago)
-    body: dict = {"schema_version": 1, "event_id": f"e{i}", "run_id": run_id, "rank": 0, "ts": sent.isoformat(),
-                  "kind": kind, **_KIND_FIELDS[kind]}
+    body: dict = {
+        "schema_version": 1,
+        "event_id": f"e{i}",
+        "run_id": run_id,
+        "rank": 0,
+        "ts": sent.isoformat(),
+        "kind": kind,
+        **_KIND_FIELDS[kind],
+    }
     meta: dict = {"key": run_id.encode(), "partition": None, "record_ts": sent.timestamp()}
     for name, value in mutations:
         if name == "ts+record_ts":
@@ -95,14 +128,18 @@ def _record(i: int, kind: str, run_id: str, ago: int, mutations: list) -> tuple[
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_messages, min_size=1, max_size=60))
 def test_no_message_or_record_metadata_makes_the_processor_raise_or_a_detector_fail(messages):
-    proc = TelemetryProcessor(RunwatchConfig(), b"fuzz-secret-of-at-least-32-bytes-0000", clock=lambda: WALL,
-                              partitions=PARTITIONS)
+    proc = TelemetryProcessor(
+        RunwatchConfig(), b"fuzz-secret-of-at-least-32-bytes-0000", clock=lambda: WALL, partitions=PARTITIONS
+    )
     handled = 0
     for i, (kind, run_id, ago, mutations, tick) in enumerate(messages):
         value, key, partition, record_ts = _record(i, kind, run_id, ago, mutations)
         result = proc.process(value, key=key, partition=partition, offset=i, timestamp=record_ts)
         if result.deadletter is not None:
-            assert result.deadletter.reason and mutations, (value, result.deadletter.reason)  # never a valid one
+            assert result.deadletter.reason and mutations, (
+                value,
+                result.deadletter.reason,
+            )  # never a valid one
         else:
             handled += 1
         if tick:

@@ -33,8 +33,9 @@ class _RecordingClient:
             self.sent.append(time.monotonic())
             offset = len(self.sent) - 1
         future = Future()
-        future.success(RecordMetadata(topic, 0, None, offset, timestamp_ms, None, len(key or b""),
-                                      len(value or b""), -1))
+        future.success(
+            RecordMetadata(topic, 0, None, offset, timestamp_ms, None, len(key or b""), len(value or b""), -1)
+        )
         return future
 
     def flush(self, timeout=None):  # noqa: ANN001

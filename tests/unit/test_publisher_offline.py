@@ -51,7 +51,9 @@ def test_empty_run_id_is_refused():
 def test_a_thousand_publishes_never_block_or_raise(make_rw):
     rw = make_rw()
     t = time.monotonic()
-    results = [rw.step(i, loss=1.0 / (i + 1), grad_norm=float("nan") if i % 7 == 0 else 2.0) for i in range(1000)]
+    results = [
+        rw.step(i, loss=1.0 / (i + 1), grad_norm=float("nan") if i % 7 == 0 else 2.0) for i in range(1000)
+    ]
     elapsed = time.monotonic() - t
     # blocking on the missing broker (max_block_ms=100 per send) would take ~100 s
     assert elapsed < 2.0
@@ -143,7 +145,6 @@ def test_invalid_arguments_are_counted_not_raised_into_the_loop():
     assert stats.published + stats.dropped == 4
 
 
-
 class CapturingRunWatch(RunWatch):
     """Keeps a copy of every event offered, to look at what the constructor announces."""
 
@@ -155,8 +156,16 @@ class CapturingRunWatch(RunWatch):
 def test_rank_zero_publishes_collected_run_metadata(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    rw = CapturingRunWatch("meta-run", NO_BROKER, spool=False, config={"lr": 3e-4, "layers": 12}, seed=7,
-                           tags={"team": "audio"}, baseline_key="audio-small", run_start={"dataset_version": "v3"})
+    rw = CapturingRunWatch(
+        "meta-run",
+        NO_BROKER,
+        spool=False,
+        config={"lr": 3e-4, "layers": 12},
+        seed=7,
+        tags={"team": "audio"},
+        baseline_key="audio-small",
+        run_start={"dataset_version": "v3"},
+    )
     rw.close(timeout=0.1)
     event = rw.offered[0]
     assert event.kind == "run_start"

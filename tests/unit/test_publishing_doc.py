@@ -33,10 +33,20 @@ def run_block(client: str, tmp_path: Path, loss: str | None = None) -> tuple[lis
     bin_dir.mkdir()
     (bin_dir / client).write_text(STUB)
     (bin_dir / client).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(tmp_path / "stub"),
-           "RUNWATCH_BOOTSTRAP": "127.0.0.1:19092"}
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=30)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_OUT": str(tmp_path / "stub"),
+        "RUNWATCH_BOOTSTRAP": "127.0.0.1:19092",
+    }
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     return (tmp_path / "stub.args").read_text().splitlines(), (tmp_path / "stub.stdin").read_text()
 

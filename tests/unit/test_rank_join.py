@@ -35,7 +35,9 @@ def step(rank: int, n: int, t: float, **fields) -> StepEvent:
     return StepEvent(run_id=RUN, rank=rank, step=n, ts=at(t), **fields)
 
 
-def beat(rank: int, n: int | None, t: float, phase: str = "train", in_sync: bool | None = None) -> HeartbeatEvent:
+def beat(
+    rank: int, n: int | None, t: float, phase: str = "train", in_sync: bool | None = None
+) -> HeartbeatEvent:
     return HeartbeatEvent(run_id=RUN, rank=rank, step=n, ts=at(t), phase=phase, in_sync=in_sync)
 
 
@@ -55,8 +57,17 @@ def test_sharded_norms_join_to_the_root_of_the_sum_of_squares():
     parts = [3.0, 4.0, 12.0]
     out = []
     for rank, g in enumerate(parts):
-        out += join.add(step(rank, 0, 0.01 * rank, grad_norm=g, grad_sharded=True, loss=float(rank),
-                             module_grad_norms={"a": g, f"only{rank}": 1.0}))
+        out += join.add(
+            step(
+                rank,
+                0,
+                0.01 * rank,
+                grad_norm=g,
+                grad_sharded=True,
+                loss=float(rank),
+                module_grad_norms={"a": g, f"only{rank}": 1.0},
+            )
+        )
     assert len(out) == 1
     joined = out[0]
     assert joined.event.grad_norm == pytest.approx(13.0)
@@ -74,9 +85,18 @@ def test_replicated_norms_are_not_summed_and_extremes_name_their_rank():
     times = [0.10, 0.30, 0.20]
     memory = [100, 50, 300]
     for rank in range(3):
-        out += join.add(step(rank, 5, 1.0, grad_norm=2.0, step_time_s=times[rank], samples_per_s=10.0,
-                             memory=MemoryStats(allocated=memory[rank]),
-                             category_loss={"x": CategoryLoss(mean=float(rank), count=rank + 1)}))
+        out += join.add(
+            step(
+                rank,
+                5,
+                1.0,
+                grad_norm=2.0,
+                step_time_s=times[rank],
+                samples_per_s=10.0,
+                memory=MemoryStats(allocated=memory[rank]),
+                category_loss={"x": CategoryLoss(mean=float(rank), count=rank + 1)},
+            )
+        )
     (joined,) = out
     r = joined.record
     assert joined.event.grad_norm == 2.0 and not r.grad_sharded
@@ -84,7 +104,10 @@ def test_replicated_norms_are_not_summed_and_extremes_name_their_rank():
     assert (r.memory_max_bytes, r.memory_max_rank, r.memory_min_bytes, r.memory_min_rank) == (300, 2, 50, 1)
     assert r.samples_per_s == pytest.approx(30.0)
     # count-weighted: (0*1 + 1*2 + 2*3) / 6
-    assert joined.event.category_loss["x"].mean == pytest.approx(8 / 6) and joined.event.category_loss["x"].count == 6
+    assert (
+        joined.event.category_loss["x"].mean == pytest.approx(8 / 6)
+        and joined.event.category_loss["x"].count == 6
+    )
 
 
 def test_a_nan_on_one_rank_reaches_the_joined_step():
@@ -110,7 +133,10 @@ def test_out_of_order_late_and_duplicate_events():
     assert join.add(step(0, 2, 0.4)) == []
     assert join.add(step(0, 3, 0.5)) == []
     got = join.add(step(1, 3, 0.6))
-    assert [(j.event.step, j.record.complete, j.record.ranks_missing) for j in got] == [(2, False, [1]), (3, True, [])]
+    assert [(j.event.step, j.record.complete, j.record.ranks_missing) for j in got] == [
+        (2, False, [1]),
+        (3, True, []),
+    ]
     # rank 1 is slow: step 4 is joined without it after the timeout, and its own step 4 comes too late
     assert join.add(step(0, 4, 1.0)) == []
     (partial,) = join.expire(at(11.0))
@@ -351,8 +377,9 @@ def test_ranks_waiting_for_a_peers_long_checkpoint_are_not_stalled():
     findings = []
     # rank 0 saves a checkpoint for 5 minutes; ranks 1 and 2 wait for it in the gradient sync
     for t in range(4, 300, 2):
-        monitor.observe(HeartbeatEvent(run_id=RUN, rank=0, step=19, ts=at(t), phase="checkpoint",
-                                       time_in_phase_s=t - 3.8))
+        monitor.observe(
+            HeartbeatEvent(run_id=RUN, rank=0, step=19, ts=at(t), phase="checkpoint", time_in_phase_s=t - 3.8)
+        )
         for rank in (1, 2):
             findings += monitor.observe(beat(rank, 19, t + 0.1, in_sync=True)).anomalies
         findings += monitor.tick(at(t + 0.5)).anomalies
@@ -374,8 +401,9 @@ def test_ranks_that_waited_for_a_peers_checkpoint_get_their_allowance_from_its_e
     monitor = _three_ranks_after_20_steps()
     findings = []
     for t in range(4, 60, 2):  # a 56 s checkpoint on rank 0; ranks 1 and 2 wait in the sync
-        monitor.observe(HeartbeatEvent(run_id=RUN, rank=0, step=19, ts=at(t), phase="checkpoint",
-                                       time_in_phase_s=t - 3.8))
+        monitor.observe(
+            HeartbeatEvent(run_id=RUN, rank=0, step=19, ts=at(t), phase="checkpoint", time_in_phase_s=t - 3.8)
+        )
         for rank in (1, 2):
             findings += monitor.observe(beat(rank, 19, t + 0.1, in_sync=True)).anomalies
         findings += monitor.tick(at(t + 0.5)).anomalies

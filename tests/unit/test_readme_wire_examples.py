@@ -41,8 +41,8 @@ def test_every_limit_is_documented_with_its_default():
     from runwatch.producer.wire.schema import WireLimits
 
     text = WIRE_DOC.read_text()
-    table = text[text.index("| limit | default | what it bounds |"):]
-    table = table[:table.index("\n\n")]  # the limits table, up to the blank line after it
+    table = text[text.index("| limit | default | what it bounds |") :]
+    table = table[: table.index("\n\n")]  # the limits table, up to the blank line after it
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, flags=re.M))
     assert set(rows) == set(WireLimits.model_fields)
     for name, field in WireLimits.model_fields.items():

@@ -31,8 +31,14 @@ def read(path):
 
 def test_events_are_written_in_order_with_the_clock_and_a_run_end(tmp_path):
     sim = SimClock()
-    rec = JsonlRecorder(tmp_path / "run.jsonl", "rec-run", clock=sim.now, collect_metadata=False,
-                        tags={"scenario": "x"}, run_start={"seed": 3})
+    rec = JsonlRecorder(
+        tmp_path / "run.jsonl",
+        "rec-run",
+        clock=sim.now,
+        collect_metadata=False,
+        tags={"scenario": "x"},
+        run_start={"seed": 3},
+    )
     sim.t = 1.5
     assert rec.step(0, loss=float("nan"), lr=[1e-3])
     sim.t = 2.0

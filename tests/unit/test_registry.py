@@ -34,9 +34,14 @@ def test_everything_that_names_detectors_derives_from_the_registry():
     for spec in registry.specs():  # each config section is defined beside its detector
         assert spec.config.__module__ == spec.build.__module__, spec.name
     # the scenario corpus labels each fault with the detector that declares it
-    assert registry.detector_for_fault()["memory_leak"] == registry.detector_for_fault()["memory_fragmentation"] \
+    assert (
+        registry.detector_for_fault()["memory_leak"]
+        == registry.detector_for_fault()["memory_fragmentation"]
         == "memory_growth"
-    assert set(registry.detector_for_fault().values()) == set(registry.names()) - set(registry.names("cross_rank"))
+    )
+    assert set(registry.detector_for_fault().values()) == set(registry.names()) - set(
+        registry.names("cross_rank")
+    )
 
 
 def test_the_documented_table_lists_every_detector():
@@ -77,16 +82,32 @@ print(json.dumps({"config": config.detectors.toy_loss_ceiling.ceiling, "wired": 
 
 @pytest.mark.integration  # starts a process
 def test_a_detector_from_your_own_module_is_configured_wired_and_replayed(tmp_path):
-    env = {**os.environ, "RUNWATCH_DETECTOR_MODULES": "toy_detector",
-           "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", TOY_PROBE, str(tmp_path / "toy.jsonl")], env=env, capture_output=True,
-                         text=True, timeout=120)
+    env = {
+        **os.environ,
+        "RUNWATCH_DETECTOR_MODULES": "toy_detector",
+        "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", TOY_PROBE, str(tmp_path / "toy.jsonl")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"config": 5.0, "wired": True, "online": ["toy_loss_ceiling"],
-                   "offline": [["toy_loss_ceiling", 7]]}
+    assert got == {
+        "config": 5.0,
+        "wired": True,
+        "online": ["toy_loss_ceiling"],
+        "offline": [["toy_loss_ceiling", 7]],
+    }
     # without the variable it is unknown: a rule naming it is refused
-    plain = subprocess.run([sys.executable, "-c", TOY_PROBE, str(tmp_path / "plain.jsonl")], capture_output=True,
-                           text=True, timeout=120, env={k: v for k, v in os.environ.items()
-                                                        if k != "RUNWATCH_DETECTOR_MODULES"})
+    plain = subprocess.run(
+        [sys.executable, "-c", TOY_PROBE, str(tmp_path / "plain.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "RUNWATCH_DETECTOR_MODULES"},
+    )
     assert plain.returncode != 0 and "unknown detector 'toy_loss_ceiling'" in plain.stderr

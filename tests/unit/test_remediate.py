@@ -34,9 +34,16 @@ NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 
 
 def _action(**overrides) -> Action:
-    fields = dict(action_id="act-1", run_id="run-1", kind="stop", reason="loss <NaN> & grads", step=42,
-                  target_checkpoint=CheckpointRef(step=40, uri="/ckpt/40.pt"),
-                  issued_at=NOW, expires_at=NOW + timedelta(seconds=120))
+    fields = dict(
+        action_id="act-1",
+        run_id="run-1",
+        kind="stop",
+        reason="loss <NaN> & grads",
+        step=42,
+        target_checkpoint=CheckpointRef(step=40, uri="/ckpt/40.pt"),
+        issued_at=NOW,
+        expires_at=NOW + timedelta(seconds=120),
+    )
     fields.update(overrides)
     return Action(**fields)
 
@@ -54,10 +61,26 @@ def test_fill_replaces_placeholders_inside_literal_text():
     assert argv == ["kubectl", "delete", "pod/trainer-0", "--label=run=run-1", "{literal}"]
 
 
-@pytest.mark.parametrize("value", [
-    "1234; rm -rf /", "$(reboot)", "`id`", "a b", "a|b", "a&b", "x>y", "job\n2", "", "-rf", "--all",
-    "../../etc/passwd", "a" * 201, "ünïcode", "*",
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "1234; rm -rf /",
+        "$(reboot)",
+        "`id`",
+        "a b",
+        "a|b",
+        "a&b",
+        "x>y",
+        "job\n2",
+        "",
+        "-rf",
+        "--all",
+        "../../etc/passwd",
+        "a" * 201,
+        "ünïcode",
+        "*",
+    ],
+)
 def test_unsafe_values_are_refused(value):
     with pytest.raises(RefusedValue) as info:
         fill_argv(["scancel", "{job_id}"], {"job_id": value})
@@ -96,54 +119,136 @@ def test_config_file_loads(tmp_path):
         "        verify: {argv: [squeue, -h, -j, '{job_id}', -o, '%k'], timeout_s: 5}\n"
         "webhooks:\n"
         "  - url: https://hooks.slack.com/services/T0/B0/XYZ\n"
-        "    kinds: [alert, stop]\n")
+        "    kinds: [alert, stop]\n"
+    )
     config = load_remediation_config(path)
-    assert [c.argv for c in config.commands_for("stop")] == [["scancel", "--partition={partition}", "{job_id}"]]
+    assert [c.argv for c in config.commands_for("stop")] == [
+        ["scancel", "--partition={partition}", "{job_id}"]
+    ]
     assert config.commands_for("stop")[0].verify.argv == ["squeue", "-h", "-j", "{job_id}", "-o", "%k"]
     assert config.commands_for("alert") == []
     assert [h.redacted_url() for h in config.webhooks_for("alert")] == ["https://hooks.slack.com/…"]
 
 
-@pytest.mark.parametrize("data, complaint", [
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["scancel", "{secret}"]}]}]}, "allowed placeholders"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["{job_id}"]}]}]}, "argv[0]"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["echo", "{job_id!r}"]}]}]}, "conversions"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["echo", "{job_id.__class__}"]}]}]}, "plain name"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["echo", "{job_id"]}]}]}, "argv"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": []}]}]}, "argv"),
-    ({"rules": [{"kinds": ["explode"], "commands": [{"argv": ["true"]}]}]}, "kinds"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["true"], "shell": True}]}]}, "shell"),
-    ({"webhooks": [{"url": "file:///etc/passwd"}]}, "http"),
-    ({"vars": {"dir": "a b"}}, "vars.dir"),
-    ({"vars": {"job_id": "x"}}, "vars.job_id"),
-    ({"unknown": 1}, "unknown"),
-    # Self-declared targets need a verify command or the platform's mapping.
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["scancel", "{job_id}"]}]}]}, "neither a `verify`"),
-    ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["ssh", "{host}", "pkill", "-f", "{run_id}"]}]}]},
-     "uses {host}"),
-    ({"rules": [{"kinds": ["stop"], "commands": [
-        {"argv": ["kubectl", "delete", "pod", "{pod}"], "verify": {"argv": ["squeue", "-j", "{job_id}"]}}]}]},
-     "missing {pod}"),
-    ({"rules": [{"kinds": ["stop"], "commands": [
-        {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["squeue", "{secret}"]}}]}]}, "allowed placeholders"),
-    ({"rules": [{"kinds": ["stop"], "commands": [
-        {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["{job_id}"]}}]}]}, "argv[0]"),
-    ({"rules": [{"kinds": ["stop"], "commands": [
-        {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["squeue", "{job_id}"], "timeout_s": 0}}]}]},
-     "timeout_s"),
-    ({"rules": [
-        {"kinds": ["stop"], "commands": [{"argv": ["scancel", "{job_id}"], "verify": {"argv": ["a", "{job_id}"]}}]},
-        {"kinds": ["rollback"], "commands": [{"argv": ["scancel", "{job_id}"], "verify": {"argv": ["b", "{job_id}"]}}]},
-    ]}, "different verify"),
-    # Field patterns and the platform's mapping.
-    ({"fields": {"secret": "x"}}, "fields.secret"),
-    ({"fields": {"job_id": "[0-9"}}, "not a valid regular expression"),
-    ({"fields": {"job_id": {"pattern": ".+", "allow": ["semicolon"]}}}, "allow"),
-    ({"targets": {"run-1": {"job_id": "@/etc/passwd"}}}, "targets.run-1.job_id"),
-    ({"targets": {"run-1": {"job_id": "12", "partition": "gpu"}}}, "partition"),
-    ({"targets_file": "targets.yaml"}, "absolute path"),
-    ({"targets_file": "/nonexistent/runwatch-targets.yaml"}, "cannot read"),
-])
+@pytest.mark.parametrize(
+    "data, complaint",
+    [
+        (
+            {"rules": [{"kinds": ["stop"], "commands": [{"argv": ["scancel", "{secret}"]}]}]},
+            "allowed placeholders",
+        ),
+        ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["{job_id}"]}]}]}, "argv[0]"),
+        ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["echo", "{job_id!r}"]}]}]}, "conversions"),
+        (
+            {"rules": [{"kinds": ["stop"], "commands": [{"argv": ["echo", "{job_id.__class__}"]}]}]},
+            "plain name",
+        ),
+        ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["echo", "{job_id"]}]}]}, "argv"),
+        ({"rules": [{"kinds": ["stop"], "commands": [{"argv": []}]}]}, "argv"),
+        ({"rules": [{"kinds": ["explode"], "commands": [{"argv": ["true"]}]}]}, "kinds"),
+        ({"rules": [{"kinds": ["stop"], "commands": [{"argv": ["true"], "shell": True}]}]}, "shell"),
+        ({"webhooks": [{"url": "file:///etc/passwd"}]}, "http"),
+        ({"vars": {"dir": "a b"}}, "vars.dir"),
+        ({"vars": {"job_id": "x"}}, "vars.job_id"),
+        ({"unknown": 1}, "unknown"),
+        # Self-declared targets need a verify command or the platform's mapping.
+        (
+            {"rules": [{"kinds": ["stop"], "commands": [{"argv": ["scancel", "{job_id}"]}]}]},
+            "neither a `verify`",
+        ),
+        (
+            {
+                "rules": [
+                    {"kinds": ["stop"], "commands": [{"argv": ["ssh", "{host}", "pkill", "-f", "{run_id}"]}]}
+                ]
+            },
+            "uses {host}",
+        ),
+        (
+            {
+                "rules": [
+                    {
+                        "kinds": ["stop"],
+                        "commands": [
+                            {
+                                "argv": ["kubectl", "delete", "pod", "{pod}"],
+                                "verify": {"argv": ["squeue", "-j", "{job_id}"]},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "missing {pod}",
+        ),
+        (
+            {
+                "rules": [
+                    {
+                        "kinds": ["stop"],
+                        "commands": [
+                            {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["squeue", "{secret}"]}}
+                        ],
+                    }
+                ]
+            },
+            "allowed placeholders",
+        ),
+        (
+            {
+                "rules": [
+                    {
+                        "kinds": ["stop"],
+                        "commands": [{"argv": ["scancel", "{job_id}"], "verify": {"argv": ["{job_id}"]}}],
+                    }
+                ]
+            },
+            "argv[0]",
+        ),
+        (
+            {
+                "rules": [
+                    {
+                        "kinds": ["stop"],
+                        "commands": [
+                            {
+                                "argv": ["scancel", "{job_id}"],
+                                "verify": {"argv": ["squeue", "{job_id}"], "timeout_s": 0},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "timeout_s",
+        ),
+        (
+            {
+                "rules": [
+                    {
+                        "kinds": ["stop"],
+                        "commands": [
+                            {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["a", "{job_id}"]}}
+                        ],
+                    },
+                    {
+                        "kinds": ["rollback"],
+                        "commands": [
+                            {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["b", "{job_id}"]}}
+                        ],
+                    },
+                ]
+            },
+            "different verify",
+        ),
+        # Field patterns and the platform's mapping.
+        ({"fields": {"secret": "x"}}, "fields.secret"),
+        ({"fields": {"job_id": "[0-9"}}, "not a valid regular expression"),
+        ({"fields": {"job_id": {"pattern": ".+", "allow": ["semicolon"]}}}, "allow"),
+        ({"targets": {"run-1": {"job_id": "@/etc/passwd"}}}, "targets.run-1.job_id"),
+        ({"targets": {"run-1": {"job_id": "12", "partition": "gpu"}}}, "partition"),
+        ({"targets_file": "targets.yaml"}, "absolute path"),
+        ({"targets_file": "/nonexistent/runwatch-targets.yaml"}, "cannot read"),
+    ],
+)
 def test_bad_configs_are_rejected(tmp_path, data, complaint):
     import yaml
 
@@ -157,20 +262,40 @@ def test_bad_configs_are_rejected(tmp_path, data, complaint):
 # -- field patterns ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("job_id", "1234"), ("job_id", "1234_7"), ("host", "node-7.cluster"), ("host", "GPU3"),
-    ("pod", "trainer-0"), ("pod", "llama-7b.worker-3"), ("run_id", "run-1.a_b"), ("action_id", "stop-0a1b"),
-    ("kind", "rollback"), ("step", "42"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("job_id", "1234"),
+        ("job_id", "1234_7"),
+        ("host", "node-7.cluster"),
+        ("host", "GPU3"),
+        ("pod", "trainer-0"),
+        ("pod", "llama-7b.worker-3"),
+        ("run_id", "run-1.a_b"),
+        ("action_id", "stop-0a1b"),
+        ("kind", "rollback"),
+        ("step", "42"),
+    ],
+)
 def test_default_patterns_accept_real_targets(field, value):
     assert DEFAULT_FIELD_RULES[field].reason(value) is None
     assert fill_argv(["cmd", f"--x={{{field}}}"], {field: value}) == ["cmd", f"--x={value}"]
 
 
 ATTACKS = [
-    ("@/etc/passwd", "'@'"), ("file:///x", "URL"), ("/etc/passwd", "absolute path"), ("http://x", "URL"),
-    ("user@node", "'@'"), ("-rf", "'-'"), ("a..b", "'..'"), ("a b", "whitespace"), ("a\tb", "control"),
-    ("a\nb", "control"), ("a\x00b", "control"), ("a\u200bb", "control"), ("", "empty"),
+    ("@/etc/passwd", "'@'"),
+    ("file:///x", "URL"),
+    ("/etc/passwd", "absolute path"),
+    ("http://x", "URL"),
+    ("user@node", "'@'"),
+    ("-rf", "'-'"),
+    ("a..b", "'..'"),
+    ("a b", "whitespace"),
+    ("a\tb", "control"),
+    ("a\nb", "control"),
+    ("a\x00b", "control"),
+    ("a\u200bb", "control"),
+    ("", "empty"),
 ]
 
 
@@ -182,10 +307,21 @@ def test_paths_urls_at_signs_and_options_are_refused_for_targets(field, value, r
     assert f"{{{field}}}" in str(info.value) and reason in str(info.value)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("job_id", "12a"), ("job_id", "12_"), ("job_id", "a" * 201), ("host", "node_7"), ("host", ".node"),
-    ("pod", "Trainer-0"), ("pod", "trainer-"), ("pod", "a" * 254), ("run_id", "run:1"), ("step", "1e3"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("job_id", "12a"),
+        ("job_id", "12_"),
+        ("job_id", "a" * 201),
+        ("host", "node_7"),
+        ("host", ".node"),
+        ("pod", "Trainer-0"),
+        ("pod", "trainer-"),
+        ("pod", "a" * 254),
+        ("run_id", "run:1"),
+        ("step", "1e3"),
+    ],
+)
 def test_values_outside_a_fields_pattern_are_refused(field, value):
     with pytest.raises(RefusedValue, match="does not match the pattern|longer than"):
         fill_argv(["cmd", "{" + field + "}"], {field: value})
@@ -205,8 +341,12 @@ def test_a_configured_pattern_replaces_the_default_but_the_hazard_checks_stay():
 
 
 def test_allow_widens_only_the_named_hazards_and_the_pattern_must_match_too():
-    rules = _rules({"host": {"pattern": "^[a-z0-9.@-]+$", "allow": ["at_sign"]},
-                    "job_id": {"pattern": "^[0-9]+$", "allow": ["at_sign"]}})
+    rules = _rules(
+        {
+            "host": {"pattern": "^[a-z0-9.@-]+$", "allow": ["at_sign"]},
+            "job_id": {"pattern": "^[0-9]+$", "allow": ["at_sign"]},
+        }
+    )
     assert rules["host"].reason("ops@node-7") is None
     assert "absolute path" in rules["host"].reason("/node")  # not allowed: still refused
     assert "'..'" in rules["host"].reason("a@b..c")
@@ -214,8 +354,14 @@ def test_allow_widens_only_the_named_hazards_and_the_pattern_must_match_too():
 
 
 def test_control_characters_are_refused_whatever_the_config_allows():
-    rules = _rules({"host": {"pattern": ".+", "allow": ["whitespace", "at_sign", "url", "absolute_path",
-                                                         "leading_dash", "dot_dot"]}})
+    rules = _rules(
+        {
+            "host": {
+                "pattern": ".+",
+                "allow": ["whitespace", "at_sign", "url", "absolute_path", "leading_dash", "dot_dot"],
+            }
+        }
+    )
     assert rules["host"].reason("-a b@/c://..") is None
     assert "control" in rules["host"].reason("a\nb")
     assert "control" in rules["host"].reason("a\x1bb")
@@ -276,7 +422,10 @@ class Platform:
 
     def verify(self, field: str, timeout_s: float = 10) -> dict:
         table = self.jobs_file if field == "job_id" else self.pods_file
-        return {"argv": [sys.executable, str(self.script), str(table), "{" + field + "}"], "timeout_s": timeout_s}
+        return {
+            "argv": [sys.executable, str(self.script), str(table), "{" + field + "}"],
+            "timeout_s": timeout_s,
+        }
 
 
 @pytest.fixture
@@ -304,18 +453,37 @@ class Calls:
 
 def _remediator(calls: Calls, platform: Platform, **kw) -> Remediator:
     platform.set(jobs={"777": "run-1"}, pods={"trainer-0": "run-1", "p": "run-1"})
-    config = RemediationConfig.model_validate({
-        "rules": [
-            {"kinds": ["stop", "rollback"], "verify": platform.verify("job_id"),
-             "commands": [{"argv": ["scancel", "{job_id}"]}]},
-            {"kinds": ["stop"], "commands": [
-                {"argv": ["scancel", "{job_id}"], "verify": platform.verify("job_id")},  # same template: once
-                {"argv": ["kubectl", "delete", "pod", "{pod}"], "verify": platform.verify("pod")}]},
-        ],
-        "webhooks": [{"url": "http://127.0.0.1:9/hook", "kinds": ["stop", "alert"]}],
-    })
-    return Remediator(config, SECRET, record=calls.recorded.append, runner=calls.runner, poster=calls.poster,
-                      now=lambda: NOW + timedelta(seconds=1), **kw)
+    config = RemediationConfig.model_validate(
+        {
+            "rules": [
+                {
+                    "kinds": ["stop", "rollback"],
+                    "verify": platform.verify("job_id"),
+                    "commands": [{"argv": ["scancel", "{job_id}"]}],
+                },
+                {
+                    "kinds": ["stop"],
+                    "commands": [
+                        {
+                            "argv": ["scancel", "{job_id}"],
+                            "verify": platform.verify("job_id"),
+                        },  # same template: once
+                        {"argv": ["kubectl", "delete", "pod", "{pod}"], "verify": platform.verify("pod")},
+                    ],
+                },
+            ],
+            "webhooks": [{"url": "http://127.0.0.1:9/hook", "kinds": ["stop", "alert"]}],
+        }
+    )
+    return Remediator(
+        config,
+        SECRET,
+        record=calls.recorded.append,
+        runner=calls.runner,
+        poster=calls.poster,
+        now=lambda: NOW + timedelta(seconds=1),
+        **kw,
+    )
 
 
 def _one_command(platform: Platform | None = None, **config) -> tuple[Calls, Remediator]:
@@ -323,10 +491,18 @@ def _one_command(platform: Platform | None = None, **config) -> tuple[Calls, Rem
     command = {"argv": ["scancel", "{job_id}"]}
     if platform is not None:
         command["verify"] = platform.verify("job_id", timeout_s=config.pop("verify_timeout_s", 10))
-    config = RemediationConfig.model_validate({"rules": [{"kinds": ["stop"], "commands": [command]}], **config})
+    config = RemediationConfig.model_validate(
+        {"rules": [{"kinds": ["stop"], "commands": [command]}], **config}
+    )
     calls = Calls()
-    return calls, Remediator(config, SECRET, record=calls.recorded.append, runner=calls.runner,
-                             poster=calls.poster, now=lambda: NOW + timedelta(seconds=1))
+    return calls, Remediator(
+        config,
+        SECRET,
+        record=calls.recorded.append,
+        runner=calls.runner,
+        poster=calls.poster,
+        now=lambda: NOW + timedelta(seconds=1),
+    )
 
 
 def test_a_signed_action_dated_an_hour_ahead_is_not_run(platform):
@@ -334,7 +510,12 @@ def test_a_signed_action_dated_an_hour_ahead_is_not_run(platform):
     calls, rem = _one_command(platform)
     platform.set(jobs={"777": "run-1"})
     ahead = NOW + timedelta(hours=1)
-    assert rem.handle(_signed(params={"job_id": "777"}, issued_at=ahead, expires_at=ahead + timedelta(minutes=2))) == []
+    assert (
+        rem.handle(
+            _signed(params={"job_id": "777"}, issued_at=ahead, expires_at=ahead + timedelta(minutes=2))
+        )
+        == []
+    )
     assert rem.ignored["future"] == 1 and calls.recorded == []
     [execution] = rem.handle(_signed(params={"job_id": "777"}))  # a current one still runs
     assert execution.argv == ["scancel", "777"]
@@ -347,13 +528,16 @@ def test_a_job_verified_as_the_runs_is_cancelled(platform):
     assert (execution.status, calls.commands) == ("ok", [["scancel", "777"]])
 
 
-@pytest.mark.parametrize("jobs, why", [
-    ({"777": "other-team-run"}, "printed 'other-team-run', not the run id 'run-1'"),  # someone else's job
-    ({"777": "run-1-old"}, "not the run id"),
-    ({"777": ""}, "printed nothing"),  # a job launched without the comment
-    ({}, "exited 1: Invalid job id specified: 777"),  # no such job (or it finished)
-    ({"777": "__hang__"}, "timed out after 0.5s"),
-])
+@pytest.mark.parametrize(
+    "jobs, why",
+    [
+        ({"777": "other-team-run"}, "printed 'other-team-run', not the run id 'run-1'"),  # someone else's job
+        ({"777": "run-1-old"}, "not the run id"),
+        ({"777": ""}, "printed nothing"),  # a job launched without the comment
+        ({}, "exited 1: Invalid job id specified: 777"),  # no such job (or it finished)
+        ({"777": "__hang__"}, "timed out after 0.5s"),
+    ],
+)
 def test_a_job_not_shown_to_be_the_runs_is_not_cancelled(platform, jobs, why):
     calls, rem = _one_command(platform, verify_timeout_s=0.5)
     platform.set(jobs=jobs)
@@ -365,11 +549,27 @@ def test_a_job_not_shown_to_be_the_runs_is_not_cancelled(platform, jobs, why):
 
 
 def test_a_verify_command_that_echoes_its_target_cannot_verify_a_run_named_like_it():
-    config = RemediationConfig.model_validate({"rules": [{"kinds": ["stop"], "commands": [
-        {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["/bin/echo", "{job_id}"]}}]}]})
+    config = RemediationConfig.model_validate(
+        {
+            "rules": [
+                {
+                    "kinds": ["stop"],
+                    "commands": [
+                        {"argv": ["scancel", "{job_id}"], "verify": {"argv": ["/bin/echo", "{job_id}"]}}
+                    ],
+                }
+            ]
+        }
+    )
     calls = Calls()
-    rem = Remediator(config, SECRET, record=calls.recorded.append, runner=calls.runner, poster=calls.poster,
-                     now=lambda: NOW + timedelta(seconds=1))
+    rem = Remediator(
+        config,
+        SECRET,
+        record=calls.recorded.append,
+        runner=calls.runner,
+        poster=calls.poster,
+        now=lambda: NOW + timedelta(seconds=1),
+    )
     [named_like_it] = rem.handle(_signed(run_id="4242", params={"job_id": "4242"}))
     assert named_like_it.status == "unverified" and "equals its own declared {job_id}" in named_like_it.output
     [other] = rem.handle(_signed(action_id="act-2", params={"job_id": "4242"}))
@@ -378,13 +578,38 @@ def test_a_verify_command_that_echoes_its_target_cannot_verify_a_run_named_like_
 
 
 def test_an_unsafe_value_in_the_verify_command_is_refused_before_anything_runs(platform):
-    config = RemediationConfig.model_validate({"rules": [{"kinds": ["stop"], "commands": [
-        {"argv": ["scancel", "{job_id}"],
-         "verify": {"argv": [sys.executable, str(platform.script), str(platform.jobs_file), "{job_id}", "{host}"]}},
-    ]}]})
+    config = RemediationConfig.model_validate(
+        {
+            "rules": [
+                {
+                    "kinds": ["stop"],
+                    "commands": [
+                        {
+                            "argv": ["scancel", "{job_id}"],
+                            "verify": {
+                                "argv": [
+                                    sys.executable,
+                                    str(platform.script),
+                                    str(platform.jobs_file),
+                                    "{job_id}",
+                                    "{host}",
+                                ]
+                            },
+                        },
+                    ],
+                }
+            ]
+        }
+    )
     calls = Calls()
-    rem = Remediator(config, SECRET, record=calls.recorded.append, runner=calls.runner, poster=calls.poster,
-                     now=lambda: NOW + timedelta(seconds=1))
+    rem = Remediator(
+        config,
+        SECRET,
+        record=calls.recorded.append,
+        runner=calls.runner,
+        poster=calls.poster,
+        now=lambda: NOW + timedelta(seconds=1),
+    )
     [execution] = rem.handle(_signed(params={"job_id": "777", "host": "@/etc/passwd"}))
     assert execution.status == "refused" and "verify not run: {host}" in execution.output
     assert calls.commands == []
@@ -397,8 +622,9 @@ def test_the_platforms_mapping_overrides_what_the_run_declares():
     [unmapped] = rem.handle(_signed(action_id="act-2", run_id="run-2", params={"job_id": "777"}))
     assert unmapped.status == "unverified" and "not in the targets mapping" in unmapped.output
     assert calls.commands == [["scancel", "555"]]
-    values = placeholder_values(_action(params={"job_id": "777", "pod": "p"}), {"host": "h"}, {},
-                                Target(job_id="555"))
+    values = placeholder_values(
+        _action(params={"job_id": "777", "pod": "p"}), {"host": "h"}, {}, Target(job_id="555")
+    )
     assert (values["job_id"], values["host"], values["pod"]) == ("555", None, None)  # only from the mapping
 
 
@@ -413,18 +639,28 @@ def test_a_targets_file_is_read_at_load_and_again_when_it_changes(tmp_path):
     targets = tmp_path / "targets.yaml"
     targets.write_text("run-1: {job_id: 555}\n")
     config_path = tmp_path / "remediation.yaml"
-    config_path.write_text(f"targets_file: {targets}\nrules:\n  - kinds: [stop]\n"
-                           "    commands: [{argv: [scancel, '{job_id}']}]\n")
+    config_path.write_text(
+        f"targets_file: {targets}\nrules:\n  - kinds: [stop]\n"
+        "    commands: [{argv: [scancel, '{job_id}']}]\n"
+    )
     config = load_remediation_config(config_path)
     assert config.target_for("run-1").job_id == "555" and config.target_for("run-2") is None
-    targets.write_text("run-1: {job_id: 555}\nrun-2: {job_id: '556_3', pod: trainer-2}\n")  # appended by a launcher
+    targets.write_text(
+        "run-1: {job_id: 555}\nrun-2: {job_id: '556_3', pod: trainer-2}\n"
+    )  # appended by a launcher
     assert config.target_for("run-2") == Target(job_id="556_3", pod="trainer-2")
     targets.write_text("run-1: {job_id: [half-written\n")
     assert config.target_for("run-2").job_id == "556_3"  # the last good contents stay
     targets.write_text("run-1: {job_id: 555, pod: '@x'}\n")  # read, but still checked when used
     calls = Calls()
-    rem = Remediator(config, SECRET, record=calls.recorded.append, runner=calls.runner, poster=calls.poster,
-                     now=lambda: NOW + timedelta(seconds=1))
+    rem = Remediator(
+        config,
+        SECRET,
+        record=calls.recorded.append,
+        runner=calls.runner,
+        poster=calls.poster,
+        now=lambda: NOW + timedelta(seconds=1),
+    )
     assert [e.status for e in rem.handle(_signed())] == ["ok"] and calls.commands == [["scancel", "555"]]
     targets.write_text("- not a mapping\n")
     bad = tmp_path / "bad.yaml"
@@ -435,11 +671,22 @@ def test_a_targets_file_is_read_at_load_and_again_when_it_changes(tmp_path):
 
 def test_commands_without_self_declared_targets_and_webhooks_need_no_verify():
     calls, rem = Calls(), None
-    config = RemediationConfig.model_validate({
-        "rules": [{"kinds": ["stop"], "commands": [{"argv": ["notify-oncall", "--run={run_id}", "{step}"]}]}],
-        "webhooks": [{"url": "http://127.0.0.1:9/hook"}]})
-    rem = Remediator(config, SECRET, record=calls.recorded.append, runner=calls.runner, poster=calls.poster,
-                     now=lambda: NOW + timedelta(seconds=1))
+    config = RemediationConfig.model_validate(
+        {
+            "rules": [
+                {"kinds": ["stop"], "commands": [{"argv": ["notify-oncall", "--run={run_id}", "{step}"]}]}
+            ],
+            "webhooks": [{"url": "http://127.0.0.1:9/hook"}],
+        }
+    )
+    rem = Remediator(
+        config,
+        SECRET,
+        record=calls.recorded.append,
+        runner=calls.runner,
+        poster=calls.poster,
+        now=lambda: NOW + timedelta(seconds=1),
+    )
     assert [e.status for e in rem.handle(_signed())] == ["ok", "ok"]
     assert calls.commands == [["notify-oncall", "--run=run-1", "42"]] and len(calls.posts) == 1
 
@@ -461,7 +708,9 @@ def test_a_restarted_remediator_skips_what_is_recorded(platform):
     rem = _remediator(calls, platform, lookup_run=lambda run: {"job_id": "777", "pod": "p"})
     rem.handle(_signed())
     again = Calls()
-    restarted = _remediator(again, platform, done=rem.done, lookup_run=lambda run: {"job_id": "777", "pod": "p"})
+    restarted = _remediator(
+        again, platform, done=rem.done, lookup_run=lambda run: {"job_id": "777", "pod": "p"}
+    )
     assert restarted.handle(_signed()) == []
     assert again.commands == [] and again.posts == []
 
@@ -470,8 +719,11 @@ def test_forged_expired_and_malformed_actions_do_nothing(platform):
     calls = Calls()
     rem = _remediator(calls, platform)
     forged = sign_action(_action(action_id="forged"), b"not-the-secret").to_json()
-    tampered = _action().model_copy(update={"signature": sign_action(_action(), SECRET).signature,
-                                            "kind": "rollback"}).to_json()
+    tampered = (
+        _action()
+        .model_copy(update={"signature": sign_action(_action(), SECRET).signature, "kind": "rollback"})
+        .to_json()
+    )
     expired = _signed(action_id="old", expires_at=NOW)
     for raw in (forged, tampered, expired, b"{not json"):
         assert rem.handle(raw) == []
@@ -484,8 +736,11 @@ def test_an_unsafe_value_refuses_the_command_and_is_recorded(platform):
     rem = _remediator(calls, platform, lookup_run=lambda run: {"job_id": "1; reboot"})
     executions = rem.handle(_signed())
     assert calls.commands == []  # neither scancel nor kubectl (no pod known) ran
-    assert [(e.target, e.status) for e in executions] == [("command", "refused"), ("command", "refused"),
-                                                          ("webhook", "ok")]
+    assert [(e.target, e.status) for e in executions] == [
+        ("command", "refused"),
+        ("command", "refused"),
+        ("webhook", "ok"),
+    ]
     assert "{job_id}" in executions[0].output and "{pod}" in executions[1].output
     fields = calls.posts[0][1]["attachments"][0]["fields"]
     assert any(f["title"] == "command" and "refused" in f["value"] for f in fields)
@@ -493,7 +748,9 @@ def test_an_unsafe_value_refuses_the_command_and_is_recorded(platform):
 
 def test_slack_payload_escapes_and_carries_the_action():
     payload = slack_payload(_action())
-    assert payload["text"].startswith("runwatch *stop* for run `run-1` at step 42: loss &lt;NaN&gt; &amp; grads")
+    assert payload["text"].startswith(
+        "runwatch *stop* for run `run-1` at step 42: loss &lt;NaN&gt; &amp; grads"
+    )
     assert payload["runwatch"]["action_id"] == "act-1" and "signature" not in payload["runwatch"]
     assert {"title": "kind", "value": "stop", "short": True} in payload["attachments"][0]["fields"]
 
@@ -511,8 +768,15 @@ def test_slack_payload_escapes_the_run_id_in_its_text_and_attachment():
 def test_run_command_captures_exit_code_and_output_without_a_shell(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "must-not-leak")
     status, code, out = run_command(
-        [sys.executable, "-c", "import os, sys; print(sys.argv[1], os.environ.get(sys.argv[2])); sys.exit(3)",
-         "$(echo hi);", SECRET_ENV], 10)
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; print(sys.argv[1], os.environ.get(sys.argv[2])); sys.exit(3)",
+            "$(echo hi);",
+            SECRET_ENV,
+        ],
+        10,
+    )
     assert (status, code) == ("failed", 3)
     assert out.strip() == "$(echo hi); None"  # no shell expansion, no secret in the environment
 
@@ -530,13 +794,17 @@ def test_documented_example_config_is_valid(tmp_path):
     docs = (Path(__file__).resolve().parents[2] / "docs" / "remediation.md").read_text()
     start = docs.index("```yaml\n") + 8
     path = tmp_path / "remediation.yaml"
-    path.write_text(docs[start:docs.index("```\n", start)])
+    path.write_text(docs[start : docs.index("```\n", start)])
     config = load_remediation_config(path)
     assert [c.argv[0] for c in config.commands_for("stop")] == ["scancel", "kubectl"]
     assert [c.verify.argv[0] for c in config.commands_for("stop")] == ["squeue", "kubectl"]
-    assert config.commands_for("rollback")[0].verify.argv[-1] == "jsonpath={{.metadata.labels.runwatch/run-id}}"
-    assert fill_argv(config.commands_for("rollback")[0].verify.argv, {"pod": "trainer-0"})[-1] == \
-        "jsonpath={.metadata.labels.runwatch/run-id}"
+    assert (
+        config.commands_for("rollback")[0].verify.argv[-1] == "jsonpath={{.metadata.labels.runwatch/run-id}}"
+    )
+    assert (
+        fill_argv(config.commands_for("rollback")[0].verify.argv, {"pod": "trainer-0"})[-1]
+        == "jsonpath={.metadata.labels.runwatch/run-id}"
+    )
     assert len(config.webhooks_for("alert")) == 1
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "docs/remediation.md" in readme[readme.index("**Remediation.**"):]
+    assert "docs/remediation.md" in readme[readme.index("**Remediation.**") :]

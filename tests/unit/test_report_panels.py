@@ -10,17 +10,59 @@ from runwatch.sinks.report.panels import all_panels, series, thin
 
 
 def data(**overrides) -> ReportData:
-    steps = [{"step": s, "loss": (math.nan if s == 5 else 1.0 / s), "lr": [1e-3], "grad_norm": 1.0,
-              "category_loss": '{"a": {"mean": 0.5, "count": 3}}'} for s in range(1, 9)]
-    steps += [{"step": s, "loss": 0.9 / s, "lr": [5e-4], "grad_norm": 1.0, "category_loss": None} for s in range(3, 9)]
+    steps = [
+        {
+            "step": s,
+            "loss": (math.nan if s == 5 else 1.0 / s),
+            "lr": [1e-3],
+            "grad_norm": 1.0,
+            "category_loss": '{"a": {"mean": 0.5, "count": 3}}',
+        }
+        for s in range(1, 9)
+    ]
+    steps += [
+        {"step": s, "loss": 0.9 / s, "lr": [5e-4], "grad_norm": 1.0, "category_loss": None}
+        for s in range(3, 9)
+    ]
     fields = dict(
-        run_id="r1", info={"events": 20, "first_ts": None, "last_ts": None, "ranks": 1, "last_step": 8},
-        run_start={}, run_end=None, steps=steps, rank_step_times=[], modules=[], heatmap=[], heatmap_bucket_steps=1,
-        evals=[], anomalies=[{"step": 5, "rank": 0, "detector": "non_finite", "metric": "loss", "value": math.nan,
-                              "threshold": 3.0, "severity": "critical", "message": "non-finite loss"}],
-        actions=[{"action_id": "a", "kind": "rollback", "reason": "nan", "step": 6, "onset_step": 5, "target_step": 2,
-                  "issued_at": None, "outcome": "applied", "ack_step": 7, "to_step": 2}],
-        baseline_note="no baseline history: this run has no baseline key")
+        run_id="r1",
+        info={"events": 20, "first_ts": None, "last_ts": None, "ranks": 1, "last_step": 8},
+        run_start={},
+        run_end=None,
+        steps=steps,
+        rank_step_times=[],
+        modules=[],
+        heatmap=[],
+        heatmap_bucket_steps=1,
+        evals=[],
+        anomalies=[
+            {
+                "step": 5,
+                "rank": 0,
+                "detector": "non_finite",
+                "metric": "loss",
+                "value": math.nan,
+                "threshold": 3.0,
+                "severity": "critical",
+                "message": "non-finite loss",
+            }
+        ],
+        actions=[
+            {
+                "action_id": "a",
+                "kind": "rollback",
+                "reason": "nan",
+                "step": 6,
+                "onset_step": 5,
+                "target_step": 2,
+                "issued_at": None,
+                "outcome": "applied",
+                "ack_step": 7,
+                "to_step": 2,
+            }
+        ],
+        baseline_note="no baseline history: this run has no baseline key",
+    )
     fields.update(overrides)
     return ReportData(**fields)
 

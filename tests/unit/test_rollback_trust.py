@@ -90,9 +90,13 @@ def test_a_transient_spike_is_one_warning_and_a_divergence_a_critical_finding_na
     transient = _series(base + [4.0] + base[:10], SpikeDetector("loss_spike", "loss", SpikeConfig()))
     assert [(s, f.severity, f.evidence["kind"]) for s, f in transient] == [(60, "warning", "spike")]
 
-    diverging = _series(base + [4.0, 3.0, 2.5, 3.5, 2.8, 3.2, 3.0], SpikeDetector("loss_spike", "loss", SpikeConfig()))
-    assert [(s, f.severity, f.evidence["kind"]) for s, f in diverging] == [(60, "warning", "spike"),
-                                                                           (65, "critical", "divergence")]
+    diverging = _series(
+        base + [4.0, 3.0, 2.5, 3.5, 2.8, 3.2, 3.0], SpikeDetector("loss_spike", "loss", SpikeConfig())
+    )
+    assert [(s, f.severity, f.evidence["kind"]) for s, f in diverging] == [
+        (60, "warning", "spike"),
+        (65, "critical", "divergence"),
+    ]
     divergence = diverging[1][1]
     assert divergence.evidence["onset_step"] == 60 and divergence.evidence["ratio"] > 2.5
 
@@ -136,8 +140,13 @@ def test_a_run_that_stays_worse_past_the_onset_is_not_recovered():
 
 
 def test_after_a_failed_recovery_the_next_one_is_still_judged_past_the_fault():
-    check = RecoveryCheck(RecoveryConfig(), "a2", onset_step=161, healthy=HEALTHY | {s: 1.0 for s in range(140, 150)},
-                          fault_onset_step=201)
+    check = RecoveryCheck(
+        RecoveryConfig(),
+        "a2",
+        onset_step=161,
+        healthy=HEALTHY | {s: 1.0 for s in range(140, 150)},
+        fault_onset_step=201,
+    )
     check.arm(160)
     assert check.onset_step == 201 and max(check.reference) == 160
     assert [check.update(s, 1.0) for s in range(161, 220)] == [None] * 59
@@ -165,7 +174,9 @@ def test_base_lrs_and_scale_lr_use_the_runs_own_lr():
 
 
 def _step(step: int, loss: float, n: int) -> StepEvent:
-    return StepEvent(run_id="r", step=step, loss=loss, grad_norm=1.0, ts=T0 + timedelta(seconds=n), event_id=f"e{n}")
+    return StepEvent(
+        run_id="r", step=step, loss=loss, grad_norm=1.0, ts=T0 + timedelta(seconds=n), event_id=f"e{n}"
+    )
 
 
 def test_the_monitor_rolls_back_to_a_confirmed_checkpoint_then_again_when_the_run_does_not_recover():
@@ -179,7 +190,9 @@ def test_the_monitor_rolls_back_to_a_confirmed_checkpoint_then_again_when_the_ru
             n += 1
             decisions.extend(monitor.observe(_step(s, loss_of(s), n)).decisions)
             if s % 20 == 0:
-                monitor.observe(CheckpointEvent(run_id="r", step=s, uri=f"/c/{s}", lr=[0.1], ts=T0 + timedelta(seconds=n)))
+                monitor.observe(
+                    CheckpointEvent(run_id="r", step=s, uri=f"/c/{s}", lr=[0.1], ts=T0 + timedelta(seconds=n))
+                )
 
     feed(range(0, 201), lambda s: 1.0 + 0.02 * math.sin(s))
     feed(range(201, 212), lambda s: 50.0)  # the loss explodes at 201 and stays there
@@ -187,8 +200,16 @@ def test_the_monitor_rolls_back_to_a_confirmed_checkpoint_then_again_when_the_ru
     assert len(rollbacks) == 1
     first = rollbacks[0]
     assert first.target_checkpoint == CheckpointRef(step=180, uri="/c/180", lr=[0.1])  # 200 holds the fault
-    monitor.observe(ActionAckEvent(run_id="r", action_id=first.action_id, action_kind="rollback", outcome="applied",
-                                   to_step=180, ts=T0 + timedelta(seconds=n + 1)))
+    monitor.observe(
+        ActionAckEvent(
+            run_id="r",
+            action_id=first.action_id,
+            action_kind="rollback",
+            outcome="applied",
+            to_step=180,
+            ts=T0 + timedelta(seconds=n + 1),
+        )
+    )
     assert [c.step for c in monitor.checkpoints.good] == [20 * i for i in range(10)]  # nothing after 180
     feed(range(181, 222), lambda s: 1.0 if s <= 200 else 1.8)  # back, then worse without a spike
     missed = [d for d in decisions if d.kind == "rollback"][1:]
@@ -199,9 +220,12 @@ def test_the_monitor_rolls_back_to_a_confirmed_checkpoint_then_again_when_the_ru
 def test_confirmation_must_outlast_the_divergence_wait():
     with pytest.raises(ValueError, match="confirm_steps"):
         RunwatchConfig.model_validate({"policy": {"confirm_steps": 5}})
-    RunwatchConfig.model_validate({"policy": {"confirm_steps": 3},
-                                   "detectors": {"loss_spike": {"divergence_steps": 0},
-                                                 "grad_norm_spike": {"divergence_steps": 2}}})
+    RunwatchConfig.model_validate(
+        {
+            "policy": {"confirm_steps": 3},
+            "detectors": {"loss_spike": {"divergence_steps": 0}, "grad_norm_spike": {"divergence_steps": 2}},
+        }
+    )
     with pytest.raises(ValueError, match="judged_over"):
         RecoveryConfig(within_steps=3, judged_over=5)
     assert issubclass(ConfigError, Exception)
@@ -211,8 +235,12 @@ def test_confirmation_must_outlast_the_divergence_wait():
 
 MULTI_RANK = {
     "detectors": {"loss_spike": {"divergence_steps": 0}, "grad_norm_spike": {"divergence_steps": 0}},
-    "policy": {"rules": [{"detector": "grad_norm_spike", "min_severity": "warning", "action": "rollback"}],
-               "max_rollbacks": 3, "confirm_steps": 3, "cooldown_s": 0.0},
+    "policy": {
+        "rules": [{"detector": "grad_norm_spike", "min_severity": "warning", "action": "rollback"}],
+        "max_rollbacks": 3,
+        "confirm_steps": 3,
+        "cooldown_s": 0.0,
+    },
 }
 
 
@@ -236,11 +264,29 @@ class _ThreeRanks:
         self.anomaly_steps.extend(a.step for a in out.anomalies)
 
     def step(self, rank: int, step: int, grad_norm: float, generation: int = 0):
-        self._observe(StepEvent(run_id="r", rank=rank, step=step, loss=1.0, ts=self._ts(),
-                                grad_norm=grad_norm * (1 + 0.01 * math.sin(step)), event_id=f"s{generation}-{rank}-{step}"))
+        self._observe(
+            StepEvent(
+                run_id="r",
+                rank=rank,
+                step=step,
+                loss=1.0,
+                ts=self._ts(),
+                grad_norm=grad_norm * (1 + 0.01 * math.sin(step)),
+                event_id=f"s{generation}-{rank}-{step}",
+            )
+        )
         if rank == 0 and step % 10 == 0:
-            self._observe(CheckpointEvent(run_id="r", rank=0, step=step, uri=f"/c/{step}", lr=[0.1], ts=self._ts(),
-                                          event_id=f"c{generation}-{step}"))
+            self._observe(
+                CheckpointEvent(
+                    run_id="r",
+                    rank=0,
+                    step=step,
+                    uri=f"/c/{step}",
+                    lr=[0.1],
+                    ts=self._ts(),
+                    event_id=f"c{generation}-{step}",
+                )
+            )
 
     def steps(self, ranks, steps, grad_norm=lambda s: 1.0, generation: int = 0):
         for s in steps:
@@ -248,8 +294,18 @@ class _ThreeRanks:
                 self.step(rank, s, grad_norm(s), generation)
 
     def ack(self, rank: int, action_id: str, to_step: int):
-        self._observe(ActionAckEvent(run_id="r", rank=rank, action_id=action_id, action_kind="rollback",
-                                     outcome="applied", to_step=to_step, ts=self._ts(), event_id=f"ack-{rank}-{action_id}"))
+        self._observe(
+            ActionAckEvent(
+                run_id="r",
+                rank=rank,
+                action_id=action_id,
+                action_kind="rollback",
+                outcome="applied",
+                to_step=to_step,
+                ts=self._ts(),
+                event_id=f"ack-{rank}-{action_id}",
+            )
+        )
 
     def rollbacks(self):
         return [d for d in self.decisions if d.kind == "rollback"]

@@ -22,8 +22,17 @@ NO_BROKER = "127.0.0.1:1"
 
 def stop_action(run_id: str, params: dict | None = None) -> Action:
     issued = utc_now()
-    a = Action(action_id=uuid.uuid4().hex, run_id=run_id, kind="stop", reason="test", step=7, onset_step=5,
-               params=params or {}, issued_at=issued, expires_at=issued + timedelta(seconds=60))
+    a = Action(
+        action_id=uuid.uuid4().hex,
+        run_id=run_id,
+        kind="stop",
+        reason="test",
+        step=7,
+        onset_step=5,
+        params=params or {},
+        issued_at=issued,
+        expires_at=issued + timedelta(seconds=60),
+    )
     return sign_action(a, SECRET.encode())
 
 
@@ -91,8 +100,18 @@ def test_other_actions_do_not_make_the_run_stopped(tmp_path):
     rec = recorder(tmp_path)
     listener = ActionListener(rec, secret=SECRET, consume=False, state_path=False)
     issued = utc_now()
-    alert = sign_action(Action(action_id=uuid.uuid4().hex, run_id=rec.run_id, kind="alert", reason="t", step=3,
-                               issued_at=issued, expires_at=issued + timedelta(seconds=60)), SECRET.encode())
+    alert = sign_action(
+        Action(
+            action_id=uuid.uuid4().hex,
+            run_id=rec.run_id,
+            kind="alert",
+            reason="t",
+            step=3,
+            issued_at=issued,
+            expires_at=issued + timedelta(seconds=60),
+        ),
+        SECRET.encode(),
+    )
     listener._accept(alert.to_json())
     assert [a.kind for a in listener.poll(step=3)] == ["alert"]
     listener.close()

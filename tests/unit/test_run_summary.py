@@ -25,28 +25,77 @@ from runwatch.producer.wire.schema import (
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
-def run_events(run_id: str = "r1", steps: int = 300, step_time: float = 0.2, seed: int = 0, end: bool = True,
-               gpus: tuple[str, ...] = ("H100", "H100")) -> list:
+def run_events(
+    run_id: str = "r1",
+    steps: int = 300,
+    step_time: float = 0.2,
+    seed: int = 0,
+    end: bool = True,
+    gpus: tuple[str, ...] = ("H100", "H100"),
+) -> list:
     rng = random.Random(seed)
-    events: list = [RunStartEvent(run_id=run_id, ts=T0, world_size=2, gpu_names=list(gpus), torch_version="2.13.0",
-                                  cuda_version="12.8", baseline_key="job-a", git_sha="abc123", git_dirty=False,
-                                  config_hash="cfg1", dataset_version="v3")]
+    events: list = [
+        RunStartEvent(
+            run_id=run_id,
+            ts=T0,
+            world_size=2,
+            gpu_names=list(gpus),
+            torch_version="2.13.0",
+            cuda_version="12.8",
+            baseline_key="job-a",
+            git_sha="abc123",
+            git_dirty=False,
+            config_hash="cfg1",
+            dataset_version="v3",
+        )
+    ]
     ts = T0
     for step in range(steps):
         dt = step_time * (1 + rng.gauss(0, 0.05))
         ts += timedelta(seconds=dt)
-        events.append(StepEvent(
-            run_id=run_id, step=step, ts=ts, loss=2.0 - step / steps, step_time_s=dt, data_wait_s=0.1 * dt,
-            samples_per_s=64 / dt, mfu=0.4, memory=MemoryStats(allocated=10**9 + step, reserved=2 * 10**9,
-                                                               peak=10**9 + 2 * step, host_rss=5 * 10**8),
-            category_loss={"speech": CategoryLoss(mean=1.0 + step / 1000, count=8)}))
+        events.append(
+            StepEvent(
+                run_id=run_id,
+                step=step,
+                ts=ts,
+                loss=2.0 - step / steps,
+                step_time_s=dt,
+                data_wait_s=0.1 * dt,
+                samples_per_s=64 / dt,
+                mfu=0.4,
+                memory=MemoryStats(
+                    allocated=10**9 + step, reserved=2 * 10**9, peak=10**9 + 2 * step, host_rss=5 * 10**8
+                ),
+                category_loss={"speech": CategoryLoss(mean=1.0 + step / 1000, count=8)},
+            )
+        )
         if step % 100 == 99:
             events.append(EvalEvent(run_id=run_id, step=step, ts=ts, loss=[1.5, 1.2, 1.3][step // 100 % 3]))
-    events.append(ActionAckEvent(run_id=run_id, rank=0, ts=ts, action_id="a1", action_kind="rollback",
-                                 outcome="applied", to_step=100))
-    events.append(ActionAckEvent(run_id=run_id, rank=1, ts=ts, action_id="a1", action_kind="rollback",
-                                 outcome="applied", to_step=100))  # the other rank's ack of the same rollback
-    events.append(ActionAckEvent(run_id=run_id, ts=ts, action_id="a2", action_kind="rollback", outcome="failed"))
+    events.append(
+        ActionAckEvent(
+            run_id=run_id,
+            rank=0,
+            ts=ts,
+            action_id="a1",
+            action_kind="rollback",
+            outcome="applied",
+            to_step=100,
+        )
+    )
+    events.append(
+        ActionAckEvent(
+            run_id=run_id,
+            rank=1,
+            ts=ts,
+            action_id="a1",
+            action_kind="rollback",
+            outcome="applied",
+            to_step=100,
+        )
+    )  # the other rank's ack of the same rollback
+    events.append(
+        ActionAckEvent(run_id=run_id, ts=ts, action_id="a2", action_kind="rollback", outcome="failed")
+    )
     if end:
         events.append(RunEndEvent(run_id=run_id, ts=ts + timedelta(seconds=1), status="completed"))
     return events
@@ -62,10 +111,28 @@ def summarize(events: list, **kwargs) -> RunSummarizer:
 def test_the_summary_has_the_runs_identity_and_figures():
     events = run_events()
     s = summarize(events)
-    s.add_anomaly(Anomaly(anomaly_id="x", run_id="r1", step=5, detector="loss_spike", metric="loss", value=1.0,
-                          threshold=0.5, score=2.0, severity="warning", message="m", ts=T0))
+    s.add_anomaly(
+        Anomaly(
+            anomaly_id="x",
+            run_id="r1",
+            step=5,
+            detector="loss_spike",
+            metric="loss",
+            value=1.0,
+            threshold=0.5,
+            score=2.0,
+            severity="warning",
+            message="m",
+            ts=T0,
+        )
+    )
     row = s.summary()
-    assert (row.baseline_key, row.git_sha, row.config_hash, row.dataset_version) == ("job-a", "abc123", "cfg1", "v3")
+    assert (row.baseline_key, row.git_sha, row.config_hash, row.dataset_version) == (
+        "job-a",
+        "abc123",
+        "cfg1",
+        "v3",
+    )
     assert row.status == "completed" and row.started_at == T0 and row.ended_at == events[-1].ts
     m = row.metrics
     times = [e.step_time_s for e in events if isinstance(e, StepEvent)]
@@ -77,8 +144,11 @@ def test_the_summary_has_the_runs_identity_and_figures():
     assert m["mfu"] == pytest.approx(0.4)
     assert m["max_cuda_allocated_bytes"] == 10**9 + 299 and m["max_cuda_peak_bytes"] == 10**9 + 598
     assert m["max_cuda_reserved_bytes"] == 2 * 10**9 and m["max_host_rss_bytes"] == 5 * 10**8
-    assert [k for k in m if k.startswith("loss_at_step_")] == ["loss_at_step_0", "loss_at_step_100",
-                                                             "loss_at_step_200"]
+    assert [k for k in m if k.startswith("loss_at_step_")] == [
+        "loss_at_step_0",
+        "loss_at_step_100",
+        "loss_at_step_200",
+    ]
     assert m["loss_at_step_100"] == pytest.approx(2.0 - 100 / 300)
     assert m["final_loss"] == pytest.approx(statistics.median(2.0 - s / 300 for s in range(290, 300)))
     assert m["last_eval_loss"] == 1.3 and m["best_eval_loss"] == 1.2
@@ -97,7 +167,10 @@ def test_the_hardware_fingerprint_groups_comparable_runs():
     a, b = run_events("a")[0], run_events("b", seed=1)[0]
     other = run_events("c", gpus=("A100",))[0]
     assert hardware_fingerprint(a) == hardware_fingerprint(b) != hardware_fingerprint(other)
-    assert summarize(run_events("a")).summary().fingerprint == summarize(run_events("b", seed=1)).summary().fingerprint
+    assert (
+        summarize(run_events("a")).summary().fingerprint
+        == summarize(run_events("b", seed=1)).summary().fingerprint
+    )
     declared = a.model_copy(update={"tags": {"hardware": "cpu-box-2"}})
     assert hardware_fingerprint(declared) == {"hardware": "cpu-box-2"}
 

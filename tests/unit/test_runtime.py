@@ -187,8 +187,17 @@ def test_mfu_is_achieved_over_peak():
 
 @pytest.mark.parametrize(
     "args",
-    [(None, 1.0, 1e12), (1e12, None, 1e12), (1e12, 1.0, None), (1e12, 0.0, 1e12), (1e12, -1.0, 1e12),
-     (0.0, 1.0, 1e12), (1e12, 1.0, 0.0), (1e12, math.nan, 1e12), (math.inf, 1.0, 1e12)],
+    [
+        (None, 1.0, 1e12),
+        (1e12, None, 1e12),
+        (1e12, 1.0, None),
+        (1e12, 0.0, 1e12),
+        (1e12, -1.0, 1e12),
+        (0.0, 1.0, 1e12),
+        (1e12, 1.0, 0.0),
+        (1e12, math.nan, 1e12),
+        (math.inf, 1.0, 1e12),
+    ],
 )
 def test_mfu_is_absent_when_an_input_is_missing_or_not_positive(args):
     assert mfu(*args) is None

@@ -36,19 +36,44 @@ def _examples():
     common = dict(run_id="run-1", rank=1, ts=TS)
     return [
         RunStartEvent(
-            **common, job_id="job", git_sha="abc", git_dirty=True, world_size=4,
-            gpu_names=["H100", "H100"], config={"lr": 0.001, "layers": [1, 2]}, seed=7, tags={"team": "x"},
+            **common,
+            job_id="job",
+            git_sha="abc",
+            git_dirty=True,
+            world_size=4,
+            gpu_names=["H100", "H100"],
+            config={"lr": 0.001, "layers": [1, 2]},
+            seed=7,
+            tags={"team": "x"},
         ),
         StepEvent(
-            **common, step=12, loss=2.5, lr=[1e-3, 5e-4], grad_norm=1.25, module_grad_norms={"encoder": 0.5},
-            category_loss={"code": CategoryLoss(mean=1.5, count=3)}, memory=MemoryStats(allocated=1 << 30, peak=2 << 30),
-            step_time_s=0.2, nonfinite_grads=0,
+            **common,
+            step=12,
+            loss=2.5,
+            lr=[1e-3, 5e-4],
+            grad_norm=1.25,
+            module_grad_norms={"encoder": 0.5},
+            category_loss={"code": CategoryLoss(mean=1.5, count=3)},
+            memory=MemoryStats(allocated=1 << 30, peak=2 << 30),
+            step_time_s=0.2,
+            nonfinite_grads=0,
         ),
-        EvalEvent(**common, step=100, split="test", loss=1.75, metrics={"acc": 0.9}, per_category={"a": {"acc": 0.8}}),
+        EvalEvent(
+            **common,
+            step=100,
+            split="test",
+            loss=1.75,
+            metrics={"acc": 0.9},
+            per_category={"a": {"acc": 0.8}},
+        ),
         HeartbeatEvent(**common, step=5, phase="checkpoint", time_in_phase_s=12.5),
         CheckpointEvent(**common, step=50, uri="/ckpt/50.pt", ok=False),
-        ActionAckEvent(**common, action_id="act-1", action_kind="rollback", outcome="applied", step=60, to_step=50),
-        RunEndEvent(**common, status="failed", summary={"final_loss": 1.5, "steps": 100, "note": "x", "none": None}),
+        ActionAckEvent(
+            **common, action_id="act-1", action_kind="rollback", outcome="applied", step=60, to_step=50
+        ),
+        RunEndEvent(
+            **common, status="failed", summary={"final_loss": 1.5, "steps": 100, "note": "x", "none": None}
+        ),
     ]
 
 
@@ -67,7 +92,11 @@ def test_every_event_kind_round_trips(event):
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 def test_non_finite_floats_survive_the_round_trip(value):
     event = StepEvent(
-        run_id="r", step=3, loss=value, grad_norm=value, module_grad_norms={"head": value, "body": 1.0},
+        run_id="r",
+        step=3,
+        loss=value,
+        grad_norm=value,
+        module_grad_norms={"head": value, "body": 1.0},
         category_loss={"c": CategoryLoss(mean=value, count=1)},
     )
     raw = event.to_json()
@@ -85,7 +114,9 @@ def test_non_finite_floats_survive_the_round_trip(value):
 
 
 def test_non_finite_floats_are_written_as_strings():
-    raw = StepEvent(run_id="r", step=0, loss=math.nan, module_grad_norms={"a": math.inf, "b": -math.inf}).to_json()
+    raw = StepEvent(
+        run_id="r", step=0, loss=math.nan, module_grad_norms={"a": math.inf, "b": -math.inf}
+    ).to_json()
     assert b'"loss":"NaN"' in raw
     assert b'"Infinity"' in raw and b'"-Infinity"' in raw
 
@@ -165,11 +196,15 @@ def test_decode_action_and_anomaly_raise_schema_error():
     with pytest.raises(SchemaError, match="^not JSON"):
         decode_action(b"{oops")
     with pytest.raises(SchemaError, match="run_id"):
-        decode_action(b'{"action_id":"a","kind":"stop","reason":"x","issued_at":"2024-01-01T00:00:00Z",'
-                      b'"expires_at":"2024-01-01T00:01:00Z"}')
+        decode_action(
+            b'{"action_id":"a","kind":"stop","reason":"x","issued_at":"2024-01-01T00:00:00Z",'
+            b'"expires_at":"2024-01-01T00:01:00Z"}'
+        )
     with pytest.raises(SchemaError, match="severity"):
-        decode_anomaly(b'{"anomaly_id":"a","run_id":"r","detector":"d","metric":"m","message":"x",'
-                       b'"ts":"2024-01-01T00:00:00Z"}')
+        decode_anomaly(
+            b'{"anomaly_id":"a","run_id":"r","detector":"d","metric":"m","message":"x",'
+            b'"ts":"2024-01-01T00:00:00Z"}'
+        )
     with pytest.raises(SchemaError):
         decode_anomaly(b"[1, 2]")
 
@@ -182,8 +217,16 @@ RECEIVED = datetime(2026, 11, 21, 9, 30, 5, tzinfo=UTC)
 def _strict(**fields) -> bytes:
     import orjson
 
-    event = {"schema_version": 1, "event_id": "e1", "run_id": "r", "rank": 0, "ts": "2026-11-21T09:30:00Z",
-             "kind": "step", "step": 1, "loss": 2.0}
+    event = {
+        "schema_version": 1,
+        "event_id": "e1",
+        "run_id": "r",
+        "rank": 0,
+        "ts": "2026-11-21T09:30:00Z",
+        "kind": "step",
+        "step": 1,
+        "loss": 2.0,
+    }
     event.update(fields)
     return orjson.dumps({k: v for k, v in event.items() if v is not ...})
 
@@ -194,37 +237,62 @@ def _refusal(raw: bytes, **kwargs) -> str:
     return info.value.reason
 
 
-@pytest.mark.parametrize("fields, says", [
-    ({"event_id": ...}, "event_id"), ({"rank": ...}, "rank"), ({"ts": ...}, "ts"),
-    ({"schema_version": ...}, "schema_version"),
-    ({"step": "5"}, "step"), ({"step": 2.0}, "step"), ({"step": True}, "step"), ({"rank": True}, "rank"),
-    ({"loss": "2.0"}, "loss"), ({"ts": 12345}, "ts"), ({"ts": "2026-11-21T09:30:00"}, "timezone"),
-    ({"ts": "2026-11-21"}, "timezone"), ({"ts": "2099-01-01T00:00:00Z"}, "after the receive time"),
-    ({"ts": "9999-12-31T00:00:00Z"}, "after the receive time"), ({"ts": "1970-01-01T00:00:00Z"}, "before"),
-    ({"schema_version": 0}, "schema_version"), ({"schema_version": 2}, "schema_version"),
-    ({"schema_version": True}, "schema_version"), ({"schema_version": 1.0}, "schema_version"),
-    ({"memory": {"allocated": -1}}, "memory.allocated"), ({"step_time_s": -0.1}, "step_time_s"),
-    ({"step_time_s": "NaN"}, "step_time_s"), ({"data_wait_s": "Infinity"}, "data_wait_s"),
-    ({"rank": 10**6}, "rank"), ({"step": 2**63}, "step"), ({"memory": {"reserved": 2**60}}, "memory.reserved"),
-    ({"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nested deeper"),
-    ({"module_grad_norms": {f"m{i}": 1.0 for i in range(10_001)}}, "module_grad_norms"),
-    ({"run_id": "r" * 300}, "run_id"), ({"note": "n" * 5000}, "note"),
-])
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"event_id": ...}, "event_id"),
+        ({"rank": ...}, "rank"),
+        ({"ts": ...}, "ts"),
+        ({"schema_version": ...}, "schema_version"),
+        ({"step": "5"}, "step"),
+        ({"step": 2.0}, "step"),
+        ({"step": True}, "step"),
+        ({"rank": True}, "rank"),
+        ({"loss": "2.0"}, "loss"),
+        ({"ts": 12345}, "ts"),
+        ({"ts": "2026-11-21T09:30:00"}, "timezone"),
+        ({"ts": "2026-11-21"}, "timezone"),
+        ({"ts": "2099-01-01T00:00:00Z"}, "after the receive time"),
+        ({"ts": "9999-12-31T00:00:00Z"}, "after the receive time"),
+        ({"ts": "1970-01-01T00:00:00Z"}, "before"),
+        ({"schema_version": 0}, "schema_version"),
+        ({"schema_version": 2}, "schema_version"),
+        ({"schema_version": True}, "schema_version"),
+        ({"schema_version": 1.0}, "schema_version"),
+        ({"memory": {"allocated": -1}}, "memory.allocated"),
+        ({"step_time_s": -0.1}, "step_time_s"),
+        ({"step_time_s": "NaN"}, "step_time_s"),
+        ({"data_wait_s": "Infinity"}, "data_wait_s"),
+        ({"rank": 10**6}, "rank"),
+        ({"step": 2**63}, "step"),
+        ({"memory": {"reserved": 2**60}}, "memory.reserved"),
+        ({"x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nested deeper"),
+        ({"module_grad_norms": {f"m{i}": 1.0 for i in range(10_001)}}, "module_grad_norms"),
+        ({"run_id": "r" * 300}, "run_id"),
+        ({"note": "n" * 5000}, "note"),
+    ],
+)
 def test_strict_decoding_refuses_and_names_the_field(fields, says):
     assert says in _refusal(_strict(**fields))
 
 
-@pytest.mark.parametrize("kind, fields, says", [
-    ("heartbeat", {"interval_s": "Infinity"}, "interval_s"), ("heartbeat", {"interval_s": 1e12}, "interval_s"),
-    ("heartbeat", {"interval_s": 0}, "interval_s"), ("run_start", {"world_size": 10**7}, "world_size"),
-])
+@pytest.mark.parametrize(
+    "kind, fields, says",
+    [
+        ("heartbeat", {"interval_s": "Infinity"}, "interval_s"),
+        ("heartbeat", {"interval_s": 1e12}, "interval_s"),
+        ("heartbeat", {"interval_s": 0}, "interval_s"),
+        ("run_start", {"world_size": 10**7}, "world_size"),
+    ],
+)
 def test_bounds_of_other_kinds(kind, fields, says):
     assert says in _refusal(_strict(kind=kind, step=..., loss=..., **fields))
 
 
 def test_the_non_finite_strings_and_unknown_fields_are_still_accepted():
-    event = decode_event(_strict(loss="NaN", grad_norm="-Infinity", future_field={"a": [1, 2]}),
-                         received_at=RECEIVED)
+    event = decode_event(
+        _strict(loss="NaN", grad_norm="-Infinity", future_field={"a": [1, 2]}), received_at=RECEIVED
+    )
     assert math.isnan(event.loss) and event.grad_norm == -math.inf and event.future_field == {"a": [1, 2]}
 
 

@@ -160,9 +160,19 @@ def test_signature_follows_the_documented_canonical_form():
 
     issued = datetime(2026, 11, 21, 9, 30, tzinfo=UTC)
     action = sign_action(
-        Action(action_id="a1", run_id="run-42", kind="rollback", reason="loss 3×10⁴ — NaN next", anomaly_ids=["x"], step=7,
-               onset_step=5, target_checkpoint=CheckpointRef(step=4, uri="/c/4.pt"), params={"lr_scale": 0.5},
-               issued_at=issued, expires_at=issued + timedelta(seconds=60)),
+        Action(
+            action_id="a1",
+            run_id="run-42",
+            kind="rollback",
+            reason="loss 3×10⁴ — NaN next",
+            anomaly_ids=["x"],
+            step=7,
+            onset_step=5,
+            target_checkpoint=CheckpointRef(step=4, uri="/c/4.pt"),
+            params={"lr_scale": 0.5},
+            issued_at=issued,
+            expires_at=issued + timedelta(seconds=60),
+        ),
         b"k",
     )
     received = json.loads(action.to_json())

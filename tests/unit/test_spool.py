@@ -79,7 +79,9 @@ def test_drop_newest_refuses_past_the_bound_and_counts(tmp_path):
 
 
 def test_drop_oldest_evicts_from_the_head_and_counts(tmp_path):
-    with DiskSpool(tmp_path, max_bytes=10 * RECORD, overflow="drop_oldest", segment_bytes=3 * RECORD) as spool:
+    with DiskSpool(
+        tmp_path, max_bytes=10 * RECORD, overflow="drop_oldest", segment_bytes=3 * RECORD
+    ) as spool:
         assert all(spool.append(rec(i)) for i in range(15))
         assert spool.stats.evicted == 5 and spool.stats.refused == 0
         assert spool.bytes == 10 * RECORD
@@ -224,7 +226,9 @@ def test_without_a_broker_events_are_spooled_not_dropped(tmp_path):
 
 @pytest.mark.parametrize("policy,reason", [("drop_newest", "spool_full"), ("drop_oldest", "spool_evicted")])
 def test_the_spool_bound_drops_by_policy_and_the_books_balance(tmp_path, policy, reason):
-    rw = RunWatch("bounded", NO_BROKER, spool_dir=tmp_path / policy, spool_max_bytes=20_000, spool_overflow=policy)
+    rw = RunWatch(
+        "bounded", NO_BROKER, spool_dir=tmp_path / policy, spool_max_bytes=20_000, spool_overflow=policy
+    )
     for i in range(300):
         rw.step(i, loss=1.0)
     stats = rw.close(timeout=1.0)

@@ -43,6 +43,7 @@ def _header(**fields) -> SnapshotHeader:
 
 # -- the codec -------------------------------------------------------------------------------------
 
+
 def test_a_snapshot_decodes_to_its_header_and_state():
     raw = encode_snapshot(_header(), {"x": [1, 2, 3]}, SECRET)
     header, body = decode_header(raw, SECRET)
@@ -52,12 +53,15 @@ def test_a_snapshot_decodes_to_its_header_and_state():
     assert marker.ended_at == WALL and decode_body(empty) is None
 
 
-@pytest.mark.parametrize("corrupt, says", [
-    (lambda raw: b"XXXX" + raw[4:], "bad magic"),
-    (lambda raw: raw[:4] + bytes(32) + raw[36:], "not signed"),
-    (lambda raw: raw[:-5], "not signed"),  # cut: the signature no longer matches
-    (lambda raw: b"", "bad magic"),
-])
+@pytest.mark.parametrize(
+    "corrupt, says",
+    [
+        (lambda raw: b"XXXX" + raw[4:], "bad magic"),
+        (lambda raw: raw[:4] + bytes(32) + raw[36:], "not signed"),
+        (lambda raw: raw[:-5], "not signed"),  # cut: the signature no longer matches
+        (lambda raw: b"", "bad magic"),
+    ],
+)
 def test_a_damaged_or_foreign_record_is_refused_before_anything_is_unpickled(corrupt, says):
     raw = encode_snapshot(_header(), {"x": 1}, SECRET)
     with pytest.raises(SnapshotError, match=says):
@@ -79,6 +83,7 @@ def test_a_signed_record_whose_body_does_not_unpickle_is_refused():
 
 
 # -- when snapshots are due ------------------------------------------------------------------------
+
 
 class Clocks:
     def __init__(self) -> None:
@@ -145,6 +150,7 @@ def test_a_restored_run_skips_exactly_the_events_its_snapshot_holds():
 
 # -- the same results however often a run moves ----------------------------------------------------
 
+
 class Store:
     """What the compacted topic holds after compaction: the newest value per key and partition; and
     the anomaly and action topics, as a successor scans them (StateReader.scan)."""
@@ -180,7 +186,9 @@ def _stream(seed: int = 7) -> list[tuple[int, int, bytes]]:
     rng = random.Random(seed)
     by_run: dict[str, list[bytes]] = {}
     for run_id, fault in (("run-a", "spike"), ("run-b", "nan"), ("run-c", None)):
-        events: list[bytes] = [RunStartEvent(run_id=run_id, world_size=2, ts=T0, event_id=f"{run_id}-start").to_json()]
+        events: list[bytes] = [
+            RunStartEvent(run_id=run_id, world_size=2, ts=T0, event_id=f"{run_id}-start").to_json()
+        ]
         t = 0
         steps = list(range(0, 80))
         if fault == "nan":
@@ -188,22 +196,51 @@ def _stream(seed: int = 7) -> list[tuple[int, int, bytes]]:
         for i, step in enumerate(steps):
             t += 1
             for rank in (0, 1):
-                loss = 2.0 * 0.99 ** step + rng.gauss(0, 0.02)
+                loss = 2.0 * 0.99**step + rng.gauss(0, 0.02)
                 if fault == "spike" and step == 50:
                     loss *= 6
                 if fault == "nan" and 52 <= step <= 55 and i < 56:
                     loss = float("nan")
-                events.append(StepEvent(run_id=run_id, rank=rank, step=step, loss=loss,
-                                        grad_norm=1.0 + rng.gauss(0, 0.05), step_time_s=0.1 + rng.gauss(0, 0.003),
-                                        ts=T0 + timedelta(seconds=t), event_id=f"{run_id}-{i}-{rank}").to_json())
+                events.append(
+                    StepEvent(
+                        run_id=run_id,
+                        rank=rank,
+                        step=step,
+                        loss=loss,
+                        grad_norm=1.0 + rng.gauss(0, 0.05),
+                        step_time_s=0.1 + rng.gauss(0, 0.003),
+                        ts=T0 + timedelta(seconds=t),
+                        event_id=f"{run_id}-{i}-{rank}",
+                    ).to_json()
+                )
             if step % 10 == 0 and step > 0 and i < 56:
-                events.append(CheckpointEvent(run_id=run_id, step=step, uri=f"/c/{step}", ts=T0 + timedelta(seconds=t),
-                                              event_id=f"{run_id}-ckpt-{i}").to_json())
+                events.append(
+                    CheckpointEvent(
+                        run_id=run_id,
+                        step=step,
+                        uri=f"/c/{step}",
+                        ts=T0 + timedelta(seconds=t),
+                        event_id=f"{run_id}-ckpt-{i}",
+                    ).to_json()
+                )
             if fault == "nan" and i == 56:
-                events.append(ActionAckEvent(run_id=run_id, action_id="filled-below", outcome="applied", step=55,
-                                             to_step=40, ts=T0 + timedelta(seconds=t), event_id=f"{run_id}-ack").to_json())
+                events.append(
+                    ActionAckEvent(
+                        run_id=run_id,
+                        action_id="filled-below",
+                        outcome="applied",
+                        step=55,
+                        to_step=40,
+                        ts=T0 + timedelta(seconds=t),
+                        event_id=f"{run_id}-ack",
+                    ).to_json()
+                )
         if run_id == "run-c":
-            events.append(RunEndEvent(run_id=run_id, ts=T0 + timedelta(seconds=t + 1), event_id=f"{run_id}-end").to_json())
+            events.append(
+                RunEndEvent(
+                    run_id=run_id, ts=T0 + timedelta(seconds=t + 1), event_id=f"{run_id}-end"
+                ).to_json()
+            )
         by_run[run_id] = events
     partition_of = {"run-a": 0, "run-b": 1, "run-c": 0}
     offsets = {0: 0, 1: 0}
@@ -232,16 +269,24 @@ def _findings(results: list[ProcessResult]) -> tuple[dict[str, str], dict[str, l
             assert anomalies.setdefault(a.anomaly_id, body) == body, f"{a.anomaly_id} came back changed"
         for act in result.actions:
             actions.setdefault(act.action_id, []).append(
-                act.model_dump_json(exclude={"issued_at", "expires_at", "signature"}))
+                act.model_dump_json(exclude={"issued_at", "expires_at", "signature"})
+            )
     return anomalies, actions
 
 
 def _processor(store: Store, wall: datetime = WALL) -> TelemetryProcessor:
-    return TelemetryProcessor(CONFIG, SECRET, clock=lambda: wall, state_reader=store,  # type: ignore[arg-type]
-                              state=StateOptions(every_events=25, interval_s=1e9))
+    return TelemetryProcessor(
+        CONFIG,
+        SECRET,
+        clock=lambda: wall,
+        state_reader=store,  # type: ignore[arg-type]
+        state=StateOptions(every_events=25, interval_s=1e9),
+    )
 
 
-def _run(stream, cuts: set[int], batch: int = 10, snapshot_lost: bool = False) -> tuple[list[ProcessResult], int]:
+def _run(
+    stream, cuts: set[int], batch: int = 10, snapshot_lost: bool = False
+) -> tuple[list[ProcessResult], int]:
     """Feed ``stream`` in batches, as the worker does; at each cut index the processor is lost and a new
     one restores from the store and reads again from the last checkpoint. ``snapshot_lost``: the batch
     before each cut had its results published but its snapshots never reached the store (the worker
@@ -262,7 +307,7 @@ def _run(stream, cuts: set[int], batch: int = 10, snapshot_lost: bool = False) -
             proc.keep_partitions({0, 1})
             i = committed
             continue
-        chunk = stream[i:min(i + batch, pending[0] if pending else len(stream))]
+        chunk = stream[i : min(i + batch, pending[0] if pending else len(stream))]
         for p, o, raw in chunk:
             results.append(proc.process(raw, key=json.loads(raw)["run_id"].encode(), partition=p, offset=o))
             store.publish(results[-1])
@@ -292,14 +337,23 @@ def test_results_are_the_same_whichever_processor_holds_the_run_and_however_ofte
 
     # lost right after each action was issued (before a checkpoint covered it), and at assorted places
     right_after = {i + 1 for i, r in enumerate(uninterrupted) if r.actions}
-    for cuts in (right_after, {45}, {101, 230}, {17, 64, 65, 150, 260, 330, 400}, set(range(20, len(stream), 37))):
+    for cuts in (
+        right_after,
+        {45},
+        {101, 230},
+        {17, 64, 65, 150, 260, 330, 400},
+        set(range(20, len(stream), 37)),
+    ):
         moved, restored = _run(stream, cuts)
         anomalies, actions = _findings(moved)
         assert anomalies == want_anomalies, cuts
         assert {k: v[:1] for k, v in actions.items()} == {k: v[:1] for k, v in want_actions.items()}, cuts
         # an action is issued once: it is snapshotted with the state that decided it
         assert all(len(copies) == 1 for copies in actions.values()), cuts
-        assert restored >= 2 * len(cuts), (cuts, restored)  # (each successor restored the runs, not rebuilt them)
+        assert restored >= 2 * len(cuts), (
+            cuts,
+            restored,
+        )  # (each successor restored the runs, not rebuilt them)
 
 
 def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_its_last_snapshot():
@@ -308,7 +362,9 @@ def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_i
     already on the action topic (streams/runwatch/streams/worker/published.py). Without that read it is issued twice."""
     draft = _stream()
     first, _ = _run(draft, set())
-    stream = _with_rollback_ack(draft, next(a for r in first for a in r.actions if a.kind == "rollback").action_id)
+    stream = _with_rollback_ack(
+        draft, next(a for r in first for a in r.actions if a.kind == "rollback").action_id
+    )
     uninterrupted, _ = _run(stream, set())
     want_anomalies, want_actions = _findings(uninterrupted)
     right_after = {i + 1 for i, r in enumerate(uninterrupted) if r.actions or r.anomalies}
@@ -323,6 +379,7 @@ def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_i
 
 # -- reading a compacted partition back ------------------------------------------------------------
 
+
 class _Record:
     def __init__(self, offset: int, key: bytes, value: bytes | None):
         self.offset, self.key, self.value = offset, key, value
@@ -333,7 +390,9 @@ class CompactedLog:
     with gaps, tombstones, a log start above 0, a tail the cleaner emptied (fetches return nothing below
     the end offset), a log start that retention moves during the read."""
 
-    def __init__(self, partitions: dict[int, tuple[int, int, list[_Record]]], move_start_after_polls: int = 0):
+    def __init__(
+        self, partitions: dict[int, tuple[int, int, list[_Record]]], move_start_after_polls: int = 0
+    ):
         self.partitions = partitions  # partition -> (log start, end offset, records)
         self.position_of: dict = {}
         self.polls = 0
@@ -377,11 +436,22 @@ class CompactedLog:
 def test_reading_a_compacted_partition_keeps_each_run_s_newest_record_and_forgets_tombstoned_ones():
     from runwatch.streams.worker.state_reader import StateReader
 
-    log = CompactedLog({
-        0: (3, 20, [_Record(3, b"g/a", b"a1"), _Record(7, b"g/b", b"b1"), _Record(9, b"g/a", b"a2"),
-                    _Record(12, b"g/b", None), _Record(15, b"g/c", b"c1")]),  # 16..19 cleaned away
-        1: (5, 5, []),  # empty: nothing was ever kept
-    })
+    log = CompactedLog(
+        {
+            0: (
+                3,
+                20,
+                [
+                    _Record(3, b"g/a", b"a1"),
+                    _Record(7, b"g/b", b"b1"),
+                    _Record(9, b"g/a", b"a2"),
+                    _Record(12, b"g/b", None),
+                    _Record(15, b"g/c", b"c1"),
+                ],
+            ),  # 16..19 cleaned away
+            1: (5, 5, []),  # empty: nothing was ever kept
+        }
+    )
     reader = StateReader("unused:9092", consumer=log, idle_s=0.2, timeout_s=10)
     assert reader.read({0, 1}) == {"g/a": b"a2", "g/b": None, "g/c": b"c1"}
 
@@ -401,7 +471,9 @@ class StarvedLog(CompactedLog):
         for tp in list(out):
             if tp.partition == 0 and self.position_of[tp] >= self.partitions[0][1]:
                 self.backlog_done = time.monotonic()
-            if tp.partition == 1 and (self.backlog_done is None or time.monotonic() < self.backlog_done + self.after_s):
+            if tp.partition == 1 and (
+                self.backlog_done is None or time.monotonic() < self.backlog_done + self.after_s
+            ):
                 self.position_of[tp] -= len(out.pop(tp))  # not delivered yet
         return out
 
@@ -477,8 +549,15 @@ def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(c
     from runwatch.streams.worker.published import read_published
     from runwatch.streams.worker.state_reader import StateReadError
 
-    found = Anomaly(anomaly_id="a1", run_id="run-a", detector="loss_spike", metric="loss", severity="warning",
-                    message="loss spiked", ts=T0)
+    found = Anomaly(
+        anomaly_id="a1",
+        run_id="run-a",
+        detector="loss_spike",
+        metric="loss",
+        severity="warning",
+        message="loss spiked",
+        ts=T0,
+    )
     budgets = []
 
     def slow_scan(topic, partitions, tail, timeout_s):  # noqa: ANN001, ANN202
@@ -500,28 +579,43 @@ def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(c
 def test_a_run_let_go_has_its_snapshot_deleted_so_no_successor_restores_it():
     store = Store()
     wall = [WALL]
-    config = RunwatchConfig.model_validate({"runs": {"silence_retention_s": 60, "max_runs": 2},
-                                            "policy": {"confirm_steps": 12}})
-    proc = TelemetryProcessor(config, SECRET, clock=lambda: wall[0], state_reader=store,  # type: ignore[arg-type]
-                              state=StateOptions(every_events=25, interval_s=1e9))
+    config = RunwatchConfig.model_validate(
+        {"runs": {"silence_retention_s": 60, "max_runs": 2}, "policy": {"confirm_steps": 12}}
+    )
+    proc = TelemetryProcessor(
+        config,
+        SECRET,
+        clock=lambda: wall[0],
+        state_reader=store,  # type: ignore[arg-type]
+        state=StateOptions(every_events=25, interval_s=1e9),
+    )
     proc.keep_partitions({0})
     for i, run in enumerate(("crashed", "evicted", "live")):
         wall[0] = WALL + timedelta(seconds=i)
         ts = WALL - timedelta(seconds=10)
-        proc.process(StepEvent(run_id=run, step=1, loss=1.0, ts=ts).to_json(), key=run.encode(), partition=0, offset=i)
+        proc.process(
+            StepEvent(run_id=run, step=1, loss=1.0, ts=ts).to_json(), key=run.encode(), partition=0, offset=i
+        )
         if i == 1:
             store.write(proc.take_snapshots(force_checkpoint=True)[0])  # both snapshotted...
     assert {"crashed", "evicted"} <= {k.split("/", 1)[1] for k in store.read({0})}
     # ... then "crashed" was evicted to make room for "live" (max_runs 2); "evicted" goes silent
     wall[0] = WALL + timedelta(seconds=62)
-    proc.process(StepEvent(run_id="live", step=2, loss=1.0, ts=WALL).to_json(), key=b"live", partition=0, offset=3)
+    proc.process(
+        StepEvent(run_id="live", step=2, loss=1.0, ts=WALL).to_json(), key=b"live", partition=0, offset=3
+    )
     let_go = proc.tick(wall[0]).anomalies
     assert [(a.run_id, a.metric) for a in let_go] == [("evicted", "silent")]
     store.write(proc.take_snapshots(force_checkpoint=True)[0])
     held = {k.split("/", 1)[1]: v for k, v in store.read({0}).items()}
     assert held["crashed"] is None and held["evicted"] is None and held["live"] is not None  # tombstones
-    successor = TelemetryProcessor(config, SECRET, clock=lambda: wall[0], state_reader=store,  # type: ignore[arg-type]
-                                   state=StateOptions(every_events=25, interval_s=1e9))
+    successor = TelemetryProcessor(
+        config,
+        SECRET,
+        clock=lambda: wall[0],
+        state_reader=store,  # type: ignore[arg-type]
+        state=StateOptions(every_events=25, interval_s=1e9),
+    )
     successor.keep_partitions({0})
     assert set(successor.monitors) == {"live"}
 

@@ -14,8 +14,10 @@ from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import cli_config
 from runwatch.cli.output import print_json
 
-CONFIG_HELP = ("runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
-               "as `runwatch calibrate` proposes them)")
+CONFIG_HELP = (
+    "runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
+    "as `runwatch calibrate` proposes them)"
+)
 GIT_REPO_HELP = "a clone of the code the runs ran: show the commits between the runs (git log A..B)"
 
 
@@ -40,13 +42,25 @@ def baseline() -> None:
 @click.argument("run_id")
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help=CONFIG_HELP)
-@click.option("--window-days", type=float, help="the history: runs this many days before [config's; default 30]")
+@click.option(
+    "--window-days", type=float, help="the history: runs this many days before [config's; default 30]"
+)
 @click.option("--min-runs", type=int, help="fewer is 'insufficient_history' [config's; default 5]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--markdown", "as_markdown", is_flag=True, help="print a Markdown report (for a pull-request comment)")
+@click.option(
+    "--markdown", "as_markdown", is_flag=True, help="print a Markdown report (for a pull-request comment)"
+)
 @click.option("--git-repo", type=click.Path(), help=GIT_REPO_HELP)
-def check(run_id: str, dsn: str | None, config_path: str | None, window_days: float | None, min_runs: int | None,
-          as_json: bool, as_markdown: bool, git_repo: str | None) -> None:
+def check(
+    run_id: str,
+    dsn: str | None,
+    config_path: str | None,
+    window_days: float | None,
+    min_runs: int | None,
+    as_json: bool,
+    as_markdown: bool,
+    git_repo: str | None,
+) -> None:
     """Compare RUN_ID's summary with its job's history (same baseline key and hardware).
 
     Exits 1 when any metric is an OUTLIER, 0 otherwise (insufficient history included: the report
@@ -78,8 +92,9 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
                 fail(f"unknown run {run_id!r}: no summary and no telemetry in ClickHouse at {sink.dsn}")
         candidates = []
         if run.baseline_key is not None and run.started_at is not None:
-            candidates = sink.baselines.candidates(run.baseline_key, run.fingerprint, run.started_at,
-                                                  config.window_days)
+            candidates = sink.baselines.candidates(
+                run.baseline_key, run.fingerprint, run.started_at, config.window_days
+            )
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - ClickHouse failing mid-way
@@ -94,8 +109,12 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
         except GitError as exc:
             fail(f"--git-repo: {exc}")
     if as_json:
-        print_json({**report.model_dump(mode="json"),
-               "commit_range": commits.model_dump(mode="json") if commits is not None else None})
+        print_json(
+            {
+                **report.model_dump(mode="json"),
+                "commit_range": commits.model_dump(mode="json") if commits is not None else None,
+            }
+        )
     elif as_markdown:
         click.echo(render_markdown(report, commits), nl=False)
     else:
@@ -106,16 +125,34 @@ def check(run_id: str, dsn: str | None, config_path: str | None, window_days: fl
 @baseline.command(cls=NeedsExtra, extras=["sink"])
 @click.option("--baseline-key", required=True, help="the job whose history to scan")
 @click.option("--fingerprint", help="one hardware fingerprint (default: each, separately)")
-@click.option("--metric", "metrics", multiple=True, help="only this metric (repeatable; default: every judged one)")
+@click.option(
+    "--metric", "metrics", multiple=True, help="only this metric (repeatable; default: every judged one)"
+)
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
-@click.option("--max-pvalue", type=click.FloatRange(0, 1, min_open=True), default=0.01, show_default=True,
-              help="the permutation test's significance level")
-@click.option("--seed", type=int, default=0, show_default=True, help="the permutations' seed (a scan is reproducible)")
+@click.option(
+    "--max-pvalue",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.01,
+    show_default=True,
+    help="the permutation test's significance level",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="the permutations' seed (a scan is reproducible)"
+)
 @click.option("--git-repo", type=click.Path(), help="fill in commit times and subjects from this clone")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help=CONFIG_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], dsn: str | None, max_pvalue: float,
-         seed: int, git_repo: str | None, config_path: str | None, as_json: bool) -> None:
+def scan(
+    baseline_key: str,
+    fingerprint: str | None,
+    metrics: tuple[str, ...],
+    dsn: str | None,
+    max_pvalue: float,
+    seed: int,
+    git_repo: str | None,
+    config_path: str | None,
+    as_json: bool,
+) -> None:
     """List the change points of each metric over a job's history (E-divisive means), each with the
     first run and commit at the new level. Runs on other hardware and before a declared new
     baseline are separate histories."""
@@ -132,17 +169,30 @@ def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], d
     finally:
         sink.close()
     if not summaries:
-        fail(f"no run summaries for baseline key {baseline_key!r}" + (f" on {fingerprint}" if fingerprint else ""))
-    changes = scan_history(summaries, cli_config(config_path).baseline, metrics=metrics or None,
-                           max_pvalue=max_pvalue, seed=seed)
+        fail(
+            f"no run summaries for baseline key {baseline_key!r}"
+            + (f" on {fingerprint}" if fingerprint else "")
+        )
+    changes = scan_history(
+        summaries, cli_config(config_path).baseline, metrics=metrics or None, max_pvalue=max_pvalue, seed=seed
+    )
     rows = []
     for c in changes:
         row: dict[str, Any] = {
-            "metric": c.metric, "kind": c.kind, "run_id": c.run_id, "git_sha": c.git_sha,
-            "commit_time": c.commit_time.isoformat() if c.commit_time else None, "subject": None,
-            "previous_run_id": c.previous_run_id, "previous_sha": c.previous_sha, "fingerprint": c.fingerprint,
-            "started_at": c.started_at.isoformat() if c.started_at else None, "mean_before": c.mean_before,
-            "mean_after": c.mean_after, "relative_change": c.relative_change, "pvalue": c.pvalue,
+            "metric": c.metric,
+            "kind": c.kind,
+            "run_id": c.run_id,
+            "git_sha": c.git_sha,
+            "commit_time": c.commit_time.isoformat() if c.commit_time else None,
+            "subject": None,
+            "previous_run_id": c.previous_run_id,
+            "previous_sha": c.previous_sha,
+            "fingerprint": c.fingerprint,
+            "started_at": c.started_at.isoformat() if c.started_at else None,
+            "mean_before": c.mean_before,
+            "mean_after": c.mean_after,
+            "relative_change": c.relative_change,
+            "pvalue": c.pvalue,
             "runs_scanned": c.runs_scanned,
         }
         if repo is not None and c.git_sha:
@@ -152,7 +202,14 @@ def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], d
                 row["subject"] = info[1]
         rows.append(row)
     if as_json:
-        print_json({"baseline_key": baseline_key, "fingerprint": fingerprint, "runs": len(summaries), "change_points": rows})
+        print_json(
+            {
+                "baseline_key": baseline_key,
+                "fingerprint": fingerprint,
+                "runs": len(summaries),
+                "change_points": rows,
+            }
+        )
         return
     click.echo(f"{baseline_key}: {len(summaries)} run(s), {len(rows)} change point(s)")
     for metric in dict.fromkeys(r["metric"] for r in rows):
@@ -160,6 +217,8 @@ def scan(baseline_key: str, fingerprint: str | None, metrics: tuple[str, ...], d
         for r in (r for r in rows if r["metric"] == metric):
             sha = (r["git_sha"] or "unknown")[:12]
             when = f" committed {r['commit_time']}" if r["commit_time"] else ""
-            subject = f" \"{r['subject']}\"" if r["subject"] else ""
-            click.echo(f"  {r['kind']:<11} {r['relative_change']:+.1%} ({r['mean_before']:.4g} -> {r['mean_after']:.4g}, "
-                       f"p={r['pvalue']:.3f}) first at run {r['run_id']}, commit {sha}{subject}{when}")
+            subject = f' "{r["subject"]}"' if r["subject"] else ""
+            click.echo(
+                f"  {r['kind']:<11} {r['relative_change']:+.1%} ({r['mean_before']:.4g} -> {r['mean_after']:.4g}, "
+                f"p={r['pvalue']:.3f}) first at run {r['run_id']}, commit {sha}{subject}{when}"
+            )

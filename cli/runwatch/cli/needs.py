@@ -53,7 +53,9 @@ def current_command() -> str:
 class NeedsExtra(click.Command):
     """A command that needs ``extras``, less the distributions ``without`` of them."""
 
-    def __init__(self, *args: Any, extras: Sequence[str] = (), without: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, extras: Sequence[str] = (), without: Sequence[str] = (), **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.extras = tuple(extras)
         self.without = tuple(without)

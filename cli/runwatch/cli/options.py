@@ -28,4 +28,5 @@ def require_torch(command: str) -> None:
         import torch  # noqa: F401
     except ImportError:
         raise click.ClickException(
-            f"{command} trains real models and needs PyTorch: pip install 'runwatch[torch]'") from None
+            f"{command} trains real models and needs PyTorch: pip install 'runwatch[torch]'"
+        ) from None

@@ -10,4 +10,6 @@ def print_json(obj: Any) -> None:
     """Write ``obj`` to stdout as indented JSON (orjson: datetimes as ISO 8601, numpy arrays as lists)."""
     import orjson
 
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+    sys.stdout.write(
+        orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n"
+    )

@@ -41,8 +41,9 @@ def call_within(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return outcome["value"]
 
 
-def kafka_partition_counts(bootstrap: str, names: Iterable[str], timeout_s: float = CONNECT_TIMEOUT_S,
-                           metadata_wait_s: float = 3.0) -> dict[str, int | None]:
+def kafka_partition_counts(
+    bootstrap: str, names: Iterable[str], timeout_s: float = CONNECT_TIMEOUT_S, metadata_wait_s: float = 3.0
+) -> dict[str, int | None]:
     """How many partitions each topic of ``names`` has on the broker at ``bootstrap`` (None: it does not
     exist); ``Unreachable`` if the broker does not answer within ``timeout_s``."""
     from runwatch.producer.wire import topics
@@ -50,8 +51,13 @@ def kafka_partition_counts(bootstrap: str, names: Iterable[str], timeout_s: floa
     def probe() -> dict[str, int | None]:
         from kafka import KafkaConsumer
 
-        consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=None,
-                                 enable_auto_commit=False, request_timeout_ms=int(timeout_s * 1000) + 1000)
+        consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            api_version=topics.KAFKA_API_VERSION,
+            group_id=None,
+            enable_auto_commit=False,
+            request_timeout_ms=int(timeout_s * 1000) + 1000,
+        )
         try:
             counts: dict[str, int | None] = {}
             for name in names:

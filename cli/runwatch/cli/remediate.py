@@ -15,11 +15,19 @@ from runwatch.producer.wire import topics
 
 @click.command(cls=NeedsExtra, extras=["remediate"])
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
-              help="remediation YAML: rules (action kinds -> argv command templates) and webhooks")
-@click.option("--dsn", envvar="RUNWATCH_REMEDIATE_DSN",
-              help="ClickHouse DSN for the remediations record; default chdb:///.runwatch/remediate "
-                   "(give it a ClickHouse server shared with the sink to resolve {job_id}/{host}/{pod} from run_start)")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="remediation YAML: rules (action kinds -> argv command templates) and webhooks",
+)
+@click.option(
+    "--dsn",
+    envvar="RUNWATCH_REMEDIATE_DSN",
+    help="ClickHouse DSN for the remediations record; default chdb:///.runwatch/remediate "
+    "(give it a ClickHouse server shared with the sink to resolve {job_id}/{host}/{pod} from run_start)",
+)
 def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
     from runwatch.cli.startup import open_store, require_topics
@@ -45,8 +53,10 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
     n_commands = sum(len(rule.commands) for rule in config.rules)
-    click.echo(f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "
-               f"record in {store.dsn}; {len(consumer.remediator.done)} execution(s) already recorded")
+    click.echo(
+        f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "
+        f"record in {store.dsn}; {len(consumer.remediator.done)} execution(s) already recorded"
+    )
     run_until_signalled(consumer, store)
     rem = consumer.remediator
     click.echo(f"remediate stopped: executions {dict(rem.executed)}, ignored {dict(rem.ignored)}")

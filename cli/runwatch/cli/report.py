@@ -14,10 +14,18 @@ from runwatch.cli.needs import NeedsExtra
 @click.command(cls=NeedsExtra, extras=["report"])
 @click.argument("run_id")
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help=DSN_HELP)
-@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path),
-              help="the HTML file to write [default: report-RUN_ID.html here]")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="runwatch YAML whose `baseline` section judges the run (as `runwatch baseline check`)")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="the HTML file to write [default: report-RUN_ID.html here]",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="runwatch YAML whose `baseline` section judges the run (as `runwatch baseline check`)",
+)
 def report(run_id: str, dsn: str | None, out: Path | None, config_path: str | None) -> None:
     """Write RUN_ID's report: the Run and Baselines panels drawn with plotly.js (inlined: it opens with no
     network), anomalies and actions marked on the curves, the findings and the baseline verdicts.
@@ -39,4 +47,6 @@ def report(run_id: str, dsn: str | None, out: Path | None, config_path: str | No
         fail(f"reading ClickHouse at {sink.dsn} failed: {type(exc).__name__}: {exc}")
     finally:
         sink.close()
-    click.echo(f"report of {run_id}: {result.path} ({result.bytes / 1e6:.1f} MB, {len(result.panels)} panels)")
+    click.echo(
+        f"report of {run_id}: {result.path} ({result.bytes / 1e6:.1f} MB, {len(result.panels)} panels)"
+    )

@@ -17,13 +17,28 @@ from runwatch.producer.wire import topics
 @click.option("--dsn", envvar="RUNWATCH_CLICKHOUSE_DSN", help="chdb:///path or http(s)://user:pass@host:8123")
 @click.option("--batch-size", type=int, default=2000, show_default=True)
 @click.option("--batch-interval", type=float, default=1.0, show_default=True, help="seconds")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers'), "
-                   "its `baseline.loss_every` the run summaries' loss_at_step_N")
-@click.option("--died-after", type=click.FloatRange(min=1), default=600.0, show_default=True,
-              help="seconds without an event after which a run with no run_end is summarised as died")
-def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float, config_path: str | None,
-         died_after: float) -> None:
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="the workers' YAML: its `limits:` decide which telemetry is stored (the same as the workers'), "
+    "its `baseline.loss_every` the run summaries' loss_at_step_N",
+)
+@click.option(
+    "--died-after",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="seconds without an event after which a run with no run_end is summarised as died",
+)
+def sink(
+    bootstrap: str,
+    dsn: str | None,
+    batch_size: int,
+    batch_interval: float,
+    config_path: str | None,
+    died_after: float,
+) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
     from runwatch.cli.startup import open_store, redacted, require_topics
@@ -45,10 +60,20 @@ def sink(bootstrap: str, dsn: str | None, batch_size: int, batch_interval: float
     # (after the startup checks: what a client library logs while it retries is not the one line)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
-    consumer = SinkConsumer(store, bootstrap, batch_size=batch_size, batch_interval_s=batch_interval, limits=limits,
-                            died_after_s=died_after, summary_loss_every=config.baseline.loss_every,
-                            secret=secret, partitions=partitions)
+    consumer = SinkConsumer(
+        store,
+        bootstrap,
+        batch_size=batch_size,
+        batch_interval_s=batch_interval,
+        limits=limits,
+        died_after_s=died_after,
+        summary_loss_every=config.baseline.loss_every,
+        secret=secret,
+        partitions=partitions,
+    )
     run_until_signalled(consumer, store)
     stats = consumer.stats
-    click.echo(f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "
-               f"dead-lettered {dict(stats.deadlettered)}, dead letters not published {stats.deadletter_errors}")
+    click.echo(
+        f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "
+        f"dead-lettered {dict(stats.deadlettered)}, dead letters not published {stats.deadletter_errors}"
+    )

@@ -23,19 +23,24 @@ def broker_partitions(bootstrap: str, names: Iterable[str]) -> dict[str, int | N
     try:
         return kafka_partition_counts(bootstrap, list(names))
     except Unreachable as exc:
-        raise click.ClickException(f"{exc} (is --bootstrap / ${topics.BOOTSTRAP_ENV} right, and the broker up?)") \
-            from None
+        raise click.ClickException(
+            f"{exc} (is --bootstrap / ${topics.BOOTSTRAP_ENV} right, and the broker up?)"
+        ) from None
 
 
-def require_topics(bootstrap: str, names: Iterable[str], optional: Iterable[str] = ()) -> dict[str, int | None]:
+def require_topics(
+    bootstrap: str, names: Iterable[str], optional: Iterable[str] = ()
+) -> dict[str, int | None]:
     """``broker_partitions`` of ``names`` and ``optional``; exit 1 naming the first of ``names`` that does
     not exist."""
     names = list(names)
     counts = broker_partitions(bootstrap, [*names, *optional])
     for name in names:
         if counts[name] is None:
-            raise click.ClickException(f"the topic {name} does not exist on {bootstrap} (`runwatch broker "
-                                       "--bootstrap ...` creates runwatch's topics; deploy/ lists them)")
+            raise click.ClickException(
+                f"the topic {name} does not exist on {bootstrap} (`runwatch broker "
+                "--bootstrap ...` creates runwatch's topics; deploy/ lists them)"
+            )
     return counts
 
 

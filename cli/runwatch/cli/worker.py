@@ -15,34 +15,88 @@ from runwatch.producer.wire import topics
 @click.command(cls=NeedsExtra, extras=["worker"])
 @click.option("--bootstrap", envvar=topics.BOOTSTRAP_ENV, required=True, help=BOOTSTRAP_HELP)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="detector/policy YAML")
-@click.option("--web-port", type=int, default=6066, show_default=True,
-              help="health endpoint port (/livez, /readyz, /health; one per worker); 0 turns it off")
-@click.option("--web-host", default="0.0.0.0", show_default=True, help="address the health endpoint listens on")
-@click.option("--detector-timeout", type=float, default=30.0, show_default=True,
-              help="seconds the detector process may leave a request unanswered before the worker fails")
-@click.option("--delivery-timeout", type=float, default=60.0, show_default=True,
-              help="seconds the broker may take to acknowledge the worker's records before the worker fails")
+@click.option(
+    "--web-port",
+    type=int,
+    default=6066,
+    show_default=True,
+    help="health endpoint port (/livez, /readyz, /health; one per worker); 0 turns it off",
+)
+@click.option(
+    "--web-host", default="0.0.0.0", show_default=True, help="address the health endpoint listens on"
+)
+@click.option(
+    "--detector-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="seconds the detector process may leave a request unanswered before the worker fails",
+)
+@click.option(
+    "--delivery-timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="seconds the broker may take to acknowledge the worker's records before the worker fails",
+)
 @click.option("--ready-file", type=click.Path(dir_okay=False), help="written once partitions are assigned")
-@click.option("--group", default=topics.DETECT_GROUP, show_default=True,
-              help="consumer group (Faust app id): workers of one group share the runs; another group is a "
-                   "separate deployment, e.g. with another config")
-@click.option("--baseline-dsn", envvar="RUNWATCH_BASELINE_DSN",
-              help="ClickHouse DSN each run's history is loaded from at its start: the per-step band of the "
-                   "baseline_trajectory detector, and the summaries its end is checked against (an outlier "
-                   "alert); an on-disk chdb path must be one no other process holds")
-@click.option("--no-state", is_flag=True,
-              help="keep runs' state in memory only: a restart or a rebalance re-warms the moved runs' detectors")
-@click.option("--snapshot-every-events", type=int, default=1000, show_default=True,
-              help="snapshot a run's state after this many of its events")
-@click.option("--snapshot-interval", type=float, default=5.0, show_default=True,
-              help="seconds between checkpoints (every changed run's state; events are committed after one)")
-@click.option("--state-retention", type=float, default=3600.0, show_default=True,
-              help="seconds an ended run's marker stays in runwatch.state before it is deleted")
+@click.option(
+    "--group",
+    default=topics.DETECT_GROUP,
+    show_default=True,
+    help="consumer group (Faust app id): workers of one group share the runs; another group is a "
+    "separate deployment, e.g. with another config",
+)
+@click.option(
+    "--baseline-dsn",
+    envvar="RUNWATCH_BASELINE_DSN",
+    help="ClickHouse DSN each run's history is loaded from at its start: the per-step band of the "
+    "baseline_trajectory detector, and the summaries its end is checked against (an outlier "
+    "alert); an on-disk chdb path must be one no other process holds",
+)
+@click.option(
+    "--no-state",
+    is_flag=True,
+    help="keep runs' state in memory only: a restart or a rebalance re-warms the moved runs' detectors",
+)
+@click.option(
+    "--snapshot-every-events",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="snapshot a run's state after this many of its events",
+)
+@click.option(
+    "--snapshot-interval",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="seconds between checkpoints (every changed run's state; events are committed after one)",
+)
+@click.option(
+    "--state-retention",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="seconds an ended run's marker stays in runwatch.state before it is deleted",
+)
 @click.option("--loglevel", default="WARNING", show_default=True)
-def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str, detector_timeout: float,
-           delivery_timeout: float, ready_file: str | None, group: str, baseline_dsn: str | None,
-           no_state: bool, snapshot_every_events: int, snapshot_interval: float, state_retention: float,
-           loglevel: str) -> None:
+def worker(
+    bootstrap: str,
+    config_path: str | None,
+    web_port: int,
+    web_host: str,
+    detector_timeout: float,
+    delivery_timeout: float,
+    ready_file: str | None,
+    group: str,
+    baseline_dsn: str | None,
+    no_state: bool,
+    snapshot_every_events: int,
+    snapshot_interval: float,
+    state_retention: float,
+    loglevel: str,
+) -> None:
     """Run the Faust detection worker."""
     if baseline_dsn:  # the history is read from ClickHouse
         require("runwatch worker --baseline-dsn", ["sink"])
@@ -58,18 +112,26 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
         try:
             server = HealthServer(web_host, web_port).start()
         except OSError as exc:
-            raise click.ClickException(f"the health endpoint cannot listen on {web_host}:{web_port}: {exc.strerror} "
-                                       "(another worker there? give each its own --web-port, or 0 for none)") from None
+            raise click.ClickException(
+                f"the health endpoint cannot listen on {web_host}:{web_port}: {exc.strerror} "
+                "(another worker there? give each its own --web-port, or 0 for none)"
+            ) from None
     config = cli_config(config_path)
     try:
         secret = resolve_secret()
     except MissingSecretError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        state = StateOptions(enabled=not no_state, every_events=snapshot_every_events,
-                             interval_s=snapshot_interval, retention_s=state_retention)
+        state = StateOptions(
+            enabled=not no_state,
+            every_events=snapshot_every_events,
+            interval_s=snapshot_interval,
+            retention_s=state_retention,
+        )
     except ValidationError as exc:
-        raise click.ClickException(f"bad snapshot option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+        raise click.ClickException(
+            f"bad snapshot option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}"
+        ) from None
     if server is not None:
         server.starting.phase = f"reaching the Kafka broker at {bootstrap}"
     partitions = _check_topics(bootstrap, state.enabled)
@@ -77,10 +139,20 @@ def worker(bootstrap: str, config_path: str | None, web_port: int, web_host: str
         server.starting.phase = "starting Faust and the detector process"
     from runwatch.streams.worker.app import create_app, run_worker
 
-    app, _ = create_app(bootstrap, config, secret, app_id=group, web_port=None,
-                        ready_file=Path(ready_file) if ready_file else None, detector_timeout_s=detector_timeout,
-                        delivery_timeout_s=delivery_timeout, baseline_dsn=baseline_dsn, state=state,
-                        partitions=partitions, health_server=server)
+    app, _ = create_app(
+        bootstrap,
+        config,
+        secret,
+        app_id=group,
+        web_port=None,
+        ready_file=Path(ready_file) if ready_file else None,
+        detector_timeout_s=detector_timeout,
+        delivery_timeout_s=delivery_timeout,
+        baseline_dsn=baseline_dsn,
+        state=state,
+        partitions=partitions,
+        health_server=server,
+    )
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
 
@@ -101,9 +173,11 @@ def _check_topics(bootstrap: str, state: bool) -> int:
         raise click.ClickException(
             f"the topic {topics.STATE} does not exist on {bootstrap}: create it compacted (cleanup.policy=compact) "
             f"with as many partitions as {topics.TELEMETRY} (`runwatch broker --bootstrap ...` creates it; "
-            "deploy/ lists it), or run with --no-state")
+            "deploy/ lists it), or run with --no-state"
+        )
     if state_count != telemetry:
         raise click.ClickException(
             f"{topics.STATE} has {state_count} partitions and {topics.TELEMETRY} {telemetry}: they must be equal (a "
-            "run's snapshot goes to the partition number of its telemetry)")
+            "run's snapshot goes to the partition number of its telemetry)"
+        )
     return telemetry

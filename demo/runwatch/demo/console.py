@@ -14,8 +14,13 @@ class DemoConsole:
         self.quiet = quiet
         self.console = Console(stderr=True)
         self.progress = Progress(
-            TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(), console=self.console, transient=True,
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
         )
         self.task = self.progress.add_task("train", total=steps, loss="-")
 
@@ -39,9 +44,11 @@ class DemoConsole:
     def summary(self, report: dict[str, Any]) -> None:
         out = Console()
         out.rule(f"runwatch demo: {report['scenario']} ({report['run_id']})")
-        out.print(f"steps completed {report['steps_completed']}/{report['steps']} "
-                  f"(executed {report['steps_executed']}), fault at step {report['fault_step']}, "
-                  f"final loss {report['final_loss']:.4g}, wall time {report['wall_time_s']}s")
+        out.print(
+            f"steps completed {report['steps_completed']}/{report['steps']} "
+            f"(executed {report['steps_executed']}), fault at step {report['fault_step']}, "
+            f"final loss {report['final_loss']:.4g}, wall time {report['wall_time_s']}s"
+        )
         table = Table("step", "detector", "severity", "message", title="anomalies")
         for a in report["anomalies"]:
             table.add_row(str(a["step"]), a["detector"], a["severity"], a["message"])
@@ -53,7 +60,9 @@ class DemoConsole:
         for r in report["rollbacks"]:
             out.print(f"rolled back at step {r['from_step']} to the checkpoint of step {r['to_step']}")
         ch = report["clickhouse"]
-        out.print(f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies {ch['anomalies']}, "
-                  f"actions {ch['actions']}, dead letters {ch['deadletter']}; "
-                  f"events published {report['events_published']}, dropped {report['events_dropped']}")
+        out.print(
+            f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies {ch['anomalies']}, "
+            f"actions {ch['actions']}, dead letters {ch['deadletter']}; "
+            f"events published {report['events_published']}, dropped {report['events_dropped']}"
+        )
         out.print(f"report: {report['report'] or 'not written (see the log above)'}")

@@ -67,11 +67,14 @@ def outage_steps(window: tuple[float, float], steps: int) -> tuple[int, int]:
     return cut_at, max(cut_at + 1, round(end * steps))
 
 
-
-
-def _run_recorded_scenario(sc: Scenario, rw: RunWatch, listener: ActionListener, step_interval_s: float,
-                           on_step: Callable[[int, float], None] | None,
-                           on_action: Callable[[AppliedAction], None]) -> tuple[TrainingResult, int | None]:
+def _run_recorded_scenario(
+    sc: Scenario,
+    rw: RunWatch,
+    listener: ActionListener,
+    step_interval_s: float,
+    on_step: Callable[[int, float], None] | None,
+    on_action: Callable[[AppliedAction], None],
+) -> tuple[TrainingResult, int | None]:
     """One of `runwatch scenarios generate`'s real training runs, streamed live to the worker,
     whose actions it takes (a rollback restores the run's in-memory checkpoint).
 
@@ -97,8 +100,11 @@ def _run_recorded_scenario(sc: Scenario, rw: RunWatch, listener: ActionListener,
     return outcome.live, outcome.onset_step
 
 
-def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
-             on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+def run_demo(
+    opts: DemoOptions,
+    log: Callable[[str], None] = lambda _m: None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
     run_id = f"demo-{opts.scenario}-{uuid.uuid4().hex[:8]}"
     if opts.scenario not in SCENARIOS:
         raise DemoError(f"unknown scenario {opts.scenario!r}; choose one of {', '.join(SCENARIOS)}")
@@ -116,21 +122,26 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         netcut: NetCut | None = None
         if opts.broker_outage is not None:
             if bootstrap is not None:
-                raise DemoError("--broker-outage needs the embedded broker (every client must reach it "
-                                "through the outage proxy); leave out --bootstrap and RUNWATCH_BOOTSTRAP")
+                raise DemoError(
+                    "--broker-outage needs the embedded broker (every client must reach it "
+                    "through the outage proxy); leave out --bootstrap and RUNWATCH_BOOTSTRAP"
+                )
             cut_at, restore_at = outage_steps(opts.broker_outage, opts.steps)
         if bootstrap is None:
             proxy_port = free_port() if opts.broker_outage is not None else None
-            broker = EmbeddedBroker(log_path=logs / "broker.log",
-                                    advertised=f"127.0.0.1:{proxy_port}" if proxy_port else None).start()
+            broker = EmbeddedBroker(
+                log_path=logs / "broker.log", advertised=f"127.0.0.1:{proxy_port}" if proxy_port else None
+            ).start()
             stack.callback(broker.stop)
             bootstrap = broker.bootstrap
             if proxy_port is not None:
                 netcut = NetCut(("127.0.0.1", broker.port), port=proxy_port).start()
                 stack.callback(netcut.stop)
                 bootstrap = netcut.bootstrap
-                log(f"embedded broker on {broker.bootstrap}, reached through the outage proxy on {bootstrap}; "
-                    f"it is cut from step {cut_at} to step {restore_at}")
+                log(
+                    f"embedded broker on {broker.bootstrap}, reached through the outage proxy on {bootstrap}; "
+                    f"it is cut from step {cut_at} to step {restore_at}"
+                )
             else:
                 log(f"embedded broker on {bootstrap}")
         ensure_topics(bootstrap)
@@ -163,8 +174,13 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         wait_until(sink_consumer.assigned.is_set, 60, "the sink to join its consumer group")
         wait_until(lambda: listener.wait_ready(0.1), 30, "the action listener")
 
-        cfg = TrainingConfig(scenario=sc, steps=opts.steps, fault_step=fault_step,
-                             step_interval_s=opts.step_interval_s, checkpoint_dir=STATE_DIR / "checkpoints")
+        cfg = TrainingConfig(
+            scenario=sc,
+            steps=opts.steps,
+            fault_step=fault_step,
+            step_interval_s=opts.step_interval_s,
+            checkpoint_dir=STATE_DIR / "checkpoints",
+        )
 
         def on_action(applied: AppliedAction) -> None:
             a = applied.action
@@ -173,11 +189,14 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
 
         step_hook = on_step
         if netcut is not None:
+
             def step_hook(step: int, loss: float) -> None:
                 if step >= restore_at and netcut.is_cut:
                     netcut.restore()
-                    log(f"broker reachable again at step {step} after {netcut.down_s:.1f}s; "
-                        f"{rw.stats.spooled} events spooled so far")
+                    log(
+                        f"broker reachable again at step {step} after {netcut.down_s:.1f}s; "
+                        f"{rw.stats.spooled} events spooled so far"
+                    )
                 elif step >= cut_at and not netcut.cuts:
                     netcut.cut()
                     log(f"broker cut off at step {step}")
@@ -185,16 +204,19 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
                     on_step(step, loss)
 
         if sc.recorded:
-            result, fault_step = _run_recorded_scenario(sc, rw, listener, opts.step_interval_s, step_hook,
-                                                        on_action)
+            result, fault_step = _run_recorded_scenario(
+                sc, rw, listener, opts.step_interval_s, step_hook, on_action
+            )
         else:
             result = train(cfg, rw, listener, on_step=step_hook, on_action=on_action)
         if netcut is not None and netcut.is_cut:  # the run ended (or stopped) inside the window
             netcut.restore()
         stats = rw.close(timeout=30, status="stopped" if result.stopped else "completed")
         if stats.spooled or stats.spool_recovered:
-            log(f"spool: {stats.spooled} events spooled, {stats.replayed} replayed, "
-                f"{stats.spool_dropped} dropped by its bound, {stats.spooled_at_close} left at close")
+            log(
+                f"spool: {stats.spooled} events spooled, {stats.replayed} replayed, "
+                f"{stats.spool_dropped} dropped by its bound, {stats.spooled_at_close} left at close"
+            )
 
         # Nothing is reported until every published event is stored: the worker has committed
         # past the last acknowledged offset (Faust flushes its sends before committing), then
@@ -202,10 +224,19 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         delivered = rw.delivered_offsets()
         for partition, offset in delivered.items():
             if worker is not None:
-                wait_until(lambda p=partition, o=offset: committed_offset(bootstrap, DETECT_GROUP, topics.TELEMETRY, p) > o,
-                           opts.timeout_s, "the worker to process every event", interval=0.25)
-            wait_until(lambda p=partition, o=offset: sink_consumer.stored_through(topics.TELEMETRY, p) > o,
-                       opts.timeout_s, "the sink to store every event")
+                wait_until(
+                    lambda p=partition, o=offset: (
+                        committed_offset(bootstrap, DETECT_GROUP, topics.TELEMETRY, p) > o
+                    ),
+                    opts.timeout_s,
+                    "the worker to process every event",
+                    interval=0.25,
+                )
+            wait_until(
+                lambda p=partition, o=offset: sink_consumer.stored_through(topics.TELEMETRY, p) > o,
+                opts.timeout_s,
+                "the sink to store every event",
+            )
         caught_up = time.monotonic()
         wait_until(lambda: sink_consumer.stats.last_empty_poll > caught_up + 0.3, 30, "the sink to drain")
         stop_sink()
@@ -229,12 +260,16 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
         "steps_completed": result.steps_completed,
         "steps_executed": result.steps_executed,
         "final_loss": result.final_loss,
-        "nonfinite_steps_after_last_rollback": result.nonfinite_after_last_rollback if result.rollbacks else None,
+        "nonfinite_steps_after_last_rollback": result.nonfinite_after_last_rollback
+        if result.rollbacks
+        else None,
         "stopped": result.stopped,
         "anomalies": anomalies,
         "actions": actions,
-        "rollbacks": [{"from_step": r["from_step"], "to_step": r["to_step"], "action_id": r["action_id"]}
-                      for r in result.rollbacks],
+        "rollbacks": [
+            {"from_step": r["from_step"], "to_step": r["to_step"], "action_id": r["action_id"]}
+            for r in result.rollbacks
+        ],
         "actions_ignored_by_trainer": dict(listener.ignored),
         "clickhouse": {**counts, "telemetry_rows": counts["telemetry"]},
         "clickhouse_dsn": sink.dsn,
@@ -250,8 +285,12 @@ def run_demo(opts: DemoOptions, log: Callable[[str], None] = lambda _m: None,
             "at_close": stats.spooled_at_close,
             "duplicates_sent": stats.duplicates_sent,
         },
-        "broker_outage": None if netcut is None else {
-            "from_step": cut_at, "to_step": restore_at, "down_s": round(netcut.down_s, 2),
+        "broker_outage": None
+        if netcut is None
+        else {
+            "from_step": cut_at,
+            "to_step": restore_at,
+            "down_s": round(netcut.down_s, 2),
         },
         "wall_time_s": round(time.monotonic() - started, 2),
     }

@@ -52,7 +52,9 @@ class DemoModel(nn.Module):
         return self.head(self.encoder(x)).squeeze(-1)
 
 
-def make_batch(teacher: nn.Module, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    teacher: nn.Module, step: int, batch_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     x = torch.randn(batch_size, 32, generator=g)
     with torch.no_grad():

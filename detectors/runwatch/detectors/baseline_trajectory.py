@@ -44,21 +44,41 @@ class BaselineTrajectoryConfig(Strict):
     """The run against its job's earlier runs at the same step (the band is handed in by the worker)."""
 
     enabled: bool = True
-    min_runs: int = Field(default=3, ge=1, description="a band of fewer baseline runs is not used (says so once)")
-    consecutive_steps: int = Field(default=10, ge=1, description="steps in a row above the band for a finding")
+    min_runs: int = Field(
+        default=3, ge=1, description="a band of fewer baseline runs is not used (says so once)"
+    )
+    consecutive_steps: int = Field(
+        default=10, ge=1, description="steps in a row above the band for a finding"
+    )
     consecutive_evals: int = Field(default=2, ge=1, description="evals in a row above the band for a finding")
     band_widths: float = Field(
-        default=1.0, ge=0, description="the threshold is at least the band's high x (high / low) to this power")
-    loss_ratio: float = Field(default=1.5, ge=1, description="loss above the band's high quantile by this factor")
-    grad_norm_ratio: float = Field(default=3.0, ge=1, description="grad norm above the band's high by this factor")
-    module_ratio: float = Field(default=5.0, ge=1, description="a module's grad norm above its band's high by this")
-    step_time_ratio: float = Field(default=1.2, ge=1, description="step time above the band's high by this factor")
+        default=1.0,
+        ge=0,
+        description="the threshold is at least the band's high x (high / low) to this power",
+    )
+    loss_ratio: float = Field(
+        default=1.5, ge=1, description="loss above the band's high quantile by this factor"
+    )
+    grad_norm_ratio: float = Field(
+        default=3.0, ge=1, description="grad norm above the band's high by this factor"
+    )
+    module_ratio: float = Field(
+        default=5.0, ge=1, description="a module's grad norm above its band's high by this"
+    )
+    step_time_ratio: float = Field(
+        default=1.2, ge=1, description="step time above the band's high by this factor"
+    )
     memory_ratio: float = Field(default=1.15, ge=1, description="memory above the band's high by this factor")
-    eval_loss_ratio: float = Field(default=1.25, ge=1, description="eval loss above the band's high by this factor")
+    eval_loss_ratio: float = Field(
+        default=1.25, ge=1, description="eval loss above the band's high by this factor"
+    )
     # How the band is made (by whoever hands it in: the worker, runwatch evaluate), not used by the detector.
-    max_runs: int = Field(default=20, ge=1, description="the band is made of at most this many newest baseline runs")
-    max_buckets: int = Field(default=2000, ge=10, description="steps are bucketed so that a band has at most "
-                                                               "this many per metric")
+    max_runs: int = Field(
+        default=20, ge=1, description="the band is made of at most this many newest baseline runs"
+    )
+    max_buckets: int = Field(
+        default=2000, ge=10, description="steps are bucketed so that a band has at most this many per metric"
+    )
 
 
 NAME = "baseline_trajectory"
@@ -94,8 +114,9 @@ class BandTable:
     about: dict[str, Any]  # the band's key, fingerprint, runs: for the evidence
 
 
-NO_BAND = BandTable(bucket=1, names=[], index={}, table=np.full((1, 0, 4), np.nan), thr=np.full((1, 0), np.nan),
-                    about={})
+NO_BAND = BandTable(
+    bucket=1, names=[], index={}, table=np.full((1, 0, 4), np.nan), thr=np.full((1, 0), np.nan), about={}
+)
 
 
 class BaselineTrajectoryDetector(Detector):
@@ -103,9 +124,14 @@ class BaselineTrajectoryDetector(Detector):
 
     def __init__(self, config: BaselineTrajectoryConfig):
         self.config = config
-        self._ratios = {"loss": config.loss_ratio, "grad_norm": config.grad_norm_ratio,
-                        "module": config.module_ratio, "step_time": config.step_time_ratio,
-                        "memory": config.memory_ratio, "eval": config.eval_loss_ratio}
+        self._ratios = {
+            "loss": config.loss_ratio,
+            "grad_norm": config.grad_norm_ratio,
+            "module": config.module_ratio,
+            "step_time": config.step_time_ratio,
+            "memory": config.memory_ratio,
+            "eval": config.eval_loss_ratio,
+        }
         self._reset()
 
     def _reset(self) -> None:
@@ -116,7 +142,9 @@ class BaselineTrajectoryDetector(Detector):
         self._start = np.zeros(1, dtype=np.int64)  # where the current streak began
         self._fired = np.zeros(1, dtype=bool)  # the current episode has had its finding
         self._any_streak = False
-        self._order: tuple[str, ...] | None = None  # module names of the last step event, whose rows are cached
+        self._order: tuple[str, ...] | None = (
+            None  # module names of the last step event, whose rows are cached
+        )
         self._rows = np.zeros(0, dtype=np.intp)  # rows of the step fields, then of those modules
 
     # -- the band ------------------------------------------------------------------------------
@@ -125,8 +153,10 @@ class BaselineTrajectoryDetector(Detector):
         """Hand in the run's baseline band; ``None`` with a ``reason``: there is none, say why once."""
         self._reset()  # a band replaces whatever was judged before
         if band is not None and band.n_runs < self.config.min_runs:
-            reason = (f"the baseline {band.baseline_key!r} has {band.n_runs} earlier run(s) on this hardware, "
-                      f"fewer than min_runs {self.config.min_runs}: no comparison with history")
+            reason = (
+                f"the baseline {band.baseline_key!r} has {band.n_runs} earlier run(s) on this hardware, "
+                f"fewer than min_runs {self.config.min_runs}: no comparison with history"
+            )
             band = None
         if band is None:
             self._silent_reason = reason or "no baseline band: no comparison with history"
@@ -145,12 +175,24 @@ class BaselineTrajectoryDetector(Detector):
             table[row, index, LO], table[row, index, MID], table[row, index, HI] = lo, mid, hi
             table[row, index, THRESHOLD] = hi * np.maximum(self._ratios[family(metric)], width)
         self._band = BandTable(
-            bucket=bucket_steps, names=names, index={m: i for i, m in enumerate(names)}, table=table,
+            bucket=bucket_steps,
+            names=names,
+            index={m: i for i, m in enumerate(names)},
+            table=table,
             thr=np.ascontiguousarray(table[:, :, THRESHOLD]),
-            about={"baseline_key": band.baseline_key, "fingerprint": band.fingerprint,
-                   "baseline_runs": band.n_runs, "quantiles": list(band.quantiles)})
+            about={
+                "baseline_key": band.baseline_key,
+                "fingerprint": band.fingerprint,
+                "baseline_runs": band.n_runs,
+                "quantiles": list(band.quantiles),
+            },
+        )
         n = len(metrics) + 1
-        self._streak, self._start, self._fired = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+        self._streak, self._start, self._fired = (
+            np.zeros(n, np.int64),
+            np.zeros(n, np.int64),
+            np.zeros(n, bool),
+        )
 
     # -- per event -----------------------------------------------------------------------------
 
@@ -159,8 +201,17 @@ class BaselineTrajectoryDetector(Detector):
             return []
         if self._silent_reason is not None:
             reason, self._silent_reason = self._silent_reason, None
-            return [Finding(detector=NAME, metric=BAND_METRIC, step=event.step, severity="info", message=reason,
-                            rank=event.rank, evidence={"reason": reason})]
+            return [
+                Finding(
+                    detector=NAME,
+                    metric=BAND_METRIC,
+                    step=event.step,
+                    severity="info",
+                    message=reason,
+                    rank=event.rank,
+                    evidence={"reason": reason},
+                )
+            ]
         bucket = event.step // self._band.bucket
         if not self._band.names or bucket >= self._band.thr.shape[1]:
             return []  # no band, or the run is past the band's end
@@ -173,9 +224,16 @@ class BaselineTrajectoryDetector(Detector):
         if names != self._order:
             self._rows_for(names)
         memory = event.memory
-        values = np.array([event.loss, event.grad_norm, event.step_time_s,
-                           *((memory.allocated, memory.peak, memory.host_rss) if memory is not None else _NO_MEMORY),
-                           *norms.values()], dtype=np.float64)
+        values = np.array(
+            [
+                event.loss,
+                event.grad_norm,
+                event.step_time_s,
+                *((memory.allocated, memory.peak, memory.host_rss) if memory is not None else _NO_MEMORY),
+                *norms.values(),
+            ],
+            dtype=np.float64,
+        )
         rows = self._rows
         threshold = self._band.thr[rows, bucket]
         with np.errstate(invalid="ignore"):
@@ -194,8 +252,10 @@ class BaselineTrajectoryDetector(Detector):
         ready = (self._streak[up] >= self.config.consecutive_steps) & ~self._fired[up]
         if not ready.any():
             return []
-        outside = [(self._band.names[int(rows[p])], float(values[p]), self._band.table[rows[p], bucket])
-                   for p in positions[ready]]
+        outside = [
+            (self._band.names[int(rows[p])], float(values[p]), self._band.table[rows[p], bucket])
+            for p in positions[ready]
+        ]
         return self._findings(event, outside)
 
     def _rows_for(self, modules: tuple[str, ...]) -> None:
@@ -225,7 +285,9 @@ class BaselineTrajectoryDetector(Detector):
             return []
         return self._findings(event, [(self._band.names[row], value, self._band.table[row, bucket])])
 
-    def _findings(self, event: StepEvent | EvalEvent, outside: list[tuple[str, float, np.ndarray]]) -> list[Finding]:
+    def _findings(
+        self, event: StepEvent | EvalEvent, outside: list[tuple[str, float, np.ndarray]]
+    ) -> list[Finding]:
         """One finding per metric, except modules: one naming the module with the largest departure."""
         findings = []
         modules = [o for o in outside if o[0].startswith(MODULE_PREFIX)]
@@ -241,8 +303,9 @@ class BaselineTrajectoryDetector(Detector):
             findings.append(self._finding(event, metric, value, row, {}))
         return findings
 
-    def _finding(self, event: StepEvent | EvalEvent, metric: str, value: float, row: np.ndarray,
-                 also: dict[str, float]) -> Finding:
+    def _finding(
+        self, event: StepEvent | EvalEvent, metric: str, value: float, row: np.ndarray, also: dict[str, float]
+    ) -> Finding:
         lo, mid, hi, threshold = (float(x) for x in row)
         kind = family(metric)
         departure = _departure(value, row)
@@ -251,8 +314,15 @@ class BaselineTrajectoryDetector(Detector):
         onset, count = int(self._start[at]), int(self._streak[at])
         unit = "evals" if kind == "eval" else "steps"
         evidence: dict[str, Any] = {
-            "metric": metric, "family": kind, "band_lo": lo, "band_median": mid, "band_hi": hi,
-            "ratio_to_median": departure, "consecutive": count, "onset_step": onset, **self._band.about,
+            "metric": metric,
+            "family": kind,
+            "band_lo": lo,
+            "band_median": mid,
+            "band_hi": hi,
+            "ratio_to_median": departure,
+            "consecutive": count,
+            "onset_step": onset,
+            **self._band.about,
         }
         what = metric
         if kind == "module":
@@ -261,13 +331,22 @@ class BaselineTrajectoryDetector(Detector):
             what = f"module {module} gradient norm"
             if also:
                 evidence["also_above"] = also
-        message = (f"{what} {value:.4g} is {departure:.1f}x where the job's earlier runs were at step {event.step} "
-                   f"(median {mid:.4g}, band {lo:.4g}..{hi:.4g} of {self._band.about.get('baseline_runs')} runs), above "
-                   f"{threshold:.4g} for {count} {unit} in a row since step {onset}")
+        message = (
+            f"{what} {value:.4g} is {departure:.1f}x where the job's earlier runs were at step {event.step} "
+            f"(median {mid:.4g}, band {lo:.4g}..{hi:.4g} of {self._band.about.get('baseline_runs')} runs), above "
+            f"{threshold:.4g} for {count} {unit} in a row since step {onset}"
+        )
         return Finding(
-            detector=NAME, metric=metric, step=event.step, rank=event.rank,
+            detector=NAME,
+            metric=metric,
+            step=event.step,
+            rank=event.rank,
             severity="critical" if value >= threshold * ratio else "warning",
-            value=value, threshold=threshold, score=departure, message=message, evidence=evidence,
+            value=value,
+            threshold=threshold,
+            score=departure,
+            message=message,
+            evidence=evidence,
         )
 
 
@@ -288,9 +367,14 @@ def _departure(value: float, row: np.ndarray) -> float:
     return value / mid if mid > 0 else math.inf
 
 
-register(DetectorSpec(
-    name=NAME, config=BaselineTrajectoryConfig, build=lambda d: BaselineTrajectoryDetector(d.baseline_trajectory),
-    view="joined", faults=("bad_init",),
-    summary="the run above its job's earlier runs at the same step (loss, eval loss, grad norms, a module's grad "
-            "norm, step time, memory); the band is handed in by the worker",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=BaselineTrajectoryConfig,
+        build=lambda d: BaselineTrajectoryDetector(d.baseline_trajectory),
+        view="joined",
+        faults=("bad_init",),
+        summary="the run above its job's earlier runs at the same step (loss, eval loss, grad norms, a module's grad "
+        "norm, step time, memory); the band is handed in by the worker",
+    )
+)

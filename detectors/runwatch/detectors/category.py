@@ -40,12 +40,20 @@ class CategoryConfig(Strict):
     warmup: int = Field(default=30, ge=4, description="steps with the category before any finding")
     window: int = Field(default=100, ge=8, description="steps of history for the category's typical loss")
     z_threshold: float = Field(
-        default=3.0, gt=0, description="robust z of the category's log loss (patience makes 3 a rare streak by chance)"
+        default=3.0,
+        gt=0,
+        description="robust z of the category's log loss (patience makes 3 a rare streak by chance)",
     )
-    min_ratio: float = Field(default=1.5, ge=1.0, description="category loss / its typical loss must also reach this")
-    patience: int = Field(default=5, ge=1, description="consecutive observations above the threshold (not one noisy batch)")
+    min_ratio: float = Field(
+        default=1.5, ge=1.0, description="category loss / its typical loss must also reach this"
+    )
+    patience: int = Field(
+        default=5, ge=1, description="consecutive observations above the threshold (not one noisy batch)"
+    )
     min_count: int = Field(
-        default=16, ge=1, description="samples pooled, across steps if need be, into one observation of a category"
+        default=16,
+        ge=1,
+        description="samples pooled, across steps if need be, into one observation of a category",
     )
     cooldown_steps: int = Field(default=100, ge=0)
 
@@ -60,8 +68,17 @@ LOSS_FLOOR_FRACTION = 0.25
 
 
 class _Category:
-    __slots__ = ("history", "last_ratio", "onset_step", "pool_count", "pool_mean_sum", "pool_sum", "cooldown",
-                 "seen", "streak")
+    __slots__ = (
+        "history",
+        "last_ratio",
+        "onset_step",
+        "pool_count",
+        "pool_mean_sum",
+        "pool_sum",
+        "cooldown",
+        "seen",
+        "streak",
+    )
 
     def __init__(self, window: int):
         self.history = RollingQuantiles(window)  # x, the log relative level
@@ -192,8 +209,17 @@ class CategoryDivergenceDetector(Detector):
         mean = sum(c.mean * c.count for c in event.category_loss.values() if math.isfinite(c.mean)) / total
         return mean if mean > 0 else None
 
-    def _finding(self, event: StepEvent, name: str, cat: _Category, x: float, z: float, ratio: float,
-                 others_ratio: float | None, mean_ratio: float | None) -> Finding:
+    def _finding(
+        self,
+        event: StepEvent,
+        name: str,
+        cat: _Category,
+        x: float,
+        z: float,
+        ratio: float,
+        others_ratio: float | None,
+        mean_ratio: float | None,
+    ) -> Finding:
         cfg = self.config
         floor = self._floor()
         median = cat.history.get(0.5)
@@ -207,9 +233,11 @@ class CategoryDivergenceDetector(Detector):
             step=event.step,
             rank=event.rank,
             severity="warning",
-            message=(f"category {name!r} loss diverges: {loss:.4g} is {ratio:.2f}x its typical {typical:.4g} "
-                     f"(robust z {z:.1f}) for {cat.streak} observations since step {cat.onset_step}, while the "
-                     f"other categories are at {others_ratio:.2f}x theirs{mean_part}"),
+            message=(
+                f"category {name!r} loss diverges: {loss:.4g} is {ratio:.2f}x its typical {typical:.4g} "
+                f"(robust z {z:.1f}) for {cat.streak} observations since step {cat.onset_step}, while the "
+                f"other categories are at {others_ratio:.2f}x theirs{mean_part}"
+            ),
             value=loss,
             threshold=typical * cfg.min_ratio,
             score=z,
@@ -226,7 +254,13 @@ class CategoryDivergenceDetector(Detector):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=CategoryConfig, build=lambda d: CategoryDivergenceDetector(d.category_divergence),
-    view="joined", knob="z_threshold", summary="one data category's loss diverging while the mean still looks fine",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=CategoryConfig,
+        build=lambda d: CategoryDivergenceDetector(d.category_divergence),
+        view="joined",
+        knob="z_threshold",
+        summary="one data category's loss diverging while the mean still looks fine",
+    )
+)

@@ -26,8 +26,9 @@ from runwatch.producer.wire.schema import Severity, WireLimits
 # More detector modules (your own) are named in $RUNWATCH_DETECTOR_MODULES, comma-separated: they are
 # imported here, before the config model is built from the registry (docs/detectors.md).
 DETECTOR_MODULES_ENV = "RUNWATCH_DETECTOR_MODULES"
-for _module in BUILTIN_MODULES + tuple(m.strip() for m in os.environ.get(DETECTOR_MODULES_ENV, "").split(",")
-                                       if m.strip()):
+for _module in BUILTIN_MODULES + tuple(
+    m.strip() for m in os.environ.get(DETECTOR_MODULES_ENV, "").split(",") if m.strip()
+):
     importlib.import_module(_module)
 
 # Re-exported from where they now live, for callers that import them from here.
@@ -57,6 +58,7 @@ def detectors_config_model() -> type[Strict]:
 
 
 if TYPE_CHECKING:
+
     class DetectorsConfig(Strict):
         """What the type checker sees of the registry-built model: the sections the code reads by name
         (every other section is read with ``getattr``, by its registered name)."""
@@ -75,8 +77,10 @@ class JoinConfig(Strict):
     """The per-step join of a run's ranks in the worker."""
 
     timeout_s: float = Field(
-        default=10.0, gt=0, description="a step is joined without the ranks that have not reported it this long "
-                                        "after the first did (and those ranks are not waited for until they report)"
+        default=10.0,
+        gt=0,
+        description="a step is joined without the ranks that have not reported it this long "
+        "after the first did (and those ranks are not waited for until they report)",
     )
 
 
@@ -85,14 +89,18 @@ class RunsConfig(Strict):
     never sends run_end, a crashed job, must not hold memory forever; docs/state.md, "Run lifecycle")."""
 
     silence_retention_s: float = Field(
-        default=6 * 3600.0, gt=0, description="a run with no event for this long is let go, with an info finding "
-                                              "that it went silent (hours past the stall detector's silence and idle "
-                                              "allowance, which alert long before)")
+        default=6 * 3600.0,
+        gt=0,
+        description="a run with no event for this long is let go, with an info finding "
+        "that it went silent (hours past the stall detector's silence and idle "
+        "allowance, which alert long before)",
+    )
     max_runs: int = Field(
-        default=5_000, ge=1, description="runs one worker holds at most (40-250 KB each for one rank, by its events); past it "
-                                          "the least recently active run is let go, with an info finding saying why")
-
-
+        default=5_000,
+        ge=1,
+        description="runs one worker holds at most (40-250 KB each for one rank, by its events); past it "
+        "the least recently active run is let go, with an info finding saying why",
+    )
 
 
 class PolicyRule(Strict):
@@ -127,24 +135,37 @@ class PolicyConfig(Strict):
         default=False, description="true: every rule's action is an alert (runwatch never acts on the run)"
     )
     confirm_steps: int = Field(
-        default=20, ge=1, description="healthy steps after a checkpoint, with no finding of a detector that can "
-                                      "trigger a rollback, before a rollback may restore it"
+        default=20,
+        ge=1,
+        description="healthy steps after a checkpoint, with no finding of a detector that can "
+        "trigger a rollback, before a rollback may restore it",
     )
     no_good_checkpoint: Literal["pause", "stop"] = Field(
-        default="stop", description="what a rollback becomes when no confirmed-good checkpoint precedes the fault"
+        default="stop",
+        description="what a rollback becomes when no confirmed-good checkpoint precedes the fault",
     )
     recovery: RecoveryConfig = RecoveryConfig()
-    cooldown_s: float = Field(default=60.0, ge=0, description="same action for the same detector, at most once per")
-    max_rollbacks: int = Field(default=3, ge=0, description="after this many rollbacks a rollback becomes a stop")
+    cooldown_s: float = Field(
+        default=60.0, ge=0, description="same action for the same detector, at most once per"
+    )
+    max_rollbacks: int = Field(
+        default=3, ge=0, description="after this many rollbacks a rollback becomes a stop"
+    )
     action_ttl_s: float = Field(default=120.0, gt=0, description="actions expire this long after issue")
     lr_scale_on_rollback: float = Field(
-        default=0.5, gt=0, le=1, description="each rollback multiplies the LR by this (cumulative: 0.5, 0.25, ...)"
+        default=0.5,
+        gt=0,
+        le=1,
+        description="each rollback multiplies the LR by this (cumulative: 0.5, 0.25, ...)",
     )
     skip_data_window: bool = Field(
-        default=False, description="a rollback tells the trainer to skip the batches from the checkpoint to the anomaly"
+        default=False,
+        description="a rollback tells the trainer to skip the batches from the checkpoint to the anomaly",
     )
     escalate_after_s: float = Field(
-        default=600.0, ge=0, description="a detector still alerting this long after its first alert: stop (0: off)"
+        default=600.0,
+        ge=0,
+        description="a detector still alerting this long after its first alert: stop (0: off)",
     )
 
 
@@ -161,11 +182,15 @@ class RunwatchConfig(Strict):
     @model_validator(mode="after")
     def _confirmation_covers_divergence(self) -> RunwatchConfig:
         # A checkpoint confirmed before a divergence can be found might already hold the fault.
-        delay = max(self.detectors.loss_spike.divergence_steps, self.detectors.grad_norm_spike.divergence_steps)
+        delay = max(
+            self.detectors.loss_spike.divergence_steps, self.detectors.grad_norm_spike.divergence_steps
+        )
         if self.policy.confirm_steps <= delay:
-            raise ValueError(f"policy.confirm_steps ({self.policy.confirm_steps}) must exceed the spike detectors' "
-                             f"divergence_steps ({delay}): a checkpoint is confirmed only after a divergence could "
-                             "have been found")
+            raise ValueError(
+                f"policy.confirm_steps ({self.policy.confirm_steps}) must exceed the spike detectors' "
+                f"divergence_steps ({delay}): a checkpoint is confirmed only after a divergence could "
+                "have been found"
+            )
         return self
 
 

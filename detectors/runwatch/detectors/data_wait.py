@@ -37,8 +37,12 @@ class DataWaitConfig(Strict):
     enabled: bool = True
     warmup: int = Field(default=30, ge=4, description="steps before any finding")
     window: int = Field(default=30, ge=4, description="steps in the recent mean of the share")
-    min_share: float = Field(default=0.25, ge=0, le=1, description="recent data-wait share of step time must reach this")
-    min_increase: float = Field(default=0.15, ge=0, le=1, description="and exceed the run's baseline share by this")
+    min_share: float = Field(
+        default=0.25, ge=0, le=1, description="recent data-wait share of step time must reach this"
+    )
+    min_increase: float = Field(
+        default=0.15, ge=0, le=1, description="and exceed the run's baseline share by this"
+    )
     cooldown_steps: int = Field(default=100, ge=0)
 
 
@@ -50,8 +54,12 @@ class DataWaitDetector(HostLoadAttributed):
 
     def __init__(self, config: DataWaitConfig):
         self.config = config
-        self._recent: deque[tuple[int, float, float, float]] = deque(maxlen=config.window)  # step, share, wait, time
-        self._shares: deque[float] = deque(maxlen=config.window)  # the shares of _recent, for the per-step mean
+        self._recent: deque[tuple[int, float, float, float]] = deque(
+            maxlen=config.window
+        )  # step, share, wait, time
+        self._shares: deque[float] = deque(
+            maxlen=config.window
+        )  # the shares of _recent, for the per-step mean
         self.seen = 0
         self.baseline: float | None = None
         self._reported: float | None = None  # mean share at the last finding of the current episode
@@ -91,7 +99,9 @@ class DataWaitDetector(HostLoadAttributed):
         self._cooldown.start(event.step, cfg.cooldown_steps)
         return finding, finding.evidence.get("onset_step", self._recent[0][0])
 
-    def _finding(self, event: StepEvent, mean: float, baseline: float, threshold: float) -> tuple[Finding, float]:
+    def _finding(
+        self, event: StepEvent, mean: float, baseline: float, threshold: float
+    ) -> tuple[Finding, float]:
         """The finding, and the share level since the onset (what a later escalation is measured against)."""
         n = len(self._recent)
         elevated = baseline + self.config.min_increase
@@ -130,7 +140,13 @@ class DataWaitDetector(HostLoadAttributed):
         ), level
 
 
-register(DetectorSpec(
-    name=NAME, config=DataWaitConfig, build=lambda d: DataWaitDetector(d.data_wait), view="rank",
-    knob="min_increase", summary="the data loader's share of step time growing: the input pipeline is the bottleneck",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=DataWaitConfig,
+        build=lambda d: DataWaitDetector(d.data_wait),
+        view="rank",
+        knob="min_increase",
+        summary="the data loader's share of step time growing: the input pipeline is the bottleneck",
+    )
+)

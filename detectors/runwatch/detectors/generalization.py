@@ -35,7 +35,9 @@ class GeneralizationConfig(Strict):
     min_evals: int = Field(default=3, ge=2, description="evals before any finding")
     patience: int = Field(default=2, ge=1, description="consecutive evals with val worse than its best")
     min_rel_increase: float = Field(default=0.02, ge=0, description="val above its best by this fraction")
-    train_window: int = Field(default=50, ge=4, description="steps in the train-loss means compared across evals")
+    train_window: int = Field(
+        default=50, ge=4, description="steps in the train-loss means compared across evals"
+    )
 
 
 NAME = "val_vs_train"
@@ -98,7 +100,11 @@ class ValVsTrainDetector(Detector):
         split = self._splits.get(event.split)
         if split is None:
             split = self._splits[event.split] = _Split()
-        train = sum(self._train) / len(self._train) if len(self._train) >= min(4, self.config.train_window) else None
+        train = (
+            sum(self._train) / len(self._train)
+            if len(self._train) >= min(4, self.config.train_window)
+            else None
+        )
         finding = self._judge(split, event, train)
         split.learn(math.log(event.loss))
         return [finding] if finding is not None else []
@@ -134,10 +140,12 @@ class ValVsTrainDetector(Detector):
             step=event.step,
             rank=event.rank,
             severity="warning",
-            message=(f"{event.split} loss {val:.4g} is {increase:.1%} above its best {split.best_val:.4g} "
-                     f"(step {split.best_step}) for {split.streak} evals in a row, while the train loss improved "
-                     f"{-train_trend:.1%} over the same time ({train:.4g}, mean of the last {len(self._train)} "
-                     f"steps, vs {split.train_at_best:.4g})"),
+            message=(
+                f"{event.split} loss {val:.4g} is {increase:.1%} above its best {split.best_val:.4g} "
+                f"(step {split.best_step}) for {split.streak} evals in a row, while the train loss improved "
+                f"{-train_trend:.1%} over the same time ({train:.4g}, mean of the last {len(self._train)} "
+                f"steps, vs {split.train_at_best:.4g})"
+            ),
             value=val,
             threshold=split.best_val * math.exp(margin),
             score=increase,
@@ -158,7 +166,13 @@ class ValVsTrainDetector(Detector):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=GeneralizationConfig, build=lambda d: ValVsTrainDetector(d.val_vs_train), view="joined",
-    knob="min_rel_increase", summary="validation loss worsening while the training loss keeps improving",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=GeneralizationConfig,
+        build=lambda d: ValVsTrainDetector(d.val_vs_train),
+        view="joined",
+        knob="min_rel_increase",
+        summary="validation loss worsening while the training loss keeps improving",
+    )
+)

@@ -121,7 +121,8 @@ def busier_reasons(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def _comparable(before: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether any figure of the rule is known on both sides."""
     return (_per_cpu(before) is not None and _per_cpu(now) is not None) or any(
-        before.get(k) is not None and now.get(k) is not None for k in ("steal_frac", "cpu_wait_frac"))
+        before.get(k) is not None and now.get(k) is not None for k in ("steal_frac", "cpu_wait_frac")
+    )
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,26 @@ class HostLoadTracker:
             if event.interval_s is not None:
                 self._interval_s = event.interval_s
             if event.host_load is not None:
-                figures = {k: v for k, v in event.host_load.model_dump(exclude_none=True).items()
-                           if isinstance(v, int | float) and not isinstance(v, bool)}
+                figures = {
+                    k: v
+                    for k, v in event.host_load.model_dump(exclude_none=True).items()
+                    if isinstance(v, int | float) and not isinstance(v, bool)
+                }
                 if figures:
                     last = self._samples[-1] if self._samples else None
-                    period = (event.ts - self._last_ts).total_seconds() if self._last_ts is not None else self._interval_s
-                    self._samples.append(_Sample(-1 if event.step is None else event.step,
-                                                 last.step if last is not None else None, figures,
-                                                 max(0.0, period)))
+                    period = (
+                        (event.ts - self._last_ts).total_seconds()
+                        if self._last_ts is not None
+                        else self._interval_s
+                    )
+                    self._samples.append(
+                        _Sample(
+                            -1 if event.step is None else event.step,
+                            last.step if last is not None else None,
+                            figures,
+                            max(0.0, period),
+                        )
+                    )
                     self._last_ts = event.ts
         if not self._held:
             return []
@@ -179,8 +192,12 @@ class HostLoadTracker:
         """``[finding]`` with ``evidence["host_load"]`` and the message's clause; ``[]`` while it waits
         for a heartbeat since ``onset_step`` (then ``observe`` returns it)."""
         evidence = self.evidence(onset_step)
-        if (evidence is not None and evidence["before"] is not None and onset_step is not None
-                and self._covered_since(onset_step) < MIN_AFTER_S):
+        if (
+            evidence is not None
+            and evidence["before"] is not None
+            and onset_step is not None
+            and self._covered_since(onset_step) < MIN_AFTER_S
+        ):
             wait = HOLD_PERIODS * self._interval_s + MIN_AFTER_S
             self._held.append(_Held(finding, onset_step, now + timedelta(seconds=wait)))
             return []
@@ -235,8 +252,10 @@ def describe(evidence: dict[str, Any] | None) -> str:
     if load and "load" in reasons:
         parts.append(f"load {load}")
     if "cpu_wait" in reasons:
-        parts.append(f"this process waited for a CPU {before['cpu_wait_frac']:.0%} → {now['cpu_wait_frac']:.0%} "
-                     "of the time")
+        parts.append(
+            f"this process waited for a CPU {before['cpu_wait_frac']:.0%} → {now['cpu_wait_frac']:.0%} "
+            "of the time"
+        )
     if "steal" in reasons:
         parts.append(f"CPU steal {before['steal_frac']:.0%} → {now['steal_frac']:.0%}")
     if load and "load" not in reasons:
@@ -247,8 +266,11 @@ def describe(evidence: dict[str, Any] | None) -> str:
 def _annotated(finding: Finding, evidence: dict[str, Any] | None) -> Finding:
     if evidence is None:
         return finding
-    return replace(finding, message=finding.message + describe(evidence),
-                   evidence={**finding.evidence, "host_load": evidence})
+    return replace(
+        finding,
+        message=finding.message + describe(evidence),
+        evidence={**finding.evidence, "host_load": evidence},
+    )
 
 
 def annotate(tracker: HostLoadTracker, finding: Finding, onset_step: int | None = None) -> Finding:

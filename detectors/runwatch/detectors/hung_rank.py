@@ -43,7 +43,13 @@ class HungRankConfig(Strict):
     enabled: bool = True
     factor: float = Field(default=3.0, gt=1, description="hung after this many median step intervals ...")
     phase_allowance_s: dict[str, float] = Field(
-        default_factory=lambda: {"train": 10.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        default_factory=lambda: {
+            "train": 10.0,
+            "dataload": 60.0,
+            "eval": 900.0,
+            "checkpoint": 900.0,
+            "idle": 3600.0,
+        },
         description="... plus this many seconds for the phase of the rank's latest heartbeat",
     )
     floor_s: float = Field(default=5.0, ge=0, description="and never sooner than this")
@@ -65,7 +71,9 @@ class HungRankDetector(CrossRankDetector):
         self._feeds_progress = progress is None
         self.progress = RunProgress(liveness) if progress is None else progress
         self._fired_at: dict[int, int] = {}  # rank -> its ``moves`` when it was named: progress re-arms it
-        self._behind_since: dict[int, tuple[int, datetime]] = {}  # rank -> (its step, first tick it was behind)
+        self._behind_since: dict[
+            int, tuple[int, datetime]
+        ] = {}  # rank -> (its step, first tick it was behind)
         self.ended = False
 
     def update(self, event: TelemetryEvent | JoinedStep, now: datetime) -> list[Finding]:
@@ -95,7 +103,9 @@ class HungRankDetector(CrossRankDetector):
         steps = {r: s.step for r, s in live.items() if s.step is not None}  # (every live rank has one)
         highest = sorted(((step, r) for r, step in steps.items()), reverse=True)[:2]
         in_sync_at: dict[int, int] = {}
-        waiting_since: dict[int, datetime] = {}  # step -> when the last of the ranks in sync there began to wait
+        waiting_since: dict[
+            int, datetime
+        ] = {}  # step -> when the last of the ranks in sync there began to wait
         for r, s in live.items():
             if s.in_sync is True:
                 in_sync_at[steps[r]] = in_sync_at.get(steps[r], 0) + 1
@@ -115,7 +125,9 @@ class HungRankDetector(CrossRankDetector):
             allowed = self.allowed_s(state.phase)
             if allowed is None:
                 continue
-            start = state.progress_at if state.phase_since is None else max(state.progress_at, state.phase_since)
+            start = (
+                state.progress_at if state.phase_since is None else max(state.progress_at, state.phase_since)
+            )
             waited = (now - start).total_seconds()
             if waited <= allowed:
                 continue
@@ -135,33 +147,43 @@ class HungRankDetector(CrossRankDetector):
             else:
                 continue
             self._fired_at[rank] = state.moves
-            findings.append(Finding(
-                detector=NAME,
-                metric="step_progress",
-                step=state.step,
-                rank=rank,
-                severity="critical",
-                message=(f"rank {rank} is hung: no step completed for {waited:.0f} s since step {state.step} while "
-                         f"its heartbeat continues, and {why} (phase {state.phase!r}; allowed {allowed:.0f} s)"),
-                value=waited,
-                threshold=allowed,
-                score=waited / allowed if allowed else None,
-                evidence={
-                    "kind": kind,
-                    "phase": state.phase,
-                    "last_step": state.step,
-                    "seconds_since_progress": waited,
-                    "allowed_s": allowed,
-                    "median_step_interval_s": self.median_interval_s(),
-                    "peer_steps": {str(r): s.step for r, s in sorted(live.items()) if r != rank},
-                    "in_sync": state.in_sync,
-                },
-            ))
+            findings.append(
+                Finding(
+                    detector=NAME,
+                    metric="step_progress",
+                    step=state.step,
+                    rank=rank,
+                    severity="critical",
+                    message=(
+                        f"rank {rank} is hung: no step completed for {waited:.0f} s since step {state.step} while "
+                        f"its heartbeat continues, and {why} (phase {state.phase!r}; allowed {allowed:.0f} s)"
+                    ),
+                    value=waited,
+                    threshold=allowed,
+                    score=waited / allowed if allowed else None,
+                    evidence={
+                        "kind": kind,
+                        "phase": state.phase,
+                        "last_step": state.step,
+                        "seconds_since_progress": waited,
+                        "allowed_s": allowed,
+                        "median_step_interval_s": self.median_interval_s(),
+                        "peer_steps": {str(r): s.step for r, s in sorted(live.items()) if r != rank},
+                        "in_sync": state.in_sync,
+                    },
+                )
+            )
         return findings
 
 
-register(DetectorSpec(
-    name=NAME, config=HungRankConfig, build=lambda d, progress=None: HungRankDetector(d.hung_rank, d.stall, progress),
-    view="cross_rank", reads_progress=True, episodic=True,
-    summary="a rank that stops stepping while its heartbeat goes on and its peers wait on it",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=HungRankConfig,
+        build=lambda d, progress=None: HungRankDetector(d.hung_rank, d.stall, progress),
+        view="cross_rank",
+        reads_progress=True,
+        episodic=True,
+        summary="a rank that stops stepping while its heartbeat goes on and its peers wait on it",
+    )
+)

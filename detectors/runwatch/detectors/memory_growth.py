@@ -39,13 +39,21 @@ class MemoryConfig(Strict):
     enabled: bool = True
     window: int = Field(default=100, ge=8, description="steps in the rolling slope")
     min_points: int = Field(
-        default=100, ge=8, description="samples in the fit before any finding (outlasts the allocator's warm-up)"
+        default=100,
+        ge=8,
+        description="samples in the fit before any finding (outlasts the allocator's warm-up)",
     )
     min_growth: float = Field(
-        default=0.1, gt=0, description="growth over the window, as a fraction of the current value, that counts"
+        default=0.1,
+        gt=0,
+        description="growth over the window, as a fraction of the current value, that counts",
     )
-    min_r2: float = Field(default=0.6, ge=0, le=1, description="how straight the growth must be (a leak is steady)")
-    warn_horizon_s: float = Field(default=3600.0, gt=0, description="warning if the limit is projected within this")
+    min_r2: float = Field(
+        default=0.6, ge=0, le=1, description="how straight the growth must be (a leak is steady)"
+    )
+    warn_horizon_s: float = Field(
+        default=3600.0, gt=0, description="warning if the limit is projected within this"
+    )
     critical_horizon_s: float = Field(default=600.0, gt=0, description="critical if projected within this")
     cooldown_steps: int = Field(default=200, ge=0)
 
@@ -87,8 +95,21 @@ class _Trend:
     variance) are updated once, and there is no call through river's wrappers for each of them.
     """
 
-    __slots__ = ("cov", "evicted_max", "last_severity", "last_step", "mean_t", "mean_v", "n", "cooldown", "samples",
-                 "steps", "sum_sq_t", "sum_sq_v", "window")
+    __slots__ = (
+        "cov",
+        "evicted_max",
+        "last_severity",
+        "last_step",
+        "mean_t",
+        "mean_v",
+        "n",
+        "cooldown",
+        "samples",
+        "steps",
+        "sum_sq_t",
+        "sum_sq_v",
+        "window",
+    )
 
     def __init__(self, window: int):
         self.window = window
@@ -155,7 +176,7 @@ class _Trend:
     def recent_slope(self) -> float:
         """Least-squares slope (MiB/s) over the newer half of the window: the current rate, when the
         growth began inside the window or is speeding up."""
-        samples = list(self.samples)[len(self.samples) // 2:]
+        samples = list(self.samples)[len(self.samples) // 2 :]
         n = len(samples)
         mean_t = sum(t for t, _ in samples) / n
         mean_v = sum(v for _, v in samples) / n
@@ -168,7 +189,7 @@ class _Trend:
         a one-time step up, or a sawtooth that frees what it took (its next rise only returns to the old peak)."""
         values = [v for _, v in self.samples]
         n = len(values) // 4
-        quarters = [values[i * n:(i + 1) * n] for i in range(3)] + [values[3 * n:]]
+        quarters = [values[i * n : (i + 1) * n] for i in range(3)] + [values[3 * n :]]
         means = [sum(q) / len(q) for q in quarters]
         total = means[3] - means[0]
         if total <= 0:
@@ -206,18 +227,59 @@ class MemoryGrowthDetector(Detector):
         leak_alloc = None
         if mem.allocated is not None:
             # (arguments: metric, value, t, event, used, limit, base, kind, found, allocated_growth)
-            leak_alloc = self._observe("allocated", mem.allocated, t, event, mem.reserved or mem.allocated,
-                                       mem.device_total, mem.allocated, "leak", found, None)
+            leak_alloc = self._observe(
+                "allocated",
+                mem.allocated,
+                t,
+                event,
+                mem.reserved or mem.allocated,
+                mem.device_total,
+                mem.allocated,
+                "leak",
+                found,
+                None,
+            )
             if mem.reserved is not None:
-                self._observe("fragmentation", mem.reserved - mem.allocated, t, event, mem.reserved,
-                              mem.device_total, mem.reserved, "fragmentation", found, leak_alloc)
+                self._observe(
+                    "fragmentation",
+                    mem.reserved - mem.allocated,
+                    t,
+                    event,
+                    mem.reserved,
+                    mem.device_total,
+                    mem.reserved,
+                    "fragmentation",
+                    found,
+                    leak_alloc,
+                )
         if mem.host_rss is not None:
-            self._observe("host_rss", mem.host_rss, t, event, mem.cgroup_usage or mem.host_rss, mem.cgroup_limit,
-                          mem.host_rss, "leak", found, None)
+            self._observe(
+                "host_rss",
+                mem.host_rss,
+                t,
+                event,
+                mem.cgroup_usage or mem.host_rss,
+                mem.cgroup_limit,
+                mem.host_rss,
+                "leak",
+                found,
+                None,
+            )
         return found
 
-    def _observe(self, metric: str, value: int, t: float, event: StepEvent, used: int, limit: int | None,
-                 base: int, kind: str, found: list[Finding], allocated_growth: float | None) -> float | None:
+    def _observe(
+        self,
+        metric: str,
+        value: int,
+        t: float,
+        event: StepEvent,
+        used: int,
+        limit: int | None,
+        base: int,
+        kind: str,
+        found: list[Finding],
+        allocated_growth: float | None,
+    ) -> float | None:
         """Feed one sample; append a finding if due. Returns the window's fitted growth (bytes), if known."""
         trend = self._trends.get(metric)
         if trend is None:
@@ -251,11 +313,16 @@ class MemoryGrowthDetector(Detector):
             return growth
         trend.last_severity = rank
         trend.cooldown.start(event.step, cfg.cooldown_steps)
-        found.append(self._finding(metric, kind, severity, event, value, trend, rate, growth, base,
-                                   r2, limit, seconds_to_limit))
+        found.append(
+            self._finding(
+                metric, kind, severity, event, value, trend, rate, growth, base, r2, limit, seconds_to_limit
+            )
+        )
         return growth
 
-    def _severity(self, slope: float, fraction: float, used: int, limit: int | None) -> tuple[Severity | None, float | None]:
+    def _severity(
+        self, slope: float, fraction: float, used: int, limit: int | None
+    ) -> tuple[Severity | None, float | None]:
         cfg = self.config
         seconds_to_limit = None
         if limit is not None and limit > 0:
@@ -268,15 +335,32 @@ class MemoryGrowthDetector(Detector):
             return "warning", seconds_to_limit
         return None, seconds_to_limit
 
-    def _finding(self, metric: str, kind: str, severity: Severity, event: StepEvent, value: int, trend: _Trend,
-                 slope: float, growth: float, base: int, r2: float, limit: int | None,
-                 seconds_to_limit: float | None) -> Finding:
+    def _finding(
+        self,
+        metric: str,
+        kind: str,
+        severity: Severity,
+        event: StepEvent,
+        value: int,
+        trend: _Trend,
+        slope: float,
+        growth: float,
+        base: int,
+        r2: float,
+        limit: int | None,
+        seconds_to_limit: float | None,
+    ) -> Finding:
         steps = len(trend)
-        what = {"allocated": "CUDA allocated memory", "fragmentation": "CUDA reserved-but-unallocated memory",
-                "host_rss": "host RSS"}[metric]
+        what = {
+            "allocated": "CUDA allocated memory",
+            "fragmentation": "CUDA reserved-but-unallocated memory",
+            "host_rss": "host RSS",
+        }[metric]
         cause = "a leak" if kind == "leak" else "fragmentation (allocated stays flat)"
-        message = (f"{what} grows steadily, {cause}: +{_bytes(growth)} over the last {steps} steps "
-                   f"({growth / max(base, 1):.1%} of {_bytes(base)}, {_bytes(slope)}/s, r² {r2:.2f})")
+        message = (
+            f"{what} grows steadily, {cause}: +{_bytes(growth)} over the last {steps} steps "
+            f"({growth / max(base, 1):.1%} of {_bytes(base)}, {_bytes(slope)}/s, r² {r2:.2f})"
+        )
         if seconds_to_limit is not None and limit is not None:  # (there is a time to the limit only with one)
             message += f"; at this rate the {_bytes(limit)} limit is reached in {_duration(seconds_to_limit)}"
         else:
@@ -306,8 +390,14 @@ class MemoryGrowthDetector(Detector):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=MemoryConfig, build=lambda d: MemoryGrowthDetector(d.memory_growth), view="rank",
-    knob="min_growth", faults=("memory_leak", "memory_fragmentation"),
-    summary="memory growing towards its limit: a leak (allocated) or fragmentation (reserved)",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=MemoryConfig,
+        build=lambda d: MemoryGrowthDetector(d.memory_growth),
+        view="rank",
+        knob="min_growth",
+        faults=("memory_leak", "memory_fragmentation"),
+        summary="memory growing towards its limit: a leak (allocated) or fragmentation (reserved)",
+    )
+)

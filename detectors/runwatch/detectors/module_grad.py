@@ -39,21 +39,31 @@ class ModuleGradConfig(Strict):
     enabled: bool = True
     window: int = Field(default=100, ge=8, description="steps of per-module history for its typical norm")
     warmup: int = Field(default=20, ge=4, description="steps observed before any finding")
-    z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(module norm) against its own history")
-    min_ratio: float = Field(default=5.0, ge=1.0, description="module norm / its typical norm must also reach this")
+    z_threshold: float = Field(
+        default=6.0, gt=0, description="robust z of log(module norm) against its own history"
+    )
+    min_ratio: float = Field(
+        default=5.0, ge=1.0, description="module norm / its typical norm must also reach this"
+    )
     min_share: float = Field(
         default=0.1, ge=0, le=1, description="the module's share of the squared global norm must reach this"
     )
-    cooldown_steps: int = Field(default=20, ge=0, description="steps after a finding for that module before the next")
+    cooldown_steps: int = Field(
+        default=20, ge=0, description="steps after a finding for that module before the next"
+    )
 
 
 NAME = "module_grad_explosion"
 IQR_TO_SIGMA = 1.349  # IQR of a standard normal
 MIN_SCALE_LOG = 0.05  # floor on the robust scale in log units: a very flat module is not a hair trigger
-REFRESH_EVERY = 4  # events between quantile refreshes; the history excludes suspects, so staleness is harmless
+REFRESH_EVERY = (
+    4  # events between quantile refreshes; the history excludes suspects, so staleness is harmless
+)
 
 
-def _grow_snapshot(snap: tuple[np.ndarray, np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _grow_snapshot(
+    snap: tuple[np.ndarray, np.ndarray, np.ndarray], n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     median, scale, ready = snap
     return _grow(median, n, 0.0), _grow(scale, n, 1.0), _grow(ready, n, False)
 
@@ -184,15 +194,25 @@ class ModuleGradDetector(Detector):
         self._ready = np.zeros(0, dtype=bool)
         self._all_ready = False
         # (median, scale, ready) per module, at the last snapshot and the one before
-        self._snap: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
-        self._old: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.ones(0), np.zeros(0, dtype=bool))
+        self._snap: tuple[np.ndarray, np.ndarray, np.ndarray] = (
+            np.zeros(0),
+            np.ones(0),
+            np.zeros(0, dtype=bool),
+        )
+        self._old: tuple[np.ndarray, np.ndarray, np.ndarray] = (
+            np.zeros(0),
+            np.ones(0),
+            np.zeros(0, dtype=bool),
+        )
         self._any_old = False
         self._old_all_ready = False
         self._since_refresh = 0
         self._since_snapshot = 0
         # per-module episode state
         self._quiet_until = np.zeros(0, dtype=np.int64)
-        self._quiet_from = np.zeros(0, dtype=np.int64)  # cooldowns cover [from, until]: a rollback's replay is outside
+        self._quiet_from = np.zeros(
+            0, dtype=np.int64
+        )  # cooldowns cover [from, until]: a rollback's replay is outside
         self._streak = np.zeros(0, dtype=np.int64)  # consecutive suspect steps
         self._streak_start = np.zeros(0, dtype=np.int64)
         self._reported = np.zeros(0)  # log ratio last reported in the current streak (-inf: none)
@@ -254,7 +274,9 @@ class ModuleGradDetector(Detector):
         median = self._median
         if self._any_old:
             old_median, _, old_ready = self._old
-            if self._old_all_ready:  # no NaN among the lagged medians of ready modules: the lower of each pair
+            if (
+                self._old_all_ready
+            ):  # no NaN among the lagged medians of ready modules: the lower of each pair
                 median = np.minimum(old_median, median)  # (where equal, either: x - either is the same value)
             else:
                 median = np.where(old_ready & (old_median < median), old_median, median)
@@ -285,7 +307,9 @@ class ModuleGradDetector(Detector):
             x = np.log(v)
         else:
             with np.errstate(divide="ignore", invalid="ignore"):
-                x = np.log(v)  # 0 -> -inf, negative / NaN -> NaN; non-finite grads are the non-finite detector's
+                x = np.log(
+                    v
+                )  # 0 -> -inf, negative / NaN -> NaN; non-finite grads are the non-finite detector's
 
         self._since_refresh += 1
         self._since_snapshot += 1
@@ -358,10 +382,19 @@ class ModuleGradDetector(Detector):
                 & (dev >= self._reported + self._log_ratio)
             )
             for col in np.flatnonzero(candidate).tolist():
-                findings.append(self._finding(
-                    event, col, float(v[col]), float(median[col]), float(scale[col]), float(dev[col]),
-                    float(rel_z[col]), float(sq[col]) / global_sq, rest,
-                ))
+                findings.append(
+                    self._finding(
+                        event,
+                        col,
+                        float(v[col]),
+                        float(median[col]),
+                        float(scale[col]),
+                        float(dev[col]),
+                        float(rel_z[col]),
+                        float(sq[col]) / global_sq,
+                        rest,
+                    )
+                )
                 self._quiet_from[col], self._quiet_until[col] = step + 1, step + cfg.cooldown_steps
                 self._reported[col] = dev[col]
         elif self._streak.any():
@@ -373,8 +406,18 @@ class ModuleGradDetector(Detector):
         self._history.store(finite & (~suspect | (self._streak >= cfg.window)), x)
         return findings
 
-    def _finding(self, event: StepEvent, col: int, value: float, median: float, scale: float, dev: float,
-                 z: float, share: float, rest: float) -> Finding:
+    def _finding(
+        self,
+        event: StepEvent,
+        col: int,
+        value: float,
+        median: float,
+        scale: float,
+        dev: float,
+        z: float,
+        share: float,
+        rest: float,
+    ) -> Finding:
         cfg = self.config
         name = self._names[col]
         typical = math.exp(median)
@@ -411,8 +454,13 @@ class ModuleGradDetector(Detector):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=ModuleGradConfig, build=lambda d: ModuleGradDetector(d.module_grad_explosion), view="joined",
-    knob="z_threshold",
-    summary="one module's gradient norm exploding while the global norm may still look fine (names the module)",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=ModuleGradConfig,
+        build=lambda d: ModuleGradDetector(d.module_grad_explosion),
+        view="joined",
+        knob="z_threshold",
+        summary="one module's gradient norm exploding while the global norm may still look fine (names the module)",
+    )
+)

@@ -66,8 +66,12 @@ class NonFiniteDetector:
                 f"non-finite {', '.join(bad)} for {self.streak} step(s) since step {self.onset_step}"
                 + (" - rollback threshold reached" if critical else "")
             ),
-            evidence={"fields": bad, "consecutive": self.streak, "onset_step": self.onset_step,
-                      "nonfinite_grads": event.nonfinite_grads},
+            evidence={
+                "fields": bad,
+                "consecutive": self.streak,
+                "onset_step": self.onset_step,
+                "nonfinite_grads": event.nonfinite_grads,
+            },
         )
 
 
@@ -86,7 +90,12 @@ class NonFinite(Detector):
         return [finding] if finding is not None else []
 
 
-register(DetectorSpec(
-    name=NAME, config=NonFiniteConfig, build=lambda d: NonFinite(d.non_finite), view="rank",
-    summary="NaN/Inf in the loss, the grad norm or any gradient; critical after max_consecutive steps in a row",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=NonFiniteConfig,
+        build=lambda d: NonFinite(d.non_finite),
+        view="rank",
+        summary="NaN/Inf in the loss, the grad norm or any gradient; critical after max_consecutive steps in a row",
+    )
+)

@@ -35,20 +35,30 @@ class SpikeConfig(Strict):
     window: int = Field(default=100, ge=8, description="steps of history for the rolling median / IQR")
     warmup: int = Field(default=20, ge=4, description="steps observed before any finding")
     z_threshold: float = Field(default=6.0, gt=0, description="robust z of log(value) that counts as a spike")
-    critical_z: float = Field(default=12.0, gt=0, description="robust z above which the spike is critical ...")
+    critical_z: float = Field(
+        default=12.0, gt=0, description="robust z above which the spike is critical ..."
+    )
     critical_ratio: float = Field(
-        default=10.0, ge=1.0, description="... and value / rolling median reaches this (the default policy rolls back)"
+        default=10.0,
+        ge=1.0,
+        description="... and value / rolling median reaches this (the default policy rolls back)",
     )
     min_ratio: float = Field(default=2.0, ge=1.0, description="value / rolling median must also reach this")
     divergence_steps: int = Field(
-        default=5, ge=0, description="steps after a spike watched for a divergence (0: no divergence findings)"
+        default=5,
+        ge=0,
+        description="steps after a spike watched for a divergence (0: no divergence findings)",
     )
     divergence_ratio: float = Field(
-        default=1.5, gt=1.0, description="median of those steps / the pre-spike median at least this: diverging, "
-                                         "a critical finding (else the spike was transient)"
+        default=1.5,
+        gt=1.0,
+        description="median of those steps / the pre-spike median at least this: diverging, "
+        "a critical finding (else the spike was transient)",
     )
     min_scale: float = Field(
-        default=0.05, gt=0, description="floor on the robust scale in log units (a very flat series is not a hair trigger)"
+        default=0.05,
+        gt=0,
+        description="floor on the robust scale in log units (a very flat series is not a hair trigger)",
     )
     cooldown_steps: int = Field(default=5, ge=0, description="steps after a finding before the next one")
 
@@ -118,11 +128,19 @@ class SpikeDetector:
             value=math.exp(after),
             threshold=typical * self.config.divergence_ratio,
             score=z,
-            message=(f"{self.metric} did not come back after its spike at step {watch.spike_step}: the median of the "
-                     f"{len(watch.values)} steps since is {math.exp(after):.4g}, {ratio:.1f}x the pre-spike median "
-                     f"{typical:.4g} (diverging)"),
-            evidence={"kind": "divergence", "onset_step": watch.spike_step, "pre_spike_median": typical,
-                      "median_since": math.exp(after), "ratio": ratio, "steps_watched": len(watch.values)},
+            message=(
+                f"{self.metric} did not come back after its spike at step {watch.spike_step}: the median of the "
+                f"{len(watch.values)} steps since is {math.exp(after):.4g}, {ratio:.1f}x the pre-spike median "
+                f"{typical:.4g} (diverging)"
+            ),
+            evidence={
+                "kind": "divergence",
+                "onset_step": watch.spike_step,
+                "pre_spike_median": typical,
+                "median_since": math.exp(after),
+                "ratio": ratio,
+                "steps_watched": len(watch.values),
+            },
         )
 
     def _score(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
@@ -142,13 +160,20 @@ class SpikeDetector:
             metric=self.metric,
             step=step,
             rank=rank,
-            severity="critical" if z >= self.config.critical_z and ratio >= self.config.critical_ratio else "warning",
+            severity="critical"
+            if z >= self.config.critical_z and ratio >= self.config.critical_ratio
+            else "warning",
             value=value,
             threshold=typical * math.exp(self.config.z_threshold * scale),
             score=z,
             message=f"{self.metric} spiked to {value:.4g}, {ratio:.1f}x its rolling median {typical:.4g} (robust z {z:.1f})",
-            evidence={"kind": "spike", "rolling_median": typical, "ratio": ratio, "robust_scale_log": scale,
-                      "window": self.config.window},
+            evidence={
+                "kind": "spike",
+                "rolling_median": typical,
+                "ratio": ratio,
+                "robust_scale_log": scale,
+                "window": self.config.window,
+            },
         )
 
 
@@ -177,15 +202,25 @@ class StepSpike(Detector):
         return [finding] if finding is not None else []
 
 
-register(DetectorSpec(
-    name="loss_spike", config=SpikeConfig, build=lambda d: StepSpike("loss_spike", "loss", d.loss_spike),
-    view="joined", knob="z_threshold",
-    summary="a loss spike (warning), critical when it does not come back within divergence_steps or is huge",
-))
-register(DetectorSpec(
-    name="grad_norm_spike", config=SpikeConfig,
-    build=lambda d: StepSpike("grad_norm_spike", "grad_norm", d.grad_norm_spike), view="joined", knob="z_threshold",
-    # grad norms are heavier-tailed than losses (an LR warm-up peak doubles them): a spike needs 3x
-    default=lambda: SpikeConfig(min_ratio=3.0),
-    summary="a gradient-norm spike (before clipping), critical as the loss spike is",
-))
+register(
+    DetectorSpec(
+        name="loss_spike",
+        config=SpikeConfig,
+        build=lambda d: StepSpike("loss_spike", "loss", d.loss_spike),
+        view="joined",
+        knob="z_threshold",
+        summary="a loss spike (warning), critical when it does not come back within divergence_steps or is huge",
+    )
+)
+register(
+    DetectorSpec(
+        name="grad_norm_spike",
+        config=SpikeConfig,
+        build=lambda d: StepSpike("grad_norm_spike", "grad_norm", d.grad_norm_spike),
+        view="joined",
+        knob="z_threshold",
+        # grad norms are heavier-tailed than losses (an LR warm-up peak doubles them): a spike needs 3x
+        default=lambda: SpikeConfig(min_ratio=3.0),
+        summary="a gradient-norm spike (before clipping), critical as the loss spike is",
+    )
+)

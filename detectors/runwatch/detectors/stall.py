@@ -43,16 +43,24 @@ class StallConfig(Strict):
     factor: float = Field(default=3.0, gt=1, description="stalled after this many median step intervals ...")
     min_steps: int = Field(default=10, ge=2, description="steps seen before the median interval is trusted")
     phase_allowance_s: dict[str, float] = Field(
-        default_factory=lambda: {"train": 10.0, "dataload": 60.0, "eval": 900.0, "checkpoint": 900.0, "idle": 3600.0},
+        default_factory=lambda: {
+            "train": 10.0,
+            "dataload": 60.0,
+            "eval": 900.0,
+            "checkpoint": 900.0,
+            "idle": 3600.0,
+        },
         description="... plus this many seconds for the phase of the latest heartbeat (train: more than the "
-                    "producer's 5 s heartbeat period, so a pause is reported as an eval or data wait in time)",
+        "producer's 5 s heartbeat period, so a pause is reported as an eval or data wait in time)",
     )
     heartbeat_timeout_s: float = Field(
         default=30.0, gt=0, description="no event at all for at least this long: the rank is silent (dead)"
     )
     heartbeat_misses: float = Field(
-        default=6.0, gt=1, description="... or for this many of the rank's heartbeat periods (its heartbeats' "
-                                       "interval_s), where that is longer"
+        default=6.0,
+        gt=1,
+        description="... or for this many of the rank's heartbeat periods (its heartbeats' "
+        "interval_s), where that is longer",
     )
 
     def silent_after_s(self, heartbeat_interval_s: float | None) -> float:
@@ -124,7 +132,9 @@ class StallDetector(Detector):
         # The clock runs from the last progress or from when the current phase was first reported,
         # whichever is later: the first step after a long eval gets its normal time, not none.
         # (A peer's long phase that just ended counts as this rank's: it waited for that peer.)
-        start = max(t for t in (rank.progress_at, rank.phase_reported_at(), rank.peer_released_at) if t is not None)
+        start = max(
+            t for t in (rank.progress_at, rank.phase_reported_at(), rank.peer_released_at) if t is not None
+        )
         if (now - start).total_seconds() <= allowed:
             return []
         if rank.heartbeats and (rank.heartbeat_at is None or rank.heartbeat_at <= rank.progress_at):
@@ -146,16 +156,23 @@ class StallDetector(Detector):
         value: float | None
         threshold: float | None
         if kind == "silent":
-            period = (f"; heartbeats every {rank.heartbeat_interval_s:g} s" if rank.heartbeat_interval_s is not None
-                      else "")
-            message = (f"rank {rank.rank} has been silent for {silent_s:.0f} s (no heartbeat or event; timeout "
-                       f"{silent_after:.0f} s{period}): last step {rank.step}, last phase {rank.phase!r}")
+            period = (
+                f"; heartbeats every {rank.heartbeat_interval_s:g} s"
+                if rank.heartbeat_interval_s is not None
+                else ""
+            )
+            message = (
+                f"rank {rank.rank} has been silent for {silent_s:.0f} s (no heartbeat or event; timeout "
+                f"{silent_after:.0f} s{period}): last step {rank.step}, last phase {rank.phase!r}"
+            )
             value, threshold, severity = silent_s, silent_after, "critical"
         else:
             heard = "while heartbeats continue" if rank.heartbeats else "(this rank sends no heartbeats)"
-            message = (f"rank {rank.rank} is stalled: no step completed for {since:.0f} s since step {rank.step} "
-                       f"{heard} (phase {rank.phase!r}; allowed {allowed:.0f} s = {cfg.factor:g} x median step "
-                       f"{median:.3g} s + {allowance:g} s for the phase)")
+            message = (
+                f"rank {rank.rank} is stalled: no step completed for {since:.0f} s since step {rank.step} "
+                f"{heard} (phase {rank.phase!r}; allowed {allowed:.0f} s = {cfg.factor:g} x median step "
+                f"{median:.3g} s + {allowance:g} s for the phase)"
+            )
             value, threshold, severity = since, allowed, "warning"
         return Finding(
             detector=NAME,
@@ -181,8 +198,15 @@ class StallDetector(Detector):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=StallConfig, build=lambda d, progress=None: StallDetector(d.stall, progress), view="rank",
-    reads_progress=True, episodic=True,
-    knob="factor", summary="heartbeats go on but the step does not move (phase-aware), or the heartbeats stop",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=StallConfig,
+        build=lambda d, progress=None: StallDetector(d.stall, progress),
+        view="rank",
+        reads_progress=True,
+        episodic=True,
+        knob="factor",
+        summary="heartbeats go on but the step does not move (phase-aware), or the heartbeats stop",
+    )
+)

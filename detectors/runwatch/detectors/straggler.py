@@ -32,13 +32,20 @@ class StragglerConfig(Strict):
 
     enabled: bool = True
     score_threshold: float = Field(
-        default=0.75, gt=0, lt=1, description="fastest rank's median step work / this rank's below this: a straggler"
+        default=0.75,
+        gt=0,
+        lt=1,
+        description="fastest rank's median step work / this rank's below this: a straggler",
     )
     window: int = Field(default=50, ge=4, description="steps in each rank's rolling median")
     min_steps: int = Field(default=10, ge=2, description="steps of a rank before it is scored")
-    patience: int = Field(default=5, ge=1, description="joined steps in a row under the threshold before a finding")
+    patience: int = Field(
+        default=5, ge=1, description="joined steps in a row under the threshold before a finding"
+    )
     min_gap_s: float = Field(
-        default=0.005, ge=0, description="and this rank's median is at least this much slower (tiny steps are noisy)"
+        default=0.005,
+        ge=0,
+        description="and this rank's median is at least this much slower (tiny steps are noisy)",
     )
 
 
@@ -86,8 +93,11 @@ class StragglerDetector(CrossRankDetector):
 
     def _medians(self) -> dict[int, float]:
         """Each scored rank's rolling median (a rank with ``min_steps`` values has one)."""
-        return {r: m for r, t in self.ranks.items()
-                if t.count >= self.config.min_steps and (m := t.median.get()) is not None}
+        return {
+            r: m
+            for r, t in self.ranks.items()
+            if t.count >= self.config.min_steps and (m := t.median.get()) is not None
+        }
 
     def scores(self) -> dict[int, float]:
         """Each scored rank's ``fastest median / its median`` (1.0 for the fastest)."""
@@ -111,7 +121,9 @@ class StragglerDetector(CrossRankDetector):
             if not slow:
                 timing.streak = 0
                 timing.healthy += 1
-                if timing.healthy >= cfg.patience:  # re-armed only after as long a recovery as the alert needed
+                if (
+                    timing.healthy >= cfg.patience
+                ):  # re-armed only after as long a recovery as the alert needed
                     timing.fired = False
                 continue
             timing.healthy = 0
@@ -119,30 +131,39 @@ class StragglerDetector(CrossRankDetector):
             if timing.streak < cfg.patience or timing.fired:
                 continue
             timing.fired = True
-            findings.append(Finding(
-                detector=NAME,
-                metric=timing.metric,
-                step=step,
-                rank=rank,
-                severity="warning",
-                message=(f"rank {rank} is a straggler: median {timing.metric} {medians[rank]:.3g} s against "
-                         f"{medians[fastest_rank]:.3g} s on the fastest rank {fastest_rank} (score {score:.2f} < "
-                         f"{cfg.score_threshold:g} for {timing.streak} steps)"),
-                value=score,
-                threshold=cfg.score_threshold,
-                score=score,
-                evidence={
-                    "median_s": medians[rank],
-                    "fastest_rank": fastest_rank,
-                    "fastest_median_s": medians[fastest_rank],
-                    "timed": timing.metric,
-                    "rank_medians_s": {str(r): m for r, m in sorted(medians.items())},
-                },
-            ))
+            findings.append(
+                Finding(
+                    detector=NAME,
+                    metric=timing.metric,
+                    step=step,
+                    rank=rank,
+                    severity="warning",
+                    message=(
+                        f"rank {rank} is a straggler: median {timing.metric} {medians[rank]:.3g} s against "
+                        f"{medians[fastest_rank]:.3g} s on the fastest rank {fastest_rank} (score {score:.2f} < "
+                        f"{cfg.score_threshold:g} for {timing.streak} steps)"
+                    ),
+                    value=score,
+                    threshold=cfg.score_threshold,
+                    score=score,
+                    evidence={
+                        "median_s": medians[rank],
+                        "fastest_rank": fastest_rank,
+                        "fastest_median_s": medians[fastest_rank],
+                        "timed": timing.metric,
+                        "rank_medians_s": {str(r): m for r, m in sorted(medians.items())},
+                    },
+                )
+            )
         return findings
 
 
-register(DetectorSpec(
-    name=NAME, config=StragglerConfig, build=lambda d: StragglerDetector(d.straggler), view="cross_rank",
-    summary="one rank consistently slower than its peers (its own compute time, not the synchronised step)",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=StragglerConfig,
+        build=lambda d: StragglerDetector(d.straggler),
+        view="cross_rank",
+        summary="one rank consistently slower than its peers (its own compute time, not the synchronised step)",
+    )
+)

@@ -47,8 +47,12 @@ class ThroughputConfig(Strict):
     enabled: bool = True
     warmup: int = Field(default=30, ge=4, description="steps before any finding")
     delta: float = Field(default=0.01, gt=0, lt=1, description="ADWIN confidence parameter")
-    min_change: float = Field(default=0.3, gt=0, description="relative change of the mean step time that counts")
-    min_duration_s: float = Field(default=2.0, ge=0, description="seconds of event time the slower steps must span")
+    min_change: float = Field(
+        default=0.3, gt=0, description="relative change of the mean step time that counts"
+    )
+    min_duration_s: float = Field(
+        default=2.0, ge=0, description="seconds of event time the slower steps must span"
+    )
     cooldown_steps: int = Field(default=100, ge=0)
 
 
@@ -142,7 +146,7 @@ class ThroughputDetector(HostLoadAttributed):
             return None
         split = int(k[best])
         y = np.fromiter(self._log_t, dtype=np.float64)
-        before = y[max(0, split - WINDOW):split]
+        before = y[max(0, split - WINDOW) : split]
         after = y[split:]
         q25, before_med, q75 = np.quantile(before, (0.25, 0.5, 0.75))
         after_med = float(np.median(after))
@@ -182,7 +186,13 @@ class ThroughputDetector(HostLoadAttributed):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=ThroughputConfig, build=lambda d: ThroughputDetector(d.throughput_drift), view="rank",
-    knob="min_change", summary="a sustained level shift in step time (a slower run), with the host's load as evidence",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=ThroughputConfig,
+        build=lambda d: ThroughputDetector(d.throughput_drift),
+        view="rank",
+        knob="min_change",
+        summary="a sustained level shift in step time (a slower run), with the host's load as evidence",
+    )
+)

@@ -39,10 +39,16 @@ class UpdateRatioConfig(Strict):
     enabled: bool = True
     warmup: int = Field(default=5, ge=1, description="observations (update-norm steps) before any finding")
     window: int = Field(default=50, ge=4, description="observations of history for the run's typical ratio")
-    factor: float = Field(default=10.0, gt=1, description="a ratio this many times above/below typical is out of band")
+    factor: float = Field(
+        default=10.0, gt=1, description="a ratio this many times above/below typical is out of band"
+    )
     low: float = Field(default=1e-6, gt=0, description="absolute floor: below it the updates have vanished")
-    high: float = Field(default=1e-1, gt=0, description="absolute ceiling: above it the updates are too large")
-    patience: int = Field(default=3, ge=1, description="consecutive out-of-band observations before a finding")
+    high: float = Field(
+        default=1e-1, gt=0, description="absolute ceiling: above it the updates are too large"
+    )
+    patience: int = Field(
+        default=3, ge=1, description="consecutive out-of-band observations before a finding"
+    )
     cooldown_steps: int = Field(default=100, ge=0)
 
 
@@ -185,7 +191,13 @@ class UpdateRatioDetector(Detector):
         )
 
 
-register(DetectorSpec(
-    name=NAME, config=UpdateRatioConfig, build=lambda d: UpdateRatioDetector(d.update_ratio), view="joined",
-    knob="factor", summary="the relative update norm (update / parameter norm) leaving its band: vanishing or too large",
-))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=UpdateRatioConfig,
+        build=lambda d: UpdateRatioDetector(d.update_ratio),
+        view="joined",
+        knob="factor",
+        summary="the relative update norm (update / parameter norm) leaving its band: vanishing or too large",
+    )
+)

@@ -59,8 +59,13 @@ class EmbeddedBroker:
     is not the listening one: e.g. a :class:`~runwatch.local.netcut.NetCut` proxy in front.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None,
-                 advertised: str | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: Path | None = None,
+        advertised: str | None = None,
+    ):
         self.host = host
         self.port = port or free_port(host)
         self.log_path = log_path
@@ -75,8 +80,14 @@ class EmbeddedBroker:
         url = f"tcp://{self.host}:{self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [tansu_binary(), "broker", "--listener-url", url,
-             "--advertised-listener-url", f"tcp://{self.advertised}" if self.advertised else url],
+            [
+                tansu_binary(),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                f"tcp://{self.advertised}" if self.advertised else url,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C to the demo must not kill the broker before we drain
@@ -104,7 +115,9 @@ class EmbeddedBroker:
         self.stop()
 
 
-def ensure_topics(bootstrap: str, partitions: int = topics.DEFAULT_PARTITIONS, timeout: float = 20.0) -> list[str]:
+def ensure_topics(
+    bootstrap: str, partitions: int = topics.DEFAULT_PARTITIONS, timeout: float = 20.0
+) -> list[str]:
     """Create runwatch's topics where missing; returns the ones created."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
@@ -122,8 +135,9 @@ def ensure_topics(bootstrap: str, partitions: int = topics.DEFAULT_PARTITIONS, t
                 missing = [t for t in topics.CREATED_TOPICS if t not in existing]
                 if missing:
                     try:
-                        admin.create_topics([NewTopic(t, partitions, 1, topic_configs=_topic_config(t))
-                                             for t in missing])
+                        admin.create_topics(
+                            [NewTopic(t, partitions, 1, topic_configs=_topic_config(t)) for t in missing]
+                        )
                     except TopicAlreadyExistsError:
                         pass
                 return missing
@@ -145,7 +159,9 @@ def committed_offset(bootstrap: str, group_id: str, topic: str, partition: int) 
     is judged from committed offsets against the producer's acknowledged ones."""
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=group_id)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=group_id
+    )
     try:
         return consumer.committed(TopicPartition(topic, partition)) or 0
     finally:

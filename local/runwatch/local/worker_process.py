@@ -32,14 +32,35 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
 class WorkerProcess:
     """``runwatch worker`` as a child process, stopped by pid."""
 
-    def __init__(self, bootstrap: str, secret: str, log_path: Path, config_path: Path | None = None,
-                 group: str | None = None, extra_args: tuple[str, ...] = ()):
-        log_path = Path(log_path).resolve()  # (the worker runs in the log's folder: every path it gets is absolute)
+    def __init__(
+        self,
+        bootstrap: str,
+        secret: str,
+        log_path: Path,
+        config_path: Path | None = None,
+        group: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        log_path = Path(
+            log_path
+        ).resolve()  # (the worker runs in the log's folder: every path it gets is absolute)
         self.ready_file = log_path.with_suffix(".ready")
         self.ready_file.unlink(missing_ok=True)
         self.web_port = free_port()
-        cmd = [sys.executable, "-m", "runwatch.cli", "worker", "--bootstrap", bootstrap,
-               "--web-port", str(self.web_port), "--web-host", "127.0.0.1", "--ready-file", str(self.ready_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "runwatch.cli",
+            "worker",
+            "--bootstrap",
+            bootstrap,
+            "--web-port",
+            str(self.web_port),
+            "--web-host",
+            "127.0.0.1",
+            "--ready-file",
+            str(self.ready_file),
+        ]
         if config_path is not None:
             cmd += ["--config", str(Path(config_path).resolve())]
         if group is not None:
@@ -49,13 +70,21 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         # (in the log's folder: Faust keeps a data directory, "<group>-data", in its working directory)
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True, cwd=log_path.parent)
+        self.process = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=log_path.parent,
+        )
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
             if self.process.poll() is not None:
-                raise LocalStackError(f"the worker exited with {self.process.returncode}; see {self.log_path}")
+                raise LocalStackError(
+                    f"the worker exited with {self.process.returncode}; see {self.log_path}"
+                )
             return self.ready_file.exists()
 
         wait_until(ready, timeout, "the worker to join its consumer group")

@@ -34,8 +34,13 @@ def label_for(sc: Scenario, outcome: ScenarioOutcome) -> dict[str, Any]:
     return label
 
 
-def generate(out_dir: Any, names: list[str] | None = None, *, quick: bool = False,
-             progress: Callable[[str, dict[str, Any], float], None] | None = None) -> list[dict[str, Any]]:
+def generate(
+    out_dir: Any,
+    names: list[str] | None = None,
+    *,
+    quick: bool = False,
+    progress: Callable[[str, dict[str, Any], float], None] | None = None,
+) -> list[dict[str, Any]]:
     """Record the chosen scenarios (default: the whole corpus) into ``out_dir``; returns the labels written."""
     from runwatch.producer.publish.recorder import JsonlRecorder
 
@@ -46,11 +51,21 @@ def generate(out_dir: Any, names: list[str] | None = None, *, quick: bool = Fals
     for sc in chosen:
         started = time.perf_counter()
         clock = SimulatedClock(start=START - timedelta(days=sc.days_earlier))
-        rec = JsonlRecorder(out / f"{sc.name}.jsonl", f"scenario-{sc.name}", clock=clock.now,
-                            collect_metadata=False, seed=sc.seed, config=recorded_config(sc, quick),
-                            tags={"scenario": sc.name, "fault": sc.fault, "model": sc.model,
-                                  "memory_model": "emulated-caching-allocator"},
-                            baseline_key=sc.job)
+        rec = JsonlRecorder(
+            out / f"{sc.name}.jsonl",
+            f"scenario-{sc.name}",
+            clock=clock.now,
+            collect_metadata=False,
+            seed=sc.seed,
+            config=recorded_config(sc, quick),
+            tags={
+                "scenario": sc.name,
+                "fault": sc.fault,
+                "model": sc.model,
+                "memory_model": "emulated-caching-allocator",
+            },
+            baseline_key=sc.job,
+        )
         outcome = run_scenario(sc, rec, clock, quick=quick)
         rec.close(status=outcome.status, summary={"steps": outcome.steps})
         label = label_for(sc, outcome)
@@ -66,11 +81,27 @@ def recorded_config(sc: Scenario, quick: bool) -> dict[str, Any]:
     fault = sc.injector.describe()
     magnitude = fault["magnitude"]
     return {
-        "name": sc.name, "fault": sc.fault, "model": sc.model, "steps": sc.n_steps(quick),
-        "quick_steps": sc.quick_steps, "onset": sc.onset, "batch": sc.batch, "lr": sc.lr, "schedule": sc.schedule,
-        "warmup": sc.warmup, "step_time_s": sc.step_time_s, "data_wait_s": sc.data_wait_s, "noise": sc.noise,
-        "checkpoint_every": sc.checkpoint_every, "checkpoint_s": sc.checkpoint_s, "eval_every": sc.eval_every,
-        "eval_s": sc.eval_s, "module": fault["module"], "category": fault["category"], "kind": fault["kind"],
+        "name": sc.name,
+        "fault": sc.fault,
+        "model": sc.model,
+        "steps": sc.n_steps(quick),
+        "quick_steps": sc.quick_steps,
+        "onset": sc.onset,
+        "batch": sc.batch,
+        "lr": sc.lr,
+        "schedule": sc.schedule,
+        "warmup": sc.warmup,
+        "step_time_s": sc.step_time_s,
+        "data_wait_s": sc.data_wait_s,
+        "noise": sc.noise,
+        "checkpoint_every": sc.checkpoint_every,
+        "checkpoint_s": sc.checkpoint_s,
+        "eval_every": sc.eval_every,
+        "eval_s": sc.eval_s,
+        "module": fault["module"],
+        "category": fault["category"],
+        "kind": fault["kind"],
         "magnitude": magnitude if magnitude is None or math.isfinite(magnitude) else str(magnitude),
-        "seed": sc.seed, "extra": dict(sc.extra),
+        "seed": sc.seed,
+        "extra": dict(sc.extra),
     }

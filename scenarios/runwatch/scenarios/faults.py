@@ -86,7 +86,9 @@ class FaultInjector:
     def loss(self, loss: torch.Tensor, logits: torch.Tensor, step: int) -> torch.Tensor:
         return loss
 
-    def backward_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, batch: Batch, step: int) -> torch.Tensor:
+    def backward_loss(
+        self, loss: torch.Tensor, per_sample: torch.Tensor, batch: Batch, step: int
+    ) -> torch.Tensor:
         return loss
 
     def retain(self, model: nn.Module, batch: Batch, logits: torch.Tensor, step: int) -> list[int]:
@@ -179,7 +181,9 @@ class GradNormSpike(FaultInjector):
             return batch
         return Batch(batch.x * self.magnitude, batch.y, batch.cat, batch.tokens)
 
-    def backward_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, batch: Batch, step: int) -> torch.Tensor:
+    def backward_loss(
+        self, loss: torch.Tensor, per_sample: torch.Tensor, batch: Batch, step: int
+    ) -> torch.Tensor:
         if not self.at_onset(step):
             return loss
         if self.how == "sample_sum":
@@ -201,8 +205,12 @@ class ModuleGradExplosion(FaultInjector):
     cap: float = 1e4
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "module": self.module, "kind": "bad_init" if self.growth is None else None,
-                "magnitude": self.growth}
+        return {
+            **super().describe(),
+            "module": self.module,
+            "kind": "bad_init" if self.growth is None else None,
+            "magnitude": self.growth,
+        }
 
     def start(self, run: FaultRun) -> None:
         super().start(run)
@@ -239,8 +247,11 @@ class UpdateRatio(FaultInjector):
     lr_scale: float
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "kind": "too_large" if self.lr_scale > 1 else "vanishing",
-                "magnitude": self.lr_scale}
+        return {
+            **super().describe(),
+            "kind": "too_large" if self.lr_scale > 1 else "vanishing",
+            "magnitude": self.lr_scale,
+        }
 
     def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         if self.active(step):

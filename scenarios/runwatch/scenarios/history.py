@@ -77,12 +77,20 @@ class GitRepo:
         self.path = path
 
     def git(self, *args: str, when: datetime | None = None) -> str:
-        env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
-               "GIT_AUTHOR_NAME": AUTHOR[0], "GIT_AUTHOR_EMAIL": AUTHOR[1],
-               "GIT_COMMITTER_NAME": AUTHOR[0], "GIT_COMMITTER_EMAIL": AUTHOR[1]}
+        env = {
+            **os.environ,
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_AUTHOR_NAME": AUTHOR[0],
+            "GIT_AUTHOR_EMAIL": AUTHOR[1],
+            "GIT_COMMITTER_NAME": AUTHOR[0],
+            "GIT_COMMITTER_EMAIL": AUTHOR[1],
+        }
         if when is not None:
             env["GIT_AUTHOR_DATE"] = env["GIT_COMMITTER_DATE"] = when.isoformat()
-        done = subprocess.run(["git", *args], cwd=self.path, env=env, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["git", *args], cwd=self.path, env=env, capture_output=True, text=True, timeout=60
+        )
         if done.returncode != 0:
             raise RuntimeError(f"git {' '.join(args)} failed in {self.path}: {done.stderr.strip()}")
         return done.stdout.strip()
@@ -102,7 +110,9 @@ def _config_json(config: JobConfig, extra: dict[str, Any]) -> str:
     return json.dumps({**config.to_json(), **extra}, indent=2, sort_keys=True) + "\n"
 
 
-def _apply(config: JobConfig, extra: dict[str, Any], changes: dict[str, Any]) -> tuple[JobConfig, dict[str, Any]]:
+def _apply(
+    config: JobConfig, extra: dict[str, Any], changes: dict[str, Any]
+) -> tuple[JobConfig, dict[str, Any]]:
     """A commit's changes: JobConfig fields (None: back to the default) and other keys (``pool``)."""
     known = {f.name: f.default for f in fields(JobConfig)}
     updates = {k: (known[k] if v is None else v) for k, v in changes.items() if k in known}
@@ -121,8 +131,12 @@ def expand_metrics(metrics: tuple[str, ...], size: HistorySize) -> list[str]:
     return out
 
 
-def generate(out_dir: str | Path, *, quick: bool = False,
-             progress: Callable[[RecordedRun, int, int], None] | None = None) -> dict[str, Any]:
+def generate(
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    progress: Callable[[RecordedRun, int, int], None] | None = None,
+) -> dict[str, Any]:
     """Create the repository, record every run and write ``labels.json``; returns the labels."""
     out = Path(out_dir)
     repo = GitRepo(out / "repo")
@@ -152,10 +166,18 @@ def generate(out_dir: str | Path, *, quick: bool = False,
             runs.append(run)
             if progress is not None:
                 progress(run, len(runs), total)
-        entry = {"commit": sha, "name": commit.name, "day": commit.day, "description": commit.description,
-                 "message": commit.message, "first_run": first_run}
+        entry = {
+            "commit": sha,
+            "name": commit.name,
+            "day": commit.day,
+            "description": commit.description,
+            "message": commit.message,
+            "first_run": first_run,
+        }
         if commit.kind == "regression":
-            regressions.append({**entry, "metrics": expand_metrics(commit.metrics, size), "in_flight": commit.in_flight})
+            regressions.append(
+                {**entry, "metrics": expand_metrics(commit.metrics, size), "in_flight": commit.in_flight}
+            )
         elif commit.kind != "initial":
             benign.append({**entry, "kind": commit.kind})
     labels = {
@@ -176,32 +198,66 @@ def generate(out_dir: str | Path, *, quick: bool = False,
     return labels
 
 
-def _record(out: Path, commit: Commit, sha: str, committed: datetime, config: JobConfig, day: int, index: int,
-            first_at_commit: bool, size: HistorySize) -> RecordedRun:
+def _record(
+    out: Path,
+    commit: Commit,
+    sha: str,
+    committed: datetime,
+    config: JobConfig,
+    day: int,
+    index: int,
+    first_at_commit: bool,
+    size: HistorySize,
+) -> RecordedRun:
     started = time.perf_counter()
     run_id = f"history-{index:03d}-d{day:02d}-{commit.name}"
     clock = SimulatedClock(start=HISTORY_START + timedelta(days=day, hours=RUN_HOUR, minutes=7 * (index % 5)))
     noise_seed = config.augment_seed_base + index
     new_baseline = commit.kind == "new_baseline" and first_at_commit
     hardware = HARDWARE[commit.hardware]
-    tags = {"hardware": commit.hardware, "git_commit_time": committed.isoformat(),
-            "peak_flops_per_s": f"{hardware['peak_flops_per_s']:g}", "commit": commit.name,
-            "memory_model": "emulated-caching-allocator"}
+    tags = {
+        "hardware": commit.hardware,
+        "git_commit_time": committed.isoformat(),
+        "peak_flops_per_s": f"{hardware['peak_flops_per_s']:g}",
+        "commit": commit.name,
+        "memory_model": "emulated-caching-allocator",
+    }
     if new_baseline:
         tags["new_baseline"] = "true"
     path = out / "runs" / f"{run_id}.jsonl"
     rec = DeclaredHardwareRecorder(
-        path, run_id, clock=clock.now, collect_metadata=False, seed=config.seed, config=config.to_json(),
-        tags=tags, baseline_key=BASELINE_KEY, job_id="audio-classifier",
-        run_start={"git_sha": sha, "git_dirty": False, "host": f"{commit.hardware}-01",
-                   "config_hash": _config_hash(config)},
-        peak_flops_per_s=hardware["peak_flops_per_s"], batch=config.batch)
+        path,
+        run_id,
+        clock=clock.now,
+        collect_metadata=False,
+        seed=config.seed,
+        config=config.to_json(),
+        tags=tags,
+        baseline_key=BASELINE_KEY,
+        job_id="audio-classifier",
+        run_start={
+            "git_sha": sha,
+            "git_dirty": False,
+            "host": f"{commit.hardware}-01",
+            "config_hash": _config_hash(config),
+        },
+        peak_flops_per_s=hardware["peak_flops_per_s"],
+        batch=config.batch,
+    )
     sc = job_scenario(config, commit.hardware, noise_seed, size.steps, size.loss_every, size.eval_every)
     outcome = run_scenario(sc, rec, clock)
     rec.close(status=outcome.status, summary={"steps": outcome.steps})
-    return RecordedRun(run_id=run_id, file=f"runs/{path.name}", commit=sha, commit_name=commit.name, day=day,
-                       fingerprint=commit.hardware, change=commit.message, new_baseline=new_baseline,
-                       seconds=time.perf_counter() - started)
+    return RecordedRun(
+        run_id=run_id,
+        file=f"runs/{path.name}",
+        commit=sha,
+        commit_name=commit.name,
+        day=day,
+        fingerprint=commit.hardware,
+        change=commit.message,
+        new_baseline=new_baseline,
+        seconds=time.perf_counter() - started,
+    )
 
 
 def _config_hash(config: JobConfig) -> str:

@@ -96,8 +96,11 @@ class JobAtCommit(FaultInjector):
                 x = x.clone()
                 band = x.shape[2] // len(task.names)
                 moved = x[rows]
-                own, other = moved[:, :, k * band:(k + 1) * band].clone(), moved[:, :, j * band:(j + 1) * band].clone()
-                moved[:, :, k * band:(k + 1) * band], moved[:, :, j * band:(j + 1) * band] = other, own
+                own, other = (
+                    moved[:, :, k * band : (k + 1) * band].clone(),
+                    moved[:, :, j * band : (j + 1) * band].clone(),
+                )
+                moved[:, :, k * band : (k + 1) * band], moved[:, :, j * band : (j + 1) * band] = other, own
                 x[rows] = moved
                 y = torch.where(rows, torch.full_like(y, j), y)
                 cat = torch.where(rows, torch.full_like(cat, j), cat)
@@ -112,7 +115,9 @@ class JobAtCommit(FaultInjector):
         if step < warmup:
             factor = (step + 1) / warmup
         else:
-            factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, self.run.steps - warmup)))
+            factor = 0.1 + 0.9 * 0.5 * (
+                1 + math.cos(math.pi * (step - warmup) / max(1, self.run.steps - warmup))
+            )
         for group in optimizer.param_groups:
             group["lr"] = self.peak_lr * factor
 
@@ -121,8 +126,11 @@ class JobAtCommit(FaultInjector):
             return []
         with torch.no_grad():
             if not self.ema:  # the EMA weights (and the eval model's copy of them) live for the whole run
-                self.ema = [p.detach().clone() for _ in range(self.config.ema_weight_copies)
-                            for p in model.parameters()]
+                self.ema = [
+                    p.detach().clone()
+                    for _ in range(self.config.ema_weight_copies)
+                    for p in model.parameters()
+                ]
                 return [t.numel() * t.element_size() for t in self.ema]
             params = list(model.parameters())
             for i, shadow in enumerate(self.ema):
@@ -169,14 +177,26 @@ class DeclaredHardwareRecorder(JsonlRecorder):
         return super().watch(model, optimizer, **options)
 
 
-def job_scenario(config: JobConfig, hardware: str, noise_seed: int, steps: int, loss_every: int,
-                 eval_every: int) -> Scenario:
+def job_scenario(
+    config: JobConfig, hardware: str, noise_seed: int, steps: int, loss_every: int, eval_every: int
+) -> Scenario:
     """The scenario that trains ``config`` for ``steps`` steps on ``hardware`` with this run's noise."""
     injector = JobAtCommit(config=config, noise_seed=noise_seed, peak_lr=config.lr)
     return Scenario(
-        name="history", injector=injector, model=config.model, description="the history corpus' job",
-        steps=steps, quick_steps=steps, batch=config.batch, lr=config.lr, step_time_s=HARDWARE[hardware]["step_time_s"],
-        checkpoint_every=loss_every, checkpoint_s=3.0, eval_every=eval_every, eval_s=2.0, seed=config.seed,
+        name="history",
+        injector=injector,
+        model=config.model,
+        description="the history corpus' job",
+        steps=steps,
+        quick_steps=steps,
+        batch=config.batch,
+        lr=config.lr,
+        step_time_s=HARDWARE[hardware]["step_time_s"],
+        checkpoint_every=loss_every,
+        checkpoint_s=3.0,
+        eval_every=eval_every,
+        eval_s=2.0,
+        seed=config.seed,
         recorded=False,
     )
 

@@ -26,8 +26,12 @@ class TrainingResult:
             self.nonfinite_after_last_rollback += 1
         self.final_loss = loss
 
-    def take(self, applied_actions: Iterable[AppliedAction], step: int,
-             on_action: Callable[[AppliedAction], None] | None = None) -> int:
+    def take(
+        self,
+        applied_actions: Iterable[AppliedAction],
+        step: int,
+        on_action: Callable[[AppliedAction], None] | None = None,
+    ) -> int:
         """Record the actions a poll applied at ``step``; returns the step training is at now (a
         rollback's checkpoint step, else ``step``). ``stopped`` says whether a stop came."""
         for applied in applied_actions:
@@ -35,8 +39,9 @@ class TrainingResult:
             if on_action is not None:
                 on_action(applied)
             if applied.kind == "rollback" and applied.outcome == "applied" and applied.to_step is not None:
-                self.rollbacks.append({"from_step": step, "to_step": applied.to_step,
-                                       "action_id": applied.action.action_id})
+                self.rollbacks.append(
+                    {"from_step": step, "to_step": applied.to_step, "action_id": applied.action.action_id}
+                )
                 self.nonfinite_after_last_rollback = 0
                 step = applied.to_step
             elif applied.kind == "stop":

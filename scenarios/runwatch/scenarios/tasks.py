@@ -44,8 +44,9 @@ class TinyTransformer(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Embedding(max_len, width)
-        self.encoder = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True,
-                                                  norm_first=True)
+        self.encoder = nn.TransformerEncoderLayer(
+            width, 4, 2 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
 
@@ -72,8 +73,9 @@ class TinyAudioNet(nn.Module):
     zero-initialised additive bias is a bare parameter of the root module, so that the fix's per-module
     norms name the same owner (``(root)``) as the mistake's, which a comparison with history needs."""
 
-    def __init__(self, fixed: bool, n_mels: int = 40, width: int = 32, classes: int = 4,
-                 bias_on_root: bool = False):
+    def __init__(
+        self, fixed: bool, n_mels: int = 40, width: int = 32, classes: int = 4, bias_on_root: bool = False
+    ):
         super().__init__()
         if fixed and bias_on_root:
             self.mel_offset = nn.Parameter(torch.zeros(n_mels))
@@ -83,8 +85,9 @@ class TinyAudioNet(nn.Module):
             self.mel_scale = nn.Parameter(torch.randn(n_mels))
         self.conv1 = nn.Conv1d(n_mels, width, 3, padding=1)
         self.conv2 = nn.Conv1d(width, width, 3, stride=2, padding=1)
-        self.encoder = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True,
-                                                  norm_first=True)
+        self.encoder = nn.TransformerEncoderLayer(
+            width, 4, 2 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, classes)
 
@@ -128,7 +131,7 @@ class Task:
         return self.make_batch(10**7, size=size)
 
     def categories(self, n: int, g: torch.Generator) -> torch.Tensor:
-        share = torch.tensor(CATEGORY_SHARE[:len(self.names)])
+        share = torch.tensor(CATEGORY_SHARE[: len(self.names)])
         return torch.multinomial(share / share.sum(), n, replacement=True, generator=g)
 
 
@@ -228,15 +231,21 @@ class AudioTask(Task):
         band = 10
         for k in range(4):
             rows = labels == k
-            frames[rows, :, k * band:(k + 1) * band] += 50 + 10 * torch.randn(int(rows.sum()), 32, band, generator=g)
+            frames[rows, :, k * band : (k + 1) * band] += 50 + 10 * torch.randn(
+                int(rows.sum()), 32, band, generator=g
+            )
         return Batch(frames.clamp(-80, 0), labels, labels)
 
 
 def make_task(sc: Scenario) -> Task:
     torch.manual_seed(sc.seed)
     if sc.model == "mlp":
-        return MLPTask(sc.seed, sc.batch, train_size=sc.extra.get("train_size"),
-                       label_noise=sc.extra.get("label_noise", 0.0))
+        return MLPTask(
+            sc.seed,
+            sc.batch,
+            train_size=sc.extra.get("train_size"),
+            label_noise=sc.extra.get("label_noise", 0.0),
+        )
     if sc.model == "cnn":
         return CNNTask(sc.seed, sc.batch)
     if sc.model == "transformer":

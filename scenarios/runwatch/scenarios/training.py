@@ -69,9 +69,16 @@ def lr_factor(sc: Scenario, step: int, n: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, n - warmup)))
 
 
-def run_scenario(sc: Scenario, rw: Any, clock: Any, *, quick: bool = False,
-                 on_step: Callable[[int, float], None] | None = None, listener: Any = None,
-                 on_action: Callable[[Any], None] | None = None) -> ScenarioOutcome:
+def run_scenario(
+    sc: Scenario,
+    rw: Any,
+    clock: Any,
+    *,
+    quick: bool = False,
+    on_step: Callable[[int, float], None] | None = None,
+    listener: Any = None,
+    on_action: Callable[[Any], None] | None = None,
+) -> ScenarioOutcome:
     """Train ``sc`` for real, publishing through ``rw`` (a RunWatch or a JsonlRecorder).
 
     ``clock``: a :class:`SimulatedClock` (recording: simulated wall time, heartbeats beaten
@@ -84,8 +91,15 @@ def run_scenario(sc: Scenario, rw: Any, clock: Any, *, quick: bool = False,
         return _run(sc, rw, clock, quick, on_step, listener, on_action)
 
 
-def _run(sc: Scenario, rw: Any, clock: Any, quick: bool, on_step: Callable[[int, float], None] | None,
-         listener: Any, on_action: Callable[[Any], None] | None) -> ScenarioOutcome:
+def _run(
+    sc: Scenario,
+    rw: Any,
+    clock: Any,
+    quick: bool,
+    on_step: Callable[[int, float], None] | None,
+    listener: Any,
+    on_action: Callable[[Any], None] | None,
+) -> ScenarioOutcome:
     n = sc.n_steps(quick)
     onset = sc.onset_step(quick)
     task = make_task(sc)
@@ -93,8 +107,15 @@ def _run(sc: Scenario, rw: Any, clock: Any, quick: bool, on_step: Callable[[int,
     optimizer = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(sc, s, n))
     memory = ScenarioMemory(model)
-    watch = rw.watch(model, optimizer, clip=1.0, update_every=5, heartbeat_s=HEARTBEAT_S,
-                     clock=clock.seconds if clock.simulated else None, memory=memory)
+    watch = rw.watch(
+        model,
+        optimizer,
+        clip=1.0,
+        update_every=5,
+        heartbeat_s=HEARTBEAT_S,
+        clock=clock.seconds if clock.simulated else None,
+        memory=memory,
+    )
     clock.bind(watch.heartbeat)
     timing = random.Random(sc.seed * 31 + 7)
     val = task.validation(256)
@@ -105,8 +126,17 @@ def _run(sc: Scenario, rw: Any, clock: Any, quick: bool, on_step: Callable[[int,
             out.onset_ts = clock.now()
 
     fault = sc.injector.for_run()
-    fault.start(FaultRun(onset=onset, steps=n, model=model, seed=sc.seed, step_time_s=sc.step_time_s,
-                         base_lr=lambda step: sc.lr * lr_factor(sc, step, n), mark_onset=mark_onset))
+    fault.start(
+        FaultRun(
+            onset=onset,
+            steps=n,
+            model=model,
+            seed=sc.seed,
+            step_time_s=sc.step_time_s,
+            base_lr=lambda step: sc.lr * lr_factor(sc, step, n),
+            mark_onset=mark_onset,
+        )
+    )
     checkpoints = _MemoryCheckpoints(model, optimizer, scheduler) if listener is not None else None
     if checkpoints is not None:
         listener.attach(model, optimizer, restore=checkpoints.restore, heartbeat=watch.heartbeat)
@@ -156,11 +186,17 @@ def _run(sc: Scenario, rw: Any, clock: Any, quick: bool, on_step: Callable[[int,
         if ended is not None:
             out.status = ended
             break
-        if (step + 1) % sc.checkpoint_every == 0 or (sc.extra.get("long_checkpoint_s") and step + 1 == n // 2):
-            seconds = sc.extra.get("long_checkpoint_s", sc.checkpoint_s) if step + 1 == n // 2 else sc.checkpoint_s
+        if (step + 1) % sc.checkpoint_every == 0 or (
+            sc.extra.get("long_checkpoint_s") and step + 1 == n // 2
+        ):
+            seconds = (
+                sc.extra.get("long_checkpoint_s", sc.checkpoint_s) if step + 1 == n // 2 else sc.checkpoint_s
+            )
             with watch.phase("checkpoint"):
                 buffer = io.BytesIO()
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, buffer)
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, buffer
+                )
                 clock.advance(seconds * timing.lognormvariate(0, 0.05))
             uri = f"mem://{sc.name}/step-{step:06d}.pt"
             if checkpoints is not None:

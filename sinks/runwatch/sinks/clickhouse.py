@@ -86,7 +86,9 @@ class ClickHouseSink:
             "(version UInt32, name String, applied_at DateTime64(3, 'UTC')) "
             "ENGINE = ReplacingMergeTree ORDER BY version"
         )
-        done = {row[0] for row in self.client.query(f"SELECT version FROM {db}.schema_migrations").result_rows}
+        done = {
+            row[0] for row in self.client.query(f"SELECT version FROM {db}.schema_migrations").result_rows
+        }
         applied = []
         for migration in MIGRATIONS:
             if migration.version in done:

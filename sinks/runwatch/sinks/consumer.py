@@ -61,9 +61,15 @@ TOPIC_TABLES = {
 @dataclass
 class SinkStats:
     rows: Counter = field(default_factory=Counter)  # rows stored, by table
-    skipped: Counter = field(default_factory=Counter)  # messages that do not decode, by topic (the worker's to dead-letter)
-    deadlettered: Counter = field(default_factory=Counter)  # messages refused by ClickHouse or unserialisable, by topic
-    deadletter_errors: int = 0  # of those, dead letters that could not be published: their offsets were not committed
+    skipped: Counter = field(
+        default_factory=Counter
+    )  # messages that do not decode, by topic (the worker's to dead-letter)
+    deadlettered: Counter = field(
+        default_factory=Counter
+    )  # messages refused by ClickHouse or unserialisable, by topic
+    deadletter_errors: int = (
+        0  # of those, dead letters that could not be published: their offsets were not committed
+    )
     batches: int = 0
     write_errors: int = 0  # writes that failed because ClickHouse was unreachable (the batch was retried)
     commit_errors: int = 0  # offset commits that failed (broker unreachable, rebalance); rows were stored
@@ -119,8 +125,13 @@ class SinkConsumer:
         self.assigned = threading.Event()
         self._given_producer = deadletter_producer
         self._producer: Any = deadletter_producer
-        self.summaries = (SummaryUpkeep(sink, died_after_s=died_after_s, interval_s=summary_interval_s,
-                                        loss_every=summary_loss_every) if summarize else None)
+        self.summaries = (
+            SummaryUpkeep(
+                sink, died_after_s=died_after_s, interval_s=summary_interval_s, loss_every=summary_loss_every
+            )
+            if summarize
+            else None
+        )
 
     def stored_through(self, topic: str, partition: int) -> int:
         """Next offset of ``topic[partition]`` not yet stored (0 if none)."""
@@ -166,7 +177,10 @@ class SinkConsumer:
                 return action, None
             verdict = self._actions.judge(r.value)  # the listener's and the remediator's check
             if verdict.reason not in (None, "expired"):  # (an expired action is history, stored as it was)
-                return action, f"action {verdict.reason}: not stored (runwatch.actions holds only what the workers sign)"
+                return (
+                    action,
+                    f"action {verdict.reason}: not stored (runwatch.actions holds only what the workers sign)",
+                )
             return action, None
         if r.topic == topics.DEADLETTER:
             return DeadLetter.model_validate_json(r.value), None
@@ -188,16 +202,30 @@ class SinkConsumer:
     def _deadletters(self, refused: list[tuple[Any, str]]) -> list[tuple[Any, DeadLetter]]:
         letters = []
         for r, reason in refused:
-            letter = DeadLetter.for_message(reason, r.value, source_topic=r.topic, partition=r.partition,
-                                            offset=r.offset, key=r.key, stage="sink")
-            log.warning("runwatch sink: %s[%d]@%d refused, dead-lettered: %s", r.topic, r.partition, r.offset, reason)
+            letter = DeadLetter.for_message(
+                reason,
+                r.value,
+                source_topic=r.topic,
+                partition=r.partition,
+                offset=r.offset,
+                key=r.key,
+                stage="sink",
+            )
+            log.warning(
+                "runwatch sink: %s[%d]@%d refused, dead-lettered: %s", r.topic, r.partition, r.offset, reason
+            )
             letters.append((r, letter))
         if letters:
             # Visible in the table at once, whatever becomes of the topic copy (same id: idempotent).
             result = self.sink.writer.store("deadletter", [letter for _, letter in letters])
             for i, reason in result.refused:  # cannot happen with a well-formed DeadLetter; say so if it does
-                log.error("runwatch sink: dead letter for %s[%d]@%d not stored in ClickHouse: %s",
-                          letters[i][0].topic, letters[i][0].partition, letters[i][0].offset, reason)
+                log.error(
+                    "runwatch sink: dead letter for %s[%d]@%d not stored in ClickHouse: %s",
+                    letters[i][0].topic,
+                    letters[i][0].partition,
+                    letters[i][0].offset,
+                    reason,
+                )
         return letters
 
     def _publish(self, letters: list[tuple[Any, DeadLetter]]) -> dict[tuple[str, int], int]:
@@ -231,8 +259,14 @@ class SinkConsumer:
                 self.stats.deadlettered[r.topic] += 1
                 continue
             self.stats.deadletter_errors += 1
-            log.error("runwatch sink: dead letter for %s[%d]@%d could not be published (%s); "
-                      "not committing past it", r.topic, r.partition, r.offset, error)
+            log.error(
+                "runwatch sink: dead letter for %s[%d]@%d could not be published (%s); "
+                "not committing past it",
+                r.topic,
+                r.partition,
+                r.offset,
+                error,
+            )
             key = (r.topic, r.partition)
             failed[key] = min(failed.get(key, r.offset), r.offset)
         return failed
@@ -241,9 +275,13 @@ class SinkConsumer:
         """Store ``pending`` and publish its dead letters; returns, per (topic, partition), the
         first offset whose dead letter could not be published (``ConsumeLoop`` rewinds it)."""
         batch, refused = self._decode_batch(pending)
-        letters = retry_durably(lambda: self._deadletters(refused + self._write(batch)), stopping=self.stopping,
-                                errors=ClickHouseUnavailable, on_error=self._write_failed,
-                                give_up=lambda: self.stats.write_errors > 20)
+        letters = retry_durably(
+            lambda: self._deadletters(refused + self._write(batch)),
+            stopping=self.stopping,
+            errors=ClickHouseUnavailable,
+            on_error=self._write_failed,
+            give_up=lambda: self.stats.write_errors > 20,
+        )
         failed = self._publish(letters)
         if self.summaries is not None:
             ended = {item[0].run_id for _, item in batch["telemetry"] if item[0].kind == "run_end"}
@@ -292,14 +330,27 @@ class SinkConsumer:
 
     def run(self) -> None:
         """Consume until ``stopping`` is set; flushes the last batch before returning."""
-        consumer = make_consumer(self.bootstrap, topics.ALL_TOPICS, group_id=self.group_id,
-                                 session_timeout_ms=self.session_timeout_ms, client_id="runwatch-sink")
+        consumer = make_consumer(
+            self.bootstrap,
+            topics.ALL_TOPICS,
+            group_id=self.group_id,
+            session_timeout_ms=self.session_timeout_ms,
+            client_id="runwatch-sink",
+        )
         if self._given_producer is None:
             self._producer = self._make_producer()
-        loop = ConsumeLoop(self._act, stopping=self.stopping, assigned=self.assigned, batch_size=self.batch_size,
-                           batch_interval_s=self.batch_interval_s, commit_timeout_ms=self.commit_timeout_ms,
-                           label="runwatch sink", on_commit_error=self._commit_failed,
-                           on_committed=self._committed, on_empty_poll=self._empty_poll)
+        loop = ConsumeLoop(
+            self._act,
+            stopping=self.stopping,
+            assigned=self.assigned,
+            batch_size=self.batch_size,
+            batch_interval_s=self.batch_interval_s,
+            commit_timeout_ms=self.commit_timeout_ms,
+            label="runwatch sink",
+            on_commit_error=self._commit_failed,
+            on_committed=self._committed,
+            on_empty_poll=self._empty_poll,
+        )
         try:
             loop.run(consumer)  # closes the consumer
         finally:

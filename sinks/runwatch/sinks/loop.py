@@ -26,8 +26,15 @@ T = TypeVar("T")
 Partition = tuple[str, int]
 
 
-def make_consumer(bootstrap: str, topic_names: Iterable[str], *, group_id: str, session_timeout_ms: int,
-                  client_id: str, **options: Any) -> Any:
+def make_consumer(
+    bootstrap: str,
+    topic_names: Iterable[str],
+    *,
+    group_id: str,
+    session_timeout_ms: int,
+    client_id: str,
+    **options: Any,
+) -> Any:
     """A kafka-python ``KafkaConsumer`` subscribed to ``topic_names``: manual commits, from the
     earliest offset when the group has none."""
     from kafka import KafkaConsumer
@@ -46,10 +53,14 @@ def make_consumer(bootstrap: str, topic_names: Iterable[str], *, group_id: str, 
     )
 
 
-def retry_durably(attempt: Callable[[], T], *, stopping: threading.Event,
-                  errors: type[BaseException] | tuple[type[BaseException], ...],
-                  on_error: Callable[[BaseException, float], None],
-                  give_up: Callable[[], bool] = lambda: True) -> T:
+def retry_durably(
+    attempt: Callable[[], T],
+    *,
+    stopping: threading.Event,
+    errors: type[BaseException] | tuple[type[BaseException], ...],
+    on_error: Callable[[BaseException, float], None],
+    give_up: Callable[[], bool] = lambda: True,
+) -> T:
     """``attempt()`` until it succeeds, backing off 0.5 s doubling to 10 s; ``on_error(exc, delay)``
     counts and logs each failure. Once ``stopping`` is set, the error is raised as soon as
     ``give_up()`` says so (never committing past what was not stored is the caller's)."""
@@ -158,8 +169,10 @@ class ConsumeLoop:
             except Exception as exc:  # noqa: BLE001 - partition revoked: its next owner reads it from the commit
                 log.warning("%s: cannot rewind %s[%d] to %d (%r)", self.label, key[0], key[1], offset, exc)
         try:
-            consumer.commit(offsets={TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in upto.items()},
-                            timeout_ms=self.commit_timeout_ms)
+            consumer.commit(
+                offsets={TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in upto.items()},
+                timeout_ms=self.commit_timeout_ms,
+            )
         except Exception as exc:  # broker unreachable or group rebalanced: what was acted on is durable, and
             # the next commit covers these offsets too; at worst they are re-delivered and deduplicated
             self.on_commit_error(exc)

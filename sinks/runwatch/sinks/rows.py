@@ -17,24 +17,77 @@ if TYPE_CHECKING:
     from runwatch.detectors.baselines.summary import RunSummary
 
 TELEMETRY_COLUMNS = (
-    "event_id", "run_id", "rank", "kind", "ts", "step", "loss", "grad_norm", "step_time_s", "payload",
+    "event_id",
+    "run_id",
+    "rank",
+    "kind",
+    "ts",
+    "step",
+    "loss",
+    "grad_norm",
+    "step_time_s",
+    "payload",
 )
 ANOMALY_COLUMNS = (
-    "anomaly_id", "run_id", "ts", "step", "rank", "detector", "metric", "value", "threshold", "score",
-    "severity", "message", "evidence", "detected_at",
+    "anomaly_id",
+    "run_id",
+    "ts",
+    "step",
+    "rank",
+    "detector",
+    "metric",
+    "value",
+    "threshold",
+    "score",
+    "severity",
+    "message",
+    "evidence",
+    "detected_at",
 )
 ACTION_COLUMNS = (
-    "action_id", "run_id", "kind", "reason", "anomaly_ids", "step", "onset_step", "target_step", "target_uri",
-    "params", "issued_at", "expires_at",
+    "action_id",
+    "run_id",
+    "kind",
+    "reason",
+    "anomaly_ids",
+    "step",
+    "onset_step",
+    "target_step",
+    "target_uri",
+    "params",
+    "issued_at",
+    "expires_at",
 )
 DEADLETTER_COLUMNS = (
-    "id", "ts", "source_topic", "partition", "offset", "run_key", "reason", "stage", "size", "sha256", "raw",
-    "raw_truncated", "traceback",
+    "id",
+    "ts",
+    "source_topic",
+    "partition",
+    "offset",
+    "run_key",
+    "reason",
+    "stage",
+    "size",
+    "sha256",
+    "raw",
+    "raw_truncated",
+    "traceback",
 )
 JOINED_COLUMNS = tuple(name for name in JoinedStep.model_fields if name != "schema_version")
 REMEDIATION_COLUMNS = (
-    "execution_id", "action_id", "run_id", "kind", "target", "target_key", "argv", "url", "status",
-    "exit_code", "output", "started_at", "finished_at",
+    "execution_id",
+    "action_id",
+    "run_id",
+    "kind",
+    "target",
+    "target_key",
+    "argv",
+    "url",
+    "status",
+    "exit_code",
+    "output",
+    "started_at",
+    "finished_at",
 )
 
 
@@ -62,9 +115,18 @@ COLUMN_BOUNDS: dict[str, dict[str, IntRange]] = {
     "actions": {"step": INT64, "onset_step": INT64, "target_step": INT64},
     "deadletter": {"partition": INT32, "offset": INT64, "size": UINT64},
     "joined_steps": {
-        "step": INT64, "generation": UINT32, "world_size": UINT32, "ranks_reported": UINT32, "ranks_missing": UINT32,
-        "step_time_max_rank": UINT32, "compute_max_rank": UINT32, "memory_max_bytes": INT64,
-        "memory_max_rank": UINT32, "memory_min_bytes": INT64, "memory_min_rank": UINT32, "late_events": UINT64,
+        "step": INT64,
+        "generation": UINT32,
+        "world_size": UINT32,
+        "ranks_reported": UINT32,
+        "ranks_missing": UINT32,
+        "step_time_max_rank": UINT32,
+        "compute_max_rank": UINT32,
+        "memory_max_bytes": INT64,
+        "memory_max_rank": UINT32,
+        "memory_min_bytes": INT64,
+        "memory_min_rank": UINT32,
+        "late_events": UINT64,
         "duplicate_events": UINT64,
     },
 }
@@ -83,8 +145,10 @@ def storable_time(table: str, ts: datetime, now: datetime) -> str | None:
     table's retention (ClickHouse would delete it at once), or past what its TTL can represent."""
     days = RETENTION_DAYS.get(table)
     if days is not None and ts < now - timedelta(days=days):
-        return (f"ts: {ts.isoformat()} is older than the {table} table's {days}-day retention: it would be "
-                "deleted as soon as stored")
+        return (
+            f"ts: {ts.isoformat()} is older than the {table} table's {days}-day retention: it would be "
+            "deleted as soon as stored"
+        )
     if ts >= LAST_STORABLE_TS:
         return f"ts: {ts.isoformat()} is past {LAST_STORABLE_TS.date()}, the last time the {table} table can hold"
     return None
@@ -137,7 +201,9 @@ def out_of_bounds(table: str, columns: Sequence[str], row: Sequence[Any]) -> str
             continue
         for v in value if isinstance(value, list | tuple) else (value,):
             if not isinstance(v, int):
-                return f"{table}.{name}: {type(v).__name__} {first_line(repr(v), 100)} in a {bound.type} column"
+                return (
+                    f"{table}.{name}: {type(v).__name__} {first_line(repr(v), 100)} in a {bound.type} column"
+                )
             if not bound.min <= v <= bound.max:
                 shown = str(v) if v.bit_length() <= 256 else f"an integer of {v.bit_length()} bits"
                 return f"{table}.{name}: {shown} is out of range for {bound.type} [{bound.min}, {bound.max}]"
@@ -146,29 +212,59 @@ def out_of_bounds(table: str, columns: Sequence[str], row: Sequence[Any]) -> str
 
 # -- rows ----------------------------------------------------------------------------------------
 
+
 def event_row(e: EventBase, raw: bytes | str | None = None) -> tuple:
     """The telemetry row of ``e``; ``payload`` is ``raw`` (the bytes received, as UTF-8 text) when
     given, else ``e`` re-serialised (for events made in process, never received)."""
     payload = _text(raw) if raw is not None else e.to_json().decode()
     return (
-        e.event_id, e.run_id, e.rank, e.kind, as_utc(e.ts),
-        getattr(e, "step", None), getattr(e, "loss", None), getattr(e, "grad_norm", None),
-        getattr(e, "step_time_s", None), payload,
+        e.event_id,
+        e.run_id,
+        e.rank,
+        e.kind,
+        as_utc(e.ts),
+        getattr(e, "step", None),
+        getattr(e, "loss", None),
+        getattr(e, "grad_norm", None),
+        getattr(e, "step_time_s", None),
+        payload,
     )
 
 
 def anomaly_row(a: Anomaly) -> tuple:
-    return (a.anomaly_id, a.run_id, as_utc(a.ts), a.step, a.rank, a.detector, a.metric, a.value, a.threshold,
-            a.score, a.severity, a.message, orjson.dumps(a.evidence, default=str).decode(),
-            as_utc(a.detected_at) if a.detected_at is not None else None)
+    return (
+        a.anomaly_id,
+        a.run_id,
+        as_utc(a.ts),
+        a.step,
+        a.rank,
+        a.detector,
+        a.metric,
+        a.value,
+        a.threshold,
+        a.score,
+        a.severity,
+        a.message,
+        orjson.dumps(a.evidence, default=str).decode(),
+        as_utc(a.detected_at) if a.detected_at is not None else None,
+    )
 
 
 def action_row(a: Action) -> tuple:
     target = a.target_checkpoint
     return (
-        a.action_id, a.run_id, a.kind, a.reason, list(a.anomaly_ids), a.step, a.onset_step,
-        target.step if target else None, target.uri if target else None,
-        orjson.dumps(a.params, default=str).decode(), as_utc(a.issued_at), as_utc(a.expires_at),
+        a.action_id,
+        a.run_id,
+        a.kind,
+        a.reason,
+        list(a.anomaly_ids),
+        a.step,
+        a.onset_step,
+        target.step if target else None,
+        target.uri if target else None,
+        orjson.dumps(a.params, default=str).decode(),
+        as_utc(a.issued_at),
+        as_utc(a.expires_at),
     )
 
 
@@ -182,8 +278,21 @@ def deadletter_id(d: DeadLetter) -> str:
 
 
 def deadletter_row(d: DeadLetter) -> tuple:
-    return (deadletter_id(d), as_utc(d.ts), d.source_topic, d.partition, d.offset, d.key, d.reason, d.stage, d.size,
-            d.sha256, d.raw, d.raw_truncated, d.traceback)
+    return (
+        deadletter_id(d),
+        as_utc(d.ts),
+        d.source_topic,
+        d.partition,
+        d.offset,
+        d.key,
+        d.reason,
+        d.stage,
+        d.size,
+        d.sha256,
+        d.raw,
+        d.raw_truncated,
+        d.traceback,
+    )
 
 
 def joined_row(j: JoinedStep) -> tuple:
@@ -195,22 +304,45 @@ def joined_key(row: tuple) -> tuple:
 
 
 SUMMARY_COLUMNS = (
-    "run_id", "baseline_key", "git_sha", "git_dirty", "commit_time", "fingerprint", "fingerprint_parts", "config_hash",
-    "dataset_version", "new_baseline", "started_at", "ended_at", "status", "metrics",
+    "run_id",
+    "baseline_key",
+    "git_sha",
+    "git_dirty",
+    "commit_time",
+    "fingerprint",
+    "fingerprint_parts",
+    "config_hash",
+    "dataset_version",
+    "new_baseline",
+    "started_at",
+    "ended_at",
+    "status",
+    "metrics",
 )
-NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)  # started_at of a summary that has none (the column is not nullable)
+NO_TIME = datetime(
+    1970, 1, 1, tzinfo=UTC
+)  # started_at of a summary that has none (the column is not nullable)
 
 
 def summary_row(s: RunSummary, written_at: datetime) -> tuple:
     """The ``run_summaries`` row of ``s``: absent text is '' (the columns are not nullable), a
     missing figure an absent key of ``metrics``."""
     return (
-        s.run_id, s.baseline_key or "", s.git_sha or "", s.git_dirty,
-        as_utc(s.commit_time) if s.commit_time is not None else None, s.fingerprint, dict(s.fingerprint_parts),
-        s.config_hash or "", s.dataset_version or "", s.new_baseline,
+        s.run_id,
+        s.baseline_key or "",
+        s.git_sha or "",
+        s.git_dirty,
+        as_utc(s.commit_time) if s.commit_time is not None else None,
+        s.fingerprint,
+        dict(s.fingerprint_parts),
+        s.config_hash or "",
+        s.dataset_version or "",
+        s.new_baseline,
         as_utc(s.started_at) if s.started_at is not None else NO_TIME,
-        as_utc(s.ended_at) if s.ended_at is not None else None, s.status,
-        {k: float(v) for k, v in s.metrics.items() if v is not None}, written_at,
+        as_utc(s.ended_at) if s.ended_at is not None else None,
+        s.status,
+        {k: float(v) for k, v in s.metrics.items() if v is not None},
+        written_at,
     )
 
 

@@ -25,22 +25,34 @@ class RunReads:
         """Rows per table for one run, after deduplication."""
         counts = {}
         for table in ("telemetry", "anomalies", "actions"):
-            rows = self.query(f"SELECT count() FROM {{db}}.{table} FINAL WHERE run_id = %(run)s", {"run": run_id})
+            rows = self.query(
+                f"SELECT count() FROM {{db}}.{table} FINAL WHERE run_id = %(run)s", {"run": run_id}
+            )
             counts[table] = int(rows[0][0])
-        rows = self.query("SELECT count() FROM {db}.deadletter FINAL WHERE run_key = %(run)s", {"run": run_id})
+        rows = self.query(
+            "SELECT count() FROM {db}.deadletter FINAL WHERE run_key = %(run)s", {"run": run_id}
+        )
         counts["deadletter"] = int(rows[0][0])
         return counts
 
     def anomalies(self, run_id: str) -> list[dict[str, Any]]:
         """One run's anomalies (detector, step, severity, rank, message), by step and detector."""
-        rows = self.query("SELECT detector, step, severity, rank, message FROM {db}.anomalies FINAL "
-                          "WHERE run_id = %(run)s ORDER BY step, detector", {"run": run_id})
-        return [{"detector": d, "step": s, "severity": sev, "rank": r, "message": m} for d, s, sev, r, m in rows]
+        rows = self.query(
+            "SELECT detector, step, severity, rank, message FROM {db}.anomalies FINAL "
+            "WHERE run_id = %(run)s ORDER BY step, detector",
+            {"run": run_id},
+        )
+        return [
+            {"detector": d, "step": s, "severity": sev, "rank": r, "message": m} for d, s, sev, r, m in rows
+        ]
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
         """One run's actions (kind, step, action_id, reason), in the order they were issued."""
-        rows = self.query("SELECT kind, step, action_id, reason FROM {db}.actions FINAL "
-                          "WHERE run_id = %(run)s ORDER BY issued_at", {"run": run_id})
+        rows = self.query(
+            "SELECT kind, step, action_id, reason FROM {db}.actions FINAL "
+            "WHERE run_id = %(run)s ORDER BY issued_at",
+            {"run": run_id},
+        )
         return [{"kind": k, "step": s, "action_id": a, "reason": why} for k, s, a, why in rows]
 
     def stored_events(self, run_id: str) -> list[TelemetryEvent]:
@@ -50,23 +62,44 @@ class RunReads:
         it). A payload that no longer decodes is skipped with a warning."""
         from runwatch.producer.wire.schema import SchemaError, decode_event
 
-        rows = self.query("SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s AND (rank = 0 OR kind = 'step') "
-                          "ORDER BY ts, rank, step, event_id", {"r": run_id})
+        rows = self.query(
+            "SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s AND (rank = 0 OR kind = 'step') "
+            "ORDER BY ts, rank, step, event_id",
+            {"r": run_id},
+        )
         events = []
         for (payload,) in rows:
             try:
                 events.append(decode_event(payload))
             except SchemaError as exc:
-                log.warning("runwatch sink: a stored event of run %s does not decode (%s); skipped", run_id, exc.reason)
+                log.warning(
+                    "runwatch sink: a stored event of run %s does not decode (%s); skipped",
+                    run_id,
+                    exc.reason,
+                )
         return events
 
     def stored_anomalies(self, run_id: str) -> list[Anomaly]:
         """The run's stored anomalies (identity, step, detector, metric, severity, message), by time."""
-        rows = self.query("SELECT anomaly_id, run_id, ts, step, rank, detector, metric, severity, message "
-                          "FROM {db}.anomalies FINAL WHERE run_id = %(r)s ORDER BY ts, anomaly_id", {"r": run_id})
-        return [Anomaly.model_construct(anomaly_id=a, run_id=r, ts=ts, step=step, rank=rank, detector=d, metric=m,
-                                        severity=sev, message=msg)
-                for a, r, ts, step, rank, d, m, sev, msg in rows]
+        rows = self.query(
+            "SELECT anomaly_id, run_id, ts, step, rank, detector, metric, severity, message "
+            "FROM {db}.anomalies FINAL WHERE run_id = %(r)s ORDER BY ts, anomaly_id",
+            {"r": run_id},
+        )
+        return [
+            Anomaly.model_construct(
+                anomaly_id=a,
+                run_id=r,
+                ts=ts,
+                step=step,
+                rank=rank,
+                detector=d,
+                metric=m,
+                severity=sev,
+                message=msg,
+            )
+            for a, r, ts, step, rank, d, m, sev, msg in rows
+        ]
 
     def to_summarize(self, now: datetime, died_after_s: float, lookback_s: float = 7 * 86400) -> list[str]:
         """Runs with telemetry whose last event is more than ``died_after_s`` before ``now`` and that
@@ -80,7 +113,9 @@ class RunReads:
             "SELECT run_id, max(ts) AS last FROM {db}.telemetry WHERE ts >= %(since)s GROUP BY run_id "
             "HAVING last < %(cutoff)s "
             "AND run_id NOT IN (SELECT run_id FROM {db}.run_summaries FINAL WHERE status != 'running') "
-            "ORDER BY last, run_id", {"cutoff": cutoff, "since": cutoff - timedelta(seconds=lookback_s)})
+            "ORDER BY last, run_id",
+            {"cutoff": cutoff, "since": cutoff - timedelta(seconds=lookback_s)},
+        )
         return [str(r[0]) for r in rows]
 
     def remediation_keys(self) -> set[tuple[str, str]]:
@@ -92,12 +127,16 @@ class RunReads:
         """The recorded executions for one action, oldest first, by column name."""
         rows = self.query(
             "SELECT " + ", ".join(REMEDIATION_COLUMNS) + " FROM {db}.remediations FINAL "
-            "WHERE action_id = %(a)s ORDER BY started_at", {"a": action_id})
+            "WHERE action_id = %(a)s ORDER BY started_at",
+            {"a": action_id},
+        )
         return [dict(zip(REMEDIATION_COLUMNS, r, strict=True)) for r in rows]
 
     def start_payload(self, run_id: str) -> Any:
         """The stored ``payload`` of the run's newest ``run_start`` event, or None."""
         rows = self.query(
             "SELECT payload FROM {db}.telemetry WHERE run_id = %(r)s AND kind = 'run_start' "
-            "ORDER BY ts DESC LIMIT 1", {"r": run_id})
+            "ORDER BY ts DESC LIMIT 1",
+            {"r": run_id},
+        )
         return rows[0][0] if rows else None

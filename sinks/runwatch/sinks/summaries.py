@@ -27,8 +27,9 @@ class RunNotFound(LookupError):
     """No telemetry is stored for the run."""
 
 
-def summarize_stored_run(sink: ClickHouseSink, run_id: str, status_if_not_ended: Status = "died",
-                         loss_every: int = 100) -> RunSummary:
+def summarize_stored_run(
+    sink: ClickHouseSink, run_id: str, status_if_not_ended: Status = "died", loss_every: int = 100
+) -> RunSummary:
     """Summarise ``run_id`` from its stored events and anomalies, write the row, return it.
     ``status_if_not_ended``: the status of a run with no ``run_end`` stored. Raises ``RunNotFound``
     when the run has no stored telemetry."""
@@ -38,8 +39,13 @@ def summarize_stored_run(sink: ClickHouseSink, run_id: str, status_if_not_ended:
     return summarize_run(sink, run_id, events, status_if_not_ended, loss_every)
 
 
-def summarize_run(sink: ClickHouseSink, run_id: str, events: Iterable[TelemetryEvent],
-                  status_if_not_ended: Status = "died", loss_every: int = 100) -> RunSummary:
+def summarize_run(
+    sink: ClickHouseSink,
+    run_id: str,
+    events: Iterable[TelemetryEvent],
+    status_if_not_ended: Status = "died",
+    loss_every: int = 100,
+) -> RunSummary:
     """Summarise ``run_id`` from ``events`` (its events, in time order; other runs' are ignored)
     and its stored anomalies, write the row, return it. ``runwatch ingest`` hands in the events it
     read: a recording older than the telemetry table's TTL (90 days) is not kept there, but its
@@ -63,9 +69,16 @@ class SummaryUpkeep:
     An ended run is summarised once more at the next interval too: anomalies come on their own
     topic and may be stored after its ``run_end``."""
 
-    def __init__(self, sink: ClickHouseSink, *, died_after_s: float = 600.0, interval_s: float = 30.0,
-                 loss_every: int = 100, clock: Callable[[], float] = time.monotonic,
-                 now: Callable[[], datetime] = lambda: datetime.now(UTC)):
+    def __init__(
+        self,
+        sink: ClickHouseSink,
+        *,
+        died_after_s: float = 600.0,
+        interval_s: float = 30.0,
+        loss_every: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ):
         self.sink = sink
         self.died_after_s = died_after_s
         self.interval_s = interval_s
@@ -82,7 +95,9 @@ class SummaryUpkeep:
             summarize_stored_run(self.sink, run_id, status_if_not_ended, self.loss_every)
         except Exception as exc:  # noqa: BLE001 - a summary must never stop the sink
             self.errors += 1
-            log.warning("runwatch sink: summarising run %s failed (%r); retrying at the next interval", run_id, exc)
+            log.warning(
+                "runwatch sink: summarising run %s failed (%r); retrying at the next interval", run_id, exc
+            )
             return False
         self.summarized += 1
         return True

@@ -73,7 +73,13 @@ _TABLE_SPECS: dict[str, _Table] = {
 
 # Errors raised on our side while serialising rows for an insert: the data is at fault, never the
 # connection (clickhouse-connect raises DataError for a value its column type cannot hold).
-_CLIENT_ROW_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OverflowError, struct.error, RecursionError)
+_CLIENT_ROW_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    struct.error,
+    RecursionError,
+)
 try:
     from clickhouse_connect.driver.exceptions import DataError as _DataError
 
@@ -91,7 +97,9 @@ class SinkWriter:
     def _insert(self, table: str, rows: list[tuple], columns: Sequence[str]) -> int:
         return self.sink.insert(table, rows, columns)
 
-    def write_events(self, events: Iterable[EventBase], raws: Iterable[bytes | str | None] | None = None) -> int:
+    def write_events(
+        self, events: Iterable[EventBase], raws: Iterable[bytes | str | None] | None = None
+    ) -> int:
         """Store telemetry events; ``raws`` (parallel to ``events``) are the bytes each was received
         as, stored as its ``payload``. Without them (events made in process) the payload is the
         event re-serialised."""
@@ -117,8 +125,10 @@ class SinkWriter:
 
     def write_remediation(self, row: Sequence[Any]) -> None:
         """One command run or webhook post of the remediator, in ``REMEDIATION_COLUMNS`` order."""
-        row = tuple(as_utc(v) if c in ("started_at", "finished_at") else v
-                    for c, v in zip(REMEDIATION_COLUMNS, row, strict=True))
+        row = tuple(
+            as_utc(v) if c in ("started_at", "finished_at") else v
+            for c, v in zip(REMEDIATION_COLUMNS, row, strict=True)
+        )
         self._insert("remediations", [row], REMEDIATION_COLUMNS)
 
     # -- writes that isolate refused rows (the sink consumer's) ---------------------------------
@@ -164,7 +174,9 @@ class SinkWriter:
         result.refused.sort()
         return result
 
-    def insert_isolating(self, table: str, rows: Sequence[tuple], columns: Sequence[str]) -> list[tuple[int, str]]:
+    def insert_isolating(
+        self, table: str, rows: Sequence[tuple], columns: Sequence[str]
+    ) -> list[tuple[int, str]]:
         """Insert ``rows``; where ClickHouse refuses, split in halves until the refused rows are
         found. Returns (index in ``rows``, reason) of each refused row; all the others are stored.
 
@@ -208,7 +220,9 @@ class SinkWriter:
     def write_summaries(self, summaries: Iterable[RunSummary]) -> int:
         """Store run summaries; a run written again replaces its older row (``written_at``)."""
         written_at = datetime.now(UTC)
-        rows = list({r[0]: r for r in (summary_row(s, written_at) for s in summaries)}.values())  # the last per run
+        rows = list(
+            {r[0]: r for r in (summary_row(s, written_at) for s in summaries)}.values()
+        )  # the last per run
         return self._insert("run_summaries", rows, SUMMARY_COLUMNS + ("written_at",))
 
     def _raise_if_unavailable(self, error: Exception) -> None:

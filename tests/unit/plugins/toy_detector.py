@@ -30,10 +30,27 @@ class ToyLossCeiling(Detector):
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or event.loss is None or not event.loss > self.config.ceiling:
             return []
-        return [Finding(detector=NAME, metric="loss", step=event.step, rank=event.rank, severity="warning",
-                        value=event.loss, threshold=self.config.ceiling,
-                        message=f"loss {event.loss:g} above the ceiling {self.config.ceiling:g}")]
+        return [
+            Finding(
+                detector=NAME,
+                metric="loss",
+                step=event.step,
+                rank=event.rank,
+                severity="warning",
+                value=event.loss,
+                threshold=self.config.ceiling,
+                message=f"loss {event.loss:g} above the ceiling {self.config.ceiling:g}",
+            )
+        ]
 
 
-register(DetectorSpec(name=NAME, config=ToyConfig, build=lambda d: ToyLossCeiling(d.toy_loss_ceiling), view="rank",
-                      knob="ceiling", summary="a loss above a fixed ceiling (a test's toy)"))
+register(
+    DetectorSpec(
+        name=NAME,
+        config=ToyConfig,
+        build=lambda d: ToyLossCeiling(d.toy_loss_ceiling),
+        view="rank",
+        knob="ceiling",
+        summary="a loss above a fixed ceiling (a test's toy)",
+    )
+)

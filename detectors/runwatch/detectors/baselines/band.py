@@ -100,8 +100,14 @@ def step_values(event: TelemetryEvent, *, any_rank: bool = False) -> Iterator[tu
             yield EVAL_PREFIX + event.split, event.step, float(event.loss)
 
 
-def band_from_runs(runs: Sequence[Sequence[TelemetryEvent]], *, baseline_key: str, fingerprint: str,
-                   quantiles: tuple[float, float, float] = DEFAULT_QUANTILES, bucket_steps: int = 1) -> BaselineBand:
+def band_from_runs(
+    runs: Sequence[Sequence[TelemetryEvent]],
+    *,
+    baseline_key: str,
+    fingerprint: str,
+    quantiles: tuple[float, float, float] = DEFAULT_QUANTILES,
+    bucket_steps: int = 1,
+) -> BaselineBand:
     """The band of ``runs`` (each a run's events in order; rank 0's steps and evals are used)."""
     if bucket_steps < 1:
         raise ValueError("bucket_steps must be at least 1")
@@ -130,8 +136,14 @@ def band_from_runs(runs: Sequence[Sequence[TelemetryEvent]], *, baseline_key: st
         band.mid.append(quantile(ordered, quantiles[1]))
         band.hi.append(quantile(ordered, quantiles[2]))
         band.runs.append(len(counted[(metric, bucket)]))
-    return BaselineBand(baseline_key=baseline_key, fingerprint=fingerprint, run_ids=run_ids,
-                        quantiles=quantiles, bucket_steps=bucket_steps, metrics=metrics)
+    return BaselineBand(
+        baseline_key=baseline_key,
+        fingerprint=fingerprint,
+        run_ids=run_ids,
+        quantiles=quantiles,
+        bucket_steps=bucket_steps,
+        metrics=metrics,
+    )
 
 
 def bucket_steps_for(last_step: int, max_buckets: int) -> int:
@@ -140,6 +152,7 @@ def bucket_steps_for(last_step: int, max_buckets: int) -> int:
 
 
 # -- which runs make the band ----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -174,13 +187,19 @@ def run_record(events: Iterable[TelemetryEvent]) -> RunRecord:
             start = event
         elif isinstance(event, RunEndEvent):
             end = event
-    return RunRecord(run_id=run_id, baseline_key=start.baseline_key if start else None,
-                     fingerprint=run_fingerprint(start), started_at=start.ts if start else first,
-                     status=end.status if end is not None else "running", new_baseline=declares_new_baseline(start))
+    return RunRecord(
+        run_id=run_id,
+        baseline_key=start.baseline_key if start else None,
+        fingerprint=run_fingerprint(start),
+        started_at=start.ts if start else first,
+        status=end.status if end is not None else "running",
+        new_baseline=declares_new_baseline(start),
+    )
 
 
-def select_baseline_runs(run: RunRecord, candidates: Iterable[RunRecord], *, window_days: float,
-                         max_runs: int) -> list[RunRecord]:
+def select_baseline_runs(
+    run: RunRecord, candidates: Iterable[RunRecord], *, window_days: float, max_runs: int
+) -> list[RunRecord]:
     """The runs whose band ``run`` is compared with, oldest first: the newest ``max_runs`` of its
     history (``check.select_history``, the gate's own rule)."""
     history = select_history(run, candidates, BaselineConfig(window_days=window_days))

@@ -56,6 +56,7 @@ class ChangePoint:
 
 # -- E-divisive means ------------------------------------------------------------------------------
 
+
 def _best_split(z: FloatArray, power: float) -> tuple[int, float]:
     """The split ``tau`` (1 <= tau < len(z)) of ``z`` that maximises qhat over every end ``kappa``
     of the part after, and that qhat (Otava's ``PairDistanceCalculator.get_candidate_change_point``).
@@ -83,7 +84,9 @@ def _best_split(z: FloatArray, power: float) -> tuple[int, float]:
     within_x = d_t / 2
     within_y = (d_k - 2 * s_tk + d_t) / 2
     # a one-point part has no pairs (its sum is 0): any finite coefficient will do
-    q = (2 * between - 2 * m / np.maximum(n - 1, 1) * within_x - 2 * n / np.maximum(m - 1, 1) * within_y) / (m + n)
+    q = (2 * between - 2 * m / np.maximum(n - 1, 1) * within_x - 2 * n / np.maximum(m - 1, 1) * within_y) / (
+        m + n
+    )
     q = np.where(m > 0, q, -np.inf)
     i, _ = np.unravel_index(int(np.argmax(q)), q.shape)
     return int(i) + 1, float(q.max())
@@ -106,8 +109,15 @@ def _candidate(series: FloatArray, bounds: Sequence[int], power: float) -> tuple
     return best
 
 
-def _pvalue(series: FloatArray, bounds: Sequence[int], qhat: float, permutations: int, power: float,
-            rng: np.random.Generator, max_pvalue: float) -> float:
+def _pvalue(
+    series: FloatArray,
+    bounds: Sequence[int],
+    qhat: float,
+    permutations: int,
+    power: float,
+    rng: np.random.Generator,
+    max_pvalue: float,
+) -> float:
     """Otava's ``PermutationsSignificanceTester``: shuffle within each segment, count the
     permuted best qhats at least as large. Stops as soon as the count makes the p-value exceed
     ``max_pvalue`` (the count only grows, so the verdict is the full test's; a split that is not
@@ -138,16 +148,22 @@ def _describe(series: FloatArray, found: dict[int, tuple[float, float]]) -> list
     edges = [0, *indexes, len(series)]
     out = []
     for k, index in enumerate(indexes):
-        before = float(series[edges[k]:index].mean())
-        after = float(series[index:edges[k + 2]].mean())
+        before = float(series[edges[k] : index].mean())
+        after = float(series[index : edges[k + 2]].mean())
         pvalue, qhat = found[index]
         out.append(ChangePoint(index, before, after, _relative(before, after), pvalue, qhat))
     return out
 
 
-def scan(values: Sequence[float], *, max_pvalue: float = DEFAULT_MAX_PVALUE,
-         permutations: int = DEFAULT_PERMUTATIONS, seed: int = 0, power: float = 1.0,
-         min_magnitude: float = 0.0) -> list[ChangePoint]:
+def scan(
+    values: Sequence[float],
+    *,
+    max_pvalue: float = DEFAULT_MAX_PVALUE,
+    permutations: int = DEFAULT_PERMUTATIONS,
+    seed: int = 0,
+    power: float = 1.0,
+    min_magnitude: float = 0.0,
+) -> list[ChangePoint]:
     """The change points of ``values`` (finite numbers, in time order), by index.
 
     ``max_pvalue``: a split is kept while its permutation p-value is at most this (with
@@ -235,9 +251,16 @@ def baseline_segments(summaries: Sequence[RunSummary]) -> list[list[RunSummary]]
     return out
 
 
-def level_changes(segment: Sequence[RunSummary], metric: str, spec: MetricSpec, *, min_magnitude: float,
-                  max_pvalue: float = DEFAULT_MAX_PVALUE, permutations: int = DEFAULT_PERMUTATIONS,
-                  seed: int = 0) -> list[LevelChange]:
+def level_changes(
+    segment: Sequence[RunSummary],
+    metric: str,
+    spec: MetricSpec,
+    *,
+    min_magnitude: float,
+    max_pvalue: float = DEFAULT_MAX_PVALUE,
+    permutations: int = DEFAULT_PERMUTATIONS,
+    seed: int = 0,
+) -> list[LevelChange]:
     """The change points of ``metric`` over one history (in start order; runs whose value is
     missing or invalid are left out of the series)."""
     runs = [s for s in segment if is_valid(s.metrics.get(metric), spec)]
@@ -245,20 +268,41 @@ def level_changes(segment: Sequence[RunSummary], metric: str, spec: MetricSpec, 
     if len(values) < 3:
         return []
     out = []
-    for p in scan(values, max_pvalue=max_pvalue, permutations=permutations, seed=seed, min_magnitude=min_magnitude):
+    for p in scan(
+        values, max_pvalue=max_pvalue, permutations=permutations, seed=seed, min_magnitude=min_magnitude
+    ):
         run, previous = runs[p.index], runs[p.index - 1]
         worse = p.relative_change > 0 if spec.direction == "lower_is_better" else p.relative_change < 0
-        out.append(LevelChange(
-            metric=metric, kind="regression" if worse else "improvement", run_id=run.run_id, git_sha=run.git_sha,
-            commit_time=run.commit_time, started_at=run.started_at, previous_run_id=previous.run_id,
-            previous_sha=previous.git_sha, fingerprint=run.fingerprint, mean_before=p.mean_before,
-            mean_after=p.mean_after, relative_change=p.relative_change, pvalue=p.pvalue, runs_scanned=len(values)))
+        out.append(
+            LevelChange(
+                metric=metric,
+                kind="regression" if worse else "improvement",
+                run_id=run.run_id,
+                git_sha=run.git_sha,
+                commit_time=run.commit_time,
+                started_at=run.started_at,
+                previous_run_id=previous.run_id,
+                previous_sha=previous.git_sha,
+                fingerprint=run.fingerprint,
+                mean_before=p.mean_before,
+                mean_after=p.mean_after,
+                relative_change=p.relative_change,
+                pvalue=p.pvalue,
+                runs_scanned=len(values),
+            )
+        )
     return out
 
 
-def scan_history(summaries: Sequence[RunSummary], config: BaselineConfig | None = None, *,
-                 metrics: Sequence[str] | None = None, max_pvalue: float = DEFAULT_MAX_PVALUE,
-                 permutations: int = DEFAULT_PERMUTATIONS, seed: int = 0) -> list[LevelChange]:
+def scan_history(
+    summaries: Sequence[RunSummary],
+    config: BaselineConfig | None = None,
+    *,
+    metrics: Sequence[str] | None = None,
+    max_pvalue: float = DEFAULT_MAX_PVALUE,
+    permutations: int = DEFAULT_PERMUTATIONS,
+    seed: int = 0,
+) -> list[LevelChange]:
     """Every level change of every judged metric (or of ``metrics``) in a baseline key's run
     summaries, per fingerprint and declared baseline (``baseline_segments``), ordered by metric and
     start time. A change smaller than the metric's minimum relative change (``config.min_change``
@@ -273,14 +317,24 @@ def scan_history(summaries: Sequence[RunSummary], config: BaselineConfig | None 
             continue
         floor = config.min_change.get(metric, spec.min_change)
         for segment in segments:
-            out.extend(level_changes(segment, metric, spec, min_magnitude=floor, max_pvalue=max_pvalue,
-                                     permutations=permutations, seed=seed))
+            out.extend(
+                level_changes(
+                    segment,
+                    metric,
+                    spec,
+                    min_magnitude=floor,
+                    max_pvalue=max_pvalue,
+                    permutations=permutations,
+                    seed=seed,
+                )
+            )
     out.sort(key=lambda c: (c.metric, c.started_at or datetime.min, c.run_id))
     return out
 
 
-def first_level_change(changes: Sequence[LevelChange], metric: str,
-                       kind: ChangeKind | None = "regression") -> LevelChange | None:
+def first_level_change(
+    changes: Sequence[LevelChange], metric: str, kind: ChangeKind | None = "regression"
+) -> LevelChange | None:
     """The earliest change of ``metric`` of ``kind`` (None: either) in ``changes``."""
     hits = [c for c in changes if c.metric == metric and (kind is None or c.kind == kind)]
     return min(hits, key=lambda c: (c.started_at or datetime.min, c.run_id), default=None)

@@ -59,8 +59,16 @@ def baseline_start(run: R, candidates: Iterable[R]) -> R | None:
     counts), or ``run`` itself when it declares one; None when none did."""
     if run.new_baseline:
         return run
-    declared = [c for c in candidates if c.new_baseline and c.run_id != run.run_id and _same_baseline(run, c)
-                and c.started_at is not None and run.started_at is not None and c.started_at <= run.started_at]
+    declared = [
+        c
+        for c in candidates
+        if c.new_baseline
+        and c.run_id != run.run_id
+        and _same_baseline(run, c)
+        and c.started_at is not None
+        and run.started_at is not None
+        and c.started_at <= run.started_at
+    ]
     return max(declared, key=lambda c: (c.started_at, c.run_id), default=None)
 
 
@@ -79,9 +87,15 @@ def select_history(run: R, candidates: Iterable[R], config: BaselineConfig) -> l
         return []
     if declared is not None and declared.started_at is not None:
         since = max(since, declared.started_at)
-    history = [c for c in candidates
-               if c.run_id != run.run_id and _same_baseline(run, c) and c.status == "completed"
-               and c.started_at is not None and since <= c.started_at < run.started_at]
+    history = [
+        c
+        for c in candidates
+        if c.run_id != run.run_id
+        and _same_baseline(run, c)
+        and c.status == "completed"
+        and c.started_at is not None
+        and since <= c.started_at < run.started_at
+    ]
     history.sort(key=lambda c: (c.started_at, c.run_id))
     return history
 
@@ -99,7 +113,8 @@ class BaselineReport(BaseModel):
     min_runs: int
     history_size: int = Field(description="runs in the history (each metric's own n counts its valid values)")
     baseline_declared_by: str | None = Field(
-        default=None, description="the run that declared the baseline this history starts at")
+        default=None, description="the run that declared the baseline this history starts at"
+    )
     comparisons: list[MetricComparison]
     outliers: list[str] = Field(description="the metrics judged OUTLIER, in table order")
     last_normal_run: str | None = None
@@ -133,8 +148,9 @@ def _outside(value: float | None, comparison: MetricComparison, config: Baseline
     return worse and worse_by > config.min_change.get(comparison.metric, spec.min_change)
 
 
-def last_normal(history: Sequence[RunSummary], comparisons: Sequence[MetricComparison],
-                config: BaselineConfig) -> RunSummary | None:
+def last_normal(
+    history: Sequence[RunSummary], comparisons: Sequence[MetricComparison], config: BaselineConfig
+) -> RunSummary | None:
     """The most recent history run whose own values were inside the band on every metric this run
     is an outlier on (with no outlier: simply the most recent history run).
 
@@ -158,16 +174,26 @@ def check_run(run: RunSummary, candidates: Iterable[RunSummary], config: Baselin
     normal = last_normal(history, comparisons, config)
     declared = baseline_start(run, candidates)
     return BaselineReport(
-        run_id=run.run_id, baseline_key=run.baseline_key, fingerprint=run.fingerprint, git_sha=run.git_sha,
-        started_at=run.started_at, status=run.status, window_days=config.window_days, min_runs=config.min_runs,
-        history_size=len(history), baseline_declared_by=declared.run_id if declared is not None else None,
-        comparisons=comparisons, outliers=[c.metric for c in comparisons if c.verdict == "OUTLIER"],
-        last_normal_run=normal.run_id if normal else None, last_normal_sha=normal.git_sha if normal else None,
+        run_id=run.run_id,
+        baseline_key=run.baseline_key,
+        fingerprint=run.fingerprint,
+        git_sha=run.git_sha,
+        started_at=run.started_at,
+        status=run.status,
+        window_days=config.window_days,
+        min_runs=config.min_runs,
+        history_size=len(history),
+        baseline_declared_by=declared.run_id if declared is not None else None,
+        comparisons=comparisons,
+        outliers=[c.metric for c in comparisons if c.verdict == "OUTLIER"],
+        last_normal_run=normal.run_id if normal else None,
+        last_normal_sha=normal.git_sha if normal else None,
         last_normal_started_at=normal.started_at if normal else None,
     )
 
 
 # -- the commit range (found by the caller with git) and the renderers -------------------------------
+
 
 class Commit(BaseModel):
     sha: str
@@ -180,7 +206,9 @@ class CommitRange(BaseModel):
     from_sha: str | None
     to_sha: str | None
     commits: list[Commit] = Field(default_factory=list)
-    note: str | None = Field(default=None, description="why there is no list (a sha unknown to the repository...)")
+    note: str | None = Field(
+        default=None, description="why there is no list (a sha unknown to the repository...)"
+    )
 
 
 def _num(value: float | None) -> str:
@@ -205,8 +233,10 @@ def _change(c: MetricComparison) -> str:
 
 def table_rows(report: BaselineReport) -> list[list[str]]:
     """The table's cells: metric, last, baseline median, band, n, verdict, change, spread."""
-    return [[c.metric, _num(c.value), _num(c.median), _band(c), str(c.n), c.verdict, _change(c), _spread(c)]
-            for c in report.comparisons]
+    return [
+        [c.metric, _num(c.value), _num(c.median), _band(c), str(c.n), c.verdict, _change(c), _spread(c)]
+        for c in report.comparisons
+    ]
 
 
 TABLE_HEADER = ["metric", "last", "baseline median", "band", "n", "verdict", "change", "spread"]
@@ -221,16 +251,20 @@ def _headline(report: BaselineReport, code: str = "") -> str:
     if report.outliers:
         verdict = f"{len(report.outliers)} OUTLIER metric(s): {', '.join(report.outliers)}"
     elif report.insufficient_history:
-        verdict = (f"insufficient history ({report.history_size} run(s) in the {report.window_days:g}-day window, "
-                   f"{report.min_runs} needed)")
+        verdict = (
+            f"insufficient history ({report.history_size} run(s) in the {report.window_days:g}-day window, "
+            f"{report.min_runs} needed)"
+        )
     else:
         verdict = "every metric normal"
     return f"run {code}{report.run_id}{code} ({where}), {report.history_size} run(s) of history: {verdict}"
 
 
 def _range_lines(report: BaselineReport, commits: CommitRange | None) -> list[str]:
-    lines = [f"this run's commit: {_short(report.git_sha)}; last normal run: "
-             f"{report.last_normal_run or 'none'} at {_short(report.last_normal_sha)}"]
+    lines = [
+        f"this run's commit: {_short(report.git_sha)}; last normal run: "
+        f"{report.last_normal_run or 'none'} at {_short(report.last_normal_sha)}"
+    ]
     if report.baseline_declared_by:
         lines.append(f"baseline declared by run {report.baseline_declared_by}")
     if commits is not None:
@@ -256,25 +290,35 @@ def render_table(report: BaselineReport, commits: CommitRange | None = None) -> 
 
 def render_markdown(report: BaselineReport, commits: CommitRange | None = None) -> str:
     """The report as a pull-request comment: a headline, a Markdown table, the commit range."""
-    icon = {"OUTLIER": "🔴 OUTLIER", "INVALID": "⚠️ INVALID", "insufficient_history": "⚪ insufficient history",
-            "normal": "✅ normal"}
+    icon = {
+        "OUTLIER": "🔴 OUTLIER",
+        "INVALID": "⚠️ INVALID",
+        "insufficient_history": "⚪ insufficient history",
+        "normal": "✅ normal",
+    }
     title = "outliers" if report.outliers else "no outliers"
     lines = [f"### runwatch baseline check: {title}", "", _headline(report, code="`"), ""]
     lines.append("| " + " | ".join(TABLE_HEADER) + " |")
-    lines.append("|" + "|".join("---" if i == 0 or i == 5 else "---:" for i in range(len(TABLE_HEADER))) + "|")
+    lines.append(
+        "|" + "|".join("---" if i == 0 or i == 5 else "---:" for i in range(len(TABLE_HEADER))) + "|"
+    )
     for c, cells in zip(report.comparisons, table_rows(report), strict=True):
         cells[0] = f"`{cells[0]}`"
         cells[5] = icon.get(c.verdict, c.verdict)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"This run's commit: `{_short(report.git_sha)}`; last normal run: "
-                 f"`{report.last_normal_run or 'none'}` at `{_short(report.last_normal_sha)}`.")
+    lines.append(
+        f"This run's commit: `{_short(report.git_sha)}`; last normal run: "
+        f"`{report.last_normal_run or 'none'}` at `{_short(report.last_normal_sha)}`."
+    )
     if report.baseline_declared_by:
         lines.append(f"Baseline declared by run `{report.baseline_declared_by}`.")
     if commits is not None:
         lines.append("")
-        lines.append(f"<details><summary>Commits {_short(commits.from_sha)}..{_short(commits.to_sha)} "
-                     f"({len(commits.commits)})</summary>")
+        lines.append(
+            f"<details><summary>Commits {_short(commits.from_sha)}..{_short(commits.to_sha)} "
+            f"({len(commits.commits)})</summary>"
+        )
         lines.append("")
         if commits.note:
             lines.append(f"_{commits.note}_")

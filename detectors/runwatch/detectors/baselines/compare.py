@@ -78,10 +78,14 @@ def metric_spec(name: str) -> MetricSpec | None:
 class BaselineConfig(Strict):
     """How a run is compared with its job's history."""
 
-    window_days: float = Field(default=30.0, gt=0, description="the history: runs that started this many days before")
+    window_days: float = Field(
+        default=30.0, gt=0, description="the history: runs that started this many days before"
+    )
     min_runs: int = Field(default=5, ge=2, description="fewer valid history values is 'insufficient_history'")
     band_sigmas: float = Field(default=3.0, gt=0, description="the band's half-width in robust sigmas")
-    loss_every: int = Field(default=100, ge=1, description="the summary's loss_at_step_N: every this many steps")
+    loss_every: int = Field(
+        default=100, ge=1, description="the summary's loss_at_step_N: every this many steps"
+    )
     min_change: dict[str, float] = Field(
         default_factory=dict,
         description="per-metric minimum relative change that can be an outlier (overrides the built-in ones)",
@@ -112,30 +116,46 @@ def is_valid(value: float | None, spec: MetricSpec) -> bool:
     return value > spec.minimum if spec.exclusive_minimum else value >= spec.minimum
 
 
-def compare_metric(metric: str, value: float | None, history: Iterable[float | None], spec: MetricSpec,
-                   config: BaselineConfig) -> MetricComparison:
+def compare_metric(
+    metric: str,
+    value: float | None,
+    history: Iterable[float | None],
+    spec: MetricSpec,
+    config: BaselineConfig,
+) -> MetricComparison:
     """``value`` against the valid values of ``history`` (invalid ones are left out of it)."""
     past = [v for v in history if v is not None and is_valid(v, spec)]
     n = len(past)
     if value is None or not is_valid(value, spec):
         return MetricComparison(metric, value, "INVALID", n, reason=_invalid_reason(value, spec))
     if n < config.min_runs:
-        return MetricComparison(metric, value, "insufficient_history", n,
-                                reason=f"{n} valid run(s) in the history, {config.min_runs} needed")
+        return MetricComparison(
+            metric,
+            value,
+            "insufficient_history",
+            n,
+            reason=f"{n} valid run(s) in the history, {config.min_runs} needed",
+        )
     median = statistics.median(past)
     sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in past)
     half = config.band_sigmas * sigma
     low, high = median - half, median + half
     scale = abs(median)
-    change = (value - median) / scale if scale > 0 else (0.0 if value == median else math.copysign(math.inf, value))
+    change = (
+        (value - median) / scale
+        if scale > 0
+        else (0.0 if value == median else math.copysign(math.inf, value))
+    )
     spread = sigma / scale if scale > 0 else None
     min_change = config.min_change.get(metric, spec.min_change)
     worse = value > high if spec.direction == "lower_is_better" else value < low
     worse_by = change if spec.direction == "lower_is_better" else -change
     if worse and worse_by > min_change:
         verdict: Verdict = "OUTLIER"
-        reason = (f"{'above' if spec.direction == 'lower_is_better' else 'below'} the band by "
-                  f"{abs(change):.1%} of the median (at least {min_change:.0%} counts)")
+        reason = (
+            f"{'above' if spec.direction == 'lower_is_better' else 'below'} the band by "
+            f"{abs(change):.1%} of the median (at least {min_change:.0%} counts)"
+        )
     else:
         verdict, reason = "normal", ""
     return MetricComparison(metric, value, verdict, n, median, low, high, spread, change, reason)
@@ -149,8 +169,9 @@ def _invalid_reason(value: float | None, spec: MetricSpec) -> str:
     return f"{value:g} is a sentinel (must be {'above' if spec.exclusive_minimum else 'at least'} {spec.minimum:g})"
 
 
-def compare_run(summary: Mapping[str, float | None], history: Sequence[Mapping[str, float | None]],
-                config: BaselineConfig) -> list[MetricComparison]:
+def compare_run(
+    summary: Mapping[str, float | None], history: Sequence[Mapping[str, float | None]], config: BaselineConfig
+) -> list[MetricComparison]:
     """Every judged metric of a run's summary against the same metric in the history's summaries,
     in the summary's order; metrics runwatch does not judge are left out."""
     out = []

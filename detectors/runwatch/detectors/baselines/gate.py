@@ -22,8 +22,16 @@ NAME = "baseline_outliers"
 
 def comparison_row(c: MetricComparison) -> dict[str, Any]:
     """One metric of the table, as JSON (the finding's evidence, the alert's params)."""
-    return {"metric": c.metric, "last": c.value, "median": c.median, "low": c.low, "high": c.high, "n": c.n,
-            "verdict": c.verdict, "change": c.change}
+    return {
+        "metric": c.metric,
+        "last": c.value,
+        "median": c.median,
+        "low": c.low,
+        "high": c.high,
+        "n": c.n,
+        "verdict": c.verdict,
+        "change": c.change,
+    }
 
 
 class RunEndBaselineCheck:
@@ -65,9 +73,11 @@ class RunEndBaselineCheck:
             return []
         worst = max(bad, key=lambda c: abs(c.change or 0.0))
         names = ", ".join(c.metric for c in bad)
-        message = (f"{len(bad)} metric(s) outside the {self.config.window_days:g}-day baseline of "
-                   f"{run.baseline_key}: {names} (worst {worst.metric} {worst.change:+.1%} vs the median of "
-                   f"{worst.n} runs)")
+        message = (
+            f"{len(bad)} metric(s) outside the {self.config.window_days:g}-day baseline of "
+            f"{run.baseline_key}: {names} (worst {worst.metric} {worst.change:+.1%} vs the median of "
+            f"{worst.n} runs)"
+        )
         baseline = {
             "baseline_key": run.baseline_key,
             "fingerprint": run.fingerprint,
@@ -78,6 +88,16 @@ class RunEndBaselineCheck:
             "history_runs": report.history_size,
             "rows": [comparison_row(c) for c in bad],
         }
-        return [Finding(detector=NAME, metric=worst.metric, step=None, severity="warning", message=message,
-                        value=worst.value, threshold=worst.high if worst.change and worst.change > 0 else worst.low,
-                        score=worst.change, evidence={"baseline": baseline})]
+        return [
+            Finding(
+                detector=NAME,
+                metric=worst.metric,
+                step=None,
+                severity="warning",
+                message=message,
+                value=worst.value,
+                threshold=worst.high if worst.change and worst.change > 0 else worst.low,
+                score=worst.change,
+                evidence={"baseline": baseline},
+            )
+        ]

@@ -63,7 +63,9 @@ class RunSummary(BaseModel):
     fingerprint_parts: dict[str, str] = Field(default_factory=dict)
     config_hash: str | None = None
     dataset_version: str | None = None
-    new_baseline: bool = Field(default=False, description="declared a new baseline: earlier runs are not its history")
+    new_baseline: bool = Field(
+        default=False, description="declared a new baseline: earlier runs are not its history"
+    )
     started_at: datetime | None = None
     ended_at: datetime | None = None
     status: Status = "running"
@@ -162,10 +164,12 @@ class RunSummarizer:
     def _memory(self, event: StepEvent) -> None:
         if event.memory is None:
             return
-        for name, value in (("max_cuda_allocated_bytes", event.memory.allocated),
-                            ("max_cuda_reserved_bytes", event.memory.reserved),
-                            ("max_cuda_peak_bytes", event.memory.peak),
-                            ("max_host_rss_bytes", event.memory.host_rss)):
+        for name, value in (
+            ("max_cuda_allocated_bytes", event.memory.allocated),
+            ("max_cuda_reserved_bytes", event.memory.reserved),
+            ("max_cuda_peak_bytes", event.memory.peak),
+            ("max_host_rss_bytes", event.memory.host_rss),
+        ):
             if value is not None:
                 self._maxima[name] = max(self._maxima.get(name, value), value)
 
@@ -214,7 +218,8 @@ class RunSummarizer:
             config_hash=start.config_hash if start else None,
             dataset_version=start.dataset_version if start else None,
             commit_time=_commit_time(start),
-            new_baseline=start is not None and start.tags.get(NEW_BASELINE_TAG, "").lower() in ("1", "true", "yes"),
+            new_baseline=start is not None
+            and start.tags.get(NEW_BASELINE_TAG, "").lower() in ("1", "true", "yes"),
             started_at=start.ts if start else self.first_ts,
             ended_at=self.end.ts if self.end is not None else self.last_ts,
             status=self.end.status if self.end is not None else status_if_not_ended,

@@ -78,8 +78,11 @@ RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW - CROSS_RANK_VIEW
 
 
 def build_detectors(config: RunwatchConfig, names: frozenset[str], progress: RunProgress) -> list[Detector]:
-    return [make(config, progress) for name, make in DETECTORS.items()
-            if name in names and getattr(config.detectors, name).enabled]
+    return [
+        make(config, progress)
+        for name, make in DETECTORS.items()
+        if name in names and getattr(config.detectors, name).enabled
+    ]
 
 
 class RunMonitor:
@@ -104,8 +107,9 @@ class RunMonitor:
         self.progress = RunProgress(config.detectors.stall)
         self.ranks: dict[int, list[Detector]] = {}
         self.joined_detectors = build_detectors(config, JOINED_VIEW, self.progress)
-        self.cross_rank_detectors = cast(list[CrossRankDetector],
-                                         build_detectors(config, CROSS_RANK_VIEW, self.progress))
+        self.cross_rank_detectors = cast(
+            list[CrossRankDetector], build_detectors(config, CROSS_RANK_VIEW, self.progress)
+        )
         self.join = StepJoin(run_id, config.join.timeout_s)
         self.policy = ActionPolicy(config.policy)
         self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
@@ -113,7 +117,9 @@ class RunMonitor:
         self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
         # The step-indexed detectors' state at each checkpoint a rollback may target (rewind.py).
         self.snapshots: DetectorSnapshots[_RewindState] = DetectorSnapshots()
-        self._rewound_for: str | None = None  # the rollback whose ack rewound the detectors (one per rollback)
+        self._rewound_for: str | None = (
+            None  # the rollback whose ack rewound the detectors (one per rollback)
+        )
         self.events_seen = 0
         self.last_step: int | None = None
         self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
@@ -157,8 +163,15 @@ class RunMonitor:
     def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
         self.started, self.attempt = True, event.attempt
         self.join.set_world_size(event.world_size)
-        self.job = {name: value for name, value in (
-            ("job_id", event.job_id), ("host", event.host), ("pod", event.tags.get("pod"))) if value}
+        self.job = {
+            name: value
+            for name, value in (
+                ("job_id", event.job_id),
+                ("host", event.host),
+                ("pod", event.tags.get("pod")),
+            )
+            if value
+        }
         self._to_cross_rank(event, out)
 
     def _on_step(self, event: StepEvent, out: MonitorOutput) -> None:
@@ -209,8 +222,12 @@ class RunMonitor:
 
     # -- where an event goes ---------------------------------------------------------------------
 
-    def _to_rank(self, event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent,
-                 out: MonitorOutput, stale: bool = False) -> None:
+    def _to_rank(
+        self,
+        event: StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent,
+        out: MonitorOutput,
+        stale: bool = False,
+    ) -> None:
         """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors (a
         ``stale`` step, sent before a rollback the detectors were rewound for, only the liveness ones)."""
         self.progress.observe(event)
@@ -255,7 +272,11 @@ class RunMonitor:
             self.losses[event.step] = event.loss
             if len(self.losses) > LOSS_HISTORY:
                 del self.losses[next(iter(self.losses))]
-        if self.recovery is not None and self.recovery.to_step is None and not self.policy.rollback_pending(event.ts):
+        if (
+            self.recovery is not None
+            and self.recovery.to_step is None
+            and not self.policy.rollback_pending(event.ts)
+        ):
             self.recovery = None  # the rollback expired unacknowledged: there is no replay to verify
         if self.recovery is not None:
             unrecovered = self.recovery.update(event.step, event.loss)
@@ -265,13 +286,19 @@ class RunMonitor:
                 self.recovery = None
         # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
         if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
-            self.snapshots.prune([c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good])
+            self.snapshots.prune(
+                [c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good]
+            )
 
     def _rewindable(self) -> _RewindState:
         """The detectors whose state is about steps (not the liveness ones, which are about time)."""
-        return {"joined": self.joined_detectors,
-                "ranks": {rank: {i: d for i, d in enumerate(detectors) if d.name not in EPISODIC_DETECTORS}
-                          for rank, detectors in self.ranks.items()}}
+        return {
+            "joined": self.joined_detectors,
+            "ranks": {
+                rank: {i: d for i, d in enumerate(detectors) if d.name not in EPISODIC_DETECTORS}
+                for rank, detectors in self.ranks.items()
+            },
+        }
 
     def _rewind(self, to_step: int) -> None:
         state = self.snapshots.restore(to_step)
@@ -321,7 +348,9 @@ class RunMonitor:
 
     def _run_level(self, finding: Finding) -> Finding:
         """A joined-view finding is about the run, not the rank whose figures the join started from."""
-        return replace(finding, rank=None) if self.join.world_size > 1 and finding.rank is not None else finding
+        return (
+            replace(finding, rank=None) if self.join.world_size > 1 and finding.rank is not None else finding
+        )
 
     def tick(self, now: datetime) -> MonitorOutput:
         """Time-based checks at ``now`` (a timer online, event time offline): steps whose join timed
@@ -354,9 +383,16 @@ class RunMonitor:
             return
         out.decisions.append(decision)
         if decision.kind == "rollback" and self.config.policy.recovery.enabled and onset is not None:
-            healthy = {s: loss for s, loss in self.losses.items() if s < onset and math.isfinite(loss) and loss > 0}
-            self.recovery = RecoveryCheck(self.config.policy.recovery, decision.action_id, onset, healthy,
-                                          anomaly.evidence.get("fault_onset_step"))
+            healthy = {
+                s: loss for s, loss in self.losses.items() if s < onset and math.isfinite(loss) and loss > 0
+            }
+            self.recovery = RecoveryCheck(
+                self.config.policy.recovery,
+                decision.action_id,
+                onset,
+                healthy,
+                anomaly.evidence.get("fault_onset_step"),
+            )
 
     def _to_anomaly(self, finding: Finding, ts: datetime, cause: str) -> Anomaly:
         # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).

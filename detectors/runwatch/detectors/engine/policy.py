@@ -94,9 +94,10 @@ class ActionPolicy:
 
     def _rule_for(self, anomaly: Anomaly) -> PolicyRule | None:
         for rule in self.config.rules:
-            if rule.detector in ("*", anomaly.detector) and SEVERITY_RANK[anomaly.severity] >= SEVERITY_RANK[
-                rule.min_severity
-            ]:
+            if (
+                rule.detector in ("*", anomaly.detector)
+                and SEVERITY_RANK[anomaly.severity] >= SEVERITY_RANK[rule.min_severity]
+            ):
                 return rule
         return None
 
@@ -163,12 +164,18 @@ class ActionPolicy:
             action_id=decision_id(episode.run_id, "stop", [episode.anomaly_id]),
             run_id=episode.run_id,
             kind="stop",
-            reason=(f"escalated: {episode.detector} still firing {since:.0f} s after its first alert "
-                    f"(escalate_after_s {self.config.escalate_after_s:g}): {episode.message}"),
+            reason=(
+                f"escalated: {episode.detector} still firing {since:.0f} s after its first alert "
+                f"(escalate_after_s {self.config.escalate_after_s:g}): {episode.message}"
+            ),
             anomaly_ids=[episode.anomaly_id],
             step=episode.step,
-            params={"cause": "escalation", "detector": episode.detector,
-                    "alerting_since": episode.first_alert_at.isoformat(), "alerting_s": since},
+            params={
+                "cause": "escalation",
+                "detector": episode.detector,
+                "alerting_since": episode.first_alert_at.isoformat(),
+                "alerting_s": since,
+            },
         )
         self.stopped = True
         self.episodes.clear()
@@ -227,10 +234,16 @@ class ActionPolicy:
             elif checkpoint is None:
                 # Never restore an unconfirmed checkpoint: it may hold the fault.
                 kind = self.config.no_good_checkpoint
-                reason = f"no confirmed-good checkpoint before step {onset} to roll back to: {anomaly.message}"
+                reason = (
+                    f"no confirmed-good checkpoint before step {onset} to roll back to: {anomaly.message}"
+                )
                 params = {"cause": "no_good_checkpoint"}
                 last = self._last_issued.get((kind, anomaly.detector))
-                if kind == "pause" and last is not None and now - last < timedelta(seconds=self.config.cooldown_s):
+                if (
+                    kind == "pause"
+                    and last is not None
+                    and now - last < timedelta(seconds=self.config.cooldown_s)
+                ):
                     return None
             else:
                 params = self._rollback_params(anomaly, checkpoint)
@@ -265,7 +278,13 @@ class ActionPolicy:
             self.stopped = True
         elif kind == "alert" and episode is None and self._escalation_on():
             self.episodes[anomaly.detector] = AlertEpisode(
-                detector=anomaly.detector, first_alert_at=now, last_seen_at=now, anomaly_id=anomaly.anomaly_id,
-                run_id=anomaly.run_id, step=anomaly.step, rank=anomaly.rank, message=anomaly.message,
+                detector=anomaly.detector,
+                first_alert_at=now,
+                last_seen_at=now,
+                anomaly_id=anomaly.anomaly_id,
+                run_id=anomaly.run_id,
+                step=anomaly.step,
+                rank=anomaly.rank,
+                message=anomaly.message,
             )
         return decision

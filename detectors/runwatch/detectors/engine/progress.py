@@ -63,7 +63,9 @@ class RankProgress:
         # time_in_phase_s before the heartbeat that first reported it; a resumed train phase at that
         # heartbeat. None while the rank is in the train phase it started in.
         self.phase_since: datetime | None = None
-        self.in_sync: bool | None = None  # waits in the gradient synchronisation (latest heartbeat, this step)
+        self.in_sync: bool | None = (
+            None  # waits in the gradient synchronisation (latest heartbeat, this step)
+        )
         self.in_sync_since: datetime | None = None  # the heartbeat that first said so, this step
         self.peer_allowance_s = 0.0  # the largest phase allowance among its live peers
         self.peer_released_at: datetime | None = None  # when that allowance last dropped
@@ -113,8 +115,9 @@ class RankProgress:
         if self.first_heartbeat_at is None:
             self.first_heartbeat_at = event.ts
         if event.phase != self.phase:  # staying in a phase keeps its start
-            self.phase_since = (event.ts if event.phase == "train"
-                                else event.ts - timedelta(seconds=event.time_in_phase_s))
+            self.phase_since = (
+                event.ts if event.phase == "train" else event.ts - timedelta(seconds=event.time_in_phase_s)
+            )
         self.phase = event.phase
         if self.heartbeat_at is None or event.ts > self.heartbeat_at:
             if event.in_sync is not True:
@@ -178,8 +181,13 @@ class RunProgress:
 
     def live(self, now: datetime) -> dict[int, RankProgress]:
         """The ranks heard within their silence timeout that have a step."""
-        return {r: p for r, p in self.ranks.items() if p.heard_at is not None and p.step is not None
-                and (now - p.heard_at).total_seconds() <= self.silent_after_s(p)}
+        return {
+            r: p
+            for r, p in self.ranks.items()
+            if p.heard_at is not None
+            and p.step is not None
+            and (now - p.heard_at).total_seconds() <= self.silent_after_s(p)
+        }
 
     def _share_peer_phases(self, now: datetime) -> None:
         """Give each rank the largest phase allowance among its peers whose heartbeat is live."""
@@ -189,9 +197,15 @@ class RunProgress:
         allowances = self.liveness.phase_allowance_s
         # The two largest allowances: each rank's peers' largest is the first, or the second for
         # the rank that holds the first (linear in the ranks, on every heartbeat).
-        top = sorted(((allowances.get(p.phase, 0.0), p.rank) for p in beating
-                      if p.heartbeat_at is not None
-                      and (now - p.heartbeat_at).total_seconds() <= self.silent_after_s(p)), reverse=True)[:2]
+        top = sorted(
+            (
+                (allowances.get(p.phase, 0.0), p.rank)
+                for p in beating
+                if p.heartbeat_at is not None
+                and (now - p.heartbeat_at).total_seconds() <= self.silent_after_s(p)
+            ),
+            reverse=True,
+        )[:2]
         for progress in self.ranks.values():
             peers = [a for a, r in top if r != progress.rank]
             progress.share_peer_allowance(peers[0] if peers else 0.0, now)

@@ -135,8 +135,9 @@ class StepJoin:
         for key in sorted(k for k in self._pending if k <= last):
             pending = self._pending.pop(key)
             # A rank that has not reported this step, nor any later one, is not waited for until heard.
-            self.absent.update(r for r in self.expected() - pending.events.keys()
-                               if self._last_key.get(r, (-1, -1)) < key)
+            self.absent.update(
+                r for r in self.expected() - pending.events.keys() if self._last_key.get(r, (-1, -1)) < key
+            )
             missing = sorted(set(range(self.world_size)) - pending.events.keys())
             out.append(self._combine(key, pending, missing))
             self._emitted = key
@@ -145,8 +146,9 @@ class StepJoin:
 
     def _combine(self, key: Key, pending: _Pending, missing: list[int]) -> Joined:
         if self.world_size == 1 and len(pending.events) == 1:
-            return Joined(event=next(iter(pending.events.values())), record=None,
-                          generation=key[0])  # nothing to combine
+            return Joined(
+                event=next(iter(pending.events.values())), record=None, generation=key[0]
+            )  # nothing to combine
         events = [pending.events[r] for r in sorted(pending.events)]
         ts = max(e.ts for e in events)
         sharded = all(e.grad_sharded for e in events)
@@ -176,7 +178,9 @@ class StepJoin:
         }
         if fields["param_norm"] and fields["update_norm"] is not None:
             fields["relative_update_norm"] = fields["update_norm"] / fields["param_norm"]
-        clipped = fields["grad_norm_clipped"] if fields["grad_norm_clipped"] is not None else fields["grad_norm"]
+        clipped = (
+            fields["grad_norm_clipped"] if fields["grad_norm_clipped"] is not None else fields["grad_norm"]
+        )
         if fields["update_norm"] is not None and clipped and math.isfinite(clipped):
             fields["effective_lr_ratio"] = fields["update_norm"] / clipped
         memory_rank = _argmax(events, _memory_figure)
@@ -206,7 +210,9 @@ class StepJoin:
             compute_min_s=_smallest(e.compute_s for e in events),
             memory_max_bytes=_memory_figure(pending.events[memory_rank]) if memory_rank is not None else None,
             memory_max_rank=memory_rank,
-            memory_min_bytes=_memory_figure(pending.events[memory_min_rank]) if memory_min_rank is not None else None,
+            memory_min_bytes=_memory_figure(pending.events[memory_min_rank])
+            if memory_min_rank is not None
+            else None,
             memory_min_rank=memory_min_rank,
             samples_per_s=fields["samples_per_s"],
             tokens_per_s=fields["tokens_per_s"],

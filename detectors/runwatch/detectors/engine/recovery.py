@@ -30,17 +30,27 @@ class RecoveryConfig(Strict):
 
     enabled: bool = True
     within_steps: int = Field(
-        default=20, ge=1, description="the run must be back this many steps past the fault's onset, when it is judged"
+        default=20,
+        ge=1,
+        description="the run must be back this many steps past the fault's onset, when it is judged",
     )
-    judged_over: int = Field(default=5, ge=1, description="the median of the last this many steps' loss ratios")
-    healthy_window: int = Field(default=20, ge=4, description="healthy steps before the onset that set the band")
-    band_z: float = Field(default=3.0, gt=0, description="band: exp(band_z x robust scale of their log loss) ...")
+    judged_over: int = Field(
+        default=5, ge=1, description="the median of the last this many steps' loss ratios"
+    )
+    healthy_window: int = Field(
+        default=20, ge=4, description="healthy steps before the onset that set the band"
+    )
+    band_z: float = Field(
+        default=3.0, gt=0, description="band: exp(band_z x robust scale of their log loss) ..."
+    )
     min_band: float = Field(default=0.1, ge=0, description="... and never tighter than 1 + this")
 
     @model_validator(mode="after")
     def _judged_fits(self) -> RecoveryConfig:
         if self.judged_over > self.within_steps:
-            raise ValueError(f"judged_over ({self.judged_over}) must not exceed within_steps ({self.within_steps})")
+            raise ValueError(
+                f"judged_over ({self.judged_over}) must not exceed within_steps ({self.within_steps})"
+            )
         return self
 
 
@@ -57,23 +67,31 @@ def _quantile(values: list[float], q: float) -> float:
 class RecoveryCheck:
     """One rollback's verification: ``arm`` on the applied ack, then ``update`` with joined steps."""
 
-    def __init__(self, config: RecoveryConfig, action_id: str, onset_step: int, healthy: dict[int, float],
-                 fault_onset_step: int | None = None):
+    def __init__(
+        self,
+        config: RecoveryConfig,
+        action_id: str,
+        onset_step: int,
+        healthy: dict[int, float],
+        fault_onset_step: int | None = None,
+    ):
         """``onset_step``: the first suspect step (the reference is the steps before it);
         ``fault_onset_step``: where the fault first showed, when a failed recovery brought the
         rollback (its onset is earlier): the run is judged past the later of the two."""
         self.config = config
         self.action_id = action_id
         self.onset_step = max(onset_step, fault_onset_step or onset_step)
-        self.reference = {s: v for s, v in healthy.items() if s < onset_step}  # step -> loss, the healthy steps
-        recent = [math.log(v) for _, v in sorted(self.reference.items())[-config.healthy_window:]]
+        self.reference = {
+            s: v for s, v in healthy.items() if s < onset_step
+        }  # step -> loss, the healthy steps
+        recent = [math.log(v) for _, v in sorted(self.reference.items())[-config.healthy_window :]]
         if len(recent) >= 4:
             q25, q75 = _quantile(recent, 0.25), _quantile(recent, 0.75)
             scale = (q75 - q25) / IQR_TO_SIGMA
         else:
             scale = 0.0
         self.tolerance = max(math.exp(config.band_z * scale), 1.0 + config.min_band)
-        tail = [v for _, v in sorted(self.reference.items())[-config.judged_over:]]
+        tail = [v for _, v in sorted(self.reference.items())[-config.judged_over :]]
         self.level = _quantile(tail, 0.5) if tail else None  # the loss the run had at the onset
         self.to_step: int | None = None  # armed: the checkpoint step the run went back to
         self.ratios: list[float] = []
@@ -93,10 +111,13 @@ class RecoveryCheck:
             return None
         ref = self.reference.get(step, self.level)
         self.ratios.append(loss / ref if math.isfinite(loss) and ref > 0 else NOT_FINITE_RATIO)
-        if step < self.onset_step + self.config.within_steps - 1 or len(self.ratios) < self.config.judged_over:
+        if (
+            step < self.onset_step + self.config.within_steps - 1
+            or len(self.ratios) < self.config.judged_over
+        ):
             return None
         self.done = True
-        last = self.ratios[-self.config.judged_over:]
+        last = self.ratios[-self.config.judged_over :]
         ratio = _quantile(last, 0.5)
         if ratio <= self.tolerance:
             return None
@@ -108,11 +129,19 @@ class RecoveryCheck:
             value=ratio,
             threshold=self.tolerance,
             score=ratio / self.tolerance,
-            message=(f"the run did not recover after the rollback to step {self.to_step}: {step - self.onset_step + 1} "
-                     f"steps past the fault's onset at step {self.onset_step} its loss is {ratio:.2f}x what it was "
-                     f"before the fault (the healthy band allows {self.tolerance:.2f}x)"),
+            message=(
+                f"the run did not recover after the rollback to step {self.to_step}: {step - self.onset_step + 1} "
+                f"steps past the fault's onset at step {self.onset_step} its loss is {ratio:.2f}x what it was "
+                f"before the fault (the healthy band allows {self.tolerance:.2f}x)"
+            ),
             # the restored checkpoint did not bring the run back: a further rollback must go before it
-            evidence={"onset_step": self.to_step + 1, "fault_onset_step": self.onset_step,
-                      "rolled_back_to": self.to_step, "ratio": ratio, "tolerance": self.tolerance,
-                      "steps_replayed": len(self.ratios), "action_id": self.action_id},
+            evidence={
+                "onset_step": self.to_step + 1,
+                "fault_onset_step": self.onset_step,
+                "rolled_back_to": self.to_step,
+                "ratio": ratio,
+                "tolerance": self.tolerance,
+                "steps_replayed": len(self.ratios),
+                "action_id": self.action_id,
+            },
         )

@@ -76,7 +76,7 @@ class DetectorSnapshots(Generic[State]):
         return state
 
     def prune(self, pending: list[int], good: list[int]) -> None:
-        keep = set(pending) | set(sorted(good)[-self.keep_good:])
+        keep = set(pending) | set(sorted(good)[-self.keep_good :])
         self._by_step = {s: b for s, b in self._by_step.items() if s in keep}
 
     @property

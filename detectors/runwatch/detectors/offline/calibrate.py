@@ -52,8 +52,10 @@ def _with_knob(section: BaseModel, knob: str, value: float) -> BaseModel | None:
 
 
 def _only(config: RunwatchConfig, detector: str, section: BaseModel) -> RunwatchConfig:
-    sections = {name: getattr(config.detectors, name).model_copy(update={"enabled": name == detector})
-                for name in type(config.detectors).model_fields}
+    sections = {
+        name: getattr(config.detectors, name).model_copy(update={"enabled": name == detector})
+        for name in type(config.detectors).model_fields
+    }
     sections[detector] = section
     return config.model_copy(update={"detectors": type(config.detectors)(**sections)})
 
@@ -78,8 +80,12 @@ def _faults_caught(corpus: Corpus, config: RunwatchConfig, detector: str) -> tup
     return caught, len(labelled)
 
 
-def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig | None = None,
-              progress: Callable[[str, str, float, float], None] | None = None) -> tuple[RunwatchConfig, list[KnobProposal]]:
+def calibrate(
+    corpus: Corpus,
+    target_false_alarms: float,
+    base: RunwatchConfig | None = None,
+    progress: Callable[[str, str, float, float], None] | None = None,
+) -> tuple[RunwatchConfig, list[KnobProposal]]:
     """Propose a config; ``target_false_alarms`` is per 10,000 healthy steps, per detector."""
     if not any(label.healthy for label in corpus.labels):
         raise ValueError("calibration needs healthy recordings (fault == 'healthy') in the corpus")
@@ -96,7 +102,9 @@ def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig |
             candidate = _with_knob(section, knob, value)
             if candidate is None:
                 continue
-            rate = _false_alarms_per_10k(corpus, _only(base, detector, candidate.model_copy(update={"enabled": True})))
+            rate = _false_alarms_per_10k(
+                corpus, _only(base, detector, candidate.model_copy(update={"enabled": True}))
+            )
             tried.append((value, round(rate, 3)))
             if progress is not None:
                 progress(detector, knob, value, rate)
@@ -113,12 +121,26 @@ def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig |
             met = True
         value, rate, new_section = best
         chosen_sections[detector] = new_section.model_copy(update={"enabled": section.enabled})
-        caught, labelled = _faults_caught(corpus, _only(base, detector, new_section.model_copy(update={"enabled": True})),
-                                          detector)
-        proposals.append(KnobProposal(detector, knob, default, value, round(rate, 3), met,
-                                      caught if labelled else None, labelled, tried))
-    sections = {name: chosen_sections.get(name, getattr(base.detectors, name))
-                for name in type(base.detectors).model_fields}
+        caught, labelled = _faults_caught(
+            corpus, _only(base, detector, new_section.model_copy(update={"enabled": True})), detector
+        )
+        proposals.append(
+            KnobProposal(
+                detector,
+                knob,
+                default,
+                value,
+                round(rate, 3),
+                met,
+                caught if labelled else None,
+                labelled,
+                tried,
+            )
+        )
+    sections = {
+        name: chosen_sections.get(name, getattr(base.detectors, name))
+        for name in type(base.detectors).model_fields
+    }
     proposed = base.model_copy(update={"detectors": type(base.detectors)(**sections)})
     return RunwatchConfig.model_validate(proposed.model_dump()), proposals
 
@@ -126,21 +148,31 @@ def calibrate(corpus: Corpus, target_false_alarms: float, base: RunwatchConfig |
 def resolution_per_10k(corpus: Corpus) -> float:
     """The smallest non-zero false-alarm rate the corpus can show: one alarm in all its healthy steps.
     A target below it cannot be confirmed, only not contradicted."""
-    steps = sum(sum(1 for e in corpus.events[label.name] if e.kind == "step")
-                for label in corpus.labels if label.healthy)
+    steps = sum(
+        sum(1 for e in corpus.events[label.name] if e.kind == "step")
+        for label in corpus.labels
+        if label.healthy
+    )
     return 10_000 / steps if steps else float("inf")
 
 
-def to_yaml(config: RunwatchConfig, proposals: list[KnobProposal], target: float,
-            resolution: float | None = None) -> str:
+def to_yaml(
+    config: RunwatchConfig, proposals: list[KnobProposal], target: float, resolution: float | None = None
+) -> str:
     header = [f"# runwatch calibrate: target <= {target} false alarms per 10,000 healthy steps, per detector"]
     if resolution is not None and target < resolution:
-        header.append(f"# caution: one alarm in these healthy runs is already {resolution:.3g} per 10k steps; "
-                      "record more healthy steps to confirm a target this low")
+        header.append(
+            f"# caution: one alarm in these healthy runs is already {resolution:.3g} per 10k steps; "
+            "record more healthy steps to confirm a target this low"
+        )
     for p in proposals:
         note = "" if p.target_met else "  (target not met on this corpus)"
-        caught = f", catches {p.faults_caught}/{p.faults_labelled} labelled faults" if p.faults_labelled else ""
-        header.append(f"# {p.detector}.{p.knob}: {p.default:g} -> {p.proposed:g} "
-                      f"({p.false_alarms_per_10k:g} false alarms/10k{caught}){note}")
+        caught = (
+            f", catches {p.faults_caught}/{p.faults_labelled} labelled faults" if p.faults_labelled else ""
+        )
+        header.append(
+            f"# {p.detector}.{p.knob}: {p.default:g} -> {p.proposed:g} "
+            f"({p.false_alarms_per_10k:g} false alarms/10k{caught}){note}"
+        )
     body = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
     return "\n".join(header) + "\n" + body

@@ -110,8 +110,10 @@ def _after_onset(anomaly: Anomaly, label: ScenarioLabel) -> bool:
 def _matches(anomaly: Anomaly, label: ScenarioLabel) -> bool:
     if anomaly.detector != label.expected_detector:
         return False
-    return all(getattr(label, key) is None or anomaly.evidence.get(key) == getattr(label, key)
-               for key in MATCHED_ATTRIBUTES)
+    return all(
+        getattr(label, key) is None or anomaly.evidence.get(key) == getattr(label, key)
+        for key in MATCHED_ATTRIBUTES
+    )
 
 
 def score_scenario(label: ScenarioLabel, anomalies: list[Anomaly], steps: int) -> ScenarioResult:
@@ -141,7 +143,9 @@ def score_scenario(label: ScenarioLabel, anomalies: list[Anomaly], steps: int) -
         false_alarms=len(false),
         steps=steps,
         found_by=sorted({a.detector for a in after}),
-        first_false_alarm=f"{false[0].detector} at step {false[0].step}: {false[0].message}" if false else None,
+        first_false_alarm=f"{false[0].detector} at step {false[0].step}: {false[0].message}"
+        if false
+        else None,
     )
 
 
@@ -156,16 +160,23 @@ def corpus_bands(corpus: Corpus, config: RunwatchConfig) -> dict[str, BaselineBa
         if record.baseline_key is None:
             bands[record.run_id] = "the run has no baseline_key: no comparison with history"
             continue
-        history = select_baseline_runs(record, records.values(), window_days=config.baseline.window_days,
-                                       max_runs=section.max_runs)
+        history = select_baseline_runs(
+            record, records.values(), window_days=config.baseline.window_days, max_runs=section.max_runs
+        )
         if not history:
-            bands[record.run_id] = (f"no earlier completed run of baseline {record.baseline_key!r} on this hardware "
-                                    "in the window: no comparison with history")
+            bands[record.run_id] = (
+                f"no earlier completed run of baseline {record.baseline_key!r} on this hardware "
+                "in the window: no comparison with history"
+            )
             continue
         runs = [events_of[h.run_id] for h in history]
         last = max((getattr(e, "step", 0) or 0 for run in runs for e in run), default=0)
-        bands[record.run_id] = band_from_runs(runs, baseline_key=record.baseline_key, fingerprint=record.fingerprint,
-                                              bucket_steps=bucket_steps_for(last, section.max_buckets))
+        bands[record.run_id] = band_from_runs(
+            runs,
+            baseline_key=record.baseline_key,
+            fingerprint=record.fingerprint,
+            bucket_steps=bucket_steps_for(last, section.max_buckets),
+        )
     return bands
 
 

@@ -105,12 +105,15 @@ class HistoryCorpus:
         except ValidationError as exc:
             raise ReplayError(f"{path}: not the labels of a history corpus: {exc}") from None
         self.events: dict[str, list[TelemetryEvent]] = {
-            run.run_id: read_events(self.directory / run.file) for run in self.labels.runs}
+            run.run_id: read_events(self.directory / run.file) for run in self.labels.runs
+        }
 
     def config(self, base: BaselineConfig | None = None) -> BaselineConfig:
         """``base`` (default: the built-in one) with the corpus' ``loss_every`` and window."""
         base = base or BaselineConfig()
-        return base.model_copy(update={"loss_every": self.labels.loss_every, "window_days": self.labels.window_days})
+        return base.model_copy(
+            update={"loss_every": self.labels.loss_every, "window_days": self.labels.window_days}
+        )
 
 
 def summarize(events: Sequence[TelemetryEvent], run_id: str, loss_every: int) -> RunSummary:
@@ -143,11 +146,15 @@ class RegressionResult:
     commit_range_contains: bool
     commit_named_correctly: bool
     named_by: list[str]  # labelled metrics whose scan names the commit
-    scan_named: dict[str, str | None]  # per labelled metric: the first regression change point's commit at or after
+    scan_named: dict[
+        str, str | None
+    ]  # per labelled metric: the first regression change point's commit at or after
     in_flight: bool = False
     in_flight_status: str | None = None  # found / not found / pending (no in-flight detector to replay)
     in_flight_finding: str | None = None
-    later_runs_flagged: int = 0  # the other runs at the regressing commit with an outlier on a labelled metric
+    later_runs_flagged: int = (
+        0  # the other runs at the regressing commit with an outlier on a labelled metric
+    )
     later_runs: int = 0
 
 
@@ -169,10 +176,15 @@ class HistoryEvaluation:
     summary: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": HISTORY_KIND, "regressions": [asdict(r) for r in self.regressions],
-                "false_alarms": [asdict(f) for f in self.false_alarms],
-                "insufficient_history": self.insufficient_history, "scan_false_alarms": self.scan_false_alarms,
-                "runs": self.runs, "summary": self.summary}
+        return {
+            "kind": HISTORY_KIND,
+            "regressions": [asdict(r) for r in self.regressions],
+            "false_alarms": [asdict(f) for f in self.false_alarms],
+            "insufficient_history": self.insufficient_history,
+            "scan_false_alarms": self.scan_false_alarms,
+            "runs": self.runs,
+            "summary": self.summary,
+        }
 
 
 def _commit_index(labels: HistoryLabels) -> dict[str, int]:
@@ -207,15 +219,19 @@ def in_flight_check(corpus: HistoryCorpus, run_id: str) -> tuple[str, str | None
     band_config = BaselineTrajectoryConfig()
     records = {rid: run_record(events) for rid, events in corpus.events.items()}
     run = records[run_id]
-    chosen = select_baseline_runs(run, list(records.values()), window_days=corpus.labels.window_days,
-                                  max_runs=band_config.max_runs)
+    chosen = select_baseline_runs(
+        run, list(records.values()), window_days=corpus.labels.window_days, max_runs=band_config.max_runs
+    )
     if not chosen:
         return "not found", "no baseline runs for the band"
     events = corpus.events[run_id]
     last_step = max((getattr(e, "step", 0) or 0 for e in events), default=0)
-    band = band_from_runs([corpus.events[r.run_id] for r in chosen], baseline_key=run.baseline_key or "",
-                          fingerprint=run.fingerprint,
-                          bucket_steps=bucket_steps_for(last_step, band_config.max_buckets))
+    band = band_from_runs(
+        [corpus.events[r.run_id] for r in chosen],
+        baseline_key=run.baseline_key or "",
+        fingerprint=run.fingerprint,
+        bucket_steps=bucket_steps_for(last_step, band_config.max_buckets),
+    )
     result = replay(events, bands={run_id: band})
     hits = [a for a in result.anomalies if a.detector == IN_FLIGHT_DETECTOR and a.severity != "info"]
     if not hits:
@@ -224,8 +240,9 @@ def in_flight_check(corpus: HistoryCorpus, run_id: str) -> tuple[str, str | None
     return "found", f"step {first.step}: {first.message}"
 
 
-def evaluate_history(corpus: HistoryCorpus, base: BaselineConfig | None = None, *,
-                     in_flight: bool = True) -> HistoryEvaluation:
+def evaluate_history(
+    corpus: HistoryCorpus, base: BaselineConfig | None = None, *, in_flight: bool = True
+) -> HistoryEvaluation:
     """Score the gate, the change-point scan and (for in-flight labels) the band detector on ``corpus``."""
     labels = corpus.labels
     config = corpus.config(base)
@@ -237,54 +254,104 @@ def evaluate_history(corpus: HistoryCorpus, base: BaselineConfig | None = None, 
     labelled_metrics = sorted({m for r in labels.regressions for m in r.metrics})
     changes = scan_history(summaries, config, metrics=labelled_metrics) if labelled_metrics else []
 
-    results = [_score_regression(reg, reports, changes, order, labels, corpus, in_flight)
-               for reg in labels.regressions]
+    results = [
+        _score_regression(reg, reports, changes, order, labels, corpus, in_flight)
+        for reg in labels.regressions
+    ]
     regressing = {r.commit for r in labels.regressions}
     kinds = {b.commit: b.kind for b in labels.benign}
     false_alarms = []
     for run in labels.runs:
         report = reports[run.run_id]
         if run.commit not in regressing and report.outliers:
-            false_alarms.append(FalseAlarm(run.run_id, run.commit_name, kinds.get(run.commit, "initial"),
-                                           list(report.outliers)))
+            false_alarms.append(
+                FalseAlarm(
+                    run.run_id, run.commit_name, kinds.get(run.commit, "initial"), list(report.outliers)
+                )
+            )
     insufficient = [r.run_id for r in labels.runs if reports[r.run_id].insufficient_history]
-    scan_false = [{"metric": c.metric, "run_id": c.run_id, "commit_name": run_labels[c.run_id].commit_name,
-                   "relative_change": round(c.relative_change, 4)}
-                  for c in changes if c.kind == "regression" and c.git_sha not in regressing]
-    runs = [{"run_id": r.run_id, "day": r.day, "fingerprint": r.fingerprint, "commit_name": r.commit_name,
-             "history": reports[r.run_id].history_size, "exit_code": reports[r.run_id].exit_code,
-             "insufficient_history": reports[r.run_id].insufficient_history,
-             "outliers": list(reports[r.run_id].outliers),
-             "last_normal_run": reports[r.run_id].last_normal_run} for r in labels.runs]
+    scan_false = [
+        {
+            "metric": c.metric,
+            "run_id": c.run_id,
+            "commit_name": run_labels[c.run_id].commit_name,
+            "relative_change": round(c.relative_change, 4),
+        }
+        for c in changes
+        if c.kind == "regression" and c.git_sha not in regressing
+    ]
+    runs = [
+        {
+            "run_id": r.run_id,
+            "day": r.day,
+            "fingerprint": r.fingerprint,
+            "commit_name": r.commit_name,
+            "history": reports[r.run_id].history_size,
+            "exit_code": reports[r.run_id].exit_code,
+            "insufficient_history": reports[r.run_id].insufficient_history,
+            "outliers": list(reports[r.run_id].outliers),
+            "last_normal_run": reports[r.run_id].last_normal_run,
+        }
+        for r in labels.runs
+    ]
     summary = _summary(results, false_alarms, insufficient, scan_false, labels, by_id)
     return HistoryEvaluation(results, false_alarms, insufficient, scan_false, runs, summary)
 
 
-def _score_regression(reg: RegressionLabel, reports: dict[str, BaselineReport], changes: Sequence[LevelChange],
-                      order: dict[str, int], labels: HistoryLabels, corpus: HistoryCorpus,
-                      in_flight: bool) -> RegressionResult:
+def _score_regression(
+    reg: RegressionLabel,
+    reports: dict[str, BaselineReport],
+    changes: Sequence[LevelChange],
+    order: dict[str, int],
+    labels: HistoryLabels,
+    corpus: HistoryCorpus,
+    in_flight: bool,
+) -> RegressionResult:
     report = reports[reg.first_run]
     found_metrics = [m for m in report.outliers if m in reg.metrics]
-    named_by = sorted({c.metric for c in changes
-                       if c.metric in reg.metrics and c.kind == "regression" and c.git_sha == reg.commit})
+    named_by = sorted(
+        {
+            c.metric
+            for c in changes
+            if c.metric in reg.metrics and c.kind == "regression" and c.git_sha == reg.commit
+        }
+    )
     first_start = report.started_at
     scan_named: dict[str, str | None] = {}
     for metric in reg.metrics:
-        after = [c for c in changes if c.metric == metric and c.kind == "regression" and first_start is not None
-                 and c.started_at is not None and c.started_at >= first_start]
+        after = [
+            c
+            for c in changes
+            if c.metric == metric
+            and c.kind == "regression"
+            and first_start is not None
+            and c.started_at is not None
+            and c.started_at >= first_start
+        ]
         first = min(after, key=lambda c: (c.started_at, c.run_id), default=None)
         scan_named[metric] = first.git_sha if first is not None else None
     later = [r.run_id for r in labels.runs if r.commit == reg.commit and r.run_id != reg.first_run]
     result = RegressionResult(
-        commit=reg.commit, name=reg.name, description=reg.description, metrics=list(reg.metrics),
-        first_run=reg.first_run, found=bool(found_metrics), found_metrics=found_metrics,
-        other_outliers=[m for m in report.outliers if m not in reg.metrics], gate_exit_code=report.exit_code,
-        history_runs=report.history_size, last_normal_run=report.last_normal_run,
+        commit=reg.commit,
+        name=reg.name,
+        description=reg.description,
+        metrics=list(reg.metrics),
+        first_run=reg.first_run,
+        found=bool(found_metrics),
+        found_metrics=found_metrics,
+        other_outliers=[m for m in report.outliers if m not in reg.metrics],
+        gate_exit_code=report.exit_code,
+        history_runs=report.history_size,
+        last_normal_run=report.last_normal_run,
         last_normal_sha=report.last_normal_sha,
         commit_range_contains=_range_contains(order, report.last_normal_sha, report.git_sha, reg.commit),
-        commit_named_correctly=bool(named_by), named_by=named_by, scan_named=scan_named, in_flight=reg.in_flight,
+        commit_named_correctly=bool(named_by),
+        named_by=named_by,
+        scan_named=scan_named,
+        in_flight=reg.in_flight,
         later_runs_flagged=sum(any(m in reg.metrics for m in reports[r].outliers) for r in later),
-        later_runs=len(later))
+        later_runs=len(later),
+    )
     if reg.in_flight:
         if in_flight:
             status, finding = in_flight_check(corpus, reg.first_run)
@@ -295,8 +362,14 @@ def _score_regression(reg: RegressionLabel, reports: dict[str, BaselineReport], 
     return result
 
 
-def _summary(results: list[RegressionResult], false_alarms: list[FalseAlarm], insufficient: list[str],
-             scan_false: list[dict[str, Any]], labels: HistoryLabels, by_id: dict[str, RunSummary]) -> dict[str, Any]:
+def _summary(
+    results: list[RegressionResult],
+    false_alarms: list[FalseAlarm],
+    insufficient: list[str],
+    scan_false: list[dict[str, Any]],
+    labels: HistoryLabels,
+    by_id: dict[str, RunSummary],
+) -> dict[str, Any]:
     starts = [s.started_at for s in by_id.values() if s.started_at is not None]
     in_flight = [r for r in results if r.in_flight]
     return {
@@ -317,8 +390,9 @@ def _summary(results: list[RegressionResult], false_alarms: list[FalseAlarm], in
     }
 
 
-def evaluate_history_dir(directory: str | Path, base: BaselineConfig | None = None, *,
-                         in_flight: bool = True) -> HistoryEvaluation:
+def evaluate_history_dir(
+    directory: str | Path, base: BaselineConfig | None = None, *, in_flight: bool = True
+) -> HistoryEvaluation:
     return evaluate_history(HistoryCorpus(directory), base, in_flight=in_flight)
 
 
@@ -339,8 +413,9 @@ class ToleranceProposal:
     per_fingerprint: dict[str, dict[str, float]]  # segment -> its n, spread, max deviation
 
 
-def propose_tolerances(corpus: HistoryCorpus, k: float = 3.0, base: BaselineConfig | None = None
-                       ) -> list[ToleranceProposal]:
+def propose_tolerances(
+    corpus: HistoryCorpus, k: float = 3.0, base: BaselineConfig | None = None
+) -> list[ToleranceProposal]:
     """Per judged metric, a minimum relative change from the run-to-run spread of the normal runs (those
     at commits no label calls a regression), per hardware fingerprint and declared baseline: the larger
     of ``k`` x the largest robust spread and the largest deviation of a normal run from its median (a
@@ -354,8 +429,11 @@ def propose_tolerances(corpus: HistoryCorpus, k: float = 3.0, base: BaselineConf
 
     config = corpus.config(base)
     regressing = {r.commit for r in corpus.labels.regressions}
-    normal = [summarize(corpus.events[r.run_id], r.run_id, config.loss_every)
-              for r in corpus.labels.runs if r.commit not in regressing]
+    normal = [
+        summarize(corpus.events[r.run_id], r.run_id, config.loss_every)
+        for r in corpus.labels.runs
+        if r.commit not in regressing
+    ]
     segments = [s for s in baseline_segments(normal) if len(s) >= config.min_runs]
     names = sorted({m for s in normal for m in s.metrics})
     out = []
@@ -365,7 +443,9 @@ def propose_tolerances(corpus: HistoryCorpus, k: float = 3.0, base: BaselineConf
             continue
         per: dict[str, dict[str, float]] = {}
         for segment in segments:
-            values = [float(v) for s in segment if (v := s.metrics.get(metric)) is not None and is_valid(v, spec)]
+            values = [
+                float(v) for s in segment if (v := s.metrics.get(metric)) is not None and is_valid(v, spec)
+            ]
             if len(values) < config.min_runs:
                 continue
             median = statistics.median(values)
@@ -373,15 +453,29 @@ def propose_tolerances(corpus: HistoryCorpus, k: float = 3.0, base: BaselineConf
                 continue
             sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in values)
             label = f"{segment[0].fingerprint_parts.get('hardware', segment[0].fingerprint)} from {segment[0].run_id}"
-            per[label] = {"runs": len(values), "spread": round(sigma / abs(median), 5),
-                          "max_deviation": round(max(abs(v - median) for v in values) / abs(median), 5)}
+            per[label] = {
+                "runs": len(values),
+                "spread": round(sigma / abs(median), 5),
+                "max_deviation": round(max(abs(v - median) for v in values) / abs(median), 5),
+            }
         if not per:
             continue
         spread = max(p["spread"] for p in per.values())
         deviation = max(p["max_deviation"] for p in per.values())
-        proposed = max(TOLERANCE_FLOOR, math.ceil(max(k * spread, deviation) / TOLERANCE_STEP) * TOLERANCE_STEP)
-        out.append(ToleranceProposal(metric, spec.min_change, round(proposed, 4), spread, deviation,
-                                     int(sum(p["runs"] for p in per.values())), per))
+        proposed = max(
+            TOLERANCE_FLOOR, math.ceil(max(k * spread, deviation) / TOLERANCE_STEP) * TOLERANCE_STEP
+        )
+        out.append(
+            ToleranceProposal(
+                metric,
+                spec.min_change,
+                round(proposed, 4),
+                spread,
+                deviation,
+                int(sum(p["runs"] for p in per.values())),
+                per,
+            )
+        )
     return out
 
 
@@ -389,11 +483,17 @@ def tolerances_yaml(proposals: Sequence[ToleranceProposal], k: float, directory:
     """The proposals as a runwatch YAML (its ``baseline.min_change``), the figures as comments."""
     import yaml
 
-    lines = [f"# runwatch calibrate {directory}: per-metric minimum relative change = max({TOLERANCE_FLOOR:g}, "
-             f"{k:g} x the largest robust spread, the largest deviation) of the normal runs per fingerprint",
-             "# metric: default -> proposed (spread, largest deviation of a normal run, normal runs)"]
+    lines = [
+        f"# runwatch calibrate {directory}: per-metric minimum relative change = max({TOLERANCE_FLOOR:g}, "
+        f"{k:g} x the largest robust spread, the largest deviation) of the normal runs per fingerprint",
+        "# metric: default -> proposed (spread, largest deviation of a normal run, normal runs)",
+    ]
     for p in proposals:
-        lines.append(f"# {p.metric}: {p.default:g} -> {p.proposed:g} (spread {p.spread:.2%}, "
-                     f"max deviation {p.max_deviation:.2%}, {p.runs} runs)")
-    body = yaml.safe_dump({"baseline": {"min_change": {p.metric: p.proposed for p in proposals}}}, sort_keys=False)
+        lines.append(
+            f"# {p.metric}: {p.default:g} -> {p.proposed:g} (spread {p.spread:.2%}, "
+            f"max deviation {p.max_deviation:.2%}, {p.runs} runs)"
+        )
+    body = yaml.safe_dump(
+        {"baseline": {"min_change": {p.metric: p.proposed for p in proposals}}}, sort_keys=False
+    )
     return "\n".join(lines) + "\n" + body

@@ -63,8 +63,12 @@ def _ticks(monitor: RunMonitor, last: datetime, now: datetime, every: timedelta)
         n += 1
 
 
-def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = None,
-           tick_every_s: float = TICK_EVERY_S, bands: Mapping[str, BaselineBand | str] | None = None) -> ReplayResult:
+def replay(
+    events: Iterable[TelemetryEvent],
+    config: RunwatchConfig | None = None,
+    tick_every_s: float = TICK_EVERY_S,
+    bands: Mapping[str, BaselineBand | str] | None = None,
+) -> ReplayResult:
     """Feed ``events`` (in order) to one ``RunMonitor`` per run, ticking on event time. ``bands``: per
     run id, its baseline band, or the reason it has none (as the worker hands them in at run start)."""
     config = config or RunwatchConfig()
@@ -78,7 +82,9 @@ def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = Non
             monitor = monitors[event.run_id] = RunMonitor(event.run_id, config)
             if bands is not None and event.run_id in bands:
                 band = bands[event.run_id]
-                hand_band(monitor.joined_detectors, *((None, band) if isinstance(band, str) else (band, None)))
+                hand_band(
+                    monitor.joined_detectors, *((None, band) if isinstance(band, str) else (band, None))
+                )
             result.runs.append(event.run_id)
             last_tick[event.run_id] = event.ts
         outputs = list(_ticks(monitor, last_tick[event.run_id], event.ts, every))
@@ -93,5 +99,7 @@ def replay(events: Iterable[TelemetryEvent], config: RunwatchConfig | None = Non
     return result
 
 
-def replay_file(path: str | Path, config: RunwatchConfig | None = None, tick_every_s: float = TICK_EVERY_S) -> ReplayResult:
+def replay_file(
+    path: str | Path, config: RunwatchConfig | None = None, tick_every_s: float = TICK_EVERY_S
+) -> ReplayResult:
     return replay(read_events(path), config, tick_every_s)

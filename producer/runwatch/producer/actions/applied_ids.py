@@ -41,8 +41,14 @@ class AppliedIds:
     ``path=None``: in memory only. Never raises into training: a file that cannot be read or
     written is logged (and ``errors`` counts it), and the listener goes on without it."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, max_ids: int = STATE_MAX_IDS, *,
-                 run_id: str = "", rank: int = 0):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        max_ids: int = STATE_MAX_IDS,
+        *,
+        run_id: str = "",
+        rank: int = 0,
+    ):
         if max_ids < 1:
             raise ValueError(f"state_max_ids must be at least 1, got {max_ids}")
         self.path = Path(path).resolve() if path is not None else None
@@ -87,10 +93,11 @@ class AppliedIds:
             return 0
         except Exception as exc:
             self.errors += 1
-            log.warning("runwatch: cannot read the applied actions in %s (%r); starting without them",
-                        self.path, exc)
+            log.warning(
+                "runwatch: cannot read the applied actions in %s (%r); starting without them", self.path, exc
+            )
             return 0
-        for action_id in ids[-self.max_ids:]:
+        for action_id in ids[-self.max_ids :]:
             self._ids[action_id] = None
         return len(self._ids)
 
@@ -114,7 +121,11 @@ class AppliedIds:
                     os.close(dir_fd)
         except Exception as exc:
             self.errors += 1
-            log.warning("runwatch: cannot write the applied actions to %s (%r); a restarted trainer may "
-                        "apply them again", self.path, exc)
+            log.warning(
+                "runwatch: cannot write the applied actions to %s (%r); a restarted trainer may "
+                "apply them again",
+                self.path,
+                exc,
+            )
             with contextlib.suppress(OSError):
                 tmp.unlink()

@@ -64,8 +64,18 @@ class ActionApplier:
     """Applies actions to this rank's model, optimizer and loop, and acknowledges them through
     ``rw``. ``restore``, ``optimizer`` and ``heartbeat`` may be set later (``attach``)."""
 
-    def __init__(self, rw: Any, arrivals: Arrivals, applied_ids: AppliedIds, ignored: Counter[str], *,
-                 restore: RestoreFn | None, optimizer: Any, heartbeat: Any, pause_timeout_s: float):
+    def __init__(
+        self,
+        rw: Any,
+        arrivals: Arrivals,
+        applied_ids: AppliedIds,
+        ignored: Counter[str],
+        *,
+        restore: RestoreFn | None,
+        optimizer: Any,
+        heartbeat: Any,
+        pause_timeout_s: float,
+    ):
         self.rw = rw
         self.restore = restore
         self.optimizer = optimizer
@@ -94,11 +104,15 @@ class ActionApplier:
     def _note(self, action: Action, step: int | None) -> AppliedAction:
         """An alert: nothing to do here but acknowledge it (and end a pause it ended)."""
         ended = self._ended_pause.pop(action.action_id, None)
-        return AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None)
+        return AppliedAction(
+            action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None
+        )
 
     def _resume(self, action: Action, step: int | None) -> AppliedAction:
         ended = self._ended_pause.pop(action.action_id, None)
-        return AppliedAction(action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else "not paused")
+        return AppliedAction(
+            action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else "not paused"
+        )
 
     def _stop(self, action: Action, step: int | None) -> AppliedAction:
         """Handed to the training loop, which decides what a stop means for it."""
@@ -138,7 +152,9 @@ class ActionApplier:
     def _rollback(self, action: Action, step: int | None) -> AppliedAction:
         ref = self.choose_checkpoint(action)
         if ref is None:
-            return AppliedAction(action, "failed", from_step=step, detail="no registered checkpoint before the onset")
+            return AppliedAction(
+                action, "failed", from_step=step, detail="no registered checkpoint before the onset"
+            )
         if self.restore is None:
             return AppliedAction(action, "failed", from_step=step, detail="no model given to restore into")
         try:
@@ -167,8 +183,16 @@ class ActionApplier:
             if first <= last:
                 skip = (first, last)
                 detail += f"; skip the batches of steps {first}..{last}"
-        return AppliedAction(action, "applied", from_step=step, to_step=ref.step, detail=detail,
-                             lr_scale=lr_scale, lr_factor=lr_factor, skip_steps=skip)
+        return AppliedAction(
+            action,
+            "applied",
+            from_step=step,
+            to_step=ref.step,
+            detail=detail,
+            lr_scale=lr_scale,
+            lr_factor=lr_factor,
+            skip_steps=skip,
+        )
 
     def _pause(self, action: Action, step: int | None) -> AppliedAction:
         """Blocks until a pause ender arrives or the timeout passes (arrivals wait, in order)."""
@@ -185,17 +209,29 @@ class ActionApplier:
                 if ender is not None:
                     self._ended_pause[ender.action_id] = action.action_id
                     waited = time.monotonic() - started
-                    return AppliedAction(action, "applied", from_step=step,
-                                         detail=f"paused {waited:.1f} s until {ender.kind} {ender.action_id}")
+                    return AppliedAction(
+                        action,
+                        "applied",
+                        from_step=step,
+                        detail=f"paused {waited:.1f} s until {ender.kind} {ender.action_id}",
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return AppliedAction(action, "applied", from_step=step,
-                                         detail=f"pause timed out after {timeout:g} s; resuming")
+                    return AppliedAction(
+                        action,
+                        "applied",
+                        from_step=step,
+                        detail=f"pause timed out after {timeout:g} s; resuming",
+                    )
                 self._arrivals.pull(timeout=min(0.1, remaining))
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.pop()
 
     _HANDLERS: dict[Applies, Callable[[ActionApplier, Action, int | None], AppliedAction]] = {
-        "note": _note, "pause": _pause, "resume": _resume, "rollback": _rollback, "stop": _stop,
+        "note": _note,
+        "pause": _pause,
+        "resume": _resume,
+        "rollback": _rollback,
+        "stop": _stop,
     }

@@ -22,7 +22,9 @@ class Arrivals:
         self._applied_ids = applied_ids
         self._ignored = ignored
         self._accepted: queue.Queue[Action] = queue.Queue()
-        self.pending: dict[str, tuple[int, Action]] = {}  # action id -> (arrival number, action), oldest first
+        self.pending: dict[
+            str, tuple[int, Action]
+        ] = {}  # action id -> (arrival number, action), oldest first
         self._count = 0
         self._taken: dict[str, int] = {}  # arrival number of each action taken to apply, until done
         self._given_up: set[str] = set()  # announced ids this rank stopped waiting for

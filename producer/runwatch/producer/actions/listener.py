@@ -90,29 +90,55 @@ class ActionListener:
         self.applied_ids = AppliedIds(path, state_max_ids, run_id=rw.run_id, rank=rw.rank)
         clock_skew = timedelta(seconds=clock_skew_s)
         started_at = utc_now() - clock_skew
-        self._inbox = ActionInbox(secret_bytes, run_id=rw.run_id, attempt=getattr(rw, "attempt", None),
-                                  clock_skew=clock_skew,
-                                  not_before=started_at, handled=self._handled_before)
+        self._inbox = ActionInbox(
+            secret_bytes,
+            run_id=rw.run_id,
+            attempt=getattr(rw, "attempt", None),
+            clock_skew=clock_skew,
+            not_before=started_at,
+            handled=self._handled_before,
+        )
         self.ignored = self._inbox.ignored
         self._arrivals = Arrivals(self.applied_ids, self.ignored)
-        self._applier = ActionApplier(rw, self._arrivals, self.applied_ids, self.ignored, restore=restore,
-                                      optimizer=optimizer, heartbeat=heartbeat, pause_timeout_s=pause_timeout_s)
+        self._applier = ActionApplier(
+            rw,
+            self._arrivals,
+            self.applied_ids,
+            self.ignored,
+            restore=restore,
+            optimizer=optimizer,
+            heartbeat=heartbeat,
+            pause_timeout_s=pause_timeout_s,
+        )
         self.applied: list[AppliedAction] = self._applier.applied
         self.watchdog = StopWatchdog(stop_exit_after_s, stop_exit_code)
         group, leader = sync_group(sync)
-        self._sync = RankSync(group, leader, self._arrivals, self.applied_ids, self.ignored,
-                              timeout_s=sync_timeout_s, heartbeat=heartbeat)
+        self._sync = RankSync(
+            group,
+            leader,
+            self._arrivals,
+            self.applied_ids,
+            self.ignored,
+            timeout_s=sync_timeout_s,
+            heartbeat=heartbeat,
+        )
         self._sync_timeout_s = sync_timeout_s
         self._reader: ActionReader | None = None
         if consume:
-            self._reader = ActionReader(rw.bootstrap, topic, started_at, self._accept,
-                                        client_id=f"runwatch-actions-{rw.run_id}-r{rw.rank}")
+            self._reader = ActionReader(
+                rw.bootstrap,
+                topic,
+                started_at,
+                self._accept,
+                client_id=f"runwatch-actions-{rw.run_id}-r{rw.rank}",
+            )
             self._reader.start()
 
     # -- what training code calls -------------------------------------------------
 
-    def attach(self, model: Any, optimizer: Any = None, restore: RestoreFn | None = None,
-               heartbeat: Any = None) -> None:
+    def attach(
+        self, model: Any, optimizer: Any = None, restore: RestoreFn | None = None, heartbeat: Any = None
+    ) -> None:
         """Set what a rollback restores into (and whose LR it scales), for listeners created
         before the model; ``heartbeat`` (``watch.heartbeat``) reports a pause as idle."""
         self._applier.restore = restore or torch_restore(model, optimizer)
@@ -185,7 +211,9 @@ class ActionListener:
                 if isinstance(item, tuple):
                     result = self._apply_rank0_copy(item, step)
                 else:
-                    result = self._applier.apply(item, step, check_expiry=False)  # rank 0 checked: all ranks agree
+                    result = self._applier.apply(
+                        item, step, check_expiry=False
+                    )  # rank 0 checked: all ranks agree
                 if result is not None:
                     results.append(result)
                     if applies(result.kind) == "stop":
@@ -207,8 +235,10 @@ class ActionListener:
             # Signed with our secret for our run: apply rank 0's copy, so that this rank does not
             # diverge from the others (a rank that skips a rollback trains on different weights).
             return self._applier.apply(action, step, check_expiry=False)
-        detail = (f"rank 0 applied it, but this rank's consumer had not received it {self._sync_timeout_s:g} s "
-                  "after rank 0 announced it, and rank 0's copy does not verify here; not applied")
+        detail = (
+            f"rank 0 applied it, but this rank's consumer had not received it {self._sync_timeout_s:g} s "
+            "after rank 0 announced it, and rank 0's copy does not verify here; not applied"
+        )
         return self._applier.record(AppliedAction(action, "failed", from_step=step, detail=detail), step)
 
     # -- from the consumer thread ------------------------------------------------------

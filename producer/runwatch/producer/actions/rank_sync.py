@@ -70,8 +70,17 @@ def sync_group(sync: bool | str) -> tuple[Any, bool]:
 class RankSync:
     """One round of agreement per call of :meth:`next_batch`; see the module docstring."""
 
-    def __init__(self, group: Any, leader: bool, arrivals: Arrivals, applied_ids: AppliedIds,
-                 ignored: Counter[str], *, timeout_s: float, heartbeat: Any = None):
+    def __init__(
+        self,
+        group: Any,
+        leader: bool,
+        arrivals: Arrivals,
+        applied_ids: AppliedIds,
+        ignored: Counter[str],
+        *,
+        timeout_s: float,
+        heartbeat: Any = None,
+    ):
         self.group = group
         self.leader = leader
         self.heartbeat = heartbeat
@@ -134,12 +143,16 @@ class RankSync:
                 box: list[Any] = [payload]
                 dist.broadcast_object_list(box, src=0, group=self.group)
                 announced = list(box[0])
-                done = torch.tensor([int(action_id in self._applied_ids) for action_id, _ in announced],
-                                    dtype=torch.int64)
+                done = torch.tensor(
+                    [int(action_id in self._applied_ids) for action_id, _ in announced], dtype=torch.int64
+                )
                 dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as exc:
-            log.error("runwatch: the action listeners' broadcast failed (%r); this rank applies actions on its "
-                      "own from now on", exc)
+            log.error(
+                "runwatch: the action listeners' broadcast failed (%r); this rank applies actions on its "
+                "own from now on",
+                exc,
+            )
             self.group = None
             return None
         return self._drop_applied(announced, [bool(flag) for flag in done.tolist()])
@@ -156,8 +169,11 @@ class RankSync:
             if held and action_id not in self._applied_ids:  # one that is there was counted on arrival
                 self._ignored["already_applied"] += 1
         self._applied_ids.add(*(i for i in dropped if i not in self._applied_ids))
-        log.info("runwatch: not applying %d action(s) that a rank applied before a restart: %s", len(dropped),
-                 ", ".join(dropped))
+        log.info(
+            "runwatch: not applying %d action(s) that a rank applied before a restart: %s",
+            len(dropped),
+            ", ".join(dropped),
+        )
         return [item for item, flag in zip(announced, done, strict=True) if not flag]
 
     def _await(self, announced: Announced) -> list[Action | tuple[str, bytes]]:

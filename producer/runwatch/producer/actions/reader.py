@@ -22,8 +22,15 @@ class ActionReader:
     """A daemon thread (started by :meth:`start`) that calls ``on_value(raw)`` for every record of
     ``topic`` from ``start_at`` on; ``ready`` is set once it has its partitions."""
 
-    def __init__(self, bootstrap: str, topic: str, start_at: datetime, on_value: Callable[[bytes], None], *,
-                 client_id: str):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        start_at: datetime,
+        on_value: Callable[[bytes], None],
+        *,
+        client_id: str,
+    ):
         self._bootstrap = bootstrap
         self._topic = topic
         self._start_ms = int(start_at.timestamp() * 1000)
@@ -70,7 +77,9 @@ class ActionReader:
                     # (Tansu answers "none" as offset 0 with timestamp -1.)
                     ends = consumer.end_offsets(tps)
                     for tp, found in consumer.offsets_for_times({tp: self._start_ms for tp in tps}).items():
-                        consumer.seek(tp, found.offset if found is not None and found.timestamp >= 0 else ends[tp])
+                        consumer.seek(
+                            tp, found.offset if found is not None and found.timestamp >= 0 else ends[tp]
+                        )
                     self.ready.set()
                 for records in consumer.poll(timeout_ms=100).values():
                     for record in records:

@@ -46,8 +46,9 @@ class StopWatchdog:
                 return thread
             self._disarmed = disarmed = threading.Event()
             self.deadline, self._code, self._timeout_s = deadline, code, timeout_s
-            thread = threading.Thread(target=self._run, args=(disarmed,), name="runwatch-stop-watchdog",
-                                      daemon=True)
+            thread = threading.Thread(
+                target=self._run, args=(disarmed,), name="runwatch-stop-watchdog", daemon=True
+            )
             self.thread = thread
             thread.start()
             return thread

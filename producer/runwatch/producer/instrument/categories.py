@@ -33,7 +33,9 @@ class CategoryLossBatch:
     def __add__(self, other: CategoryLossBatch) -> CategoryLossBatch:
         names = self.names if other.names == self.names else list(dict.fromkeys(self.names + other.names))
         a, b = _reindex(self, names), _reindex(other, names)
-        return CategoryLossBatch(names, a.loss_sum + b.loss_sum, a.weight_sum + b.weight_sum, a.count + b.count)
+        return CategoryLossBatch(
+            names, a.loss_sum + b.loss_sum, a.weight_sum + b.weight_sum, a.count + b.count
+        )
 
     def packed(self) -> torch.Tensor:
         """The three vectors as one float64 tensor, for the step's single device-to-host copy."""
@@ -43,15 +45,16 @@ class CategoryLossBatch:
 
     def from_packed(self, values: Sequence[float]) -> dict[str, CategoryLoss]:
         k = len(self.names)
-        return means_from_sums(self.names, values[:k], values[k:2 * k], values[2 * k:3 * k])
+        return means_from_sums(self.names, values[:k], values[k : 2 * k], values[2 * k : 3 * k])
 
     def resolve(self) -> dict[str, CategoryLoss]:
         """Host values now (one copy); use it outside a watched step."""
         return self.from_packed(self.packed().cpu().tolist())
 
 
-def means_from_sums(names: Sequence[str], loss_sum: Sequence[float], weight_sum: Sequence[float],
-                    count: Sequence[float]) -> dict[str, CategoryLoss]:
+def means_from_sums(
+    names: Sequence[str], loss_sum: Sequence[float], weight_sum: Sequence[float], count: Sequence[float]
+) -> dict[str, CategoryLoss]:
     """Categories with no sample in the batch are absent, not zero."""
     out: dict[str, CategoryLoss] = {}
     for name, s, w, n in zip(names, loss_sum, weight_sum, count, strict=True):
@@ -67,7 +70,9 @@ def _reindex(batch: CategoryLossBatch, names: list[str]) -> CategoryLossBatch:
 
     if batch.names == names:
         return batch
-    where = torch.tensor([names.index(n) for n in batch.names], dtype=torch.long, device=batch.loss_sum.device)
+    where = torch.tensor(
+        [names.index(n) for n in batch.names], dtype=torch.long, device=batch.loss_sum.device
+    )
 
     def spread(v: torch.Tensor) -> torch.Tensor:
         return torch.zeros(len(names), dtype=v.dtype, device=v.device).index_add_(0, where, v)
@@ -124,4 +129,6 @@ def category_loss(
     def by_category(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(k, dtype=torch.float64, device=device).index_add_(0, index, values.double())
 
-    return CategoryLossBatch(labels, by_category(w * losses), by_category(w), by_category(torch.ones_like(losses)))
+    return CategoryLossBatch(
+        labels, by_category(w * losses), by_category(w), by_category(torch.ones_like(losses))
+    )

@@ -50,7 +50,16 @@ KEPT_ROUNDS = 3  # closed steps kept for in_sync on CUDA, where the GPU may lag 
 class SyncRound:
     """One step's marks. Written by the training thread (start, close) and the hook (launches)."""
 
-    __slots__ = ("start", "start_event", "launches", "last_at", "sync_at", "sync_event", "close_event", "closed")
+    __slots__ = (
+        "start",
+        "start_event",
+        "launches",
+        "last_at",
+        "sync_at",
+        "sync_event",
+        "close_event",
+        "closed",
+    )
 
     def __init__(self, start: float, start_event: Any = None):
         self.start = start
@@ -84,9 +93,12 @@ class DDPSyncTimer:
         try:
             model.register_comm_hook(getattr(model, "process_group", None), self.hook)
         except Exception as exc:  # most often: a comm hook is already registered (only one is allowed)
-            log.warning("runwatch: could not register the DDP comm hook that times the gradient sync (%r); "
-                        "compute_s and in_sync will be absent. Construct the watcher before any other comm "
-                        "hook is registered, or pass sync_timing=False.", exc)
+            log.warning(
+                "runwatch: could not register the DDP comm hook that times the gradient sync (%r); "
+                "compute_s and in_sync will be absent. Construct the watcher before any other comm "
+                "hook is registered, or pass sync_timing=False.",
+                exc,
+            )
             return False
         self.registered = True
         return True
@@ -115,7 +127,7 @@ class DDPSyncTimer:
         closed.close_event = event
         closed.closed = True
         self._round = SyncRound(now, event)  # the end of one step is the start of the next
-        self._rounds = (*self._rounds[-(KEPT_ROUNDS - 1):], self._round)
+        self._rounds = (*self._rounds[-(KEPT_ROUNDS - 1) :], self._round)
         return closed
 
     def compute_s(self, r: SyncRound, off_step: Sequence[tuple[float, float]] = ()) -> float | None:

@@ -105,8 +105,11 @@ class ParamLayout:
         seen: set[int] = set()
         n_params = 0
         for name, module in model.named_modules():
-            own = [(f"{name}.{pname}" if name else pname, p) for pname, p in module.named_parameters(recurse=False)
-                   if p.requires_grad and id(p) not in seen]
+            own = [
+                (f"{name}.{pname}" if name else pname, p)
+                for pname, p in module.named_parameters(recurse=False)
+                if p.requires_grad and id(p) not in seen
+            ]
             seen.update(id(p) for _, p in own)  # a shared (tied) parameter counts once, for its first owner
             n_params += sum(p.numel() for _, p in own)
             if select is not None:
@@ -118,9 +121,11 @@ class ParamLayout:
             self.params.extend(p for _, p in own)
         if not self.params:
             if select is not None and n_params:
-                raise ValueError("shard selects none of the model's trainable parameters: pass the names "
-                                 "(as model.named_parameters() gives them) or a predicate of the parameters "
-                                 "this rank owns")
+                raise ValueError(
+                    "shard selects none of the model's trainable parameters: pass the names "
+                    "(as model.named_parameters() gives them) or a predicate of the parameters "
+                    "this rank owns"
+                )
             raise ValueError("the model has no trainable parameters to watch")
         self.device = self.params[0].device
         self.owners = owners
@@ -171,7 +176,7 @@ class ParamLayout:
         torch's ``clip_grad_norm_`` does)."""
         import torch
 
-        for idx in (self.groups if which is None else _by_device_dtype(tensors)):
+        for idx in self.groups if which is None else _by_device_dtype(tensors):
             part = [tensors[i] for i in idx] if len(idx) != len(tensors) else tensors
             torch._foreach_mul_(part, coef.to(part[0].device, part[0].dtype).view(()))
 
@@ -202,8 +207,10 @@ def _shard_selector(model: torch.nn.Module, shard: ShardSpec) -> Callable[[str, 
     known = set().union(*aliases.values()) if aliases else set()
     unknown = sorted(wanted - known)
     if unknown:
-        raise ValueError(f"shard names parameters the model does not have: {', '.join(unknown[:5])}"
-                         + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+        raise ValueError(
+            f"shard names parameters the model does not have: {', '.join(unknown[:5])}"
+            + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
+        )
     return lambda _name, p: not wanted.isdisjoint(aliases.get(id(p), ()))
 
 
@@ -213,7 +220,9 @@ def torch_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def grad_norms(layout: ParamLayout, max_norm: float | None = None, apply_clip: bool = True) -> GradNorms | None:
+def grad_norms(
+    layout: ParamLayout, max_norm: float | None = None, apply_clip: bool = True
+) -> GradNorms | None:
     """Per-module and global gradient norms, and the clip factor for ``max_norm``.
 
     One pass over the gradients (the fused per-tensor norms that clipping needs) gives all the norms;

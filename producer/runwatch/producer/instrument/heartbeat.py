@@ -57,7 +57,9 @@ def _proc_stat_cpu() -> tuple[int, int] | None:
         return None
     fields = text.split("\n", 1)[0].split()[1:]
     try:
-        values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal (guest is in user)
+        values = [
+            int(v) for v in fields[:8]
+        ]  # user nice system idle iowait irq softirq steal (guest is in user)
     except ValueError:
         return None
     if len(values) < 8:
@@ -247,7 +249,9 @@ class Heartbeat:
             if host_load is not None:
                 send = self._host_load_sender()
                 if send is not None:
-                    return bool(send(step=step, phase=phase, time_in_phase_s=seconds, host_load=host_load, **fields))
+                    return bool(
+                        send(step=step, phase=phase, time_in_phase_s=seconds, host_load=host_load, **fields)
+                    )
             return bool(self.rw.heartbeat(step, phase, seconds, **fields))
         except Exception as exc:  # the publisher should not raise; if it does, keep beating
             if not self._warned:
@@ -267,7 +271,8 @@ class Heartbeat:
                 takes = False
             if takes:
                 self._send_host_load = lambda step, phase, time_in_phase_s, **kw: heartbeat(
-                    step, phase, time_in_phase_s, **kw)
+                    step, phase, time_in_phase_s, **kw
+                )
         return self._send_host_load  # type: ignore[return-value]
 
     def _in_sync(self) -> bool | None:

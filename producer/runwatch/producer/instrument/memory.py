@@ -75,7 +75,9 @@ def _cgroup_dir(mount: Path, own_path: str, probe: str) -> Path | None:
     return None
 
 
-def _binding_cgroup(own: Path, mount: Path, usage_name: str, limit_name: str, version: int) -> CgroupMemoryFiles:
+def _binding_cgroup(
+    own: Path, mount: Path, usage_name: str, limit_name: str, version: int
+) -> CgroupMemoryFiles:
     # A limit set on an ancestor binds too (SLURM limits the job cgroup, the task cgroup below it says
     # "max"); the tightest one is where the OOM killer will strike, so report that cgroup's usage with it.
     best: tuple[int, Path] | None = None
@@ -92,8 +94,10 @@ def _binding_cgroup(own: Path, mount: Path, usage_name: str, limit_name: str, ve
     return CgroupMemoryFiles(version, str(best[1] / usage_name), str(best[1] / limit_name))
 
 
-def find_cgroup_memory_files(proc_root: str | Path = "/proc", cgroup_root: str | Path = "/sys/fs/cgroup",
-                             ) -> CgroupMemoryFiles | None:
+def find_cgroup_memory_files(
+    proc_root: str | Path = "/proc",
+    cgroup_root: str | Path = "/sys/fs/cgroup",
+) -> CgroupMemoryFiles | None:
     """Resolve the memory usage/limit files for this process: cgroup v2 (unified) first, then v1."""
     proc_root, cgroup_root = Path(proc_root), Path(cgroup_root)
     v2_path, v1_path = _own_cgroup_paths(proc_root)
@@ -126,7 +130,9 @@ class MemorySampler:
     already initialised CUDA: sampling never initialises it, and never imports torch.
     """
 
-    def __init__(self, device: Any = None, proc_root: str | Path = "/proc", cgroup_root: str | Path = "/sys/fs/cgroup"):
+    def __init__(
+        self, device: Any = None, proc_root: str | Path = "/proc", cgroup_root: str | Path = "/sys/fs/cgroup"
+    ):
         self.device = device
         self._cuda = _wants_cuda(device)
         statm = Path(proc_root) / "self" / "statm"

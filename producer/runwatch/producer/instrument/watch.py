@@ -149,9 +149,11 @@ class Watcher:
         sync_timing: bool = True,
     ):
         if shard is not None and clip is not None:
-            raise ValueError("clip= cannot be used with shard=: clipping a sharded model needs the global gradient "
-                             "norm across ranks. Clip with your framework (e.g. FSDP's model.clip_grad_norm_) "
-                             "and pass external_clip= instead")
+            raise ValueError(
+                "clip= cannot be used with shard=: clipping a sharded model needs the global gradient "
+                "norm across ranks. Clip with your framework (e.g. FSDP's model.clip_grad_norm_) "
+                "and pass external_clip= instead"
+            )
         if clip is not None and external_clip is not None:
             raise ValueError("give clip (runwatch clips) or external_clip (something else clips), not both")
         for name, value in (("clip", clip), ("external_clip", external_clip)):
@@ -192,7 +194,9 @@ class Watcher:
         # a sample); on a clock of the caller's (a simulated run) every step, as the run is replayed.
         self._memory_interval_s = MEMORY_INTERVAL_S if clock is None else 0.0
         self._memory_at = -math.inf
-        self.heartbeat = Heartbeat(rw, heartbeat_s, **({"clock": clock} if clock else {})) if heartbeat_s else None
+        self.heartbeat = (
+            Heartbeat(rw, heartbeat_s, **({"clock": clock} if clock else {})) if heartbeat_s else None
+        )
         self.sync_timer: DDPSyncTimer | None = None
         if sync_timing and is_ddp(model):
             timer = DDPSyncTimer(self._clock, self.layout.device)
@@ -260,8 +264,15 @@ class Watcher:
         if self.heartbeat:
             self.heartbeat.set_step(step)
 
-    def _end_step(self, loss: torch.Tensor | float | None, step: int, samples: int | None, tokens: int | None,
-                  category_loss: CategoryLossBatch | None, step_lr: float | Sequence[float] | None = None) -> None:
+    def _end_step(
+        self,
+        loss: torch.Tensor | float | None,
+        step: int,
+        samples: int | None,
+        tokens: int | None,
+        category_loss: CategoryLossBatch | None,
+        step_lr: float | Sequence[float] | None = None,
+    ) -> None:
         import torch
 
         step_time, data_wait = self.clock.lap()
@@ -281,7 +292,9 @@ class Watcher:
                 fields["samples_per_s"] = samples / step_time
             if tokens:
                 fields["tokens_per_s"] = tokens / step_time
-            flops = self.flops_per_step or (transformer_flops_per_step(self.layout.n_params, tokens) if tokens else None)
+            flops = self.flops_per_step or (
+                transformer_flops_per_step(self.layout.n_params, tokens) if tokens else None
+            )
             utilisation = mfu(flops, step_time, self._peak)
             if utilisation is not None:
                 fields["mfu"] = utilisation
@@ -292,8 +305,9 @@ class Watcher:
             fields["grad_sharded"] = True
 
         packing = StepPacking()
-        pending = _PendingStep(step=step, fields=fields, packing=packing, categories=category_loss, sync=sync,
-                               off_step=off_spans)
+        pending = _PendingStep(
+            step=step, fields=fields, packing=packing, categories=category_loss, sync=sync, off_step=off_spans
+        )
         if isinstance(loss, torch.Tensor):
             packing.add("loss", loss.detach().reshape(-1)[:1], 1)
         elif loss is not None:
@@ -305,8 +319,11 @@ class Watcher:
         if grad is not None:
             # A shard's clip factor would need the global norm: left to the worker's join. Gradients
             # read after the update may have been clipped already: their clip factor says nothing.
-            pending.clipped = ((self.clip is not None or self.external_clip is not None) and not self.layout.sharded
-                               and not read_late)
+            pending.clipped = (
+                (self.clip is not None or self.external_clip is not None)
+                and not self.layout.sharded
+                and not read_late
+            )
             n_modules = len(self.layout.module_names)
             packing.add("grad", grad.figures, n_modules + 1)  # per-module norms, then the global norm
             packing.add("clip_coef", grad.clip_coef, 1)
@@ -336,8 +353,11 @@ class Watcher:
         there (after the update, so nothing is clipped)."""
         if self.clip is not None and not self._warned_no_clip:
             self._warned_no_clip = True
-            log.warning("runwatch: clip=%g did not clip: with optimizer=None call watch.before_optimizer_step() "
-                        "before the update", self.clip)
+            log.warning(
+                "runwatch: clip=%g did not clip: with optimizer=None call watch.before_optimizer_step() "
+                "before the update",
+                self.clip,
+            )
         return grad_norms(self.layout, self.external_clip, apply_clip=False)
 
     # -- helpers for the rest of the loop ----------------------------------------------------
@@ -387,8 +407,13 @@ class Watcher:
         per_category: dict[str, Any] | CategoryLossBatch | None = None,
     ) -> bool:
         """Publish an eval event; ``per_category`` may be a ``category_loss`` batch."""
-        return self.rw.eval(step, split=split, loss=loss, metrics=metrics or {},
-                            per_category=_per_category_metrics(per_category))
+        return self.rw.eval(
+            step,
+            split=split,
+            loss=loss,
+            metrics=metrics or {},
+            per_category=_per_category_metrics(per_category),
+        )
 
     def close(self) -> None:
         """Publish the last pending step, stop the heartbeat and remove the hooks (``rw`` stays open)."""
@@ -410,8 +435,12 @@ class Watcher:
         except Exception as exc:
             self.errors += 1
             if self.errors == 1:
-                log.warning("runwatch: %s failed (further failures are only counted in watch.errors): %r",
-                            where, exc, exc_info=True)
+                log.warning(
+                    "runwatch: %s failed (further failures are only counted in watch.errors): %r",
+                    where,
+                    exc,
+                    exc_info=True,
+                )
 
     def _begin_off_step(self) -> None:
         self._off_step_depth += 1
@@ -535,7 +564,9 @@ def _lr_list(lr: float | Sequence[float] | None) -> list[float] | None:
     return [float(lr)]  # a number (or a 0-d tensor)
 
 
-def _per_category_metrics(per_category: dict[str, Any] | CategoryLossBatch | None) -> dict[str, dict[str, float]]:
+def _per_category_metrics(
+    per_category: dict[str, Any] | CategoryLossBatch | None,
+) -> dict[str, dict[str, float]]:
     if per_category is None:
         return {}
     if isinstance(per_category, CategoryLossBatch):
@@ -549,4 +580,3 @@ def _per_category_metrics(per_category: dict[str, Any] | CategoryLossBatch | Non
         else:
             out[name] = {"loss": float(value)}
     return out
-

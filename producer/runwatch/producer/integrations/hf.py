@@ -120,7 +120,9 @@ class RunWatchCallback(TrainerCallback):
 
     def __init__(self, rw: RunWatch, *, take_over_clipping: bool = True, **watch_kwargs: Any):
         if watch_kwargs.pop("hooks", False):
-            raise ValueError("RunWatchCallback drives the watcher from the Trainer's events: do not pass hooks=True")
+            raise ValueError(
+                "RunWatchCallback drives the watcher from the Trainer's events: do not pass hooks=True"
+            )
         self.rw = rw
         self.take_over_clipping = take_over_clipping
         self.watch_kwargs = watch_kwargs
@@ -135,16 +137,27 @@ class RunWatchCallback(TrainerCallback):
         """Give the loss of one micro-batch when the model's output does not carry it."""
         import torch
 
-        self._recorded.append(loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else float(loss))
+        self._recorded.append(
+            loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else float(loss)
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if self.watch is not None:
             self._close_watch(args)
         if model is None or optimizer is None:
-            log.warning("runwatch: the Trainer passed no model or optimizer to the callback; nothing to watch")
+            log.warning(
+                "runwatch: the Trainer passed no model or optimizer to the callback; nothing to watch"
+            )
             return
         watch_kwargs = dict(self.watch_kwargs)
         max_norm = float(args.max_grad_norm or 0.0)
@@ -155,11 +168,16 @@ class RunWatchCallback(TrainerCallback):
                 self._max_grad_norm_taken = max_norm
                 args.max_grad_norm = 0.0  # read by the loop at every step: the Trainer stops clipping
             else:
-                log.warning("runwatch: the Trainer clips gradients (max_grad_norm=%s) before callbacks see them: "
-                            "grad_norm is reported after clipping", max_norm)
+                log.warning(
+                    "runwatch: the Trainer clips gradients (max_grad_norm=%s) before callbacks see them: "
+                    "grad_norm is reported after clipping",
+                    max_norm,
+                )
         elif max_norm > 0 and watch_kwargs.get("clip") is not None:
-            raise ValueError(f"TrainingArguments(max_grad_norm={max_norm}) already clips; drop clip= from "
-                             "RunWatchCallback (it takes the Trainer's max_grad_norm over)")
+            raise ValueError(
+                f"TrainingArguments(max_grad_norm={max_norm}) already clips; drop clip= from "
+                "RunWatchCallback (it takes the Trainer's max_grad_norm over)"
+            )
         if sharded:
             log.warning("runwatch: DeepSpeed/FSDP shard gradients: gradient norms are this rank's shard")
         if self._max_grad_norm_taken is not None and getattr(optimizer, "scaler", None) is not None:
@@ -170,18 +188,21 @@ class RunWatchCallback(TrainerCallback):
         self._probe = _TrainLossProbe(model, loss_scale=float(args.world_size) if average_across else 1.0)
         self._reset_step()
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._close_watch(args)
 
     # -- training steps -----------------------------------------------------------------------
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._set_phase("train")
 
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                              **kwargs: Any) -> None:
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.watch is None:
             return
         if self._unscale_with is not None:
@@ -191,13 +212,15 @@ class RunWatchCallback(TrainerCallback):
         self.watch.before_optimizer_step()
         self._stepped = True
 
-    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                          **kwargs: Any) -> None:
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.watch is not None and self._stepped:
             self.watch.after_optimizer_step()
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.watch is None or not self._stepped:
             return
         loss = self._step_loss()
@@ -206,18 +229,26 @@ class RunWatchCallback(TrainerCallback):
         self._reset_step()
         self._follow_control(control)
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._follow_control(control)
 
     # -- evaluation and checkpoints ---------------------------------------------------------
 
-    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                           **kwargs: Any) -> None:
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._set_phase("eval")  # evaluation started some other way than the training loop's schedule
 
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if self.watch is None:
             return
         if state.is_world_process_zero and metrics:
@@ -225,8 +256,9 @@ class RunWatchCallback(TrainerCallback):
             self.watch.eval(state.global_step, split, loss, values)
         self._set_phase("checkpoint" if control.should_save else "train")
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._set_phase("train")
 
     # -- helpers --------------------------------------------------------------------------------
@@ -312,5 +344,3 @@ def _split_eval_metrics(metrics: Mapping[str, Any]) -> tuple[str, float | None, 
         else:
             values[name] = float(value)
     return split, loss, values
-
-

@@ -75,7 +75,9 @@ class RunWatchCallback(Callback):
 
     def __init__(self, rw: RunWatch, **watch_kwargs: Any):
         if watch_kwargs.pop("hooks", False):
-            raise ValueError("RunWatchCallback drives the watcher from Lightning's hooks: do not pass hooks=True")
+            raise ValueError(
+                "RunWatchCallback drives the watcher from Lightning's hooks: do not pass hooks=True"
+            )
         self.rw = rw
         self.watch_kwargs = watch_kwargs
         self.watch: Watcher | None = None
@@ -116,24 +118,29 @@ class RunWatchCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_watch()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._close_watch()
 
     # -- training steps -----------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._set_phase("train")
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         if self.watch is None or optimizer is not self._optimizer:
             return
         self.watch.before_optimizer_step()
         self._stepped = True
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.watch is None:
             return
         loss = _loss_from_outputs(outputs)
@@ -165,13 +172,16 @@ class RunWatchCallback(Callback):
         self._set_phase("train")
         if trainer.is_global_zero:
             # What validation logged is what it replaced or added in callback_metrics.
-            logged = {k: v for k, v in trainer.callback_metrics.items() if self._metrics_before.get(k) is not v}
+            logged = {
+                k: v for k, v in trainer.callback_metrics.items() if self._metrics_before.get(k) is not v
+            }
             self._metrics_before = {}
             loss, metrics = _split_eval_metrics(logged)
             self.watch.eval(trainer.global_step, "val", loss, metrics)
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self.watch is not None and not trainer.sanity_checking:
             self._set_phase("checkpoint")  # ends at the next hook: Lightning has none after the write
 
@@ -236,10 +246,8 @@ def _split_eval_metrics(logged: Mapping[str, Any]) -> tuple[float | None, dict[s
         name = key
         for prefix in _PREFIXES:
             if name.startswith(prefix) and len(name) > len(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
                 break
         if math.isfinite(number) or name not in metrics:
             metrics[name] = number
     return loss, metrics
-
-

@@ -65,9 +65,16 @@ def _rejected(exc: BaseException) -> bool:
     """The broker or client refuses this record for what it is: sending it again cannot help."""
     from kafka import errors
 
-    return isinstance(exc, (errors.MessageSizeTooLargeError, errors.RecordListTooLargeError,
-                            errors.CorruptRecordError, errors.InvalidRecordError,
-                            errors.UnsupportedForMessageFormatError))
+    return isinstance(
+        exc,
+        (
+            errors.MessageSizeTooLargeError,
+            errors.RecordListTooLargeError,
+            errors.CorruptRecordError,
+            errors.InvalidRecordError,
+            errors.UnsupportedForMessageFormatError,
+        ),
+    )
 
 
 def default_spool_dir(run_id: str, rank: int) -> Path:
@@ -197,8 +204,9 @@ class KafkaDelivery:
         with self._lock:
             self._final = True  # late callbacks from a stuck client must not change the books
             s = self.stats
-            unaccounted = (s.queued + s.spool_recovered - s.published - self._dropped_after_queue
-                           - s.spooled_at_close)
+            unaccounted = (
+                s.queued + s.spool_recovered - s.published - self._dropped_after_queue - s.spooled_at_close
+            )
         if unaccounted > 0:
             self._count_drop("undelivered_at_close", unaccounted)
 
@@ -254,8 +262,11 @@ class KafkaDelivery:
         there is no spool. So this thread waits for it, up to the delivery timeout; events queue
         meanwhile and training never waits."""
         deadline = time.monotonic() + self._delivery_timeout_s
-        while producer is not None and time.monotonic() < deadline and not (
-                self._closing.is_set() and time.monotonic() >= self._close_deadline):
+        while (
+            producer is not None
+            and time.monotonic() < deadline
+            and not (self._closing.is_set() and time.monotonic() >= self._close_deadline)
+        ):
             try:
                 producer.partitions_for(self.topic)  # waits up to max_block_ms
                 return
@@ -288,8 +299,11 @@ class KafkaDelivery:
                 failed, inflight = bool(self._failed), len(self._inflight)
             if failed and not self._spooling and transition_since is None:
                 transition_since = now
-                log.warning("runwatch: broker %s is not taking events; spooling them to %s",
-                            self.bootstrap, self.spool_path)
+                log.warning(
+                    "runwatch: broker %s is not taking events; spooling them to %s",
+                    self.bootstrap,
+                    self.spool_path,
+                )
             if transition_since is not None:
                 # Let the client resolve what it still holds (it fails in send order) before
                 # anything newer is spooled, so the spool keeps the events' order.
@@ -421,7 +435,7 @@ class KafkaDelivery:
         except OSError as exc:
             log.warning("runwatch: spool commit failed: %s", exc)
             outcomes = []
-        kept = outcomes[max(0, head - replay.first):]
+        kept = outcomes[max(0, head - replay.first) :]
         acknowledged, rejected = kept.count(True), kept.count(False)
         if rejected:
             log.warning("runwatch: the broker refused %d spooled events for good; dropped", rejected)
@@ -437,8 +451,11 @@ class KafkaDelivery:
                 self.stats.spool_bytes = self._spool.bytes
         if prefix == len(replay.futures) and not replay.send_error:
             if self._broker_down:
-                log.warning("runwatch: broker %s is back; replaying %d spooled events",
-                            self.bootstrap, len(self._spool))
+                log.warning(
+                    "runwatch: broker %s is back; replaying %d spooled events",
+                    self.bootstrap,
+                    len(self._spool),
+                )
             self._broker_down = False
             self._backoff = _PROBE_BACKOFF_S[0]
             self._next_probe = 0.0
@@ -454,8 +471,11 @@ class KafkaDelivery:
             try:
                 self._spool = DiskSpool(self.spool_path, self._spool_max_bytes, self._spool_overflow)
             except (OSError, ValueError) as exc:
-                log.warning("runwatch: cannot use the spool at %s (%s); undeliverable events are dropped",
-                            self.spool_path, exc)
+                log.warning(
+                    "runwatch: cannot use the spool at %s (%s); undeliverable events are dropped",
+                    self.spool_path,
+                    exc,
+                )
                 with self._lock:
                     self._spool_usable = False
         return self._spool
@@ -470,8 +490,9 @@ class KafkaDelivery:
                 self.stats.spool_recovered = len(spool)
                 self.stats.spool_bytes = spool.bytes
             self._spooling = True
-            log.warning("runwatch: replaying %d events left in %s by an earlier process",
-                        len(spool), self.spool_path)
+            log.warning(
+                "runwatch: replaying %d events left in %s by an earlier process", len(spool), self.spool_path
+            )
 
     def _absorb_failures(self) -> bool:
         """Spool the failed direct sends, oldest first; True if the spool holds anything."""
@@ -524,7 +545,7 @@ class KafkaDelivery:
             try:
                 producer.close(timeout=1.0)
             except Exception:  # kafka-python's close raises when its flush times out, leaving its
-                try:           # sender thread running; stop that thread the way close() would have
+                try:  # sender thread running; stop that thread the way close() would have
                     producer._sender.force_close()
                 except Exception:
                     pass
@@ -552,8 +573,11 @@ class KafkaDelivery:
             self.stats.spooled_at_close = len(spool)
             self.stats.spool_bytes = spool.bytes
         if len(spool):
-            log.warning("runwatch: %d events stay in %s; a RunWatch with the same run id and rank replays them",
-                        len(spool), self.spool_path)
+            log.warning(
+                "runwatch: %d events stay in %s; a RunWatch with the same run id and rank replays them",
+                len(spool),
+                self.spool_path,
+            )
 
 
 def _timestamp_ms(event: EventBase) -> int | None:

@@ -123,13 +123,23 @@ def config_hash(config: Mapping[str, Any]) -> str:
 class _Command:
     """A subprocess started now and read later, so that git and nvidia-smi run concurrently."""
 
-    def __init__(self, args: list[str], timeout_s: float, cwd: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        timeout_s: float,
+        cwd: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self._deadline = time.monotonic() + timeout_s
         try:
             self._proc: subprocess.Popen[str] | None = subprocess.Popen(
-                args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, text=True,
+                args,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
             )
         except (OSError, ValueError):  # no such program, no such directory
             self._proc = None
@@ -309,5 +319,7 @@ def run_start_fields(world_size: int, collect: bool, **metadata: Any) -> dict[st
     with ``collect=False`` only what the caller passed (a ``config`` only when it is a dict)."""
     if collect:
         return collect_run_start(world_size=world_size, **metadata)
-    return {"world_size": world_size, **{k: v for k, v in metadata.items()
-                                         if v is not None and (k != "config" or isinstance(v, dict))}}
+    return {
+        "world_size": world_size,
+        **{k: v for k, v in metadata.items() if v is not None and (k != "config" or isinstance(v, dict))},
+    }

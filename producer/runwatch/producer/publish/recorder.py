@@ -98,9 +98,21 @@ class JsonlRecorder(RunWatch):
         collect_metadata: bool = True,
     ):
         require_run_id(run_id)  # before the file is created
-        super().__init__(run_id, rank=rank, world_size=world_size, clock=clock, run_start=run_start, config=config,
-                         seed=seed, dataset_version=dataset_version, tags=tags, baseline_key=baseline_key,
-                         job_id=job_id, collect_metadata=collect_metadata, delivery=JsonlDelivery(path))
+        super().__init__(
+            run_id,
+            rank=rank,
+            world_size=world_size,
+            clock=clock,
+            run_start=run_start,
+            config=config,
+            seed=seed,
+            dataset_version=dataset_version,
+            tags=tags,
+            baseline_key=baseline_key,
+            job_id=job_id,
+            collect_metadata=collect_metadata,
+            delivery=JsonlDelivery(path),
+        )
 
     @property
     def path(self) -> Path:
@@ -119,8 +131,12 @@ class JsonlRecorder(RunWatch):
     def flush(self) -> None:
         self.delivery.flush()
 
-    def close(self, status: str | None = None, summary: dict | None = None,  # type: ignore[override]
-              timeout: float = 10.0) -> int:
+    def close(
+        self,
+        status: str | None = None,
+        summary: dict | None = None,  # type: ignore[override]
+        timeout: float = 10.0,
+    ) -> int:
         """Close the watchers made by ``watch``, write ``run_end`` (rank 0), flush and close the file;
         returns the number of lines written. ``status`` defaults as in ``RunWatch.close``:
         ``stopped`` after an applied stop action, else ``completed``. ``with JsonlRecorder(...) as

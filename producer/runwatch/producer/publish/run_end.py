@@ -13,7 +13,7 @@ _SUMMARY_TEXT = 500  # characters of an exception's message kept in run_end's su
 
 
 def truncate(text: str, limit: int = _SUMMARY_TEXT) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 def stop_record(action: Any) -> dict[str, str]:
@@ -21,11 +21,15 @@ def stop_record(action: Any) -> dict[str, str]:
     else ``"stop"``)."""
     params = getattr(action, "params", None) or {}
     cause = params.get("cause") if isinstance(params, dict) else None
-    return {"stop_action_id": str(getattr(action, "action_id", "") or ""),
-            "stop_cause": truncate(str(cause)) if cause else "stop"}
+    return {
+        "stop_action_id": str(getattr(action, "action_id", "") or ""),
+        "stop_cause": truncate(str(cause)) if cause else "stop",
+    }
 
 
-def end_status(status: str | None, summary: dict | None, stopped_by: dict[str, str] | None) -> tuple[str, dict]:
+def end_status(
+    status: str | None, summary: dict | None, stopped_by: dict[str, str] | None
+) -> tuple[str, dict]:
     """``run_end``'s status and summary: an explicit status wins; otherwise ``stopped`` after an
     applied stop (``stopped_by``, see :func:`stop_record`), else ``completed``."""
     if status is None:

@@ -135,18 +135,33 @@ class RunWatch:
         self.world_size = world_size
         self.attempt = resolve_attempt(attempt, rank)
         self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
-        self.spool_path: Path | None = None  # the Kafka delivery's disk spool (None: off, or another delivery)
+        self.spool_path: Path | None = (
+            None  # the Kafka delivery's disk spool (None: off, or another delivery)
+        )
         if delivery is None:
             if spool:
-                self.spool_path = Path(spool_dir).resolve() if spool_dir is not None else default_spool_dir(run_id, rank)
-            delivery = KafkaDelivery(run_id, rank, self.bootstrap, topic=topic, queue_size=queue_size,
-                                     max_block_ms=max_block_ms, linger_ms=linger_ms,
-                                     delivery_timeout_ms=delivery_timeout_ms, spool_path=self.spool_path,
-                                     spool_max_bytes=spool_max_bytes, spool_overflow=spool_overflow,
-                                     batch_interval_s=batch_interval_s)
+                self.spool_path = (
+                    Path(spool_dir).resolve() if spool_dir is not None else default_spool_dir(run_id, rank)
+                )
+            delivery = KafkaDelivery(
+                run_id,
+                rank,
+                self.bootstrap,
+                topic=topic,
+                queue_size=queue_size,
+                max_block_ms=max_block_ms,
+                linger_ms=linger_ms,
+                delivery_timeout_ms=delivery_timeout_ms,
+                spool_path=self.spool_path,
+                spool_max_bytes=spool_max_bytes,
+                spool_overflow=spool_overflow,
+                batch_interval_s=batch_interval_s,
+            )
         self.delivery = delivery
         self.checkpoints: list[CheckpointRef] = []
-        self.stopped_by: dict[str, str] | None = None  # the applied stop action's id and cause (see note_stop)
+        self.stopped_by: dict[str, str] | None = (
+            None  # the applied stop action's id and cause (see note_stop)
+        )
         # Whose param groups' LR a checkpoint records (watch()'s optimizer, or an ActionListener's), and
         # the LR it had when first seen: what a rollback scales (publish/lr.py).
         self.lr_optimizer: Any = None
@@ -158,9 +173,16 @@ class RunWatch:
         if rank == 0:
             # What the run is (code, machine, versions, config) is collected here, once, so every
             # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
-            found = run_start_fields(world_size, collect_metadata, config=config, seed=seed,
-                                     dataset_version=dataset_version, tags=tags, baseline_key=baseline_key,
-                                     job_id=job_id)
+            found = run_start_fields(
+                world_size,
+                collect_metadata,
+                config=config,
+                seed=seed,
+                dataset_version=dataset_version,
+                tags=tags,
+                baseline_key=baseline_key,
+                job_id=job_id,
+            )
             if self.attempt is not None:
                 found["attempt"] = self.attempt
             self.publish(self._events.build(RunStartEvent, **{**found, **(run_start or {})}))
@@ -202,17 +224,32 @@ class RunWatch:
     def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
         return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
 
-    def heartbeat(self, step: int | None, phase: str = "train", time_in_phase_s: float = 0.0,
-                  in_sync: bool | None = None, interval_s: float | None = None,
-                  host_load: dict | None = None) -> bool:
+    def heartbeat(
+        self,
+        step: int | None,
+        phase: str = "train",
+        time_in_phase_s: float = 0.0,
+        in_sync: bool | None = None,
+        interval_s: float | None = None,
+        host_load: dict | None = None,
+    ) -> bool:
         """``in_sync``: this rank has done its part of the current step and waits for its peers
         (True), is still working on it (False), or it is not measured (None: left out).
         ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
         ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it)."""
-        return self._build_and_publish(HeartbeatEvent, step=step, phase=phase, time_in_phase_s=time_in_phase_s,
-                                       in_sync=in_sync, interval_s=interval_s, host_load=host_load)
+        return self._build_and_publish(
+            HeartbeatEvent,
+            step=step,
+            phase=phase,
+            time_in_phase_s=time_in_phase_s,
+            in_sync=in_sync,
+            interval_s=interval_s,
+            host_load=host_load,
+        )
 
-    def checkpoint(self, step: int, path: str, ok: bool = True, lr: list[float] | None = None) -> CheckpointRef:
+    def checkpoint(
+        self, step: int, path: str, ok: bool = True, lr: list[float] | None = None
+    ) -> CheckpointRef:
         """Register a checkpoint already written at ``path`` and announce it to the worker.
 
         A rollback restores the newest confirmed-good checkpoint taken before the fault, and sets
@@ -257,7 +294,9 @@ class RunWatch:
         action's id and cause (``params["cause"]``, else ``"stop"``) in ``run_end``'s summary."""
         self.stopped_by = stop_record(action)
 
-    def close(self, timeout: float = 10.0, status: str | None = None, summary: dict | None = None) -> PublisherStats:
+    def close(
+        self, timeout: float = 10.0, status: str | None = None, summary: dict | None = None
+    ) -> PublisherStats:
         """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
 
         ``status`` (``completed``, ``failed``, ``stopped``, ``interrupted``) defaults to ``stopped``
@@ -306,8 +345,11 @@ class RunWatch:
             self.delivery.refuse("invalid")
             if not self._warned_invalid:
                 self._warned_invalid = True
-                log.warning("runwatch: dropped an invalid %s event (further ones are only counted): %s",
-                            model.__name__, exc)
+                log.warning(
+                    "runwatch: dropped an invalid %s event (further ones are only counted): %s",
+                    model.__name__,
+                    exc,
+                )
             return False
         return self.publish(event)
 

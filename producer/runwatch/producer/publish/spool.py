@@ -375,8 +375,11 @@ class DiskSpool:
             return None
 
     def _recover(self) -> None:
-        numbers = sorted(int(p.name[: -len(_SUFFIX)]) for p in self.path.glob(f"*{_SUFFIX}")
-                         if p.name[: -len(_SUFFIX)].isdigit())
+        numbers = sorted(
+            int(p.name[: -len(_SUFFIX)])
+            for p in self.path.glob(f"*{_SUFFIX}")
+            if p.name[: -len(_SUFFIX)].isdigit()
+        )
         head = self._read_head()
         head_number, head_offset = head if head is not None and head[0] in numbers else (None, 0)
         for number in numbers:
@@ -415,7 +418,7 @@ class DiskSpool:
                 break
             length, crc = _HEADER.unpack_from(data, offset)
             end = offset + HEADER_BYTES + length
-            if end > len(data) or zlib.crc32(data[offset + HEADER_BYTES:end]) != crc:
+            if end > len(data) or zlib.crc32(data[offset + HEADER_BYTES : end]) != crc:
                 break
             seg.records += 1
             offset = end

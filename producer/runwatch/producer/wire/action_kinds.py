@@ -32,26 +32,71 @@ class ActionKindSpec:
     summary: str  # what it does, for the docs' table
 
 
-ACTION_KINDS: dict[str, ActionKindSpec] = {spec.name: spec for spec in (
-    ActionKindSpec("alert", 1, True, "note", False, "#ff7f0e", "warning",
-                   "tells people (the notification channels); the trainer only acknowledges it"),
-    ActionKindSpec("pause", 2, True, "pause", False, "#9467bd", "warning",
-                   "blocks the training loop until a `resume` or `stop` arrives or the pause times out"),
-    ActionKindSpec("resume", 0, False, "resume", True, "#2ca02c", "good",
-                   "ends a pause (sent by an operator or a remediator, never by the policy)"),
-    ActionKindSpec("rollback", 3, True, "rollback", False, "#d62728", "danger",
-                   "restores the last confirmed-good checkpoint, scales the LR and names the data window to skip"),
-    ActionKindSpec("stop", 4, True, "stop", True, "#000000", "danger",
-                   "ends the run gracefully at the next step (and ends a pause)"),
-)}
+ACTION_KINDS: dict[str, ActionKindSpec] = {
+    spec.name: spec
+    for spec in (
+        ActionKindSpec(
+            "alert",
+            1,
+            True,
+            "note",
+            False,
+            "#ff7f0e",
+            "warning",
+            "tells people (the notification channels); the trainer only acknowledges it",
+        ),
+        ActionKindSpec(
+            "pause",
+            2,
+            True,
+            "pause",
+            False,
+            "#9467bd",
+            "warning",
+            "blocks the training loop until a `resume` or `stop` arrives or the pause times out",
+        ),
+        ActionKindSpec(
+            "resume",
+            0,
+            False,
+            "resume",
+            True,
+            "#2ca02c",
+            "good",
+            "ends a pause (sent by an operator or a remediator, never by the policy)",
+        ),
+        ActionKindSpec(
+            "rollback",
+            3,
+            True,
+            "rollback",
+            False,
+            "#d62728",
+            "danger",
+            "restores the last confirmed-good checkpoint, scales the LR and names the data window to skip",
+        ),
+        ActionKindSpec(
+            "stop",
+            4,
+            True,
+            "stop",
+            True,
+            "#000000",
+            "danger",
+            "ends the run gracefully at the next step (and ends a pause)",
+        ),
+    )
+}
 
 POLICY_KINDS: tuple[str, ...] = tuple(name for name, spec in ACTION_KINDS.items() if spec.policy_rule)
 PAUSE_ENDERS: frozenset[str] = frozenset(name for name, spec in ACTION_KINDS.items() if spec.ends_pause)
 
 # One declaration: the types (which pydantic and mypy read) must say what the table says.
 if tuple(ACTION_KINDS) != get_args(ActionKind) or POLICY_KINDS != get_args(PolicyActionKind):
-    raise RuntimeError(f"ActionKind {get_args(ActionKind)} / PolicyActionKind {get_args(PolicyActionKind)} "
-                       f"disagree with ACTION_KINDS {tuple(ACTION_KINDS)} (policy kinds {POLICY_KINDS})")
+    raise RuntimeError(
+        f"ActionKind {get_args(ActionKind)} / PolicyActionKind {get_args(PolicyActionKind)} "
+        f"disagree with ACTION_KINDS {tuple(ACTION_KINDS)} (policy kinds {POLICY_KINDS})"
+    )
 
 
 def applies(kind: str) -> Applies:

@@ -44,8 +44,10 @@ def run_id_problem(run_id: str, max_chars: int = RUN_ID_MAX_CHARS) -> str | None
         return f"run_id: {len(run_id)} characters (limit {max_chars})"
     if not _RUN_ID.fullmatch(run_id):
         bad = next(c for c in run_id if not _RUN_ID.fullmatch(c))
-        return (f"run_id: {bad!r} at position {run_id.index(bad)} is outside the run id characters "
-                "(ASCII letters, digits and . _ - : / @ + =)")
+        return (
+            f"run_id: {bad!r} at position {run_id.index(bad)} is outside the run id characters "
+            "(ASCII letters, digits and . _ - : / @ + =)"
+        )
     return None
 
 
@@ -185,16 +187,32 @@ class HostLoad(WireModel):
     on this host is absent, never zero. Fixed bounds (not configurable): finite, >= 0, fractions
     of the period <= 1 (``steal_frac``), counts >= 1."""
 
-    load1: float | None = Field(default=None, ge=0, le=1e6, allow_inf_nan=False,
-                                description="1-minute load average (os.getloadavg)")
+    load1: float | None = Field(
+        default=None, ge=0, le=1e6, allow_inf_nan=False, description="1-minute load average (os.getloadavg)"
+    )
     cpus: int | None = Field(default=None, ge=1, le=1 << 20, description="CPUs of the host (os.cpu_count)")
-    steal_frac: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
-                                     description="share of CPU time the hypervisor took (/proc/stat 'steal')")
-    process_cpu_frac: float | None = Field(default=None, ge=0, le=1 << 20, allow_inf_nan=False,
-                                           description="this process's CPU seconds per wall second (all threads)")
-    cpu_wait_frac: float | None = Field(default=None, ge=0, le=1 << 20, allow_inf_nan=False,
-                                        description="seconds this process's threads waited for a CPU per wall "
-                                                    "second (/proc/self/task/*/schedstat run delay)")
+    steal_frac: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="share of CPU time the hypervisor took (/proc/stat 'steal')",
+    )
+    process_cpu_frac: float | None = Field(
+        default=None,
+        ge=0,
+        le=1 << 20,
+        allow_inf_nan=False,
+        description="this process's CPU seconds per wall second (all threads)",
+    )
+    cpu_wait_frac: float | None = Field(
+        default=None,
+        ge=0,
+        le=1 << 20,
+        allow_inf_nan=False,
+        description="seconds this process's threads waited for a CPU per wall "
+        "second (/proc/self/task/*/schedstat run delay)",
+    )
 
 
 class HeartbeatEvent(EventBase):
@@ -244,7 +262,13 @@ TelemetryEvent = Annotated[
     Field(discriminator="kind"),
 ]
 EVENT_KINDS: tuple[str, ...] = (
-    "run_start", "step", "eval", "heartbeat", "checkpoint", "action_ack", "run_end",
+    "run_start",
+    "step",
+    "eval",
+    "heartbeat",
+    "checkpoint",
+    "action_ack",
+    "run_end",
 )
 _telemetry_adapter: TypeAdapter[TelemetryEvent] = TypeAdapter(TelemetryEvent)
 
@@ -283,7 +307,9 @@ class JoinedStep(WireModel):
     schema_version: int = SCHEMA_VERSION
     run_id: str = Field(min_length=1)
     step: int = Field(ge=0)
-    generation: int = Field(default=0, ge=0, description="rollbacks seen before this step (steps repeat after one)")
+    generation: int = Field(
+        default=0, ge=0, description="rollbacks seen before this step (steps repeat after one)"
+    )
     ts: datetime
     world_size: int = Field(ge=1)
     complete: bool
@@ -304,7 +330,9 @@ class JoinedStep(WireModel):
     memory_min_rank: int | None = None
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
-    late_events: int = Field(default=0, ge=0, description="events of this run that came after their step was joined")
+    late_events: int = Field(
+        default=0, ge=0, description="events of this run that came after their step was joined"
+    )
     duplicate_events: int = Field(default=0, ge=0, description="events of this run delivered more than once")
 
 
@@ -314,7 +342,9 @@ class CheckpointRef(WireModel):
     lr: list[WireFloat] | None = None  # as in its CheckpointEvent
 
 
-def newest_checkpoint_before(checkpoints: list[CheckpointRef], onset_step: int | None) -> CheckpointRef | None:
+def newest_checkpoint_before(
+    checkpoints: list[CheckpointRef], onset_step: int | None
+) -> CheckpointRef | None:
     """The rollback target both sides agree on: the newest checkpoint strictly before the onset
     (a checkpoint taken at the faulty step may already hold its damage)."""
     earlier = [c for c in checkpoints if onset_step is None or c.step < onset_step]
@@ -367,7 +397,9 @@ class DeadLetter(WireModel):
     key: str | None = None
     stage: Literal["decode", "detector", "sink"] = "decode"
     size: int = Field(default=0, ge=0, description="bytes of the original message value (0 for a null value)")
-    sha256: str | None = Field(default=None, description="hex SHA-256 of the original value; absent for a null value")
+    sha256: str | None = Field(
+        default=None, description="hex SHA-256 of the original value; absent for a null value"
+    )
     raw: str = Field(description="the first bytes of the value, as UTF-8 with replacement characters")
     raw_truncated: bool = False
     traceback: str | None = None
@@ -439,15 +471,21 @@ class WireLimits(BaseModel):
     max_id_chars: int = Field(default=256, ge=16, description="run_id and event_id")
     max_modules: int = Field(default=10_000, ge=1, description="entries of module_grad_norms")
     max_categories: int = Field(default=1_000, ge=1, description="entries of category_loss / per_category")
-    max_metrics: int = Field(default=1_000, ge=1, description="entries of lr, metrics, summary, tags, gpu_names")
+    max_metrics: int = Field(
+        default=1_000, ge=1, description="entries of lr, metrics, summary, tags, gpu_names"
+    )
     max_step: int = Field(default=10**12, ge=1, le=2**62, description="largest step number")
     max_world_size: int = Field(default=16_384, ge=1, le=10**6, description="largest world size; rank < this")
-    max_duration_s: float = Field(default=7 * 86400.0, gt=0, description="step, data-wait, compute, phase times")
+    max_duration_s: float = Field(
+        default=7 * 86400.0, gt=0, description="step, data-wait, compute, phase times"
+    )
     max_interval_s: float = Field(default=3600.0, gt=0, description="a heartbeat's declared period")
     max_memory_bytes: int = Field(default=2**50, ge=2**30, description="any memory figure (1 PiB)")
     max_rate: float = Field(default=1e12, gt=0, description="samples/s, tokens/s, a checkpoint's lr")
     max_future_s: float = Field(default=300.0, ge=0, description="ts may be this far after the receive time")
-    max_past_s: float = Field(default=7 * 86400.0, gt=0, description="ts may be this far before the receive time")
+    max_past_s: float = Field(
+        default=7 * 86400.0, gt=0, description="ts may be this far before the receive time"
+    )
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -531,15 +569,21 @@ def _check_time(ts: datetime, received_at: datetime | None, limits: WireLimits) 
         return None
     ahead = (ts - received_at).total_seconds()
     if ahead > limits.max_future_s:
-        return (f"ts: {ts.isoformat()} is {ahead:.0f} s after the receive time {received_at.isoformat()} "
-                f"(allowed: {limits.max_future_s:.0f} s)")
+        return (
+            f"ts: {ts.isoformat()} is {ahead:.0f} s after the receive time {received_at.isoformat()} "
+            f"(allowed: {limits.max_future_s:.0f} s)"
+        )
     if -ahead > limits.max_past_s:
-        return (f"ts: {ts.isoformat()} is {-ahead:.0f} s before the receive time {received_at.isoformat()} "
-                f"(allowed: {limits.max_past_s:.0f} s)")
+        return (
+            f"ts: {ts.isoformat()} is {-ahead:.0f} s before the receive time {received_at.isoformat()} "
+            f"(allowed: {limits.max_past_s:.0f} s)"
+        )
     return None
 
 
-def _out_of_range(name: str, value: float | int | None, upper: float, *, positive: bool = False) -> str | None:
+def _out_of_range(
+    name: str, value: float | int | None, upper: float, *, positive: bool = False
+) -> str | None:
     # One chained comparison is False for NaN, infinities and anything outside [0, upper].
     if value is None or (0 <= value <= upper and (value > 0 or not positive)):
         return None
@@ -550,7 +594,9 @@ def _out_of_range(name: str, value: float | int | None, upper: float, *, positiv
     return f"{name}: {value} is above the limit {upper:g}"
 
 
-def _check_limits(event: Any, data: dict[str, Any], received_at: datetime | None, lim: WireLimits) -> str | None:
+def _check_limits(
+    event: Any, data: dict[str, Any], received_at: datetime | None, lim: WireLimits
+) -> str | None:
     """The bounds pydantic's types do not say: sizes, ranges, finiteness, the time window."""
     if len(event.event_id) > lim.max_id_chars:
         return f"event_id: longer than {lim.max_id_chars} characters"
@@ -576,8 +622,9 @@ def _check_limits(event: Any, data: dict[str, Any], received_at: datetime | None
     if kind == "step":
         return _check_step(event, lim)
     if kind == "heartbeat":
-        return (_out_of_range("time_in_phase_s", event.time_in_phase_s, lim.max_duration_s)
-                or _out_of_range("interval_s", event.interval_s, lim.max_interval_s, positive=True))
+        return _out_of_range("time_in_phase_s", event.time_in_phase_s, lim.max_duration_s) or _out_of_range(
+            "interval_s", event.interval_s, lim.max_interval_s, positive=True
+        )
     if kind == "run_start":
         if event.world_size > lim.max_world_size:
             return f"world_size: {event.world_size} is above the limit {lim.max_world_size}"
@@ -587,8 +634,11 @@ def _check_limits(event: Any, data: dict[str, Any], received_at: datetime | None
         if len(event.metrics) > lim.max_metrics:
             return f"metrics: {len(event.metrics)} entries (limit {lim.max_metrics})"
         if len(event.per_category) > lim.max_categories or any(
-                len(m) > lim.max_metrics for m in event.per_category.values()):
-            return f"per_category: more than {lim.max_categories} categories or {lim.max_metrics} metrics each"
+            len(m) > lim.max_metrics for m in event.per_category.values()
+        ):
+            return (
+                f"per_category: more than {lim.max_categories} categories or {lim.max_metrics} metrics each"
+            )
     elif kind == "run_end":
         if len(event.summary) > lim.max_metrics:
             return f"summary: {len(event.summary)} entries (limit {lim.max_metrics})"
@@ -613,12 +663,14 @@ def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
         return f"category_loss: {len(categories)} categories (limit {lim.max_categories})"
     if len(event.lr) > lim.max_metrics:
         return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
-    problem = (_out_of_range("step_time_s", event.step_time_s, lim.max_duration_s)
-               or _out_of_range("data_wait_s", event.data_wait_s, lim.max_duration_s)
-               or _out_of_range("compute_s", event.compute_s, lim.max_duration_s)
-               or _out_of_range("samples_per_s", event.samples_per_s, lim.max_rate)
-               or _out_of_range("tokens_per_s", event.tokens_per_s, lim.max_rate)
-               or _out_of_range("mfu", event.mfu, 100.0))
+    problem = (
+        _out_of_range("step_time_s", event.step_time_s, lim.max_duration_s)
+        or _out_of_range("data_wait_s", event.data_wait_s, lim.max_duration_s)
+        or _out_of_range("compute_s", event.compute_s, lim.max_duration_s)
+        or _out_of_range("samples_per_s", event.samples_per_s, lim.max_rate)
+        or _out_of_range("tokens_per_s", event.tokens_per_s, lim.max_rate)
+        or _out_of_range("mfu", event.mfu, 100.0)
+    )
     if problem:
         return problem
     if event.memory is not None:
@@ -629,7 +681,8 @@ def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
         if cat.count > 2**53:
             return f"category_loss.{name}.count: {cat.count} is above 2^53"
     if (modules and max(map(len, modules)) > lim.max_string_chars) or (
-            categories and max(map(len, categories)) > lim.max_string_chars):
+        categories and max(map(len, categories)) > lim.max_string_chars
+    ):
         return f"module/category name longer than {lim.max_string_chars} characters"
     return None
 
@@ -655,9 +708,11 @@ def check_record_key(key: bytes | None, partition: int | None, partitions: int |
     if partitions and partition is not None:
         expected = topics.key_partition(key, partitions)
         if partition != expected:
-            raise SchemaError(f"partition: the record is on partition {partition}, its key's partition is "
-                              f"{expected} of {partitions} (murmur2 of the key, the Java and kafka-python "
-                              "default partitioner)")
+            raise SchemaError(
+                f"partition: the record is on partition {partition}, its key's partition is "
+                f"{expected} of {partitions} (murmur2 of the key, the Java and kafka-python "
+                "default partitioner)"
+            )
 
 
 def receive_time(timestamp_s: float | None, now: datetime, limits: WireLimits = DEFAULT_LIMITS) -> datetime:
@@ -698,8 +753,9 @@ def decode_event(
         raise SchemaError(f"schema: missing required field(s) {', '.join(missing)}")
     version = data["schema_version"]
     if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:
-        raise SchemaError(f"schema_version: {version!r} is not supported (supported: "
-                          f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+        raise SchemaError(
+            f"schema_version: {version!r} is not supported (supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)})"
+        )
     try:
         event = _telemetry_adapter.validate_python(data, strict=True)
     except ValidationError as exc:

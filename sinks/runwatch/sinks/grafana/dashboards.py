@@ -36,8 +36,9 @@ TAGS = ["runwatch", "generated"]
 class ClickHouseQuery(cogvariants.Dataquery):
     """The ClickHouse plugin's SQL query (``CHSqlQuery`` in its src/types/sql.ts)."""
 
-    def __init__(self, raw_sql: str = "", query_format: int = 1, ref_id: str | None = None,
-                 hide: bool | None = None) -> None:
+    def __init__(
+        self, raw_sql: str = "", query_format: int = 1, ref_id: str | None = None, hide: bool | None = None
+    ) -> None:
         self.raw_sql = raw_sql
         self.format = query_format  # sqlds: 0 time series, 1 table
         self.ref_id = ref_id
@@ -60,8 +61,12 @@ class ClickHouseQuery(cogvariants.Dataquery):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Self:
-        return cls(raw_sql=data.get("rawSql", ""), query_format=data.get("format", 1), ref_id=data.get("refId"),
-                   hide=data.get("hide"))
+        return cls(
+            raw_sql=data.get("rawSql", ""),
+            query_format=data.get("format", 1),
+            ref_id=data.get("refId"),
+            hide=data.get("hide"),
+        )
 
 
 class ClickHouseQueryBuilder(cogbuilder.Builder[ClickHouseQuery]):
@@ -81,7 +86,8 @@ class ClickHouseQueryBuilder(cogbuilder.Builder[ClickHouseQuery]):
 def register_clickhouse_query() -> None:
     """Tell cog how to read the plugin's queries back from dashboard JSON."""
     cogruntime.register_dataquery_variant(
-        cogruntime.DataqueryConfig(identifier=PLUGIN_ID, from_json_hook=ClickHouseQuery.from_json))
+        cogruntime.DataqueryConfig(identifier=PLUGIN_ID, from_json_hook=ClickHouseQuery.from_json)
+    )
 
 
 def _log_scale() -> common_builders.ScaleDistributionConfig:
@@ -92,23 +98,45 @@ def panel_builder(spec: PanelSpec, db: str = DATABASE) -> cogbuilder.Builder[mod
     """The SDK builder of one panel."""
     query = ClickHouseQueryBuilder(spec.render(db), spec.format).ref_id("A")
     if spec.kind == "timeseries":
-        p = (timeseries.Panel().line_width(1).fill_opacity(5).show_points(common.VisibilityMode.NEVER)
-             .legend(common_builders.VizLegendOptions().show_legend(True).display_mode(common.LegendDisplayMode.LIST)
-                     .placement(common.LegendPlacement.BOTTOM)))
+        p = (
+            timeseries.Panel()
+            .line_width(1)
+            .fill_opacity(5)
+            .show_points(common.VisibilityMode.NEVER)
+            .legend(
+                common_builders.VizLegendOptions()
+                .show_legend(True)
+                .display_mode(common.LegendDisplayMode.LIST)
+                .placement(common.LegendPlacement.BOTTOM)
+            )
+        )
         if spec.log_scale:
             p = p.scale_distribution(_log_scale())
     elif spec.kind == "heatmap":
         p = heatmap.Panel().calculate(False)
     elif spec.kind == "state_timeline":
-        p = statetimeline.Panel().mappings([model.ValueMap(options={
-            str(code): model.ValueMappingResult(text=name, index=code - 1)
-            for code, name in sorted(spec.value_names.items())})])
+        p = statetimeline.Panel().mappings(
+            [
+                model.ValueMap(
+                    options={
+                        str(code): model.ValueMappingResult(text=name, index=code - 1)
+                        for code, name in sorted(spec.value_names.items())
+                    }
+                )
+            ]
+        )
     elif spec.kind == "stat":
         p = stat.Panel().graph_mode(common.BigValueGraphMode.NONE)
     else:
         p = table.Panel()
-    p = (p.title(spec.title).description(spec.description).datasource(DATASOURCE).with_target(query)
-         .span(spec.width).height(spec.height))
+    p = (
+        p.title(spec.title)
+        .description(spec.description)
+        .datasource(DATASOURCE)
+        .with_target(query)
+        .span(spec.width)
+        .height(spec.height)
+    )
     if spec.unit:
         p = p.unit(spec.unit)
     return p
@@ -116,30 +144,60 @@ def panel_builder(spec: PanelSpec, db: str = DATABASE) -> cogbuilder.Builder[mod
 
 def _variable(spec: VariableSpec, db: str) -> cogbuilder.Builder[model.VariableModel]:
     if spec.values:
-        v = (CustomVariable(spec.name).values(",".join(spec.values))
-             .current(model.VariableOption(text=spec.values[0], value=spec.values[0])))
+        v = (
+            CustomVariable(spec.name)
+            .values(",".join(spec.values))
+            .current(model.VariableOption(text=spec.values[0], value=spec.values[0]))
+        )
     else:
-        v = (QueryVariable(spec.name).datasource(DATASOURCE)
-             # a plain SQL string: the form every plugin version reads (v4's variable editor takes it as
-             # its "legacy" query); the schema allows an object query only of nested objects
-             .query(spec.render(db)).definition(spec.render(db)).refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED))
+        v = (
+            QueryVariable(spec.name)
+            .datasource(DATASOURCE)
+            # a plain SQL string: the form every plugin version reads (v4's variable editor takes it as
+            # its "legacy" query); the schema allows an object query only of nested objects
+            .query(spec.render(db))
+            .definition(spec.render(db))
+            .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        )
     v = v.label(spec.label).description(spec.description).multi(spec.multi).include_all(spec.include_all)
     return v
 
 
 def dashboard_builder(spec: DashboardSpec, db: str = DATABASE) -> Dashboard:
     """The SDK builder of one dashboard."""
-    d = (Dashboard(spec.title).uid(spec.uid).description(spec.description).tags(TAGS).refresh(spec.refresh)
-         .time(spec.time_from, "now").timezone(common.TimeZoneUtc).editable().tooltip(model.DashboardCursorSync.CROSSHAIR))
+    d = (
+        Dashboard(spec.title)
+        .uid(spec.uid)
+        .description(spec.description)
+        .tags(TAGS)
+        .refresh(spec.refresh)
+        .time(spec.time_from, "now")
+        .timezone(common.TimeZoneUtc)
+        .editable()
+        .tooltip(model.DashboardCursorSync.CROSSHAIR)
+    )
     for variable in spec.variables:
         d = d.with_variable(_variable(variable, db))
     # Grafana's own annotations (those saved by people on the dashboard), as every dashboard has them
-    d = d.annotation(AnnotationQuery().name("Annotations & Alerts").built_in(1).enable(True).hide(True)
-                     .datasource(common.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
-                     .icon_color("rgba(0, 211, 255, 1)").type("dashboard"))
+    d = d.annotation(
+        AnnotationQuery()
+        .name("Annotations & Alerts")
+        .built_in(1)
+        .enable(True)
+        .hide(True)
+        .datasource(common.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+        .icon_color("rgba(0, 211, 255, 1)")
+        .type("dashboard")
+    )
     for mark in spec.annotations:
-        d = d.annotation(AnnotationQuery().name(mark.name).datasource(DATASOURCE).enable(True)
-                         .icon_color(mark.color).target(ClickHouseQueryBuilder(mark.render(db), 1).ref_id("Anno")))
+        d = d.annotation(
+            AnnotationQuery()
+            .name(mark.name)
+            .datasource(DATASOURCE)
+            .enable(True)
+            .icon_color(mark.color)
+            .target(ClickHouseQueryBuilder(mark.render(db), 1).ref_id("Anno"))
+        )
     for title, panels in spec.sections:
         d = d.with_row(Row(title))
         for panel in panels:

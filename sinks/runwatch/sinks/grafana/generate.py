@@ -24,7 +24,10 @@ def stale_files(folder: Path, db: str = DATABASE) -> list[str]:
     """The dashboard files in ``folder`` that differ from a fresh generation (missing ones too),
     and any generated-looking file there that no dashboard produces."""
     fresh = all_dashboards(db)
-    stale = [name for name, text in fresh.items()
-             if not (folder / name).is_file() or (folder / name).read_text(encoding="utf-8") != text]
+    stale = [
+        name
+        for name, text in fresh.items()
+        if not (folder / name).is_file() or (folder / name).read_text(encoding="utf-8") != text
+    ]
     stale += sorted(p.name for p in folder.glob("runwatch-*.json") if p.name not in fresh)
     return stale

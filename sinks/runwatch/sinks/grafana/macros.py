@@ -102,13 +102,17 @@ def _macro(name: str, args: list[str] | None, ctx: QueryContext) -> str:
         return f"{col} >= toDateTime({_seconds(frm)}) AND {col} <= toDateTime({_seconds(to)})"
     if name == "timeFilter_ms":
         col = _one(name, a)
-        return (f"{col} >= fromUnixTimestamp64Milli({_millis(frm)}) AND "
-                f"{col} <= fromUnixTimestamp64Milli({_millis(to)})")
+        return (
+            f"{col} >= fromUnixTimestamp64Milli({_millis(frm)}) AND "
+            f"{col} <= fromUnixTimestamp64Milli({_millis(to)})"
+        )
     if name == "timeInterval":
         return f"toStartOfInterval(toDateTime({_one(name, a)}), INTERVAL {int(interval)} second)"
     if name == "timeInterval_ms":
-        return (f"toStartOfInterval(toDateTime64({_one(name, a)}, 3), "
-                f"INTERVAL {int(max(ctx.interval_ms, 1))} millisecond)")
+        return (
+            f"toStartOfInterval(toDateTime64({_one(name, a)}, 3), "
+            f"INTERVAL {int(max(ctx.interval_ms, 1))} millisecond)"
+        )
     if name == "fromTime":
         return f"toDateTime({_seconds(frm)})"
     if name == "toTime":
@@ -125,8 +129,10 @@ def _macro(name: str, args: list[str] | None, ctx: QueryContext) -> str:
         return f"{_one(name, a)} <= toDateTime({_seconds(to)})"
     if name == "dateFilter":
         col = _one(name, a)
-        return (f"{col} >= toDate('{frm.astimezone(UTC):%Y-%m-%d}') AND "
-                f"{col} <= toDate('{to.astimezone(UTC):%Y-%m-%d}')")
+        return (
+            f"{col} >= toDate('{frm.astimezone(UTC):%Y-%m-%d}') AND "
+            f"{col} <= toDate('{to.astimezone(UTC):%Y-%m-%d}')"
+        )
     raise MacroError(f"macro $__{name} is not one this expansion knows")
 
 
@@ -175,7 +181,7 @@ def expand_macros(sql: str, ctx: QueryContext) -> str:
     for match in _MACRO.finditer(sql):
         if match.start() < pos:
             continue  # inside an argument list already expanded
-        out.append(sql[pos:match.start()])
+        out.append(sql[pos : match.start()])
         name, end = match.group(1), match.end()
         args = None
         if end < len(sql) and sql[end] == "(":

@@ -98,10 +98,14 @@ RANKS = "rank IN (${rank:sqlstring})"
 SERIES = "concat('rank ', toString(rank)) AS series"
 STEP_ROWS = f"FROM {{db}}.telemetry FINAL WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts)"
 # A run's baseline key as the variable lists it ('(none)' for a run without one).
-KEY_OF_RUN_START = ("if(JSONExtractString(payload, 'baseline_key') = '', '(none)', "
-                    "JSONExtractString(payload, 'baseline_key'))")
-RUNS_OF_KEY = (f"run_id IN (SELECT run_id FROM {{db}}.telemetry WHERE kind = 'run_start' "
-               f"AND {KEY_OF_RUN_START} IN (${{baseline_key:sqlstring}}))")
+KEY_OF_RUN_START = (
+    "if(JSONExtractString(payload, 'baseline_key') = '', '(none)', "
+    "JSONExtractString(payload, 'baseline_key'))"
+)
+RUNS_OF_KEY = (
+    f"run_id IN (SELECT run_id FROM {{db}}.telemetry WHERE kind = 'run_start' "
+    f"AND {KEY_OF_RUN_START} IN (${{baseline_key:sqlstring}}))"
+)
 PHASES = ("train", "eval", "checkpoint", "dataload", "idle")
 
 
@@ -120,32 +124,53 @@ def _step_panel(title: str, columns: dict[str, str], description: str, unit: str
 # -- variables ----------------------------------------------------------------------------------
 
 BASELINE_KEY = VariableSpec(
-    "baseline_key", "Baseline key",
-    sql=("SELECT DISTINCT key FROM (\n"
-         f"  SELECT {KEY_OF_RUN_START} AS key FROM {{db}}.telemetry WHERE kind = 'run_start' AND $__timeFilter(ts)\n"
-         "  UNION ALL\n"
-         "  SELECT if(baseline_key = '', '(none)', baseline_key) AS key FROM {db}.run_summaries FINAL\n"
-         "  WHERE $__timeFilter(started_at)\n"
-         ") ORDER BY key"),
-    multi=True, include_all=True,
-    description="the job whose runs are listed ('(none)': runs published without a baseline key)")
+    "baseline_key",
+    "Baseline key",
+    sql=(
+        "SELECT DISTINCT key FROM (\n"
+        f"  SELECT {KEY_OF_RUN_START} AS key FROM {{db}}.telemetry WHERE kind = 'run_start' AND $__timeFilter(ts)\n"
+        "  UNION ALL\n"
+        "  SELECT if(baseline_key = '', '(none)', baseline_key) AS key FROM {db}.run_summaries FINAL\n"
+        "  WHERE $__timeFilter(started_at)\n"
+        ") ORDER BY key"
+    ),
+    multi=True,
+    include_all=True,
+    description="the job whose runs are listed ('(none)': runs published without a baseline key)",
+)
 RUN_VAR = VariableSpec(
-    "run", "Run",
-    sql=(f"SELECT run_id FROM {{db}}.telemetry WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\n"
-         "GROUP BY run_id ORDER BY max(ts) DESC"),
-    description="runs of the baseline key with telemetry in the time range, newest first")
+    "run",
+    "Run",
+    sql=(
+        f"SELECT run_id FROM {{db}}.telemetry WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\n"
+        "GROUP BY run_id ORDER BY max(ts) DESC"
+    ),
+    description="runs of the baseline key with telemetry in the time range, newest first",
+)
 RANK_VAR = VariableSpec(
-    "rank", "Rank",
+    "rank",
+    "Rank",
     sql=f"SELECT DISTINCT rank FROM {{db}}.telemetry WHERE {RUN} AND $__timeFilter(ts) ORDER BY rank",
-    multi=True, include_all=True, description="the run's ranks")
+    multi=True,
+    include_all=True,
+    description="the run's ranks",
+)
 BAND_METRICS = ("loss", "grad_norm", "step_time_s", "memory_allocated", "memory_peak", "memory_host_rss")
-METRIC_VAR = VariableSpec("metric", "Band metric", values=BAND_METRICS,
-                          description="the per-step figure drawn against the baseline band")
+METRIC_VAR = VariableSpec(
+    "metric",
+    "Band metric",
+    values=BAND_METRICS,
+    description="the per-step figure drawn against the baseline band",
+)
 SUMMARY_METRIC_VAR = VariableSpec(
-    "summary_metric", "Summary metric",
-    sql=("SELECT DISTINCT arrayJoin(mapKeys(metrics)) AS metric FROM {db}.run_summaries FINAL\n"
-         "WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) ORDER BY metric"),
-    description="a run-summary figure drawn over the job's history")
+    "summary_metric",
+    "Summary metric",
+    sql=(
+        "SELECT DISTINCT arrayJoin(mapKeys(metrics)) AS metric FROM {db}.run_summaries FINAL\n"
+        "WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) ORDER BY metric"
+    ),
+    description="a run-summary figure drawn over the job's history",
+)
 
 # -- annotations ----------------------------------------------------------------------------------
 
@@ -154,13 +179,18 @@ ANOMALY_MARKS = AnnotationSpec(
     "SELECT ts AS time, concat(severity, ' ', detector, ' at step ', toString(step), ': ', message) AS text,\n"
     "       [detector, severity] AS tags\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND $__timeFilter(ts) ORDER BY time",
-    "red")
+    "red",
+)
 # One per action kind, in the kind's colour (the report's too: producer/runwatch/producer/wire/action_kinds.py).
-ACTION_MARKS = tuple(AnnotationSpec(
-    f"Actions: {name}",
-    "SELECT issued_at AS time, concat(kind, ' at step ', toString(step), ': ', reason) AS text, [kind] AS tags\n"
-    f"FROM {{db}}.actions FINAL WHERE {RUN} AND kind = '{name}' AND $__timeFilter(issued_at) ORDER BY time",
-    spec.color) for name, spec in ACTION_KINDS.items())
+ACTION_MARKS = tuple(
+    AnnotationSpec(
+        f"Actions: {name}",
+        "SELECT issued_at AS time, concat(kind, ' at step ', toString(step), ': ', reason) AS text, [kind] AS tags\n"
+        f"FROM {{db}}.actions FINAL WHERE {RUN} AND kind = '{name}' AND $__timeFilter(issued_at) ORDER BY time",
+        spec.color,
+    )
+    for name, spec in ACTION_KINDS.items()
+)
 ROLLBACK_MARKS = AnnotationSpec(
     "Rollbacks",
     "SELECT ts AS time,\n"
@@ -169,12 +199,14 @@ ROLLBACK_MARKS = AnnotationSpec(
     "       ['rollback', JSONExtractString(payload, 'outcome')] AS tags\n"
     f"FROM {{db}}.telemetry FINAL WHERE {RUN} AND kind = 'action_ack'\n"
     "  AND JSONExtractString(payload, 'action_kind') = 'rollback' AND $__timeFilter(ts) ORDER BY time",
-    "purple")
+    "purple",
+)
 
 # -- Fleet --------------------------------------------------------------------------------------------
 
 FLEET_RUNS = PanelSpec(
-    "Runs", "table",
+    "Runs",
+    "table",
     "SELECT t.run_id AS run_id, s.baseline_key AS baseline_key,\n"
     "       multiIf(e.status != '', e.status, t.last_event >= now64(3) - INTERVAL 120 SECOND, 'running', 'silent')\n"
     "         AS status,\n"
@@ -197,51 +229,82 @@ FLEET_RUNS = PanelSpec(
     "LEFT JOIN (SELECT run_id, count() AS actions, countIf(kind = 'rollback') AS rollbacks\n"
     "           FROM {db}.actions FINAL GROUP BY run_id) AS x ON x.run_id = t.run_id\n"
     "ORDER BY t.last_event DESC",
-    ("run_id", "baseline_key", "status", "ranks", "last_step", "steps_per_s", "last_event", "anomalies", "critical",
-     "actions", "rollbacks"),
+    (
+        "run_id",
+        "baseline_key",
+        "status",
+        "ranks",
+        "last_step",
+        "steps_per_s",
+        "last_event",
+        "anomalies",
+        "critical",
+        "actions",
+        "rollbacks",
+    ),
     "Every run with telemetry in the range: its run_end status, or 'running' (an event in the last 2 "
     "minutes) / 'silent' (none since: stalled or died without a run_end), ranks, last step, mean "
     "step rate of rank 0, anomalies (critical ones) and actions (rollbacks).",
-    width=24, height=9)
+    width=24,
+    height=9,
+)
 FLEET_LIVE = PanelSpec(
-    "Live runs", "stat",
+    "Live runs",
+    "stat",
     "SELECT countIf(last_event >= now64(3) - INTERVAL 120 SECOND) AS live_runs, count() AS runs_in_range\n"
     f"FROM (SELECT run_id, max(ts) AS last_event FROM {{db}}.telemetry WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\n"
     "      GROUP BY run_id)",
     ("live_runs", "runs_in_range"),
-    "Runs with an event in the last 2 minutes, and all runs with telemetry in the range.", width=6, height=5)
+    "Runs with an event in the last 2 minutes, and all runs with telemetry in the range.",
+    width=6,
+    height=5,
+)
 FLEET_STEP_RATE = PanelSpec(
-    "Step rate", "timeseries",
+    "Step rate",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, run_id, count() / $__interval_s AS steps_per_s\n"
     f"FROM {{db}}.telemetry WHERE kind = 'step' AND rank = 0 AND $__timeFilter(ts) AND {RUNS_OF_KEY}\n"
     "GROUP BY time, run_id ORDER BY time",
     ("time", "run_id", "steps_per_s"),
     "Steps per second of each run (rank 0's step events per interval; replayed steps after a rollback count).",
-    "ops", width=18, height=5)
+    "ops",
+    width=18,
+    height=5,
+)
 FLEET_ANOMALIES = PanelSpec(
-    "Anomalies per run", "timeseries",
+    "Anomalies per run",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, run_id, count() AS anomalies\n"
     f"FROM {{db}}.anomalies FINAL WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\nGROUP BY time, run_id ORDER BY time",
-    ("time", "run_id", "anomalies"), "Findings per interval and run, by the time of the step they are about.")
+    ("time", "run_id", "anomalies"),
+    "Findings per interval and run, by the time of the step they are about.",
+)
 # The action kinds by how drastic they are (producer/runwatch/producer/wire/action_kinds.py), for ClickHouse's transform().
-_KIND_ORDER = (f"transform(kind, [{', '.join(repr(k) for k in ACTION_KINDS)}], "
-               f"[{', '.join(str(s.order) for s in ACTION_KINDS.values())}], 0)")
+_KIND_ORDER = (
+    f"transform(kind, [{', '.join(repr(k) for k in ACTION_KINDS)}], "
+    f"[{', '.join(str(s.order) for s in ACTION_KINDS.values())}], 0)"
+)
 FLEET_ACTIONS = PanelSpec(
-    "Actions per run", "table",
+    "Actions per run",
+    "table",
     "SELECT run_id, kind, count() AS actions, max(issued_at) AS last_issued\n"
     f"FROM {{db}}.actions FINAL WHERE $__timeFilter(issued_at) AND {RUNS_OF_KEY}\n"
     f"GROUP BY run_id, kind ORDER BY {_KIND_ORDER} DESC, last_issued DESC",
     ("run_id", "kind", "actions", "last_issued"),
-    f"Actions the workers issued ({', '.join(POLICY_KINDS)}) per run, the most drastic kinds first.")
+    f"Actions the workers issued ({', '.join(POLICY_KINDS)}) per run, the most drastic kinds first.",
+)
 FLEET_DEADLETTERS = PanelSpec(
-    "Dead letters", "timeseries",
+    "Dead letters",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, stage, count() AS dead_letters\n"
     "FROM {db}.deadletter FINAL WHERE $__timeFilter(ts) GROUP BY time, stage ORDER BY time",
     ("time", "stage", "dead_letters"),
     "Messages refused, by who refused them (decode: the worker's validation; detector: an error while "
-    "handling a valid event; sink: a row ClickHouse refused). Dead letters are kept 30 days.")
+    "handling a valid event; sink: a row ClickHouse refused). Dead letters are kept 30 days.",
+)
 FLEET_LAG = PanelSpec(
-    "Worker and sink delay", "timeseries",
+    "Worker and sink delay",
+    "timeseries",
     "SELECT time, series, delay_s FROM (\n"
     "  SELECT $__timeInterval(ts) AS time, 'worker: detection p95' AS series,\n"
     "         quantile(0.95)(dateDiff('millisecond', ts, assumeNotNull(detected_at)) / 1000) AS delay_s\n"
@@ -254,56 +317,76 @@ FLEET_LAG = PanelSpec(
     ("time", "series", "delay_s"),
     "How far behind the event time the worker found anomalies (detected_at - ts) and the sink stored "
     "telemetry (inserted_at - ts), 95th percentile per interval.",
-    "s", width=24,
+    "s",
+    width=24,
     cannot_show="Consumer lag in messages (the committed offset behind the log end) is Kafka's, not "
-                "ClickHouse's: read it with `kafka-consumer-groups --describe --group runwatch-detect` or "
-                "kcat. These delays are what ClickHouse can show of it.")
+    "ClickHouse's: read it with `kafka-consumer-groups --describe --group runwatch-detect` or "
+    "kcat. These delays are what ClickHouse can show of it.",
+)
 
 FLEET = DashboardSpec(
-    "runwatch-fleet", "runwatch / Fleet",
+    "runwatch-fleet",
+    "runwatch / Fleet",
     "Every run in the time range: status, progress, findings, actions, dead letters and pipeline delay.",
-    "now-24h", (BASELINE_KEY,),
-    (("Runs", (FLEET_LIVE, FLEET_STEP_RATE, FLEET_RUNS)),
-     ("Findings and actions", (FLEET_ANOMALIES, FLEET_ACTIONS)),
-     ("Pipeline health", (FLEET_DEADLETTERS, FLEET_LAG))),
+    "now-24h",
+    (BASELINE_KEY,),
+    (
+        ("Runs", (FLEET_LIVE, FLEET_STEP_RATE, FLEET_RUNS)),
+        ("Findings and actions", (FLEET_ANOMALIES, FLEET_ACTIONS)),
+        ("Pipeline health", (FLEET_DEADLETTERS, FLEET_LAG)),
+    ),
 )
 
 # -- Run --------------------------------------------------------------------------------------------
 
 RUN_FACTS = PanelSpec(
-    "Run", "table",
+    "Run",
+    "table",
     "SELECT run_id, JSONExtractString(payload, 'baseline_key') AS baseline_key,\n"
     "       JSONExtractString(payload, 'git_sha') AS git_sha, JSONExtractString(payload, 'host') AS host,\n"
     "       JSONExtract(payload, 'world_size', 'Int64') AS world_size,\n"
     "       JSONExtractString(payload, 'torch_version') AS torch_version, ts AS started_at\n"
     f"FROM {{db}}.telemetry FINAL WHERE {RUN} AND kind = 'run_start' ORDER BY ts DESC LIMIT 1",
     ("run_id", "baseline_key", "git_sha", "host", "world_size", "torch_version", "started_at"),
-    "What the run said about itself at its start.", width=16, height=4)
+    "What the run said about itself at its start.",
+    width=16,
+    height=4,
+)
 RUN_PROGRESS = PanelSpec(
-    "Progress", "stat",
+    "Progress",
+    "stat",
     "SELECT maxIf(step, kind = 'step') AS last_step, countIf(kind = 'step' AND rank = 0) AS steps_executed,\n"
     "       argMaxIf(JSONExtractString(payload, 'status'), ts, kind = 'run_end') AS status\n"
     f"FROM {{db}}.telemetry FINAL WHERE {RUN}",
     ("last_step", "steps_executed", "status"),
     "Last step reached, steps executed by rank 0 (replays after rollbacks included) and the run_end status.",
-    width=8, height=4)
+    width=8,
+    height=4,
+)
 RUN_LOSS = _step_panel("Loss", {"loss": "loss"}, "Training loss of each selected rank; NaN/inf show as gaps.")
 RUN_LR = PanelSpec(
-    "Learning rate", "timeseries",
+    "Learning rate",
+    "timeseries",
     "SELECT ts AS time, concat('rank ', toString(rank), ' group ', toString(grp)) AS series, lr_value AS lr\n"
     "FROM {db}.telemetry FINAL\n"
     "ARRAY JOIN JSONExtract(payload, 'lr', 'Array(Float64)') AS lr_value,\n"
     "           arrayEnumerate(JSONExtract(payload, 'lr', 'Array(Float64)')) AS grp\n"
     f"WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts)\nORDER BY time",
-    ("time", "series", "lr"), "Each parameter group's learning rate (a rollback's LR scale shows here).")
+    ("time", "series", "lr"),
+    "Each parameter group's learning rate (a rollback's LR scale shows here).",
+)
 RUN_GRAD = _step_panel(
     "Grad norm before / after clipping",
     {"grad_norm": "grad_norm", "grad_norm_clipped": _payload("grad_norm_clipped")},
-    "Total gradient norm before clipping and after it.", log_scale=True)
-RUN_CLIP = _step_panel("Clip ratio", {"clip_ratio": _payload("clip_ratio")},
-                       "Clipped norm over raw norm (1: no clipping).")
+    "Total gradient norm before clipping and after it.",
+    log_scale=True,
+)
+RUN_CLIP = _step_panel(
+    "Clip ratio", {"clip_ratio": _payload("clip_ratio")}, "Clipped norm over raw norm (1: no clipping)."
+)
 RUN_TOP_MODULES = PanelSpec(
-    "Module grad norms (top 8)", "timeseries",
+    "Module grad norms (top 8)",
+    "timeseries",
     "SELECT ts AS time, kv.1 AS module, concat('rank ', toString(rank)) AS series, kv.2 AS grad_norm\n"
     "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') AS kv\n"
     f"WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts) AND kv.1 IN (\n"
@@ -313,149 +396,243 @@ RUN_TOP_MODULES = PanelSpec(
     "  GROUP BY name ORDER BY max(m.2) DESC LIMIT 8)\n"
     "ORDER BY time",
     ("time", "module", "series", "grad_norm"),
-    "The 8 modules with the largest gradient norm in the range, per step.", log_scale=True)
+    "The 8 modules with the largest gradient norm in the range, per step.",
+    log_scale=True,
+)
 RUN_MODULE_HEATMAP = PanelSpec(
-    "Module grad norms (heatmap, log10)", "heatmap",
+    "Module grad norms (heatmap, log10)",
+    "heatmap",
     "SELECT $__timeInterval(ts) AS time, kv.1 AS module, log10(max(kv.2)) AS log10_grad_norm\n"
     "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') AS kv\n"
     f"WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts) AND isFinite(kv.2) AND kv.2 > 0\n"
     "GROUP BY time, module ORDER BY time",
     ("time", "module", "log10_grad_norm"),
     "Every module's gradient norm (largest over the selected ranks and the interval): one exploding "
-    "module is one bright row.", width=24, height=10,
-    cannot_show="Non-finite module norms are left out (log10 of NaN/inf); the Anomalies annotation marks them.")
-RUN_UPDATE = _step_panel("Update ratio", {"relative_update_norm": _payload("relative_update_norm")},
-                         "Update norm over parameter norm (healthy: about 1e-4 to 1e-2); measured every few "
-                         "steps (update_every).", log_scale=True)
-RUN_EFFECTIVE_LR = _step_panel("Effective LR ratio", {"effective_lr_ratio": _payload("effective_lr_ratio")},
-                               "The optimizer's effective step over the nominal LR.")
-RUN_STEP_TIME = _step_panel("Step time", {"step_time_s": "step_time_s", "compute_s": _payload("compute_s")},
-                            "Wall time of each step and the rank's own compute part of it.", "s")
-RUN_THROUGHPUT = _step_panel("Throughput", {"samples_per_s": _payload("samples_per_s"),
-                                            "tokens_per_s": _payload("tokens_per_s")},
-                             "Samples and tokens per second of each rank.")
-RUN_MFU = _step_panel("MFU", {"mfu": _payload("mfu")}, "Model FLOPs utilisation (needs the model's FLOPs per step).",
-                      "percentunit")
-RUN_DATA_WAIT = _step_panel("Data wait", {"data_wait_s": _payload("data_wait_s")},
-                            "Time each step waited for its batch.", "s")
+    "module is one bright row.",
+    width=24,
+    height=10,
+    cannot_show="Non-finite module norms are left out (log10 of NaN/inf); the Anomalies annotation marks them.",
+)
+RUN_UPDATE = _step_panel(
+    "Update ratio",
+    {"relative_update_norm": _payload("relative_update_norm")},
+    "Update norm over parameter norm (healthy: about 1e-4 to 1e-2); measured every few steps (update_every).",
+    log_scale=True,
+)
+RUN_EFFECTIVE_LR = _step_panel(
+    "Effective LR ratio",
+    {"effective_lr_ratio": _payload("effective_lr_ratio")},
+    "The optimizer's effective step over the nominal LR.",
+)
+RUN_STEP_TIME = _step_panel(
+    "Step time",
+    {"step_time_s": "step_time_s", "compute_s": _payload("compute_s")},
+    "Wall time of each step and the rank's own compute part of it.",
+    "s",
+)
+RUN_THROUGHPUT = _step_panel(
+    "Throughput",
+    {"samples_per_s": _payload("samples_per_s"), "tokens_per_s": _payload("tokens_per_s")},
+    "Samples and tokens per second of each rank.",
+)
+RUN_MFU = _step_panel(
+    "MFU",
+    {"mfu": _payload("mfu")},
+    "Model FLOPs utilisation (needs the model's FLOPs per step).",
+    "percentunit",
+)
+RUN_DATA_WAIT = _step_panel(
+    "Data wait", {"data_wait_s": _payload("data_wait_s")}, "Time each step waited for its batch.", "s"
+)
 RUN_MEMORY = _step_panel(
-    "Memory", {"allocated": _payload("memory.allocated"), "reserved": _payload("memory.reserved"),
-               "peak": _payload("memory.peak"), "host_rss": _payload("memory.host_rss")},
+    "Memory",
+    {
+        "allocated": _payload("memory.allocated"),
+        "reserved": _payload("memory.reserved"),
+        "peak": _payload("memory.peak"),
+        "host_rss": _payload("memory.host_rss"),
+    },
     "CUDA memory allocated, reserved and peak, and the host process's RSS (a source that is not "
-    "available, e.g. CUDA on a CPU run, is absent).", "bytes", width=24)
+    "available, e.g. CUDA on a CPU run, is absent).",
+    "bytes",
+    width=24,
+)
 RUN_CATEGORY_LOSS = PanelSpec(
-    "Per-category loss", "timeseries",
+    "Per-category loss",
+    "timeseries",
     "SELECT ts AS time, kv.1 AS category, concat('rank ', toString(rank)) AS series,\n"
     "       JSONExtract(kv.2, 'mean', 'Nullable(Float64)') AS mean_loss\n"
     "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValuesRaw(payload, 'category_loss') AS kv\n"
     f"WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts)\nORDER BY time",
-    ("time", "category", "series", "mean_loss"), "Mean loss per data category (one diverging while the mean looks fine).")
+    ("time", "category", "series", "mean_loss"),
+    "Mean loss per data category (one diverging while the mean looks fine).",
+)
 RUN_EVAL = PanelSpec(
-    "Eval metrics", "timeseries",
+    "Eval metrics",
+    "timeseries",
     "SELECT ts AS time, JSONExtractString(payload, 'split') AS split, kv.1 AS metric, kv.2 AS value\n"
     "FROM {db}.telemetry FINAL\n"
     "ARRAY JOIN arrayConcat([('loss', JSONExtract(payload, 'loss', 'Float64'))],\n"
     "                       JSONExtractKeysAndValues(payload, 'metrics', 'Float64')) AS kv\n"
     f"WHERE {RUN} AND kind = 'eval' AND $__timeFilter(ts)\nORDER BY time",
-    ("time", "split", "metric", "value"), "Evaluation loss and metrics per split.")
+    ("time", "split", "metric", "value"),
+    "Evaluation loss and metrics per split.",
+)
 RUN_FINDINGS = PanelSpec(
-    "Findings", "table",
+    "Findings",
+    "table",
     "SELECT ts AS time, step, rank, detector, metric, severity, value, threshold, message\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND $__timeFilter(ts) ORDER BY time",
     ("time", "step", "rank", "detector", "metric", "severity", "value", "threshold", "message"),
-    "Every anomaly of the run.", width=24)
+    "Every anomaly of the run.",
+    width=24,
+)
 RUN_ACTIONS = PanelSpec(
-    "Actions", "table",
+    "Actions",
+    "table",
     "SELECT issued_at AS time, kind, step, onset_step, target_step, reason\n"
     f"FROM {{db}}.actions FINAL WHERE {RUN} AND $__timeFilter(issued_at) ORDER BY time",
     ("time", "kind", "step", "onset_step", "target_step", "reason"),
-    "Actions issued for the run (rollback target: the newest checkpoint before the onset).", width=24)
+    "Actions issued for the run (rollback target: the newest checkpoint before the onset).",
+    width=24,
+)
 
 RUN_DASHBOARD = DashboardSpec(
-    "runwatch-run", "runwatch / Run",
+    "runwatch-run",
+    "runwatch / Run",
     "One run step by step: optimisation health, runtime, memory, data, evaluation; anomalies, actions "
     "and rollbacks marked on every graph.",
-    "now-7d", (BASELINE_KEY, RUN_VAR, RANK_VAR),
-    (("Run", (RUN_FACTS, RUN_PROGRESS)),
-     ("Optimisation", (RUN_LOSS, RUN_LR, RUN_GRAD, RUN_CLIP, RUN_TOP_MODULES, RUN_UPDATE, RUN_MODULE_HEATMAP,
-                       RUN_EFFECTIVE_LR, RUN_CATEGORY_LOSS)),
-     ("Runtime", (RUN_STEP_TIME, RUN_THROUGHPUT, RUN_MFU, RUN_DATA_WAIT, RUN_MEMORY)),
-     ("Evaluation", (RUN_EVAL,)),
-     ("Findings and actions", (RUN_FINDINGS, RUN_ACTIONS))),
+    "now-7d",
+    (BASELINE_KEY, RUN_VAR, RANK_VAR),
+    (
+        ("Run", (RUN_FACTS, RUN_PROGRESS)),
+        (
+            "Optimisation",
+            (
+                RUN_LOSS,
+                RUN_LR,
+                RUN_GRAD,
+                RUN_CLIP,
+                RUN_TOP_MODULES,
+                RUN_UPDATE,
+                RUN_MODULE_HEATMAP,
+                RUN_EFFECTIVE_LR,
+                RUN_CATEGORY_LOSS,
+            ),
+        ),
+        ("Runtime", (RUN_STEP_TIME, RUN_THROUGHPUT, RUN_MFU, RUN_DATA_WAIT, RUN_MEMORY)),
+        ("Evaluation", (RUN_EVAL,)),
+        ("Findings and actions", (RUN_FINDINGS, RUN_ACTIONS)),
+    ),
     (ANOMALY_MARKS, *ACTION_MARKS, ROLLBACK_MARKS),
 )
 
 # -- Ranks ------------------------------------------------------------------------------------------
 
-RANK_STEP_TIME = _step_panel("Step time per rank", {"step_time_s": "step_time_s"},
-                             "Wall time of each rank's steps (equal under DDP: the slow rank makes everyone wait).",
-                             "s")
-RANK_COMPUTE = _step_panel("Compute time per rank", {"compute_s": _payload("compute_s")},
-                           "Each rank's own work per step, without waiting for its peers: the straggler stands "
-                           "out here.", "s")
+RANK_STEP_TIME = _step_panel(
+    "Step time per rank",
+    {"step_time_s": "step_time_s"},
+    "Wall time of each rank's steps (equal under DDP: the slow rank makes everyone wait).",
+    "s",
+)
+RANK_COMPUTE = _step_panel(
+    "Compute time per rank",
+    {"compute_s": _payload("compute_s")},
+    "Each rank's own work per step, without waiting for its peers: the straggler stands out here.",
+    "s",
+)
 RANK_GAP = PanelSpec(
-    "Slowest vs fastest rank", "timeseries",
+    "Slowest vs fastest rank",
+    "timeseries",
     "SELECT ts AS time, compute_max_s - compute_min_s AS compute_gap_s,\n"
     "       step_time_max_s - step_time_min_s AS step_time_gap_s\n"
     f"FROM {{db}}.joined_steps FINAL WHERE {RUN} AND $__timeFilter(ts) ORDER BY time",
     ("time", "compute_gap_s", "step_time_gap_s"),
-    "The worker's cross-rank join: the spread between the slowest and the fastest rank per step.", "s")
+    "The worker's cross-rank join: the spread between the slowest and the fastest rank per step.",
+    "s",
+)
 RANK_SLOWEST = PanelSpec(
-    "Slowest rank count", "table",
+    "Slowest rank count",
+    "table",
     "SELECT toString(compute_max_rank) AS slowest_rank, count() AS steps,\n"
     "       round(avg(compute_max_s - compute_min_s), 4) AS mean_gap_s\n"
     f"FROM {{db}}.joined_steps FINAL WHERE {RUN} AND compute_max_rank IS NOT NULL AND $__timeFilter(ts)\n"
     "GROUP BY slowest_rank ORDER BY steps DESC",
-    ("slowest_rank", "steps", "mean_gap_s"), "How often each rank was the slowest to compute its step.",
-    width=8)
+    ("slowest_rank", "steps", "mean_gap_s"),
+    "How often each rank was the slowest to compute its step.",
+    width=8,
+)
 RANK_STRAGGLER = PanelSpec(
-    "Straggler scores", "timeseries",
+    "Straggler scores",
+    "timeseries",
     "SELECT ts AS time, concat('rank ', toString(assumeNotNull(rank))) AS series, score\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND detector = 'straggler' AND $__timeFilter(ts) ORDER BY time",
-    ("time", "series", "score"), "The straggler detector's score for each rank it flagged.", width=16)
+    ("time", "series", "score"),
+    "The straggler detector's score for each rank it flagged.",
+    width=16,
+)
 RANK_HEARTBEATS = PanelSpec(
-    "Heartbeats", "timeseries",
+    "Heartbeats",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, concat('rank ', toString(rank)) AS series, count() AS heartbeats\n"
     f"FROM {{db}}.telemetry WHERE {RUN} AND kind = 'heartbeat' AND {RANKS} AND $__timeFilter(ts)\n"
     "GROUP BY time, series ORDER BY time",
-    ("time", "series", "heartbeats"), "Heartbeats per interval and rank: a dead rank's line drops to nothing.")
+    ("time", "series", "heartbeats"),
+    "Heartbeats per interval and rank: a dead rank's line drops to nothing.",
+)
 RANK_HEARTBEAT_STEP = PanelSpec(
-    "Last step by heartbeat", "timeseries",
+    "Last step by heartbeat",
+    "timeseries",
     "SELECT ts AS time, concat('rank ', toString(rank)) AS series, step\n"
     f"FROM {{db}}.telemetry FINAL WHERE {RUN} AND kind = 'heartbeat' AND step IS NOT NULL AND {RANKS}\n"
     "  AND $__timeFilter(ts) ORDER BY time",
-    ("time", "series", "step"), "The last completed step each rank reported: a hung rank's line goes flat.")
+    ("time", "series", "step"),
+    "The last completed step each rank reported: a hung rank's line goes flat.",
+)
 RANK_PHASES = PanelSpec(
-    "Phases", "state_timeline",
+    "Phases",
+    "state_timeline",
     f"SELECT ts AS time, concat('rank ', toString(rank)) AS series,\n"
     f"       indexOf({list(PHASES)}, JSONExtractString(payload, 'phase')) AS phase\n"
     f"FROM {{db}}.telemetry FINAL WHERE {RUN} AND kind = 'heartbeat' AND {RANKS} AND $__timeFilter(ts)\n"
     "ORDER BY time",
     ("time", "series", "phase"),
-    "What each rank was doing by its heartbeats (train, eval, checkpoint, dataload, idle).", width=24,
-    value_names={i + 1: p for i, p in enumerate(PHASES)})
+    "What each rank was doing by its heartbeats (train, eval, checkpoint, dataload, idle).",
+    width=24,
+    value_names={i + 1: p for i, p in enumerate(PHASES)},
+)
 RANK_HUNG = PanelSpec(
-    "Hung and dead ranks", "table",
+    "Hung and dead ranks",
+    "table",
     "SELECT ts AS time, step, rank, detector, JSONExtractString(evidence, 'kind') AS kind, value, threshold,\n"
     "       severity, message\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND detector IN ('hung_rank', 'stall') AND $__timeFilter(ts)\n"
     "ORDER BY time",
     ("time", "step", "rank", "detector", "kind", "value", "threshold", "severity", "message"),
     "Stall and hung-rank findings: 'silent' (heartbeats stopped: dead), 'peers_waiting' (one rank hung "
-    "while the others wait), with the time waited and its limit.", width=24)
+    "while the others wait), with the time waited and its limit.",
+    width=24,
+)
 RANK_JOIN = PanelSpec(
-    "Incomplete steps", "table",
+    "Incomplete steps",
+    "table",
     "SELECT ts AS time, generation, step, world_size, ranks_reported, ranks_missing\n"
     f"FROM {{db}}.joined_steps FINAL WHERE {RUN} AND NOT complete AND $__timeFilter(ts) ORDER BY time",
     ("time", "generation", "step", "world_size", "ranks_reported", "ranks_missing"),
-    "Steps the join timed out on, and the ranks that never reported them.", width=24)
+    "Steps the join timed out on, and the ranks that never reported them.",
+    width=24,
+)
 
 RANKS_DASHBOARD = DashboardSpec(
-    "runwatch-ranks", "runwatch / Ranks",
+    "runwatch-ranks",
+    "runwatch / Ranks",
     "One multi-rank run rank by rank: step and compute time, stragglers, heartbeats, phases, hung and dead ranks.",
-    "now-24h", (BASELINE_KEY, RUN_VAR, RANK_VAR),
-    (("Time per rank", (RANK_STEP_TIME, RANK_COMPUTE, RANK_GAP, RANK_SLOWEST, RANK_STRAGGLER)),
-     ("Liveness", (RANK_HEARTBEATS, RANK_HEARTBEAT_STEP, RANK_PHASES, RANK_HUNG, RANK_JOIN))),
+    "now-24h",
+    (BASELINE_KEY, RUN_VAR, RANK_VAR),
+    (
+        ("Time per rank", (RANK_STEP_TIME, RANK_COMPUTE, RANK_GAP, RANK_SLOWEST, RANK_STRAGGLER)),
+        ("Liveness", (RANK_HEARTBEATS, RANK_HEARTBEAT_STEP, RANK_PHASES, RANK_HUNG, RANK_JOIN)),
+    ),
     (ANOMALY_MARKS, *ACTION_MARKS),
 )
 
@@ -497,7 +674,8 @@ _BAND_VALUES = (
     "             ('memory_host_rss', JSONExtract(payload, 'memory', 'host_rss', 'Nullable(Float64)'))]"
 )
 BASELINE_BAND = PanelSpec(
-    "Run against its baseline band", "timeseries",
+    "Run against its baseline band",
+    "timeseries",
     f"WITH {_ME},\n{_HISTORY},\n"
     f"band_runs AS (SELECT run_id FROM history ORDER BY started_at DESC, run_id DESC LIMIT {BAND_MAX_RUNS}),\n"
     "per_step AS (\n"
@@ -528,12 +706,15 @@ BASELINE_BAND = PanelSpec(
     f"in its baseline runs: the newest {BAND_MAX_RUNS} completed runs of the same baseline key and "
     f"hardware fingerprint that started in the {WINDOW_DAYS} days before it (or since a declared new "
     "baseline), as BaselineReads.band computes it. Drawn at the run's own time of each step.",
-    width=24, height=10)
+    width=24,
+    height=10,
+)
 
 
 def _spec_sql(field_name: str) -> str:
     """A ClickHouse expression giving the comparison spec's ``field_name`` for ``metric``
     (compare.METRICS, then the PREFIXED families), or NULL for a metric runwatch does not judge."""
+
     def value(spec) -> str:  # noqa: ANN001
         v = getattr(spec, field_name)
         if isinstance(v, bool):
@@ -548,7 +729,8 @@ def _spec_sql(field_name: str) -> str:
 
 
 BASELINE_OUTLIERS = PanelSpec(
-    "Outliers against the baseline", "table",
+    "Outliers against the baseline",
+    "table",
     f"WITH {_ME},\n{_HISTORY},\n"
     "specs AS (\n"
     "  SELECT metric, value,\n"
@@ -593,12 +775,15 @@ BASELINE_OUTLIERS = PanelSpec(
     f"`runwatch baseline check` with the default settings: median +- {_DEFAULTS.band_sigmas:g} robust sigmas, "
     f"on the worse side, by more than the metric's minimum change; fewer than {_DEFAULTS.min_runs} valid "
     f"runs is insufficient_history; {WINDOW_DAYS}-day window).",
-    width=24, height=10,
+    width=24,
+    height=10,
     cannot_show="Per-metric tolerances set in a YAML config (baseline.min_change) and a window or min_runs "
-                "other than the defaults are not known to the dashboard: `runwatch baseline check RUN_ID` "
-                "applies them.")
+    "other than the defaults are not known to the dashboard: `runwatch baseline check RUN_ID` "
+    "applies them.",
+)
 BASELINE_HISTORY = PanelSpec(
-    "History of the summary metric", "timeseries",
+    "History of the summary metric",
+    "timeseries",
     "SELECT started_at AS time, fingerprint, metrics[${summary_metric:sqlstring}] AS value\n"
     "FROM {db}.run_summaries FINAL\n"
     "WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring})\n"
@@ -606,15 +791,20 @@ BASELINE_HISTORY = PanelSpec(
     "ORDER BY time",
     ("time", "fingerprint", "value"),
     "One point per run (at its start) of the chosen summary figure, per hardware fingerprint; the "
-    "Commits annotation names the code each run was.", width=24)
+    "Commits annotation names the code each run was.",
+    width=24,
+)
 BASELINE_RUNS = PanelSpec(
-    "Runs of the job", "table",
+    "Runs of the job",
+    "table",
     "SELECT started_at AS time, run_id, git_sha, fingerprint, status, new_baseline\n"
     "FROM {db}.run_summaries FINAL\n"
     "WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) AND $__timeFilter(started_at)\n"
     "ORDER BY time DESC",
     ("time", "run_id", "git_sha", "fingerprint", "status", "new_baseline"),
-    "The job's run summaries (what the baseline is chosen from).", width=24)
+    "The job's run summaries (what the baseline is chosen from).",
+    width=24,
+)
 
 COMMIT_MARKS = AnnotationSpec(
     "Commits",
@@ -626,7 +816,8 @@ COMMIT_MARKS = AnnotationSpec(
     "  FROM {db}.run_summaries FINAL\n"
     "  WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) AND git_sha != ''\n"
     ") WHERE git_sha != previous AND $__timeFilter(time) ORDER BY time",
-    "blue")
+    "blue",
+)
 LEVEL_SHIFT_MARKS = AnnotationSpec(
     "Level shifts (SQL estimate)",
     "SELECT time, concat(${summary_metric:sqlstring}, ' moved ', toString(round(100 * shift, 1)),\n"
@@ -642,14 +833,19 @@ LEVEL_SHIFT_MARKS = AnnotationSpec(
     "  WINDOW w_before AS (PARTITION BY fingerprint ORDER BY started_at, run_id ROWS BETWEEN 5 PRECEDING AND 1 PRECEDING),\n"
     "         w_after AS (PARTITION BY fingerprint ORDER BY started_at, run_id ROWS BETWEEN CURRENT ROW AND 4 FOLLOWING)\n"
     ") WHERE n_before >= 3 AND n_after >= 3 AND abs(shift) >= 0.10 AND $__timeFilter(time) ORDER BY time",
-    "yellow")
+    "yellow",
+)
 
 BASELINES_DASHBOARD = DashboardSpec(
-    "runwatch-baselines", "runwatch / Baselines",
+    "runwatch-baselines",
+    "runwatch / Baselines",
     "A run against its job's history: the per-step band, the summary verdicts, and where levels changed.",
-    "now-30d", (BASELINE_KEY, RUN_VAR, METRIC_VAR, SUMMARY_METRIC_VAR),
-    (("The run against its baseline", (BASELINE_BAND, BASELINE_OUTLIERS)),
-     ("The job's history", (BASELINE_HISTORY, BASELINE_RUNS))),
+    "now-30d",
+    (BASELINE_KEY, RUN_VAR, METRIC_VAR, SUMMARY_METRIC_VAR),
+    (
+        ("The run against its baseline", (BASELINE_BAND, BASELINE_OUTLIERS)),
+        ("The job's history", (BASELINE_HISTORY, BASELINE_RUNS)),
+    ),
     (COMMIT_MARKS, LEVEL_SHIFT_MARKS),
     refresh="5m",
 )
@@ -657,7 +853,8 @@ BASELINES_DASHBOARD = DashboardSpec(
 # -- Pipeline -----------------------------------------------------------------------------------------
 
 PIPE_RATES = PanelSpec(
-    "Events in and out per second", "timeseries",
+    "Events in and out per second",
+    "timeseries",
     "SELECT time, stream, count() / $__interval_s AS events_per_s FROM (\n"
     "  SELECT $__timeInterval(ts) AS time, concat('in: ', kind) AS stream FROM {db}.telemetry\n"
     "  WHERE $__timeFilter(ts)\n"
@@ -671,55 +868,77 @@ PIPE_RATES = PanelSpec(
     ") GROUP BY time, stream ORDER BY time",
     ("time", "stream", "events_per_s"),
     "Telemetry in (by kind) and what the workers produced (joined steps, anomalies, actions), per second "
-    "of event time.", width=24,
+    "of event time.",
+    width=24,
     cannot_show="Rates are of stored rows: events the sink has not yet stored, or that were dead-lettered, "
-                "are not in them.")
+    "are not in them.",
+)
 PIPE_DELAY = PanelSpec(
-    "Sink delay", "timeseries",
+    "Sink delay",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time,\n"
     "       quantile(0.5)(dateDiff('millisecond', ts, inserted_at) / 1000) AS p50_s,\n"
     "       quantile(0.95)(dateDiff('millisecond', ts, inserted_at) / 1000) AS p95_s\n"
     "FROM {db}.telemetry WHERE $__timeFilter(ts) GROUP BY time ORDER BY time",
-    ("time", "p50_s", "p95_s"), "From an event's time to its row in ClickHouse.", "s",
+    ("time", "p50_s", "p95_s"),
+    "From an event's time to its row in ClickHouse.",
+    "s",
     cannot_show="Consumer lag in messages is Kafka's (kafka-consumer-groups --describe, kcat); ClickHouse "
-                "holds no offsets.")
+    "holds no offsets.",
+)
 PIPE_DETECTION = PanelSpec(
-    "Detection delay", "timeseries",
+    "Detection delay",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, detector,\n"
     "       quantile(0.95)(dateDiff('millisecond', ts, assumeNotNull(detected_at)) / 1000) AS p95_s\n"
     "FROM {db}.anomalies FINAL WHERE detected_at IS NOT NULL AND $__timeFilter(ts) GROUP BY time, detector\n"
     "ORDER BY time",
-    ("time", "detector", "p95_s"), "From a step's event time to the worker's finding about it, per detector.", "s")
+    ("time", "detector", "p95_s"),
+    "From a step's event time to the worker's finding about it, per detector.",
+    "s",
+)
 PIPE_FINDINGS = PanelSpec(
-    "Findings per detector", "timeseries",
+    "Findings per detector",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, detector, count() AS findings\n"
     "FROM {db}.anomalies FINAL WHERE $__timeFilter(ts) GROUP BY time, detector ORDER BY time",
-    ("time", "detector", "findings"), "What each detector found, per interval.",
+    ("time", "detector", "findings"),
+    "What each detector found, per interval.",
     cannot_show="Detector cost (CPU time per event) is not stored in ClickHouse; the worker does not "
-                "export it. `runwatch evaluate` and tests/benchmarks measure it offline.")
+    "export it. `runwatch evaluate` and tests/benchmarks measure it offline.",
+)
 PIPE_DEADLETTERS = PanelSpec(
-    "Dead letters by reason", "table",
+    "Dead letters by reason",
+    "table",
     "SELECT stage, source_topic, substring(reason, 1, 120) AS reason, count() AS letters, max(ts) AS last_seen,\n"
     "       sum(size) AS bytes\n"
     "FROM {db}.deadletter FINAL WHERE $__timeFilter(ts)\n"
     "GROUP BY stage, source_topic, reason ORDER BY letters DESC",
     ("stage", "source_topic", "reason", "letters", "last_seen", "bytes"),
-    "Refused messages grouped by stage and reason (first 120 characters).", width=24)
+    "Refused messages grouped by stage and reason (first 120 characters).",
+    width=24,
+)
 PIPE_DUPLICATES = PanelSpec(
-    "Late and duplicate events", "timeseries",
+    "Late and duplicate events",
+    "timeseries",
     "SELECT $__timeInterval(ts) AS time, run_id, max(late_events) AS late_events,\n"
     "       max(duplicate_events) AS duplicate_events\n"
     "FROM {db}.joined_steps FINAL WHERE $__timeFilter(ts) GROUP BY time, run_id ORDER BY time",
     ("time", "run_id", "late_events", "duplicate_events"),
     "The worker's join counts of events that came after their step was joined, and of events delivered "
-    "more than once (at-least-once delivery), per multi-rank run.")
+    "more than once (at-least-once delivery), per multi-rank run.",
+)
 
 PIPELINE = DashboardSpec(
-    "runwatch-pipeline", "runwatch / Pipeline",
+    "runwatch-pipeline",
+    "runwatch / Pipeline",
     "The pipeline itself: throughput in and out, delays, findings per detector, dead letters.",
-    "now-6h", (),
-    (("Throughput", (PIPE_RATES, PIPE_DELAY, PIPE_DETECTION)),
-     ("Detectors and refusals", (PIPE_FINDINGS, PIPE_DUPLICATES, PIPE_DEADLETTERS))),
+    "now-6h",
+    (),
+    (
+        ("Throughput", (PIPE_RATES, PIPE_DELAY, PIPE_DETECTION)),
+        ("Detectors and refusals", (PIPE_FINDINGS, PIPE_DUPLICATES, PIPE_DEADLETTERS)),
+    ),
 )
 
 DASHBOARDS: tuple[DashboardSpec, ...] = (FLEET, RUN_DASHBOARD, RANKS_DASHBOARD, BASELINES_DASHBOARD, PIPELINE)

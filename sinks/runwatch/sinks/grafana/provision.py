@@ -74,16 +74,28 @@ class ClickHouseDatasource(BaseModel):
 
     def json_data(self) -> dict[str, Any]:
         """The plugin's ``jsonData`` (v4 field names)."""
-        return {"host": self.host, "port": self.port, "protocol": self.protocol, "secure": self.secure,
-                "username": self.username, "defaultDatabase": self.database,
-                "tlsSkipVerify": self.tls_skip_verify}
+        return {
+            "host": self.host,
+            "port": self.port,
+            "protocol": self.protocol,
+            "secure": self.secure,
+            "username": self.username,
+            "defaultDatabase": self.database,
+            "tlsSkipVerify": self.tls_skip_verify,
+        }
 
     def body(self, current: Mapping[str, Any] | None = None, with_password: bool = True) -> dict[str, Any]:
         """The body of ``POST /api/datasources`` (or ``PUT .../uid/UID``, keeping ``current``'s extra
         jsonData keys, such as the plugin ``version`` the UI adds)."""
         json_data = {**((current or {}).get("jsonData") or {}), **self.json_data()}
-        body: dict[str, Any] = {"name": self.name, "uid": self.uid, "type": DATASOURCE_TYPE, "access": "proxy",
-                                "isDefault": False, "jsonData": json_data}
+        body: dict[str, Any] = {
+            "name": self.name,
+            "uid": self.uid,
+            "type": DATASOURCE_TYPE,
+            "access": "proxy",
+            "isDefault": False,
+            "jsonData": json_data,
+        }
         if current is not None and "version" in current:
             body["version"] = current["version"]
         if with_password and self.password is not None:
@@ -95,13 +107,24 @@ def datasource_from_url(url: str, **overrides: Any) -> ClickHouseDatasource:
     """Settings from ``native://user@host:9000/db`` (also ``clickhouse://``), ``http(s)://user@host:8123/db``
     or ``clickhouses://`` (native over TLS); a port left out is the protocol's default."""
     parsed = urlparse(url)
-    schemes = {"native": ("native", False, 9000), "clickhouse": ("native", False, 9000),
-               "clickhouses": ("native", True, 9440), "http": ("http", False, 8123), "https": ("http", True, 8443)}
+    schemes = {
+        "native": ("native", False, 9000),
+        "clickhouse": ("native", False, 9000),
+        "clickhouses": ("native", True, 9440),
+        "http": ("http", False, 8123),
+        "https": ("http", True, 8443),
+    }
     if parsed.scheme not in schemes or not parsed.hostname:
-        raise ValueError(f"not a ClickHouse URL: {url!r} (native://, clickhouses://, http:// or https://HOST[:PORT][/DB])")
+        raise ValueError(
+            f"not a ClickHouse URL: {url!r} (native://, clickhouses://, http:// or https://HOST[:PORT][/DB])"
+        )
     protocol, secure, port = schemes[parsed.scheme]
-    fields: dict[str, Any] = {"host": parsed.hostname, "port": parsed.port or port, "protocol": protocol,
-                              "secure": secure}
+    fields: dict[str, Any] = {
+        "host": parsed.hostname,
+        "port": parsed.port or port,
+        "protocol": protocol,
+        "secure": secure,
+    }
     if parsed.username:
         fields["username"] = unquote(parsed.username)
     if parsed.password:
@@ -140,8 +163,11 @@ def wire_datasource(dashboard: Mapping[str, Any], uid: str) -> dict[str, Any]:
 
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
-            if node.get("type") == DATASOURCE_TYPE and isinstance(node.get("uid"), str) \
-                    and not node["uid"].startswith("$"):
+            if (
+                node.get("type") == DATASOURCE_TYPE
+                and isinstance(node.get("uid"), str)
+                and not node["uid"].startswith("$")
+            ):
                 node["uid"] = uid
             for value in node.values():
                 walk(value)
@@ -169,8 +195,13 @@ class Provisioner:
         self.dry_run = dry_run
         self.update_password = update_password
 
-    def run(self, folder_title: str, folder_uid_: str, datasource: ClickHouseDatasource,
-            dashboards: Iterable[Mapping[str, Any]]) -> list[Outcome]:
+    def run(
+        self,
+        folder_title: str,
+        folder_uid_: str,
+        datasource: ClickHouseDatasource,
+        dashboards: Iterable[Mapping[str, Any]],
+    ) -> list[Outcome]:
         """Folder, then datasource, then each dashboard (in the folder, wired to the datasource)."""
         outcomes = [self.folder(folder_title, folder_uid_), self.datasource(datasource)]
         for dashboard in dashboards:
@@ -180,10 +211,16 @@ class Provisioner:
     def strays(self, folder: str, managed: Iterable[str]) -> list[tuple[str, str]]:
         """(uid, title) of the dashboards in ``folder`` that are not runwatch's (``managed``): left alone,
         reported (a dashboard runwatch renamed leaves its old uid behind)."""
-        hits = self._call(f"searching folder {folder}", self.api.search.search_dashboards, type_="dash-db",
-                          folder_uids=[folder])
+        hits = self._call(
+            f"searching folder {folder}",
+            self.api.search.search_dashboards,
+            type_="dash-db",
+            folder_uids=[folder],
+        )
         if not isinstance(hits, list) or not all(isinstance(h, dict) and "uid" in h for h in hits):
-            raise ProvisionError(f"bad response from Grafana at {self.url} searching folder {folder}: {hits!r:.200}")
+            raise ProvisionError(
+                f"bad response from Grafana at {self.url} searching folder {folder}: {hits!r:.200}"
+            )
         keep = set(managed)
         return [(str(h["uid"]), str(h.get("title", ""))) for h in hits if h["uid"] not in keep]
 
@@ -197,24 +234,33 @@ class Provisioner:
         if _field(current, "title", "folder") == title:
             return Outcome(kind="folder", uid=uid, title=title, action="unchanged")
         if not self.dry_run:
-            self._call(f"updating folder {uid}", self.api.folder.update_folder, uid, title=title,
-                       version=current.get("version"), overwrite=True)
+            self._call(
+                f"updating folder {uid}",
+                self.api.folder.update_folder,
+                uid,
+                title=title,
+                version=current.get("version"),
+                overwrite=True,
+            )
         return Outcome(kind="folder", uid=uid, title=title, action=self._updated(), changed=["title"])
 
     # -- datasource ----------------------------------------------------------------------------
     def datasource(self, wanted: ClickHouseDatasource) -> Outcome:
         current = self._get(f"datasource {wanted.uid}", self.api.datasource.get_datasource_by_uid, wanted.uid)
         if current is None:
-            by_name = self._get(f"datasource named {wanted.name!r}", self.api.datasource.get_datasource_by_name,
-                                wanted.name)
+            by_name = self._get(
+                f"datasource named {wanted.name!r}", self.api.datasource.get_datasource_by_name, wanted.name
+            )
             if by_name is not None:
                 raise ProvisionError(
                     f"a datasource named {wanted.name!r} already exists with uid "
                     f"{by_name.get('uid')!r}: pass --datasource-uid {by_name.get('uid')} to manage it, "
-                    "or --datasource-name to create another")
+                    "or --datasource-name to create another"
+                )
             if not self.dry_run:
-                self._call(f"creating datasource {wanted.uid}", self.api.datasource.create_datasource,
-                           wanted.body())
+                self._call(
+                    f"creating datasource {wanted.uid}", self.api.datasource.create_datasource, wanted.body()
+                )
             return Outcome(kind="datasource", uid=wanted.uid, title=wanted.name, action=self._created())
         changed = datasource_differences(current, wanted, self.update_password)
         if not changed:
@@ -222,12 +268,18 @@ class Provisioner:
         if current.get("readOnly"):
             raise ProvisionError(
                 f"datasource {wanted.uid} differs ({', '.join(changed)}) but Grafana holds it read-only "
-                "(provisioned from a file): change deploy/grafana/provisioning's file instead")
+                "(provisioned from a file): change deploy/grafana/provisioning's file instead"
+            )
         if not self.dry_run:
-            self._call(f"updating datasource {wanted.uid}", self.api.datasource.update_datasource_by_uid,
-                       wanted.uid, wanted.body(current, with_password="password" in changed))
-        return Outcome(kind="datasource", uid=wanted.uid, title=wanted.name, action=self._updated(),
-                       changed=changed)
+            self._call(
+                f"updating datasource {wanted.uid}",
+                self.api.datasource.update_datasource_by_uid,
+                wanted.uid,
+                wanted.body(current, with_password="password" in changed),
+            )
+        return Outcome(
+            kind="datasource", uid=wanted.uid, title=wanted.name, action=self._updated(), changed=changed
+        )
 
     # -- dashboards ----------------------------------------------------------------------------
     def dashboard(self, wanted: dict[str, Any], folder: str) -> Outcome:
@@ -243,8 +295,12 @@ class Provisioner:
             if not changed:
                 return Outcome(kind="dashboard", uid=uid, title=title, action="unchanged")
         if not self.dry_run:
-            body = {"dashboard": {**wanted, "id": None}, "folderUid": folder, "overwrite": current is not None,
-                    "message": COMMIT_MESSAGE}
+            body = {
+                "dashboard": {**wanted, "id": None},
+                "folderUid": folder,
+                "overwrite": current is not None,
+                "message": COMMIT_MESSAGE,
+            }
             saved = self._call(f"saving dashboard {uid}", self.api.dashboard.update_dashboard, body)
             if not isinstance(saved, dict) or saved.get("uid") != uid:
                 raise ProvisionError(f"bad response from Grafana saving dashboard {uid}: {saved!r:.200}")
@@ -273,8 +329,14 @@ class Provisioner:
             raise ProvisionError(f"bad response from Grafana at {self.url} reading {what}: {found!r:.200}")
         return found
 
-    def _call(self, what: str, fn: Callable[..., T], *args: Any, reraise: tuple[type[BaseException], ...] = (),
-              **kwargs: Any) -> T:
+    def _call(
+        self,
+        what: str,
+        fn: Callable[..., T],
+        *args: Any,
+        reraise: tuple[type[BaseException], ...] = (),
+        **kwargs: Any,
+    ) -> T:
         """``fn(*args, **kwargs)`` with every failure turned into a ProvisionError that says why."""
         try:
             return fn(*args, **kwargs)
@@ -291,31 +353,44 @@ class Provisioner:
         if isinstance(exc, GrafanaTimeoutError | niquests.exceptions.Timeout):
             return f"{where} did not answer in time ({what}): {exc}"
         if isinstance(exc, niquests.exceptions.ConnectionError) or (
-                isinstance(exc, GrafanaException) and exc.status_code == 0):
+            isinstance(exc, GrafanaException) and exc.status_code == 0
+        ):
             return f"cannot reach {where} ({what}): {exc}; check --url and that Grafana is running"
         if isinstance(exc, GrafanaException):
             if exc.status_code == 401:
-                return (f"{where} refused the token (401 Unauthorized) {what}: check --token / "
-                        "RUNWATCH_GRAFANA_TOKEN (a service account token)")
+                return (
+                    f"{where} refused the token (401 Unauthorized) {what}: check --token / "
+                    "RUNWATCH_GRAFANA_TOKEN (a service account token)"
+                )
             if exc.status_code == 403:
-                return (f"{where} forbids {what} (403 Forbidden: {_message(exc)}): the token's service account "
-                        "needs the Admin role (datasources) or Editor (folders, dashboards)")
+                return (
+                    f"{where} forbids {what} (403 Forbidden: {_message(exc)}): the token's service account "
+                    "needs the Admin role (datasources) or Editor (folders, dashboards)"
+                )
             return f"{where} answered {exc.status_code} {what}: {_message(exc)}"
-        if isinstance(exc, ValueError | KeyError | TypeError):  # JSON that does not decode or has the wrong shape
+        if isinstance(
+            exc, ValueError | KeyError | TypeError
+        ):  # JSON that does not decode or has the wrong shape
             return f"bad response from {where} {what}: {type(exc).__name__}: {exc}"
         return f"{where} failed {what}: {type(exc).__name__}: {exc}"
 
 
-def datasource_differences(current: Mapping[str, Any], wanted: ClickHouseDatasource,
-                           update_password: bool = False) -> list[str]:
+def datasource_differences(
+    current: Mapping[str, Any], wanted: ClickHouseDatasource, update_password: bool = False
+) -> list[str]:
     """The settings of ``current`` (Grafana's answer) that differ from ``wanted``; ``password`` when one is
     wanted and none is stored (Grafana never returns it, so a stored one only counts with
     ``update_password``)."""
-    changed = [key for key, value in (("name", wanted.name), ("type", DATASOURCE_TYPE), ("access", "proxy"))
-               if current.get(key) != value]
+    changed = [
+        key
+        for key, value in (("name", wanted.name), ("type", DATASOURCE_TYPE), ("access", "proxy"))
+        if current.get(key) != value
+    ]
     stored = current.get("jsonData") or {}
     changed += [f"jsonData.{key}" for key, value in wanted.json_data().items() if stored.get(key) != value]
-    if wanted.password is not None and (update_password or not (current.get("secureJsonFields") or {}).get("password")):
+    if wanted.password is not None and (
+        update_password or not (current.get("secureJsonFields") or {}).get("password")
+    ):
         changed.append("password")
     return changed
 
@@ -332,14 +407,18 @@ def connect(url: str, token: str | None, timeout: float = 10.0) -> Any:
     try:
         from grafana_client import GrafanaApi
     except ImportError:
-        raise ProvisionError("runwatch grafana provision needs grafana-client: pip install 'runwatch[grafana]' "
-                             "(docs/dashboards.md says how to keep urllib3 intact)") from None
+        raise ProvisionError(
+            "runwatch grafana provision needs grafana-client: pip install 'runwatch[grafana]' "
+            "(docs/dashboards.md says how to keep urllib3 intact)"
+        ) from None
 
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ProvisionError(f"--url must be http(s)://HOST[:PORT][/PATH], not {url!r}")
     if token is None and not (parsed.username and parsed.password):
-        raise ProvisionError("no token: pass --token or set RUNWATCH_GRAFANA_TOKEN (or user:password@ in --url)")
+        raise ProvisionError(
+            "no token: pass --token or set RUNWATCH_GRAFANA_TOKEN (or user:password@ in --url)"
+        )
     return GrafanaApi.from_url(url, credential=token, timeout=timeout)
 
 

@@ -38,7 +38,9 @@ class VerifyCommand(Strict):
     """Run before a command that uses self-declared targets: it must exit 0 within ``timeout_s``
     and print the run id (and nothing else) on each non-empty line of its stdout."""
 
-    argv: list[str] = Field(min_length=1, description="program and arguments; {placeholders} allowed after argv[0]")
+    argv: list[str] = Field(
+        min_length=1, description="program and arguments; {placeholders} allowed after argv[0]"
+    )
     timeout_s: float = Field(default=10.0, gt=0, le=300)
 
     @field_validator("argv")
@@ -48,7 +50,9 @@ class VerifyCommand(Strict):
 
 
 class CommandTemplate(Strict):
-    argv: list[str] = Field(min_length=1, description="program and arguments; {placeholders} allowed after argv[0]")
+    argv: list[str] = Field(
+        min_length=1, description="program and arguments; {placeholders} allowed after argv[0]"
+    )
     timeout_s: float = Field(default=60.0, gt=0, le=3600)
     verify: VerifyCommand | None = Field(default=None, description="default: the rule's verify")
 
@@ -68,7 +72,9 @@ class CommandTemplate(Strict):
 class Rule(Strict):
     kinds: list[ActionKind] = Field(min_length=1)
     commands: list[CommandTemplate] = Field(min_length=1)
-    verify: VerifyCommand | None = Field(default=None, description="for its commands that have none of their own")
+    verify: VerifyCommand | None = Field(
+        default=None, description="for its commands that have none of their own"
+    )
 
     @model_validator(mode="after")
     def _inherit_verify(self) -> Rule:
@@ -126,7 +132,9 @@ class TargetsFile:
             try:
                 self.entries = read_targets_file(self.path)
             except ValueError as exc:
-                log.warning("remediate: targets file re-read failed (%s); keeping its last good contents", exc)
+                log.warning(
+                    "remediate: targets file re-read failed (%s); keeping its last good contents", exc
+                )
         return self.entries.get(run_id)
 
 
@@ -158,9 +166,11 @@ class Webhook(Strict):
 class RemediationConfig(Strict):
     vars: dict[str, str] = Field(default_factory=dict, description="fixed placeholder values")
     fields: dict[str, FieldRule] = Field(
-        default_factory=dict, description="field -> full-match pattern, or {pattern, allow: [hazards]}")
+        default_factory=dict, description="field -> full-match pattern, or {pattern, allow: [hazards]}"
+    )
     targets: dict[str, Target] | None = Field(
-        default=None, description="platform mapping: run id -> {job_id, host, pod}, overriding the run's own")
+        default=None, description="platform mapping: run id -> {job_id, host, pod}, overriding the run's own"
+    )
     targets_file: str | None = Field(default=None, description="absolute path of a YAML file like `targets`")
     rules: list[Rule] = Field(default_factory=list)
     webhooks: list[Webhook] = Field(default_factory=list)
@@ -185,8 +195,10 @@ class RemediationConfig(Strict):
                 raise ValueError(f"vars.{name} = {value!r} {reason}")
         for name in self.fields:
             if name not in ALLOWED_FIELDS:
-                raise ValueError(f"fields.{name}: patterns are for {', '.join(ALLOWED_FIELDS)} "
-                                 "(vars are checked as written)")
+                raise ValueError(
+                    f"fields.{name}: patterns are for {', '.join(ALLOWED_FIELDS)} "
+                    "(vars are checked as written)"
+                )
         self._rules = {**DEFAULT_FIELD_RULES, **self.fields}
 
         allowed = set(ALLOWED_FIELDS) | set(self.vars)
@@ -195,12 +207,16 @@ class RemediationConfig(Strict):
         for r, rule in enumerate(self.rules):
             for c, command in enumerate(rule.commands):
                 where = f"rules.{r}.commands.{c} {command.argv}"
-                templates = [("", command.argv)] + ([("verify ", command.verify.argv)] if command.verify else [])
+                templates = [("", command.argv)] + (
+                    [("verify ", command.verify.argv)] if command.verify else []
+                )
                 for what, argv in templates:
                     for name in argv_fields(argv):
                         if name not in allowed:
-                            raise ValueError(f"{where}: {what}{{{name}}}: allowed placeholders are "
-                                             f"{', '.join(sorted(allowed))}")
+                            raise ValueError(
+                                f"{where}: {what}{{{name}}}: allowed placeholders are "
+                                f"{', '.join(sorted(allowed))}"
+                            )
                 declared = command.declared_fields()
                 if command.verify is not None:
                     missing = [n for n in declared if n not in argv_fields(command.verify.argv)]
@@ -208,13 +224,15 @@ class RemediationConfig(Strict):
                         raise ValueError(
                             f"{where}: its verify command {command.verify.argv} must use every self-declared "
                             f"field the command uses, so that it checks that target: missing "
-                            f"{', '.join('{' + n + '}' for n in missing)}")
+                            f"{', '.join('{' + n + '}' for n in missing)}"
+                        )
                 elif declared and not mapped:
                     raise ValueError(
                         f"{where} uses {', '.join('{' + n + '}' for n in declared)}, which the trainer declares "
                         "itself (run_start), with neither a `verify` command (whose output must be the run id) "
                         "nor a platform `targets`/`targets_file` mapping: any run could aim it at another "
-                        "team's job. Add one; see docs/remediation.md")
+                        "team's job. Add one; see docs/remediation.md"
+                    )
                 earlier = by_key.setdefault(command.key(), command)
                 if earlier.verify != command.verify:
                     raise ValueError(f"{where} appears twice with different verify commands")

@@ -25,6 +25,7 @@ from runwatch.sinks.remediate.runner import run_command, run_verify
 
 log = logging.getLogger(__name__)
 
+
 class RemediateConsumer:
     """Consumes ``runwatch.actions`` in group ``runwatch-remediate`` until ``stopping`` is set;
     commits offsets only after what a batch needed is performed and recorded."""
@@ -51,9 +52,16 @@ class RemediateConsumer:
         self.write_errors = 0
         self.commit_errors = 0
         self._meta: dict[str, Mapping[str, Any]] = {}
-        self.remediator = Remediator(config, secret, record=self._record, lookup_run=self._lookup_run,
-                                     done=store.done_keys(), runner=runner, poster=poster,
-                                     verifier=verifier)
+        self.remediator = Remediator(
+            config,
+            secret,
+            record=self._record,
+            lookup_run=self._lookup_run,
+            done=store.done_keys(),
+            runner=runner,
+            poster=poster,
+            verifier=verifier,
+        )
 
     def _lookup_run(self, run_id: str) -> Mapping[str, Any]:
         if run_id not in self._meta:
@@ -69,8 +77,12 @@ class RemediateConsumer:
 
     def _record(self, execution: Execution) -> None:
         # ClickHouse down: it ran, so keep trying to say so; never commit past it
-        retry_durably(lambda: self.store.write(execution), stopping=self.stopping, errors=Exception,
-                      on_error=self._record_failed)
+        retry_durably(
+            lambda: self.store.write(execution),
+            stopping=self.stopping,
+            errors=Exception,
+            on_error=self._record_failed,
+        )
 
     def _record_failed(self, exc: BaseException, delay: float) -> None:
         self.write_errors += 1
@@ -85,8 +97,20 @@ class RemediateConsumer:
         self.commit_errors += 1  # recorded already; a re-delivery finds it done
 
     def run(self) -> None:
-        consumer = make_consumer(self.bootstrap, [topics.ACTIONS], group_id=self.group_id,
-                                 session_timeout_ms=self.session_timeout_ms, client_id="runwatch-remediate",
-                                 fetch_max_wait_ms=100)
-        ConsumeLoop(self._act, stopping=self.stopping, assigned=self.assigned, batch_size=100, drain=False,
-                    label="remediate", on_commit_error=self._commit_failed).run(consumer)
+        consumer = make_consumer(
+            self.bootstrap,
+            [topics.ACTIONS],
+            group_id=self.group_id,
+            session_timeout_ms=self.session_timeout_ms,
+            client_id="runwatch-remediate",
+            fetch_max_wait_ms=100,
+        )
+        ConsumeLoop(
+            self._act,
+            stopping=self.stopping,
+            assigned=self.assigned,
+            batch_size=100,
+            drain=False,
+            label="remediate",
+            on_commit_error=self._commit_failed,
+        ).run(consumer)

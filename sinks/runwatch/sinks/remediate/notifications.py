@@ -38,8 +38,10 @@ def outlier_alert_text(action: Action, baseline: dict[str, Any]) -> str:
     days_text = f"{days:g}" if isinstance(days, int | float) else "30"
     key = _slack_escape(str(baseline.get("baseline_key") or "?"))
     commit = baseline.get("git_sha")
-    head = (f"runwatch *outlier alert ({days_text}-day)* for baseline `{key}`: run `{_slack_escape(action.run_id)}`"
-            + (f" at commit `{_slack_escape(str(commit)[:12])}`" if commit else ""))
+    head = (
+        f"runwatch *outlier alert ({days_text}-day)* for baseline `{key}`: run `{_slack_escape(action.run_id)}`"
+        + (f" at commit `{_slack_escape(str(commit)[:12])}`" if commit else "")
+    )
     since = baseline.get("last_normal_sha")
     if since and commit:
         head += f" (last normal run at `{_slack_escape(str(since)[:12])}`)"
@@ -48,9 +50,11 @@ def outlier_alert_text(action: Action, baseline: dict[str, Any]) -> str:
     for row in rows if isinstance(rows, list) else []:
         if not isinstance(row, dict):
             continue
-        lines.append(f"• {_slack_escape(str(row.get('metric')))}: last {_figure(row.get('last'))}, "
-                     f"{days_text}-day median {_figure(row.get('median'))} (n={_figure(row.get('n'))}): "
-                     f"*{_slack_escape(str(row.get('verdict')))}*")
+        lines.append(
+            f"• {_slack_escape(str(row.get('metric')))}: last {_figure(row.get('last'))}, "
+            f"{days_text}-day median {_figure(row.get('median'))} (n={_figure(row.get('n'))}): "
+            f"*{_slack_escape(str(row.get('verdict')))}*"
+        )
     return "\n".join(lines)
 
 
@@ -71,11 +75,18 @@ def slack_payload(action: Action, commands: Iterable[Execution] = ()) -> dict[st
     if action.step is not None:
         fields.append({"title": "step", "value": str(action.step), "short": True})
     if action.target_checkpoint is not None:
-        fields.append({"title": "target checkpoint", "value": f"step {action.target_checkpoint.step}",
-                       "short": True})
+        fields.append(
+            {"title": "target checkpoint", "value": f"step {action.target_checkpoint.step}", "short": True}
+        )
     for ex in commands:
-        fields.append({"title": "command", "value": f"`{_slack_escape(' '.join(ex.argv))}`: {ex.status}"
-                       + ("" if ex.exit_code is None else f" (exit {ex.exit_code})"), "short": False})
+        fields.append(
+            {
+                "title": "command",
+                "value": f"`{_slack_escape(' '.join(ex.argv))}`: {ex.status}"
+                + ("" if ex.exit_code is None else f" (exit {ex.exit_code})"),
+                "short": False,
+            }
+        )
     body = orjson.loads(action.model_dump_json(exclude={"signature"}, exclude_none=True))
     return {
         "text": text,
@@ -86,8 +97,12 @@ def slack_payload(action: Action, commands: Iterable[Execution] = ()) -> dict[st
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[str, int | None, str]:
     """POST ``payload`` as JSON; returns (status, HTTP status, response body tail)."""
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "User-Agent": "runwatch"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(payload).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "User-Agent": "runwatch"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (http(s) checked)
             body = response.read(OUTPUT_LIMIT).decode(errors="replace")

@@ -43,8 +43,21 @@ class Execution:
     execution_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def row(self) -> tuple[Any, ...]:
-        return (self.execution_id, self.action_id, self.run_id, self.kind, self.target, self.target_key,
-                self.argv, self.url, self.status, self.exit_code, self.output, self.started_at, self.finished_at)
+        return (
+            self.execution_id,
+            self.action_id,
+            self.run_id,
+            self.kind,
+            self.target,
+            self.target_key,
+            self.argv,
+            self.url,
+            self.status,
+            self.exit_code,
+            self.output,
+            self.started_at,
+            self.finished_at,
+        )
 
 
 class RemediationStore:

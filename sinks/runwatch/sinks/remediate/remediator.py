@@ -98,8 +98,12 @@ class Remediator:
 
     def perform(self, action: Action) -> list[Execution]:
         """Run what ``action`` needs that is not recorded yet (commands first, then webhooks)."""
-        commands = [c for c in self.config.commands_for(action.kind) if (action.action_id, c.key()) not in self.done]
-        hooks = [h for h in self.config.webhooks_for(action.kind) if (action.action_id, h.key()) not in self.done]
+        commands = [
+            c for c in self.config.commands_for(action.kind) if (action.action_id, c.key()) not in self.done
+        ]
+        hooks = [
+            h for h in self.config.webhooks_for(action.kind) if (action.action_id, h.key()) not in self.done
+        ]
         if not commands and not hooks:
             planned = self.config.commands_for(action.kind) or self.config.webhooks_for(action.kind)
             self.ignored["duplicate" if planned else "no_rule"] += 1
@@ -119,36 +123,68 @@ class Remediator:
             done.append(self._finish(action, self._post(action, hook, done)))
         return done
 
-    def _run(self, action: Action, command: CommandTemplate, values: Mapping[str, str | None],
-             mapped: bool) -> Execution:
-        base = dict(action_id=action.action_id, run_id=action.run_id, kind=action.kind, target="command",
-                    target_key=command.key())
+    def _run(
+        self, action: Action, command: CommandTemplate, values: Mapping[str, str | None], mapped: bool
+    ) -> Execution:
+        base = dict(
+            action_id=action.action_id,
+            run_id=action.run_id,
+            kind=action.kind,
+            target="command",
+            target_key=command.key(),
+        )
         started = utc_now()
         rules = self.config.field_rules()
         try:
             argv = fill_argv(command.argv, values, rules)
         except RefusedValue as exc:
-            return Execution(**base, status="refused", argv=list(command.argv), output=str(exc),
-                             started_at=started, finished_at=utc_now())
+            return Execution(
+                **base,
+                status="refused",
+                argv=list(command.argv),
+                output=str(exc),
+                started_at=started,
+                finished_at=utc_now(),
+            )
         declared = [] if mapped else command.declared_fields()
         if command.verify is not None:
             problem = self._check_target(action, command.verify, values, rules, mapped)
             if problem is not None:
                 status, output = problem
-                return Execution(**base, status=status, argv=argv, output=output, started_at=started,
-                                 finished_at=utc_now())
+                return Execution(
+                    **base, status=status, argv=argv, output=output, started_at=started, finished_at=utc_now()
+                )
         elif declared:
             # Reachable only with a targets mapping that lacks this run (a config without one is refused).
             names = ", ".join("{" + n + "}" for n in declared)
-            return Execution(**base, status="unverified", argv=argv, started_at=started, finished_at=utc_now(),
-                             output=f"not run: {names} self-declared by the run, which is not in the targets "
-                                    f"mapping, and the command has no verify")
+            return Execution(
+                **base,
+                status="unverified",
+                argv=argv,
+                started_at=started,
+                finished_at=utc_now(),
+                output=f"not run: {names} self-declared by the run, which is not in the targets "
+                f"mapping, and the command has no verify",
+            )
         status, code, output = self._runner(argv, command.timeout_s)
-        return Execution(**base, status=status, argv=argv, exit_code=code, output=output,
-                         started_at=started, finished_at=utc_now())
+        return Execution(
+            **base,
+            status=status,
+            argv=argv,
+            exit_code=code,
+            output=output,
+            started_at=started,
+            finished_at=utc_now(),
+        )
 
-    def _check_target(self, action: Action, verify: VerifyCommand, values: Mapping[str, str | None],
-                      rules: Mapping[str, FieldRule], mapped: bool) -> tuple[str, str] | None:
+    def _check_target(
+        self,
+        action: Action,
+        verify: VerifyCommand,
+        values: Mapping[str, str | None],
+        rules: Mapping[str, FieldRule],
+        mapped: bool,
+    ) -> tuple[str, str] | None:
         """``None`` if ``verify`` shows the target belongs to the run, else (status, reason)."""
         try:
             vargv = fill_argv(verify.argv, values, rules)
@@ -159,8 +195,10 @@ class Remediator:
             # A verify command that echoes its target would "verify" a run named like the target.
             for name in argv_fields(verify.argv):
                 if name in RUN_FIELDS and values.get(name) == action.run_id:
-                    return "unverified", (f"not run: the run id equals its own declared {{{name}}}, so verify "
-                                          f"`{shown}` cannot tell them apart; map the run in `targets`")
+                    return "unverified", (
+                        f"not run: the run id equals its own declared {{{name}}}, so verify "
+                        f"`{shown}` cannot tell them apart; map the run in `targets`"
+                    )
         status, code, stdout, stderr = self._verifier(vargv, verify.timeout_s)
         problem = verify_problem(action.run_id, status, code, stdout, stderr)
         if problem is None:
@@ -172,20 +210,37 @@ class Remediator:
     def _post(self, action: Action, hook: Webhook, commands: list[Execution]) -> Execution:
         started = utc_now()
         status, code, output = self._poster(hook.url, slack_payload(action, commands), hook.timeout_s)
-        return Execution(action_id=action.action_id, run_id=action.run_id, kind=action.kind, target="webhook",
-                         target_key=hook.key(), status=status, url=hook.redacted_url(), exit_code=code,
-                         output=output, started_at=started, finished_at=utc_now())
+        return Execution(
+            action_id=action.action_id,
+            run_id=action.run_id,
+            kind=action.kind,
+            target="webhook",
+            target_key=hook.key(),
+            status=status,
+            url=hook.redacted_url(),
+            exit_code=code,
+            output=output,
+            started_at=started,
+            finished_at=utc_now(),
+        )
 
     def _finish(self, action: Action, execution: Execution) -> Execution:
         self._record(execution)
         self.done.add((execution.action_id, execution.target_key))
         self.executed[execution.status] += 1
         what = " ".join(execution.argv) if execution.target == "command" else execution.url
-        log.log(logging.INFO if execution.status == "ok" else logging.WARNING,
-                "remediate: %s %s for action %s (run %s, %s): %s%s%s", execution.target, what, action.action_id,
-                action.run_id, action.kind, execution.status,
-                "" if execution.exit_code is None else f" (exit {execution.exit_code})",
-                f": {execution.output.strip()[-200:]}" if execution.status != "ok" and execution.output else "")
+        log.log(
+            logging.INFO if execution.status == "ok" else logging.WARNING,
+            "remediate: %s %s for action %s (run %s, %s): %s%s%s",
+            execution.target,
+            what,
+            action.action_id,
+            action.run_id,
+            action.kind,
+            execution.status,
+            "" if execution.exit_code is None else f" (exit {execution.exit_code})",
+            f": {execution.output.strip()[-200:]}" if execution.status != "ok" and execution.output else "",
+        )
         return execution
 
 
@@ -194,6 +249,8 @@ def _log_ignored(verdict: Verdict) -> None:
     if verdict.reason == "malformed":
         log.warning("remediate: malformed action ignored (%s)", verdict.detail)
     elif verdict.reason == "bad_signature" and action is not None:
-        log.warning("remediate: action %s for run %s has a bad signature; ignored", action.action_id, action.run_id)
+        log.warning(
+            "remediate: action %s for run %s has a bad signature; ignored", action.action_id, action.run_id
+        )
     elif verdict.reason == "expired" and action is not None:
         log.info("remediate: action %s expired at %s; ignored", action.action_id, action.expires_at)

@@ -22,9 +22,15 @@ def _spawn(argv: list[str], timeout_s: float, *, merge_stderr: bool) -> tuple[st
     stdout, stderr). Status is ok, failed (non-zero exit or could not start: then stderr says
     why) or timeout (the whole process group killed)."""
     try:
-        proc = subprocess.Popen(argv, shell=False, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, env=child_env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            shell=False,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+            env=child_env(),
+            start_new_session=True,
+        )
     except OSError as exc:
         return "failed", None, b"", f"could not start {argv[0]!r}: {exc.strerror or exc}".encode()
     try:

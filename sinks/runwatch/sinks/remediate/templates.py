@@ -108,7 +108,9 @@ class FieldRule(BaseModel):
         return None
 
 
-DEFAULT_FIELD_RULES: dict[str, FieldRule] = {name: FieldRule(pattern=p) for name, p in DEFAULT_FIELD_PATTERNS.items()}
+DEFAULT_FIELD_RULES: dict[str, FieldRule] = {
+    name: FieldRule(pattern=p) for name, p in DEFAULT_FIELD_PATTERNS.items()
+}
 
 
 def unsafe_var_reason(value: str) -> str | None:
@@ -136,7 +138,9 @@ def template_fields(arg: str) -> list[str]:
         if name is None:
             continue
         if spec or conversion:
-            raise ValueError(f"placeholder {{{name}}} in {arg!r}: format specs and conversions are not allowed")
+            raise ValueError(
+                f"placeholder {{{name}}} in {arg!r}: format specs and conversions are not allowed"
+            )
         if not name.isidentifier():
             raise ValueError(f"placeholder {{{name}}} in {arg!r} is not a plain name")
         names.append(name)
@@ -148,8 +152,9 @@ def argv_fields(argv: list[str]) -> list[str]:
     return list(dict.fromkeys(name for arg in argv[1:] for name in template_fields(arg)))
 
 
-def fill_argv(argv: list[str], values: Mapping[str, str | None],
-              rules: Mapping[str, FieldRule] | None = None) -> list[str]:
+def fill_argv(
+    argv: list[str], values: Mapping[str, str | None], rules: Mapping[str, FieldRule] | None = None
+) -> list[str]:
     """The argument list with placeholders replaced; raises ``RefusedValue`` if any value is
     missing or unsafe (checked per value against its field's rule, so literal text in the
     template may be anything). A placeholder without a rule is a config ``vars`` value, checked
@@ -184,8 +189,9 @@ def check_argv_template(argv: list[str]) -> list[str]:
     return argv
 
 
-def placeholder_values(action: Action, run_meta: Mapping[str, Any], fixed: Mapping[str, str],
-                       target: Target | None = None) -> dict[str, str | None]:
+def placeholder_values(
+    action: Action, run_meta: Mapping[str, Any], fixed: Mapping[str, str], target: Target | None = None
+) -> dict[str, str | None]:
     """Every allowed placeholder's value for ``action`` (``None`` where unknown). With the
     platform's ``target`` for the run, ``job_id``/``host``/``pod`` come only from it; without, from
     the run's own declarations: the action's ``params``, else ``run_meta`` (run_start field, then tag)."""
@@ -209,6 +215,8 @@ def placeholder_values(action: Action, run_meta: Mapping[str, Any], fixed: Mappi
             if value is None:
                 value = tags.get(name)
             # Only scalars become text; anything else is refused as unknown.
-            values[name] = str(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
+            values[name] = (
+                str(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
+            )
     values.update(fixed)
     return values

@@ -18,8 +18,16 @@ if TYPE_CHECKING:
 
 MAX_BYTES = 5_000_000  # the budget a report is held to (tests/integration/test_report.py)
 
-__all__ = ["MAX_BYTES", "Panel", "ReportData", "ReportResult", "UnknownRun", "build_report", "default_out",
-           "write_report"]
+__all__ = [
+    "MAX_BYTES",
+    "Panel",
+    "ReportData",
+    "ReportResult",
+    "UnknownRun",
+    "build_report",
+    "default_out",
+    "write_report",
+]
 
 
 @dataclass
@@ -36,15 +44,18 @@ def default_out(run_id: str) -> Path:
     return Path(f"report-{run_id}.html")
 
 
-def build_report(sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = None) -> tuple[str, list[Panel]]:
+def build_report(
+    sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = None
+) -> tuple[str, list[Panel]]:
     """The report of ``run_id`` as HTML text, and its panels; raises ``UnknownRun``."""
     data = collect(sink, run_id, config, now=datetime.now(UTC))
     panels = all_panels(data)
     return render(data, panels), panels
 
 
-def write_report(sink: ClickHouseSink, run_id: str, out: Path | None = None,
-                 config: BaselineConfig | None = None) -> ReportResult:
+def write_report(
+    sink: ClickHouseSink, run_id: str, out: Path | None = None, config: BaselineConfig | None = None
+) -> ReportResult:
     """Write the report of ``run_id`` to ``out`` (default ``default_out``); raises ``UnknownRun``."""
     text, panels = build_report(sink, run_id, config)
     path = Path(out) if out is not None else default_out(run_id)

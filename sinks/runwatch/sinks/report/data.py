@@ -81,8 +81,9 @@ def run_summary(sink: ClickHouseSink, run_id: str, loss_every: int) -> RunSummar
     return summarizer.summary("running")
 
 
-def _baseline(sink: ClickHouseSink, run_id: str, config: BaselineConfig
-              ) -> tuple[BaselineReport | None, BaselineBand | None, str]:
+def _baseline(
+    sink: ClickHouseSink, run_id: str, config: BaselineConfig
+) -> tuple[BaselineReport | None, BaselineBand | None, str]:
     """The run's verdicts against its history (as ``runwatch baseline check`` judges it) and the per-step
     band of that history, with a note when either is missing."""
     from runwatch.detectors.baselines.check import check_run
@@ -91,25 +92,38 @@ def _baseline(sink: ClickHouseSink, run_id: str, config: BaselineConfig
     if summary is None:
         return None, None, "no summary could be made of this run"
     if summary.baseline_key is None or summary.started_at is None:
-        return None, None, ("no baseline history: this run has no baseline key (set `baseline_key` in its "
-                            "run_start), so there is nothing to compare it with")
-    candidates = sink.baselines.candidates(summary.baseline_key, summary.fingerprint, summary.started_at,
-                                          config.window_days)
+        return (
+            None,
+            None,
+            (
+                "no baseline history: this run has no baseline key (set `baseline_key` in its "
+                "run_start), so there is nothing to compare it with"
+            ),
+        )
+    candidates = sink.baselines.candidates(
+        summary.baseline_key, summary.fingerprint, summary.started_at, config.window_days
+    )
     report = check_run(summary, candidates, config)
-    band = sink.baselines.band(summary.baseline_key, summary.fingerprint, summary.started_at, config.window_days,
-                              exclude_run=run_id)
+    band = sink.baselines.band(
+        summary.baseline_key, summary.fingerprint, summary.started_at, config.window_days, exclude_run=run_id
+    )
     note = ""
     if report.history_size == 0:
-        note = (f"no baseline history: no earlier run of {summary.baseline_key!r} on this hardware "
-                f"({summary.fingerprint}) in the {config.window_days:g} days before it")
+        note = (
+            f"no baseline history: no earlier run of {summary.baseline_key!r} on this hardware "
+            f"({summary.fingerprint}) in the {config.window_days:g} days before it"
+        )
     elif report.insufficient_history:
-        note = (f"insufficient history: {report.history_size} earlier run(s) of {summary.baseline_key!r}, "
-                f"{report.min_runs} needed for a verdict")
+        note = (
+            f"insufficient history: {report.history_size} earlier run(s) of {summary.baseline_key!r}, "
+            f"{report.min_runs} needed for a verdict"
+        )
     return report, band, note
 
 
-def collect(sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = None,
-            now: datetime | None = None) -> ReportData:
+def collect(
+    sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = None, now: datetime | None = None
+) -> ReportData:
     """Everything the report of ``run_id`` shows; raises ``UnknownRun`` when nothing is stored for it."""
     from runwatch.detectors.baselines.compare import BaselineConfig
 
@@ -122,10 +136,20 @@ def collect(sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = N
     bucket = max(1, -(-last_step // HEATMAP_COLUMNS))
     baseline, band, note = _baseline(sink, run_id, config)
     return ReportData(
-        run_id=run_id, info=info, run_start=_json(info["run_start"]) or {}, run_end=_json(info["run_end"]),
-        steps=steps, rank_step_times=sink.report.rank_step_times(run_id) if info["ranks"] > 1 else [],
+        run_id=run_id,
+        info=info,
+        run_start=_json(info["run_start"]) or {},
+        run_end=_json(info["run_end"]),
+        steps=steps,
+        rank_step_times=sink.report.rank_step_times(run_id) if info["ranks"] > 1 else [],
         modules=sink.report.module_grad_norms(run_id, TOP_MODULES),
-        heatmap=sink.report.module_heatmap(run_id, bucket, HEATMAP_MODULES), heatmap_bucket_steps=bucket,
-        evals=sink.report.evals(run_id), anomalies=sink.report.anomalies(run_id), actions=sink.report.actions(run_id),
-        baseline=baseline, band=band, baseline_note=note, generated_at=as_utc(now) if now else None,
+        heatmap=sink.report.module_heatmap(run_id, bucket, HEATMAP_MODULES),
+        heatmap_bucket_steps=bucket,
+        evals=sink.report.evals(run_id),
+        anomalies=sink.report.anomalies(run_id),
+        actions=sink.report.actions(run_id),
+        baseline=baseline,
+        band=band,
+        baseline_note=note,
+        generated_at=as_utc(now) if now else None,
     )

@@ -63,24 +63,49 @@ def _facts(data: ReportData) -> str:
     start, info = data.run_start, data.info
     status = (data.run_end or {}).get("status", "running (no run_end stored)")
     facts = [
-        ("status", status), ("baseline key", start.get("baseline_key") or "none"),
-        ("git sha", ((start.get("git_sha") or "")[:12] + (" (dirty)" if start.get("git_dirty") else "")) or "unknown"),
-        ("host", start.get("host")), ("world size", start.get("world_size", 1)), ("ranks reporting", info["ranks"]),
-        ("last step", info["last_step"]), ("events stored", info["events"]),
-        ("first event", _time(info["first_ts"])), ("last event", _time(info["last_ts"])),
-        ("torch", start.get("torch_version")), ("GPUs", ", ".join(start.get("gpu_names") or []) or "none"),
+        ("status", status),
+        ("baseline key", start.get("baseline_key") or "none"),
+        (
+            "git sha",
+            ((start.get("git_sha") or "")[:12] + (" (dirty)" if start.get("git_dirty") else "")) or "unknown",
+        ),
+        ("host", start.get("host")),
+        ("world size", start.get("world_size", 1)),
+        ("ranks reporting", info["ranks"]),
+        ("last step", info["last_step"]),
+        ("events stored", info["events"]),
+        ("first event", _time(info["first_ts"])),
+        ("last event", _time(info["last_ts"])),
+        ("torch", start.get("torch_version")),
+        ("GPUs", ", ".join(start.get("gpu_names") or []) or "none"),
         ("tags", ", ".join(f"{k}={v}" for k, v in (start.get("tags") or {}).items())),
     ]
-    return "<dl class=\"facts\">" + "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts if v not in (None, "")) + "</dl>"
+    return (
+        '<dl class="facts">'
+        + "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts if v not in (None, ""))
+        + "</dl>"
+    )
 
 
 def findings_table(data: ReportData) -> str:
     if not data.anomalies:
         return '<p class="note">No findings: the detectors raised nothing for this run.</p>'
-    rows = [[_e(a["step"]), _e(a["rank"]), f'<span class="sev-{_e(a["severity"])}">{_e(a["severity"])}</span>',
-             _e(a["detector"]), _e(a["metric"]), _num(a["value"]), _num(a["threshold"]), _e(a["message"])]
-            for a in data.anomalies]
-    return _table(["step", "rank", "severity", "detector", "metric", "value", "threshold", "message"], rows, "findings")
+    rows = [
+        [
+            _e(a["step"]),
+            _e(a["rank"]),
+            f'<span class="sev-{_e(a["severity"])}">{_e(a["severity"])}</span>',
+            _e(a["detector"]),
+            _e(a["metric"]),
+            _num(a["value"]),
+            _num(a["threshold"]),
+            _e(a["message"]),
+        ]
+        for a in data.anomalies
+    ]
+    return _table(
+        ["step", "rank", "severity", "detector", "metric", "value", "threshold", "message"], rows, "findings"
+    )
 
 
 def actions_table(data: ReportData) -> str:
@@ -89,9 +114,21 @@ def actions_table(data: ReportData) -> str:
     rows = []
     for a in data.actions:
         target = a["to_step"] if a["to_step"] is not None else a["target_step"]
-        rows.append([_e(a["step"]), f'<span class="act-{_e(a["kind"])}">{_e(a["kind"])}</span>',
-                     _e(a["outcome"] or "no answer"), _e(a["ack_step"]), _e(target), _e(a["reason"])])
-    return _table(["issued at step", "action", "trainer", "taken at step", "rollback to step", "reason"], rows, "actions")
+        rows.append(
+            [
+                _e(a["step"]),
+                f'<span class="act-{_e(a["kind"])}">{_e(a["kind"])}</span>',
+                _e(a["outcome"] or "no answer"),
+                _e(a["ack_step"]),
+                _e(target),
+                _e(a["reason"]),
+            ]
+        )
+    return _table(
+        ["issued at step", "action", "trainer", "taken at step", "rollback to step", "reason"],
+        rows,
+        "actions",
+    )
 
 
 def verdicts_table(data: ReportData) -> str:
@@ -99,23 +136,45 @@ def verdicts_table(data: ReportData) -> str:
     note = f'<p class="note baseline-note">{_e(data.baseline_note)}</p>' if data.baseline_note else ""
     if report is None:
         return note
-    head = (f"<p>Judged as <code>runwatch baseline check</code> judges it: {report.history_size} run(s) of "
-            f"<code>{_e(report.baseline_key)}</code> on <code>{_e(report.fingerprint)}</code> in the "
-            f"{report.window_days:g} days before it (a verdict needs {report.min_runs}). "
-            f"Outliers: {_e(', '.join(report.outliers) or 'none')}.</p>")
+    head = (
+        f"<p>Judged as <code>runwatch baseline check</code> judges it: {report.history_size} run(s) of "
+        f"<code>{_e(report.baseline_key)}</code> on <code>{_e(report.fingerprint)}</code> in the "
+        f"{report.window_days:g} days before it (a verdict needs {report.min_runs}). "
+        f"Outliers: {_e(', '.join(report.outliers) or 'none')}.</p>"
+    )
     rows = []
     for c in report.comparisons:
         band = f"{_num(c.low)} – {_num(c.high)}" if c.low is not None and c.high is not None else ""
         change = f"{c.change:+.1%}" if c.change is not None and math.isfinite(c.change) else ""
-        rows.append([_e(c.metric), _num(c.value), _num(c.median), band, change, _e(c.n),
-                     f'<span class="verdict-{_e(c.verdict)}">{_e(c.verdict)}</span>', _e(c.reason)])
-    return note + head + _table(["metric", "this run", "baseline median", "band", "change", "n", "verdict", "reason"],
-                                rows, "verdicts")
+        rows.append(
+            [
+                _e(c.metric),
+                _num(c.value),
+                _num(c.median),
+                band,
+                change,
+                _e(c.n),
+                f'<span class="verdict-{_e(c.verdict)}">{_e(c.verdict)}</span>',
+                _e(c.reason),
+            ]
+        )
+    return (
+        note
+        + head
+        + _table(
+            ["metric", "this run", "baseline median", "band", "change", "n", "verdict", "reason"],
+            rows,
+            "verdicts",
+        )
+    )
 
 
 def _panel_divs(panels: list[Panel]) -> str:
-    return "".join(f'<div class="panel" id="panel-{_e(p.id)}" data-panel="{_e(p.id)}" data-section="{_e(p.section)}">'
-                   "</div>" for p in panels)
+    return "".join(
+        f'<div class="panel" id="panel-{_e(p.id)}" data-panel="{_e(p.id)}" data-section="{_e(p.section)}">'
+        "</div>"
+        for p in panels
+    )
 
 
 def _script_json(value: Any) -> str:
@@ -171,10 +230,23 @@ def render(data: ReportData, panels: list[Panel]) -> str:
     run_panels = [p for p in panels if p.section == "run"]
     band_panels = [p for p in panels if p.section == "baselines"]
     generated = f" · generated {_time(data.generated_at)}" if data.generated_at else ""
-    band_note = "" if band_panels else (
-        '<p class="note">No baseline band: ' + (_e(data.baseline_note) or "no earlier runs to draw one from") + "</p>")
-    multi = (f"<p class=\"note\">A run of {data.info['ranks']} ranks: the curves are rank 0's; step time per rank is "
-             "drawn below.</p>") if data.info["ranks"] > 1 else ""
+    band_note = (
+        ""
+        if band_panels
+        else (
+            '<p class="note">No baseline band: '
+            + (_e(data.baseline_note) or "no earlier runs to draw one from")
+            + "</p>"
+        )
+    )
+    multi = (
+        (
+            f'<p class="note">A run of {data.info["ranks"]} ranks: the curves are rank 0\'s; step time per rank is '
+            "drawn below.</p>"
+        )
+        if data.info["ranks"] > 1
+        else ""
+    )
     payload = [{"id": p.id, "title": p.title, "figure": p.figure} for p in panels]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">

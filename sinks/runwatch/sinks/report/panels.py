@@ -22,7 +22,7 @@ from runwatch.sinks.report.data import ReportData
 MAX_POINTS = 2000  # per trace: a long run is thinned (each bucket's extremes kept), so the file stays small
 SEVERITY_COLORS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
 ACTION_COLORS = {name: spec.color for name, spec in ACTION_KINDS.items()}
-GIB = 1024.0 ** 3
+GIB = 1024.0**3
 
 Figure = dict[str, Any]
 
@@ -54,8 +54,9 @@ def _round(v: float | None) -> float | None:
     return None if v is None else float(f"{v:.6g}")
 
 
-def thin(xs: Sequence[Any], ys: Sequence[float | None], max_points: int = MAX_POINTS
-         ) -> tuple[list[Any], list[float | None]]:
+def thin(
+    xs: Sequence[Any], ys: Sequence[float | None], max_points: int = MAX_POINTS
+) -> tuple[list[Any], list[float | None]]:
     """At most about ``max_points`` points of (xs, ys), in order: each of equal buckets keeps its lowest
     and highest value (a spike survives thinning) and a gap (None) if it had one."""
     n = len(xs)
@@ -78,7 +79,9 @@ def thin(xs: Sequence[Any], ys: Sequence[float | None], max_points: int = MAX_PO
     return out_x, out_y
 
 
-def series(rows: Iterable[dict[str, Any]], value: Callable[[dict[str, Any]], Any]) -> tuple[list[int], list[float | None]]:
+def series(
+    rows: Iterable[dict[str, Any]], value: Callable[[dict[str, Any]], Any]
+) -> tuple[list[int], list[float | None]]:
     """(steps, values) of rows in time order. A row without the value is left out (a figure reported
     every N steps draws as one line); a non-finite value is a gap, and so is a step going back (a
     rollback's replay starts a new line instead of drawing one back across the plot)."""
@@ -102,8 +105,16 @@ def line(name: str, xs: Sequence[Any], ys: Sequence[float | None], **extra: Any)
     """A curve; markers too when it has few points (a figure reported every N steps)."""
     tx, ty = thin(xs, ys)
     mode = "lines+markers" if len(tx) <= 60 else "lines"
-    return {"type": "scatter", "mode": mode, "name": name, "x": tx, "y": ty, "connectgaps": False,
-            "marker": {"size": 4}, **extra}
+    return {
+        "type": "scatter",
+        "mode": mode,
+        "name": name,
+        "x": tx,
+        "y": ty,
+        "connectgaps": False,
+        "marker": {"size": 4},
+        **extra,
+    }
 
 
 def has_values(traces: Iterable[dict[str, Any]]) -> bool:
@@ -112,20 +123,36 @@ def has_values(traces: Iterable[dict[str, Any]]) -> bool:
 
 def layout(title: str, y_title: str = "", log_y: bool = False, **extra: Any) -> dict[str, Any]:
     return {
-        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"}, "height": 360,
+        "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
+        "height": 360,
         "margin": {"l": 70, "r": 20, "t": 60, "b": 90},
         "xaxis": {"title": {"text": "step"}, "zeroline": False},
-        "yaxis": {"title": {"text": y_title}, "type": "log" if log_y else "linear", "exponentformat": "power"},
-        "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"}, "hovermode": "x unified", "shapes": [], "annotations": [],
+        "yaxis": {
+            "title": {"text": y_title},
+            "type": "log" if log_y else "linear",
+            "exponentformat": "power",
+        },
+        "legend": {"orientation": "h", "y": -0.3, "yanchor": "top"},
+        "hovermode": "x unified",
+        "shapes": [],
+        "annotations": [],
         **extra,
     }
 
 
 def no_data(fig: Figure, what: str) -> Figure:
     """An empty panel that says so (drawn all the same: a reader sees the panel and why it is empty)."""
-    fig["layout"]["annotations"].append({"text": f"not reported by this run: {what}", "xref": "paper",
-                                         "yref": "paper", "x": 0.5, "y": 0.5, "showarrow": False,
-                                         "font": {"size": 13, "color": "#888"}})
+    fig["layout"]["annotations"].append(
+        {
+            "text": f"not reported by this run: {what}",
+            "xref": "paper",
+            "yref": "paper",
+            "x": 0.5,
+            "y": 0.5,
+            "showarrow": False,
+            "font": {"size": 13, "color": "#888"},
+        }
+    )
     fig["layout"]["xaxis"]["visible"] = False
     fig["layout"]["yaxis"]["visible"] = False
     return fig
@@ -141,8 +168,9 @@ def y_at(xs: Sequence[int], ys: Sequence[float | None], step: int) -> float | No
     return after[0] if after else None
 
 
-def anomaly_trace(anomalies: Sequence[dict[str, Any]], xs: Sequence[int], ys: Sequence[float | None]
-                  ) -> dict[str, Any] | None:
+def anomaly_trace(
+    anomalies: Sequence[dict[str, Any]], xs: Sequence[int], ys: Sequence[float | None]
+) -> dict[str, Any] | None:
     """The anomalies as red/orange ``x`` markers on a curve, at their value when finite and on the
     curve, else on the curve at their step; hover says what was found."""
     points = [(a, a["step"]) for a in anomalies if a.get("step") is not None]
@@ -154,11 +182,24 @@ def anomaly_trace(anomalies: Sequence[dict[str, Any]], xs: Sequence[int], ys: Se
         my.append(_round(y_at(xs, ys, int(step))))
         colors.append(SEVERITY_COLORS.get(a.get("severity", ""), "#d62728"))
         value = finite(a.get("value"))
-        shown = "non-finite" if a.get("value") is not None and value is None else (f"{value:.4g}" if value is not None else "")
-        texts.append(f"{a['detector']} ({a.get('severity', '')}) {a.get('metric', '')} {shown}<br>{a.get('message', '')}")
-    return {"type": "scatter", "mode": "markers", "name": "anomalies", "x": mx, "y": my, "text": texts,
-            "hovertemplate": "step %{x}<br>%{text}<extra></extra>",
-            "marker": {"symbol": "x", "size": 13, "color": colors, "line": {"width": 2, "color": colors}}}
+        shown = (
+            "non-finite"
+            if a.get("value") is not None and value is None
+            else (f"{value:.4g}" if value is not None else "")
+        )
+        texts.append(
+            f"{a['detector']} ({a.get('severity', '')}) {a.get('metric', '')} {shown}<br>{a.get('message', '')}"
+        )
+    return {
+        "type": "scatter",
+        "mode": "markers",
+        "name": "anomalies",
+        "x": mx,
+        "y": my,
+        "text": texts,
+        "hovertemplate": "step %{x}<br>%{text}<extra></extra>",
+        "marker": {"symbol": "x", "size": 13, "color": colors, "line": {"width": 2, "color": colors}},
+    }
 
 
 def mark_actions(fig: Figure, actions: Sequence[dict[str, Any]], labels: bool = True) -> None:
@@ -170,9 +211,18 @@ def mark_actions(fig: Figure, actions: Sequence[dict[str, Any]], labels: bool = 
             continue
         kind = a.get("kind", "")
         color = ACTION_COLORS.get(kind, "#555")
-        fig["layout"]["shapes"].append({"type": "line", "xref": "x", "yref": "paper", "x0": step, "x1": step,
-                                        "y0": 0, "y1": 1, "line": {"color": color, "width": 1.5,
-                                                                   "dash": "solid" if kind == "rollback" else "dot"}})
+        fig["layout"]["shapes"].append(
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": step,
+                "x1": step,
+                "y0": 0,
+                "y1": 1,
+                "line": {"color": color, "width": 1.5, "dash": "solid" if kind == "rollback" else "dot"},
+            }
+        )
         if not labels:
             continue
         target = a.get("to_step") if a.get("to_step") is not None else a.get("target_step")
@@ -180,18 +230,38 @@ def mark_actions(fig: Figure, actions: Sequence[dict[str, Any]], labels: bool = 
         if a.get("outcome") and a["outcome"] != "applied":
             text += f" ({a['outcome']})"
         # staggered, so that actions a few steps apart stay readable
-        fig["layout"]["annotations"].append({"text": text, "x": step, "xref": "x", "y": 1.0 - 0.08 * (i % 4),
-                                             "yref": "paper", "xanchor": "left", "yanchor": "top", "showarrow": False,
-                                             "bgcolor": "rgba(255,255,255,0.8)",
-                                             "font": {"size": 11, "color": color}, "name": f"action-{kind}"})
+        fig["layout"]["annotations"].append(
+            {
+                "text": text,
+                "x": step,
+                "xref": "x",
+                "y": 1.0 - 0.08 * (i % 4),
+                "yref": "paper",
+                "xanchor": "left",
+                "yanchor": "top",
+                "showarrow": False,
+                "bgcolor": "rgba(255,255,255,0.8)",
+                "font": {"size": 11, "color": color},
+                "name": f"action-{kind}",
+            }
+        )
 
 
 def _figure(traces: list[dict[str, Any]], lay: dict[str, Any]) -> Figure:
     return {"data": traces, "layout": lay}
 
 
-def _step_panel(data: ReportData, pid: str, title: str, y_title: str, traces: list[dict[str, Any]], what: str,
-                log_y: bool = False, metrics: Sequence[str] = (), mark_on: int = 0) -> Panel:
+def _step_panel(
+    data: ReportData,
+    pid: str,
+    title: str,
+    y_title: str,
+    traces: list[dict[str, Any]],
+    what: str,
+    log_y: bool = False,
+    metrics: Sequence[str] = (),
+    mark_on: int = 0,
+) -> Panel:
     """A panel of curves against the step, with the run's actions and the anomalies of ``metrics``
     marked (on trace ``mark_on``)."""
     fig = _figure([t for t in traces if has_values([t])], layout(title, y_title, log_y))
@@ -206,7 +276,9 @@ def _step_panel(data: ReportData, pid: str, title: str, y_title: str, traces: li
     return Panel(pid, title, "run", fig, metrics=list(metrics))
 
 
-def _col(rows: Sequence[dict[str, Any]], name: str, scale: float = 1.0) -> tuple[list[int], list[float | None]]:
+def _col(
+    rows: Sequence[dict[str, Any]], name: str, scale: float = 1.0
+) -> tuple[list[int], list[float | None]]:
     def value(row: dict[str, Any]) -> Any:
         v = row.get(name)
         return v / scale if isinstance(v, int | float) and scale != 1.0 else v
@@ -222,39 +294,117 @@ def run_panels(data: ReportData) -> list[Panel]:
     """The Run dashboard's panels (rank 0's curves; per-rank step time for a multi-rank run)."""
     s = data.steps
     panels = [
-        _step_panel(data, "loss", "Loss (rank 0) with findings and actions", "loss",
-                    [line("loss", *_col(s, "loss"))], "loss", metrics=("*",)),
-        _step_panel(data, "lr", "Learning rate", "lr",
-                    [line(f"group {g}", *series(s, lambda r, g=g: _nth(r.get("lr"), g)))
-                     for g in range(max((len(r.get("lr") or []) for r in s), default=0))], "lr"),
-        _step_panel(data, "grad_norm", "Grad norm before and after clipping", "norm",
-                    [line("before clipping", *_col(s, "grad_norm")), line("after clipping", *_col(s, "grad_norm_clipped"))],
-                    "grad_norm", log_y=True, metrics=("grad_norm", "grad_norm_clipped")),
-        _step_panel(data, "clip_ratio", "Clip ratio (after / before)", "ratio",
-                    [line("clip ratio", *_col(s, "clip_ratio"))], "clip_ratio"),
-        _step_panel(data, "update_ratio", "Update ratio (|update| / |params|)", "ratio",
-                    [line("relative update norm", *_col(s, "relative_update_norm"))], "relative_update_norm",
-                    log_y=True, metrics=("relative_update_norm", "update_ratio")),
-        _step_panel(data, "effective_lr", "Effective LR ratio", "ratio",
-                    [line("effective LR ratio", *_col(s, "effective_lr_ratio"))], "effective_lr_ratio",
-                    metrics=("effective_lr_ratio",)),
+        _step_panel(
+            data,
+            "loss",
+            "Loss (rank 0) with findings and actions",
+            "loss",
+            [line("loss", *_col(s, "loss"))],
+            "loss",
+            metrics=("*",),
+        ),
+        _step_panel(
+            data,
+            "lr",
+            "Learning rate",
+            "lr",
+            [
+                line(f"group {g}", *series(s, lambda r, g=g: _nth(r.get("lr"), g)))
+                for g in range(max((len(r.get("lr") or []) for r in s), default=0))
+            ],
+            "lr",
+        ),
+        _step_panel(
+            data,
+            "grad_norm",
+            "Grad norm before and after clipping",
+            "norm",
+            [
+                line("before clipping", *_col(s, "grad_norm")),
+                line("after clipping", *_col(s, "grad_norm_clipped")),
+            ],
+            "grad_norm",
+            log_y=True,
+            metrics=("grad_norm", "grad_norm_clipped"),
+        ),
+        _step_panel(
+            data,
+            "clip_ratio",
+            "Clip ratio (after / before)",
+            "ratio",
+            [line("clip ratio", *_col(s, "clip_ratio"))],
+            "clip_ratio",
+        ),
+        _step_panel(
+            data,
+            "update_ratio",
+            "Update ratio (|update| / |params|)",
+            "ratio",
+            [line("relative update norm", *_col(s, "relative_update_norm"))],
+            "relative_update_norm",
+            log_y=True,
+            metrics=("relative_update_norm", "update_ratio"),
+        ),
+        _step_panel(
+            data,
+            "effective_lr",
+            "Effective LR ratio",
+            "ratio",
+            [line("effective LR ratio", *_col(s, "effective_lr_ratio"))],
+            "effective_lr_ratio",
+            metrics=("effective_lr_ratio",),
+        ),
         module_lines_panel(data),
         module_heatmap_panel(data),
-        _step_panel(data, "step_time", "Step time (rank 0)", "seconds",
-                    [line("step time", *_col(s, "step_time_s")), line("compute", *_col(s, "compute_s"))],
-                    "step_time_s", metrics=("step_time_s", "step_time")),
-        _step_panel(data, "throughput", "Throughput", "per second",
-                    [line("samples/s", *_col(s, "samples_per_s")), line("tokens/s", *_col(s, "tokens_per_s"))],
-                    "samples_per_s, tokens_per_s", metrics=("samples_per_s", "tokens_per_s", "throughput")),
-        _step_panel(data, "mfu", "MFU", "fraction of peak", [line("MFU", *_col(s, "mfu"))], "mfu",
-                    metrics=("mfu",)),
-        _step_panel(data, "data_wait", "Data wait", "seconds", [line("data wait", *_col(s, "data_wait_s"))],
-                    "data_wait_s", metrics=("data_wait_s",)),
-        _step_panel(data, "memory", "Memory", "GiB",
-                    [line(name, *_col(s, f"memory_{name.replace(' ', '_')}", GIB))
-                     for name in ("allocated", "reserved", "peak", "host rss")],
-                    "memory", metrics=("memory_allocated", "memory_reserved", "memory_peak", "memory_host_rss",
-                                       "fragmentation", "memory")),
+        _step_panel(
+            data,
+            "step_time",
+            "Step time (rank 0)",
+            "seconds",
+            [line("step time", *_col(s, "step_time_s")), line("compute", *_col(s, "compute_s"))],
+            "step_time_s",
+            metrics=("step_time_s", "step_time"),
+        ),
+        _step_panel(
+            data,
+            "throughput",
+            "Throughput",
+            "per second",
+            [line("samples/s", *_col(s, "samples_per_s")), line("tokens/s", *_col(s, "tokens_per_s"))],
+            "samples_per_s, tokens_per_s",
+            metrics=("samples_per_s", "tokens_per_s", "throughput"),
+        ),
+        _step_panel(
+            data, "mfu", "MFU", "fraction of peak", [line("MFU", *_col(s, "mfu"))], "mfu", metrics=("mfu",)
+        ),
+        _step_panel(
+            data,
+            "data_wait",
+            "Data wait",
+            "seconds",
+            [line("data wait", *_col(s, "data_wait_s"))],
+            "data_wait_s",
+            metrics=("data_wait_s",),
+        ),
+        _step_panel(
+            data,
+            "memory",
+            "Memory",
+            "GiB",
+            [
+                line(name, *_col(s, f"memory_{name.replace(' ', '_')}", GIB))
+                for name in ("allocated", "reserved", "peak", "host rss")
+            ],
+            "memory",
+            metrics=(
+                "memory_allocated",
+                "memory_reserved",
+                "memory_peak",
+                "memory_host_rss",
+                "fragmentation",
+                "memory",
+            ),
+        ),
         category_panel(data),
         eval_panel(data),
     ]
@@ -268,9 +418,16 @@ def module_lines_panel(data: ReportData) -> Panel:
     for row in data.modules:
         by_module.setdefault(row["module"], []).append(row)
     traces = [line(name, *series(rows, lambda r: r["norm"])) for name, rows in by_module.items()]
-    return _step_panel(data, "modules", f"Per-module grad norms (top {len(traces)})", "norm", traces,
-                       "module_grad_norms", log_y=True,
-                       metrics=tuple(f"module_grad_norm/{m}" for m in by_module) + tuple(by_module))
+    return _step_panel(
+        data,
+        "modules",
+        f"Per-module grad norms (top {len(traces)})",
+        "norm",
+        traces,
+        "module_grad_norms",
+        log_y=True,
+        metrics=tuple(f"module_grad_norm/{m}" for m in by_module) + tuple(by_module),
+    )
 
 
 def module_heatmap_panel(data: ReportData) -> Panel:
@@ -286,8 +443,17 @@ def module_heatmap_panel(data: ReportData) -> Panel:
     for r in data.heatmap:
         v = finite(r["norm"])
         z[row[r["module"]]][col[r["step"]]] = _round(math.log10(v)) if v is not None and v > 0 else None
-    fig["data"].append({"type": "heatmap", "x": steps, "y": modules, "z": z, "colorscale": "Viridis",
-                        "colorbar": {"title": {"text": "log10"}}, "hoverongaps": False})
+    fig["data"].append(
+        {
+            "type": "heatmap",
+            "x": steps,
+            "y": modules,
+            "z": z,
+            "colorscale": "Viridis",
+            "colorbar": {"title": {"text": "log10"}},
+            "hoverongaps": False,
+        }
+    )
     fig["layout"]["height"] = max(300, 18 * len(modules) + 100)
     fig["layout"]["hovermode"] = "closest"
     fig["layout"]["yaxis"].update(type="category", automargin=True)
@@ -301,10 +467,27 @@ def category_panel(data: ReportData) -> Panel:
         cats = orjson.loads(r["category_loss"]) if r.get("category_loss") else {}
         parsed.append({"step": r["step"], "cats": cats if isinstance(cats, dict) else {}})
     names = sorted({c for p in parsed for c in p["cats"]})
-    traces = [line(name, *series(parsed, lambda p, n=name: (p["cats"].get(n) or {}).get("mean")
-                                 if isinstance(p["cats"].get(n), dict) else None)) for name in names]
-    return _step_panel(data, "category_loss", "Per-category loss", "mean loss", traces, "category_loss",
-                       metrics=tuple(f"category_loss/{n}" for n in names) + ("category_loss",))
+    traces = [
+        line(
+            name,
+            *series(
+                parsed,
+                lambda p, n=name: (
+                    (p["cats"].get(n) or {}).get("mean") if isinstance(p["cats"].get(n), dict) else None
+                ),
+            ),
+        )
+        for name in names
+    ]
+    return _step_panel(
+        data,
+        "category_loss",
+        "Per-category loss",
+        "mean loss",
+        traces,
+        "category_loss",
+        metrics=tuple(f"category_loss/{n}" for n in names) + ("category_loss",),
+    )
 
 
 def eval_panel(data: ReportData) -> Panel:
@@ -314,11 +497,20 @@ def eval_panel(data: ReportData) -> Panel:
         traces.append(line(f"{split} loss", *series(rows, lambda e: e["loss"]), mode="lines+markers"))
         metrics = [orjson.loads(e["metrics"]) if e.get("metrics") else {} for e in rows]
         for name in sorted({k for m in metrics for k in m}):
-            traces.append(line(f"{split} {name}", *series(
-                [{"step": e["step"], "v": m.get(name)} for e, m in zip(rows, metrics, strict=True)],
-                lambda r: r["v"]), mode="lines+markers", yaxis="y2"))
-    panel = _step_panel(data, "eval", "Eval metrics", "loss", traces, "eval events",
-                        metrics=("eval_loss", "val_loss", "eval"))
+            traces.append(
+                line(
+                    f"{split} {name}",
+                    *series(
+                        [{"step": e["step"], "v": m.get(name)} for e, m in zip(rows, metrics, strict=True)],
+                        lambda r: r["v"],
+                    ),
+                    mode="lines+markers",
+                    yaxis="y2",
+                )
+            )
+    panel = _step_panel(
+        data, "eval", "Eval metrics", "loss", traces, "eval events", metrics=("eval_loss", "val_loss", "eval")
+    )
     if any(t.get("yaxis") == "y2" for t in panel.figure["data"]):
         panel.figure["layout"]["yaxis2"] = {"overlaying": "y", "side": "right", "title": {"text": "metric"}}
     return panel
@@ -328,9 +520,19 @@ def rank_panel(data: ReportData) -> Panel:
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for r in data.rank_step_times:
         by_rank.setdefault(r["rank"], []).append(r)
-    traces = [line(f"rank {rank}", *series(rows, lambda r: r["step_time_s"])) for rank, rows in sorted(by_rank.items())]
-    return _step_panel(data, "rank_step_time", "Step time per rank", "seconds", traces, "per-rank step time",
-                       metrics=("straggler", "step_time_skew"))
+    traces = [
+        line(f"rank {rank}", *series(rows, lambda r: r["step_time_s"]))
+        for rank, rows in sorted(by_rank.items())
+    ]
+    return _step_panel(
+        data,
+        "rank_step_time",
+        "Step time per rank",
+        "seconds",
+        traces,
+        "per-rank step time",
+        metrics=("straggler", "step_time_skew"),
+    )
 
 
 # -- the Baselines dashboard ------------------------------------------------------------------------
@@ -347,7 +549,9 @@ def band_panels(data: ReportData) -> list[Panel]:
     q = data.band.quantiles
     own: dict[str, tuple[list[int], list[float | None]]] = {m: _col(data.steps, m) for m in BAND_METRICS}
     for split in {e["split"] for e in data.evals}:
-        own[f"eval_loss/{split}"] = series([e for e in data.evals if e["split"] == split], lambda e: e["loss"])
+        own[f"eval_loss/{split}"] = series(
+            [e for e in data.evals if e["split"] == split], lambda e: e["loss"]
+        )
     panels = []
     for metric, band in data.band.metrics.items():
         if metric not in own or not any(y is not None for y in own[metric][1]):
@@ -357,12 +561,33 @@ def band_panels(data: ReportData) -> list[Panel]:
         _, mid = thin(band.steps, band.mid)
         title = f"{metric}: this run against {len(runs)} baseline run(s)"
         traces = [
-            {"type": "scatter", "mode": "lines", "x": xs, "y": lo, "name": f"p{q[0] * 100:g}",
-             "line": {"width": 0, "color": "rgba(44,160,44,0.3)"}, "showlegend": False},
-            {"type": "scatter", "mode": "lines", "x": xs, "y": hi, "name": f"baseline p{q[0] * 100:g}–p{q[2] * 100:g}",
-             "fill": "tonexty", "fillcolor": "rgba(44,160,44,0.2)", "line": {"width": 0, "color": "rgba(44,160,44,0.3)"}},
-            {"type": "scatter", "mode": "lines", "x": xs, "y": mid, "name": "baseline median",
-             "line": {"dash": "dash", "color": "#2ca02c"}},
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": xs,
+                "y": lo,
+                "name": f"p{q[0] * 100:g}",
+                "line": {"width": 0, "color": "rgba(44,160,44,0.3)"},
+                "showlegend": False,
+            },
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": xs,
+                "y": hi,
+                "name": f"baseline p{q[0] * 100:g}–p{q[2] * 100:g}",
+                "fill": "tonexty",
+                "fillcolor": "rgba(44,160,44,0.2)",
+                "line": {"width": 0, "color": "rgba(44,160,44,0.3)"},
+            },
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": xs,
+                "y": mid,
+                "name": "baseline median",
+                "line": {"dash": "dash", "color": "#2ca02c"},
+            },
             line("this run", *own[metric], line={"color": "#1f77b4"}),
         ]
         fig = _figure(traces, layout(title, metric, log_y=metric == "grad_norm"))

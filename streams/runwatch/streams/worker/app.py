@@ -37,7 +37,9 @@ DETECT_GROUP = topics.DETECT_GROUP
 # (the wait adds at most that much to detection latency; a backlog fills batches at once).
 BATCH_MAX_EVENTS = 500
 BATCH_WAIT_S = 0.01
-MAX_BATCHES_IN_FLIGHT = 6  # batches sent to the detector process and not yet answered (a few, so it never idles)
+MAX_BATCHES_IN_FLIGHT = (
+    6  # batches sent to the detector process and not yet answered (a few, so it never idles)
+)
 
 
 def faust_broker_url(bootstrap: str) -> str:
@@ -120,12 +122,21 @@ def create_app(
     ``partitions``: the telemetry topic's partition count, against which each record's partition is checked."""
     app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
-    out_topics = {name: app.topic(name, value_serializer="raw", key_serializer="raw")
-                  for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)}
+    out_topics = {
+        name: app.topic(name, value_serializer="raw", key_serializer="raw")
+        for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)
+    }
     state = state or StateOptions()
-    detectors = DetectorProcess(config, secret, reply_timeout_s=detector_timeout_s, baseline_dsn=baseline_dsn,
-                                state_bootstrap=bootstrap if state.enabled else None, state=state, group=app_id,
-                                partitions=partitions)
+    detectors = DetectorProcess(
+        config,
+        secret,
+        reply_timeout_s=detector_timeout_s,
+        baseline_dsn=baseline_dsn,
+        state_bootstrap=bootstrap if state.enabled else None,
+        state=state,
+        group=app_id,
+        partitions=partitions,
+    )
     health = WorkerHealth(detectors)
     app.sensors.add(CommitSensor(health))
 
@@ -137,12 +148,16 @@ def create_app(
     async def send(records: list[Outgoing]) -> list[asyncio.Future]:
         """Hand the records to the producer in order; returns their delivery futures."""
         try:
-            return [await out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
-                    for r in records]
+            return [
+                await out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
+                for r in records
+            ]
         except Exception as exc:  # noqa: BLE001 - refused before sending (e.g. too large): never acked
             health.publish_failures += 1
-            await fail(f"cannot publish results ({len(records)} records): {exc!r}; their events stay "
-                       "uncommitted", exc)
+            await fail(
+                f"cannot publish results ({len(records)} records): {exc!r}; their events stay uncommitted",
+                exc,
+            )
             raise
 
     # One pipeline, in request order: the agent's batches and the timer's ticks go to the detector
@@ -216,8 +231,10 @@ def create_app(
         pipeline["inflight"] = inflight
         try:
             async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
-                raw = [(e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
-                       for e in batch]
+                raw = [
+                    (e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
+                    for e in batch
+                ]
                 for _value, _key, partition, offset, _ts in raw:
                     submitted[partition] = max(offset, submitted.get(partition, -1))
                 await submit("events", raw, batch)
@@ -269,8 +286,14 @@ def create_app(
     @app.timer(30.0)
     async def report_counters() -> None:
         c = detectors.counters
-        log.info("processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s", c.processed,
-                 c.deadlettered, c.detector_errors, c.anomalies, dict(c.actions))
+        log.info(
+            "processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s",
+            c.processed,
+            c.deadlettered,
+            c.detector_errors,
+            c.anomalies,
+            dict(c.actions),
+        )
 
     if health_server is None and web_port is not None:
         health_server = HealthServer(web_host, web_port).start()

@@ -58,9 +58,16 @@ class _Entry:
 class BaselineLoader:
     """Loads and caches runs' histories; ``hand`` gives one to a run's monitor at its start."""
 
-    def __init__(self, dsn: str, config: RunwatchConfig, *, ttl_s: float = DEFAULT_TTL_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
-                 sink: Any = None):
+    def __init__(
+        self,
+        dsn: str,
+        config: RunwatchConfig,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        sink: Any = None,
+    ):
         """``sink``: an open ``ClickHouseSink`` to read from instead of opening ``dsn`` (for a process
         that already holds an on-disk chdb path)."""
         self.dsn = dsn
@@ -86,8 +93,10 @@ class BaselineLoader:
             return
         band = None if loaded is None else loaded.band
         if loaded is not None and band is None:
-            reason = (f"no earlier completed run of baseline {start.baseline_key!r} on this hardware in the last "
-                      f"{self.config.baseline.window_days:g} days: no comparison with history")
+            reason = (
+                f"no earlier completed run of baseline {start.baseline_key!r} on this hardware in the last "
+                f"{self.config.baseline.window_days:g} days: no comparison with history"
+            )
         if band is None:
             log.info("run %s: baseline_trajectory is silent: %s", start.run_id, reason)
         hand_band(monitor.joined_detectors, band, reason)
@@ -96,8 +105,10 @@ class BaselineLoader:
         """The run's band, or None and why."""
         loaded, reason = self.load_for(start)
         if loaded is not None and loaded.band is None:
-            reason = (f"no earlier completed run of baseline {start.baseline_key!r} on this hardware in the last "
-                      f"{self.config.baseline.window_days:g} days: no comparison with history")
+            reason = (
+                f"no earlier completed run of baseline {start.baseline_key!r} on this hardware in the last "
+                f"{self.config.baseline.window_days:g} days: no comparison with history"
+            )
         return (loaded.band if loaded is not None else None), reason
 
     def load_for(self, start: RunStartEvent) -> tuple[Baseline | None, str | None]:
@@ -138,16 +149,27 @@ class BaselineLoader:
         assert probe.baseline_key is not None  # load_for checked
         section = self.config.detectors.baseline_trajectory
         started = time.perf_counter()
-        candidates = self._sink.baselines.candidates(probe.baseline_key, probe.fingerprint, start.ts,
-                                                    self.config.baseline.window_days)
+        candidates = self._sink.baselines.candidates(
+            probe.baseline_key, probe.fingerprint, start.ts, self.config.baseline.window_days
+        )
         history = select_history(probe, candidates, self.config.baseline)
         band: BaselineBand | None = None
         if section.enabled and section.max_runs > 0:
-            band = self._sink.baselines.band_of_runs([r.run_id for r in history[-section.max_runs:]], probe.baseline_key,
-                                           probe.fingerprint, max_buckets=section.max_buckets)
-        log.info("history of %s (%s): %d run(s), a band of %s run(s) with %d metrics, loaded in %.3f s",
-                 probe.baseline_key, probe.fingerprint, len(history), band.n_runs if band else 0,
-                 len(band.metrics) if band else 0, time.perf_counter() - started)
+            band = self._sink.baselines.band_of_runs(
+                [r.run_id for r in history[-section.max_runs :]],
+                probe.baseline_key,
+                probe.fingerprint,
+                max_buckets=section.max_buckets,
+            )
+        log.info(
+            "history of %s (%s): %d run(s), a band of %s run(s) with %d metrics, loaded in %.3f s",
+            probe.baseline_key,
+            probe.fingerprint,
+            len(history),
+            band.n_runs if band else 0,
+            len(band.metrics) if band else 0,
+            time.perf_counter() - started,
+        )
         return Baseline(candidates, band)
 
 

@@ -65,7 +65,9 @@ class Reply:
     checkpoint: bool = True
 
 
-RawEvent = tuple[bytes | None, bytes | None, int | None, int | None, float | None]  # value, key, partition, offset, timestamp
+RawEvent = tuple[
+    bytes | None, bytes | None, int | None, int | None, float | None
+]  # value, key, partition, offset, timestamp
 
 
 def outgoing(result: ProcessResult, key: bytes | None = None) -> list[Outgoing]:
@@ -125,12 +127,24 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
         for raw, key, partition, offset, timestamp in payload:
             result = processor.process(raw, key, partition, offset, timestamp)
             if result.deadletter is not None:
-                log.warning("dead letter at %s[%s]@%s: %s", topics.TELEMETRY, partition, offset,
-                            result.deadletter.reason[:300])
-            if (result.deadletter is not None or result.anomalies or result.actions or result.joined
-                    or result.errors):
+                log.warning(
+                    "dead letter at %s[%s]@%s: %s",
+                    topics.TELEMETRY,
+                    partition,
+                    offset,
+                    result.deadletter.reason[:300],
+                )
+            if (
+                result.deadletter is not None
+                or result.anomalies
+                or result.actions
+                or result.joined
+                or result.errors
+            ):
                 reply.records.extend(outgoing(result, key))
-    elif kind == "tick":  # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
+    elif (
+        kind == "tick"
+    ):  # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
         rebalancing, behind = payload if isinstance(payload, tuple) else (bool(payload), ())
         reply.records = outgoing(processor.tick(behind=frozenset(behind)))
         let_go = sum(processor.counters.runs_let_go.values())
@@ -148,13 +162,24 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
     return reply
 
 
-def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_pid: int,
-           baseline_dsn: str | None = None, state_bootstrap: str | None = None,
-           state_json: str | None = None, group: str = topics.DETECT_GROUP,
-           reply_timeout_s: float = REPLY_TIMEOUT_S, partitions: int | None = None) -> None:
+def _serve(
+    requests: Any,
+    replies: Any,
+    config_json: str,
+    secret: bytes,
+    parent_pid: int,
+    baseline_dsn: str | None = None,
+    state_bootstrap: str | None = None,
+    state_json: str | None = None,
+    group: str = topics.DETECT_GROUP,
+    reply_timeout_s: float = REPLY_TIMEOUT_S,
+    partitions: int | None = None,
+) -> None:
     """The child's loop: one request at a time, answered in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
-    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s"
+    )
     logsafe.install()
     logging.getLogger("runwatch").setLevel(logging.INFO)
     try:
@@ -165,8 +190,10 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
 
             baselines = BaselineLoader(baseline_dsn, config)
         else:
-            log.info("no baseline DSN (--baseline-dsn): runs are not compared with their history (no "
-                     "baseline_trajectory band, no outlier check at their end)")
+            log.info(
+                "no baseline DSN (--baseline-dsn): runs are not compared with their history (no "
+                "baseline_trajectory band, no outlier check at their end)"
+            )
         state = StateOptions.model_validate_json(state_json) if state_json else StateOptions(enabled=False)
         reader = None
         if state_bootstrap and state.enabled:
@@ -175,8 +202,15 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
             # (a restore that reads nothing for this long fails, before the parent would take us for frozen;
             # one that reads goes on as long as it needs, and says so: RestoreProgress)
             reader = StateReader(state_bootstrap, timeout_s=max(5.0, reply_timeout_s - 5.0))
-        processor = TelemetryProcessor(config, secret, baselines=baselines, state_reader=reader, state=state,
-                                       group=group, partitions=partitions)
+        processor = TelemetryProcessor(
+            config,
+            secret,
+            baselines=baselines,
+            state_reader=reader,
+            state=state,
+            group=group,
+            partitions=partitions,
+        )
         processor.on_restore_progress = lambda body: replies.put(("progress", body))
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
         replies.put(("error", traceback.format_exc()))
@@ -201,10 +235,17 @@ def _serve(requests: Any, replies: Any, config_json: str, secret: bytes, parent_
 class DetectorProcess:
     """The parent's handle: ``submit`` returns a future for the reply; ``close`` stops the child."""
 
-    def __init__(self, config: RunwatchConfig, secret: bytes, reply_timeout_s: float = REPLY_TIMEOUT_S,
-                 baseline_dsn: str | None = None, state_bootstrap: str | None = None,
-                 state: StateOptions | None = None, group: str = topics.DETECT_GROUP,
-                 partitions: int | None = None):
+    def __init__(
+        self,
+        config: RunwatchConfig,
+        secret: bytes,
+        reply_timeout_s: float = REPLY_TIMEOUT_S,
+        baseline_dsn: str | None = None,
+        state_bootstrap: str | None = None,
+        state: StateOptions | None = None,
+        group: str = topics.DETECT_GROUP,
+        partitions: int | None = None,
+    ):
         """``state_bootstrap``: the broker whose ``runwatch.state`` the runs' snapshots are read back
         from (None: no durable state); ``state``: when snapshots are taken; ``partitions``: the telemetry
         topic's partition count (records on another partition than their key's are refused)."""
@@ -213,10 +254,22 @@ class DetectorProcess:
         self._requests = ctx.Queue()
         self._replies = ctx.Queue()
         self._process = ctx.Process(
-            target=_serve, name="runwatch-detectors", daemon=True,
-            args=(self._requests, self._replies, config.model_dump_json(), secret, os.getpid(), baseline_dsn,
-                  state_bootstrap, (state or StateOptions()).model_dump_json(), group, reply_timeout_s,
-                  partitions),
+            target=_serve,
+            name="runwatch-detectors",
+            daemon=True,
+            args=(
+                self._requests,
+                self._replies,
+                config.model_dump_json(),
+                secret,
+                os.getpid(),
+                baseline_dsn,
+                state_bootstrap,
+                (state or StateOptions()).model_dump_json(),
+                group,
+                reply_timeout_s,
+                partitions,
+            ),
         )
         self._pending: deque[asyncio.Future] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request
@@ -326,9 +379,12 @@ class DetectorProcess:
                     return
                 waited = self.stalled_s()
                 if waited > self.reply_timeout_s:
-                    self._fail(DetectorProcessError(
-                        f"the detector process (pid {self._process.pid}) has neither answered nor reported progress "
-                        f"for {waited:.0f} s (limit {self.reply_timeout_s:.0f} s): frozen or stuck; it was killed"))
+                    self._fail(
+                        DetectorProcessError(
+                            f"the detector process (pid {self._process.pid}) has neither answered nor reported progress "
+                            f"for {waited:.0f} s (limit {self.reply_timeout_s:.0f} s): frozen or stuck; it was killed"
+                        )
+                    )
                     self._process.kill()
                     return
                 continue

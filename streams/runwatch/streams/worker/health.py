@@ -63,7 +63,10 @@ class WorkerHealth:
         if not detector["alive"]:
             return False, f"detector process not alive: {detector['failure'] or 'exited'}"
         if detector["stalled_s"] > self.stuck_after_s:
-            return False, f"detector process has neither answered nor made progress for {detector['stalled_s']:.1f} s"
+            return (
+                False,
+                f"detector process has neither answered nor made progress for {detector['stalled_s']:.1f} s",
+            )
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:
@@ -95,8 +98,11 @@ class WorkerHealth:
             "last_ack_age_s": None if self.last_ack is None else round(now - self.last_ack, 3),
             "publish_failures": self.publish_failures,
             "detector_process": self.detectors.health(),
-            "counters": {**asdict(counters), "actions": dict(counters.actions),
-                         "runs_let_go": dict(counters.runs_let_go)},
+            "counters": {
+                **asdict(counters),
+                "actions": dict(counters.actions),
+                "runs_let_go": dict(counters.runs_let_go),
+            },
         }
 
 

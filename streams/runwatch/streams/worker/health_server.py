@@ -41,8 +41,13 @@ class Starting:
         return False, f"starting: {self.phase}"
 
     def snapshot(self) -> dict[str, Any]:
-        return {"live": True, "ready": False, "reason": f"starting: {self.phase}", "pid": os.getpid(),
-                "uptime_s": round(time.monotonic() - self.started, 3)}
+        return {
+            "live": True,
+            "ready": False,
+            "reason": f"starting: {self.phase}",
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+        }
 
 
 class HealthServer:
@@ -71,7 +76,9 @@ class HealthServer:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="runwatch-health", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="runwatch-health", daemon=True
+        )
 
     @property
     def port(self) -> int:

@@ -102,8 +102,12 @@ class WorkerCounters:
     restored_runs: int = 0  # runs restored from a snapshot when their partition was assigned
     restore_failures: int = 0  # unreadable state records: those runs started fresh
     replay_skipped: int = 0  # events read again that a restored snapshot already included
-    repeats_withheld: int = 0  # anomalies and actions decided again that a predecessor had published (published.py)
-    runs_let_go: Counter = field(default_factory=Counter)  # runs let go without run_end, by why (silent, evicted)
+    repeats_withheld: int = (
+        0  # anomalies and actions decided again that a predecessor had published (published.py)
+    )
+    runs_let_go: Counter = field(
+        default_factory=Counter
+    )  # runs let go without run_end, by why (silent, evicted)
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -116,22 +120,34 @@ TICK_BUDGET_S = 0.1
 
 
 class TelemetryProcessor:
-    def __init__(self, config: RunwatchConfig, secret: bytes, clock: Callable[[], datetime] = utc_now,
-                 perf_clock: Callable[[], float] = time.perf_counter, baselines: BaselineLoader | None = None,
-                 state_reader: StateReader | None = None, state: StateOptions | None = None,
-                 group: str = topics.DETECT_GROUP, partitions: int | None = None):
+    def __init__(
+        self,
+        config: RunwatchConfig,
+        secret: bytes,
+        clock: Callable[[], datetime] = utc_now,
+        perf_clock: Callable[[], float] = time.perf_counter,
+        baselines: BaselineLoader | None = None,
+        state_reader: StateReader | None = None,
+        state: StateOptions | None = None,
+        group: str = topics.DETECT_GROUP,
+        partitions: int | None = None,
+    ):
         """``state_reader``: where runs' snapshots are read back from (None: no durable state; every
         request is then its own checkpoint). ``state``: when snapshots are taken. ``group``: the
         workers' consumer group, whose snapshots these are. ``partitions``: the telemetry topic's
         partition count; a record on another partition than its key's is refused (None: not checked)."""
         self.config = config
         self.partitions = partitions
-        self.baselines = baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
+        self.baselines = (
+            baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
+        )
         self._secret = secret
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
         self._perf = perf_clock
         self.monitors: dict[str, RunMonitor] = {}
-        self._last_seen: dict[str, tuple[datetime, datetime]] = {}  # run -> (newest event ts, when it arrived)
+        self._last_seen: dict[
+            str, tuple[datetime, datetime]
+        ] = {}  # run -> (newest event ts, when it arrived)
         self._partition: dict[str, int] = {}  # run -> the telemetry partition its events come from
         self._tick_order: deque[str] = deque()  # runs in the order the next tick judges them
         # After run_end a multi-rank run is kept this long for its other ranks' last steps.
@@ -145,7 +161,9 @@ class TelemetryProcessor:
         self._state_prefix = f"{group}/"
         self._published = Published()  # what predecessors published for the runs restored here
         self._activity = RunActivity()  # runs, least recently active first (run_lifecycle.py)
-        self._let_go: list[Anomaly] = []  # findings of runs let go outside a request's result, sent with the next tick
+        self._let_go: list[
+            Anomaly
+        ] = []  # findings of runs let go outside a request's result, sent with the next tick
         self._evictions_unlogged, self._evictions_logged_at = 0, float("-inf")
         # Called about once a second while partitions are restored (the detector process tells its parent)
         self.on_restore_progress: Callable[[dict], None] | None = None
@@ -184,18 +202,28 @@ class TelemetryProcessor:
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
 
-    def _observe(self, event: TelemetryEvent, received: datetime | None, partition: int | None,
-                 offset: int | None = None) -> ProcessResult:
+    def _observe(
+        self,
+        event: TelemetryEvent,
+        received: datetime | None,
+        partition: int | None,
+        offset: int | None = None,
+    ) -> ProcessResult:
         run_id = event.run_id
         monitor = self.monitors.get(run_id)
         flushed = None
-        if monitor is not None and isinstance(event, RunStartEvent) and (
-                monitor.ended_at is not None or monitor.is_new_attempt(event)):
+        if (
+            monitor is not None
+            and isinstance(event, RunStartEvent)
+            and (monitor.ended_at is not None or monitor.is_new_attempt(event))
+        ):
             # The run starts again under its id (a resumed, requeued or restarted job): a new monitor
             # (and policy), whether or not the old attempt said goodbye.
             flushed = self._result(monitor.finish())  # (its actions name the attempt they were for)
             self._forget(run_id, "restarted")
-            log.info("run %s: a new attempt %s: watched as a fresh run", run_id, event.attempt or "(after run_end)")
+            log.info(
+                "run %s: a new attempt %s: watched as a fresh run", run_id, event.attempt or "(after run_end)"
+            )
             monitor = None
         if monitor is None:
             self._make_room(1)
@@ -219,7 +247,10 @@ class TelemetryProcessor:
             self._let_go = []
         if flushed is not None:
             result.joined[:0], result.anomalies[:0], result.actions[:0] = (
-                flushed.joined, flushed.anomalies, flushed.actions)
+                flushed.joined,
+                flushed.anomalies,
+                flushed.actions,
+            )
         if self.states is not None:
             self.states.observed(run_id, partition, offset, emitted=bool(result.anomalies or result.actions))
         if monitor.ended_at is not None and monitor.join.world_size <= 1:
@@ -236,8 +267,14 @@ class TelemetryProcessor:
         self._activity.forget(run_id)
         # (_tick_order drops it lazily)
         if self.states is not None:
-            {"ended": self.states.ended_run, "reset": self.states.dropped, "silent": self.states.dropped,
-             "evicted": self.states.dropped, "moved": self.states.moved, "restarted": self.states.moved}[why](run_id)
+            {
+                "ended": self.states.ended_run,
+                "reset": self.states.dropped,
+                "silent": self.states.dropped,
+                "evicted": self.states.dropped,
+                "moved": self.states.moved,
+                "restarted": self.states.moved,
+            }[why](run_id)
 
     def _make_room(self, coming: int) -> None:
         """Let the least recently active runs go until ``coming`` more fit under ``runs.max_runs``."""
@@ -247,27 +284,51 @@ class TelemetryProcessor:
         held = self.config.runs.max_runs
         self._evictions_unlogged += excess
         if self._perf() - self._evictions_logged_at >= EVICTION_LOG_EVERY_S:  # (a flood would fill the log)
-            log.warning("holding runs.max_runs (%d) runs: %d least recently active let go for new ones", held,
-                        self._evictions_unlogged)
+            log.warning(
+                "holding runs.max_runs (%d) runs: %d least recently active let go for new ones",
+                held,
+                self._evictions_unlogged,
+            )
             self._evictions_unlogged, self._evictions_logged_at = 0, self._perf()
         for run_id in self._activity.least_recent(excess):
             self._let_go.append(self._lifecycle(run_id, "evicted", eviction_message(held), value=float(held)))
 
-    def _lifecycle(self, run_id: str, why: str, message: str, value: float | None = None,
-                   threshold: float | None = None, ts: datetime | None = None) -> Anomaly:
+    def _lifecycle(
+        self,
+        run_id: str,
+        why: str,
+        message: str,
+        value: float | None = None,
+        threshold: float | None = None,
+        ts: datetime | None = None,
+    ) -> Anomaly:
         """Let ``run_id`` go for ``why`` (``silent``, ``evicted``); the info finding that says so."""
         monitor = self.monitors.get(run_id)
         seen = self._last_seen.get(run_id)
         ts = ts or (seen[0] if seen is not None else self._clock())
-        finding = lifecycle_finding(run_id, why, message, step=monitor.last_step if monitor else None, ts=ts,
-                                    value=value, threshold=threshold).model_copy(update={"detected_at": self._clock()})
+        finding = lifecycle_finding(
+            run_id,
+            why,
+            message,
+            step=monitor.last_step if monitor else None,
+            ts=ts,
+            value=value,
+            threshold=threshold,
+        ).model_copy(update={"detected_at": self._clock()})
         self.counters.runs_let_go[why] += 1
         log.debug("run %s: %s", run_id, message)  # (the finding says it; a flood would fill the log)
         self._forget(run_id, why)
         return finding
 
-    def _reset_run(self, run_id: str, exc: BaseException, raw: bytes | None, key: bytes | None,
-                   partition: int | None, offset: int | None) -> ProcessResult:
+    def _reset_run(
+        self,
+        run_id: str,
+        exc: BaseException,
+        raw: bytes | None,
+        key: bytes | None,
+        partition: int | None,
+        offset: int | None,
+    ) -> ProcessResult:
         """A detector raised: drop the run's state (its detectors re-warm from the next event) and
         dead-letter a ``detector_error`` with the traceback; every other run goes on."""
         self.counters.detector_errors += 1
@@ -275,9 +336,15 @@ class TelemetryProcessor:
         trace = traceback.format_exc()
         log.error("detector error on run %s (its state is reset): %r", run_id, exc)
         letter = DeadLetter.for_message(
-            f"detector_error: {type(exc).__name__}: {exc}", raw, source_topic=topics.TELEMETRY,
-            partition=partition, offset=offset, key=key if key is not None else run_id.encode(),
-            stage="detector", traceback=trace)
+            f"detector_error: {type(exc).__name__}: {exc}",
+            raw,
+            source_topic=topics.TELEMETRY,
+            partition=partition,
+            offset=offset,
+            key=key if key is not None else run_id.encode(),
+            stage="detector",
+            traceback=trace,
+        )
         return ProcessResult(errors=[letter])
 
     def keep_partitions(self, partitions: set[int]) -> list[str]:
@@ -289,7 +356,9 @@ class TelemetryProcessor:
         if self.states is not None:
             self.states.moved_partitions(partitions)
             self._loaded &= partitions
-            self.load_partitions(partitions)  # (now, so that a silent restored run is still judged by the timer)
+            self.load_partitions(
+                partitions
+            )  # (now, so that a silent restored run is still judged by the timer)
         return dropped
 
     # -- durable state ---------------------------------------------------------------------------
@@ -311,18 +380,22 @@ class TelemetryProcessor:
             progress.restoring(len(restored), len(records))
             if not key.startswith(self._state_prefix):
                 continue  # another group's
-            run_id = key[len(self._state_prefix):]
+            run_id = key[len(self._state_prefix) :]
             if raw is None or run_id in self.monitors:
                 continue  # a tombstone; or a run already live here (its state is newer than any record)
             try:
                 header, body = decode_header(raw, self._secret)
                 if header.run_id != run_id:
-                    raise SnapshotError(f"a state record of run {header.run_id!r} under the key of {run_id!r}")
+                    raise SnapshotError(
+                        f"a state record of run {header.run_id!r} under the key of {run_id!r}"
+                    )
                 if header.partition not in new:
                     continue
                 if header.config_sha != self._config_sha:
-                    log.warning("run %s: its snapshot was taken under another detector config: it starts fresh",
-                                run_id)
+                    log.warning(
+                        "run %s: its snapshot was taken under another detector config: it starts fresh",
+                        run_id,
+                    )
                     continue
                 if header.ended_at is not None:
                     self.states.restored_marker(run_id, header.partition, header.ended_at)
@@ -349,8 +422,12 @@ class TelemetryProcessor:
         self.counters.restored_runs += len(restored)
         self.counters.runs = len(self.monitors)
         progress.done(len(restored), len(records))
-        log.info("restored %d run(s) of telemetry partition(s) %s in %.3f s", len(restored), sorted(new),
-                 self._perf() - started)
+        log.info(
+            "restored %d run(s) of telemetry partition(s) %s in %.3f s",
+            len(restored),
+            sorted(new),
+            self._perf() - started,
+        )
 
     def take_snapshots(self, force_checkpoint: bool = False) -> tuple[list[StateRecord], bool]:
         """The state records due now, and whether they make a checkpoint (see run_states.py). Without
@@ -364,8 +441,14 @@ class TelemetryProcessor:
             run, monitor = self.states.runs[run_id], self.monitors.get(run_id)
             if monitor is None or run.partition is None:
                 continue
-            header = SnapshotHeader(run_id=run_id, partition=run.partition, offset=run.last_offset,
-                                    events=monitor.events_seen, taken_at=now, config_sha=self._config_sha)
+            header = SnapshotHeader(
+                run_id=run_id,
+                partition=run.partition,
+                offset=run.last_offset,
+                events=monitor.events_seen,
+                taken_at=now,
+                config_sha=self._config_sha,
+            )
             try:
                 value = encode_snapshot(header, RunState(monitor, self._last_seen.get(run_id)), self._secret)
             except Exception as exc:  # noqa: BLE001 - a detector whose state does not pickle: no snapshot
@@ -374,22 +457,41 @@ class TelemetryProcessor:
                 continue
             if len(value) > topics.STATE_MAX_BYTES:
                 self.counters.snapshot_failures += 1
-                log.error("run %s: its snapshot is %d bytes, over the %d-byte record limit: not written (a new "
-                          "owner would re-warm it)", run_id, len(value), topics.STATE_MAX_BYTES)
+                log.error(
+                    "run %s: its snapshot is %d bytes, over the %d-byte record limit: not written (a new "
+                    "owner would re-warm it)",
+                    run_id,
+                    len(value),
+                    topics.STATE_MAX_BYTES,
+                )
                 continue
             records.append(StateRecord(self._state_prefix + run_id, run.partition, value))
             self.states.written(run_id)
             self.counters.snapshots += 1
             self.counters.snapshot_bytes += len(value)
         for run_id, partition, ended_at in due.markers:
-            header = SnapshotHeader(run_id=run_id, partition=partition, offset=-1, events=0, taken_at=now,
-                                    ended_at=ended_at, config_sha=self._config_sha)
-            records.append(StateRecord(self._state_prefix + run_id, partition,
-                                       encode_snapshot(header, None, self._secret)))
-        records.extend(StateRecord(self._state_prefix + run_id, partition, None) for run_id, partition in due.tombstones)
+            header = SnapshotHeader(
+                run_id=run_id,
+                partition=partition,
+                offset=-1,
+                events=0,
+                taken_at=now,
+                ended_at=ended_at,
+                config_sha=self._config_sha,
+            )
+            records.append(
+                StateRecord(
+                    self._state_prefix + run_id, partition, encode_snapshot(header, None, self._secret)
+                )
+            )
+        records.extend(
+            StateRecord(self._state_prefix + run_id, partition, None) for run_id, partition in due.tombstones
+        )
         return records, due.checkpoint
 
-    def tick(self, now: datetime | None = None, behind: set[int] | frozenset[int] = frozenset()) -> ProcessResult:
+    def tick(
+        self, now: datetime | None = None, behind: set[int] | frozenset[int] = frozenset()
+    ) -> ProcessResult:
         """Time-based checks (stalled or silent ranks) for the runs this worker holds.
 
         Each run is ticked on its own event time, carried forward by the wall clock since its
@@ -434,7 +536,9 @@ class TelemetryProcessor:
                     if self.states is not None and (part.anomalies or part.actions):
                         self.states.emitted(run_id)
             except Exception as exc:  # noqa: BLE001
-                result.errors.extend(self._reset_run(run_id, exc, None, None, self._partition.get(run_id), None).errors)
+                result.errors.extend(
+                    self._reset_run(run_id, exc, None, None, self._partition.get(run_id), None).errors
+                )
                 continue
             result.anomalies.extend(part.anomalies)
             result.actions.extend(part.actions)
@@ -449,14 +553,26 @@ class TelemetryProcessor:
         lagging = [r for r, p in self._partition.items() if p in behind] if behind else ()
         silent = list(self._activity.silent(now, timedelta(seconds=retention_s), skip=lagging))
         if silent:
-            log.warning("%d run(s) silent for over %.0f s let go (runs.silence_retention_s); %d held", len(silent),
-                        retention_s, len(self.monitors) - len(silent))
+            log.warning(
+                "%d run(s) silent for over %.0f s let go (runs.silence_retention_s); %d held",
+                len(silent),
+                retention_s,
+                len(self.monitors) - len(silent),
+            )
         out = []
         for run_id in silent:
             event_ts, arrived = self._last_seen.get(run_id, (now, now))
             quiet_s = (now - arrived).total_seconds()
-            out.append(self._lifecycle(run_id, "silent", silence_message(quiet_s, retention_s), value=quiet_s,
-                                       threshold=retention_s, ts=event_ts + (now - arrived)))
+            out.append(
+                self._lifecycle(
+                    run_id,
+                    "silent",
+                    silence_message(quiet_s, retention_s),
+                    value=quiet_s,
+                    threshold=retention_s,
+                    ts=event_ts + (now - arrived),
+                )
+            )
         return out
 
     def _result(self, out: MonitorOutput) -> ProcessResult:
@@ -470,7 +586,13 @@ class TelemetryProcessor:
         result = ProcessResult(anomalies=anomalies, actions=actions, joined=out.joined)
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:
-            log.info("anomaly run=%s step=%s %s: %s", anomaly.run_id, anomaly.step, anomaly.detector, anomaly.message)
+            log.info(
+                "anomaly run=%s step=%s %s: %s",
+                anomaly.run_id,
+                anomaly.step,
+                anomaly.detector,
+                anomaly.message,
+            )
         for action in result.actions:
             self.counters.actions[action.kind] += 1
             log.info("action run=%s %s (%s)", action.run_id, action.kind, action.reason)
@@ -482,8 +604,11 @@ class TelemetryProcessor:
         for record in records:
             if self._published.is_repeat(record):
                 self.counters.repeats_withheld += 1
-                log.info("run %s: %s already published before this worker restored the run: not sent again",
-                         record.run_id, record.anomaly_id if isinstance(record, Anomaly) else record.action_id)
+                log.info(
+                    "run %s: %s already published before this worker restored the run: not sent again",
+                    record.run_id,
+                    record.anomaly_id if isinstance(record, Anomaly) else record.action_id,
+                )
             else:
                 kept.append(record)
         return kept
@@ -517,11 +642,12 @@ class TelemetryProcessor:
         return {**job, **decision.params} if job else decision.params
 
     @staticmethod
-    def _deadletter(reason: str, raw: bytes | None, key: bytes | None, partition: int | None,
-                    offset: int | None) -> DeadLetter:
-        return DeadLetter.for_message(reason, raw, source_topic=topics.TELEMETRY, partition=partition,
-                                      offset=offset, key=key)
+    def _deadletter(
+        reason: str, raw: bytes | None, key: bytes | None, partition: int | None, offset: int | None
+    ) -> DeadLetter:
+        return DeadLetter.for_message(
+            reason, raw, source_topic=topics.TELEMETRY, partition=partition, offset=offset, key=key
+        )
 
 
 _CLOCK_SLACK = timedelta(seconds=1)
-

@@ -69,14 +69,21 @@ def _content(record: Anomaly | Action) -> str:
     return record.model_dump_json(exclude=_ANOMALY_MADE if isinstance(record, Anomaly) else _ACTION_MADE)
 
 
-def read_published(scan, run_ids: Iterable[str], tail: int = TAIL_RECORDS,  # noqa: ANN001
-                   budget_s: float = READ_BUDGET_S) -> Published:
+def read_published(
+    scan,
+    run_ids: Iterable[str],
+    tail: int = TAIL_RECORDS,  # noqa: ANN001
+    budget_s: float = READ_BUDGET_S,
+) -> Published:
     """``scan(topic, partitions, tail, timeout_s)``: a StateReader's. Records that do not parse are skipped."""
     wanted = {run.encode() for run in run_ids}
     published = Published()
     if not wanted:
         return published
-    models: tuple[tuple[str, type[Anomaly] | type[Action]], ...] = ((topics.ANOMALIES, Anomaly), (topics.ACTIONS, Action))
+    models: tuple[tuple[str, type[Anomaly] | type[Action]], ...] = (
+        (topics.ANOMALIES, Anomaly),
+        (topics.ACTIONS, Action),
+    )
     for topic, model in models:
         try:
             for key, value in scan(topic, None, tail, budget_s):
@@ -87,6 +94,10 @@ def read_published(scan, run_ids: Iterable[str], tail: int = TAIL_RECORDS,  # no
                 except ValueError:
                     continue
         except StateReadError as exc:
-            log.warning("%s: what the restored runs' previous worker published after their last snapshots may "
-                        "be issued again (%s)", topic, exc)
+            log.warning(
+                "%s: what the restored runs' previous worker published after their last snapshots may "
+                "be issued again (%s)",
+                topic,
+                exc,
+            )
     return published

@@ -17,7 +17,9 @@ class RestoreProgress:
     EVERY_S = 1.0
     LOG_EVERY_S = 5.0
 
-    def __init__(self, partitions: list[int], perf: Callable[[], float], report: Callable[[dict], None] | None):
+    def __init__(
+        self, partitions: list[int], perf: Callable[[], float], report: Callable[[dict], None] | None
+    ):
         self.partitions = partitions
         self._perf = perf
         self._report = report
@@ -44,7 +46,10 @@ class RestoreProgress:
         body = {"partitions": self.partitions, **what, "elapsed_s": round(now - self.started, 3)}
         if log_it:
             self._logged = now
-            log.info("restoring telemetry partition(s) %s: %s", self.partitions,
-                     ", ".join(f"{k} {v}" for k, v in what.items()))
+            log.info(
+                "restoring telemetry partition(s) %s: %s",
+                self.partitions,
+                ", ".join(f"{k} {v}" for k, v in what.items()),
+            )
         if self._report is not None:
             self._report(body)

@@ -55,26 +55,47 @@ class RunActivity:
                 yield run_id
 
 
-def lifecycle_finding(run_id: str, why: str, message: str, *, step: int | None, ts: datetime,
-                      value: float | None = None, threshold: float | None = None) -> Anomaly:
+def lifecycle_finding(
+    run_id: str,
+    why: str,
+    message: str,
+    *,
+    step: int | None,
+    ts: datetime,
+    value: float | None = None,
+    threshold: float | None = None,
+) -> Anomaly:
     """The ``info`` finding that a run was let go (``why``: ``silent`` or ``evicted``). Its id is the same
     however often the decision is taken again for the same last event (``ts``): sinks deduplicate it."""
     anomaly_id = uuid.uuid5(_NAMESPACE, f"{run_id}|{why}|{ts.isoformat()}").hex
-    return Anomaly(anomaly_id=anomaly_id, run_id=run_id, step=step, detector=LIFECYCLE, metric=why, value=value,
-                   threshold=threshold, severity="info", message=message, evidence={"why": why}, ts=ts)
+    return Anomaly(
+        anomaly_id=anomaly_id,
+        run_id=run_id,
+        step=step,
+        detector=LIFECYCLE,
+        metric=why,
+        value=value,
+        threshold=threshold,
+        severity="info",
+        message=message,
+        evidence={"why": why},
+        ts=ts,
+    )
 
 
 def silence_message(silent_s: float, retention_s: float) -> str:
-    return (f"no event for {_hours(silent_s)} (retention {_hours(retention_s)}): the run went silent without "
-            "run_end; the worker let it go (its state dropped, its snapshot deleted)")
+    return (
+        f"no event for {_hours(silent_s)} (retention {_hours(retention_s)}): the run went silent without "
+        "run_end; the worker let it go (its state dropped, its snapshot deleted)"
+    )
 
 
 def eviction_message(held: int) -> str:
-    return (f"the worker held its limit of {held} runs (runs.max_runs) and this was the least recently active: "
-            "let go (its state dropped, its snapshot deleted); an event of it starts it afresh")
+    return (
+        f"the worker held its limit of {held} runs (runs.max_runs) and this was the least recently active: "
+        "let go (its state dropped, its snapshot deleted); an event of it starts it afresh"
+    )
 
 
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.0f} s"
-
-

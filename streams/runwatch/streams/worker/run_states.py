@@ -32,8 +32,12 @@ class StateOptions(BaseModel):
 
     enabled: bool = True
     every_events: int = Field(1000, ge=1, description="snapshot a run after this many events since its last")
-    interval_s: float = Field(5.0, gt=0, description="checkpoint every run changed since its last snapshot this often")
-    retention_s: float = Field(3600.0, ge=0, description="an ended run's marker is kept this long, then deleted")
+    interval_s: float = Field(
+        5.0, gt=0, description="checkpoint every run changed since its last snapshot this often"
+    )
+    retention_s: float = Field(
+        3600.0, ge=0, description="an ended run's marker is kept this long, then deleted"
+    )
 
 
 @dataclass
@@ -79,8 +83,13 @@ class RunStates:
     def already_seen(self, run_id: str, partition: int | None, offset: int | None) -> bool:
         """An event read again after a restore that its run's snapshot already includes."""
         run = self.runs.get(run_id)
-        return (run is not None and offset is not None and run.covered >= 0 and partition == run.partition
-                and offset <= run.covered)
+        return (
+            run is not None
+            and offset is not None
+            and run.covered >= 0
+            and partition == run.partition
+            and offset <= run.covered
+        )
 
     def observed(self, run_id: str, partition: int | None, offset: int | None, emitted: bool) -> None:
         run = self.runs.get(run_id)
@@ -140,8 +149,11 @@ class RunStates:
             self._last_checkpoint = self._perf()
             runs = [r for r, s in self.runs.items() if s.dirty]
             now = self._clock()
-            expired = [r for r, (_, at) in self.ended.items()
-                       if now - at >= timedelta(seconds=self.options.retention_s)]
+            expired = [
+                r
+                for r, (_, at) in self.ended.items()
+                if now - at >= timedelta(seconds=self.options.retention_s)
+            ]
             for run_id in expired:
                 self._tombstones[run_id] = self.ended.pop(run_id)[0]
         else:

@@ -53,7 +53,9 @@ class SnapshotHeader(BaseModel):
     offset: int
     events: int  # events the run had seen when it was taken
     taken_at: datetime
-    ended_at: datetime | None = None  # set on the marker of an ended run (no body): kept until retention ends it
+    ended_at: datetime | None = (
+        None  # set on the marker of an ended run (no body): kept until retention ends it
+    )
     config_sha: str  # the detector config it was taken under: another config starts the run fresh
 
 
@@ -67,7 +69,9 @@ _MAC = 32
 def encode_snapshot(header: SnapshotHeader, state: Any, secret: bytes, level: int = 1) -> bytes:
     """The record value. ``state`` None: a marker with no body (an ended run)."""
     head = header.model_dump_json().encode()
-    body = b"" if state is None else zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), level)
+    body = (
+        b"" if state is None else zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), level)
+    )
     signed = _LENGTH.pack(len(head)) + head + body
     return MAGIC + hmac.digest(secret, signed, "sha256") + signed
 
@@ -79,18 +83,20 @@ def decode_header(raw: bytes, secret: bytes) -> tuple[SnapshotHeader, memoryview
     if len(raw) < start + 4 or bytes(view[:4]) != MAGIC:
         raise SnapshotError("not a runwatch state record (bad magic)")
     if not hmac.compare_digest(bytes(view[4:start]), hmac.digest(secret, view[start:], "sha256")):
-        raise SnapshotError("a state record not signed with this worker's secret (refused: it would be unpickled)")
-    (length,) = _LENGTH.unpack(view[start:start + 4])
+        raise SnapshotError(
+            "a state record not signed with this worker's secret (refused: it would be unpickled)"
+        )
+    (length,) = _LENGTH.unpack(view[start : start + 4])
     head_at = start + 4
     if head_at + length > len(raw):
         raise SnapshotError("a truncated state record (its header is cut)")
     try:
-        header = SnapshotHeader.model_validate_json(bytes(view[head_at:head_at + length]))
+        header = SnapshotHeader.model_validate_json(bytes(view[head_at : head_at + length]))
     except ValidationError as exc:
         raise SnapshotError(f"a state record with an unreadable header: {exc.errors()[0]['msg']}") from exc
     if header.format != FORMAT:
         raise SnapshotError(f"a state record of format {header.format} (this worker reads {FORMAT})")
-    return header, view[head_at + length:]
+    return header, view[head_at + length :]
 
 
 def decode_body(body: memoryview) -> Any:

@@ -32,7 +32,9 @@ from runwatch.producer.wire import topics
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 25.0  # nothing read for this long: the read fails (and with it the worker: a successor retries)
+DEFAULT_TIMEOUT_S = (
+    25.0  # nothing read for this long: the read fails (and with it the worker: a successor retries)
+)
 IDLE_S = 5.0
 PROGRESS_EVERY_S = 1.0
 
@@ -42,8 +44,14 @@ class StateReadError(RuntimeError):
 
 
 class StateReader:
-    def __init__(self, bootstrap: str, topic: str = topics.STATE, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 idle_s: float = IDLE_S, consumer: object = None):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str = topics.STATE,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        idle_s: float = IDLE_S,
+        consumer: object = None,
+    ):
         """``consumer``: a kafka-python ``KafkaConsumer`` to use (else one is made for ``bootstrap``)."""
         self.bootstrap = bootstrap
         self.topic = topic
@@ -57,10 +65,16 @@ class StateReader:
             from kafka import KafkaConsumer
 
             self._consumer = KafkaConsumer(
-                bootstrap_servers=self.bootstrap, api_version=topics.KAFKA_API_VERSION, group_id=None,
-                enable_auto_commit=False, auto_offset_reset="earliest",
+                bootstrap_servers=self.bootstrap,
+                api_version=topics.KAFKA_API_VERSION,
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
                 max_partition_fetch_bytes=topics.STATE_MAX_BYTES + (1 << 20),
-                fetch_max_bytes=4 * topics.STATE_MAX_BYTES, fetch_max_wait_ms=100, request_timeout_ms=30_000)
+                fetch_max_bytes=4 * topics.STATE_MAX_BYTES,
+                fetch_max_wait_ms=100,
+                request_timeout_ms=30_000,
+            )
         return self._consumer
 
     def read(self, partitions: Iterable[int]) -> dict[str, bytes | None]:
@@ -71,8 +85,13 @@ class StateReader:
                 newest[key.decode("utf-8", "replace")] = value
         return newest
 
-    def scan(self, topic: str, partitions: Iterable[int] | None = None, tail: int | None = None,
-             timeout_s: float | None = None) -> Iterator[tuple[bytes | None, bytes | None]]:
+    def scan(
+        self,
+        topic: str,
+        partitions: Iterable[int] | None = None,
+        tail: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[tuple[bytes | None, bytes | None]]:
         """Every record's (key, value) of ``topic``'s ``partitions`` (None: all of them), in offset
         order per partition; ``tail``: only each partition's last ``tail`` offsets. Raises
         StateReadError past ``timeout_s`` (the reader's by default)."""
@@ -101,8 +120,10 @@ class StateReader:
             while todo:
                 now = time.monotonic()
                 if now - any_progress > limit:
-                    raise StateReadError(f"reading {topic} partitions {sorted(tp.partition for tp in todo)}: nothing "
-                                         f"arrived for {limit:g} s ({read} records read in {now - started:.0f} s)")
+                    raise StateReadError(
+                        f"reading {topic} partitions {sorted(tp.partition for tp in todo)}: nothing "
+                        f"arrived for {limit:g} s ({read} records read in {now - started:.0f} s)"
+                    )
                 batches = consumer.poll(timeout_ms=200, max_records=5000)
                 now = time.monotonic()
                 if any(batches.values()):
@@ -123,9 +144,15 @@ class StateReader:
                     if consumer.position(tp) >= end[tp] and not batches.get(tp):
                         todo.discard(tp)  # past the end, and nothing more to fetch
                     elif now - any_progress > quiet_for and consumer.highwater(tp) is not None:
-                        log.info("%s[%d]: nothing to fetch from %d below its end %d for %.1f s, nor from any other "
-                                 "partition: a cleaned tail, read", topic, tp.partition, consumer.position(tp),
-                                 end[tp], now - any_progress)
+                        log.info(
+                            "%s[%d]: nothing to fetch from %d below its end %d for %.1f s, nor from any other "
+                            "partition: a cleaned tail, read",
+                            topic,
+                            tp.partition,
+                            consumer.position(tp),
+                            end[tp],
+                            now - any_progress,
+                        )
                         todo.discard(tp)
         finally:
             consumer.assign([])
