@@ -68,7 +68,7 @@ demo: demo-setup
 # The type check first: mypy strict over every package, reading the rooms as they are (pyproject's [tool.mypy]);
 # then ruff's lint and format check; then the suite.
 test: setup clients browser lint
-	$(VENV)/bin/mypy -p runwatch
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -266,7 +266,8 @@ def test_the_type_checkers_read_the_rooms_the_wheel_is_built_from():
     """One list of rooms (docs/architecture.md): the wheel's, mypy's and pyright's must not drift apart."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     rooms = pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
-    assert pyproject["tool"]["mypy"]["mypy_path"] == rooms == pyproject["tool"]["pyright"]["extraPaths"]
+    mypy = pyproject["tool"]["mypy"]
+    assert mypy["mypy_path"] == mypy["files"] == rooms == pyproject["tool"]["pyright"]["extraPaths"]
     assert all((ROOT / room / "runwatch" / room).is_dir() for room in rooms)
     assert not list(ROOT.glob("*/runwatch/__init__.py")), "runwatch is a namespace package: no __init__.py"
 
