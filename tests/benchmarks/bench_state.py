@@ -16,13 +16,12 @@ worker in the group gives. Prints JSON (progress on stderr).
   per partition each (other runs' and the restored runs'), then ``read_published`` for 1,000
   restored runs, timed against its ``READ_BUDGET_S``.
 - **one worker against two in one group**: real worker processes (``create_app``, state on), a fresh
-  group and broker each time; the workers are started and have split the partitions *before* the telemetry topic
-  is filled, so no rebalance falls inside the measurement; each worker notes, per partition, when it
-  handed its first and last event to its detector process; the group's rate is the events over the
-  first of those to the last. One worker with ``--no-state`` too, for the cost of snapshots in the
-  whole pipeline. Both workers share this machine's two cores with the broker and the filling
-  producer, so the two-worker figure here says what a second process on the *same* cores gives,
-  not what a second machine would.
+  group and broker each time; the workers are started and have split the partitions *before* the telemetry
+  topic is filled, so no rebalance falls inside the measurement; each worker notes, per partition, when it
+  handed its first and last event to its detector process; the group's rate is the events over the first of
+  those to the last. One worker with ``--no-state`` too, for the cost of snapshots in the whole pipeline. Both
+  workers share this machine's two cores with the broker and the filling producer, so the two-worker figure
+  here says what a second process on the *same* cores gives, not what a second machine would.
 
     .venv/bin/python tests/benchmarks/bench_state.py [--events 20000] [--rounds 2] [--restore-runs 1000]
 """
@@ -376,11 +375,11 @@ def worker_process(bootstrap: str, group: str, state: str, out: str, ready: str)
     seen: dict[int, list] = {}
     submit = detectors.submit
 
-    def timed_submit(kind, payload=None):  # noqa: ANN001, ANN202
+    def timed_submit(kind, payload=None):
         reply = submit(kind, payload)
         if kind == "events":
 
-            def done(_f) -> None:  # noqa: ANN001
+            def done(_f) -> None:
                 now = time.time()
                 for _v, _k, p, o, _ts in payload:
                     entry = seen.setdefault(p, [now, now, o, 0])
@@ -546,7 +545,8 @@ def main() -> None:
                     workers, state, args.events, args.runs, Path(tmp), args.timeout
                 )
                 log(
-                    f"round {r}: {workers} worker(s), state {state}: {rates[f'{workers}_worker_state_{state}']:.0f} events/s"
+                    f"round {r}: {workers} worker(s), state {state}: "
+                    f"{rates[f'{workers}_worker_state_{state}']:.0f} events/s"
                 )
             rounds.append({k: round(v) for k, v in rates.items()})
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}

@@ -70,7 +70,7 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
         telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
 
         @app.agent(telemetry)
-        async def drain(stream):  # noqa: ANN001
+        async def drain(stream):
             async for event in stream.events():
                 clock(event.message.partition, event.message.offset)
     else:
@@ -79,7 +79,7 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
         )
         submit = detectors.submit
 
-        def timed_submit(kind, payload=None):  # noqa: ANN001, ANN202 - an event counts once its reply is back
+        def timed_submit(kind, payload=None):  # an event counts once its reply is back
             reply = submit(kind, payload)
             if kind == "events":
                 clock.begin()

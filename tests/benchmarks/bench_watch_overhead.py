@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from watch_host_cost import count_ops, measure  # noqa: E402
+from watch_host_cost import count_ops, measure
 
-from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port  # noqa: E402
-from runwatch.producer import RunWatch  # noqa: E402
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
+from runwatch.producer import RunWatch
 
 # name: (vocab, width, layers, heads, batch, seq)
 CONFIGS = {

@@ -39,7 +39,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 

@@ -89,7 +89,7 @@ class Browser:
     def __exit__(self, *exc: object) -> None:
         try:
             self.ws.close()
-        except Exception:  # noqa: BLE001, S110 - closing anyway
+        except Exception:  # noqa: BLE001 - closing anyway
             pass
         self._end_group(signal.SIGTERM)
         try:
@@ -139,7 +139,7 @@ class Browser:
     def _page_targets(port: int, timeout: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as response:  # noqa: S310
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as response:
                 pages = [t for t in json.load(response) if t.get("type") == "page"]
             if pages:
                 return pages

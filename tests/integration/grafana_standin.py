@@ -85,7 +85,7 @@ class GrafanaStandIn:
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
             def _handle(self) -> None:
@@ -118,7 +118,7 @@ class GrafanaStandIn:
                 self.end_headers()
                 self.wfile.write(payload)
 
-            do_GET = do_POST = do_PUT = do_DELETE = _handle  # noqa: N815 - http.server's names
+            do_GET = do_POST = do_PUT = do_DELETE = _handle
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

@@ -166,8 +166,8 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
     ):
         out = subprocess.run([runwatch, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert (out.returncode, out.stderr.strip().splitlines()) == (
-            1,
-            [f"Error: runwatch {command[0]} needs the '{extra}' extra: pip install 'runwatch[{extra}]'"],
+            2,
+            [f"error: runwatch {command[0]} needs the '{extra}' extra: pip install 'runwatch[{extra}]'"],
         ), out.stderr
 
     done = subprocess.run(

@@ -150,7 +150,7 @@ def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored
     bands = BaselineLoader(sink.dsn, config, timeout_s=30.0, sink=sink)
     processor = TelemetryProcessor(config, b"secret", baselines=bands)
 
-    def anomalies(event):  # noqa: ANN001 - as the worker reads it: keyed by run id, sent at its ts
+    def anomalies(event):  # as the worker reads it: keyed by run id, sent at its ts
         return processor.process(
             event.to_json(), event.run_id.encode(), timestamp=event.ts.timestamp()
         ).anomalies

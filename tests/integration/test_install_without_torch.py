@@ -44,7 +44,7 @@ def test_the_server_install_has_no_torch_and_the_worker_runs(tmp_path):
     demo = subprocess.run(
         [str(venv / "bin" / "runwatch"), "demo"], capture_output=True, text=True, timeout=120
     )
-    assert demo.returncode == 1, demo.stderr[-2000:]
+    assert demo.returncode == 2, demo.stderr[-2000:]
     assert demo.stderr.strip().splitlines() == [
-        "Error: runwatch demo needs the 'demo' extra: pip install 'runwatch[demo]'"
+        "error: runwatch demo needs the 'demo' extra: pip install 'runwatch[demo]'"
     ], demo.stderr[-2000:]

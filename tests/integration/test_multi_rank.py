@@ -183,7 +183,7 @@ class Run:
     def joined(self, until, timeout: float = 60.0) -> list[JoinedStep]:
         return self._read(topics.JOINED, JoinedStep, until, timeout)
 
-    def _read(self, topic: str, model, until, timeout: float) -> list:  # noqa: ANN001
+    def _read(self, topic: str, model, until, timeout: float) -> list:
         def mine(records: list) -> list:
             out = []
             for r in records:

@@ -144,7 +144,7 @@ def publish_fault_run(producer: KafkaProducer, run_id: str, ranks: int = 1, heal
     key = run_id.encode()
     futures = []
 
-    def each_rank(make) -> None:  # noqa: ANN001
+    def each_rank(make) -> None:
         futures.extend(send(producer, key, make(rank).to_json()) for rank in range(ranks))
 
     each_rank(lambda r: RunStartEvent(run_id=run_id, rank=r, world_size=ranks))

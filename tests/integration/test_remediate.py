@@ -1,7 +1,7 @@
 """`runwatch remediate` against the real broker, the real embedded ClickHouse, a real local HTTP
 server as the chat webhook and a real command (verified by a stand-in scheduler): a signed action
-delivered twice runs its command and posts once, a forged one and a future-dated one do nothing, every execution is
-recorded, and a restarted remediator does not repeat what is recorded. Targets that are not the
+delivered twice runs its command and posts once, a forged one and a future-dated one do nothing, every
+execution is recorded, and a restarted remediator does not repeat what is recorded. Targets that are not the
 run's and unsafe values: test_remediate_targets.py."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Webhook:
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 hook.posts.append(
                     {

@@ -57,7 +57,8 @@ KUBECTL = (
     "open(log, 'a').write(' '.join(['kubectl', action, pod]) + chr(10))\n"
     "label = json.load(open(table)).get(pod)\n"
     "if label is None:\n"
-    "    sys.exit(print('Error from server (NotFound): pods ' + repr(pod) + ' not found', file=sys.stderr) or 1)\n"
+    "    sys.exit(print('Error from server (NotFound): pods ' + repr(pod) + ' not found', "
+    "file=sys.stderr) or 1)\n"
     "print(label)\n"
 )
 

@@ -71,7 +71,8 @@ def open_report(chromium: str, path: Path, shot: Path) -> dict:
             "expected": int(browser.evaluate("document.body.dataset.panels")),
             "panels": browser.evaluate(PANELS_DRAWN),
             "loss_annotations": browser.evaluate(
-                "Array.from(document.querySelectorAll('#panel-loss .annotation-text')).map(a => a.textContent)"
+                "Array.from(document.querySelectorAll('#panel-loss .annotation-text'))"
+                ".map(a => a.textContent)"
             ),
             # plotly keeps the figure on its element: the anomaly markers it drew on the loss curve
             "loss_markers": browser.evaluate(

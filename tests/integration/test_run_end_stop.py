@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 SECRET = "run-end-integration-secret-of-32-bytes"
 
 
-def run_end(bootstrap: str, run_id: str):  # noqa: ANN201
+def run_end(bootstrap: str, run_id: str):
     def ends(records: list) -> list:
         return [
             e

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 GROUP = "runwatch-takeover-test"
 
 
-def _records(bootstrap: str, topic: str, run_id: str, until, timeout: float = 90) -> list[bytes]:  # noqa: ANN001
+def _records(bootstrap: str, topic: str, run_id: str, until, timeout: float = 90) -> list[bytes]:
     def mine(records: list) -> list[bytes]:
         return [r.value for r in records if r.key == run_id.encode()]
 

@@ -87,7 +87,7 @@ class Training:
             self.proc.kill()
             self.proc.wait(10)
 
-    def _mine(self, topic: str, model, until, timeout: float = 60) -> list:  # noqa: ANN001
+    def _mine(self, topic: str, model, until, timeout: float = 60) -> list:
         def parse(records: list) -> list:
             items = []
             for r in records:
@@ -98,10 +98,10 @@ class Training:
 
         return parse(read_topic(self.bootstrap, topic, lambda records: bool(until(parse(records))), timeout))
 
-    def actions(self, until) -> list[Action]:  # noqa: ANN001
+    def actions(self, until) -> list[Action]:
         return self._mine(topics.ACTIONS, Action, until)
 
-    def anomalies(self, until) -> list[Anomaly]:  # noqa: ANN001
+    def anomalies(self, until) -> list[Anomaly]:
         return self._mine(topics.ANOMALIES, Anomaly, until)
 
     def run_end(self) -> RunEndEvent:

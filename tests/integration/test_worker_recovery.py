@@ -144,11 +144,13 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
             code = worker.process.wait(60)
             exited_after = time.monotonic() - frozen_at
             print(
-                f"frozen detector: /livez 503 after {reported_after:.1f} s, worker exit {code} after {exited_after:.1f} s"
+                f"frozen detector: /livez 503 after {reported_after:.1f} s, worker exit {code} after "
+                f"{exited_after:.1f} s"
             )
             assert code != 0
             assert reported_after < exited_after
-            # (reply timeout 6 s + the reader's 0.5 s poll + at most the 15 s grace, with slack for a busy machine)
+            # (reply timeout 6 s + the reader's 0.5 s poll + at most the 15 s grace, with slack for a busy
+            # machine)
             assert exited_after < 6 + 0.5 + 15 + 15, exited_after
             log = worker.log_path.read_text()
             assert "has neither answered nor reported progress for" in log and "frozen or stuck" in log

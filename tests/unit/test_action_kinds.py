@@ -1,8 +1,9 @@
-"""Every action kind, declared once in ``producer/runwatch/producer/wire/action_kinds.py``, runs the whole way: a policy
-rule may name exactly the kinds the table says; each kind is issued (an ``Action``), signed, accepted by
-the trainer's listener, applied by the handler the table names, acknowledged with an ``action_ack``,
-and shown in the report and the notifications in the table's colours, with a Grafana annotation of
-its own; the docs' table says what the table says. A kind added to the table is picked up here."""
+"""Every action kind, declared once in ``producer/runwatch/producer/wire/action_kinds.py``, runs the whole
+way: a policy rule may name exactly the kinds the table says; each kind is issued (an ``Action``), signed,
+accepted by the trainer's listener, applied by the handler the table names, acknowledged with an
+``action_ack``, and shown in the report and the notifications in the table's colours, with a Grafana
+annotation of its own; the docs' table says what the table says. A kind added to the table is picked up
+here."""
 
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ def test_a_policy_rule_may_name_a_kind_only_where_the_table_says(kind):
 def docs_rows(kinds: dict[str, ActionKindSpec]) -> list[str]:
     """The docs table's rows as the table says they must read."""
     return [
-        f"| `{name}` | {spec.order} | {'yes' if spec.policy_rule else 'no'} | `{spec.applies}` | {spec.summary} |"
+        f"| `{name}` | {spec.order} | {'yes' if spec.policy_rule else 'no'} "
+        f"| `{spec.applies}` | {spec.summary} |"
         for name, spec in kinds.items()
     ]
 

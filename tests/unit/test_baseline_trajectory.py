@@ -1,5 +1,5 @@
-"""The per-step baseline band (detectors/runwatch/detectors/baselines/band.py) and the in-flight detector that compares a
-run with it (detectors/runwatch/detectors/baseline_trajectory.py), on seeded synthetic runs."""
+"""The per-step baseline band (detectors/runwatch/detectors/baselines/band.py) and the in-flight detector that
+compares a run with it (detectors/runwatch/detectors/baseline_trajectory.py), on seeded synthetic runs."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ HISTORY = [run(seed) for seed in range(1, 6)]
 BAND = band_from_runs(HISTORY, baseline_key="job", fingerprint="fp")
 
 
-def detector(**overrides) -> BaselineTrajectoryDetector:  # noqa: ANN003
+def detector(**overrides) -> BaselineTrajectoryDetector:
     d = BaselineTrajectoryDetector(BaselineTrajectoryConfig(**overrides))
     d.set_band(BAND)
     return d
@@ -139,7 +139,7 @@ def test_buckets_pool_their_steps_and_the_model_round_trips_as_json():
     assert type(band).model_validate(json.loads(band.model_dump_json())) == band
 
 
-def record(run_id: str, day: float, **kw) -> RunRecord:  # noqa: ANN003
+def record(run_id: str, day: float, **kw) -> RunRecord:
     fields = {"baseline_key": "job", "fingerprint": "fp", "status": "completed", "new_baseline": False, **kw}
     return RunRecord(run_id=run_id, started_at=T0 + timedelta(days=day), **fields)
 

@@ -61,4 +61,4 @@ def test_bootstrap_alone_creates_topics_there(no_broker_side_effects):
 def test_port_alone_starts_the_embedded_broker_on_it(no_broker_side_effects):
     result = CliRunner().invoke(main, ["broker", "--port", "9092"], env={topics.BOOTSTRAP_ENV: None})
     assert no_broker_side_effects == [("embedded", 9092)]
-    assert result.exit_code == 1 and "not in a unit test" in result.output
+    assert result.exit_code == 2 and "not in a unit test" in result.output

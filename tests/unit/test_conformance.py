@@ -164,7 +164,7 @@ def multi_rank_stream(seed: int = 0) -> list:
     return events
 
 
-def noise_events(event) -> list:  # noqa: ANN001
+def noise_events(event) -> list:
     """Events of kinds no detector reads, from the same rank at the same time."""
     return [
         CheckpointEvent(
@@ -184,7 +184,7 @@ class Feed:
             self.join = StepJoin("conf")
             self.join.set_world_size(RANKS)
 
-    def run(self, detector, events) -> list:  # noqa: ANN001
+    def run(self, detector, events) -> list:
         findings = []
         for event in events:
             findings += detector.update(event, event.ts)
@@ -195,12 +195,12 @@ class Feed:
         return findings
 
 
-def run(spec, events) -> list:  # noqa: ANN001
+def run(spec, events) -> list:
     """A fresh detector of ``spec`` over ``events``."""
     return Feed(spec).run(build(spec), events)
 
 
-def build(spec):  # noqa: ANN001
+def build(spec):
     return spec.build(RunwatchConfig().detectors)
 
 
@@ -208,7 +208,7 @@ EVENTS = stream()
 MULTI_RANK = multi_rank_stream()
 
 
-def events_for(spec) -> list:  # noqa: ANN001
+def events_for(spec) -> list:
     return MULTI_RANK if spec.view == "cross_rank" else EVENTS
 
 

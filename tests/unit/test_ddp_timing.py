@@ -43,7 +43,7 @@ class Recorder:
         self.steps.append(StepEvent(run_id="ddp", rank=self.rank, step=step, **fields))
         return True
 
-    def heartbeat(self, step, phase="train", time_in_phase_s=0.0, in_sync=None, interval_s=None) -> bool:  # noqa: ANN001
+    def heartbeat(self, step, phase="train", time_in_phase_s=0.0, in_sync=None, interval_s=None) -> bool:
         event = HeartbeatEvent(
             run_id="ddp",
             rank=self.rank,
@@ -121,7 +121,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     os._exit(0)
 
 
-def _allreduce(bucket):  # noqa: ANN001, ANN202
+def _allreduce(bucket):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     return allreduce_hook(None, bucket)

@@ -1,7 +1,7 @@
 """The deploy stack (Dockerfile, deploy/compose.yaml, deploy/k8s/base), validated without a Docker engine or a
 cluster: the compose file against the Compose Specification's schema, the Kubernetes manifests with
-kubernetes-validate, the Strimzi KafkaTopics against Strimzi's CRD, and every runwatch command they run against
-the real CLI (parsed by click, not run)."""
+kubernetes-validate, the Strimzi KafkaTopics against Strimzi's CRD, and every runwatch command they run
+against the real CLI (parsed by click, not run)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def _nan_run(run_id: str = "run-1") -> list[tuple[bytes, bytes, int, int, float]]:
-    """A run whose loss goes NaN from step 8 (a checkpoint at 1, confirmed at 7): an alert, then a rollback."""
+    """A run whose loss goes NaN from step 8 (a checkpoint at 1, confirmed at 7): an alert, then a
+    rollback."""
     events = []
     for s in range(12):
         if s == 1:

@@ -410,8 +410,9 @@ def training_timeline(
     declare_interval: bool = False,
 ):
     """(time, event or None) in time order: steps with jittered durations, a heartbeat every
-    ``heartbeat_s`` reporting the phase (and its period, if ``declare_interval``), evals and checkpoint saves that pause the steps, and a tick every second
-    (None). ``stop_after``: no step completes after this one (heartbeats go on, or not)."""
+    ``heartbeat_s`` reporting the phase (and its period, if ``declare_interval``), evals and checkpoint saves
+    that pause the steps, and a tick every second (None). ``stop_after``: no step completes after this one
+    (heartbeats go on, or not)."""
     rng = random.Random(seed)
     items: list[tuple[float, object]] = []
     phases: list[tuple[float, float, str]] = []  # (start, end, phase) of the pauses

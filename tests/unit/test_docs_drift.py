@@ -169,3 +169,41 @@ def test_install_md_lists_every_extra():
 
 def test_a_stale_extra_name_is_refused():
     assert extra_problems("pip install 'runwatch[workers]'", "x") == ["x: no extra 'workers'"]
+
+
+# -- benchmark figures: measured once, in docs/benchmarks.md ------------------------------------------
+# A measured figure (a cost in µs, a latency percentile, a throughput in step events/s) quoted on another
+# page must be one that benchmarks.md states, in the same words: a re-measurement updates that page, and
+# this test then names every stale copy.
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,.]*\d\s?µs|(?<![\w.])\d\s?µs|p(?:50|90|99) \d[\d.]*\s?ms|\d[\d,]*\s?step events/s"
+)
+
+
+def figure_problems(text: str, name: str, measured: str) -> list[str]:
+    return [
+        f"{name}: {m.group(0)!r} is not a figure docs/benchmarks.md states"
+        for m in FIGURE.finditer(text)
+        if m.group(0) not in measured
+    ]
+
+
+def test_every_figure_quoted_elsewhere_is_one_benchmarks_md_states():
+    measured = (ROOT / "docs" / "benchmarks.md").read_text()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    problems = [
+        p
+        for page in pages
+        if page.name != "benchmarks.md"
+        for p in figure_problems(page.read_text(), page.name, measured)
+    ]
+    assert problems == []
+
+
+def test_a_stale_figure_is_refused():
+    measured = "| publish call | 8 µs median | p50 36.4 ms | 2,489 step events/s |"
+    assert figure_problems("about 8 µs, p50 36.4 ms, 2,489 step events/s", "x", measured) == []
+    assert figure_problems("costs 13 µs and p99 49.9 ms", "x", measured) == [
+        "x: '13 µs' is not a figure docs/benchmarks.md states",
+        "x: 'p99 49.9 ms' is not a figure docs/benchmarks.md states",
+    ]

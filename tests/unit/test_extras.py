@@ -85,7 +85,8 @@ def test_a_command_that_needs_part_of_an_extra_names_what_is_missing():
     assert extras.missing(["grafana"], TABLE, installed, without=["grafana-client"]) == {}
     absent = extras.missing(["grafana"], TABLE, installed, without=["grafana_foundation_sdk"])
     assert extras.message("runwatch grafana provision", absent, partial=True) == (
-        "runwatch grafana provision needs grafana-client (from the 'grafana' extra): pip install 'runwatch[grafana]'"
+        "runwatch grafana provision needs grafana-client (from "
+        "the 'grafana' extra): pip install 'runwatch[grafana]'"
     )
 
 
@@ -144,12 +145,12 @@ def test_a_module_missing_while_a_command_runs_is_the_same_one_line(tmp_path: Pa
         results[args[0]] = [done.returncode, done.stderr.strip().splitlines()]
     assert results == {
         "replay": [
-            1,
-            ["Error: runwatch replay needs the 'detectors' extra: pip install 'runwatch[detectors]'"],
+            2,
+            ["error: runwatch replay needs the 'detectors' extra: pip install 'runwatch[detectors]'"],
         ],
         # the command's own extra brings the detectors: that one is named
         "grafana": [
-            1,
-            ["Error: runwatch grafana generate needs the 'grafana' extra: pip install 'runwatch[grafana]'"],
+            2,
+            ["error: runwatch grafana generate needs the 'grafana' extra: pip install 'runwatch[grafana]'"],
         ],
     }, json.dumps(results)

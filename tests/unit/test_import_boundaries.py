@@ -209,9 +209,9 @@ def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path)
         check=False,
         cwd=tmp_path,
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"Error: runwatch {' '.join(command[: 2 if len(command) > 1 else 1])} trains real models and needs "
+        f"error: runwatch {' '.join(command[: 2 if len(command) > 1 else 1])} trains real models and needs "
         "PyTorch: pip install 'runwatch[torch]'"
     ]
     assert not (tmp_path / command[-1]).exists()

@@ -13,6 +13,7 @@ from runwatch.producer.instrument.gradstats import ROOT_MODULE, ParamLayout, gra
 from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.wire.schema import StepEvent
+from runwatch.scenarios.clocks import SimulatedClock
 
 REL = 1e-5
 
@@ -277,68 +278,68 @@ def test_watch_rejects_bad_arguments():
 
 
 def test_data_wait_memory_and_heartbeat_phases_come_with_the_steps():
-    import time
-
     model, x, y = make()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rw = RecordingPublisher()
-    watch = Watcher(rw, model, optimizer, heartbeat_s=0.02)
+    # the caller's clock: no sleeps; the heartbeat beats as the clock advances
+    clock = SimulatedClock(heartbeat_s=0.02)
+    watch = Watcher(rw, model, optimizer, heartbeat_s=0.02, clock=clock.seconds)
+    clock.bind(watch.heartbeat)
 
     def slow_loader():
         for _ in range(3):
-            time.sleep(0.05)  # a data loader that makes the step wait
+            clock.advance(0.05)  # a data loader that makes the step wait
             yield x, y
 
     for bx, by in watch.data(slow_loader()):
         optimizer.zero_grad()
         loss = backward(model, bx, by)
         optimizer.step()
+        clock.advance(0.01)
         watch.end_step(loss, samples=len(bx))
     with watch.phase("eval"):
-        time.sleep(0.06)
+        clock.advance(0.06)
     watch.close()
     assert [e.step for e in rw.steps] == [0, 1, 2]
-    for event in rw.steps:
-        assert event.data_wait_s >= 0.045
-        assert event.step_time_s >= event.data_wait_s
-        assert event.memory is None or (
-            event.memory.host_rss > 0  # /proc is there on Linux
-            and event.memory.allocated is None
-        )  # no CUDA here: absent, not zero
-    # on the wall clock memory is sampled at most every MEMORY_INTERVAL_S: the first step has one
-    assert rw.steps[0].memory is not None
+    assert [e.data_wait_s for e in rw.steps] == pytest.approx([0.05] * 3)
+    assert [e.step_time_s for e in rw.steps] == pytest.approx([0.06] * 3)
+    for event in rw.steps:  # on a clock of the caller's, memory is sampled every step
+        assert event.memory is not None and event.memory.host_rss > 0  # /proc is there on Linux
+        assert event.memory.allocated is None  # no CUDA here: absent, not zero
     phases = {phase for _, phase, _ in rw.heartbeats}
     assert {"dataload", "eval"} <= phases
     assert any(step == 2 and phase == "eval" for step, phase, _ in rw.heartbeats)
 
 
 def test_eval_time_is_left_out_of_the_step_time_and_lr_is_the_one_the_step_used():
-    import time
-
     model, x, y = make()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     rw = RecordingPublisher()
-    watch = Watcher(rw, model, optimizer, heartbeat_s=None)
+    clock = SimulatedClock()
+    watch = Watcher(rw, model, optimizer, heartbeat_s=None, clock=clock.seconds)
     for i in range(3):
         optimizer.zero_grad()
         loss = backward(model, x, y)
         optimizer.step()
+        clock.advance(0.01)
         scheduler.step()  # before end_step, as Lightning and HF do
         if i == 1:
             with watch.phase("eval"):
-                time.sleep(0.2)
+                clock.advance(0.2)
         watch.end_step(loss)
     watch.set_phase("checkpoint")
-    time.sleep(0.2)
+    clock.advance(0.2)
     watch.set_phase("train")
     optimizer.zero_grad()
     loss = backward(model, x, y)
     optimizer.step()
+    clock.advance(0.01)
     watch.end_step(loss)
     watch.close()
     assert [e.lr for e in rw.steps] == [[0.1], [0.05], [0.025], [0.0125]]
-    assert all(e.step_time_s < 0.15 for e in rw.steps), [e.step_time_s for e in rw.steps]
+    # the eval and the checkpoint (0.2 s each) are in no step's time: each step is its 0.01 s of work
+    assert [e.step_time_s for e in rw.steps] == pytest.approx([0.01] * 4)
     assert all(e.data_wait_s is None for e in rw.steps)  # no wrapped loader: absent, not zero
 
 
@@ -366,7 +367,7 @@ def test_three_shards_combine_into_the_full_model_by_root_sum_of_squares():
     shards = [names[i::3] for i in range(3)]  # round robin: blocks.*.fc weight and bias land apart
     assert {"blocks.0.fc.weight", "blocks.0.fc.bias"} <= set(names)
 
-    def run(shard):  # noqa: ANN001
+    def run(shard):
         model, x, y = make()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         rw = RecordingPublisher()
@@ -395,7 +396,7 @@ def test_three_shards_combine_into_the_full_model_by_root_sum_of_squares():
         events = [p[i] for p in parts]
         assert all(e.grad_sharded for e in events) and not event.grad_sharded
 
-        def rss(values):  # noqa: ANN001
+        def rss(values):
             return math.sqrt(sum(v * v for v in values))
 
         for key in ("grad_norm", "param_norm", "update_norm"):

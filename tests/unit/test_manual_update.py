@@ -24,7 +24,7 @@ LR = 0.1
 SECRET = "manual-update-secret-of-32-bytes-or-more"
 
 
-def steps_of(path) -> list:  # noqa: ANN001
+def steps_of(path) -> list:
     return [e for e in (decode_event(line) for line in path.read_bytes().splitlines()) if e.kind == "step"]
 
 
@@ -190,7 +190,7 @@ def test_the_documented_hand_written_loop_runs_as_it_stands(tmp_path):
         "criterion": torch.nn.functional.mse_loss,
         "batches": batches,
     }
-    exec(compile(code, str(doc), "exec"), scope)  # noqa: S102
+    exec(compile(code, str(doc), "exec"), scope)
     rec.close()  # closes the watcher the block made, too
     assert scope["watch"].errors == 0
     steps = steps_of(rec.path)

@@ -295,7 +295,8 @@ def test_bad_seed_and_tags_are_absent_not_raised():
             "535.104.05",
         ),
         (
-            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder)\n",
+            "NVRM version: NVIDIA UNIX Open Kernel Module for "
+            "x86_64  550.54.15  Release Build  (dvs-builder)\n",
             "550.54.15",
         ),
         ("NVRM version: NVIDIA UNIX aarch64 Kernel Module  570.86.10  Thu Jan 30 2025\n", "570.86.10"),

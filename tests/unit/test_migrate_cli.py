@@ -15,7 +15,8 @@ from runwatch.sinks.migrations import MIGRATIONS
 
 
 class FakeStore:
-    """Stands in for ClickHouseSink: refuses the first ``refusals`` connections, like a server still starting."""
+    """Stands in for ClickHouseSink: refuses the first ``refusals`` connections, like a server still
+    starting."""
 
     refusals = 0
     attempts = 0
@@ -60,7 +61,7 @@ def test_waits_for_the_server_then_migrates_without_printing_the_password(fake_s
 def test_gives_up_after_wait(fake_store):
     fake_store.refusals = 10**9
     result = CliRunner().invoke(cli, ["migrate", "--dsn", "http://u:p@nowhere:8123", "--wait", "0"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "did not answer within 0 s" in result.output
     assert fake_store.migrated == 0
 
@@ -88,8 +89,8 @@ def test_migrates_a_real_embedded_clickhouse_once(tmp_path):
 
 
 def test_the_sinks_retention_figures_are_the_tables_ttls():
-    """The sink refuses rows its tables' TTL would delete at once (sinks/runwatch/sinks/rows.py RETENTION_DAYS): those
-    figures must be the migrations' own."""
+    """The sink refuses rows its tables' TTL would delete at once (sinks/runwatch/sinks/rows.py
+    RETENTION_DAYS): those figures must be the migrations' own."""
     import re
 
     from runwatch.sinks.rows import RETENTION_DAYS

@@ -84,7 +84,10 @@ def test_replay_names_the_bad_line(tmp_path):
     path.write_text(
         good
         + "\n"
-        + '{"schema_version": 1, "event_id": "x", "rank": 0, "ts": "2024-01-01T00:00:00Z", "kind": "step", "run_id": "r"}\n'
+        + (
+            '{"schema_version": 1, "event_id": "x", "rank": 0, "ts": '
+            '"2024-01-01T00:00:00Z", "kind": "step", "run_id": "r"}\n'
+        )
     )
     with pytest.raises(ReplayError, match=r"bad.jsonl:2: schema: step"):
         read_events(path)

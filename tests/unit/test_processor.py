@@ -210,7 +210,7 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
     assert all(a.signature for a in result.actions)
 
 
-def _record_ticks(monkeypatch) -> list:  # noqa: ANN001
+def _record_ticks(monkeypatch) -> list:
     """Every run's rank view gets one detector that notes the times it is ticked at; returns that list."""
     from runwatch.detectors.engine import monitor as monitor_module
 

@@ -25,10 +25,10 @@ class _RecordingClient:
         self.sent: list[float] = []  # monotonic time of each record handed over
         self._lock = threading.Lock()
 
-    def partitions_for(self, topic):  # noqa: ANN001
+    def partitions_for(self, topic):
         return {0}
 
-    def send(self, topic, key=None, value=None, timestamp_ms=None):  # noqa: ANN001
+    def send(self, topic, key=None, value=None, timestamp_ms=None):
         with self._lock:
             self.sent.append(time.monotonic())
             offset = len(self.sent) - 1
@@ -38,10 +38,10 @@ class _RecordingClient:
         )
         return future
 
-    def flush(self, timeout=None):  # noqa: ANN001
+    def flush(self, timeout=None):
         pass
 
-    def close(self, timeout=None):  # noqa: ANN001
+    def close(self, timeout=None):
         pass
 
 

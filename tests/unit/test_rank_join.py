@@ -41,7 +41,7 @@ def beat(
     return HeartbeatEvent(run_id=RUN, rank=rank, step=n, ts=at(t), phase=phase, in_sync=in_sync)
 
 
-def see(detector, event) -> list:  # noqa: ANN001
+def see(detector, event) -> list:
     return detector.update(event, event.ts)
 
 
@@ -219,7 +219,7 @@ def test_straggler_stays_quiet_on_even_ranks_and_rearms_after_recovery():
     assert 20 < found[0][0] < 35 and 75 < found[1][0] < 90
 
 
-def _twenty_lockstep_steps(detector) -> None:  # noqa: ANN001
+def _twenty_lockstep_steps(detector) -> None:
     """Steps 0..19 of three ranks, every 0.5 s."""
     for n in range(20):
         for rank in range(3):

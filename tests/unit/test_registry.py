@@ -65,18 +65,23 @@ from runwatch.detectors.engine.monitor import DETECTORS, RunMonitor
 from runwatch.detectors.offline.replay import replay_file
 from runwatch.producer.wire.schema import StepEvent
 
-config = RunwatchConfig.model_validate({"detectors": {"toy_loss_ceiling": {"ceiling": 5.0}},
-                                        "policy": {"rules": [{"detector": "toy_loss_ceiling", "action": "alert"}]}})
+config = RunwatchConfig.model_validate({
+    "detectors": {"toy_loss_ceiling": {"ceiling": 5.0}},
+    "policy": {"rules": [{"detector": "toy_loss_ceiling", "action": "alert"}]},
+})
 t0 = datetime(2026, 11, 23, tzinfo=UTC)
-events = [StepEvent(run_id="toy", step=s, loss=9.0 if s == 7 else 1.0, ts=t0 + timedelta(seconds=s)) for s in range(10)]
+events = [
+    StepEvent(run_id="toy", step=s, loss=9.0 if s == 7 else 1.0, ts=t0 + timedelta(seconds=s))
+    for s in range(10)
+]
 monitor = RunMonitor("toy", config)
 online = [a.detector for e in events for a in monitor.observe(e).anomalies]
 path = sys.argv[1]
 with open(path, "w") as f:
     f.writelines(e.to_json().decode() + "\\n" for e in events)
 offline = [(a.detector, a.step) for a in replay_file(path, config).anomalies]
-print(json.dumps({"config": config.detectors.toy_loss_ceiling.ceiling, "wired": "toy_loss_ceiling" in DETECTORS,
-                  "online": online, "offline": offline}))
+print(json.dumps({"config": config.detectors.toy_loss_ceiling.ceiling,
+                  "wired": "toy_loss_ceiling" in DETECTORS, "online": online, "offline": offline}))
 """
 
 

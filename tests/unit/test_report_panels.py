@@ -1,4 +1,5 @@
-"""The report's panels from hand-made rows (sinks/runwatch/sinks/report/panels.py, html.py): pure, no ClickHouse."""
+"""The report's panels from hand-made rows (sinks/runwatch/sinks/report/panels.py, html.py): pure, no
+ClickHouse."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def stop_action(run_id: str, params: dict | None = None) -> Action:
     return sign_action(a, SECRET.encode())
 
 
-def apply_stop(rw, params: dict | None = None) -> Action:  # noqa: ANN001
+def apply_stop(rw, params: dict | None = None) -> Action:
     """Hand a signed stop to a listener as its consumer would, and poll it as the loop does."""
     listener = ActionListener(rw, secret=SECRET, consume=False, state_path=False)
     action = stop_action(rw.run_id, params)
@@ -47,17 +47,17 @@ def apply_stop(rw, params: dict | None = None) -> Action:  # noqa: ANN001
     return action
 
 
-def recorded(path) -> list:  # noqa: ANN001
+def recorded(path) -> list:
     return [decode_event(line) for line in path.read_bytes().splitlines()]
 
 
-def run_end_of(path):  # noqa: ANN001, ANN201
+def run_end_of(path):
     events = recorded(path)
     assert events[-1].kind == "run_end" and [e.kind for e in events].count("run_end") == 1
     return events[-1]
 
 
-def recorder(tmp_path, name: str = "run") -> JsonlRecorder:  # noqa: ANN001
+def recorder(tmp_path, name: str = "run") -> JsonlRecorder:
     return JsonlRecorder(tmp_path / f"{name}.jsonl", f"end-{name}", collect_metadata=False)
 
 

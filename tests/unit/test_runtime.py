@@ -1,4 +1,5 @@
-"""StepClock, the peak-FLOPs table and MFU: what the step event's step_time_s, data_wait_s and mfu are made of."""
+"""StepClock, the peak-FLOPs table and MFU: what the step event's step_time_s, data_wait_s and mfu are made
+of."""
 
 from __future__ import annotations
 

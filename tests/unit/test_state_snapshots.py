@@ -163,7 +163,7 @@ class Store:
         self.published[topics.ANOMALIES] += [(a.run_id.encode(), a.to_json()) for a in result.anomalies]
         self.published[topics.ACTIONS] += [(a.run_id.encode(), a.to_json()) for a in result.actions]
 
-    def scan(self, topic: str, partitions: object, tail: int | None, timeout_s: float | None = None):  # noqa: ANN201
+    def scan(self, topic: str, partitions: object, tail: int | None, timeout_s: float | None = None):
         return iter(self.published[topic][-tail:] if tail else self.published[topic])
 
     def write(self, records: list[StateRecord]) -> None:
@@ -182,7 +182,8 @@ CONFIG = RunwatchConfig.model_validate({"policy": {"confirm_steps": 12}})
 
 def _stream(seed: int = 7) -> list[tuple[int, int, bytes]]:
     """(partition, offset, raw) in arrival order: three runs on two partitions, two ranks each, noisy
-    steps, checkpoints, a loss spike, four NaN steps that roll back (acknowledged, the steps replayed), a run end."""
+    steps, checkpoints, a loss spike, four NaN steps that roll back (acknowledged, the steps replayed), a run
+    end."""
     rng = random.Random(seed)
     by_run: dict[str, list[bytes]] = {}
     for run_id, fault in (("run-a", "spike"), ("run-b", "nan"), ("run-c", None)):
@@ -359,7 +360,8 @@ def test_results_are_the_same_whichever_processor_holds_the_run_and_however_ofte
 def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_its_last_snapshot():
     """The worker died after the broker took an action and before it took the snapshot sent after it:
     the successor restores the snapshot before, replays, decides the action again, and finds it
-    already on the action topic (streams/runwatch/streams/worker/published.py). Without that read it is issued twice."""
+    already on the action topic (streams/runwatch/streams/worker/published.py). Without that read it is issued
+    twice."""
     draft = _stream()
     first, _ = _run(draft, set())
     stream = _with_rollback_ack(
@@ -398,22 +400,22 @@ class CompactedLog:
         self.polls = 0
         self.move_start_after_polls = move_start_after_polls
 
-    def assign(self, tps):  # noqa: ANN001
+    def assign(self, tps):
         self.assigned = list(tps)
 
-    def beginning_offsets(self, tps):  # noqa: ANN001
+    def beginning_offsets(self, tps):
         return {tp: self.partitions[tp.partition][0] for tp in tps}
 
-    def end_offsets(self, tps):  # noqa: ANN001
+    def end_offsets(self, tps):
         return {tp: self.partitions[tp.partition][1] for tp in tps}
 
-    def seek(self, tp, offset):  # noqa: ANN001
+    def seek(self, tp, offset):
         self.position_of[tp] = offset
 
-    def position(self, tp):  # noqa: ANN001
+    def position(self, tp):
         return self.position_of[tp]
 
-    def highwater(self, tp):  # noqa: ANN001 - the broker has answered a fetch of the partition
+    def highwater(self, tp):  # the broker has answered a fetch of the partition
         return self.partitions[tp.partition][1]
 
     def poll(self, timeout_ms: int, max_records: int):
@@ -460,7 +462,7 @@ class StarvedLog(CompactedLog):
     """A slow broker (a poll every 0.1 s) where partition 1's fetches wait behind partition 0's backlog:
     nothing of partition 1 arrives until ``after_s`` past partition 0's last record."""
 
-    def __init__(self, partitions, after_s: float):  # noqa: ANN001
+    def __init__(self, partitions, after_s: float):
         super().__init__(partitions)
         self.after_s = after_s
         self.backlog_done: float | None = None
@@ -560,7 +562,7 @@ def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(c
     )
     budgets = []
 
-    def slow_scan(topic, partitions, tail, timeout_s):  # noqa: ANN001, ANN202
+    def slow_scan(topic, partitions, tail, timeout_s):
         budgets.append(timeout_s)
         if topic == topics.ANOMALIES:
             yield b"run-a", found.to_json()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,6 +13,9 @@ from runwatch.cli.failure import DSN_HELP, fail
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import cli_config
 from runwatch.cli.output import print_json
+
+if TYPE_CHECKING:
+    from runwatch.detectors.baselines.changepoints import LevelChange
 
 CONFIG_HELP = (
     "runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
@@ -31,6 +34,52 @@ def _repo(path: str | None) -> Path | None:
         return check_repo(path)
     except GitError as exc:
         fail(f"--git-repo: {exc}")
+
+
+def _change_row(c: LevelChange, repo: Path | None) -> dict[str, Any]:
+    """One change point as printed (``--json``'s ``change_points`` entry), its commit's time and
+    subject filled in from ``repo`` when that clone has the commit."""
+    from runwatch.cli.gitlog import commit_info
+
+    row: dict[str, Any] = {
+        "metric": c.metric,
+        "kind": c.kind,
+        "run_id": c.run_id,
+        "git_sha": c.git_sha,
+        "commit_time": c.commit_time.isoformat() if c.commit_time else None,
+        "subject": None,
+        "previous_run_id": c.previous_run_id,
+        "previous_sha": c.previous_sha,
+        "fingerprint": c.fingerprint,
+        "started_at": c.started_at.isoformat() if c.started_at else None,
+        "mean_before": c.mean_before,
+        "mean_after": c.mean_after,
+        "relative_change": c.relative_change,
+        "pvalue": c.pvalue,
+        "runs_scanned": c.runs_scanned,
+    }
+    if repo is not None and c.git_sha:
+        info = commit_info(repo, c.git_sha)
+        if info is not None:
+            row["commit_time"] = row["commit_time"] or info[0].isoformat()
+            row["subject"] = info[1]
+    return row
+
+
+def _print_change_points(baseline_key: str, runs: int, rows: list[dict[str, Any]]) -> None:
+    """The scan as text: a count line, then each metric's change points."""
+    click.echo(f"{baseline_key}: {runs} run(s), {len(rows)} change point(s)")
+    for metric in dict.fromkeys(r["metric"] for r in rows):
+        click.echo(f"{metric}:")
+        for r in (r for r in rows if r["metric"] == metric):
+            sha = (r["git_sha"] or "unknown")[:12]
+            when = f" committed {r['commit_time']}" if r["commit_time"] else ""
+            subject = f' "{r["subject"]}"' if r["subject"] else ""
+            click.echo(
+                f"  {r['kind']:<11} {r['relative_change']:+.1%} "
+                f"({r['mean_before']:.4g} -> {r['mean_after']:.4g}, p={r['pvalue']:.3f}) "
+                f"first at run {r['run_id']}, commit {sha}{subject}{when}"
+            )
 
 
 @click.group()
@@ -157,7 +206,6 @@ def scan(
     first run and commit at the new level. Runs on other hardware and before a declared new
     baseline are separate histories."""
     from runwatch.cli.failure import open_sink
-    from runwatch.cli.gitlog import commit_info
     from runwatch.detectors.baselines.changepoints import scan_history
 
     repo = _repo(git_repo)
@@ -176,31 +224,7 @@ def scan(
     changes = scan_history(
         summaries, cli_config(config_path).baseline, metrics=metrics or None, max_pvalue=max_pvalue, seed=seed
     )
-    rows = []
-    for c in changes:
-        row: dict[str, Any] = {
-            "metric": c.metric,
-            "kind": c.kind,
-            "run_id": c.run_id,
-            "git_sha": c.git_sha,
-            "commit_time": c.commit_time.isoformat() if c.commit_time else None,
-            "subject": None,
-            "previous_run_id": c.previous_run_id,
-            "previous_sha": c.previous_sha,
-            "fingerprint": c.fingerprint,
-            "started_at": c.started_at.isoformat() if c.started_at else None,
-            "mean_before": c.mean_before,
-            "mean_after": c.mean_after,
-            "relative_change": c.relative_change,
-            "pvalue": c.pvalue,
-            "runs_scanned": c.runs_scanned,
-        }
-        if repo is not None and c.git_sha:
-            info = commit_info(repo, c.git_sha)
-            if info is not None:
-                row["commit_time"] = row["commit_time"] or info[0].isoformat()
-                row["subject"] = info[1]
-        rows.append(row)
+    rows = [_change_row(c, repo) for c in changes]
     if as_json:
         print_json(
             {
@@ -211,14 +235,4 @@ def scan(
             }
         )
         return
-    click.echo(f"{baseline_key}: {len(summaries)} run(s), {len(rows)} change point(s)")
-    for metric in dict.fromkeys(r["metric"] for r in rows):
-        click.echo(f"{metric}:")
-        for r in (r for r in rows if r["metric"] == metric):
-            sha = (r["git_sha"] or "unknown")[:12]
-            when = f" committed {r['commit_time']}" if r["commit_time"] else ""
-            subject = f' "{r["subject"]}"' if r["subject"] else ""
-            click.echo(
-                f"  {r['kind']:<11} {r['relative_change']:+.1%} ({r['mean_before']:.4g} -> {r['mean_after']:.4g}, "
-                f"p={r['pvalue']:.3f}) first at run {r['run_id']}, commit {sha}{subject}{when}"
-            )
+    _print_change_points(baseline_key, len(summaries), rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import require
 from runwatch.cli.signals import wait_for_signal
 from runwatch.producer.wire import topics
@@ -50,4 +51,4 @@ def broker(bootstrap: str | None, port: int | None, partitions: int) -> None:
             wait_for_signal()
         click.echo("broker stopped")
     except BrokerError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None

@@ -6,13 +6,16 @@ from pathlib import Path
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import cli_config, require_torch
 from runwatch.cli.output import print_json
 from runwatch.producer.wire import topics
 
 
-def _outage_window(_ctx, _param, value: str | None) -> tuple[float, float] | None:  # noqa: ANN001
+def _outage_window(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> tuple[float, float] | None:
     if value is None:
         return None
     try:
@@ -97,7 +100,7 @@ def demo(
         with console:
             report = run_demo(opts, log=console.log, on_step=console.step)
     except (DemoError, LocalStackError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     if as_json:
         print_json(report)
     else:

@@ -7,7 +7,7 @@ from collections import Counter
 
 import click
 
-from runwatch.cli.failure import fail
+from runwatch.cli.failure import EXIT_VERDICT, fail
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.output import print_json
 
@@ -49,7 +49,7 @@ def generate(out_dir: str, database: str, check: bool) -> None:
             click.echo(
                 f"out of date in {out_dir}: {', '.join(stale)} (run `runwatch grafana generate`)", err=True
             )
-            sys.exit(1)
+            sys.exit(EXIT_VERDICT)
         click.echo(f"{out_dir}: up to date")
         return
     for path in write_dashboards(Path(out_dir), database):
@@ -76,13 +76,18 @@ def generate(out_dir: str, database: str, check: bool) -> None:
     "--datasource-url",
     default=DEFAULT_DATASOURCE_URL,
     show_default=True,
-    help="ClickHouse as Grafana reaches it: native://, clickhouses://, http:// or https://USER@HOST[:PORT][/DB]"
-    "; USER a read-only user",
+    help=(
+        "ClickHouse as Grafana reaches it: native://, clickhouses://, http:// or "
+        "https://USER@HOST[:PORT][/DB]; USER a read-only user"
+    ),
 )
 @click.option(
     "--datasource-password",
     envvar="RUNWATCH_CLICKHOUSE_READER_PASSWORD",
-    help="that user's password, sent as secureJsonData [$RUNWATCH_CLICKHOUSE_READER_PASSWORD, as the provisioning file]",
+    help=(
+        "that user's password, sent as secureJsonData "
+        "[$RUNWATCH_CLICKHOUSE_READER_PASSWORD, as the provisioning file]"
+    ),
 )
 @click.option(
     "--datasource-uid",
@@ -172,5 +177,7 @@ def provision(
         click.echo(f"{o.action:<13} {o.kind:<11} {o.uid:<28} {o.title}{detail}")
     for uid, title in strays:
         click.echo(f"note: dashboard {uid} ({title}) in folder {folder} is not one of runwatch's; left alone")
-    shown = ("would create", "would update", "unchanged") if dry_run else ("created", "updated", "unchanged")
+    shown: tuple[prov.Action, ...] = (
+        ("would create", "would update", "unchanged") if dry_run else ("created", "updated", "unchanged")
+    )
     click.echo(f"grafana {url}: " + ", ".join(f"{counts[a]} {a}" for a in shown))

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from runwatch.cli.failure import DSN_HELP, fail
 from runwatch.cli.needs import NeedsExtra
+
+if TYPE_CHECKING:
+    from runwatch.producer.wire.schema import TelemetryEvent
 
 WRITE_CHUNK = 5000  # events per insert
 TELEMETRY_TTL_DAYS = 90  # the telemetry table's TTL (sinks/runwatch/sinks/migrations.py)
@@ -61,7 +65,7 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
         except ReplayError as exc:
             fail(str(exc))
     sink = open_sink(dsn)
-    runs: dict[str, list] = {}  # run id -> its events, from every file (one file per rank)
+    runs: dict[str, list[TelemetryEvent]] = {}  # run id -> its events, from every file (one file per rank)
     try:
         for path, events in loaded:
             for i in range(0, len(events), WRITE_CHUNK):

@@ -7,6 +7,7 @@ import time
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra, require_engine
 
 
@@ -21,7 +22,8 @@ from runwatch.cli.needs import NeedsExtra, require_engine
     help="seconds to keep retrying while the server does not answer (it may still be starting)",
 )
 def migrate(dsn: str | None, wait_s: float) -> None:
-    """Apply the ClickHouse migrations not applied yet (sinks/runwatch/sinks/migrations.py) and print the schema version.
+    """Apply the ClickHouse migrations not applied yet (sinks/runwatch/sinks/migrations.py) and
+    print the schema version.
 
     The sink and the remediator also migrate when they start; running this first means they find the
     tables there and never race each other to create them."""
@@ -38,7 +40,7 @@ def migrate(dsn: str | None, wait_s: float) -> None:
             break
         except OperationalError as exc:  # connection refused / not up yet; bad credentials are not retried
             if time.monotonic() >= deadline:
-                raise click.ClickException(f"ClickHouse did not answer within {wait_s:g} s: {exc}") from None
+                raise CommandError(f"ClickHouse did not answer within {wait_s:g} s: {exc}") from None
             time.sleep(1.0)
     try:
         applied = store.migrate()

@@ -15,12 +15,14 @@ from typing import Any
 import click
 
 from runwatch.cli import extras
+from runwatch.cli.failure import CommandError
 
 _META = "runwatch.command"  # ctx.meta (shared by the whole context tree): the running command and its extras
 
 
 def command_name(ctx: click.Context) -> str:
-    """``runwatch grafana generate``, whatever the program was called (CliRunner names it after the function)."""
+    """``runwatch grafana generate``, whatever the program was called (CliRunner
+    names it after the function)."""
     names: list[str] = []
     node: click.Context | None = ctx
     while node is not None:
@@ -35,7 +37,7 @@ def require(command: str, needs: Sequence[str], without: Sequence[str] = ()) -> 
     installed."""
     line = extras.check(command, needs, without)
     if line is not None:
-        raise click.ClickException(line)
+        raise CommandError(line)
 
 
 def require_engine(command: str, dsn: str) -> None:
@@ -83,7 +85,7 @@ class RunwatchGroup(click.Group):
             line = extras.for_missing_module(name, module, needs)
             if line is None:
                 raise
-            raise click.ClickException(line) from None
+            raise CommandError(line) from None
 
 
 def _missing_module(exc: BaseException) -> str | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import cli_config
 from runwatch.cli.output import print_json
@@ -33,7 +34,7 @@ def replay(path: str, config_path: str | None, tick_every_s: float, as_json: boo
     try:
         result = replay_file(path, config, tick_every_s)
     except ReplayError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     if as_json:
         print_json(
             {
@@ -82,7 +83,7 @@ def evaluate(directory: str, config_path: str | None, as_json: bool) -> None:
     try:
         evaluation = evaluate_dir(directory, config)
     except ReplayError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     if as_json:
         print_json(evaluation.to_json())
         return
@@ -173,7 +174,7 @@ def calibrate(
     try:
         corpus = Corpus(directory)
     except ReplayError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
 
     def progress(detector: str, knob: str, value: float, rate: float) -> None:
         click.echo(f"  {detector}.{knob} = {value:g}: {rate:.2f} false alarms / 10k healthy steps", err=True)
@@ -181,7 +182,7 @@ def calibrate(
     try:
         config, proposals = propose(corpus, target_false_alarms, base, progress)
     except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     resolution = resolution_per_10k(corpus)
     if target_false_alarms < resolution:
         click.echo(
@@ -206,7 +207,7 @@ def _evaluate_history(directory: str, baseline: object, as_json: bool) -> None:
     try:
         evaluation = evaluate_history_dir(directory, baseline)  # type: ignore[arg-type]
     except ReplayError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     if as_json:
         print_json(evaluation.to_json())
         return
@@ -253,7 +254,7 @@ def _calibrate_history(directory: str, k: float, config_path: str | None, out_pa
     try:
         proposals = propose_tolerances(HistoryCorpus(directory), k, base)
     except ReplayError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     text = tolerances_yaml(proposals, k, directory)
     Path(out_path).write_text(text)
     for p in proposals:

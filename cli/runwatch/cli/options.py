@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-import click
+from typing import TYPE_CHECKING
 
+from runwatch.cli.failure import CommandError
 from runwatch.producer.wire import topics
+
+if TYPE_CHECKING:
+    from runwatch.detectors import RunwatchConfig
 
 BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"
 
 
-def cli_config(path: str | None):  # noqa: ANN201 - a RunwatchConfig, imported late (the CLI starts fast)
+def cli_config(path: str | None) -> RunwatchConfig:
     """The detector/policy config at ``path`` (the defaults if None); a bad file is a usage error."""
     from runwatch.detectors import ConfigError, load_config
 
     try:
         return load_config(path)
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
 
 
 def require_torch(command: str) -> None:
@@ -27,6 +31,6 @@ def require_torch(command: str) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise click.ClickException(
+        raise CommandError(
             f"{command} trains real models and needs PyTorch: pip install 'runwatch[torch]'"
         ) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ def call_within(fn: Callable[[], T], timeout_s: float, what: str) -> T:
         exc = outcome["error"]
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise Unreachable(f"cannot reach {what}: {type(exc).__name__}" + (f": {first}" if first else ""))
-    return outcome["value"]
+    return cast(T, outcome["value"])
 
 
 def kafka_partition_counts(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import BOOTSTRAP_HELP
 from runwatch.cli.signals import run_until_signalled
@@ -41,12 +42,12 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
         config = load_remediation_config(config_path)
         secret = resolve_secret()
     except (ConfigError, MissingSecretError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     # Its own embedded path by default: a chdb path is open in one process at a time (the sink's).
     store = open_store(dsn or f"chdb://{(Path('.runwatch') / 'remediate').resolve()}")
     try:
         require_topics(bootstrap, [topics.ACTIONS])
-    except click.ClickException:
+    except CommandError:
         store.close()
         raise
     # (after the startup checks: what a client library logs while it retries is not the one line)

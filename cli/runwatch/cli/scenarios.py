@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import require_torch
 
@@ -37,7 +39,7 @@ def scenarios_generate(out_dir: str, only: tuple[str, ...], quick: bool) -> None
     total = len(only) or len(CORPUS)
     done = [0]
 
-    def progress(name: str, label: dict, seconds: float) -> None:
+    def progress(name: str, label: dict[str, Any], seconds: float) -> None:
         done[0] += 1
         onset = "" if label["onset_step"] is None else f" onset step {label['onset_step']}"
         click.echo(
@@ -60,8 +62,9 @@ def scenarios_generate(out_dir: str, only: tuple[str, ...], quick: bool) -> None
     "--quick", is_flag=True, help="far fewer steps per run (for tests); still every run and every day"
 )
 def scenarios_history(out_dir: str, quick: bool) -> None:
-    """Record one job's history: a real git repository (OUT_DIR/repo), its runs over six simulated weeks on two
-    declared hardware fingerprints (OUT_DIR/runs/*.jsonl) and the labelled regressions (OUT_DIR/labels.json)."""
+    """Record one job's history: a real git repository (OUT_DIR/repo), its runs over six simulated weeks on
+    two declared hardware fingerprints (OUT_DIR/runs/*.jsonl) and the labelled regressions
+    (OUT_DIR/labels.json)."""
     import time
 
     require_torch("runwatch scenarios history")  # before the imports below, which load torch
@@ -78,7 +81,7 @@ def scenarios_history(out_dir: str, quick: bool) -> None:
     try:
         labels = generate(out_dir, quick=quick, progress=progress)
     except (FileExistsError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     click.echo(
         f"{len(labels['runs'])} runs, {len(labels['regressions'])} labelled regressions, "
         f"{len(labels['benign'])} benign commits in {time.perf_counter() - started:.1f} s -> "

@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config
 from runwatch.cli.signals import run_until_signalled
@@ -50,11 +51,11 @@ def sink(
     try:
         secret = resolve_secret()  # actions are stored only when signed with it
     except MissingSecretError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     store = open_store(dsn)
     try:
         partitions = require_topics(bootstrap, topics.ALL_TOPICS)[topics.TELEMETRY]
-    except click.ClickException:
+    except CommandError:
         store.close()
         raise
     # (after the startup checks: what a client library logs while it retries is not the one line)

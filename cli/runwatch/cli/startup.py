@@ -1,6 +1,6 @@
 """What the long-running commands (worker, sink, remediate) check before they start: the broker and
-ClickHouse answer within a deadline that holds even when the client library blocks (cli/runwatch/cli/reach.py),
-or the command exits non-zero with one line naming what it could not reach."""
+ClickHouse answer within a deadline that holds even when the client library blocks
+(cli/runwatch/cli/reach.py), or the command exits non-zero with one line naming what it could not reach."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import click
-
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import current_command, require_engine
 from runwatch.cli.reach import CONNECT_TIMEOUT_S, Unreachable, call_within, kafka_partition_counts
 from runwatch.producer.wire import topics
@@ -23,7 +22,7 @@ def broker_partitions(bootstrap: str, names: Iterable[str]) -> dict[str, int | N
     try:
         return kafka_partition_counts(bootstrap, list(names))
     except Unreachable as exc:
-        raise click.ClickException(
+        raise CommandError(
             f"{exc} (is --bootstrap / ${topics.BOOTSTRAP_ENV} right, and the broker up?)"
         ) from None
 
@@ -37,7 +36,7 @@ def require_topics(
     counts = broker_partitions(bootstrap, [*names, *optional])
     for name in names:
         if counts[name] is None:
-            raise click.ClickException(
+            raise CommandError(
                 f"the topic {name} does not exist on {bootstrap} (`runwatch broker "
                 "--bootstrap ...` creates runwatch's topics; deploy/ lists them)"
             )
@@ -66,7 +65,7 @@ def open_store(dsn: str | None) -> ClickHouseSink:
     try:
         return call_within(opened, CONNECT_TIMEOUT_S, f"ClickHouse at {redacted(dsn)}")
     except Unreachable as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
 
 
 def redacted(dsn: str) -> str:

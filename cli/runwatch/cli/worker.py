@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra, require, require_engine
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config
 from runwatch.producer.wire import topics
@@ -112,7 +113,7 @@ def worker(
         try:
             server = HealthServer(web_host, web_port).start()
         except OSError as exc:
-            raise click.ClickException(
+            raise CommandError(
                 f"the health endpoint cannot listen on {web_host}:{web_port}: {exc.strerror} "
                 "(another worker there? give each its own --web-port, or 0 for none)"
             ) from None
@@ -120,7 +121,7 @@ def worker(
     try:
         secret = resolve_secret()
     except MissingSecretError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise CommandError(str(exc)) from None
     try:
         state = StateOptions(
             enabled=not no_state,
@@ -129,7 +130,7 @@ def worker(
             retention_s=state_retention,
         )
     except ValidationError as exc:
-        raise click.ClickException(
+        raise CommandError(
             f"bad snapshot option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}"
         ) from None
     if server is not None:
@@ -170,14 +171,14 @@ def _check_topics(bootstrap: str, state: bool) -> int:
     if not state:
         return telemetry
     if state_count is None:
-        raise click.ClickException(
-            f"the topic {topics.STATE} does not exist on {bootstrap}: create it compacted (cleanup.policy=compact) "
-            f"with as many partitions as {topics.TELEMETRY} (`runwatch broker --bootstrap ...` creates it; "
-            "deploy/ lists it), or run with --no-state"
+        raise CommandError(
+            f"the topic {topics.STATE} does not exist on {bootstrap}: create it compacted "
+            f"(cleanup.policy=compact) with as many partitions as {topics.TELEMETRY} (`runwatch broker "
+            "--bootstrap ...` creates it; deploy/ lists it), or run with --no-state"
         )
     if state_count != telemetry:
-        raise click.ClickException(
-            f"{topics.STATE} has {state_count} partitions and {topics.TELEMETRY} {telemetry}: they must be equal (a "
-            "run's snapshot goes to the partition number of its telemetry)"
+        raise CommandError(
+            f"{topics.STATE} has {state_count} partitions and {topics.TELEMETRY} {telemetry}: they must be "
+            "equal (a run's snapshot goes to the partition number of its telemetry)"
         )
     return telemetry

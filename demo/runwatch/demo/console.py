@@ -61,8 +61,8 @@ class DemoConsole:
             out.print(f"rolled back at step {r['from_step']} to the checkpoint of step {r['to_step']}")
         ch = report["clickhouse"]
         out.print(
-            f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies {ch['anomalies']}, "
-            f"actions {ch['actions']}, dead letters {ch['deadletter']}; "
-            f"events published {report['events_published']}, dropped {report['events_dropped']}"
+            f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies "
+            f"{ch['anomalies']}, actions {ch['actions']}, dead letters {ch['deadletter']}; events published "
+            f"{report['events_published']}, dropped {report['events_dropped']}"
         )
         out.print(f"report: {report['report'] or 'not written (see the log above)'}")

@@ -49,7 +49,8 @@ class DemoModel(nn.Module):
         self.head = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x)).squeeze(-1)
+        out: torch.Tensor = self.head(self.encoder(x))
+        return out.squeeze(-1)
 
 
 def make_batch(
@@ -121,7 +122,8 @@ def _train(
         per_sample = (out - batch.y) ** 2
         loss = injector.loss(per_sample.mean(), out, step)
         optimizer.zero_grad(set_to_none=True)
-        injector.backward_loss(loss, per_sample, batch, step).backward()
+        # (torch leaves Tensor.backward unannotated)
+        injector.backward_loss(loss, per_sample, batch, step).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         loss_value = float(loss.detach())
         result.step_executed(loss_value)

@@ -333,8 +333,8 @@ class BaselineTrajectoryDetector(Detector):
                 evidence["also_above"] = also
         message = (
             f"{what} {value:.4g} is {departure:.1f}x where the job's earlier runs were at step {event.step} "
-            f"(median {mid:.4g}, band {lo:.4g}..{hi:.4g} of {self._band.about.get('baseline_runs')} runs), above "
-            f"{threshold:.4g} for {count} {unit} in a row since step {onset}"
+            f"(median {mid:.4g}, band {lo:.4g}..{hi:.4g} of {self._band.about.get('baseline_runs')} runs), "
+            f"above {threshold:.4g} for {count} {unit} in a row since step {onset}"
         )
         return Finding(
             detector=NAME,
@@ -374,7 +374,9 @@ register(
         build=lambda d: BaselineTrajectoryDetector(d.baseline_trajectory),
         view="joined",
         faults=("bad_init",),
-        summary="the run above its job's earlier runs at the same step (loss, eval loss, grad norms, a module's grad "
-        "norm, step time, memory); the band is handed in by the worker",
+        summary=(
+            "the run above its job's earlier runs at the same step (loss, eval loss, grad norms, a module's "
+            "grad norm, step time, memory); the band is handed in by the worker"
+        ),
     )
 )

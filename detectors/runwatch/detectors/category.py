@@ -96,6 +96,28 @@ class _Category:
         self.seen += 1
 
 
+def _pool(
+    cat: _Category, mean: float, count: int, mean_loss: float, floor: float, min_count: int
+) -> float | None:
+    """Add a step's samples of one category (``count`` of them, averaging ``mean``, while the run's mean
+    loss was ``mean_loss``) to its pool: the observation x (its log loss relative to the run's mean over
+    the same steps) once the pool holds ``min_count`` samples, else None."""
+    if cat.pool_count == 0 and count >= min_count:
+        # (the pool is empty: its sums would be 0.0 + these very products)
+        return math.log(mean * count / count + floor) - math.log(mean_loss * count / count + floor)
+    cat.pool_sum += mean * count
+    cat.pool_mean_sum += mean_loss * count
+    cat.pool_count += count
+    if cat.pool_count < min_count:
+        return None
+    # The category relative to the run's mean over the same steps: the shared trend of
+    # training (a falling loss, an LR change, a run-wide bump) cancels out.
+    pooled = cat.pool_count
+    x = math.log(cat.pool_sum / pooled + floor) - math.log(cat.pool_mean_sum / pooled + floor)
+    cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
+    return x
+
+
 class CategoryDivergenceDetector(Detector):
     """Names the data category whose loss diverges from its own history while the others stay put."""
 
@@ -113,24 +135,13 @@ class CategoryDivergenceDetector(Detector):
         if not isinstance(event, StepEvent) or not event.category_loss:
             return []
         cfg = self.config
-        mean_loss = self._mean_loss(event)
-        mean_ratio = None
-        typical_mean = self._mean_history.get(0.5)
-        if mean_loss is not None:
-            log_mean = math.log(mean_loss)
-            if typical_mean is not None:
-                mean_ratio = math.exp(log_mean - typical_mean)
-            self._mean_history.update(log_mean)
-            typical_mean = self._mean_history.get(0.5)
-        # A quarter of the run's typical loss offsets the losses before the log (see the module doc).
-        floor = LOSS_FLOOR_FRACTION * math.exp(typical_mean) if typical_mean is not None else 0.0
+        mean_loss, mean_ratio, floor = self._observe_mean(event)
 
         # 1. pool each category's samples into observations; score the complete ones against history.
         # An observation that does not diverge is learnt at once (its category's history is read by no
         # other category); a diverging one waits for the others' ratios of this step.
         categories = self._categories
-        min_count, warmup = cfg.min_count, cfg.warmup
-        log_min_ratio = self._log_min_ratio
+        min_count = cfg.min_count
         diverging: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
         for name, loss in event.category_loss.items():
             count, mean = loss.count, loss.mean
@@ -141,38 +152,12 @@ class CategoryDivergenceDetector(Detector):
                 cat = categories[name] = _Category(cfg.window)
             if mean_loss is None:
                 continue
-            if cat.pool_count == 0 and count >= min_count:
-                # (the pool is empty: its sums would be 0.0 + these very products)
-                x = math.log(mean * count / count + floor) - math.log(mean_loss * count / count + floor)
-            else:
-                cat.pool_sum += mean * count
-                cat.pool_mean_sum += mean_loss * count
-                cat.pool_count += count
-                if cat.pool_count < min_count:
-                    continue
-                # The category relative to the run's mean over the same steps: the shared trend of
-                # training (a falling loss, an LR change, a run-wide bump) cancels out.
-                pooled = cat.pool_count
-                x = math.log(cat.pool_sum / pooled + floor) - math.log(cat.pool_mean_sum / pooled + floor)
-                cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
-            history = cat.history
-            if cat.seen < warmup:
-                history.update(x)
-                cat.seen += 1
+            x = _pool(cat, mean, count, mean_loss, floor, min_count)
+            if x is None:
                 continue
-            median = history.median()
-            ratio = math.exp(x - median)
-            cat.last_ratio = ratio
-            if x - median >= log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
-                q25, _, q75 = history.quartiles()
-                scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE)
-                z = (x - median) / scale
-                if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
-                    diverging.append((name, cat, x, z, ratio))
-                    continue
-            history.update(x)
-            cat.seen += 1
-            cat.streak, cat.onset_step = 0, None
+            scored = self._score(cat, x)
+            if scored is not None:
+                diverging.append((name, cat, x, *scored))
 
         # 2. a divergence is one category's, not the run's: the others' median ratio must stay low
         found: list[Finding] = []
@@ -190,6 +175,46 @@ class CategoryDivergenceDetector(Detector):
             cat.cooldown.start(event.step, cfg.cooldown_steps)
             found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
         return found
+
+    def _observe_mean(self, event: StepEvent) -> tuple[float | None, float | None, float]:
+        """Learn the step's mean loss: ``(mean loss, its ratio to its typical level before this step, the
+        loss floor)``, the first two None when unknown; the floor is a quarter of the run's typical loss,
+        which offsets the losses before the log (see the module doc)."""
+        mean_loss = self._mean_loss(event)
+        mean_ratio = None
+        typical_mean = self._mean_history.get(0.5)
+        if mean_loss is not None:
+            log_mean = math.log(mean_loss)
+            if typical_mean is not None:
+                mean_ratio = math.exp(log_mean - typical_mean)
+            self._mean_history.update(log_mean)
+            typical_mean = self._mean_history.get(0.5)
+        floor = LOSS_FLOOR_FRACTION * math.exp(typical_mean) if typical_mean is not None else 0.0
+        return mean_loss, mean_ratio, floor
+
+    def _score(self, cat: _Category, x: float) -> tuple[float, float] | None:
+        """Score one complete observation ``x`` against its category's history: ``(robust z, ratio)``
+        when it diverges (not learnt: it waits for the other categories' ratios); otherwise it is learnt,
+        the category's streak ends (not during warm-up) and None."""
+        cfg = self.config
+        history = cat.history
+        if cat.seen < cfg.warmup:
+            history.update(x)
+            cat.seen += 1
+            return None
+        median = history.median()
+        ratio = math.exp(x - median)
+        cat.last_ratio = ratio
+        if x - median >= self._log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
+            q25, _, q75 = history.quartiles()
+            scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE)
+            z = (x - median) / scale
+            if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
+                return z, ratio
+        history.update(x)
+        cat.seen += 1
+        cat.streak, cat.onset_step = 0, None
+        return None
 
     def _others_ratio(self, name: str) -> float | None:
         others = [c.last_ratio for n, c in self._categories.items() if n != name and c.last_ratio is not None]

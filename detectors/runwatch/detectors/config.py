@@ -176,7 +176,8 @@ class RunwatchConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
     # What the worker accepts from the telemetry topic (docs/wire-format.md); the rest is dead-lettered.
     limits: WireLimits = WireLimits()
-    # How a run is judged against its job's history (detectors/runwatch/detectors/baselines/, docs/baselines.md).
+    # How a run is judged against its job's history (detectors/runwatch/detectors/baselines/,
+    # docs/baselines.md).
     baseline: BaselineConfig = BaselineConfig()
 
     @model_validator(mode="after")

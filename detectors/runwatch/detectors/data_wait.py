@@ -134,7 +134,8 @@ class DataWaitDetector(HostLoadAttributed):
             score=mean - baseline,
             message=(
                 f"the input pipeline is becoming the bottleneck: data-loader wait is {mean:.0%} of step time "
-                f"over the last {n} steps ({wait:.3g}s of {step_time:.3g}s{recent}), up from a baseline of {baseline:.0%}"
+                f"over the last {n} steps ({wait:.3g}s of {step_time:.3g}s{recent}), up from a baseline of "
+                f"{baseline:.0%}"
             ),
             evidence=evidence,
         ), level

@@ -7,10 +7,10 @@ more than ``min_rel_increase`` and by more than this run's own eval noise allows
 the rolling mean square of second differences of log val loss (river ``Rolling(Mean)``; second
 differences cancel the improving trend), and the margin is ``3 + sqrt(2 ln n)`` sigmas because the
 best of n noisy evals is itself about ``sqrt(2 ln n)`` sigmas low (doubled while fewer than three
-differences make the estimate, and nothing is judged before there is one). So a noisy validation set that improves overall, or plateaus,
-does not trip it. ``patience`` worse evals in a row, each with the train loss
-below its level at the best eval, make one finding; a new best re-arms it. Val and train both
-worsening is the loss detectors' business, not this one's.
+differences make the estimate, and nothing is judged before there is one). So a noisy validation set that
+improves overall, or plateaus, does not trip it. ``patience`` worse evals in a row, each with the train loss
+below its level at the best eval, make one finding; a new best re-arms it. Val and train both worsening is the
+loss detectors' business, not this one's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from runwatch.producer.wire.schema import EvalEvent, StepEvent, TelemetryEvent
 
 
 class GeneralizationConfig(Strict):
-    """Validation loss worsening while training loss keeps improving (overfitting, a leak in the eval data...)."""
+    """Validation loss worsening while training loss keeps improving (overfitting, a
+    leak in the eval data...)."""
 
     enabled: bool = True
     min_evals: int = Field(default=3, ge=2, description="evals before any finding")
@@ -59,7 +60,8 @@ class _Split:
         self.fired = False  # once per episode: until a new best
 
     def noise(self) -> float:
-        """Sigma of one eval's log loss: x[k] - 2 x[k-1] + x[k-2] of independent noise has variance 6 sigma²."""
+        """Sigma of one eval's log loss: x[k] - 2 x[k-1] + x[k-2] of independent
+        noise has variance 6 sigma²."""
         if self.diffs == 0:
             return math.inf  # no estimate yet: no eval can be judged worse
         # river's utils.Rolling forwards get() to the wrapped Mean through __getattr__, typed as object

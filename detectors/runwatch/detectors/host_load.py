@@ -1,15 +1,14 @@
 """Was the host busier when the run got slower? Contention evidence for throughput and data-wait findings.
 
-Heartbeats carry ``host_load`` (producer/runwatch/producer/instrument/heartbeat.py): the 1-minute load average and CPU count,
-and over the period since the previous beat the hypervisor's steal share, this process's CPU
-share and its run-queue wait (seconds its threads were runnable but had no CPU, per wall
-second). A ``HostLoadTracker`` per rank keeps them by the heartbeat's step (each heartbeat's
-period spans the steps since the previous one). When a throughput or data-wait finding names its
-onset step, the tracker compares the heartbeats before the onset (the median of the last
-``BASELINE_SAMPLES``) with those whose period lies mostly after it (at least half of its steps at
-or after the onset; the median, and the latest load average, which is already a 1-minute
-average), and says whether the host got busier. The finding is emitted either way (attribution,
-not suppression).
+Heartbeats carry ``host_load`` (producer/runwatch/producer/instrument/heartbeat.py): the 1-minute load average
+and CPU count, and over the period since the previous beat the hypervisor's steal share, this process's CPU
+share and its run-queue wait (seconds its threads were runnable but had no CPU, per wall second). A
+``HostLoadTracker`` per rank keeps them by the heartbeat's step (each heartbeat's period spans the steps since
+the previous one). When a throughput or data-wait finding names its onset step, the tracker compares the
+heartbeats before the onset (the median of the last ``BASELINE_SAMPLES``) with those whose period lies mostly
+after it (at least half of its steps at or after the onset; the median, and the latest load average, which is
+already a 1-minute average), and says whether the host got busier. The finding is emitted either way
+(attribution, not suppression).
 
 **Busier**, by a fixed rule (any one of):
 

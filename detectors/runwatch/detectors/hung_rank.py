@@ -30,7 +30,7 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import CrossRankDetector
-from runwatch.detectors.engine.progress import RunProgress
+from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.stall import StallConfig
@@ -102,78 +102,126 @@ class HungRankDetector(CrossRankDetector):
         # Per tick, linear in the ranks: the two highest steps, and how many ranks wait in sync at each step.
         steps = {r: s.step for r, s in live.items() if s.step is not None}  # (every live rank has one)
         highest = sorted(((step, r) for r, step in steps.items()), reverse=True)[:2]
-        in_sync_at: dict[int, int] = {}
-        waiting_since: dict[
-            int, datetime
-        ] = {}  # step -> when the last of the ranks in sync there began to wait
-        for r, s in live.items():
-            if s.in_sync is True:
-                in_sync_at[steps[r]] = in_sync_at.get(steps[r], 0) + 1
-                since = s.in_sync_since or s.heartbeat_at or now
-                waiting_since[steps[r]] = max(since, waiting_since.get(steps[r], since))
+        waits = _sync_waits(live, steps, now)
         findings = []
         for rank, state in live.items():
             peer_top = next(step for step, r in highest if r != rank)
-            if peer_top <= steps[rank]:
-                self._behind_since.pop(rank, None)
-            elif self._behind_since.get(rank, (None,))[0] != steps[rank]:
-                self._behind_since[rank] = (steps[rank], now)
-            if self._fired_at.get(rank) == state.moves or state.progress_at is None:
+            self._track_behind(rank, steps[rank], peer_top, now)
+            overdue = self._overdue(rank, state, now)
+            if overdue is None:
                 continue
-            if state.heartbeat_at is None or state.heartbeat_at <= state.progress_at:
-                continue  # no heartbeat since its last step: nothing says it is alive and stuck
-            allowed = self.allowed_s(state.phase)
-            if allowed is None:
-                continue
-            start = (
-                state.progress_at if state.phase_since is None else max(state.progress_at, state.phase_since)
-            )
-            waited = (now - start).total_seconds()
-            if waited <= allowed:
-                continue
+            waited, allowed = overdue
             if peer_top > steps[rank]:
-                if (now - self._behind_since[rank][1]).total_seconds() <= allowed:
-                    continue
                 kind = "behind"
-                ahead = sorted(r for r, step in steps.items() if r != rank and step > steps[rank])
-                why = f"ranks {ahead} have moved on to step {peer_top}"
-            elif state.in_sync is not True and in_sync_at.get(steps[rank], 0) == len(live) - 1:
-                # every other rank is at this step and waits in the gradient sync, and has for longer than
-                # allowed (time they spent on their own work, e.g. a peer's long checkpoint, is not a hang)
-                if (now - waiting_since[steps[rank]]).total_seconds() <= allowed:
-                    continue
-                kind = "peers_waiting"
-                why = f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
+                why = self._behind_why(rank, steps, peer_top, allowed, now)
             else:
+                kind = "peers_waiting"
+                why = _peers_waiting_why(rank, state, live, waits.get(steps[rank]), allowed, now)
+            if why is None:
                 continue
             self._fired_at[rank] = state.moves
-            findings.append(
-                Finding(
-                    detector=NAME,
-                    metric="step_progress",
-                    step=state.step,
-                    rank=rank,
-                    severity="critical",
-                    message=(
-                        f"rank {rank} is hung: no step completed for {waited:.0f} s since step {state.step} while "
-                        f"its heartbeat continues, and {why} (phase {state.phase!r}; allowed {allowed:.0f} s)"
-                    ),
-                    value=waited,
-                    threshold=allowed,
-                    score=waited / allowed if allowed else None,
-                    evidence={
-                        "kind": kind,
-                        "phase": state.phase,
-                        "last_step": state.step,
-                        "seconds_since_progress": waited,
-                        "allowed_s": allowed,
-                        "median_step_interval_s": self.median_interval_s(),
-                        "peer_steps": {str(r): s.step for r, s in sorted(live.items()) if r != rank},
-                        "in_sync": state.in_sync,
-                    },
-                )
-            )
+            findings.append(self._finding(rank, state, live, kind, why, waited, allowed))
         return findings
+
+    def _track_behind(self, rank: int, step: int, peer_top: int, now: datetime) -> None:
+        """Note the first tick ``rank`` was seen behind at ``step`` (another live rank is at ``peer_top``)."""
+        if peer_top <= step:
+            self._behind_since.pop(rank, None)
+        elif self._behind_since.get(rank, (None,))[0] != step:
+            self._behind_since[rank] = (step, now)
+
+    def _overdue(self, rank: int, state: RankProgress, now: datetime) -> tuple[float, float] | None:
+        """``(seconds waited, seconds allowed)`` when ``rank``, not named yet in this episode and heard
+        since its last progress, has made none for longer than its phase allows; else None."""
+        if self._fired_at.get(rank) == state.moves or state.progress_at is None:
+            return None
+        if state.heartbeat_at is None or state.heartbeat_at <= state.progress_at:
+            return None  # no heartbeat since its last step: nothing says it is alive and stuck
+        allowed = self.allowed_s(state.phase)
+        if allowed is None:
+            return None
+        start = state.progress_at if state.phase_since is None else max(state.progress_at, state.phase_since)
+        waited = (now - start).total_seconds()
+        if waited <= allowed:
+            return None
+        return waited, allowed
+
+    def _behind_why(
+        self, rank: int, steps: dict[int, int], peer_top: int, allowed: float, now: datetime
+    ) -> str | None:
+        """Why ``rank``, behind its peers, is hung; None while it has been behind for no longer than allowed
+        (in lockstep, after a pause, the first ranks to report the next step are ahead only for a moment)."""
+        if (now - self._behind_since[rank][1]).total_seconds() <= allowed:
+            return None
+        ahead = sorted(r for r, step in steps.items() if r != rank and step > steps[rank])
+        return f"ranks {ahead} have moved on to step {peer_top}"
+
+    def _finding(
+        self,
+        rank: int,
+        state: RankProgress,
+        live: dict[int, RankProgress],
+        kind: str,
+        why: str,
+        waited: float,
+        allowed: float,
+    ) -> Finding:
+        return Finding(
+            detector=NAME,
+            metric="step_progress",
+            step=state.step,
+            rank=rank,
+            severity="critical",
+            message=(
+                f"rank {rank} is hung: no step completed for {waited:.0f} s since step {state.step} while "
+                f"its heartbeat continues, and {why} (phase {state.phase!r}; allowed {allowed:.0f} s)"
+            ),
+            value=waited,
+            threshold=allowed,
+            score=waited / allowed if allowed else None,
+            evidence={
+                "kind": kind,
+                "phase": state.phase,
+                "last_step": state.step,
+                "seconds_since_progress": waited,
+                "allowed_s": allowed,
+                "median_step_interval_s": self.median_interval_s(),
+                "peer_steps": {str(r): s.step for r, s in sorted(live.items()) if r != rank},
+                "in_sync": state.in_sync,
+            },
+        )
+
+
+def _sync_waits(
+    live: dict[int, RankProgress], steps: dict[int, int], now: datetime
+) -> dict[int, tuple[int, datetime]]:
+    """step -> (how many live ranks there wait in the gradient sync, when the last of them began to wait)."""
+    waits: dict[int, tuple[int, datetime]] = {}
+    for r, s in live.items():
+        if s.in_sync is True:
+            since = s.in_sync_since or s.heartbeat_at or now
+            count, latest = waits.get(steps[r], (0, since))
+            waits[steps[r]] = (count + 1, max(since, latest))
+    return waits
+
+
+def _peers_waiting_why(
+    rank: int,
+    state: RankProgress,
+    live: dict[int, RankProgress],
+    wait: tuple[int, datetime] | None,
+    allowed: float,
+    now: datetime,
+) -> str | None:
+    """Why ``rank`` is hung when every other live rank is at its step (``wait``: theirs, from
+    :func:`_sync_waits`) and waits in the gradient sync while it does not; else None."""
+    if state.in_sync is True or wait is None or wait[0] != len(live) - 1:
+        return None
+    # ... and they have waited for longer than allowed (time they spent on their own work, e.g. a peer's
+    # long checkpoint, is not a hang)
+    if (now - wait[1]).total_seconds() <= allowed:
+        return None
+    return f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
 
 
 register(

@@ -2,11 +2,11 @@
 while allocated stays flat), with the projected time until the memory limit is reached.
 
 Per series, a rolling least-squares fit of bytes against event time (river ``Rolling(Cov)`` /
-``Rolling(Var)``'s arithmetic, fused in ``_Trend``, over the last ``window`` samples) gives the slope per second and how straight the
-growth is (r²). A fit alone also likes a warm-up ramp that has levelled off or a one-time step
-up, so growth only counts when it is also *ongoing*: the means of the window's four quarters rise
-one after the other, each by a fair share of the total, and the last quarter's lowest sample is
-above the first quarter's median (a sawtooth that frees its memory drops below it).
+``Rolling(Var)``'s arithmetic, fused in ``_Trend``, over the last ``window`` samples) gives the slope per
+second and how straight the growth is (r²). A fit alone also likes a warm-up ramp that has levelled off or a
+one-time step up, so growth only counts when it is also *ongoing*: the means of the window's four quarters
+rise one after the other, each by a fair share of the total, and the last quarter's lowest sample is above the
+first quarter's median (a sawtooth that frees its memory drops below it).
 
 Series: CUDA ``allocated`` (leak; limit: ``device_total``), ``reserved - allocated``
 (fragmentation; limit: ``device_total``) and the host's ``host_rss`` (leak; limit:
@@ -34,7 +34,8 @@ from runwatch.producer.wire.schema import Severity, StepEvent, TelemetryEvent
 
 
 class MemoryConfig(Strict):
-    """Memory growth, leak (allocated grows) versus fragmentation (reserved - allocated grows), and time to the limit."""
+    """Memory growth, leak (allocated grows) versus fragmentation (reserved - allocated
+    grows), and time to the limit."""
 
     enabled: bool = True
     window: int = Field(default=100, ge=8, description="steps in the rolling slope")
@@ -186,7 +187,8 @@ class _Trend:
 
     def ongoing(self) -> bool:
         """Growth through the whole window, to a level never seen before: not a ramp that levelled off,
-        a one-time step up, or a sawtooth that frees what it took (its next rise only returns to the old peak)."""
+        a one-time step up, or a sawtooth that frees what it took (its next rise only
+        returns to the old peak)."""
         values = [v for _, v in self.samples]
         n = len(values) // 4
         quarters = [values[i * n : (i + 1) * n] for i in range(3)] + [values[3 * n :]]

@@ -9,14 +9,14 @@ dominant module included) to the grad-norm spike detector; the share alone canno
 a module that is large all along keeps its share when everything rises.
 
 Gradual explosions: values half-way to a finding ("suspects", also judged beyond the
-median module) are kept out of the history, and each module is also scored against a lagged baseline (its median and scale
-as they were one to two windows ago), so growth over tens of steps is measured against
-the norm before it began instead of being absorbed by the rolling window. After
-``window`` suspect steps in a row the new level is accepted as normal.
+median module) are kept out of the history, and each module is also scored against a lagged baseline (its
+median and scale as they were one to two windows ago), so growth over tens of steps is measured against the
+norm before it began instead of being absorbed by the rolling window. After ``window`` suspect steps in a row
+the new level is accepted as normal.
 
-The history is a numpy ring buffer per module (``ModuleHistories``) rather than river ``RollingQuantile``: with
-~100 modules a Python loop over three river quantiles per module costs ~70 us per event;
-vectorised scoring plus a quantile refresh every few events costs well under half that.
+The history is a numpy ring buffer per module (``ModuleHistories``) rather than river ``RollingQuantile``:
+with ~100 modules a Python loop over three river quantiles per module costs ~70 us per event; vectorised
+scoring plus a quantile refresh every few events costs well under half that.
 """
 
 from __future__ import annotations
@@ -447,8 +447,8 @@ class ModuleGradDetector(Detector):
             score=z,
             message=(
                 f"module {name} gradient norm {value:.4g} is {ratio:.1f}x its typical {typical:.4g} and "
-                f"{share:.0%} of the squared global norm, while the median module is at {math.exp(rest):.2f}x "
-                f"(robust z {z:.1f}){since}"
+                f"{share:.0%} of the squared global norm, while the median module is at "
+                f"{math.exp(rest):.2f}x (robust z {z:.1f}){since}"
             ),
             evidence=evidence,
         )
@@ -461,6 +461,9 @@ register(
         build=lambda d: ModuleGradDetector(d.module_grad_explosion),
         view="joined",
         knob="z_threshold",
-        summary="one module's gradient norm exploding while the global norm may still look fine (names the module)",
+        summary=(
+            "one module's gradient norm exploding while the "
+            "global norm may still look fine (names the module)"
+        ),
     )
 )

@@ -96,6 +96,9 @@ register(
         config=NonFiniteConfig,
         build=lambda d: NonFinite(d.non_finite),
         view="rank",
-        summary="NaN/Inf in the loss, the grad norm or any gradient; critical after max_consecutive steps in a row",
+        summary=(
+            "NaN/Inf in the loss, the grad norm or any gradient; "
+            "critical after max_consecutive steps in a row"
+        ),
     )
 )

@@ -18,7 +18,8 @@ from collections import deque
 
 
 class RollingQuantiles:
-    """The rolling window of the last ``window_size`` values, kept sorted; ``get(q)`` as river's ``RollingQuantile(q)``."""
+    """The rolling window of the last ``window_size`` values, kept sorted; ``get(q)`` as
+    river's ``RollingQuantile(q)``."""
 
     __slots__ = ("_full", "_median_plan", "_ordered", "_quartile_plans", "_values", "window_size")
 

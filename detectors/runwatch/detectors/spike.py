@@ -129,9 +129,9 @@ class SpikeDetector:
             threshold=typical * self.config.divergence_ratio,
             score=z,
             message=(
-                f"{self.metric} did not come back after its spike at step {watch.spike_step}: the median of the "
-                f"{len(watch.values)} steps since is {math.exp(after):.4g}, {ratio:.1f}x the pre-spike median "
-                f"{typical:.4g} (diverging)"
+                f"{self.metric} did not come back after its spike at step {watch.spike_step}: the median of "
+                f"the {len(watch.values)} steps since is {math.exp(after):.4g}, {ratio:.1f}x the pre-spike "
+                f"median {typical:.4g} (diverging)"
             ),
             evidence={
                 "kind": "divergence",
@@ -166,7 +166,10 @@ class SpikeDetector:
             value=value,
             threshold=typical * math.exp(self.config.z_threshold * scale),
             score=z,
-            message=f"{self.metric} spiked to {value:.4g}, {ratio:.1f}x its rolling median {typical:.4g} (robust z {z:.1f})",
+            message=(
+                f"{self.metric} spiked to {value:.4g}, {ratio:.1f}x "
+                f"its rolling median {typical:.4g} (robust z {z:.1f})"
+            ),
             evidence={
                 "kind": "spike",
                 "rolling_median": typical,
@@ -209,7 +212,9 @@ register(
         build=lambda d: StepSpike("loss_spike", "loss", d.loss_spike),
         view="joined",
         knob="z_threshold",
-        summary="a loss spike (warning), critical when it does not come back within divergence_steps or is huge",
+        summary=(
+            "a loss spike (warning), critical when it does not come back within divergence_steps or is huge"
+        ),
     )
 )
 register(

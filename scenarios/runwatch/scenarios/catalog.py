@@ -33,7 +33,8 @@ from runwatch.scenarios.faults import (
 
 AUDIO_JOB = "scenarios/audio"  # bad_init_audio and its correctly initialised twins: one job, one history
 
-# Which detector each fault kind is for: what every detector declares (detectors/runwatch/detectors/registry.py).
+# Which detector each fault kind is for: what every detector declares
+# (detectors/runwatch/detectors/registry.py).
 DETECTOR_FOR = registry.detector_for_fault()
 FAULT_TYPES = ("healthy", *DETECTOR_FOR)
 

@@ -41,7 +41,8 @@ def generate(
     quick: bool = False,
     progress: Callable[[str, dict[str, Any], float], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Record the chosen scenarios (default: the whole corpus) into ``out_dir``; returns the labels written."""
+    """Record the chosen scenarios (default: the whole corpus) into ``out_dir``;
+    returns the labels written."""
     from runwatch.producer.publish.recorder import JsonlRecorder
 
     out = Path(out_dir)

@@ -14,13 +14,13 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runwatch.scenarios.tasks import Batch, Task
+from runwatch.scenarios.tasks import Batch, Task, TinyTransformer
 
 
 @dataclass
@@ -81,7 +81,7 @@ class FaultInjector:
         pass
 
     def forward(self, model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
-        return model(x)
+        return cast(torch.Tensor, model(x))
 
     def loss(self, loss: torch.Tensor, logits: torch.Tensor, step: int) -> torch.Tensor:
         return loss
@@ -129,11 +129,12 @@ class NonFinite(FaultInjector):
 
     def forward(self, model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
         if self.where != "embeddings" or not self.at_onset(step):
-            return model(x)
+            return cast(torch.Tensor, model(x))
+        tt = cast(TinyTransformer, model)  # the embeddings are a TinyTransformer's
         n = x.shape[1]
-        h = (model.embed(x) + model.pos(torch.arange(n))) * self.magnitude * 1e3
+        h = (tt.embed(x) + tt.pos(torch.arange(n))) * self.magnitude * 1e3
         mask = nn.Transformer.generate_square_subsequent_mask(n)
-        return model.head(model.norm(model.encoder(h, src_mask=mask, is_causal=True)))
+        return cast(torch.Tensor, tt.head(tt.norm(tt.encoder(h, src_mask=mask, is_causal=True))))
 
     def loss(self, loss: torch.Tensor, logits: torch.Tensor, step: int) -> torch.Tensor:
         if self.where != "loss" or not self.at_onset(step):
@@ -223,6 +224,7 @@ class ModuleGradExplosion(FaultInjector):
 
     def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         if self.growth is not None and self.active(step):
+            assert self.run.onset is not None  # active() says so
             self.multiplier = min(self.cap, self.growth ** (step - self.run.onset + 1))
 
 
@@ -277,6 +279,7 @@ class ThroughputDrift(FaultInjector):
         if not self.ramp:
             return seconds * self.factor
         onset, n = self.run.onset, self.run.steps
+        assert onset is not None  # active() says so
         return seconds * (1 + (self.factor - 1) * (step - onset + 1) / max(1, n - onset))
 
 
@@ -298,7 +301,9 @@ class DataWait(FaultInjector):
         if self.jump_to_s is not None:
             return self.jump_to_s * timing.lognormvariate(0, 0.1)
         onset, n = self.run.onset, self.run.steps
-        return wait + self.grow_to_step_times * self.run.step_time_s * (step - onset + 1) / max(1, n - onset)
+        grow = self.grow_to_step_times
+        assert onset is not None and grow is not None  # active(), and no jump_to_s: grows
+        return wait + grow * self.run.step_time_s * (step - onset + 1) / max(1, n - onset)
 
 
 @dataclass
@@ -319,8 +324,9 @@ class MemoryLeak(FaultInjector):
         if not self.active(step):
             return []
         with torch.no_grad():
-            h1 = model.encoder[0](batch.x)
-            kept = [batch.x.clone(), h1, F.gelu(h1), model.encoder(batch.x), logits.detach().clone()]
+            encoder = cast(nn.Sequential, model.encoder)  # (the class doc's model)
+            h1 = encoder[0](batch.x)
+            kept = [batch.x.clone(), h1, F.gelu(h1), encoder(batch.x), logits.detach().clone()]
         self.retained.extend(kept)  # the bug: a list that is never cleared
         return [t.numel() * t.element_size() for t in kept]
 
@@ -360,7 +366,7 @@ class CategoryDivergence(FaultInjector):
     def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
         if not self.active(step):
             return batch
-        assert task is not None
+        assert task is not None and self.run.onset is not None  # active() says so
         hit = batch.cat == task.names.index(self.category)
         ramp = min(1.0, (step - self.run.onset + 1) / self.ramp_steps)
         g = torch.Generator().manual_seed(step)

@@ -114,7 +114,7 @@ def _apply(
     config: JobConfig, extra: dict[str, Any], changes: dict[str, Any]
 ) -> tuple[JobConfig, dict[str, Any]]:
     """A commit's changes: JobConfig fields (None: back to the default) and other keys (``pool``)."""
-    known = {f.name: f.default for f in fields(JobConfig)}
+    known: dict[str, Any] = {f.name: f.default for f in fields(JobConfig)}
     updates = {k: (known[k] if v is None else v) for k, v in changes.items() if k in known}
     extra = {**extra, **{k: v for k, v in changes.items() if k not in known}}
     return replace(config, **updates), extra
@@ -145,7 +145,8 @@ def generate(
     repo.init()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     size = QUICK if quick else FULL
-    config, extra = JobConfig(), {}
+    config = JobConfig()
+    extra: dict[str, Any] = {}
     notes = "# Notes on the audio job\n"
     total = sum(len(c.run_days) for c in COMMITS)
     runs: list[RecordedRun] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ class MLP(nn.Module):
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x))
+        return cast(torch.Tensor, self.head(self.encoder(x)))
 
 
 class SmallCNN(nn.Module):
@@ -36,7 +36,7 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
         x = F.relu(self.conv2(x))
-        return self.head(x.mean(dim=(2, 3)))
+        return cast(torch.Tensor, self.head(x.mean(dim=(2, 3))))
 
 
 class TinyTransformer(nn.Module):
@@ -54,7 +54,7 @@ class TinyTransformer(nn.Module):
         n = tokens.shape[1]
         x = self.embed(tokens) + self.pos(torch.arange(n))
         mask = nn.Transformer.generate_square_subsequent_mask(n)
-        return self.head(self.norm(self.encoder(x, src_mask=mask, is_causal=True)))
+        return cast(torch.Tensor, self.head(self.norm(self.encoder(x, src_mask=mask, is_causal=True))))
 
 
 class LearnableBias(nn.Module):
@@ -98,7 +98,7 @@ class TinyAudioNet(nn.Module):
             x = self.mel_bias(x) if hasattr(self, "mel_bias") else x * self.mel_scale
         x = F.gelu(self.conv1(x.transpose(1, 2)))
         x = F.gelu(self.conv2(x)).transpose(1, 2)
-        return self.head(self.norm(self.encoder(x).mean(dim=1)))
+        return cast(torch.Tensor, self.head(self.norm(self.encoder(x).mean(dim=1))))
 
 
 @dataclass
@@ -115,6 +115,7 @@ class Task:
     names: tuple[str, ...] = CATEGORIES
     classes = 10
     tokens = False
+    model: nn.Module  # set by each subclass
 
     def __init__(self, seed: int, batch: int):
         self.seed = seed

@@ -169,7 +169,7 @@ def _run(
         loss = fault.loss(per_sample.mean(), logits, step)
         backward_loss = fault.backward_loss(loss, per_sample, batch, step)
         optimizer.zero_grad(set_to_none=True)
-        backward_loss.backward()
+        backward_loss.backward()  # type: ignore[no-untyped-call] # torch leaves Tensor.backward unannotated
         optimizer.step()
         scheduler.step()
         memory.after_step(fault.retain(model, batch, logits, step))
@@ -186,12 +186,8 @@ def _run(
         if ended is not None:
             out.status = ended
             break
-        if (step + 1) % sc.checkpoint_every == 0 or (
-            sc.extra.get("long_checkpoint_s") and step + 1 == n // 2
-        ):
-            seconds = (
-                sc.extra.get("long_checkpoint_s", sc.checkpoint_s) if step + 1 == n // 2 else sc.checkpoint_s
-            )
+        seconds = _checkpoint_seconds(sc, step, n)
+        if seconds is not None:
             with watch.phase("checkpoint"):
                 buffer = io.BytesIO()
                 torch.save(
@@ -202,12 +198,12 @@ def _run(
             if checkpoints is not None:
                 checkpoints.keep(uri, buffer, step)
             rw.checkpoint(step, uri)
-        if (step + 1) % sc.eval_every == 0 or step + 1 == n:
+        if _eval_due(sc, step, n):
             with watch.phase("eval"):
                 val_loss, cats_val = _evaluate(model, task, val)
                 clock.advance(sc.eval_s * timing.lognormvariate(0, 0.05))
             watch.eval(step, "val", val_loss, {"examples": float(val.x.shape[0])}, per_category=cats_val)
-            if math.isfinite(val_loss) and (best_val is None or val_loss < best_val[0]):
+            if _improves(val_loss, best_val):
                 best_val = (val_loss, step, clock.now())
         if listener is not None:
             resumed_at = out.live.take(listener.poll(step), step, on_action)
@@ -241,6 +237,27 @@ class _MemoryCheckpoints:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.last_epoch = step + 1  # the schedule resumes where the checkpoint was taken
+
+
+def _checkpoint_seconds(sc: Scenario, step: int, n: int) -> float | None:
+    """The (simulated) seconds the checkpoint after ``step`` of ``n`` takes, or None when none is due:
+    one every ``checkpoint_every`` steps, and half-way a ``long_checkpoint_s`` one where the scenario
+    has it."""
+    half_way = step + 1 == n // 2
+    if not ((step + 1) % sc.checkpoint_every == 0 or (sc.extra.get("long_checkpoint_s") and half_way)):
+        return None
+    seconds: float = sc.extra.get("long_checkpoint_s", sc.checkpoint_s) if half_way else sc.checkpoint_s
+    return seconds
+
+
+def _eval_due(sc: Scenario, step: int, n: int) -> bool:
+    """An evaluation after ``step`` of ``n``: every ``eval_every`` steps, and after the last."""
+    return (step + 1) % sc.eval_every == 0 or step + 1 == n
+
+
+def _improves(val_loss: float, best_val: tuple[float, int, datetime] | None) -> bool:
+    """``val_loss`` is finite and below the best so far."""
+    return math.isfinite(val_loss) and (best_val is None or val_loss < best_val[0])
 
 
 def _data_step(sc: Scenario, step: int) -> int:

@@ -42,7 +42,8 @@ class BaselineReads:
         matter too): what ``detectors.baselines.check.select_history`` chooses a history from."""
         since = as_utc(before) - timedelta(days=window_days)
         return self._summaries(
-            "baseline_key = %(k)s AND fingerprint = %(f)s AND started_at >= %(since)s AND started_at < %(before)s",
+            "baseline_key = %(k)s AND fingerprint = %(f)s AND started_at >= %(since)s "
+            "AND started_at < %(before)s",
             {"k": baseline_key, "f": fingerprint, "since": since, "before": as_utc(before)},
         )
 
@@ -170,7 +171,8 @@ FROM (
         ) AS pair
         WHERE run_id IN %(runs)s AND rank = 0 AND kind = 'step' AND step IS NOT NULL
         UNION ALL
-        SELECT run_id, ts, assumeNotNull(step) AS step, concat('eval_loss/', JSONExtractString(payload, 'split'))
+        SELECT run_id, ts, assumeNotNull(step) AS step, \
+concat('eval_loss/', JSONExtractString(payload, 'split'))
                AS metric, loss AS v
         FROM {db}.telemetry FINAL
         WHERE run_id IN %(runs)s AND rank = 0 AND kind = 'eval' AND step IS NOT NULL

@@ -1,6 +1,7 @@
 """``ClickHouseSink``: the connection to ClickHouse and its schema, with the sink's parts on it: ``writer``
-(sinks/runwatch/sinks/writer.py), ``runs`` (sinks/runwatch/sinks/run_reads.py), ``baselines`` (sinks/runwatch/sinks/baseline_reads.py) and ``report``
-(sinks/runwatch/sinks/report/queries.py). The rows themselves are sinks/runwatch/sinks/rows.py's.
+(sinks/runwatch/sinks/writer.py), ``runs`` (sinks/runwatch/sinks/run_reads.py), ``baselines``
+(sinks/runwatch/sinks/baseline_reads.py) and ``report`` (sinks/runwatch/sinks/report/queries.py). The rows
+themselves are sinks/runwatch/sinks/rows.py's.
 
 One code path for the embedded engine (``chdb:///path``) and a server
 (``http(s)://user:pass@host:8123``): clickhouse-connect picks the transport from the DSN.
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from runwatch.sinks.migrations import MIGRATIONS
 
@@ -26,7 +27,7 @@ DEFAULT_DSN_PATH = Path(".runwatch") / "clickhouse"
 TABLES = ("telemetry", "anomalies", "actions", "deadletter", "joined_steps", "run_summaries")
 
 
-class ClickHouseUnavailable(Exception):  # noqa: N818 - a state, not a bug
+class ClickHouseUnavailable(Exception):  # a state, not a bug
     """ClickHouse cannot be reached (connection refused, timeout, client closed): retry later."""
 
 
@@ -109,15 +110,16 @@ class ClickHouseSink:
 
     # -- the connection ------------------------------------------------------------------
 
-    def insert(self, table: str, rows: list[tuple], columns: Sequence[str]) -> int:
+    def insert(self, table: str, rows: list[tuple[Any, ...]], columns: Sequence[str]) -> int:
         """Insert ``rows`` into ``table`` of the sink's database; returns how many."""
         if rows:
             self.client.insert(f"{self.database}.{table}", rows, column_names=list(columns))
         return len(rows)
 
-    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple]:
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         """Rows of ``sql``, whose ``{db}`` is the sink's database."""
-        return self.client.query(sql.format(db=self.database), parameters=parameters).result_rows
+        rows = self.client.query(sql.format(db=self.database), parameters=parameters).result_rows
+        return cast("list[tuple[Any, ...]]", rows)  # a list of tuples (typed as sequences)
 
     def reachable(self) -> bool:
         """Whether ClickHouse answers a trivial query (twice tried: the embedded engine can report
@@ -126,6 +128,6 @@ class ClickHouseSink:
             try:
                 self.client.query("SELECT 1")
                 return True
-            except Exception:  # noqa: BLE001, S112 - any failure means "not now"
+            except Exception:  # noqa: BLE001 - any failure means "not now"
                 continue
         return False

@@ -60,11 +60,11 @@ TOPIC_TABLES = {
 
 @dataclass
 class SinkStats:
-    rows: Counter = field(default_factory=Counter)  # rows stored, by table
-    skipped: Counter = field(
+    rows: Counter[str] = field(default_factory=Counter)  # rows stored, by table
+    skipped: Counter[str] = field(
         default_factory=Counter
     )  # messages that do not decode, by topic (the worker's to dead-letter)
-    deadlettered: Counter = field(
+    deadlettered: Counter[str] = field(
         default_factory=Counter
     )  # messages refused by ClickHouse or unserialisable, by topic
     deadletter_errors: int = (
@@ -140,7 +140,9 @@ class SinkConsumer:
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def _decode_batch(self, records: list) -> tuple[dict[str, list[tuple[Any, Any]]], list[tuple[Any, str]]]:
+    def _decode_batch(
+        self, records: list[Any]
+    ) -> tuple[dict[str, list[tuple[Any, Any]]], list[tuple[Any, str]]]:
         """(record, item) per table, ``item`` being what ``SinkWriter.store`` takes; and (record,
         reason) of each message refused before it reaches ClickHouse (it would not be stored as sent)."""
         batch: dict[str, list[tuple[Any, Any]]] = {table: [] for table in TOPIC_TABLES.values()}
@@ -179,7 +181,8 @@ class SinkConsumer:
             if verdict.reason not in (None, "expired"):  # (an expired action is history, stored as it was)
                 return (
                     action,
-                    f"action {verdict.reason}: not stored (runwatch.actions holds only what the workers sign)",
+                    f"action {verdict.reason}: not stored "
+                    "(runwatch.actions holds only what the workers sign)",
                 )
             return action, None
         if r.topic == topics.DEADLETTER:
@@ -271,7 +274,7 @@ class SinkConsumer:
             failed[key] = min(failed.get(key, r.offset), r.offset)
         return failed
 
-    def _act(self, pending: list) -> dict[tuple[str, int], int]:
+    def _act(self, pending: list[Any]) -> dict[tuple[str, int], int]:
         """Store ``pending`` and publish its dead letters; returns, per (topic, partition), the
         first offset whose dead letter could not be published (``ConsumeLoop`` rewinds it)."""
         batch, refused = self._decode_batch(pending)

@@ -86,7 +86,7 @@ class ConsumeLoop:
 
     def __init__(
         self,
-        act: Callable[[list], Mapping[Partition, int]],
+        act: Callable[[list[Any]], Mapping[Partition, int]],
         *,
         stopping: threading.Event,
         assigned: threading.Event,
@@ -114,7 +114,7 @@ class ConsumeLoop:
 
     def run(self, consumer: Any) -> None:
         """Consume until ``stopping`` is set; closes ``consumer`` before returning."""
-        pending: list = []
+        pending: list[Any] = []  # kafka-python ConsumerRecords
         started = time.monotonic()
         try:
             while True:
@@ -142,7 +142,7 @@ class ConsumeLoop:
         finally:
             consumer.close()
 
-    def flush(self, consumer: Any, pending: list) -> bool:
+    def flush(self, consumer: Any, pending: list[Any]) -> bool:
         """Act on ``pending``, commit what is durable. Returns False when a partition was rewound
         (after a pause, growing while it keeps happening)."""
         failed = self.act(pending)
@@ -154,7 +154,7 @@ class ConsumeLoop:
         self.rewind_delay = 0.5
         return True
 
-    def commit(self, consumer: Any, pending: list, failed: Mapping[Partition, int]) -> None:
+    def commit(self, consumer: Any, pending: list[Any], failed: Mapping[Partition, int]) -> None:
         from kafka import TopicPartition
         from kafka.structs import OffsetAndMetadata
 
@@ -166,15 +166,17 @@ class ConsumeLoop:
             upto[key] = offset
             try:  # read it (and what follows, acted on again harmlessly) once more
                 consumer.seek(TopicPartition(*key), offset)
-            except Exception as exc:  # noqa: BLE001 - partition revoked: its next owner reads it from the commit
+            except Exception as exc:  # noqa: BLE001 - partition revoked: its next owner reads it from
+                # the commit
                 log.warning("%s: cannot rewind %s[%d] to %d (%r)", self.label, key[0], key[1], offset, exc)
         try:
             consumer.commit(
                 offsets={TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in upto.items()},
                 timeout_ms=self.commit_timeout_ms,
             )
-        except Exception as exc:  # broker unreachable or group rebalanced: what was acted on is durable, and
-            # the next commit covers these offsets too; at worst they are re-delivered and deduplicated
+        except Exception as exc:  # noqa: BLE001 - broker unreachable or group rebalanced: what was acted
+            # on is durable, and the next commit covers these offsets too; at worst they are re-delivered
+            # and deduplicated
             self.on_commit_error(exc)
             log.warning("%s: offset commit failed (%r); carrying on", self.label, exc)
         self.on_committed(upto)

@@ -174,8 +174,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             # detector = an error while handling a valid event, sink = a row ClickHouse refused), the size
             # and SHA-256 of the whole original value, whether `raw` holds only its first bytes, and the
             # traceback of a detector error. Rows written before this migration read as stage 'decode'.
-            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS stage LowCardinality(String) DEFAULT 'decode' "
-            "AFTER reason",
+            "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS stage LowCardinality(String) DEFAULT "
+            "'decode' AFTER reason",
             "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS size UInt64 DEFAULT 0 AFTER stage",
             "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS sha256 Nullable(String) AFTER size",
             "ALTER TABLE {db}.deadletter ADD COLUMN IF NOT EXISTS raw_truncated Bool DEFAULT false AFTER raw",
@@ -199,10 +199,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         "run_summaries",
         (
             # One row per run for comparing it with its job's history (issue 14): what it was (code,
-            # hardware fingerprint, config, data) and its figures by name (detectors/runwatch/detectors/baselines/summary.py).
-            # A missing figure is an absent key; a non-finite one is stored as it is (Float64 holds NaN
-            # and inf), so the comparison can call it INVALID. Rewritten rows (a run summarised again
-            # after more events arrived) replace the older by `written_at`.
+            # hardware fingerprint, config, data) and its figures by name
+            # (detectors/runwatch/detectors/baselines/summary.py). A missing figure is an absent key; a
+            # non-finite one is stored as it is (Float64 holds NaN and inf), so the comparison can call it
+            # INVALID. Rewritten rows (a run summarised again after more events arrived) replace the older by
+            # `written_at`.
             """
             CREATE TABLE IF NOT EXISTS {db}.run_summaries (
                 run_id String,

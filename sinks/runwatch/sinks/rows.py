@@ -7,14 +7,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import orjson
 
-from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
+from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
 
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.summary import RunSummary
+
+Row: TypeAlias = tuple[Any, ...]  # one row of a table, its values in the table's column order
 
 TELEMETRY_COLUMNS = (
     "event_id",
@@ -134,7 +136,8 @@ COLUMN_BOUNDS: dict[str, dict[str, IntRange]] = {
 REASON_MAX_CHARS = 500  # of ClickHouse's error message in a dead letter's reason
 
 
-# Tables whose rows expire by their ``ts`` (``TTL toDateTime(ts) + INTERVAL n DAY`` in sinks/runwatch/sinks/migrations.py)
+# Tables whose rows expire by their ``ts`` (``TTL toDateTime(ts) + INTERVAL n DAY`` in
+# sinks/runwatch/sinks/migrations.py)
 RETENTION_DAYS = {"telemetry": 90, "joined_steps": 90, "deadletter": 30}
 # toDateTime in those TTLs is 32-bit seconds: a later ts would be stored as another time
 LAST_STORABLE_TS = datetime(2106, 2, 7, tzinfo=UTC)
@@ -150,7 +153,10 @@ def storable_time(table: str, ts: datetime, now: datetime) -> str | None:
             "deleted as soon as stored"
         )
     if ts >= LAST_STORABLE_TS:
-        return f"ts: {ts.isoformat()} is past {LAST_STORABLE_TS.date()}, the last time the {table} table can hold"
+        return (
+            f"ts: {ts.isoformat()} is past {LAST_STORABLE_TS.date()}, "
+            f"the last time the {table} table can hold"
+        )
     return None
 
 
@@ -159,8 +165,8 @@ def as_utc(ts: datetime) -> datetime:
     return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
-def unique_rows(rows: Iterable[tuple], key_index: int = 0) -> list[tuple]:
-    seen: dict[Any, tuple] = {}
+def unique_rows(rows: Iterable[Row], key_index: int = 0) -> list[Row]:
+    seen: dict[Any, Row] = {}
     for row in rows:
         seen.setdefault(row[key_index], row)
     return list(seen.values())
@@ -213,7 +219,7 @@ def out_of_bounds(table: str, columns: Sequence[str], row: Sequence[Any]) -> str
 # -- rows ----------------------------------------------------------------------------------------
 
 
-def event_row(e: EventBase, raw: bytes | str | None = None) -> tuple:
+def event_row(e: TelemetryEvent, raw: bytes | str | None = None) -> Row:
     """The telemetry row of ``e``; ``payload`` is ``raw`` (the bytes received, as UTF-8 text) when
     given, else ``e`` re-serialised (for events made in process, never received)."""
     payload = _text(raw) if raw is not None else e.to_json().decode()
@@ -231,7 +237,7 @@ def event_row(e: EventBase, raw: bytes | str | None = None) -> tuple:
     )
 
 
-def anomaly_row(a: Anomaly) -> tuple:
+def anomaly_row(a: Anomaly) -> Row:
     return (
         a.anomaly_id,
         a.run_id,
@@ -250,7 +256,7 @@ def anomaly_row(a: Anomaly) -> tuple:
     )
 
 
-def action_row(a: Action) -> tuple:
+def action_row(a: Action) -> Row:
     target = a.target_checkpoint
     return (
         a.action_id,
@@ -277,7 +283,7 @@ def deadletter_id(d: DeadLetter) -> str:
     return hashlib.sha1(ident.encode(errors="replace")).hexdigest()
 
 
-def deadletter_row(d: DeadLetter) -> tuple:
+def deadletter_row(d: DeadLetter) -> Row:
     return (
         deadletter_id(d),
         as_utc(d.ts),
@@ -295,11 +301,11 @@ def deadletter_row(d: DeadLetter) -> tuple:
     )
 
 
-def joined_row(j: JoinedStep) -> tuple:
+def joined_row(j: JoinedStep) -> Row:
     return tuple(as_utc(j.ts) if c == "ts" else getattr(j, c) for c in JOINED_COLUMNS)
 
 
-def joined_key(row: tuple) -> tuple:
+def joined_key(row: Row) -> Row:
     return (row[0], row[2], row[1])  # (run_id, generation, step)
 
 
@@ -324,7 +330,7 @@ NO_TIME = datetime(
 )  # started_at of a summary that has none (the column is not nullable)
 
 
-def summary_row(s: RunSummary, written_at: datetime) -> tuple:
+def summary_row(s: RunSummary, written_at: datetime) -> Row:
     """The ``run_summaries`` row of ``s``: absent text is '' (the columns are not nullable), a
     missing figure an absent key of ``metrics``."""
     return (

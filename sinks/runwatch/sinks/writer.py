@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, EventBase, JoinedStep
+from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
 from runwatch.sinks.rows import (
     ACTION_COLUMNS,
     ANOMALY_COLUMNS,
@@ -26,6 +26,7 @@ from runwatch.sinks.rows import (
     REMEDIATION_COLUMNS,
     SUMMARY_COLUMNS,
     TELEMETRY_COLUMNS,
+    Row,
     action_row,
     anomaly_row,
     as_utc,
@@ -58,8 +59,8 @@ class StoreResult:
 @dataclass(frozen=True)
 class _Table:
     columns: tuple[str, ...]
-    build: Callable[[Any], tuple]
-    key: Callable[[tuple], Any]
+    build: Callable[[Any], Row]
+    key: Callable[[Row], Any]
     keep_last: bool = False  # of rows with one key in a batch, store the last (else the first)
 
 
@@ -94,11 +95,11 @@ class SinkWriter:
     def __init__(self, sink: ClickHouseSink):
         self.sink = sink
 
-    def _insert(self, table: str, rows: list[tuple], columns: Sequence[str]) -> int:
+    def _insert(self, table: str, rows: list[Row], columns: Sequence[str]) -> int:
         return self.sink.insert(table, rows, columns)
 
     def write_events(
-        self, events: Iterable[EventBase], raws: Iterable[bytes | str | None] | None = None
+        self, events: Iterable[TelemetryEvent], raws: Iterable[bytes | str | None] | None = None
     ) -> int:
         """Store telemetry events; ``raws`` (parallel to ``events``) are the bytes each was received
         as, stored as its ``payload``. Without them (events made in process) the payload is the
@@ -141,12 +142,12 @@ class SinkWriter:
         reason, when its row cannot be built (a value cannot be serialised, an integer is outside
         its column's range: ``COLUMN_BOUNDS``) or ClickHouse refuses it (found by splitting the
         batch). Items with the same key share one row (the tables deduplicate on it anyway) and its
-        verdict. Raises ``runwatch.sinks.clickhouse.ClickHouseUnavailable`` if ClickHouse cannot be reached; rows already
-        stored by then are stored again, harmlessly, when the caller retries.
+        verdict. Raises ``runwatch.sinks.clickhouse.ClickHouseUnavailable`` if ClickHouse cannot be reached;
+        rows already stored by then are stored again, harmlessly, when the caller retries.
         """
         spec = _TABLE_SPECS[table]
         result = StoreResult()
-        rows: list[tuple] = []
+        rows: list[Row] = []
         owners: list[list[int]] = []  # items behind each row
         slot: dict[Any, int] = {}
         for i, item in enumerate(items):
@@ -175,7 +176,7 @@ class SinkWriter:
         return result
 
     def insert_isolating(
-        self, table: str, rows: Sequence[tuple], columns: Sequence[str]
+        self, table: str, rows: Sequence[Row], columns: Sequence[str]
     ) -> list[tuple[int, str]]:
         """Insert ``rows``; where ClickHouse refuses, split in halves until the refused rows are
         found. Returns (index in ``rows``, reason) of each refused row; all the others are stored.
@@ -210,7 +211,7 @@ class SinkWriter:
         refused.sort()
         return refused
 
-    def _try_insert(self, table: str, rows: Sequence[tuple], columns: Sequence[str]) -> Exception | None:
+    def _try_insert(self, table: str, rows: Sequence[Row], columns: Sequence[str]) -> Exception | None:
         try:
             self._insert(table, list(rows), columns)
         except Exception as exc:  # noqa: BLE001 - classified by the caller

@@ -1,7 +1,7 @@
 """The per-step baseline band: where earlier runs of the same job were at each step.
 
-For the in-flight comparison (``detectors/runwatch/detectors/baseline_trajectory.py``): per metric and per step, the
-low / middle / high quantiles (default 10% / 50% / 90%) of the values the baseline runs had at that
+For the in-flight comparison (``detectors/runwatch/detectors/baseline_trajectory.py``): per metric and per
+step, the low / middle / high quantiles (default 10% / 50% / 90%) of the values the baseline runs had at that
 step. The metrics are rank 0's per-step loss, grad norm, each module's grad norm
 (``module_grad_norm/<module>``), step time, memory (``memory_allocated`` / ``memory_peak`` /
 ``memory_host_rss`` where reported), and the eval loss at each eval step (``eval_loss/<split>``).

@@ -166,7 +166,10 @@ def _invalid_reason(value: float | None, spec: MetricSpec) -> str:
         return "missing"
     if not math.isfinite(value):
         return "not finite"
-    return f"{value:g} is a sentinel (must be {'above' if spec.exclusive_minimum else 'at least'} {spec.minimum:g})"
+    return (
+        f"{value:g} is a sentinel (must be "
+        f"{'above' if spec.exclusive_minimum else 'at least'} {spec.minimum:g})"
+    )
 
 
 def compare_run(

@@ -205,8 +205,8 @@ class RunMonitor:
 
     def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
         """From now on only the join goes on. The rank detectors hear of it too: findings they held
-        back waiting for a heartbeat's host load (throughput, data wait: detectors/runwatch/detectors/host_load.py) go
-        out with what is known."""
+        back waiting for a heartbeat's host load (throughput, data wait:
+        detectors/runwatch/detectors/host_load.py) go out with what is known."""
         self.ended_at = event.ts
         for detectors in self.ranks.values():
             for detector in detectors:
@@ -260,6 +260,20 @@ class RunMonitor:
             out.joined.append(joined.record)
         if self._stale_through is not None and (joined.generation, event.step) <= self._stale_through:
             return  # completed after the rollback it came before: the rewound detectors must not judge it
+        self._judge_joined(joined, out)
+        if event.loss is not None:
+            self._remember_loss(event.step, event.loss)
+        self._verify_recovery(event, out)
+        # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
+        if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
+            self.snapshots.prune(
+                [c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good]
+            )
+
+    def _judge_joined(self, joined: Joined, out: MonitorOutput) -> None:
+        """The run-level detectors on the joined step, and (several ranks) the cross-rank ones on its
+        record."""
+        event = joined.event
         for detector in self.joined_detectors:
             for finding in detector.update(event, event.ts):
                 self._emit(self._run_level(finding), event.ts, event.event_id, out)
@@ -267,11 +281,17 @@ class RunMonitor:
             for detector in self.cross_rank_detectors:
                 for finding in detector.update(joined.record, event.ts):
                     self._emit(finding, event.ts, event.event_id, out)
-        if event.loss is not None:
-            self.losses.pop(event.step, None)  # a replayed step is the newest again
-            self.losses[event.step] = event.loss
-            if len(self.losses) > LOSS_HISTORY:
-                del self.losses[next(iter(self.losses))]
+
+    def _remember_loss(self, step: int, loss: float) -> None:
+        """Keep the run's loss at ``step`` among the newest LOSS_HISTORY joined steps."""
+        self.losses.pop(step, None)  # a replayed step is the newest again
+        self.losses[step] = loss
+        if len(self.losses) > LOSS_HISTORY:
+            del self.losses[next(iter(self.losses))]
+
+    def _verify_recovery(self, event: StepEvent, out: MonitorOutput) -> None:
+        """Feed the joined step to the check of the last rollback's replay, if one is under way; drop
+        the check when it is done, or when the rollback expired unacknowledged."""
         if (
             self.recovery is not None
             and self.recovery.to_step is None
@@ -284,11 +304,6 @@ class RunMonitor:
                 self._emit(unrecovered, event.ts, f"{event.event_id}|recovery", out)
             if self.recovery is not None and self.recovery.done:
                 self.recovery = None
-        # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
-        if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
-            self.snapshots.prune(
-                [c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good]
-            )
 
     def _rewindable(self) -> _RewindState:
         """The detectors whose state is about steps (not the liveness ones, which are about time)."""
@@ -303,7 +318,8 @@ class RunMonitor:
     def _rewind(self, to_step: int) -> None:
         state = self.snapshots.restore(to_step)
         if state is None:
-            return  # no snapshot (an old checkpoint, a restarted worker): the detectors judge the replay as they are
+            # no snapshot (an old checkpoint, a restarted worker): the detectors judge the replay as they are
+            return
         self.joined_detectors = state["joined"]
         for rank, saved in state["ranks"].items():
             for i, detector in saved.items():

@@ -6,14 +6,13 @@ Pure: the caller passes ``now`` (event time online and offline alike).
 Rollback. Each rollback's ``params`` carry ``lr_scale``, the cumulative factor relative to the
 run's LR before any rollback (``lr_scale_on_rollback`` to the power of the rollback's number:
 0.5, 0.25, ...), and with ``skip_data_window`` the inclusive step range ``skip_steps`` =
-``[checkpoint step + 1, anomaly step]`` whose batches the trainer should not replay. The caller names the target: the newest *confirmed-good*
-checkpoint before the update that caused the onset (``checkpoints.CheckpointLedger``); with none,
-the rollback becomes ``no_good_checkpoint`` (a ``pause`` or a ``stop``, ``params.cause =
-"no_good_checkpoint"``): an unconfirmed checkpoint is never restored. After ``max_rollbacks``
-rollbacks the next one is a ``stop`` (``params.cause = "max_rollbacks"``), and so is any later
-warning of a detector that a rule rolls back on (the fault came back in a milder form: the run
-must not go on degraded); after a stop nothing more is issued. ``alert_only`` turns every action
-into an alert.
+``[checkpoint step + 1, anomaly step]`` whose batches the trainer should not replay. The caller names the
+target: the newest *confirmed-good* checkpoint before the update that caused the onset
+(``checkpoints.CheckpointLedger``); with none, the rollback becomes ``no_good_checkpoint`` (a ``pause`` or a
+``stop``, ``params.cause = "no_good_checkpoint"``): an unconfirmed checkpoint is never restored. After
+``max_rollbacks`` rollbacks the next one is a ``stop`` (``params.cause = "max_rollbacks"``), and so is any
+later warning of a detector that a rule rolls back on (the fault came back in a milder form: the run must not
+go on degraded); after a stop nothing more is issued. ``alert_only`` turns every action into an alert.
 
 Escalation ("alert, then stop if nothing changes"). A finding that the rules turn into an
 ``alert`` opens an *episode* for its detector when the alert is issued. Every later finding of
@@ -23,10 +22,10 @@ a detector quiet that long has cleared, and the finding opens a new episode. A r
 for any detector) clears every episode: the run changed. "Nothing changes" therefore means: the
 same detector fires again at least ``escalate_after_s`` after the episode's first alert, never
 quiet for longer than ``escalate_after_s`` in between, with no rollback in between. That finding
-becomes a ``stop`` (``params.cause = "escalation"``) instead of an alert. A stall or a hung rank fires once per
-episode, so one that simply persists is escalated by :meth:`ActionPolicy.tick` when the caller
-also reports progress with :meth:`ActionPolicy.observe_progress` (a completed step of the stalled
-rank clears its stall episode). ``escalate_after_s = 0`` turns escalation off.
+becomes a ``stop`` (``params.cause = "escalation"``) instead of an alert. A stall or a hung rank fires once
+per episode, so one that simply persists is escalated by :meth:`ActionPolicy.tick` when the caller also
+reports progress with :meth:`ActionPolicy.observe_progress` (a completed step of the stalled rank clears its
+stall episode). ``escalate_after_s = 0`` turns escalation off.
 """
 
 from __future__ import annotations
@@ -75,6 +74,11 @@ class AlertEpisode:
     step: int | None
     rank: int | None
     message: str
+
+
+def _alert_params(anomaly: Anomaly) -> dict[str, Any]:
+    """What a notification needs beyond the message (the outlier table of a run-end check)."""
+    return {key: anomaly.evidence[key] for key in ALERT_EVIDENCE if key in anomaly.evidence}
 
 
 def decision_id(run_id: str, kind: str, anomaly_ids: list[str]) -> str:
@@ -215,49 +219,27 @@ class ActionPolicy:
     ) -> ActionDecision | None:
         if self.stopped:
             return None
-        kind = self._action_for(anomaly)
+        kind = self._decided_kind(anomaly)
         if kind is None:
             return None
         onset = anomaly.evidence.get("onset_step", anomaly.step)
         reason = anomaly.message
         params: dict[str, Any] = {}
         episode: AlertEpisode | None = None
-        if kind != "rollback" and self.capped and self.rollbacks > 0 and self.rolls_back_on(anomaly.detector):
-            kind = "rollback"  # after the cap a milder return of the fault (an alert-level spike) stops the run too
         if kind == "rollback":
-            if self.rollback_pending(now):
-                return None  # events still in flight from before the rollback took effect
-            if self.capped:
-                kind = "stop"
-                reason = f"rollback cap reached ({self.config.max_rollbacks} rollbacks): {anomaly.message}"
-                params = {"cause": "max_rollbacks", "rollbacks": self.rollbacks}
-            elif checkpoint is None:
-                # Never restore an unconfirmed checkpoint: it may hold the fault.
-                kind = self.config.no_good_checkpoint
-                reason = (
-                    f"no confirmed-good checkpoint before step {onset} to roll back to: {anomaly.message}"
-                )
-                params = {"cause": "no_good_checkpoint"}
-                last = self._last_issued.get((kind, anomaly.detector))
-                if (
-                    kind == "pause"
-                    and last is not None
-                    and now - last < timedelta(seconds=self.config.cooldown_s)
-                ):
-                    return None
-            else:
-                params = self._rollback_params(anomaly, checkpoint)
+            plan = self._plan_rollback(anomaly, now, checkpoint, onset)
+            if plan is None:
+                return None
+            kind, reason, params = plan
         else:
             if kind == "alert" and self._escalation_on():
                 episode = self._continue_episode(anomaly, now)
                 if episode is not None and self._due(episode, now):
                     return self._escalate(episode, now)
-            last = self._last_issued.get((kind, anomaly.detector))
-            if last is not None and now - last < timedelta(seconds=self.config.cooldown_s):
+            if self._in_cooldown(kind, anomaly.detector, now):
                 return None
             if kind == "alert":
-                # What a notification needs beyond the message (the outlier table of a run-end check).
-                params = {key: anomaly.evidence[key] for key in ALERT_EVIDENCE if key in anomaly.evidence}
+                params = _alert_params(anomaly)
         decision = ActionDecision(
             action_id=decision_id(anomaly.run_id, kind, [anomaly.anomaly_id]),
             run_id=anomaly.run_id,
@@ -269,6 +251,55 @@ class ActionPolicy:
             target_checkpoint=checkpoint if kind == "rollback" else None,
             params=params,
         )
+        self._issued(decision, anomaly, now, episode)
+        return decision
+
+    def _decided_kind(self, anomaly: Anomaly) -> PolicyActionKind | None:
+        """The kind of action the rules give ``anomaly``, None for none; after the rollback cap a milder
+        return of the fault (an alert-level spike of a detector a rule rolls back on) is a rollback too,
+        which the cap turns into a stop."""
+        kind = self._action_for(anomaly)
+        if (
+            kind is not None
+            and kind != "rollback"
+            and self.capped
+            and self.rollbacks > 0
+            and self.rolls_back_on(anomaly.detector)
+        ):
+            return "rollback"
+        return kind
+
+    def _plan_rollback(
+        self, anomaly: Anomaly, now: datetime, checkpoint: CheckpointRef | None, onset: int | None
+    ) -> tuple[PolicyActionKind, str, dict[str, Any]] | None:
+        """``(kind, reason, params)`` of the action a rollback becomes: a rollback to ``checkpoint``, or a
+        stop at the cap, or ``no_good_checkpoint`` without a confirmed-good checkpoint; None while an
+        earlier rollback is in flight, or for a pause still in its cooldown."""
+        if self.rollback_pending(now):
+            return None  # events still in flight from before the rollback took effect
+        if self.capped:
+            reason = f"rollback cap reached ({self.config.max_rollbacks} rollbacks): {anomaly.message}"
+            return "stop", reason, {"cause": "max_rollbacks", "rollbacks": self.rollbacks}
+        if checkpoint is None:
+            # Never restore an unconfirmed checkpoint: it may hold the fault.
+            kind = self.config.no_good_checkpoint
+            if kind == "pause" and self._in_cooldown(kind, anomaly.detector, now):
+                return None
+            reason = f"no confirmed-good checkpoint before step {onset} to roll back to: {anomaly.message}"
+            return kind, reason, {"cause": "no_good_checkpoint"}
+        return "rollback", anomaly.message, self._rollback_params(anomaly, checkpoint)
+
+    def _in_cooldown(self, kind: str, detector: str, now: datetime) -> bool:
+        """Whether an action of ``kind`` was issued for ``detector`` less than ``cooldown_s`` ago."""
+        last = self._last_issued.get((kind, detector))
+        return last is not None and now - last < timedelta(seconds=self.config.cooldown_s)
+
+    def _issued(
+        self, decision: ActionDecision, anomaly: Anomaly, now: datetime, episode: AlertEpisode | None
+    ) -> None:
+        """Book an issued decision: its cooldown, and a rollback in flight (which clears every episode),
+        a stop, or an alert's new episode (``episode``: the one it continued, if any)."""
+        kind = decision.kind
         self._last_issued[(kind, anomaly.detector)] = now
         if kind == "rollback":
             self.rollbacks += 1
@@ -287,4 +318,3 @@ class ActionPolicy:
                 rank=anomaly.rank,
                 message=anomaly.message,
             )
-        return decision

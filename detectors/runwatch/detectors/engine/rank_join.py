@@ -150,14 +150,24 @@ class StepJoin:
                 event=next(iter(pending.events.values())), record=None, generation=key[0]
             )  # nothing to combine
         events = [pending.events[r] for r in sorted(pending.events)]
-        ts = max(e.ts for e in events)
+        fields = self._combined_fields(key, events)
+        _add_update_ratios(fields)
+        memory_rank = _argmax(events, _memory_figure)
+        if memory_rank is not None:
+            fields["memory"] = pending.events[memory_rank].memory
+        event = StepEvent.model_construct(**fields)  # built from validated parts: no second validation
+        record = self._record(key, pending, missing, events, fields, memory_rank)
+        return Joined(event=event, record=record, generation=key[0])
+
+    def _combined_fields(self, key: Key, events: list[StepEvent]) -> dict[str, Any]:
+        """The joined step event's fields, each combined across the ranks' ``events`` (see the module doc)."""
         sharded = all(e.grad_sharded for e in events)
         norm = _root_sum_squares if sharded else _largest
-        fields: dict[str, Any] = {
+        return {
             "run_id": self.run_id,
             "rank": events[0].rank,
             "step": key[1],
-            "ts": ts,
+            "ts": max(e.ts for e in events),
             "event_id": f"joined|{key[0]}|{key[1]}",
             "lr": events[0].lr,
             "loss": _mean(e.loss for e in events),
@@ -176,37 +186,37 @@ class StepJoin:
             "nonfinite_grads": _sum_int(e.nonfinite_grads for e in events),
             "grad_sharded": sharded or None,
         }
-        if fields["param_norm"] and fields["update_norm"] is not None:
-            fields["relative_update_norm"] = fields["update_norm"] / fields["param_norm"]
-        clipped = (
-            fields["grad_norm_clipped"] if fields["grad_norm_clipped"] is not None else fields["grad_norm"]
-        )
-        if fields["update_norm"] is not None and clipped and math.isfinite(clipped):
-            fields["effective_lr_ratio"] = fields["update_norm"] / clipped
-        memory_rank = _argmax(events, _memory_figure)
-        if memory_rank is not None:
-            fields["memory"] = pending.events[memory_rank].memory
-        event = StepEvent.model_construct(**fields)  # built from validated parts: no second validation
-        step_time_rank = _argmax(events, lambda e: e.step_time_s)
-        compute_rank = _argmax(events, lambda e: e.compute_s)
+
+    def _record(
+        self,
+        key: Key,
+        pending: _Pending,
+        missing: list[int],
+        events: list[StepEvent],
+        fields: dict[str, Any],
+        memory_rank: int | None,
+    ) -> JoinedStep:
+        """The join's record of the step: who reported, and the extremes across ranks with their rank.
+        ``fields``: the joined event's (:meth:`_combined_fields`); ``memory_rank``: the rank using the most
+        memory."""
         memory_min_rank = _argmin(events, _memory_figure)
-        record = JoinedStep(
+        return JoinedStep(
             run_id=self.run_id,
             step=key[1],
             generation=key[0],
-            ts=ts,
+            ts=fields["ts"],
             world_size=self.world_size,
             complete=not missing,
             ranks_reported=sorted(pending.events),
             ranks_missing=missing,
             loss_mean=fields["loss"],
             grad_norm=fields["grad_norm"],
-            grad_sharded=sharded,
+            grad_sharded=bool(fields["grad_sharded"]),
             step_time_max_s=fields["step_time_s"],
-            step_time_max_rank=step_time_rank,
+            step_time_max_rank=_argmax(events, lambda e: e.step_time_s),
             step_time_min_s=_smallest(e.step_time_s for e in events),
             compute_max_s=_largest(e.compute_s for e in events),
-            compute_max_rank=compute_rank,
+            compute_max_rank=_argmax(events, lambda e: e.compute_s),
             compute_min_s=_smallest(e.compute_s for e in events),
             memory_max_bytes=_memory_figure(pending.events[memory_rank]) if memory_rank is not None else None,
             memory_max_rank=memory_rank,
@@ -219,7 +229,16 @@ class StepJoin:
             late_events=self.late,
             duplicate_events=self.duplicates,
         )
-        return Joined(event=event, record=record, generation=key[0])
+
+
+def _add_update_ratios(fields: dict[str, Any]) -> None:
+    """The joined step's update ratios, from its combined norms: the update relative to the parameters,
+    and the effective learning rate (the update relative to the applied gradient)."""
+    if fields["param_norm"] and fields["update_norm"] is not None:
+        fields["relative_update_norm"] = fields["update_norm"] / fields["param_norm"]
+    clipped = fields["grad_norm_clipped"] if fields["grad_norm_clipped"] is not None else fields["grad_norm"]
+    if fields["update_norm"] is not None and clipped and math.isfinite(clipped):
+        fields["effective_lr_ratio"] = fields["update_norm"] / clipped
 
 
 def _memory_figure(event: StepEvent) -> int | None:

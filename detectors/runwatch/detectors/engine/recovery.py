@@ -26,7 +26,8 @@ from runwatch.detectors.registry import Strict
 
 
 class RecoveryConfig(Strict):
-    """After a rollback, the run must return to its pre-fault loss (``detectors/runwatch/detectors/engine/recovery.py``)."""
+    """After a rollback, the run must return to its pre-fault loss
+    (``detectors/runwatch/detectors/engine/recovery.py``)."""
 
     enabled: bool = True
     within_steps: int = Field(
@@ -130,9 +131,10 @@ class RecoveryCheck:
             threshold=self.tolerance,
             score=ratio / self.tolerance,
             message=(
-                f"the run did not recover after the rollback to step {self.to_step}: {step - self.onset_step + 1} "
-                f"steps past the fault's onset at step {self.onset_step} its loss is {ratio:.2f}x what it was "
-                f"before the fault (the healthy band allows {self.tolerance:.2f}x)"
+                f"the run did not recover after the rollback to step {self.to_step}: "
+                f"{step - self.onset_step + 1} steps past the fault's onset at step {self.onset_step} its "
+                f"loss is {ratio:.2f}x what it was before the fault (the healthy band allows "
+                f"{self.tolerance:.2f}x)"
             ),
             # the restored checkpoint did not bring the run back: a further rollback must go before it
             evidence={

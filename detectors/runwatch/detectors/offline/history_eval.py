@@ -20,16 +20,25 @@ No ClickHouse: the same pure code the gate runs after loading the summaries from
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runwatch.detectors.baselines.changepoints import LevelChange, scan_history
+from runwatch.detectors.baselines.changepoints import LevelChange, baseline_segments, scan_history
 from runwatch.detectors.baselines.check import BaselineReport, check_run
-from runwatch.detectors.baselines.compare import BaselineConfig
+from runwatch.detectors.baselines.compare import (
+    MAD_TO_SIGMA,
+    BaselineConfig,
+    MetricSpec,
+    is_valid,
+    metric_spec,
+)
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.offline.replay import ReplayError, read_events
 from runwatch.producer.wire.schema import TelemetryEvent
@@ -309,27 +318,8 @@ def _score_regression(
 ) -> RegressionResult:
     report = reports[reg.first_run]
     found_metrics = [m for m in report.outliers if m in reg.metrics]
-    named_by = sorted(
-        {
-            c.metric
-            for c in changes
-            if c.metric in reg.metrics and c.kind == "regression" and c.git_sha == reg.commit
-        }
-    )
-    first_start = report.started_at
-    scan_named: dict[str, str | None] = {}
-    for metric in reg.metrics:
-        after = [
-            c
-            for c in changes
-            if c.metric == metric
-            and c.kind == "regression"
-            and first_start is not None
-            and c.started_at is not None
-            and c.started_at >= first_start
-        ]
-        first = min(after, key=lambda c: (c.started_at, c.run_id), default=None)
-        scan_named[metric] = first.git_sha if first is not None else None
+    named_by = _named_by(reg, changes)
+    scan_named = _scan_named(reg, changes, report.started_at)
     later = [r.run_id for r in labels.runs if r.commit == reg.commit and r.run_id != reg.first_run]
     result = RegressionResult(
         commit=reg.commit,
@@ -353,13 +343,51 @@ def _score_regression(
         later_runs=len(later),
     )
     if reg.in_flight:
-        if in_flight:
-            status, finding = in_flight_check(corpus, reg.first_run)
-        else:
-            status, finding = "pending", "in-flight replay not asked for"
-        result.in_flight_status, result.in_flight_finding = status, finding
-        result.found = result.found or status == "found"
+        _score_in_flight(result, corpus, in_flight)
     return result
+
+
+def _named_by(reg: RegressionLabel, changes: Sequence[LevelChange]) -> list[str]:
+    """The labelled metrics the scan puts a regression-kind change point of at the regressing commit."""
+    return sorted(
+        {
+            c.metric
+            for c in changes
+            if c.metric in reg.metrics and c.kind == "regression" and c.git_sha == reg.commit
+        }
+    )
+
+
+def _scan_named(
+    reg: RegressionLabel, changes: Sequence[LevelChange], first_start: datetime | None
+) -> dict[str, str | None]:
+    """Per labelled metric, the commit of the scan's first regression-kind change point that starts at
+    or after the regression's first run (``first_start``); None where there is none."""
+    scan_named: dict[str, str | None] = {}
+    for metric in reg.metrics:
+        after = [
+            c
+            for c in changes
+            if c.metric == metric
+            and c.kind == "regression"
+            and first_start is not None
+            and c.started_at is not None
+            and c.started_at >= first_start
+        ]
+        first = min(after, key=lambda c: (c.started_at, c.run_id), default=None)
+        scan_named[metric] = first.git_sha if first is not None else None
+    return scan_named
+
+
+def _score_in_flight(result: RegressionResult, corpus: HistoryCorpus, in_flight: bool) -> None:
+    """An in-flight regression: whether the band detector flags its first run (replayed only when
+    ``in_flight`` asks for it), which also counts as found."""
+    if in_flight:
+        status, finding = in_flight_check(corpus, result.first_run)
+    else:
+        status, finding = "pending", "in-flight replay not asked for"
+    result.in_flight_status, result.in_flight_finding = status, finding
+    result.found = result.found or status == "found"
 
 
 def _summary(
@@ -421,12 +449,6 @@ def propose_tolerances(
     of ``k`` x the largest robust spread and the largest deviation of a normal run from its median (a
     metric whose reruns fall into two modes has a small MAD and a large deviation), rounded up to
     ``TOLERANCE_STEP``, never below ``TOLERANCE_FLOOR``."""
-    import math
-    import statistics
-
-    from runwatch.detectors.baselines.changepoints import baseline_segments
-    from runwatch.detectors.baselines.compare import MAD_TO_SIGMA, is_valid, metric_spec
-
     config = corpus.config(base)
     regressing = {r.commit for r in corpus.labels.regressions}
     normal = [
@@ -443,40 +465,53 @@ def propose_tolerances(
             continue
         per: dict[str, dict[str, float]] = {}
         for segment in segments:
-            values = [
-                float(v) for s in segment if (v := s.metrics.get(metric)) is not None and is_valid(v, spec)
-            ]
-            if len(values) < config.min_runs:
-                continue
-            median = statistics.median(values)
-            if median == 0:
-                continue
-            sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in values)
-            label = f"{segment[0].fingerprint_parts.get('hardware', segment[0].fingerprint)} from {segment[0].run_id}"
-            per[label] = {
-                "runs": len(values),
-                "spread": round(sigma / abs(median), 5),
-                "max_deviation": round(max(abs(v - median) for v in values) / abs(median), 5),
-            }
-        if not per:
-            continue
-        spread = max(p["spread"] for p in per.values())
-        deviation = max(p["max_deviation"] for p in per.values())
-        proposed = max(
-            TOLERANCE_FLOOR, math.ceil(max(k * spread, deviation) / TOLERANCE_STEP) * TOLERANCE_STEP
-        )
-        out.append(
-            ToleranceProposal(
-                metric,
-                spec.min_change,
-                round(proposed, 4),
-                spread,
-                deviation,
-                int(sum(p["runs"] for p in per.values())),
-                per,
-            )
-        )
+            figures = _segment_spread(segment, metric, spec, config.min_runs)
+            if figures is not None:
+                label = (
+                    f"{segment[0].fingerprint_parts.get('hardware', segment[0].fingerprint)} "
+                    f"from {segment[0].run_id}"
+                )
+                per[label] = figures
+        if per:
+            out.append(_proposal(metric, spec, per, k))
     return out
+
+
+def _segment_spread(
+    segment: Sequence[RunSummary], metric: str, spec: MetricSpec, min_runs: int
+) -> dict[str, float] | None:
+    """One segment's normal runs' figures for ``metric``: how many have a valid value, the robust spread
+    (1.4826 MAD / |median|) and the largest |value - median| / |median|; None with fewer than
+    ``min_runs`` valid values or a median of 0."""
+    values = [float(v) for s in segment if (v := s.metrics.get(metric)) is not None and is_valid(v, spec)]
+    if len(values) < min_runs:
+        return None
+    median = statistics.median(values)
+    if median == 0:
+        return None
+    sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in values)
+    return {
+        "runs": len(values),
+        "spread": round(sigma / abs(median), 5),
+        "max_deviation": round(max(abs(v - median) for v in values) / abs(median), 5),
+    }
+
+
+def _proposal(metric: str, spec: MetricSpec, per: dict[str, dict[str, float]], k: float) -> ToleranceProposal:
+    """The proposed tolerance of ``metric`` from its segments' figures ``per`` (from
+    :func:`_segment_spread`; see :func:`propose_tolerances`)."""
+    spread = max(p["spread"] for p in per.values())
+    deviation = max(p["max_deviation"] for p in per.values())
+    proposed = max(TOLERANCE_FLOOR, math.ceil(max(k * spread, deviation) / TOLERANCE_STEP) * TOLERANCE_STEP)
+    return ToleranceProposal(
+        metric,
+        spec.min_change,
+        round(proposed, 4),
+        spread,
+        deviation,
+        int(sum(p["runs"] for p in per.values())),
+        per,
+    )
 
 
 def tolerances_yaml(proposals: Sequence[ToleranceProposal], k: float, directory: str | Path) -> str:

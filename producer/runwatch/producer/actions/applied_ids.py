@@ -91,7 +91,7 @@ class AppliedIds:
                 raise ValueError("'applied' is not a list of strings")
         except FileNotFoundError:
             return 0
-        except Exception as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable, not JSON, or not its shape
             self.errors += 1
             log.warning(
                 "runwatch: cannot read the applied actions in %s (%r); starting without them", self.path, exc
@@ -119,7 +119,7 @@ class AppliedIds:
                     os.fsync(dir_fd)
                 finally:
                     os.close(dir_fd)
-        except Exception as exc:
+        except OSError as exc:
             self.errors += 1
             log.warning(
                 "runwatch: cannot write the applied actions to %s (%r); a restarted trainer may "

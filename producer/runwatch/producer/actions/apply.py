@@ -159,7 +159,7 @@ class ActionApplier:
             return AppliedAction(action, "failed", from_step=step, detail="no model given to restore into")
         try:
             self.restore(ref)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the caller's restore may raise anything
             return AppliedAction(action, "failed", from_step=step, detail=f"restore failed: {exc!r}")
         detail = f"restored {ref.uri}"
         lr_scale = lr_factor = None
@@ -172,7 +172,8 @@ class ActionApplier:
                 lr_factor = scale_lr(self.optimizer, float(wanted), base)
                 lr_scale = float(wanted)
                 detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the run's LR before the fault)"
-            except Exception as exc:  # the restore happened: report it, and that the LR did not change
+            except Exception as exc:  # noqa: BLE001 - any optimizer: the restore happened, so report
+                # it, and that the LR did not change
                 detail += f"; LR not scaled: {exc!r}"
         elif wanted is not None:
             detail += "; LR not scaled: no optimizer attached"

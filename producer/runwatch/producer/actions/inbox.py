@@ -80,7 +80,7 @@ class ActionInbox:
         """The verdict on ``raw``, counted; never raises, whatever the message holds."""
         try:
             verdict = self._judge(raw)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - never raises, whatever the message holds
             log.debug("runwatch: cannot judge an action: %r", exc)
             verdict = Verdict(None, "malformed", repr(exc))
         if verdict.reason is not None:

@@ -147,7 +147,7 @@ class RankSync:
                     [int(action_id in self._applied_ids) for action_id, _ in announced], dtype=torch.int64
                 )
                 dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - torch.distributed fails in many ways: go on alone
             log.error(
                 "runwatch: the action listeners' broadcast failed (%r); this rank applies actions on its "
                 "own from now on",

@@ -87,12 +87,12 @@ class ActionReader:
                         # still hand over older records: sent before the start, they are not ours
                         if record.timestamp is None or record.timestamp >= self._start_ms:
                             self._on_value(record.value)
-            except Exception as exc:  # broker down: retry, never raise into training
+            except Exception as exc:  # noqa: BLE001 - broker down: retry, never raise into training
                 log.debug("runwatch: action consumer error: %r", exc)
                 if consumer is not None:
                     try:
                         consumer.close()
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - a best-effort close
                         pass
                 consumer = None
                 self._stop.wait(1.0)

@@ -85,14 +85,17 @@ class DDPSyncTimer:
         self._cuda_device = device if device is not None and getattr(device, "type", None) == "cuda" else None
         self.registered = False
         self._round = SyncRound(clock(), self._event())
-        # Newest last; replaced as a whole (one atomic store), so the heartbeat thread reads a consistent tuple.
+        # Newest last; replaced as a whole (one atomic store), so the heartbeat thread
+        # reads a consistent tuple.
         self._rounds: tuple[SyncRound, ...] = (self._round,)
 
     def register(self, model: Any) -> bool:
-        """Install the comm hook on ``model`` (a ``DistributedDataParallel``); False, logged, if it can't be."""
+        """Install the comm hook on ``model`` (a ``DistributedDataParallel``);
+        False, logged, if it can't be."""
         try:
             model.register_comm_hook(getattr(model, "process_group", None), self.hook)
-        except Exception as exc:  # most often: a comm hook is already registered (only one is allowed)
+        except Exception as exc:  # noqa: BLE001 - torch's errors vary; most often a comm hook is
+            # already registered (only one is allowed)
             log.warning(
                 "runwatch: could not register the DDP comm hook that times the gradient sync (%r); "
                 "compute_s and in_sync will be absent. Construct the watcher before any other comm "
@@ -104,8 +107,8 @@ class DDPSyncTimer:
         return True
 
     # No annotations: DDP checks them against dist.GradBucket and Future, and with postponed
-    # evaluation of annotations they would be strings.
-    def hook(self, process_group, bucket):  # noqa: ANN001, ANN201
+    # evaluation of annotations they would be strings. mypy reads the type comment instead.
+    def hook(self, process_group, bucket):  # type: (Any, Any) -> Any
         """DDP comm hook: note the launch, then DDP's own all-reduce (on the autograd thread)."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -137,7 +140,7 @@ class DDPSyncTimer:
             return None
         if r.sync_event is not None and r.start_event is not None:
             r.sync_event.synchronize()  # long done by the time the Watcher publishes the step
-            elapsed = r.start_event.elapsed_time(r.sync_event) / 1000.0
+            elapsed: float = r.start_event.elapsed_time(r.sync_event) / 1000.0
         else:
             elapsed = r.sync_at - r.start
         elapsed -= _overlap(off_step, r.start, r.sync_at)
@@ -164,7 +167,7 @@ class DDPSyncTimer:
             return None
         import torch
 
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call] # torch: unannotated
         event.record(torch.cuda.current_stream(self._cuda_device))
         return event
 
@@ -178,6 +181,6 @@ def is_ddp(model: Any) -> bool:
     """Whether ``model`` is a ``torch.nn.parallel.DistributedDataParallel``."""
     try:
         from torch.nn.parallel import DistributedDataParallel
-    except Exception:
+    except Exception:  # noqa: BLE001 - no torch, or one that fails to import
         return False
     return isinstance(model, DistributedDataParallel)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +27,7 @@ CLIP_EPS = 1e-6  # the same epsilon torch.nn.utils.clip_grad_norm_ adds to the n
 def _by_device_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped by (device, dtype), in order of first appearance: a fused kernel
     takes one of each. Computed once per layout (gradients share their parameter's device and dtype)."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     return list(groups.values())
@@ -138,9 +138,9 @@ class ParamLayout:
         """Gradients that exist this step, and which parameters they belong to (None: all of them)."""
         grads = [p.grad for p in self.params]
         if all(g is not None for g in grads):  # (`None in grads` would compare tensors with ==)
-            return grads, None  # the common case: no per-step index building
+            return cast("list[torch.Tensor]", grads), None  # the common case: no per-step index building
         present = [i for i, g in enumerate(grads) if g is not None]
-        return [grads[i] for i in present], present
+        return cast("list[torch.Tensor]", [grads[i] for i in present]), present
 
     def per_tensor_norms(self, tensors: list[torch.Tensor], which: list[int] | None = None) -> torch.Tensor:
         """2-norms of ``tensors`` (one per parameter, or those listed in ``which``) as one vector on the

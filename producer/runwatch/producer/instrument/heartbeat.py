@@ -253,7 +253,7 @@ class Heartbeat:
                         send(step=step, phase=phase, time_in_phase_s=seconds, host_load=host_load, **fields)
                     )
             return bool(self.rw.heartbeat(step, phase, seconds, **fields))
-        except Exception as exc:  # the publisher should not raise; if it does, keep beating
+        except Exception as exc:  # noqa: BLE001 - the publisher should not raise; if it does, keep beating
             if not self._warned:
                 self._warned = True
                 log.warning("runwatch: heartbeat failed (further failures are not logged): %r", exc)
@@ -269,7 +269,7 @@ class Heartbeat:
                 takes = heartbeat is not None and "host_load" in inspect.signature(heartbeat).parameters
             except (TypeError, ValueError):
                 takes = False
-            if takes:
+            if takes and heartbeat is not None:  # (takes implies it; says so to the type checker)
                 self._send_host_load = lambda step, phase, time_in_phase_s, **kw: heartbeat(
                     step, phase, time_in_phase_s, **kw
                 )
@@ -283,7 +283,8 @@ class Heartbeat:
             return None
         try:
             value = provider()
-        except Exception as exc:  # a measurement that fails is absent, not a reason to stop beating
+        except Exception as exc:  # noqa: BLE001 - a measurement that fails is absent, not a reason to
+            # stop beating
             if not self._warned:
                 self._warned = True
                 log.warning("runwatch: in_sync failed (further failures are not logged): %r", exc)

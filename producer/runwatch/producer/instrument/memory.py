@@ -148,7 +148,7 @@ class MemorySampler:
         if self._cuda:
             fields.update(self._cuda_fields())
         if self._statm is not None:
-            fields["host_rss"] = self._host_rss()
+            fields["host_rss"] = self._host_rss(self._statm)
         if self.cgroup is not None:
             fields["cgroup_usage"] = _read_int(self.cgroup.usage)
             if self.cgroup.limit is not None:
@@ -156,9 +156,9 @@ class MemorySampler:
         present = {name: value for name, value in fields.items() if value is not None}
         return MemoryStats(**present) if present else None
 
-    def _host_rss(self) -> int | None:
+    def _host_rss(self, statm: str) -> int | None:
         try:
-            fd = os.open(self._statm, os.O_RDONLY)
+            fd = os.open(statm, os.O_RDONLY)
             try:
                 resident_pages = int(os.read(fd, 256).split()[1])  # statm: size resident shared ...
             finally:
@@ -176,7 +176,7 @@ class MemorySampler:
                 return {}
             # The nested form is what memory_stats() flattens and sorts (hundreds of keys) on every call.
             stats = torch.cuda.memory_stats_as_nested_dict(self.device)
-        except Exception:
+        except Exception:  # noqa: BLE001 - torch/CUDA errors vary: no CUDA fields, training goes on
             return {}
         allocated = stats.get("allocated_bytes", {}).get("all", {})
         reserved = stats.get("reserved_bytes", {}).get("all", {})
@@ -195,6 +195,6 @@ class MemorySampler:
             self._device_total_asked = True
             try:
                 self._device_total = int(torch.cuda.get_device_properties(self.device).total_memory)
-            except Exception:
+            except Exception:  # noqa: BLE001 - torch/CUDA errors vary: the capacity is unknown
                 self._device_total = None
         return self._device_total

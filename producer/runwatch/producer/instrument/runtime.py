@@ -149,7 +149,9 @@ def peak_flops(device: Any = None, override: float | None = None) -> float | Non
 
         if device is None:
             # Not initialised means this process is not training on the GPU (yet): no MFU against it.
-            if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            if not torch.cuda.is_available():
+                return None
+            if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call] # torch: unannotated
                 return None
             device = torch.cuda.current_device()
         elif not isinstance(device, int):
@@ -157,7 +159,8 @@ def peak_flops(device: Any = None, override: float | None = None) -> float | Non
             if device.type != "cuda":
                 return None
         return peak_flops_for_name(torch.cuda.get_device_name(device))
-    except Exception:  # no torch, no driver, bad device string: MFU is absent, training goes on
+    except Exception:  # noqa: BLE001 - no torch, no driver, bad device string: MFU is absent,
+        # training goes on
         return None
 
 
@@ -172,7 +175,8 @@ def transformer_flops_per_step(n_params: int, tokens: int) -> float:
 def mfu(flops_per_step: float | None, step_time_s: float | None, peak: float | None) -> float | None:
     """Model FLOPs utilisation, ``flops_per_step / step_time_s / peak``; None if an input is missing,
     non-positive or not finite. All three are per rank (this rank's FLOPs, time and GPU)."""
-    values = (flops_per_step, step_time_s, peak)
-    if any(v is None or not math.isfinite(v) or v <= 0 for v in values):
+    if flops_per_step is None or step_time_s is None or peak is None:
+        return None
+    if any(not math.isfinite(v) or v <= 0 for v in (flops_per_step, step_time_s, peak)):
         return None
     return flops_per_step / step_time_s / peak

@@ -148,19 +148,7 @@ class Watcher:
         shard: ShardSpec | None = None,
         sync_timing: bool = True,
     ):
-        if shard is not None and clip is not None:
-            raise ValueError(
-                "clip= cannot be used with shard=: clipping a sharded model needs the global gradient "
-                "norm across ranks. Clip with your framework (e.g. FSDP's model.clip_grad_norm_) "
-                "and pass external_clip= instead"
-            )
-        if clip is not None and external_clip is not None:
-            raise ValueError("give clip (runwatch clips) or external_clip (something else clips), not both")
-        for name, value in (("clip", clip), ("external_clip", external_clip)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
-        if update_every < 0:
-            raise ValueError(f"update_every must be >= 0 (0 turns update norms off), got {update_every}")
+        _check_options(clip, external_clip, update_every, shard)
         self.rw = rw
         self.model = model
         self.optimizer = optimizer
@@ -194,34 +182,43 @@ class Watcher:
         # a sample); on a clock of the caller's (a simulated run) every step, as the run is replayed.
         self._memory_interval_s = MEMORY_INTERVAL_S if clock is None else 0.0
         self._memory_at = -math.inf
-        self.heartbeat = (
-            Heartbeat(rw, heartbeat_s, **({"clock": clock} if clock else {})) if heartbeat_s else None
-        )
-        self.sync_timer: DDPSyncTimer | None = None
-        if sync_timing and is_ddp(model):
-            timer = DDPSyncTimer(self._clock, self.layout.device)
-            if timer.register(model):
-                self.sync_timer = timer
-                if self.heartbeat:
-                    self.heartbeat.in_sync = timer.in_sync
+        heartbeat: Heartbeat | None = None
+        if heartbeat_s:
+            heartbeat = Heartbeat(rw, heartbeat_s, clock=clock) if clock else Heartbeat(rw, heartbeat_s)
+        self.heartbeat = heartbeat  # never replaced: the step clock's callbacks below hold it
+        self.sync_timer = self._ddp_sync_timer(model) if sync_timing else None
         self.clock = StepClock(
             self._clock,
-            on_wait_begin=(lambda: self.heartbeat.push("dataload")) if self.heartbeat else None,
-            on_wait_end=self.heartbeat.pop if self.heartbeat else None,
+            on_wait_begin=(lambda: heartbeat.push("dataload")) if heartbeat else None,
+            on_wait_end=heartbeat.pop if heartbeat else None,
         )
-        if isinstance(memory, bool):
-            self._memory = MemorySampler(self.layout.device) if memory else None
-        else:
-            self._memory = memory
-        self._hook_handles: list[Any] = []
-        if hooks and optimizer is not None:
-            self._hook_handles = [
-                optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.before_optimizer_step()),
-                optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_optimizer_step()),
-            ]
+        self._memory = _memory_source(memory, self.layout.device)
+        self._hook_handles: list[Any] = self._register_hooks(optimizer) if hooks else []
         if self.heartbeat and clock is None:
             self.heartbeat.start()
         self.clock.start()
+
+    def _ddp_sync_timer(self, model: torch.nn.Module) -> DDPSyncTimer | None:
+        """A timer of DDP's gradient sync, registered as ``model``'s comm hook; None unless ``model`` is
+        a ``DistributedDataParallel`` that took the hook. The heartbeat reports its ``in_sync``."""
+        if not is_ddp(model):
+            return None
+        timer = DDPSyncTimer(self._clock, self.layout.device)
+        if not timer.register(model):
+            return None
+        if self.heartbeat:
+            self.heartbeat.in_sync = timer.in_sync
+        return timer
+
+    def _register_hooks(self, optimizer: torch.optim.Optimizer | None) -> list[Any]:
+        """The optimizer's step hooks that call :meth:`before_optimizer_step` and
+        :meth:`after_optimizer_step`; none without an optimizer."""
+        if optimizer is None:
+            return []
+        return [
+            optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.before_optimizer_step()),
+            optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_optimizer_step()),
+        ]
 
     # -- the three calls around a step ----------------------------------------------------
 
@@ -287,17 +284,7 @@ class Watcher:
         if self._data_wrapped:  # otherwise the source is missing: absent, not zero
             fields["data_wait_s"] = data_wait
         if step_time is not None and step_time > 0:
-            fields["step_time_s"] = step_time
-            if samples:
-                fields["samples_per_s"] = samples / step_time
-            if tokens:
-                fields["tokens_per_s"] = tokens / step_time
-            flops = self.flops_per_step or (
-                transformer_flops_per_step(self.layout.n_params, tokens) if tokens else None
-            )
-            utilisation = mfu(flops, step_time, self._peak)
-            if utilisation is not None:
-                fields["mfu"] = utilisation
+            self._add_rates(fields, step_time, samples, tokens)
         memory = self._memory.sample() if self._memory and self._memory_due() else None
         if memory is not None:
             fields["memory"] = memory
@@ -312,6 +299,30 @@ class Watcher:
             packing.add("loss", loss.detach().reshape(-1)[:1], 1)
         elif loss is not None:
             fields["loss"] = float(loss)
+        self._pack_norms(pending, packing)
+        if category_loss is not None:
+            packing.add("category_loss", category_loss.packed())
+
+        self._ship(pending)
+
+    def _add_rates(
+        self, fields: dict[str, Any], step_time: float, samples: int | None, tokens: int | None
+    ) -> None:
+        """A timed step's (``step_time`` > 0) step time, throughput and model FLOPs utilisation."""
+        fields["step_time_s"] = step_time
+        if samples:
+            fields["samples_per_s"] = samples / step_time
+        if tokens:
+            fields["tokens_per_s"] = tokens / step_time
+        flops = self.flops_per_step or (
+            transformer_flops_per_step(self.layout.n_params, tokens) if tokens else None
+        )
+        utilisation = mfu(flops, step_time, self._peak)
+        if utilisation is not None:
+            fields["mfu"] = utilisation
+
+    def _pack_norms(self, pending: _PendingStep, packing: StepPacking) -> None:
+        """The step's gradient norms (read now if no hook measured them) and update norms, into the copy."""
         grad, self._grad = self._grad, None
         read_late = grad is None and self.optimizer is None
         if read_late:
@@ -331,10 +342,6 @@ class Watcher:
         update, self._update = self._update, None
         if update is not None:
             packing.add("update", update.norms, 2)
-        if category_loss is not None:
-            packing.add("category_loss", category_loss.packed())
-
-        self._ship(pending)
 
     def _memory_due(self) -> bool:
         now = self._clock()
@@ -547,12 +554,41 @@ class _HostBuffers:
         free = self._free.get(size)
         if free:
             return free.pop()
-        return torch.empty(size, dtype=torch.float64, pin_memory=True), torch.cuda.Event()
+        buffer = torch.empty(size, dtype=torch.float64, pin_memory=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call] # torch leaves cuda.Event unannotated
+        return buffer, event
 
     def give_back(self, host: Any, ready: Any) -> None:
         free = self._free.setdefault(host.numel(), [])
         if len(free) <= MAX_PENDING_COPIES:
             free.append((host, ready))
+
+
+def _check_options(
+    clip: float | None, external_clip: float | None, update_every: int, shard: ShardSpec | None
+) -> None:
+    """Raise ``ValueError`` for a combination of ``Watcher`` options that cannot work."""
+    if shard is not None and clip is not None:
+        raise ValueError(
+            "clip= cannot be used with shard=: clipping a sharded model needs the global gradient "
+            "norm across ranks. Clip with your framework (e.g. FSDP's model.clip_grad_norm_) "
+            "and pass external_clip= instead"
+        )
+    if clip is not None and external_clip is not None:
+        raise ValueError("give clip (runwatch clips) or external_clip (something else clips), not both")
+    for name, value in (("clip", clip), ("external_clip", external_clip)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    if update_every < 0:
+        raise ValueError(f"update_every must be >= 0 (0 turns update norms off), got {update_every}")
+
+
+def _memory_source(memory: bool | Any, device: torch.device) -> Any:
+    """``Watcher``'s ``memory`` option as the sampler it reads: True a :class:`MemorySampler` of
+    ``device``, False None, anything else (an object with ``sample()``) itself."""
+    if isinstance(memory, bool):
+        return MemorySampler(device) if memory else None
+    return memory
 
 
 def _lr_list(lr: float | Sequence[float] | None) -> list[float] | None:

@@ -85,7 +85,9 @@ class _TrainLossProbe:
     def remove(self) -> None:
         self._handle.remove()
 
-    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _hook(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         import torch
 
         if not module.training or not torch.is_grad_enabled():
@@ -316,7 +318,7 @@ def _sharded_training(args: TrainingArguments) -> bool:
     )
 
 
-def _leading_dim(args: tuple, kwargs: dict) -> int:
+def _leading_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     import torch
 
     for value in (*args, *kwargs.values()):
@@ -326,7 +328,8 @@ def _leading_dim(args: tuple, kwargs: dict) -> int:
 
 
 def _split_eval_metrics(metrics: Mapping[str, Any]) -> tuple[str, float | None, dict[str, float]]:
-    """``eval_loss``/``eval_acc`` (or ``eval_<name>_loss`` for a dict of eval datasets) -> split, loss, metrics."""
+    """``eval_loss``/``eval_acc`` (or ``eval_<name>_loss`` for a dict of eval
+    datasets) -> split, loss, metrics."""
     prefix = "eval_"
     for key in metrics:  # the Trainer always reports <prefix>runtime; it fixes the prefix
         if key.endswith("_runtime"):

@@ -83,7 +83,7 @@ class RunWatchCallback(Callback):
         self.watch: Watcher | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._stepped = False  # an optimizer step ran since the last step event
-        self._loss_sum: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | float | None = None
         self._loss_count = 0
         self._samples = 0
         self._metrics_before: dict[str, Any] = {}
@@ -103,7 +103,7 @@ class RunWatchCallback(Callback):
         clip_val = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm
         lightning_clips_norm = bool(clip_val) and (algorithm is None or str(algorithm.value) == "norm")
-        if lightning_clips_norm:
+        if lightning_clips_norm and clip_val is not None:  # (bool(clip_val) implies not None)
             if kwargs.get("clip") is not None:
                 raise ValueError(
                     f"Trainer(gradient_clip_val={clip_val}) already clips by norm; drop clip= from "
@@ -228,7 +228,7 @@ def _batch_size(batch: Any) -> int:
 
     try:
         return int(extract_batch_size(batch))
-    except Exception:  # a batch with no tensor in it: samples are unknown, not zero
+    except Exception:  # noqa: BLE001 - a batch with no tensor in it: samples are unknown, not zero
         return 0
 
 

@@ -51,7 +51,7 @@ DEFAULT_BATCH_INTERVAL_S = 0.1
 @dataclass
 class _Replay:
     first: int  # spool index of the first record in the batch
-    futures: list  # per record sent: kafka-python's future, or _REJECTED
+    futures: list[Any]  # per record sent: kafka-python's future, or _REJECTED
     send_error: bool  # a send raised (no metadata): the records after it were not sent
 
     def done(self) -> bool:
@@ -270,13 +270,14 @@ class KafkaDelivery:
             try:
                 producer.partitions_for(self.topic)  # waits up to max_block_ms
                 return
-            except Exception:  # no broker yet: try again until the deadline, then send (and spool) as usual
+            except Exception:  # noqa: BLE001 - no broker yet: try again until the deadline, then send
+                # (and spool) as usual
                 time.sleep(0.05)
 
     def _drain(self) -> None:
         try:
             producer = self._make_producer()
-        except Exception as exc:  # bad bootstrap string and the like: count, never raise
+        except Exception as exc:  # noqa: BLE001 - bad bootstrap string and the like: count, never raise
             log.warning("runwatch: cannot create Kafka producer (%s); events will be spooled or dropped", exc)
             producer = None
         try:
@@ -333,7 +334,8 @@ class KafkaDelivery:
             if producer is None:
                 raise RuntimeError("no Kafka producer")
             future = producer.send(self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms)
-        except Exception as exc:  # KafkaTimeoutError when no broker answers within max_block_ms
+        except Exception as exc:  # noqa: BLE001 - e.g. KafkaTimeoutError when no broker answers
+            # within max_block_ms
             self._on_failed(seq, exc)
             return
         future.add_callback(self._on_sent, seq)
@@ -400,12 +402,12 @@ class KafkaDelivery:
         # While the broker is down, probe with the oldest record alone.
         assert self._spool is not None
         first, records = self._spool.peek(1 if self._broker_down else _REPLAY_RECORDS, _REPLAY_BYTES)
-        futures: list = []
+        futures: list[Any] = []
         send_error = False
         for value in records:
             try:
                 futures.append(producer.send(self.topic, key=self._key, value=value))
-            except Exception as exc:  # no metadata within max_block_ms, or a record too large
+            except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms, or a record too large
                 log.debug("runwatch: replay send failed: %r", exc)
                 if _rejected(exc):
                     futures.append(_REJECTED)
@@ -540,14 +542,15 @@ class KafkaDelivery:
         if producer is not None:
             try:  # the loop only ends once close() has set the deadline (or on a bug)
                 producer.flush(timeout=max(0.1, self._close_deadline - time.monotonic()))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a best-effort flush at shutdown
                 log.debug("runwatch: flush failed: %r", exc)
             try:
                 producer.close(timeout=1.0)
-            except Exception:  # kafka-python's close raises when its flush times out, leaving its
-                try:  # sender thread running; stop that thread the way close() would have
+            except Exception:  # noqa: BLE001 - kafka-python's close raises when its flush times out,
+                # leaving its sender thread running; stop that thread the way close() would have
+                try:
                     producer._sender.force_close()
-                except Exception:
+                except Exception:  # noqa: BLE001 - a best-effort stop
                     pass
         try:
             if self._replay is not None:

@@ -32,7 +32,7 @@ def base_lrs(optimizer: Any) -> list[float] | None:
     return values if values and all(math.isfinite(v) and v >= 0 for v in values) else None
 
 
-def _set(group: dict, value: float) -> None:
+def _set(group: dict[str, Any], value: float) -> None:
     lr = group["lr"]
     if hasattr(lr, "fill_"):  # a tensor LR (capturable optimizers): keep the same tensor
         lr.fill_(value)
@@ -45,12 +45,12 @@ def scale_lr(optimizer: Any, lr_scale: float, base: list[float] | None = None) -
     restored checkpoint) when given for every group, else the group's LR divided by the scale it
     carries. Returns the factor applied to the first group's LR."""
     groups = optimizer.param_groups
-    use_base = base is not None and len(base) == len(groups)
+    bases = base if base is not None and len(base) == len(groups) else None
     factor = 1.0
     for i, group in enumerate(groups):
         current = _lr_value(group["lr"])
         carried = float(group.get(LR_SCALE_KEY, 1.0))
-        target = (base[i] if use_base else current / carried) * lr_scale
+        target = (bases[i] if bases is not None else current / carried) * lr_scale
         if i == 0:
             factor = target / current if current else 1.0
         _set(group, target)

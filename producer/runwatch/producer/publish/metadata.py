@@ -50,7 +50,7 @@ def detect_rank_world() -> tuple[int, int]:
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized():
                 return dist.get_rank(), dist.get_world_size()
-        except Exception:
+        except Exception:  # noqa: BLE001 - torch.distributed's errors vary: ask the environment
             pass
     for rank_var, world_var in _RANK_WORLD_ENV:
         try:
@@ -87,7 +87,7 @@ def to_jsonable(value: Any, _depth: int = 0) -> Any:
             return [to_jsonable(item, _depth + 1) for item in value]
         if getattr(value, "shape", None) == () and hasattr(value, "item"):  # 0-d tensor, numpy scalar
             return to_jsonable(value.item(), _depth + 1)
-    except Exception:  # an object whose conversion fails is kept as its text
+    except Exception:  # noqa: BLE001 - an object whose conversion fails is kept as its text
         pass
     return _as_text(value)
 
@@ -107,7 +107,7 @@ def _as_mapping(value: Any) -> Mapping[Any, Any] | None:
 def _as_text(value: Any) -> str:
     try:
         return str(value)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any object's __str__ may raise anything
         return f"<{type(value).__name__}>"
 
 
@@ -127,7 +127,7 @@ class _Command:
         self,
         args: list[str],
         timeout_s: float,
-        cwd: str | os.PathLike | None = None,
+        cwd: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
     ):
         self._deadline = time.monotonic() + timeout_s
@@ -157,7 +157,7 @@ class _Command:
         return out if self._proc.returncode == 0 else None
 
 
-def _git_commands(cwd: str | os.PathLike | None) -> tuple[_Command, _Command]:
+def _git_commands(cwd: str | os.PathLike[str] | None) -> tuple[_Command, _Command]:
     # GIT_OPTIONAL_LOCKS=0: `git status` would otherwise refresh the index and take index.lock, which
     # fails (or blocks a developer's git) when several ranks start in the same checkout at once.
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"}
@@ -239,7 +239,7 @@ def _torch_facts(torch: Any) -> tuple[str | None, str | None, list[str] | None]:
 def _attempt(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
-    except Exception:
+    except Exception:  # noqa: BLE001 - best-effort: a field that cannot be collected is absent
         return None
 
 
@@ -252,7 +252,7 @@ def collect_run_start(
     tags: Mapping[str, Any] | None = None,
     baseline_key: str | None = None,
     job_id: str | None = None,
-    cwd: str | os.PathLike | None = None,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Fields for ``RunStartEvent`` (everything except run_id and rank); what cannot be found is left out.
 
@@ -263,11 +263,25 @@ def collect_run_start(
     git_head, git_status = _git_commands(cwd)
     torch = sys.modules.get("torch")
     driver = _driver_version_from_proc()
-    smi = None
-    if (driver is None or torch is None) and shutil.which("nvidia-smi"):
-        query = ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"]
-        smi = _Command(query, NVIDIA_SMI_TIMEOUT_S)
+    smi = _start_nvidia_smi() if driver is None or torch is None else None
 
+    fields = _launch_fields(world_size, baseline_key, job_id)
+    fields.update(_caller_fields(config, seed, dataset_version, tags))
+    fields.update(_gpu_fields(torch, driver, smi))
+    fields.update(_git_fields(git_head, git_status))
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _start_nvidia_smi() -> _Command | None:
+    """nvidia-smi's query for the driver version and GPU names, started now; None if it is not installed."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    query = ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"]
+    return _Command(query, NVIDIA_SMI_TIMEOUT_S)
+
+
+def _launch_fields(world_size: int | None, baseline_key: str | None, job_id: str | None) -> dict[str, Any]:
+    """The job id, baseline key, world size and host: given, or read from the launcher's environment."""
     fields: dict[str, Any] = {}
     job_id = job_id or os.environ.get("RUNWATCH_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if job_id:
@@ -279,6 +293,17 @@ def collect_run_start(
     else:
         fields["world_size"] = detect_rank_world()[1]
     fields["host"] = _attempt(socket.gethostname)
+    return fields
+
+
+def _caller_fields(
+    config: Mapping[str, Any] | Any,
+    seed: int | None,
+    dataset_version: str | None,
+    tags: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """What only the caller knows: the config (and its hash), seed, dataset version and tags."""
+    fields: dict[str, Any] = {}
     if config is not None:
         jsonable = _attempt(to_jsonable, config)
         if isinstance(jsonable, dict):
@@ -290,7 +315,13 @@ def collect_run_start(
         fields["dataset_version"] = str(dataset_version)
     if tags is not None:
         fields["tags"] = _attempt(lambda: {str(key): str(value) for key, value in tags.items()})
+    return fields
 
+
+def _gpu_fields(torch: Any, driver: str | None, smi: _Command | None) -> dict[str, Any]:
+    """torch's and CUDA's versions, the driver version and the visible GPUs' names; nvidia-smi fills in
+    what /proc and torch did not say."""
+    fields: dict[str, Any] = {}
     versions = _attempt(_torch_facts, torch) or (None, None, None)
     fields["torch_version"], fields["cuda_version"], gpu_names = versions
 
@@ -300,14 +331,19 @@ def collect_run_start(
         gpu_names = _visible_gpus(smi_names)
     if gpu_names:
         fields["gpu_names"] = gpu_names
+    return fields
 
+
+def _git_fields(git_head: _Command, git_status: _Command) -> dict[str, Any]:
+    """The checkout's commit sha and whether it has uncommitted changes."""
+    fields: dict[str, Any] = {}
     sha = git_head.output()
     if sha and re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", sha.strip()):
         fields["git_sha"] = sha.strip()
     status = git_status.output()
     if status is not None:
         fields["git_dirty"] = bool(status.strip())
-    return {name: value for name, value in fields.items() if value is not None}
+    return fields
 
 
 def _as_seed(seed: Any) -> int | None:

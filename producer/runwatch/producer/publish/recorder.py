@@ -131,11 +131,8 @@ class JsonlRecorder(RunWatch):
     def flush(self) -> None:
         self.delivery.flush()
 
-    def close(
-        self,
-        status: str | None = None,
-        summary: dict | None = None,  # type: ignore[override]
-        timeout: float = 10.0,
+    def close(  # type: ignore[override] # status first, and it returns the count of lines written
+        self, status: str | None = None, summary: dict[str, Any] | None = None, timeout: float = 10.0
     ) -> int:
         """Close the watchers made by ``watch``, write ``run_end`` (rank 0), flush and close the file;
         returns the number of lines written. ``status`` defaults as in ``RunWatch.close``:

@@ -28,8 +28,8 @@ def stop_record(action: Any) -> dict[str, str]:
 
 
 def end_status(
-    status: str | None, summary: dict | None, stopped_by: dict[str, str] | None
-) -> tuple[str, dict]:
+    status: str | None, summary: dict[str, Any] | None, stopped_by: dict[str, str] | None
+) -> tuple[str, dict[str, Any]]:
     """``run_end``'s status and summary: an explicit status wins; otherwise ``stopped`` after an
     applied stop (``stopped_by``, see :func:`stop_record`), else ``completed``."""
     if status is None:
@@ -39,7 +39,9 @@ def end_status(
     return status, dict(summary or {})
 
 
-def exit_status(exc_type: type[BaseException] | None, exc: BaseException | None) -> tuple[str | None, dict]:
+def exit_status(
+    exc_type: type[BaseException] | None, exc: BaseException | None
+) -> tuple[str | None, dict[str, Any]]:
     """``run_end``'s status for a ``with`` block that ended with ``exc`` (None: the usual rule)."""
     if exc_type is None or (issubclass(exc_type, SystemExit) and getattr(exc, "code", None) in (None, 0)):
         return None, {}

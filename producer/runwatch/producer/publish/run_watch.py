@@ -231,7 +231,7 @@ class RunWatch:
         time_in_phase_s: float = 0.0,
         in_sync: bool | None = None,
         interval_s: float | None = None,
-        host_load: dict | None = None,
+        host_load: dict[str, Any] | None = None,
     ) -> bool:
         """``in_sync``: this rank has done its part of the current step and waits for its peers
         (True), is still working on it (False), or it is not measured (None: left out).
@@ -295,7 +295,7 @@ class RunWatch:
         self.stopped_by = stop_record(action)
 
     def close(
-        self, timeout: float = 10.0, status: str | None = None, summary: dict | None = None
+        self, timeout: float = 10.0, status: str | None = None, summary: dict[str, Any] | None = None
     ) -> PublisherStats:
         """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
 

@@ -28,6 +28,7 @@ Past the bound, ``overflow`` says what goes: ``"drop_newest"`` refuses the new r
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import struct
@@ -147,7 +148,7 @@ class DiskSpool:
         """Absolute index of the oldest live record; ``commit`` takes indexes on this scale."""
         return self._head_index
 
-    def append(self, record: bytes) -> bool:
+    def append(self, record: builtins.bytes) -> bool:  # (`bytes` here is the property above)
         """Add ``record`` at the tail. False if it was refused by the bound (then counted)."""
         self._check_open()
         size = HEADER_BYTES + len(record)
@@ -178,7 +179,7 @@ class DiskSpool:
             self.sync()
         return True
 
-    def peek(self, max_records: int, max_bytes: int = 1 << 20) -> tuple[int, list[bytes]]:
+    def peek(self, max_records: int, max_bytes: int = 1 << 20) -> tuple[int, list[builtins.bytes]]:
         """The oldest live records, without removing them: ``(index of the first, records)``.
 
         Returns at least one record when the spool is not empty, even past ``max_bytes``.

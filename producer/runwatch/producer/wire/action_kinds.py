@@ -3,8 +3,8 @@ this table (the policy, the trainer's listener, the report, the notifications, G
 
 Adding a kind: its row here and its name in ``ActionKind`` (and ``PolicyActionKind`` if a policy rule
 may name it; both checked against the table on import), a trainer-side handler in
-``producer/runwatch/producer/actions/apply.py`` if it is applied in a new way (keyed by ``applies``), and its row in
-docs/wire-format.md's table (checked by tests/unit/test_action_kinds.py, which also runs every kind
+``producer/runwatch/producer/actions/apply.py`` if it is applied in a new way (keyed by ``applies``), and its
+row in docs/wire-format.md's table (checked by tests/unit/test_action_kinds.py, which also runs every kind
 through issue, sign, apply, acknowledge and report).
 """
 
@@ -16,7 +16,8 @@ from typing import Literal, get_args
 ActionKind = Literal["alert", "pause", "resume", "rollback", "stop"]
 PolicyActionKind = Literal["alert", "pause", "rollback", "stop"]  # the kinds a policy rule may name
 
-# How the trainer's listener applies a kind (producer/runwatch/producer/actions/apply.py has one handler per value).
+# How the trainer's listener applies a kind (producer/runwatch/producer/actions/apply.py
+# has one handler per value).
 Applies = Literal["note", "pause", "resume", "rollback", "stop"]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -226,8 +226,9 @@ class HeartbeatEvent(EventBase):
     # The producer's heartbeat period: the worker calls a rank silent (dead) after a number of
     # missed periods rather than one fixed time; absent: only the configured floor applies.
     interval_s: WireFloat | None = Field(default=None, gt=0)
-    # The host's load over the last heartbeat period (producer/runwatch/producer/instrument/heartbeat.py): what a throughput or
-    # data-wait finding is compared against, to tell a noisy neighbour from a code regression.
+    # The host's load over the last heartbeat period (producer/runwatch/producer/instrument/heartbeat.py):
+    # what a throughput or data-wait finding is compared against, to tell a noisy neighbour from a code
+    # regression.
     host_load: HostLoad | None = None
 
 
@@ -598,6 +599,21 @@ def _check_limits(
     event: Any, data: dict[str, Any], received_at: datetime | None, lim: WireLimits
 ) -> str | None:
     """The bounds pydantic's types do not say: sizes, ranges, finiteness, the time window."""
+    problem = _check_envelope(event, received_at, lim)
+    if problem:
+        return problem
+    problem = _check_extras(event, data, lim)
+    if problem:
+        return problem
+    step = getattr(event, "step", None)
+    if step is not None and step > lim.max_step:
+        return f"step: {step} is above the limit {lim.max_step}"
+    check = _KIND_CHECKS.get(event.kind)
+    return None if check is None else check(event, lim)
+
+
+def _check_envelope(event: Any, received_at: datetime | None, lim: WireLimits) -> str | None:
+    """The fields every event has: its id, run id, rank and timestamp."""
     if len(event.event_id) > lim.max_id_chars:
         return f"event_id: longer than {lim.max_id_chars} characters"
     problem = run_id_problem(event.run_id, lim.max_id_chars)
@@ -608,50 +624,60 @@ def _check_limits(
     problem = _check_time(event.ts, received_at, lim)
     if problem:
         return problem
-    # Unknown fields (kept from a newer producer) and free-form maps: nesting and string length. A step
-    # event's own fields are numbers and flat maps whose shape the schema fixed: only its extras are walked.
+    return None
+
+
+def _check_extras(event: Any, data: dict[str, Any], lim: WireLimits) -> str | None:
+    """Unknown fields (kept from a newer producer) and free-form maps: nesting and string length. A step
+    event's own fields are numbers and flat maps whose shape the schema fixed: only its extras are walked."""
     skip = _STEP_FIELDS if event.kind == "step" else _TYPED_FLAT
     for key in data.keys() - skip:
         problem = _check_free_form(key, data[key], lim)
         if problem:
             return problem
-    step = getattr(event, "step", None)
-    if step is not None and step > lim.max_step:
-        return f"step: {step} is above the limit {lim.max_step}"
-    kind = event.kind
-    if kind == "step":
-        return _check_step(event, lim)
-    if kind == "heartbeat":
-        return _out_of_range("time_in_phase_s", event.time_in_phase_s, lim.max_duration_s) or _out_of_range(
-            "interval_s", event.interval_s, lim.max_interval_s, positive=True
-        )
-    if kind == "run_start":
-        if event.world_size > lim.max_world_size:
-            return f"world_size: {event.world_size} is above the limit {lim.max_world_size}"
-        if len(event.gpu_names) > lim.max_metrics or len(event.tags) > lim.max_metrics:
-            return f"gpu_names/tags: more than {lim.max_metrics} entries"
-    elif kind == "eval":
-        if len(event.metrics) > lim.max_metrics:
-            return f"metrics: {len(event.metrics)} entries (limit {lim.max_metrics})"
-        if len(event.per_category) > lim.max_categories or any(
-            len(m) > lim.max_metrics for m in event.per_category.values()
-        ):
-            return (
-                f"per_category: more than {lim.max_categories} categories or {lim.max_metrics} metrics each"
-            )
-    elif kind == "run_end":
-        if len(event.summary) > lim.max_metrics:
-            return f"summary: {len(event.summary)} entries (limit {lim.max_metrics})"
-    elif kind == "checkpoint":
-        if len(event.uri) > lim.max_string_chars:
-            return f"uri: longer than {lim.max_string_chars} characters"
-        if event.lr is not None:
-            if len(event.lr) > lim.max_metrics:
-                return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
-            for value in event.lr:
-                problem = _out_of_range("lr", value, lim.max_rate)
-                if problem:
-                    return problem
+    return None
+
+
+def _check_heartbeat(event: HeartbeatEvent, lim: WireLimits) -> str | None:
+    return _out_of_range("time_in_phase_s", event.time_in_phase_s, lim.max_duration_s) or _out_of_range(
+        "interval_s", event.interval_s, lim.max_interval_s, positive=True
+    )
+
+
+def _check_run_start(event: RunStartEvent, lim: WireLimits) -> str | None:
+    if event.world_size > lim.max_world_size:
+        return f"world_size: {event.world_size} is above the limit {lim.max_world_size}"
+    if len(event.gpu_names) > lim.max_metrics or len(event.tags) > lim.max_metrics:
+        return f"gpu_names/tags: more than {lim.max_metrics} entries"
+    return None
+
+
+def _check_eval(event: EvalEvent, lim: WireLimits) -> str | None:
+    if len(event.metrics) > lim.max_metrics:
+        return f"metrics: {len(event.metrics)} entries (limit {lim.max_metrics})"
+    if len(event.per_category) > lim.max_categories or any(
+        len(m) > lim.max_metrics for m in event.per_category.values()
+    ):
+        return f"per_category: more than {lim.max_categories} categories or {lim.max_metrics} metrics each"
+    return None
+
+
+def _check_run_end(event: RunEndEvent, lim: WireLimits) -> str | None:
+    if len(event.summary) > lim.max_metrics:
+        return f"summary: {len(event.summary)} entries (limit {lim.max_metrics})"
+    return None
+
+
+def _check_checkpoint(event: CheckpointEvent, lim: WireLimits) -> str | None:
+    if len(event.uri) > lim.max_string_chars:
+        return f"uri: longer than {lim.max_string_chars} characters"
+    if event.lr is not None:
+        if len(event.lr) > lim.max_metrics:
+            return f"lr: {len(event.lr)} param groups (limit {lim.max_metrics})"
+        for value in event.lr:
+            problem = _out_of_range("lr", value, lim.max_rate)
+            if problem:
+                return problem
     return None
 
 
@@ -685,6 +711,17 @@ def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
     ):
         return f"module/category name longer than {lim.max_string_chars} characters"
     return None
+
+
+# The checks of one event kind's own fields, by ``kind``; kinds not here have none beyond the envelope's.
+_KIND_CHECKS: dict[str, Callable[[Any, WireLimits], str | None]] = {
+    "step": _check_step,
+    "heartbeat": _check_heartbeat,
+    "run_start": _check_run_start,
+    "eval": _check_eval,
+    "run_end": _check_run_end,
+    "checkpoint": _check_checkpoint,
+}
 
 
 def record_time(timestamp_s: float | None) -> datetime | None:

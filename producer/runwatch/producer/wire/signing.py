@@ -32,9 +32,9 @@ def resolve_secret(secret: str | bytes | None = None) -> bytes:
     secret_bytes = value.encode() if isinstance(value, str) else value
     if len(secret_bytes) < MIN_SECRET_BYTES:
         raise MissingSecretError(
-            f"the action secret is {len(secret_bytes)} bytes; at least {MIN_SECRET_BYTES} are needed (HMAC-SHA256). "
-            f"Generate one with: python -c 'import secrets; print(secrets.token_hex(32))' and give {SECRET_ENV} "
-            "that value for the worker, the trainers and the remediator"
+            f"the action secret is {len(secret_bytes)} bytes; at least {MIN_SECRET_BYTES} are needed "
+            "(HMAC-SHA256). Generate one with: python -c 'import secrets; print(secrets.token_hex(32))' and "
+            f"give {SECRET_ENV} that value for the worker, the trainers and the remediator"
         )
     return secret_bytes
 

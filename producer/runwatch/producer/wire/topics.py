@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import overload
 
 TELEMETRY = "runwatch.telemetry"
 ANOMALIES = "runwatch.anomalies"
@@ -10,8 +11,8 @@ ACTIONS = "runwatch.actions"
 DEADLETTER = "runwatch.deadletter"
 JOINED = "runwatch.joined"  # per-step cross-rank joins, for ClickHouse/Grafana
 ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)  # what the sink stores
-# The workers' per-run state snapshots (streams/runwatch/streams/worker/state.py): compacted, keyed by run id, and
-# partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry comes from).
+# The workers' per-run state snapshots (streams/runwatch/streams/worker/state.py): compacted, keyed by run id,
+# and partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry comes from).
 STATE = "runwatch.state"
 STATE_MAX_BYTES = 16 * 1024 * 1024  # a snapshot is one record: a large multi-rank run's can be megabytes
 STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STATE_MAX_BYTES)}
@@ -35,6 +36,10 @@ ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same o
 KAFKA_API_VERSION = (2, 8, 0)
 
 
+@overload
+def bootstrap_from_env(default: str) -> str: ...
+@overload
+def bootstrap_from_env(default: None = None) -> str | None: ...
 def bootstrap_from_env(default: str | None = None) -> str | None:
     return os.environ.get(BOOTSTRAP_ENV, default)
 
@@ -43,6 +48,6 @@ def key_partition(key: bytes, partitions: int) -> int:
     """The partition a record keyed ``key`` belongs on among ``partitions``: murmur2 of the key, the
     Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's
     events are all on this one partition; the worker refuses a record found elsewhere."""
-    from kafka.partitioner.default import murmur2  # type: ignore[import-untyped]  # (lazily: imports without Kafka)
+    from kafka.partitioner.default import murmur2  # (lazily: imports without Kafka)
 
     return int(murmur2(key) & 0x7FFFFFFF) % partitions

@@ -97,6 +97,7 @@ def _log_scale() -> common_builders.ScaleDistributionConfig:
 def panel_builder(spec: PanelSpec, db: str = DATABASE) -> cogbuilder.Builder[model.Panel]:
     """The SDK builder of one panel."""
     query = ClickHouseQueryBuilder(spec.render(db), spec.format).ref_id("A")
+    p: timeseries.Panel | heatmap.Panel | statetimeline.Panel | stat.Panel | table.Panel
     if spec.kind == "timeseries":
         p = (
             timeseries.Panel()
@@ -143,6 +144,7 @@ def panel_builder(spec: PanelSpec, db: str = DATABASE) -> cogbuilder.Builder[mod
 
 
 def _variable(spec: VariableSpec, db: str) -> cogbuilder.Builder[model.VariableModel]:
+    v: CustomVariable | QueryVariable
     if spec.values:
         v = (
             CustomVariable(spec.name)
@@ -207,7 +209,8 @@ def dashboard_builder(spec: DashboardSpec, db: str = DATABASE) -> Dashboard:
 
 def dashboard_json(spec: DashboardSpec, db: str = DATABASE) -> dict[str, Any]:
     """One dashboard as the dict Grafana's file provisioning and HTTP API take."""
-    return json.loads(JSONEncoder().encode(dashboard_builder(spec, db).build()))
+    out: dict[str, Any] = json.loads(JSONEncoder().encode(dashboard_builder(spec, db).build()))
+    return out
 
 
 def render(spec: DashboardSpec, db: str = DATABASE) -> str:

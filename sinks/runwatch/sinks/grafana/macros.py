@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -57,7 +57,10 @@ def plugin_format(value: VariableValue) -> str:
     return "'" + "','".join(value) + "'"
 
 
-_FORMATS = {"sqlstring": sqlstring, "raw": lambda v: v if isinstance(v, str) else ",".join(v)}
+_FORMATS: dict[str, Callable[[VariableValue], str]] = {
+    "sqlstring": sqlstring,
+    "raw": lambda v: v if isinstance(v, str) else ",".join(v),
+}
 _VARIABLE = re.compile(r"\$\{(?P<braced>[A-Za-z_]\w*)(?::(?P<format>\w+))?\}|\$(?P<bare>(?!__)[A-Za-z_]\w*)")
 
 

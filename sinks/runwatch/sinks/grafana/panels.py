@@ -12,9 +12,9 @@ labels, numbers) ordered by time, which the plugin turns into one series per lab
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from runwatch.detectors.baselines.compare import METRICS, PREFIXED, BaselineConfig
+from runwatch.detectors.baselines.compare import METRICS, PREFIXED, BaselineConfig, MetricSpec
 from runwatch.producer.wire.action_kinds import ACTION_KINDS, POLICY_KINDS
 
 PanelKind = Literal["timeseries", "table", "stat", "heatmap", "state_timeline", "bar_chart"]
@@ -114,7 +114,9 @@ def _payload(path: str, kind: str = "Nullable(Float64)") -> str:
     return f"JSONExtract(payload, {keys}, '{kind}')"
 
 
-def _step_panel(title: str, columns: dict[str, str], description: str, unit: str = "", **kw) -> PanelSpec:
+def _step_panel(
+    title: str, columns: dict[str, str], description: str, unit: str = "", **kw: Any
+) -> PanelSpec:
     """A per-step time series of the selected ranks: one series per rank and column."""
     select = ", ".join(f"{expr} AS {name}" for name, expr in columns.items())
     sql = f"SELECT ts AS time, {SERIES}, {select}\n{STEP_ROWS}\nORDER BY time"
@@ -128,7 +130,8 @@ BASELINE_KEY = VariableSpec(
     "Baseline key",
     sql=(
         "SELECT DISTINCT key FROM (\n"
-        f"  SELECT {KEY_OF_RUN_START} AS key FROM {{db}}.telemetry WHERE kind = 'run_start' AND $__timeFilter(ts)\n"
+        f"  SELECT {KEY_OF_RUN_START} AS key FROM {{db}}.telemetry WHERE kind = 'run_start' "
+        "AND $__timeFilter(ts)\n"
         "  UNION ALL\n"
         "  SELECT if(baseline_key = '', '(none)', baseline_key) AS key FROM {db}.run_summaries FINAL\n"
         "  WHERE $__timeFilter(started_at)\n"
@@ -176,17 +179,21 @@ SUMMARY_METRIC_VAR = VariableSpec(
 
 ANOMALY_MARKS = AnnotationSpec(
     "Anomalies",
-    "SELECT ts AS time, concat(severity, ' ', detector, ' at step ', toString(step), ': ', message) AS text,\n"
+    "SELECT ts AS time, concat(severity, ' ', detector, ' at step ', toString(step), ': ', message) "
+    "AS text,\n"
     "       [detector, severity] AS tags\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND $__timeFilter(ts) ORDER BY time",
     "red",
 )
-# One per action kind, in the kind's colour (the report's too: producer/runwatch/producer/wire/action_kinds.py).
+# One per action kind, in the kind's colour (the report's too:
+# producer/runwatch/producer/wire/action_kinds.py).
 ACTION_MARKS = tuple(
     AnnotationSpec(
         f"Actions: {name}",
-        "SELECT issued_at AS time, concat(kind, ' at step ', toString(step), ': ', reason) AS text, [kind] AS tags\n"
-        f"FROM {{db}}.actions FINAL WHERE {RUN} AND kind = '{name}' AND $__timeFilter(issued_at) ORDER BY time",
+        "SELECT issued_at AS time, concat(kind, ' at step ', toString(step), ': ', reason) AS text, [kind] "
+        "AS tags\n"
+        f"FROM {{db}}.actions FINAL WHERE {RUN} AND kind = '{name}' AND $__timeFilter(issued_at) "
+        "ORDER BY time",
         spec.color,
     )
     for name, spec in ACTION_KINDS.items()
@@ -208,7 +215,8 @@ FLEET_RUNS = PanelSpec(
     "Runs",
     "table",
     "SELECT t.run_id AS run_id, s.baseline_key AS baseline_key,\n"
-    "       multiIf(e.status != '', e.status, t.last_event >= now64(3) - INTERVAL 120 SECOND, 'running', 'silent')\n"
+    "       multiIf(e.status != '', e.status, "
+    "t.last_event >= now64(3) - INTERVAL 120 SECOND, 'running', 'silent')\n"
     "         AS status,\n"
     "       t.ranks AS ranks, t.last_step AS last_step, round(t.steps_per_s, 3) AS steps_per_s,\n"
     "       t.last_event AS last_event, a.anomalies AS anomalies, a.critical AS critical,\n"
@@ -252,7 +260,8 @@ FLEET_LIVE = PanelSpec(
     "Live runs",
     "stat",
     "SELECT countIf(last_event >= now64(3) - INTERVAL 120 SECOND) AS live_runs, count() AS runs_in_range\n"
-    f"FROM (SELECT run_id, max(ts) AS last_event FROM {{db}}.telemetry WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\n"
+    "FROM (SELECT run_id, max(ts) AS last_event FROM {db}.telemetry WHERE $__timeFilter(ts) "
+    f"AND {RUNS_OF_KEY}\n"
     "      GROUP BY run_id)",
     ("live_runs", "runs_in_range"),
     "Runs with an event in the last 2 minutes, and all runs with telemetry in the range.",
@@ -266,7 +275,8 @@ FLEET_STEP_RATE = PanelSpec(
     f"FROM {{db}}.telemetry WHERE kind = 'step' AND rank = 0 AND $__timeFilter(ts) AND {RUNS_OF_KEY}\n"
     "GROUP BY time, run_id ORDER BY time",
     ("time", "run_id", "steps_per_s"),
-    "Steps per second of each run (rank 0's step events per interval; replayed steps after a rollback count).",
+    "Steps per second of each run (rank 0's step events "
+    "per interval; replayed steps after a rollback count).",
     "ops",
     width=18,
     height=5,
@@ -275,11 +285,13 @@ FLEET_ANOMALIES = PanelSpec(
     "Anomalies per run",
     "timeseries",
     "SELECT $__timeInterval(ts) AS time, run_id, count() AS anomalies\n"
-    f"FROM {{db}}.anomalies FINAL WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\nGROUP BY time, run_id ORDER BY time",
+    f"FROM {{db}}.anomalies FINAL WHERE $__timeFilter(ts) AND {RUNS_OF_KEY}\nGROUP BY time, run_id "
+    "ORDER BY time",
     ("time", "run_id", "anomalies"),
     "Findings per interval and run, by the time of the step they are about.",
 )
-# The action kinds by how drastic they are (producer/runwatch/producer/wire/action_kinds.py), for ClickHouse's transform().
+# The action kinds by how drastic they are (producer/runwatch/producer/wire/action_kinds.py), for
+# ClickHouse's transform().
 _KIND_ORDER = (
     f"transform(kind, [{', '.join(repr(k) for k in ACTION_KINDS)}], "
     f"[{', '.join(str(s.order) for s in ACTION_KINDS.values())}], 0)"
@@ -388,7 +400,8 @@ RUN_TOP_MODULES = PanelSpec(
     "Module grad norms (top 8)",
     "timeseries",
     "SELECT ts AS time, kv.1 AS module, concat('rank ', toString(rank)) AS series, kv.2 AS grad_norm\n"
-    "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') AS kv\n"
+    "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') "
+    "AS kv\n"
     f"WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts) AND kv.1 IN (\n"
     "  SELECT m.1 AS name FROM {db}.telemetry FINAL\n"
     "  ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') AS m\n"
@@ -403,7 +416,8 @@ RUN_MODULE_HEATMAP = PanelSpec(
     "Module grad norms (heatmap, log10)",
     "heatmap",
     "SELECT $__timeInterval(ts) AS time, kv.1 AS module, log10(max(kv.2)) AS log10_grad_norm\n"
-    "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') AS kv\n"
+    "FROM {db}.telemetry FINAL ARRAY JOIN JSONExtractKeysAndValues(payload, 'module_grad_norms', 'Float64') "
+    "AS kv\n"
     f"WHERE {RUN} AND kind = 'step' AND {RANKS} AND $__timeFilter(ts) AND isFinite(kv.2) AND kv.2 > 0\n"
     "GROUP BY time, module ORDER BY time",
     ("time", "module", "log10_grad_norm"),
@@ -411,7 +425,9 @@ RUN_MODULE_HEATMAP = PanelSpec(
     "module is one bright row.",
     width=24,
     height=10,
-    cannot_show="Non-finite module norms are left out (log10 of NaN/inf); the Anomalies annotation marks them.",
+    cannot_show=(
+        "Non-finite module norms are left out (log10 of NaN/inf); the Anomalies annotation marks them."
+    ),
 )
 RUN_UPDATE = _step_panel(
     "Update ratio",
@@ -604,7 +620,8 @@ RANK_PHASES = PanelSpec(
 RANK_HUNG = PanelSpec(
     "Hung and dead ranks",
     "table",
-    "SELECT ts AS time, step, rank, detector, JSONExtractString(evidence, 'kind') AS kind, value, threshold,\n"
+    "SELECT ts AS time, step, rank, detector, JSONExtractString(evidence, 'kind') "
+    "AS kind, value, threshold,\n"
     "       severity, message\n"
     f"FROM {{db}}.anomalies FINAL WHERE {RUN} AND detector IN ('hung_rank', 'stall') AND $__timeFilter(ts)\n"
     "ORDER BY time",
@@ -626,7 +643,8 @@ RANK_JOIN = PanelSpec(
 RANKS_DASHBOARD = DashboardSpec(
     "runwatch-ranks",
     "runwatch / Ranks",
-    "One multi-rank run rank by rank: step and compute time, stragglers, heartbeats, phases, hung and dead ranks.",
+    "One multi-rank run rank by rank: step and compute time, "
+    "stragglers, heartbeats, phases, hung and dead ranks.",
     "now-24h",
     (BASELINE_KEY, RUN_VAR, RANK_VAR),
     (
@@ -650,9 +668,11 @@ _ME = (
     "  SELECT r.run_id AS run_id, any(r.baseline_key) AS baseline_key, any(r.fingerprint) AS fingerprint,\n"
     "         any(r.started_at) AS started_at, any(r.new_baseline) AS new_baseline,\n"
     f"         greatest(any(r.started_at) - INTERVAL {WINDOW_DAYS} DAY,\n"
-    "                  maxIf(d.started_at, d.new_baseline AND d.run_id != r.run_id AND d.started_at <= r.started_at))\n"
+    "                  maxIf(d.started_at, d.new_baseline AND d.run_id != r.run_id "
+    "AND d.started_at <= r.started_at))\n"
     "           AS since\n"
-    "  FROM (SELECT * FROM {db}.run_summaries FINAL WHERE run_id = ${run:sqlstring} AND baseline_key != '') AS r\n"
+    "  FROM (SELECT * FROM {db}.run_summaries FINAL WHERE run_id = ${run:sqlstring} AND baseline_key != '') "
+    "AS r\n"
     "  INNER JOIN (SELECT * FROM {db}.run_summaries FINAL) AS d\n"
     "    ON d.baseline_key = r.baseline_key AND d.fingerprint = r.fingerprint\n"
     "  GROUP BY r.run_id\n"
@@ -677,7 +697,8 @@ BASELINE_BAND = PanelSpec(
     "Run against its baseline band",
     "timeseries",
     f"WITH {_ME},\n{_HISTORY},\n"
-    f"band_runs AS (SELECT run_id FROM history ORDER BY started_at DESC, run_id DESC LIMIT {BAND_MAX_RUNS}),\n"
+    "band_runs AS (SELECT run_id FROM history ORDER BY started_at DESC, run_id DESC "
+    f"LIMIT {BAND_MAX_RUNS}),\n"
     "per_step AS (\n"
     "  SELECT run_id, step, argMax(v, ts) AS value, max(ts) AS at FROM (\n"
     "    SELECT run_id, ts, assumeNotNull(step) AS step, pair.2 AS v FROM {db}.telemetry FINAL\n"
@@ -691,7 +712,8 @@ BASELINE_BAND = PanelSpec(
     "  WHERE run_id != ${run:sqlstring}\n"
     "),\n"
     "band AS (\n"
-    "  SELECT intDiv(step, bucketing.b) * bucketing.b AS bucket, quantilesExactInclusive(0.1, 0.5, 0.9)(value) AS q\n"
+    "  SELECT intDiv(step, bucketing.b) * bucketing.b AS bucket, "
+    "quantilesExactInclusive(0.1, 0.5, 0.9)(value) AS q\n"
     "  FROM per_step CROSS JOIN bucketing WHERE run_id != ${run:sqlstring} GROUP BY bucket\n"
     "),\n"
     "mine AS (\n"
@@ -715,7 +737,7 @@ def _spec_sql(field_name: str) -> str:
     """A ClickHouse expression giving the comparison spec's ``field_name`` for ``metric``
     (compare.METRICS, then the PREFIXED families), or NULL for a metric runwatch does not judge."""
 
-    def value(spec) -> str:  # noqa: ANN001
+    def value(spec: MetricSpec) -> str:
         v = getattr(spec, field_name)
         if isinstance(v, bool):
             return "1" if v else "0"
@@ -739,17 +761,21 @@ BASELINE_OUTLIERS = PanelSpec(
     f"         {_spec_sql('minimum')} AS minimum,\n"
     f"         {_spec_sql('exclusive_minimum')} AS exclusive_minimum\n"
     "  FROM (SELECT kv.1 AS metric, kv.2 AS value FROM {db}.run_summaries FINAL\n"
-    "        ARRAY JOIN CAST(metrics, 'Array(Tuple(String, Float64))') AS kv WHERE run_id = ${run:sqlstring})\n"
+    "        ARRAY JOIN CAST(metrics, 'Array(Tuple(String, Float64))') AS kv "
+    "WHERE run_id = ${run:sqlstring})\n"
     "  WHERE direction IS NOT NULL\n"
     "),\n"
     "valid AS (\n"
     "  SELECT specs.metric AS metric, h.metrics[specs.metric] AS v FROM specs CROSS JOIN history AS h\n"
     "  WHERE mapContains(h.metrics, specs.metric) AND isFinite(v)\n"
-    "    AND (specs.minimum IS NULL OR if(specs.exclusive_minimum = 1, v > specs.minimum, v >= specs.minimum))\n"
+    "    AND (specs.minimum IS NULL "
+    "OR if(specs.exclusive_minimum = 1, v > specs.minimum, v >= specs.minimum))\n"
     "),\n"
-    "medians AS (SELECT metric, count() AS n, quantileExactInclusive(0.5)(v) AS median FROM valid GROUP BY metric),\n"
+    "medians AS (SELECT metric, count() AS n, quantileExactInclusive(0.5)(v) AS median FROM valid "
+    "GROUP BY metric),\n"
     "spreads AS (\n"
-    f"  SELECT valid.metric AS metric, {1.4826} * quantileExactInclusive(0.5)(abs(valid.v - medians.median)) AS sigma\n"
+    f"  SELECT valid.metric AS metric, {1.4826} * quantileExactInclusive(0.5)(abs(valid.v - medians.median)) "
+    "AS sigma\n"
     "  FROM valid INNER JOIN medians ON medians.metric = valid.metric GROUP BY valid.metric\n"
     "),\n"
     "judged AS (\n"
@@ -761,7 +787,8 @@ BASELINE_OUTLIERS = PanelSpec(
     "            if(specs.value = medians.median, 0, if(specs.value > 0, inf, -inf))) AS change,\n"
     "         isFinite(specs.value) AND (specs.minimum IS NULL OR if(specs.exclusive_minimum = 1,\n"
     "            specs.value > specs.minimum, specs.value >= specs.minimum)) AS value_ok\n"
-    "  FROM specs LEFT JOIN medians ON medians.metric = specs.metric LEFT JOIN spreads ON spreads.metric = specs.metric\n"
+    "  FROM specs LEFT JOIN medians ON medians.metric = specs.metric LEFT JOIN spreads "
+    "ON spreads.metric = specs.metric\n"
     "  SETTINGS join_use_nulls = 1\n"
     ")\n"
     "SELECT metric, value AS last, median AS baseline, low, high, round(change, 4) AS change, n,\n"
@@ -772,7 +799,8 @@ BASELINE_OUTLIERS = PanelSpec(
     "FROM judged ORDER BY verdict = 'OUTLIER' DESC, metric",
     ("metric", "last", "baseline", "low", "high", "change", "n", "verdict"),
     "Each judged figure of the run's summary against the same figure in its history (the same rule as "
-    f"`runwatch baseline check` with the default settings: median +- {_DEFAULTS.band_sigmas:g} robust sigmas, "
+    "`runwatch baseline check` with the default settings: "
+    f"median +- {_DEFAULTS.band_sigmas:g} robust sigmas, "
     f"on the worse side, by more than the metric's minimum change; fewer than {_DEFAULTS.min_runs} valid "
     f"runs is insufficient_history; {WINDOW_DAYS}-day window).",
     width=24,
@@ -799,7 +827,8 @@ BASELINE_RUNS = PanelSpec(
     "table",
     "SELECT started_at AS time, run_id, git_sha, fingerprint, status, new_baseline\n"
     "FROM {db}.run_summaries FINAL\n"
-    "WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) AND $__timeFilter(started_at)\n"
+    "WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) "
+    "AND $__timeFilter(started_at)\n"
     "ORDER BY time DESC",
     ("time", "run_id", "git_sha", "fingerprint", "status", "new_baseline"),
     "The job's run summaries (what the baseline is chosen from).",
@@ -812,7 +841,8 @@ COMMIT_MARKS = AnnotationSpec(
     "       ['commit', substring(git_sha, 1, 12)] AS tags FROM (\n"
     "  SELECT started_at AS time, run_id, git_sha,\n"
     "         lagInFrame(git_sha, 1, '') OVER (PARTITION BY fingerprint ORDER BY started_at, run_id\n"
-    "                                          ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS previous\n"
+    "                                          ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) "
+    "AS previous\n"
     "  FROM {db}.run_summaries FINAL\n"
     "  WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring}) AND git_sha != ''\n"
     ") WHERE git_sha != previous AND $__timeFilter(time) ORDER BY time",
@@ -829,9 +859,12 @@ LEVEL_SHIFT_MARKS = AnnotationSpec(
     "  FROM (SELECT started_at, run_id, git_sha, fingerprint, metrics[${summary_metric:sqlstring}] AS v\n"
     "        FROM {db}.run_summaries FINAL\n"
     "        WHERE if(baseline_key = '', '(none)', baseline_key) IN (${baseline_key:sqlstring})\n"
-    "          AND status = 'completed' AND mapContains(metrics, ${summary_metric:sqlstring}) AND isFinite(v))\n"
-    "  WINDOW w_before AS (PARTITION BY fingerprint ORDER BY started_at, run_id ROWS BETWEEN 5 PRECEDING AND 1 PRECEDING),\n"
-    "         w_after AS (PARTITION BY fingerprint ORDER BY started_at, run_id ROWS BETWEEN CURRENT ROW AND 4 FOLLOWING)\n"
+    "          AND status = 'completed' AND mapContains(metrics, ${summary_metric:sqlstring}) "
+    "AND isFinite(v))\n"
+    "  WINDOW w_before AS (PARTITION BY fingerprint ORDER BY started_at, run_id ROWS BETWEEN 5 PRECEDING "
+    "AND 1 PRECEDING),\n"
+    "         w_after AS (PARTITION BY fingerprint ORDER BY started_at, run_id ROWS BETWEEN CURRENT ROW "
+    "AND 4 FOLLOWING)\n"
     ") WHERE n_before >= 3 AND n_after >= 3 AND abs(shift) >= 0.10 AND $__timeFilter(time) ORDER BY time",
     "yellow",
 )
@@ -859,9 +892,11 @@ PIPE_RATES = PanelSpec(
     "  SELECT $__timeInterval(ts) AS time, concat('in: ', kind) AS stream FROM {db}.telemetry\n"
     "  WHERE $__timeFilter(ts)\n"
     "  UNION ALL\n"
-    "  SELECT $__timeInterval(ts) AS time, 'out: joined steps' AS stream FROM {db}.joined_steps WHERE $__timeFilter(ts)\n"
+    "  SELECT $__timeInterval(ts) AS time, 'out: joined steps' AS stream FROM {db}.joined_steps "
+    "WHERE $__timeFilter(ts)\n"
     "  UNION ALL\n"
-    "  SELECT $__timeInterval(ts) AS time, 'out: anomalies' AS stream FROM {db}.anomalies WHERE $__timeFilter(ts)\n"
+    "  SELECT $__timeInterval(ts) AS time, 'out: anomalies' AS stream FROM {db}.anomalies "
+    "WHERE $__timeFilter(ts)\n"
     "  UNION ALL\n"
     "  SELECT $__timeInterval(issued_at) AS time, 'out: actions' AS stream FROM {db}.actions\n"
     "  WHERE $__timeFilter(issued_at)\n"
@@ -910,7 +945,8 @@ PIPE_FINDINGS = PanelSpec(
 PIPE_DEADLETTERS = PanelSpec(
     "Dead letters by reason",
     "table",
-    "SELECT stage, source_topic, substring(reason, 1, 120) AS reason, count() AS letters, max(ts) AS last_seen,\n"
+    "SELECT stage, source_topic, substring(reason, 1, 120) AS reason, count() AS letters, max(ts) "
+    "AS last_seen,\n"
     "       sum(size) AS bytes\n"
     "FROM {db}.deadletter FINAL WHERE $__timeFilter(ts)\n"
     "GROUP BY stage, source_topic, reason ORDER BY letters DESC",

@@ -405,7 +405,7 @@ def connect(url: str, token: str | None, timeout: float = 10.0) -> Any:
     """A grafana-client ``GrafanaApi`` for ``url`` (``http(s)://host:port[/prefix]``) with a bearer
     ``token``, or with basic auth when the URL carries ``user:password@``."""
     try:
-        from grafana_client import GrafanaApi
+        from grafana_client.api import GrafanaApi
     except ImportError:
         raise ProvisionError(
             "runwatch grafana provision needs grafana-client: pip install 'runwatch[grafana]' "

@@ -163,6 +163,49 @@ class Webhook(Strict):
         return self.kinds is None or kind in self.kinds
 
 
+def _check_placeholders(where: str, command: CommandTemplate, allowed: set[str]) -> None:
+    """``command``'s argv and its verify's use ``allowed`` placeholders only."""
+    templates = [("", command.argv)] + ([("verify ", command.verify.argv)] if command.verify else [])
+    for what, argv in templates:
+        for name in argv_fields(argv):
+            if name not in allowed:
+                raise ValueError(
+                    f"{where}: {what}{{{name}}}: allowed placeholders are {', '.join(sorted(allowed))}"
+                )
+
+
+def _check_declared_targets(where: str, command: CommandTemplate, mapped: bool) -> None:
+    """A command aimed at self-declared fields has a verify command that checks every one of them,
+    or else the config has a platform mapping (``mapped``)."""
+    declared = command.declared_fields()
+    if command.verify is not None:
+        missing = [n for n in declared if n not in argv_fields(command.verify.argv)]
+        if missing:
+            raise ValueError(
+                f"{where}: its verify command {command.verify.argv} must use every self-declared "
+                f"field the command uses, so that it checks that target: missing "
+                f"{', '.join('{' + n + '}' for n in missing)}"
+            )
+    elif declared and not mapped:
+        raise ValueError(
+            f"{where} uses {', '.join('{' + n + '}' for n in declared)}, which the trainer declares "
+            "itself (run_start), with neither a `verify` command (whose output must be the run id) "
+            "nor a platform `targets`/`targets_file` mapping: any run could aim it at another "
+            "team's job. Add one; see docs/remediation.md"
+        )
+
+
+def _open_targets_file(targets_file: str) -> TargetsFile:
+    """The config's ``targets_file``, which must be an absolute path to a good targets file."""
+    path = Path(targets_file)
+    if not path.is_absolute():
+        raise ValueError(f"targets_file {targets_file!r} must be an absolute path")
+    try:
+        return TargetsFile(path)
+    except ValueError as exc:
+        raise ValueError(f"targets_file: {exc}") from None
+
+
 class RemediationConfig(Strict):
     vars: dict[str, str] = Field(default_factory=dict, description="fixed placeholder values")
     fields: dict[str, FieldRule] = Field(
@@ -187,70 +230,55 @@ class RemediationConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> RemediationConfig:
+        self._check_vars()
+        self._check_fields()
+        self._rules = {**DEFAULT_FIELD_RULES, **self.fields}
+        self._check_commands()
+        self._check_targets()
+        if self.targets_file is not None:
+            self._targets_file = _open_targets_file(self.targets_file)
+        return self
+
+    def _check_vars(self) -> None:
+        """Each ``vars`` name is a plain name that is not a field's, and each value is safe."""
         for name, value in self.vars.items():
             if not name.isidentifier() or name in ALLOWED_FIELDS:
                 raise ValueError(f"vars.{name}: must be a plain name other than {', '.join(ALLOWED_FIELDS)}")
             reason = unsafe_var_reason(value)
             if reason:
                 raise ValueError(f"vars.{name} = {value!r} {reason}")
+
+    def _check_fields(self) -> None:
+        """``fields`` has patterns for the allowed fields only."""
         for name in self.fields:
             if name not in ALLOWED_FIELDS:
                 raise ValueError(
                     f"fields.{name}: patterns are for {', '.join(ALLOWED_FIELDS)} "
                     "(vars are checked as written)"
                 )
-        self._rules = {**DEFAULT_FIELD_RULES, **self.fields}
 
+    def _check_commands(self) -> None:
+        """Every rule's commands: known placeholders, self-declared targets checked, and one
+        ``verify`` per identical command."""
         allowed = set(ALLOWED_FIELDS) | set(self.vars)
         mapped = self.targets is not None or self.targets_file is not None
         by_key: dict[str, CommandTemplate] = {}
         for r, rule in enumerate(self.rules):
             for c, command in enumerate(rule.commands):
                 where = f"rules.{r}.commands.{c} {command.argv}"
-                templates = [("", command.argv)] + (
-                    [("verify ", command.verify.argv)] if command.verify else []
-                )
-                for what, argv in templates:
-                    for name in argv_fields(argv):
-                        if name not in allowed:
-                            raise ValueError(
-                                f"{where}: {what}{{{name}}}: allowed placeholders are "
-                                f"{', '.join(sorted(allowed))}"
-                            )
-                declared = command.declared_fields()
-                if command.verify is not None:
-                    missing = [n for n in declared if n not in argv_fields(command.verify.argv)]
-                    if missing:
-                        raise ValueError(
-                            f"{where}: its verify command {command.verify.argv} must use every self-declared "
-                            f"field the command uses, so that it checks that target: missing "
-                            f"{', '.join('{' + n + '}' for n in missing)}"
-                        )
-                elif declared and not mapped:
-                    raise ValueError(
-                        f"{where} uses {', '.join('{' + n + '}' for n in declared)}, which the trainer declares "
-                        "itself (run_start), with neither a `verify` command (whose output must be the run id) "
-                        "nor a platform `targets`/`targets_file` mapping: any run could aim it at another "
-                        "team's job. Add one; see docs/remediation.md"
-                    )
+                _check_placeholders(where, command, allowed)
+                _check_declared_targets(where, command, mapped)
                 earlier = by_key.setdefault(command.key(), command)
                 if earlier.verify != command.verify:
                     raise ValueError(f"{where} appears twice with different verify commands")
 
+    def _check_targets(self) -> None:
+        """The inline ``targets`` values pass their fields' rules."""
         for run_id, target in (self.targets or {}).items():
             for name, value in target.values().items():
                 reason = None if value is None else self._rules[name].reason(value)
                 if reason:
                     raise ValueError(f"targets.{run_id}.{name} = {value!r} {reason}")
-        if self.targets_file is not None:
-            path = Path(self.targets_file)
-            if not path.is_absolute():
-                raise ValueError(f"targets_file {self.targets_file!r} must be an absolute path")
-            try:
-                self._targets_file = TargetsFile(path)
-            except ValueError as exc:
-                raise ValueError(f"targets_file: {exc}") from None
-        return self
 
     def field_rules(self) -> dict[str, FieldRule]:
         """Every field's rule: the defaults with the config's ``fields`` over them."""

@@ -67,7 +67,8 @@ class RemediateConsumer:
         if run_id not in self._meta:
             try:
                 meta = self.store.run_metadata(run_id)
-            except Exception as exc:  # placeholders needing it are then refused, with the reason recorded
+            except Exception as exc:  # noqa: BLE001 - the store's errors vary; placeholders needing it are
+                # then refused, with the reason recorded
                 log.warning("remediate: run_start lookup for %s failed: %s", run_id, exc)
                 return {}
             if not meta:
@@ -88,7 +89,7 @@ class RemediateConsumer:
         self.write_errors += 1
         log.warning("remediate: recording failed (%s); retrying in %.1fs", exc, delay)
 
-    def _act(self, records: list) -> dict[tuple[str, int], int]:
+    def _act(self, records: list[Any]) -> dict[tuple[str, int], int]:
         for record in records:
             self.remediator.handle(record.value)  # returns once its executions are recorded
         return {}

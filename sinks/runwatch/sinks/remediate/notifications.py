@@ -39,7 +39,8 @@ def outlier_alert_text(action: Action, baseline: dict[str, Any]) -> str:
     key = _slack_escape(str(baseline.get("baseline_key") or "?"))
     commit = baseline.get("git_sha")
     head = (
-        f"runwatch *outlier alert ({days_text}-day)* for baseline `{key}`: run `{_slack_escape(action.run_id)}`"
+        f"runwatch *outlier alert ({days_text}-day)* for baseline `{key}`: run "
+        f"`{_slack_escape(action.run_id)}`"
         + (f" at commit `{_slack_escape(str(commit)[:12])}`" if commit else "")
     )
     since = baseline.get("last_normal_sha")
@@ -63,7 +64,10 @@ def slack_payload(action: Action, commands: Iterable[Execution] = ()) -> dict[st
     (without its signature) under ``runwatch`` for machines. An alert about a run's summary against
     its job's history (``params.baseline``) reads as an outlier alert, one line per metric."""
     step = f" at step {action.step}" if action.step is not None else ""
-    text = f"runwatch *{action.kind}* for run `{_slack_escape(action.run_id)}`{step}: {_slack_escape(action.reason)}"
+    text = (
+        f"runwatch *{action.kind}* for run `{_slack_escape(action.run_id)}`{step}: "
+        f"{_slack_escape(action.reason)}"
+    )
     baseline = action.params.get("baseline")
     if isinstance(baseline, dict):
         text = outlier_alert_text(action, baseline)
@@ -104,7 +108,7 @@ def post_webhook(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[s
         headers={"Content-Type": "application/json", "User-Agent": "runwatch"},
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (http(s) checked)
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # the config allows http(s) only
             body = response.read(OUTPUT_LIMIT).decode(errors="replace")
             return ("ok" if 200 <= response.status < 300 else "failed"), response.status, body
     except urllib.error.HTTPError as exc:

@@ -28,7 +28,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from runwatch.producer.actions.inbox import ActionInbox, Verdict
 from runwatch.producer.wire.schema import Action, utc_now
@@ -46,6 +46,16 @@ from runwatch.sinks.remediate.templates import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class _ExecutionKeys(TypedDict):
+    """What every ``Execution`` of one action's command has in common."""
+
+    action_id: str
+    run_id: str
+    kind: str
+    target: str
+    target_key: str
 
 
 class Remediator:
@@ -126,7 +136,7 @@ class Remediator:
     def _run(
         self, action: Action, command: CommandTemplate, values: Mapping[str, str | None], mapped: bool
     ) -> Execution:
-        base = dict(
+        base: _ExecutionKeys = dict(
             action_id=action.action_id,
             run_id=action.run_id,
             kind=action.kind,

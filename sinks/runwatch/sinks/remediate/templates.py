@@ -207,7 +207,8 @@ def placeholder_values(
     if target is not None:
         values.update(target.values())
     else:
-        tags = run_meta.get("tags") if isinstance(run_meta.get("tags"), dict) else {}
+        declared_tags = run_meta.get("tags")
+        tags: dict[str, Any] = declared_tags if isinstance(declared_tags, dict) else {}
         for name in RUN_FIELDS:
             value = action.params.get(name)
             if value is None:

@@ -183,11 +183,14 @@ def _script_json(value: Any) -> str:
 
 
 STYLE = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1500px;padding:16px 24px;
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;\
+max-width:1500px;padding:16px 24px;
 color:#222;background:#fafafa}
-h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
+h1{font-size:22px;margin:0 0 4px}\
+h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .sub{color:#666;font-size:13px}.note{color:#555;font-style:italic}
-.facts{display:grid;grid-template-columns:repeat(auto-fill,minmax(200px,1fr));gap:4px 16px;font-size:13px;margin:12px 0}
+.facts{display:grid;grid-template-columns:repeat(auto-fill,minmax(200px,1fr));\
+gap:4px 16px;font-size:13px;margin:12px 0}
 .facts dt{font-weight:600;color:#555}.facts dd{margin:0}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(620px,1fr));gap:12px}
 .panel{background:#fff;border:1px solid #e3e3e3;border-radius:4px;min-height:300px}
@@ -202,7 +205,8 @@ LOADER = """
 (async () => {
   const status = document.getElementById('status');
   try {
-    if (typeof DecompressionStream === 'undefined') throw new Error('this browser has no DecompressionStream');
+    if (typeof DecompressionStream === 'undefined') \
+throw new Error('this browser has no DecompressionStream');
     const packed = atob(document.getElementById('plotly-js-gzip').textContent.trim());
     const bytes = new Uint8Array(packed.length);
     for (let i = 0; i < packed.length; i++) bytes[i] = packed.charCodeAt(i);
@@ -241,7 +245,8 @@ def render(data: ReportData, panels: list[Panel]) -> str:
     )
     multi = (
         (
-            f'<p class="note">A run of {data.info["ranks"]} ranks: the curves are rank 0\'s; step time per rank is '
+            f'<p class="note">A run of {data.info["ranks"]} ranks: '
+            "the curves are rank 0's; step time per rank is "
             "drawn below.</p>"
         )
         if data.info["ranks"] > 1
@@ -249,7 +254,8 @@ def render(data: ReportData, panels: list[Panel]) -> str:
     )
     payload = [{"id": p.id, "title": p.title, "figure": p.figure} for p in panels]
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<html lang="en"><head><meta charset="utf-8">\
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>runwatch report: {_e(data.run_id)}</title><style>{STYLE}</style></head>
 <body data-run-id="{_e(data.run_id)}" data-panels="{len(panels)}">
 <h1>runwatch report: {_e(data.run_id)}</h1>

@@ -188,7 +188,8 @@ def anomaly_trace(
             else (f"{value:.4g}" if value is not None else "")
         )
         texts.append(
-            f"{a['detector']} ({a.get('severity', '')}) {a.get('metric', '')} {shown}<br>{a.get('message', '')}"
+            f"{a['detector']} ({a.get('severity', '')}) {a.get('metric', '')} "
+            f"{shown}<br>{a.get('message', '')}"
         )
     return {
         "type": "scatter",
@@ -290,6 +291,16 @@ def _nth(values: Sequence[Any] | None, i: int) -> Any:
     return values[i] if values is not None and len(values) > i else None
 
 
+def _nth_lr(g: int) -> Callable[[dict[str, Any]], Any]:
+    """A row's LR of param group ``g`` (None when it has none)."""
+    return lambda r: _nth(r.get("lr"), g)
+
+
+def _category_mean(n: str) -> Callable[[dict[str, Any]], Any]:
+    """A parsed row's mean loss of category ``n`` (None when it has none)."""
+    return lambda p: (p["cats"].get(n) or {}).get("mean") if isinstance(p["cats"].get(n), dict) else None
+
+
 def run_panels(data: ReportData) -> list[Panel]:
     """The Run dashboard's panels (rank 0's curves; per-rank step time for a multi-rank run)."""
     s = data.steps
@@ -309,7 +320,7 @@ def run_panels(data: ReportData) -> list[Panel]:
             "Learning rate",
             "lr",
             [
-                line(f"group {g}", *series(s, lambda r, g=g: _nth(r.get("lr"), g)))
+                line(f"group {g}", *series(s, _nth_lr(g)))
                 for g in range(max((len(r.get("lr") or []) for r in s), default=0))
             ],
             "lr",
@@ -470,12 +481,7 @@ def category_panel(data: ReportData) -> Panel:
     traces = [
         line(
             name,
-            *series(
-                parsed,
-                lambda p, n=name: (
-                    (p["cats"].get(n) or {}).get("mean") if isinstance(p["cats"].get(n), dict) else None
-                ),
-            ),
+            *series(parsed, _category_mean(name)),
         )
         for name in names
     ]
@@ -560,7 +566,7 @@ def band_panels(data: ReportData) -> list[Panel]:
         _, hi = thin(band.steps, band.hi)
         _, mid = thin(band.steps, band.mid)
         title = f"{metric}: this run against {len(runs)} baseline run(s)"
-        traces = [
+        traces: list[dict[str, Any]] = [
             {
                 "type": "scatter",
                 "mode": "lines",

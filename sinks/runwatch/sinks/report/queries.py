@@ -141,7 +141,8 @@ class ReportReads:
         acks = {
             a: (o, s, t)
             for a, o, s, t in self.query(
-                "SELECT JSONExtractString(payload, 'action_id') AS a, argMax(JSONExtractString(payload, 'outcome'), ts), "
+                "SELECT JSONExtractString(payload, 'action_id') AS a, "
+                "argMax(JSONExtractString(payload, 'outcome'), ts), "
                 "argMax(JSONExtract(payload, 'step', 'Nullable(Int64)'), ts), "
                 "argMax(JSONExtract(payload, 'to_step', 'Nullable(Int64)'), ts) "
                 "FROM {db}.telemetry FINAL WHERE run_id = %(r)s AND kind = 'action_ack' GROUP BY a",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import faust
 
@@ -25,10 +25,21 @@ from runwatch.streams.worker.detector_process import (
     DetectorProcess,
     DetectorProcessError,
     Outgoing,
+    Reply,
 )
 from runwatch.streams.worker.health import CommitSensor, WorkerHealth
 from runwatch.streams.worker.health_server import HealthServer
 from runwatch.streams.worker.run_states import StateOptions
+
+if TYPE_CHECKING:
+    from faust.types import TP, RecordMetadata, StreamT
+
+    # What the pipeline's two queues hold, per request: its events (None: the timer's), its reply to
+    # come (then its records' deliveries and whether it is a checkpoint), the future it resolves.
+    _Inflight: TypeAlias = tuple[list[Any] | None, Awaitable[Reply], asyncio.Future[bool] | None]
+    _Delivered: TypeAlias = tuple[
+        list[Any] | None, list[Awaitable[RecordMetadata]], bool, asyncio.Future[bool] | None
+    ]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +54,8 @@ MAX_BATCHES_IN_FLIGHT = (
 
 
 def faust_broker_url(bootstrap: str) -> str:
-    # runwatch:// is Faust's Kafka transport with a short fetch wait (streams/runwatch/streams/worker/transport.py)
+    # runwatch:// is Faust's Kafka transport with a short fetch wait
+    # (streams/runwatch/streams/worker/transport.py)
     return ";".join(f"{transport.SCHEME}://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip())
 
 
@@ -59,7 +71,7 @@ class RunwatchApp(faust.App):
         for hook in self.before_stop:
             try:
                 await hook()
-            except Exception:  # noqa: BLE001 - stopping goes on; what was not acknowledged is read again
+            except Exception:  # stopping goes on; what was not acknowledged is read again
                 log.exception("a stop hook failed")
         await super().on_stop()
 
@@ -87,7 +99,7 @@ def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> RunwatchApp:
     )
 
 
-def write_ready_file(ready_file: Path, assigned) -> None:  # noqa: ANN001 - a set of Faust TPs
+def write_ready_file(ready_file: Path, assigned: Iterable[TP]) -> None:
     ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
 
 
@@ -113,13 +125,15 @@ def create_app(
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
-    delivered and a state checkpoint after them is too (streams/runwatch/streams/worker/run_states.py). Whatever stops progress (the detector process dies or stops answering, results cannot
-    be published) fails the worker: it exits non-zero and its successor reads the events again.
-    ``web_port`` serves the health endpoint (streams/runwatch/streams/worker/health.py); None turns it off; ``health_server``:
-    one already serving it (``runwatch worker`` starts it before anything else), which this worker takes over. ``baseline_dsn``:
-    the ClickHouse the runs' baseline bands are loaded from at their start (streams/runwatch/streams/worker/baselines.py).
-    ``state``: the runs' state snapshots to ``runwatch.state`` (streams/runwatch/streams/worker/run_states.py); on by default.
-    ``partitions``: the telemetry topic's partition count, against which each record's partition is checked."""
+    delivered and a state checkpoint after them is too (streams/runwatch/streams/worker/run_states.py).
+    Whatever stops progress (the detector process dies or stops answering, results cannot be published) fails
+    the worker: it exits non-zero and its successor reads the events again. ``web_port`` serves the health
+    endpoint (streams/runwatch/streams/worker/health.py); None turns it off; ``health_server``: one already
+    serving it (``runwatch worker`` starts it before anything else), which this worker takes over.
+    ``baseline_dsn``: the ClickHouse the runs' baseline bands are loaded from at their start
+    (streams/runwatch/streams/worker/baselines.py). ``state``: the runs' state snapshots to ``runwatch.state``
+    (streams/runwatch/streams/worker/run_states.py); on by default. ``partitions``: the telemetry topic's
+    partition count, against which each record's partition is checked."""
     app = faust_app(bootstrap, app_id, web_port or 6066)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {
@@ -145,14 +159,14 @@ def create_app(
         await app.crash(exc)
         raise exc
 
-    async def send(records: list[Outgoing]) -> list[asyncio.Future]:
+    async def send(records: list[Outgoing]) -> list[Awaitable[RecordMetadata]]:
         """Hand the records to the producer in order; returns their delivery futures."""
         try:
             return [
                 await out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
                 for r in records
             ]
-        except Exception as exc:  # noqa: BLE001 - refused before sending (e.g. too large): never acked
+        except Exception as exc:  # refused before sending (e.g. too large): never acked
             health.publish_failures += 1
             await fail(
                 f"cannot publish results ({len(records)} records): {exc!r}; their events stay uncommitted",
@@ -181,22 +195,24 @@ def create_app(
                 lagging.append(tp.partition)
         return lagging
 
-    async def submit(kind: str, payload: Any, batch: list | None, done: asyncio.Future | None = None) -> None:
+    async def submit(
+        kind: str, payload: Any, batch: list[Any] | None, done: asyncio.Future[bool] | None = None
+    ) -> None:
         """``done`` resolves once this request's records are delivered and, at a checkpoint, acknowledged."""
         async with in_order:  # (the child answers in request order: the queue must hold that order too)
             await pipeline["inflight"].put((batch, detectors.submit(kind, payload), done))
 
-    async def acknowledge(stream, delivered: asyncio.Queue) -> None:  # noqa: ANN001 - Faust's stream type
+    async def acknowledge(stream: StreamT[Any], delivered: asyncio.Queue[_Delivered]) -> None:
         # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
         # acknowledged every record they produced, and a checkpoint after them. The producer retries
         # transient errors itself; what still fails fails the worker, and the events are read again by
         # its successor.
-        held: list[list] = []
+        held: list[list[Any]] = []
         while True:
             batch, futures, checkpoint, done = await delivered.get()
             try:
                 await asyncio.wait_for(asyncio.gather(*futures), delivery_timeout_s)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - fail() fails the worker and raises it again
                 health.publish_failures += 1
                 what = f"results of {len(batch)} events" if batch else "timer findings and snapshots"
                 await fail(f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc)
@@ -211,7 +227,7 @@ def create_app(
             if done is not None and not done.done():
                 done.set_result(checkpoint)
 
-    async def complete(inflight: asyncio.Queue, delivered: asyncio.Queue) -> None:
+    async def complete(inflight: asyncio.Queue[_Inflight], delivered: asyncio.Queue[_Delivered]) -> None:
         # In order: send a request's records, then hand them to the acknowledger, while the next runs.
         while True:
             batch, reply, done = await inflight.get()
@@ -222,9 +238,9 @@ def create_app(
             await delivered.put((batch, await send(answer.records), answer.checkpoint, done))
 
     @app.agent(telemetry)
-    async def detect(stream):  # noqa: ANN001
-        inflight: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
-        delivered: asyncio.Queue = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
+    async def detect(stream: Any) -> None:  # a faust.Stream (its StreamT type has no noack_take)
+        inflight: asyncio.Queue[_Inflight] = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
+        delivered: asyncio.Queue[_Delivered] = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
         completer = asyncio.ensure_future(complete(inflight, delivered))
         acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
         await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
@@ -246,8 +262,10 @@ def create_app(
             completer.cancel()
             acknowledger.cancel()
 
-    @app.on_partitions_assigned.connect
-    async def keep_owned_runs(sender, assigned, **kwargs) -> None:  # noqa: ANN001
+    # mode's type of a signal receiver (*args, then a named ``signal``) is one no function matches under
+    # mypy, hence the arg-type ignores on these connects
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
+    async def keep_owned_runs(sender: Any, assigned: set[TP], **kwargs: Any) -> None:
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
         for partition in set(submitted) - owned:
             del submitted[partition]
@@ -275,15 +293,15 @@ def create_app(
 
     app.before_stop.append(last_checkpoint)
 
-    @app.timer(TICK_EVERY_S)  # as `runwatch replay --tick` does on event time
-    async def tick() -> None:
+    @app.timer(TICK_EVERY_S)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
+    async def tick() -> None:  # as `runwatch replay --tick` does on event time
         # Stalled or silent ranks are found by time passing, not by an event arriving; not for runs
         # whose partition this worker is behind on. During a rebalance the tick asks for a checkpoint
         # at once: the revoke waits for every event's ack.
         if "inflight" in pipeline:
             await submit("tick", (bool(app.rebalancing), behind()), None)
 
-    @app.timer(30.0)
+    @app.timer(30.0)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
     async def report_counters() -> None:
         c = detectors.counters
         log.info(
@@ -301,14 +319,14 @@ def create_app(
         health_server.health = health
         server = health_server
 
-        @app.on_before_shutdown.connect
-        async def stop_health(sender, **kwargs) -> None:  # noqa: ANN001
+        @app.on_before_shutdown.connect  # type: ignore[arg-type] # (mode's receiver type, as above)
+        async def stop_health(sender: Any, **kwargs: Any) -> None:
             if health.failure is not None:
                 return  # a failing worker keeps saying why until the process ends
             server.close()
 
-    @app.on_before_shutdown.connect
-    async def stop_detectors(sender, **kwargs) -> None:  # noqa: ANN001
+    @app.on_before_shutdown.connect  # type: ignore[arg-type] # (mode's receiver type, as above)
+    async def stop_detectors(sender: Any, **kwargs: Any) -> None:
         detectors.close()
 
     return app, detectors

@@ -271,7 +271,7 @@ class DetectorProcess:
                 partitions,
             ),
         )
-        self._pending: deque[asyncio.Future] = deque()
+        self._pending: deque[asyncio.Future[Reply]] = deque()
         self._sent_at: deque[float] = deque()  # monotonic send time of each pending request
         self._last_reply = time.monotonic()
         self._last_progress = 0.0  # monotonic time of the child's latest progress report (a long restore)
@@ -305,7 +305,7 @@ class DetectorProcess:
         if self._failure is not None:
             raise self._failure
 
-    def submit(self, kind: str, payload: Any = None) -> asyncio.Future:
+    def submit(self, kind: str, payload: Any = None) -> asyncio.Future[Reply]:
         """Send a request (from the event loop); the future resolves to its ``Reply``."""
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -381,8 +381,9 @@ class DetectorProcess:
                 if waited > self.reply_timeout_s:
                     self._fail(
                         DetectorProcessError(
-                            f"the detector process (pid {self._process.pid}) has neither answered nor reported progress "
-                            f"for {waited:.0f} s (limit {self.reply_timeout_s:.0f} s): frozen or stuck; it was killed"
+                            f"the detector process (pid {self._process.pid}) has neither answered nor "
+                            f"reported progress for {waited:.0f} s (limit {self.reply_timeout_s:.0f} s): "
+                            "frozen or stuck; it was killed"
                         )
                     )
                     self._process.kill()

@@ -59,7 +59,7 @@ class HealthServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            def do_GET(self) -> None:
                 try:
                     status, body = server.answer(self.path)
                 except Exception as exc:  # noqa: BLE001 - a probe gets an answer, whatever broke
@@ -71,7 +71,7 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - probes are not logged
+            def log_message(self, format: str, *args: Any) -> None:  # probes are not logged
                 pass
 
         self._server = ThreadingHTTPServer((host, port), Handler)

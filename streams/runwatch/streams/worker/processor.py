@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
 from runwatch.detectors.engine.policy import ActionDecision
@@ -92,7 +92,7 @@ class WorkerCounters:
     processed: int = 0
     deadlettered: int = 0
     anomalies: int = 0
-    actions: Counter = field(default_factory=Counter)
+    actions: Counter[str] = field(default_factory=Counter)
     detector_errors: int = 0  # events or ticks whose handling raised: the run's state was reset
     runs: int = 0  # runs held now
     tick_deferred: int = 0  # runs whose tick was left to the next one (the tick's time budget ran out)
@@ -105,7 +105,7 @@ class WorkerCounters:
     repeats_withheld: int = (
         0  # anomalies and actions decided again that a predecessor had published (published.py)
     )
-    runs_let_go: Counter = field(
+    runs_let_go: Counter[str] = field(
         default_factory=Counter
     )  # runs let go without run_end, by why (silent, evicted)
 
@@ -166,7 +166,7 @@ class TelemetryProcessor:
         ] = []  # findings of runs let go outside a request's result, sent with the next tick
         self._evictions_unlogged, self._evictions_logged_at = 0, float("-inf")
         # Called about once a second while partitions are restored (the detector process tells its parent)
-        self.on_restore_progress: Callable[[dict], None] | None = None
+        self.on_restore_progress: Callable[[dict[str, Any]], None] | None = None
 
     def process(
         self,
@@ -524,7 +524,8 @@ class TelemetryProcessor:
             seen = self._last_seen.get(run_id)
             if seen is None:
                 continue  # no event time yet (restored without one): nothing to carry forward
-            try:  # everything about one run, its clock included, inside the guard: one run's error resets that run
+            # everything about one run, its clock included, inside the guard: one run's error resets that run
+            try:
                 event_ts, arrived = seen
                 run_now = event_ts if self._partition.get(run_id) in behind else event_ts + (now - arrived)
                 if monitor.ended_at is not None and run_now - monitor.ended_at > self._linger:
@@ -635,7 +636,7 @@ class TelemetryProcessor:
         monitor = self.monitors.get(run_id)
         return monitor.attempt if monitor is not None else None
 
-    def _with_job(self, decision: ActionDecision) -> dict:
+    def _with_job(self, decision: ActionDecision) -> dict[str, Any]:
         """The run's job_id, host and pod (from its run_start) join the action's params, signed with it."""
         monitor = self.monitors.get(decision.run_id)
         job = monitor.job if monitor is not None else {}

@@ -17,11 +17,18 @@ The read has ``READ_BUDGET_S``: it comes after the state read, inside the same r
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TypeAlias
 
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, Anomaly
 from runwatch.streams.worker.state_reader import StateReadError
+
+if TYPE_CHECKING:
+    # StateReader.scan: (topic, partitions, tail, timeout_s) -> every record's (key, value)
+    _Scan: TypeAlias = Callable[
+        [str, Iterable[int] | None, int | None, float | None], Iterator[tuple[bytes | None, bytes | None]]
+    ]
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +77,13 @@ def _content(record: Anomaly | Action) -> str:
 
 
 def read_published(
-    scan,
+    scan: _Scan,
     run_ids: Iterable[str],
-    tail: int = TAIL_RECORDS,  # noqa: ANN001
+    tail: int = TAIL_RECORDS,
     budget_s: float = READ_BUDGET_S,
 ) -> Published:
-    """``scan(topic, partitions, tail, timeout_s)``: a StateReader's. Records that do not parse are skipped."""
+    """``scan(topic, partitions, tail, timeout_s)``: a StateReader's. Records that do not parse are
+    skipped."""
     wanted = {run.encode() for run in run_ids}
     published = Published()
     if not wanted:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,10 @@ class RestoreProgress:
     LOG_EVERY_S = 5.0
 
     def __init__(
-        self, partitions: list[int], perf: Callable[[], float], report: Callable[[dict], None] | None
+        self,
+        partitions: list[int],
+        perf: Callable[[], float],
+        report: Callable[[dict[str, Any]], None] | None,
     ):
         self.partitions = partitions
         self._perf = perf
@@ -35,12 +39,12 @@ class RestoreProgress:
     def done(self, runs: int, records: int) -> None:
         self._send({"phase": "done", "runs_restored": runs, "records": records}, log_it=False)
 
-    def _maybe(self, what: dict) -> None:
+    def _maybe(self, what: dict[str, Any]) -> None:
         now = self._perf()
         if now - self._last >= self.EVERY_S:
             self._send(what, log_it=now - self._logged >= self.LOG_EVERY_S)
 
-    def _send(self, what: dict, log_it: bool) -> None:
+    def _send(self, what: dict[str, Any], log_it: bool) -> None:
         now = self._perf()
         self._last = now
         body = {"partitions": self.partitions, **what, "elapsed_s": round(now - self.started, 3)}

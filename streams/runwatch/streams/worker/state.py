@@ -105,5 +105,5 @@ def decode_body(body: memoryview) -> Any:
         return None
     try:
         return pickle.loads(zlib.decompress(body))
-    except Exception as exc:  # noqa: BLE001 - zlib, pickle or a class that changed shape: all unreadable
+    except Exception as exc:  # zlib, pickle or a class that changed shape: all unreadable
         raise SnapshotError(f"a state record whose body cannot be read: {type(exc).__name__}: {exc}") from exc

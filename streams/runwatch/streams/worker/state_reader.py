@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from runwatch.producer.wire import topics
 
@@ -43,6 +45,59 @@ class StateReadError(RuntimeError):
     """The state topic could not be read within the time allowed (the worker fails: a successor retries)."""
 
 
+def _assign(
+    consumer: Any, topic: str, partitions: Iterable[int] | None, tail: int | None
+) -> tuple[dict[Any, int], set[Any]] | None:
+    """Assign ``topic``'s ``partitions`` (None: all of them) and seek each one with records to read to
+    its start (its first offset, or ``tail`` short of its end): (end offsets, partitions to read), or
+    None when there are no partitions (nothing assigned)."""
+    from kafka import TopicPartition
+
+    if partitions is None:
+        partitions = consumer.partitions_for_topic(topic) or ()
+    tps = [TopicPartition(topic, p) for p in sorted(set(partitions))]
+    if not tps:
+        return None
+    consumer.assign(tps)
+    first = consumer.beginning_offsets(tps)
+    end = consumer.end_offsets(tps)
+    start = {tp: first[tp] if tail is None else max(first[tp], end[tp] - tail) for tp in tps}
+    todo = {tp for tp in tps if end[tp] > start[tp]}  # an empty partition: nothing to wait for
+    for tp in todo:
+        consumer.seek(tp, start[tp])
+    return end, todo
+
+
+@dataclass
+class _ReadClock:
+    """One read's timing and count: when it started, when any partition last delivered a record, the
+    longest wait between deliveries so far (how slow the broker is today), records read, last report."""
+
+    started: float
+    last_delivery: float = field(init=False)
+    longest_gap: float = 0.0
+    read: int = 0
+    reported: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_delivery = self.reported = self.started
+
+    def check_timeout(self, topic: str, todo: set[Any], limit: float) -> None:
+        """Raise StateReadError when nothing has arrived for ``limit`` seconds."""
+        now = time.monotonic()
+        if now - self.last_delivery > limit:
+            raise StateReadError(
+                f"reading {topic} partitions {sorted(tp.partition for tp in todo)}: nothing "
+                f"arrived for {limit:g} s ({self.read} records read in {now - self.started:.0f} s)"
+            )
+
+    def note_deliveries(self, batches: dict[Any, list[Any]], now: float) -> None:
+        """A poll's ``batches`` came back at ``now``: if they hold records, that is a delivery."""
+        if any(batches.values()):
+            self.longest_gap = max(self.longest_gap, now - self.last_delivery)
+            self.last_delivery = now
+
+
 class StateReader:
     def __init__(
         self,
@@ -50,7 +105,7 @@ class StateReader:
         topic: str = topics.STATE,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         idle_s: float = IDLE_S,
-        consumer: object = None,
+        consumer: Any = None,
     ):
         """``consumer``: a kafka-python ``KafkaConsumer`` to use (else one is made for ``bootstrap``)."""
         self.bootstrap = bootstrap
@@ -60,7 +115,7 @@ class StateReader:
         self._consumer = consumer
         self.on_progress: Callable[[int], None] | None = None  # records read so far, about once a second
 
-    def _client(self):  # noqa: ANN202 - kafka-python's KafkaConsumer
+    def _client(self) -> Any:  # kafka-python's KafkaConsumer
         if self._consumer is None:
             from kafka import KafkaConsumer
 
@@ -96,66 +151,57 @@ class StateReader:
         order per partition; ``tail``: only each partition's last ``tail`` offsets. Raises
         StateReadError past ``timeout_s`` (the reader's by default)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        from kafka import TopicPartition
-
         consumer = self._client()
-        if partitions is None:
-            partitions = consumer.partitions_for_topic(topic) or ()
-        tps = [TopicPartition(topic, p) for p in sorted(set(partitions))]
-        if not tps:
+        assigned = _assign(consumer, topic, partitions, tail)
+        if assigned is None:
             return
-        consumer.assign(tps)
-        first = consumer.beginning_offsets(tps)
-        end = consumer.end_offsets(tps)
-        start = {tp: first[tp] if tail is None else max(first[tp], end[tp] - tail) for tp in tps}
-        todo = {tp for tp in tps if end[tp] > start[tp]}  # an empty partition: nothing to wait for
-        for tp in todo:
-            consumer.seek(tp, start[tp])
-        started = time.monotonic()
-        last_progress = {tp: started for tp in todo}
-        any_progress = started  # when any partition of this read last delivered a record
-        longest_gap = 0.0  # the longest wait between deliveries so far: how slow the broker is today
-        read, reported = 0, started
+        end, todo = assigned
+        clock = _ReadClock(time.monotonic())
         try:
             while todo:
-                now = time.monotonic()
-                if now - any_progress > limit:
-                    raise StateReadError(
-                        f"reading {topic} partitions {sorted(tp.partition for tp in todo)}: nothing "
-                        f"arrived for {limit:g} s ({read} records read in {now - started:.0f} s)"
-                    )
+                clock.check_timeout(topic, todo, limit)
                 batches = consumer.poll(timeout_ms=200, max_records=5000)
                 now = time.monotonic()
-                if any(batches.values()):
-                    longest_gap = max(longest_gap, now - any_progress)
-                for tp, records in batches.items():
-                    if records:
-                        last_progress[tp] = any_progress = now
+                clock.note_deliveries(batches, now)
+                for records in batches.values():
                     for record in records:
                         yield record.key, record.value
-                    read += len(records)
-                if self.on_progress is not None and now - reported >= PROGRESS_EVERY_S:
-                    self.on_progress(read)
-                    reported = now
-                # A cleaned tail only when the whole read has been quiet for idle_s and three times its slowest
-                # delivery so far, and the broker has answered a fetch of the partition (its high watermark)
-                quiet_for = max(self.idle_s, 3 * longest_gap)
-                for tp in list(todo):
-                    if consumer.position(tp) >= end[tp] and not batches.get(tp):
-                        todo.discard(tp)  # past the end, and nothing more to fetch
-                    elif now - any_progress > quiet_for and consumer.highwater(tp) is not None:
-                        log.info(
-                            "%s[%d]: nothing to fetch from %d below its end %d for %.1f s, nor from any other "
-                            "partition: a cleaned tail, read",
-                            topic,
-                            tp.partition,
-                            consumer.position(tp),
-                            end[tp],
-                            now - any_progress,
-                        )
-                        todo.discard(tp)
+                    clock.read += len(records)
+                if self.on_progress is not None and now - clock.reported >= PROGRESS_EVERY_S:
+                    self.on_progress(clock.read)
+                    clock.reported = now
+                self._retire_finished(consumer, topic, todo, end, batches, clock, now)
         finally:
             consumer.assign([])
+
+    def _retire_finished(
+        self,
+        consumer: Any,
+        topic: str,
+        todo: set[Any],
+        end: dict[Any, int],
+        batches: dict[Any, list[Any]],
+        clock: _ReadClock,
+        now: float,
+    ) -> None:
+        """Drop from ``todo`` the partitions read to their end, and those whose tail the cleaner emptied."""
+        # A cleaned tail only when the whole read has been quiet for idle_s and three times its slowest
+        # delivery so far, and the broker has answered a fetch of the partition (its high watermark)
+        quiet_for = max(self.idle_s, 3 * clock.longest_gap)
+        for tp in list(todo):
+            if consumer.position(tp) >= end[tp] and not batches.get(tp):
+                todo.discard(tp)  # past the end, and nothing more to fetch
+            elif now - clock.last_delivery > quiet_for and consumer.highwater(tp) is not None:
+                log.info(
+                    "%s[%d]: nothing to fetch from %d below its end %d for %.1f s, nor from any other "
+                    "partition: a cleaned tail, read",
+                    topic,
+                    tp.partition,
+                    consumer.position(tp),
+                    end[tp],
+                    now - clock.last_delivery,
+                )
+                todo.discard(tp)
 
     def close(self) -> None:
         if self._consumer is not None:
