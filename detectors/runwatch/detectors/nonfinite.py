@@ -28,6 +28,9 @@ NAME = "non_finite"
 
 
 class NonFiniteDetector:
+    """The streak of non-finite steps, the core of :class:`NonFinite` (the registered detector); not a
+    :class:`~runwatch.detectors.base.Detector` itself."""
+
     def __init__(self, config: NonFiniteConfig):
         self.config = config
         self.streak = 0

@@ -75,6 +75,9 @@ IQR_TO_SIGMA = 1.349  # IQR of a standard normal
 
 
 class SpikeDetector:
+    """One metric's spike test, the core that :class:`StepSpike` (the registered detector) runs per
+    metric; not a :class:`~runwatch.detectors.base.Detector` itself."""
+
     def __init__(self, name: str, metric: str, config: SpikeConfig):
         self.name = name
         self.metric = metric
