@@ -16,6 +16,8 @@ from runwatch.cli.output import print_json
 
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.changepoints import LevelChange
+    from runwatch.detectors.baselines.check import BaselineReport
+    from runwatch.detectors.baselines.compare import BaselineConfig
 
 CONFIG_HELP = (
     "runwatch YAML whose `baseline` section applies (window, min runs, band, per-metric tolerances "
@@ -82,6 +84,33 @@ def _print_change_points(baseline_key: str, runs: int, rows: list[dict[str, Any]
             )
 
 
+def _baseline_report(run_id: str, dsn: str | None, config: BaselineConfig) -> BaselineReport:
+    """The run's verdict: through the local page when a stack owns the store, else from the store."""
+    from runwatch.cli.failure import open_sink
+    from runwatch.detectors.baselines.check import BaselineReport
+    from runwatch.sinks.clickhouse import default_dsn
+    from runwatch.sinks.page import PageError, find_page
+    from runwatch.sinks.summaries import RunNotFound, baseline_report
+
+    page = find_page(dsn or default_dsn())
+    if page is not None:
+        try:
+            answer = page.baseline(run_id, config.model_dump_json())
+        except (OSError, PageError) as exc:
+            fail(f"{exc} (through the local page at {page.url})")
+        computed = ("exit_code", "insufficient_history")  # properties, in the JSON only
+        return BaselineReport.model_validate({k: v for k, v in answer.items() if k not in computed})
+    sink = open_sink(dsn)
+    try:
+        return baseline_report(sink, run_id, config)
+    except RunNotFound:
+        fail(f"unknown run {run_id!r}: no summary and no telemetry in ClickHouse at {sink.dsn}")
+    except Exception as exc:  # noqa: BLE001 - ClickHouse failing mid-way
+        fail(f"reading ClickHouse at {sink.dsn} failed: {type(exc).__name__}: {exc}")
+    finally:
+        sink.close()
+
+
 @click.group()
 def baseline() -> None:
     """Runs against the history of their job: the CI gate and the change-point scan."""
@@ -116,11 +145,9 @@ def check(
     says so), 2 when it cannot judge (unknown run, ClickHouse unreachable, not a git repository)."""
     from pydantic import ValidationError
 
-    from runwatch.cli.failure import open_sink
     from runwatch.cli.gitlog import GitError, commit_range
-    from runwatch.detectors.baselines.check import check_run, render_markdown, render_table
+    from runwatch.detectors.baselines.check import render_markdown, render_table
     from runwatch.detectors.baselines.compare import BaselineConfig
-    from runwatch.sinks.summaries import RunNotFound, summarize_stored_run
 
     if as_json and as_markdown:
         fail("--json and --markdown exclude each other")
@@ -131,26 +158,7 @@ def check(
     except ValidationError as exc:
         fail(f"bad option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}")
     repo = _repo(git_repo)
-    sink = open_sink(dsn)
-    try:
-        run = sink.baselines.summary(run_id)
-        if run is None:  # not summarised yet (the sink summarises at run end): do it from its telemetry
-            try:
-                run = summarize_stored_run(sink, run_id, "running", config.loss_every)
-            except RunNotFound:
-                fail(f"unknown run {run_id!r}: no summary and no telemetry in ClickHouse at {sink.dsn}")
-        candidates = []
-        if run.baseline_key is not None and run.started_at is not None:
-            candidates = sink.baselines.candidates(
-                run.baseline_key, run.fingerprint, run.started_at, config.window_days
-            )
-    except SystemExit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - ClickHouse failing mid-way
-        fail(f"reading ClickHouse at {sink.dsn} failed: {type(exc).__name__}: {exc}")
-    finally:
-        sink.close()
-    report = check_run(run, candidates, config)
+    report = _baseline_report(run_id, dsn, config)
     commits = None
     if repo is not None:
         try:

@@ -1,6 +1,6 @@
-"""The ``runwatch`` command line: broker, worker, sink, remediate, migrate, demo, scenarios, config, replay,
-evaluate, calibrate, ingest, baseline, report; each command group in its own module, imported lazily inside
-the command (the CLI starts fast)."""
+"""The ``runwatch`` command line: up, runs, broker, worker, sink, remediate, migrate, demo, scenarios,
+config, replay, evaluate, calibrate, ingest, baseline, report, grafana; each command group in its own
+module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from runwatch.cli import (
     offline,
     remediate,
     report,
+    runs,
     scenarios,
     sink,
+    up,
     worker,
 )
 from runwatch.cli.needs import RunwatchGroup
@@ -32,6 +34,8 @@ def main() -> None:
 
 
 for command in (
+    up.up,
+    runs.runs,
     broker.broker,
     worker.worker,
     sink.sink,

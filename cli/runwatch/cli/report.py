@@ -33,9 +33,25 @@ def report(run_id: str, dsn: str | None, out: Path | None, config_path: str | No
     Exits 2 when the run is unknown or ClickHouse cannot be read."""
     from runwatch.cli.failure import open_sink
     from runwatch.cli.options import cli_config
-    from runwatch.sinks.report import UnknownRun, write_report
+    from runwatch.sinks.clickhouse import default_dsn
+    from runwatch.sinks.page import PageError, find_page
+    from runwatch.sinks.report import UnknownRun, default_out, write_report
 
     config = cli_config(config_path).baseline
+    page = find_page(dsn or default_dsn())
+    if page is not None:  # a running stack owns the store: read through its page
+        try:
+            html, panels = page.report(run_id, config.model_dump_json())
+        except (OSError, PageError) as exc:
+            fail(f"{exc} (through the local page at {page.url})")
+        path = Path(out) if out is not None else default_out(run_id)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(html)
+        except OSError as exc:
+            fail(f"cannot write the report: {exc}")
+        _said(run_id, path.resolve(), len(html.encode()), len(panels))
+        return
     sink = open_sink(dsn)
     try:
         result = write_report(sink, run_id, out, config)
@@ -47,6 +63,8 @@ def report(run_id: str, dsn: str | None, out: Path | None, config_path: str | No
         fail(f"reading ClickHouse at {sink.dsn} failed: {type(exc).__name__}: {exc}")
     finally:
         sink.close()
-    click.echo(
-        f"report of {run_id}: {result.path} ({result.bytes / 1e6:.1f} MB, {len(result.panels)} panels)"
-    )
+    _said(run_id, result.path, result.bytes, len(result.panels))
+
+
+def _said(run_id: str, path: Path, size: int, panels: int) -> None:
+    click.echo(f"report of {run_id}: {path} ({size / 1e6:.1f} MB, {panels} panels)")

@@ -32,6 +32,12 @@ from runwatch.producer.wire import topics
     show_default=True,
     help="seconds without an event after which a run with no run_end is summarised as died",
 )
+@click.option(
+    "--page-port",
+    type=int,
+    help="also serve the local page (the runs and their reports) on this port; 0 picks a free one",
+)
+@click.option("--page-host", default="127.0.0.1", show_default=True, help="where the local page listens")
 def sink(
     bootstrap: str,
     dsn: str | None,
@@ -39,6 +45,8 @@ def sink(
     batch_interval: float,
     config_path: str | None,
     died_after: float,
+    page_port: int | None,
+    page_host: str,
 ) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
@@ -72,7 +80,21 @@ def sink(
         secret=secret,
         partitions=partitions,
     )
-    run_until_signalled(consumer, store)
+    page = None
+    if page_port is not None:
+        from runwatch.sinks.page import PageServer
+
+        try:
+            page = PageServer(store, page_host, page_port, config.baseline).start()
+        except OSError as exc:
+            store.close()
+            raise CommandError(f"the page cannot listen on {page_host}:{page_port}: {exc.strerror}") from None
+        click.echo(f"page {page.url}")
+    try:
+        run_until_signalled(consumer, store)
+    finally:
+        if page is not None:
+            page.stop()
     stats = consumer.stats
     click.echo(
         f"sink stopped: rows {dict(stats.rows)}, skipped {dict(stats.skipped)}, "

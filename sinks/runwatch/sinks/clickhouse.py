@@ -9,6 +9,7 @@ One code path for the embedded engine (``chdb:///path``) and a server
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import cached_property
@@ -46,9 +47,13 @@ class ClickHouseSink:
             raise ValueError(f"database name {database!r} is not a plain identifier")
         self.database = database
         self.client = clickhouse_connect.get_client(dsn=self.dsn)
+        # One statement at a time: the local page (sinks/page/) reads from its own threads while the sink
+        # consumer writes, and an embedded engine's session is not safe to share between them.
+        self._lock = threading.RLock()
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            self.client.close()
 
     # -- the parts: writes and read models ---------------------------------------------------
 
@@ -80,6 +85,10 @@ class ClickHouseSink:
 
     def migrate(self) -> list[int]:
         """Apply every migration not yet recorded; returns the versions applied now."""
+        with self._lock:
+            return self._migrate()
+
+    def _migrate(self) -> list[int]:
         db = self.database
         self.client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
         self.client.command(
@@ -105,7 +114,7 @@ class ClickHouseSink:
         return applied
 
     def schema_version(self) -> int:
-        rows = self.client.query(f"SELECT max(version) FROM {self.database}.schema_migrations").result_rows
+        rows = self.query("SELECT max(version) FROM {db}.schema_migrations")
         return int(rows[0][0]) if rows else 0
 
     # -- the connection ------------------------------------------------------------------
@@ -113,12 +122,14 @@ class ClickHouseSink:
     def insert(self, table: str, rows: list[tuple[Any, ...]], columns: Sequence[str]) -> int:
         """Insert ``rows`` into ``table`` of the sink's database; returns how many."""
         if rows:
-            self.client.insert(f"{self.database}.{table}", rows, column_names=list(columns))
+            with self._lock:
+                self.client.insert(f"{self.database}.{table}", rows, column_names=list(columns))
         return len(rows)
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         """Rows of ``sql``, whose ``{db}`` is the sink's database."""
-        rows = self.client.query(sql.format(db=self.database), parameters=parameters).result_rows
+        with self._lock:
+            rows = self.client.query(sql.format(db=self.database), parameters=parameters).result_rows
         return cast("list[tuple[Any, ...]]", rows)  # a list of tuples (typed as sequences)
 
     def reachable(self) -> bool:
@@ -126,7 +137,8 @@ class ClickHouseSink:
         a stale error from the statement before once)."""
         for _ in range(2):
             try:
-                self.client.query("SELECT 1")
+                with self._lock:
+                    self.client.query("SELECT 1")
                 return True
             except Exception:  # noqa: BLE001 - any failure means "not now"
                 continue

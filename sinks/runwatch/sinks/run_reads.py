@@ -1,11 +1,14 @@
 """``RunReads``: what is stored of one run, read back (``sink.runs``): row counts, its anomalies and
-actions, its events decoded, the runs whose events stopped without a summary, the remediator's records."""
+actions, its events decoded, the runs whose events stopped without a summary, the remediator's records;
+and the runs list (``overview``)."""
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from runwatch.producer.wire.schema import Anomaly
 from runwatch.sinks.rows import REMEDIATION_COLUMNS, as_utc
@@ -140,3 +143,84 @@ class RunReads:
             {"r": run_id},
         )
         return rows[0][0] if rows else None
+
+    def overview(self, now: datetime, silent_after_s: float = 120.0, limit: int = 200) -> list[RunOverview]:
+        """The newest ``limit`` runs, newest first, each with its status, attempt, last step, findings by
+        severity, actions by kind and whether its baseline check at run end found outliers: what the
+        local page's runs list and ``runwatch runs`` show. A run with no ``run_end`` and no summary is
+        ``running`` while it sent something in the last ``silent_after_s``, else ``silent``."""
+        rows = self.query(
+            "SELECT run_id, max(ts), maxIf(step, kind = 'step'), uniqExactIf(event_id, kind = 'step'), "
+            "argMaxIf(JSONExtractString(payload, 'attempt'), ts, kind = 'run_start'), "
+            "argMaxIf(JSONExtractString(payload, 'status'), ts, kind = 'run_end'), min(ts) "
+            "FROM {db}.telemetry GROUP BY run_id ORDER BY max(ts) DESC LIMIT %(limit)s",
+            {"limit": limit},
+        )
+        if not rows:
+            return []
+        runs = [r[0] for r in rows]
+        findings = self._by(runs, "SELECT run_id, severity, count() FROM {db}.anomalies FINAL")
+        actions = self._by(runs, "SELECT run_id, kind, count() FROM {db}.actions FINAL")
+        outliers = self._by(
+            runs,
+            "SELECT run_id, detector, count() FROM {db}.anomalies FINAL",
+            "AND detector = 'baseline_outliers'",
+        )
+        summaries = dict(
+            self.query(
+                "SELECT run_id, argMax(status, written_at) FROM {db}.run_summaries "
+                "WHERE run_id IN %(runs)s GROUP BY run_id",
+                {"runs": runs},
+            )
+        )
+        out = []
+        for run_id, last_ts, last_step, steps, attempt, end_status, first_ts in rows:
+            last = as_utc(last_ts)
+            status = (
+                end_status
+                or summaries.get(run_id)
+                or ("running" if (now - last).total_seconds() < silent_after_s else "silent")
+            )
+            out.append(
+                RunOverview(
+                    run_id=run_id,
+                    status=status,
+                    attempt=attempt or None,
+                    first_event=as_utc(first_ts),
+                    last_event=last,
+                    last_step=last_step if steps else None,
+                    steps=int(steps),
+                    findings=findings.get(run_id, {}),
+                    actions=actions.get(run_id, {}),
+                    baseline_outliers=bool(outliers.get(run_id)),
+                )
+            )
+        return out
+
+    def _by(self, runs: list[str], select: str, where: str = "") -> dict[str, dict[str, int]]:
+        """``select`` (run id, a key, a count) over ``runs``, grouped: run id -> key -> count."""
+        grouped: dict[str, dict[str, int]] = {}
+        for run_id, key, n in self.query(
+            f"{select} WHERE run_id IN %(runs)s {where} GROUP BY run_id, 2", {"runs": runs}
+        ):
+            grouped.setdefault(run_id, {})[key] = int(n)
+        return grouped
+
+
+class RunOverview(BaseModel):
+    """One row of the runs list (the local page, ``runwatch runs``)."""
+
+    run_id: str
+    status: str  # completed, failed, stopped, interrupted (its run_end), died (its summary), running, silent
+    attempt: str | None
+    first_event: datetime
+    last_event: datetime
+    last_step: int | None
+    steps: int  # step events stored (every rank's)
+    findings: dict[str, int]  # by severity
+    actions: dict[str, int]  # by kind
+    baseline_outliers: bool  # the baseline check at run end found outliers
+
+    @property
+    def rollbacks(self) -> int:
+        return self.actions.get("rollback", 0)

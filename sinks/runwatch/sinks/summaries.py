@@ -11,10 +11,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary, Status
 from runwatch.producer.wire.schema import TelemetryEvent
 from runwatch.sinks.clickhouse import ClickHouseSink
+
+if TYPE_CHECKING:
+    from runwatch.detectors.baselines.check import BaselineReport
+    from runwatch.detectors.baselines.compare import BaselineConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +130,19 @@ class SummaryUpkeep:
             return
         for run_id in stopped:
             self._summarize(run_id, "died")
+
+
+def baseline_report(sink: ClickHouseSink, run_id: str, config: BaselineConfig) -> BaselineReport:
+    """``runwatch baseline check``'s verdict on ``run_id``: its summary (summarised from its telemetry
+    now when the sink has not yet, as ``running``) against its job's history. Raises ``RunNotFound``."""
+    from runwatch.detectors.baselines.check import check_run
+
+    run = sink.baselines.summary(run_id)
+    if run is None:  # not summarised yet (the sink summarises at run end): do it from its telemetry
+        run = summarize_stored_run(sink, run_id, "running", config.loss_every)
+    candidates: list[RunSummary] = []
+    if run.baseline_key is not None and run.started_at is not None:
+        candidates = sink.baselines.candidates(
+            run.baseline_key, run.fingerprint, run.started_at, config.window_days
+        )
+    return check_run(run, candidates, config)

@@ -74,7 +74,9 @@ ACTION_KINDS: dict[str, ActionKindSpec] = {
             ends_pause=False,
             color="#d62728",
             chat_color="danger",
-            summary="restores the last confirmed-good checkpoint, scales the LR and names the data window to skip",
+            summary=(
+                "restores the last confirmed-good checkpoint, scales the LR and names the data window to skip"
+            ),
         ),
         ActionKindSpec(
             name="stop",

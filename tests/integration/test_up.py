@@ -1,0 +1,209 @@
+"""`runwatch up` as a new user meets it (issue 26): one command starts the broker, the worker, the sink
+and the local page; the README's example file (examples/quickstart.py) runs against it and has its NaN
+rolled back; the local page in headless Chromium shows the run, live, while the stack writes;
+`runwatch runs`, `report` and `baseline check` read through the page while the store is held; Ctrl-C
+stops everything, and everything stored is still there afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from runwatch.local.broker import free_port
+from tests.integration.chromium import Browser, find_chromium
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "quickstart.py"
+ARTIFACTS = REPO / ".runwatch" / "test-artifacts"  # the page's screenshot is kept here
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RUNWATCH_")}
+ROW = "document.querySelector('tr[data-run=\"{run}\"]')"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path, why = find_chromium()
+    if path is None:
+        pytest.skip(f"headless Chromium is not available: {why}")
+    return path
+
+
+class Up:
+    """`runwatch up` in its own session, its output collected by a thread; stopped by pid."""
+
+    def __init__(self, cwd: Path, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runwatch.cli", "up", *args],
+            cwd=cwd,
+            env=CLEAN_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n" + "\n".join(self.lines)
+            time.sleep(0.2)
+
+    def line(self, pattern: str) -> re.Match[str]:
+        return next(m for line in self.lines if (m := re.search(pattern, line)))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def runwatch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runwatch.cli", *args],
+        cwd=cwd,
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def eventually(read, check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if check(value):
+            return value
+        assert time.monotonic() < deadline, f"{what} within {timeout} s; last: {value!r}"
+        time.sleep(0.5)
+
+
+def test_up_watches_the_readme_example_and_its_page_shows_it_live(chromium, tmp_path):
+    page_port = free_port()
+    up = Up(tmp_path, "--page-port", str(page_port))
+    try:
+        up.wait_for("Ctrl-C stops everything.", timeout=300)
+        page_url = up.line(r"page\s+(http://\S+)").group(1)
+        assert page_url == f"http://127.0.0.1:{page_port}/"
+        bootstrap = up.line(r"export RUNWATCH_BOOTSTRAP=(\S+)").group(1)
+        secret_file = tmp_path / ".runwatch" / "secret"
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600  # made for the user, readable by them only
+        assert (
+            (tmp_path / ".runwatch" / "env")
+            .read_text()
+            .startswith(f"export RUNWATCH_BOOTSTRAP={bootstrap}\n")
+        )
+        trainer_env = {
+            **CLEAN_ENV,
+            "RUNWATCH_BOOTSTRAP": bootstrap,
+            "RUNWATCH_ACTION_SECRET": secret_file.read_text().strip(),
+        }
+        run_id = "quickstart-up"
+        with Browser(chromium) as browser:
+            browser.open(page_url, "document.getElementById('state').textContent.startsWith('updated')")
+            assert browser.evaluate(ROW.format(run=run_id)) is None
+            # the README's example, as a user runs it, while the page is open (no reload from here on)
+            trainer = subprocess.Popen(
+                [sys.executable, str(EXAMPLE), "--run-id", run_id, "--steps", "160"],
+                cwd=tmp_path,
+                env=trainer_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            try:
+                out, _ = trainer.communicate(timeout=400)
+            finally:
+                if trainer.poll() is None:
+                    trainer.kill()
+            assert trainer.returncode == 0, out[-4000:]
+            assert re.search(r"step \d+: rollback applied", out), out[-4000:]
+            row_badges = f"{ROW.format(run=run_id)}?.querySelectorAll('.badge') || []"
+            badges = f"Array.from({row_badges}).map(b => b.textContent)"
+            shown = eventually(
+                lambda: browser.evaluate(badges),
+                lambda b: (
+                    any(t.startswith("rollback") for t in b) and any(t.startswith("critical") for t in b)
+                ),
+                30,
+                "the page to show the run's critical finding and its rollback",
+            )
+            status = browser.evaluate(f"{ROW.format(run=run_id)}.querySelector('.status').textContent")
+            assert status == "completed", (status, shown)
+            link = browser.evaluate(f"{ROW.format(run=run_id)}.querySelector('a').href")
+            assert link == f"{page_url}runs/{run_id}"
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            browser.screenshot(ARTIFACTS / "local-page.png")
+            assert browser.console_errors == []
+            # the run's report, served live from the store by the same process
+            drawn = browser.open(link, "document.body.dataset.drawn", timeout=90)
+            assert int(drawn) == int(browser.evaluate("document.body.dataset.panels")) > 0
+            assert browser.console_errors == []
+
+        # the commands read through the page while `up` holds the embedded store
+        listed = runwatch(tmp_path, "runs", "--json")
+        assert listed.returncode == 0, listed.stderr
+        [row] = [r for r in json.loads(listed.stdout)["runs"] if r["run_id"] == run_id]
+        assert (
+            row["status"] == "completed"
+            and row["actions"]["rollback"] >= 1
+            and row["findings"]["critical"] >= 1
+        )
+        table = runwatch(tmp_path, "runs")
+        assert table.returncode == 0 and run_id in table.stdout, table.stderr
+        report = runwatch(tmp_path, "report", run_id, "--out", "r.html")
+        assert report.returncode == 0, report.stderr
+        assert (tmp_path / "r.html").stat().st_size > 100_000 and "Traceback" not in report.stderr
+        verdict = runwatch(tmp_path, "baseline", "check", run_id, "--json")
+        assert verdict.returncode == 0, verdict.stderr  # no history for this job: not an outlier
+        assert json.loads(verdict.stdout)["run_id"] == run_id
+        unknown = runwatch(tmp_path, "report", "no-such-run")
+        assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown run 'no-such-run'")
+
+        # Ctrl-C: everything stops, cleanly
+        os.killpg(up.proc.pid, signal.SIGINT)
+        assert up.proc.wait(120) == 0, "\n".join(up.lines)
+        up._reader.join(10)
+        assert up.lines[-1] == "stopped", up.lines[-5:]
+        assert not (tmp_path / ".runwatch" / "clickhouse.page.json").exists()
+    finally:
+        up.kill()
+    # the store is the user's again, and nothing stored was lost
+    after = runwatch(tmp_path, "runs", "--json")
+    assert after.returncode == 0, after.stderr
+    [stored] = [r for r in json.loads(after.stdout)["runs"] if r["run_id"] == run_id]
+    assert stored == row
+
+
+def test_a_busy_page_port_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = runwatch(tmp_path, "up", "--page-port", str(port), timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: the page's port {port} on 127.0.0.1 is in use: give --page-port N (0 picks a free one)"
+    ]
