@@ -153,9 +153,8 @@ def measure(bootstrap: str, steps: int = 2000, update_every: int = 10) -> dict[s
         cpu1 = _thread_cpu_s(threads)
         stats = rw.close(timeout=30)
     per_call = {name: statistics.fmean(t[warmup:]) * 1e6 for name, t in calls.items() if len(t) > warmup}
-    calls_us = sum(
-        per_call.values()
-    )  # means over all steps: the update steps' extra cost is spread over them
+    # means over all steps: the update steps' extra cost is spread over them
+    calls_us = sum(per_call.values())
     clip_us = statistics.fmean(clip_times[warmup:]) * 1e6
     background = (cpu1 - cpu0) / steps * 1e6
     return {

@@ -99,9 +99,8 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
         ) as rec:
             train(rec, 0.02, seed=i)
     history_dsn = f"chdb://{tmp_path / 'history-clickhouse'}"
-    ingest = runwatch_cli(
-        "ingest", str(recordings), "--dsn", history_dsn
-    )  # its own process: chdb's one-process rule
+    # its own process: chdb's one-process rule
+    ingest = runwatch_cli("ingest", str(recordings), "--dsn", history_dsn)
     assert ingest.returncode == 0, ingest.stdout + ingest.stderr
 
     config = tmp_path / "remediation.yaml"
@@ -172,9 +171,8 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
     ours = [a for a in anomalies if a["run_id"] == run_id]
     in_flight = [a for a in ours if a["detector"] == "baseline_trajectory" and a["severity"] != "info"]
     assert in_flight, [(a["detector"], a["message"]) for a in ours]
-    assert (
-        in_flight[0]["metric"] == "step_time_s" and in_flight[0]["step"] < STEPS - 1
-    )  # before the run ended
+    # before the run ended
+    assert in_flight[0]["metric"] == "step_time_s" and in_flight[0]["step"] < STEPS - 1
     outlier = next(a for a in ours if a["detector"] == "baseline_outliers")
     rows = {row["metric"]: row for row in outlier["evidence"]["baseline"]["rows"]}
     assert (

@@ -79,9 +79,8 @@ def test_detected_at_is_stored_and_latency_is_a_query(broker, worker, chdb_dsn):
         for a in ours:
             _, ts, detected_at = stored[a.anomaly_id]
             assert detected_at is not None
-            assert (
-                abs((detected_at.replace(tzinfo=UTC) - a.detected_at).total_seconds()) < 0.002
-            )  # (ms precision)
+            # (ms precision)
+            assert abs((detected_at.replace(tzinfo=UTC) - a.detected_at).total_seconds()) < 0.002
         latency = sink.query(LATENCY_SQL, {"run": run_id})
         print(f"\ndetection latency (detector, n, min ms, max ms): {latency}")
         assert latency and {r[0] for r in latency} == {a.detector for a in ours}

@@ -164,9 +164,8 @@ def test_documented_publisher_partitions_runs_like_kafka_python(broker, tmp_path
     topic = new_topic(broker.bootstrap, partitions)
     env = {**node_env, topics.BOOTSTRAP_ENV: broker.bootstrap, "RUNWATCH_TOPIC": topic}
     first = f"node-{uuid.uuid4().hex[:8]}"
-    done = run_sh(
-        with_event(doc_block(NODE_MARKER), first, 1, "2.5"), tmp_path, env
-    )  # writes runwatch-publish.js
+    # writes runwatch-publish.js
+    done = run_sh(with_event(doc_block(NODE_MARKER), first, 1, "2.5"), tmp_path, env)
     assert done.returncode == 0, done.stderr
     keys = [first] + [f"run-{uuid.uuid4().hex[:10]}" for _ in range(199)]
     lines = "".join(f"{key}|{{}}\n" for key in keys[1:])

@@ -185,9 +185,8 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            publish_actions(
-                broker.bootstrap, [stop, forged, future, stop, sentinel]
-            )  # the stop arrives twice
+            # the stop arrives twice
+            publish_actions(broker.bootstrap, [stop, forged, future, stop, sentinel])
             eventually(lambda: hook.for_action(sentinel.action_id), 30, "the sentinel action's webhook post")
         finally:
             consumer.stopping.set()

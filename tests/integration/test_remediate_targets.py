@@ -224,13 +224,11 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
     # What each run declares about itself, as `runwatch sink` stores it.
     sink.writer.write_events(
         [
-            RunStartEvent(
-                run_id=attacker, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}
-            ),  # team b's
+            # team b's
+            RunStartEvent(run_id=attacker, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}),
             RunStartEvent(run_id=honest, job_id="5002", host="node-l", tags={"pod": "l-trainer-0"}),
-            RunStartEvent(
-                run_id=mapped, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}
-            ),  # overridden
+            # overridden
+            RunStartEvent(run_id=mapped, job_id="5001", host="node-b", tags={"pod": "b-trainer-0"}),
         ]
     )
 
@@ -323,12 +321,10 @@ def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_pa
             row = _rows(store, action)[refused]
             assert row["status"] == "refused", (field, value, row)
             assert row["output"].startswith(f"{{{field}}} = {value!r} {reason}"), row["output"]
-            assert row["argv"][-1] == (
-                "{pod}" if field == "pod" else "{host}"
-            )  # the template: nothing filled
+            # the template: nothing filled
+            assert row["argv"][-1] == ("{pod}" if field == "pod" else "{host}")
             assert not any(value in line for line in platform.ran(action.action_id))
-            assert not any(
-                value in line for line in platform.verified(action.action_id)
-            )  # verify never saw it
+            # verify never saw it
+            assert not any(value in line for line in platform.verified(action.action_id))
     finally:
         sink.close()

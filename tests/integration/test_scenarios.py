@@ -132,9 +132,8 @@ def test_the_fault_is_visible_at_its_onset(generated):
             before = median(e.category_loss[cat].mean for e in pre if cat in e.category_loss)
             after = median(e.category_loss[cat].mean for e in last if cat in e.category_loss)
             assert after > 1.5 * before, name
-            assert median(e.loss for e in last) < 1.2 * median(e.loss for e in pre), (
-                name
-            )  # the mean looks fine
+            # the mean looks fine
+            assert median(e.loss for e in last) < 1.2 * median(e.loss for e in pre), name
         elif fault == "val_vs_train":
             evals = [e for e in runs[name] if e.kind == "eval"]
             best = min(evals, key=lambda e: e.loss)

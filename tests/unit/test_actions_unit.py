@@ -415,9 +415,8 @@ def test_an_unreadable_or_unwritable_state_file_never_stops_training(tmp_path, c
     blocked.write_text("")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="runwatch.producer.actions.applied_ids"):
-        unwritable = make(
-            RecordingPublisher(), state_path=blocked / "sub" / "x.actions"
-        )  # its parent is a file
+        # its parent is a file
+        unwritable = make(RecordingPublisher(), state_path=blocked / "sub" / "x.actions")
         deliver(unwritable, action("alert"))
         assert [a.kind for a in unwritable.poll(step=1)] == ["alert"]
     assert unwritable.applied_ids.errors == 2  # read, then write

@@ -498,9 +498,8 @@ def test_steps_stopping_while_heartbeats_go_on_is_a_stall_found_within_three_ste
 
 
 def test_a_checkpoint_save_that_hangs_is_a_stall_after_its_phase_allowance():
-    items = training_timeline(
-        steps=1001, ckpt_s=5000, eval_every=10**6
-    )  # the save at step 1000 never returns
+    # the save at step 1000 never returns
+    items = training_timeline(steps=1001, ckpt_s=5000, eval_every=10**6)
     found = drive(StallDetector(StallConfig()), items)
     assert len(found) == 1 and found[0].evidence["phase"] == "checkpoint"
     assert found[0].step == 1000
@@ -519,9 +518,8 @@ def test_the_silence_timeout_follows_the_producers_heartbeat_period():
     # A 10-minute eval: no steps, only heartbeats, which this producer sends every 40 s.
     slow_beats = dict(steps=900, heartbeat_s=40.0, eval_every=500, eval_s=600.0)
     undeclared = drive(StallDetector(StallConfig()), training_timeline(**slow_beats))
-    assert [f.evidence["kind"] for f in undeclared] == ["silent"] * len(
-        undeclared
-    ) and undeclared  # the 30 s floor
+    # the 30 s floor
+    assert [f.evidence["kind"] for f in undeclared] == ["silent"] * len(undeclared) and undeclared
     # Declared in the heartbeats (interval_s), the period sets the timeout: 6 x 40 s, no false alarm.
     assert drive(StallDetector(StallConfig()), training_timeline(**slow_beats, declare_interval=True)) == []
     dead = training_timeline(

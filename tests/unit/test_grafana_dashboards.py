@@ -99,9 +99,8 @@ def test_every_query_is_a_clickhouse_sql_query_with_time_aliased_and_the_plugin_
         for target in _targets(board):
             assert target["editorType"] == "sql" and target["datasource"]["type"] == PLUGIN_ID
             sql = target["rawSql"]
-            if (
-                target["format"] == 0
-            ):  # time series: a time column named time, filtered by the range, ordered by it
+            # time series: a time column named time, filtered by the range, ordered by it
+            if target["format"] == 0:
                 assert re.search(r"\bAS time\b", sql) and sql.rstrip().endswith("ORDER BY time"), sql
                 assert "$__timeFilter(" in sql, sql
             assert "{db}" not in sql and "runwatch." in sql

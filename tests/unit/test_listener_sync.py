@@ -161,9 +161,8 @@ def test_a_rollback_received_late_elsewhere_is_applied_at_the_same_poll_with_the
     applied = [by_id(r["log"], plan["rollback"].action_id) for r in results]
     assert all(len(a) == 1 for a in applied), applied
     assert {(a[0]["poll"], a[0]["outcome"], a[0]["to_step"]) for a in applied} == {(3, "applied", 2)}
-    assert all(
-        a[0]["weight"] == pytest.approx(reference, abs=1e-12) for a in applied
-    )  # same state everywhere
+    # same state everywhere
+    assert all(a[0]["weight"] == pytest.approx(reference, abs=1e-12) for a in applied)
     assert all(a[0]["waited"] >= 1.5 * 0.05 for a in applied[1:])  # the others waited for their copy
 
 

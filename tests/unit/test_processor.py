@@ -565,9 +565,8 @@ def test_a_run_silent_past_the_retention_is_let_go_with_a_finding_but_not_while_
     wall[0] = WALL + timedelta(seconds=300)
     proc.process(_step(1, run_id="talks"), key=b"talks", partition=2)
     later = WALL + timedelta(seconds=601)
-    assert (
-        proc.tick(later, behind={1}).anomalies == [] and "quiet" in proc.monitors
-    )  # its events may be waiting
+    # its events may be waiting
+    assert proc.tick(later, behind={1}).anomalies == [] and "quiet" in proc.monitors
     (finding,) = proc.tick(later).anomalies
     assert (finding.run_id, finding.detector, finding.metric, finding.severity) == (
         "quiet",

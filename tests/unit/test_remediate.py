@@ -645,9 +645,8 @@ def test_a_targets_file_is_read_at_load_and_again_when_it_changes(tmp_path):
     )
     config = load_remediation_config(config_path)
     assert config.target_for("run-1").job_id == "555" and config.target_for("run-2") is None
-    targets.write_text(
-        "run-1: {job_id: 555}\nrun-2: {job_id: '556_3', pod: trainer-2}\n"
-    )  # appended by a launcher
+    # appended by a launcher
+    targets.write_text("run-1: {job_id: 555}\nrun-2: {job_id: '556_3', pod: trainer-2}\n")
     assert config.target_for("run-2") == Target(job_id="556_3", pod="trainer-2")
     targets.write_text("run-1: {job_id: [half-written\n")
     assert config.target_for("run-2").job_id == "556_3"  # the last good contents stay

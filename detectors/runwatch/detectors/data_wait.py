@@ -54,12 +54,10 @@ class DataWaitDetector(HostLoadAttributed):
 
     def __init__(self, config: DataWaitConfig):
         self.config = config
-        self._recent: deque[tuple[int, float, float, float]] = deque(
-            maxlen=config.window
-        )  # step, share, wait, time
-        self._shares: deque[float] = deque(
-            maxlen=config.window
-        )  # the shares of _recent, for the per-step mean
+        # step, share, wait, time
+        self._recent: deque[tuple[int, float, float, float]] = deque(maxlen=config.window)
+        # the shares of _recent, for the per-step mean
+        self._shares: deque[float] = deque(maxlen=config.window)
         self.seen = 0
         self.baseline: float | None = None
         self._reported: float | None = None  # mean share at the last finding of the current episode

@@ -210,9 +210,8 @@ class ModuleGradDetector(Detector):
         self._since_snapshot = 0
         # per-module episode state
         self._quiet_until = np.zeros(0, dtype=np.int64)
-        self._quiet_from = np.zeros(
-            0, dtype=np.int64
-        )  # cooldowns cover [from, until]: a rollback's replay is outside
+        # cooldowns cover [from, until]: a rollback's replay is outside
+        self._quiet_from = np.zeros(0, dtype=np.int64)
         self._streak = np.zeros(0, dtype=np.int64)  # consecutive suspect steps
         self._streak_start = np.zeros(0, dtype=np.int64)
         self._reported = np.zeros(0)  # log ratio last reported in the current streak (-inf: none)
@@ -274,9 +273,8 @@ class ModuleGradDetector(Detector):
         median = self._median
         if self._any_old:
             old_median, _, old_ready = self._old
-            if (
-                self._old_all_ready
-            ):  # no NaN among the lagged medians of ready modules: the lower of each pair
+            # no NaN among the lagged medians of ready modules: the lower of each pair
+            if self._old_all_ready:
                 median = np.minimum(old_median, median)  # (where equal, either: x - either is the same value)
             else:
                 median = np.where(old_ready & (old_median < median), old_median, median)
@@ -307,9 +305,8 @@ class ModuleGradDetector(Detector):
             x = np.log(v)
         else:
             with np.errstate(divide="ignore", invalid="ignore"):
-                x = np.log(
-                    v
-                )  # 0 -> -inf, negative / NaN -> NaN; non-finite grads are the non-finite detector's
+                # 0 -> -inf, negative / NaN -> NaN; non-finite grads are the non-finite detector's
+                x = np.log(v)
 
         self._since_refresh += 1
         self._since_snapshot += 1

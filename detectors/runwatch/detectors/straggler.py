@@ -121,9 +121,8 @@ class StragglerDetector(CrossRankDetector):
             if not slow:
                 timing.streak = 0
                 timing.healthy += 1
-                if (
-                    timing.healthy >= cfg.patience
-                ):  # re-armed only after as long a recovery as the alert needed
+                # re-armed only after as long a recovery as the alert needed
+                if timing.healthy >= cfg.patience:
                     timing.fired = False
                 continue
             timing.healthy = 0

@@ -41,9 +41,8 @@ class WorkerProcess:
         group: str | None = None,
         extra_args: tuple[str, ...] = (),
     ):
-        log_path = Path(
-            log_path
-        ).resolve()  # (the worker runs in the log's folder: every path it gets is absolute)
+        # (the worker runs in the log's folder: every path it gets is absolute)
+        log_path = Path(log_path).resolve()
         self.ready_file = log_path.with_suffix(".ready")
         self.ready_file.unlink(missing_ok=True)
         self.web_port = free_port()

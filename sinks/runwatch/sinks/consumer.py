@@ -61,12 +61,10 @@ TOPIC_TABLES = {
 @dataclass
 class SinkStats:
     rows: Counter[str] = field(default_factory=Counter)  # rows stored, by table
-    skipped: Counter[str] = field(
-        default_factory=Counter
-    )  # messages that do not decode, by topic (the worker's to dead-letter)
-    deadlettered: Counter[str] = field(
-        default_factory=Counter
-    )  # messages refused by ClickHouse or unserialisable, by topic
+    # messages that do not decode, by topic (the worker's to dead-letter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    # messages refused by ClickHouse or unserialisable, by topic
+    deadlettered: Counter[str] = field(default_factory=Counter)
     deadletter_errors: int = (
         0  # of those, dead letters that could not be published: their offsets were not committed
     )

@@ -325,9 +325,8 @@ SUMMARY_COLUMNS = (
     "status",
     "metrics",
 )
-NO_TIME = datetime(
-    1970, 1, 1, tzinfo=UTC
-)  # started_at of a summary that has none (the column is not nullable)
+# started_at of a summary that has none (the column is not nullable)
+NO_TIME = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def summary_row(s: RunSummary, written_at: datetime) -> Row:

@@ -221,9 +221,8 @@ class SinkWriter:
     def write_summaries(self, summaries: Iterable[RunSummary]) -> int:
         """Store run summaries; a run written again replaces its older row (``written_at``)."""
         written_at = datetime.now(UTC)
-        rows = list(
-            {r[0]: r for r in (summary_row(s, written_at) for s in summaries)}.values()
-        )  # the last per run
+        # the last per run
+        rows = list({r[0]: r for r in (summary_row(s, written_at) for s in summaries)}.values())
         return self._insert("run_summaries", rows, SUMMARY_COLUMNS + ("written_at",))
 
     def _raise_if_unavailable(self, error: Exception) -> None:

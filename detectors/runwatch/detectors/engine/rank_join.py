@@ -146,9 +146,8 @@ class StepJoin:
 
     def _combine(self, key: Key, pending: _Pending, missing: list[int]) -> Joined:
         if self.world_size == 1 and len(pending.events) == 1:
-            return Joined(
-                event=next(iter(pending.events.values())), record=None, generation=key[0]
-            )  # nothing to combine
+            # nothing to combine
+            return Joined(event=next(iter(pending.events.values())), record=None, generation=key[0])
         events = [pending.events[r] for r in sorted(pending.events)]
         fields = self._combined_fields(key, events)
         _add_update_ratios(fields)

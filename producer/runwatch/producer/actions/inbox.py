@@ -115,9 +115,8 @@ class ActionInbox:
         if self._attempt is not None and action.attempt is not None and action.attempt != self._attempt:
             return Verdict(action, "other_attempt")  # e.g. the stop that ended the job before it was requeued
         if action.issued_at > now + self._clock_skew:
-            return Verdict(
-                action, "future"
-            )  # signed, but not issued yet by our clock: never take it on trust
+            # signed, but not issued yet by our clock: never take it on trust
+            return Verdict(action, "future")
         if action.is_expired(now):
             return Verdict(action, "expired")
         if self._not_before is not None and action.issued_at < self._not_before:

@@ -211,9 +211,8 @@ class ActionListener:
                 if isinstance(item, tuple):
                     result = self._apply_rank0_copy(item, step)
                 else:
-                    result = self._applier.apply(
-                        item, step, check_expiry=False
-                    )  # rank 0 checked: all ranks agree
+                    # rank 0 checked: all ranks agree
+                    result = self._applier.apply(item, step, check_expiry=False)
                 if result is not None:
                     results.append(result)
                     if applies(result.kind) == "stop":

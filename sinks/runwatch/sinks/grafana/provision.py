@@ -368,9 +368,8 @@ class Provisioner:
                     "needs the Admin role (datasources) or Editor (folders, dashboards)"
                 )
             return f"{where} answered {exc.status_code} {what}: {_message(exc)}"
-        if isinstance(
-            exc, ValueError | KeyError | TypeError
-        ):  # JSON that does not decode or has the wrong shape
+        # JSON that does not decode or has the wrong shape
+        if isinstance(exc, ValueError | KeyError | TypeError):
             return f"bad response from {where} {what}: {type(exc).__name__}: {exc}"
         return f"{where} failed {what}: {type(exc).__name__}: {exc}"
 

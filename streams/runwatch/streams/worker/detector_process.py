@@ -142,9 +142,8 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
                 or result.errors
             ):
                 reply.records.extend(outgoing(result, key))
-    elif (
-        kind == "tick"
-    ):  # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
+    # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
+    elif kind == "tick":
         rebalancing, behind = payload if isinstance(payload, tuple) else (bool(payload), ())
         reply.records = outgoing(processor.tick(behind=frozenset(behind)))
         let_go = sum(processor.counters.runs_let_go.values())

@@ -105,9 +105,8 @@ class WorkerCounters:
     repeats_withheld: int = (
         0  # anomalies and actions decided again that a predecessor had published (published.py)
     )
-    runs_let_go: Counter[str] = field(
-        default_factory=Counter
-    )  # runs let go without run_end, by why (silent, evicted)
+    # runs let go without run_end, by why (silent, evicted)
+    runs_let_go: Counter[str] = field(default_factory=Counter)
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -356,9 +355,8 @@ class TelemetryProcessor:
         if self.states is not None:
             self.states.moved_partitions(partitions)
             self._loaded &= partitions
-            self.load_partitions(
-                partitions
-            )  # (now, so that a silent restored run is still judged by the timer)
+            # (now, so that a silent restored run is still judged by the timer)
+            self.load_partitions(partitions)
         return dropped
 
     # -- durable state ---------------------------------------------------------------------------
