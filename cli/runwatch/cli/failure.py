@@ -40,20 +40,8 @@ def fail(message: str) -> NoReturn:
 
 
 def open_sink(dsn: str | None) -> ClickHouseSink:
-    """The ClickHouse sink at ``dsn`` (default: the sink's), migrated; exits 2 saying why when it
-    cannot be opened or reached."""
-    from runwatch.cli.needs import current_command, require_engine  # (needs raises this module's error)
-    from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
+    """The ClickHouse sink at ``dsn`` (default: the sink's) for a command that reads it, migrated; exits 2
+    saying why when there is nothing stored there, or it cannot be opened or reached."""
+    from runwatch.cli.startup import open_store  # (startup raises this module's error)
 
-    dsn = dsn or default_dsn()
-    require_engine(current_command(), dsn)
-    try:
-        sink = ClickHouseSink(dsn)
-    except Exception as exc:  # noqa: BLE001 - a bad DSN or an unreachable server, said plainly
-        fail(f"cannot open ClickHouse at {dsn}: {type(exc).__name__}: {exc}")
-    try:
-        sink.migrate()
-    except Exception as exc:  # noqa: BLE001
-        sink.close()
-        fail(f"ClickHouse at {dsn} does not answer: {type(exc).__name__}: {exc}")
-    return sink
+    return open_store(dsn, create=False)

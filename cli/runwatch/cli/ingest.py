@@ -53,7 +53,7 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
     own writer (idempotent: ingesting a file twice stores it once), then each run found is
     summarised into run_summaries from the events read (telemetry older than the table's 90-day TTL
     is not kept, its summary is). Exits 2 on an unreadable file or an unreachable ClickHouse."""
-    from runwatch.cli.failure import open_sink
+    from runwatch.cli.startup import open_store
     from runwatch.detectors.offline.replay import ReplayError, read_events
     from runwatch.sinks.summaries import summarize_run
 
@@ -64,7 +64,7 @@ def ingest(paths: tuple[str, ...], dsn: str | None, loss_every: int) -> None:
             loaded.append((path, read_events(path)))
         except ReplayError as exc:
             fail(str(exc))
-    sink = open_sink(dsn)
+    sink = open_store(dsn)  # (ingest may make the store)
     runs: dict[str, list[TelemetryEvent]] = {}  # run id -> its events, from every file (one file per rank)
     try:
         for path, events in loaded:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runwatch.cli.failure import CommandError
@@ -43,15 +44,22 @@ def require_topics(
     return counts
 
 
-def open_store(dsn: str | None) -> ClickHouseSink:
-    """The ClickHouse at ``dsn`` (default: the embedded one), migrated; exit 1 with one line if it cannot
-    be opened or does not answer within CONNECT_TIMEOUT_S."""
+DSN_SCHEMES = ("chdb", "http", "https")
+
+
+def open_store(dsn: str | None, *, create: bool = True) -> ClickHouseSink:
+    """The ClickHouse at ``dsn`` (default: the embedded one), migrated; exit 2 with one line if the DSN is
+    not one, if it cannot be opened or does not answer within CONNECT_TIMEOUT_S. ``create``: an embedded
+    store that does not exist yet is made (the sink, the remediator, ingest); a command that only reads
+    says there is nothing stored instead of making an empty store where it was run."""
     from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
 
     dsn = dsn or default_dsn()
+    _check_dsn(dsn, create)
     require_engine(current_command(), dsn)
     # clickhouse-connect logs its failed attempt before raising; the exception says it in our one line
     logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
+    logging.getLogger("clickhouse_connect").propagate = False
 
     def opened() -> ClickHouseSink:
         store = ClickHouseSink(dsn)
@@ -66,6 +74,32 @@ def open_store(dsn: str | None) -> ClickHouseSink:
         return call_within(opened, CONNECT_TIMEOUT_S, f"ClickHouse at {redacted(dsn)}")
     except Unreachable as exc:
         raise CommandError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a refused connection, bad credentials: one line, redacted
+        message = str(exc).replace(dsn, redacted(dsn)).splitlines()[0] if str(exc) else ""
+        raise CommandError(
+            f"cannot open ClickHouse at {redacted(dsn)}: {type(exc).__name__}: {message[:300]}"
+        ) from None
+
+
+def _check_dsn(dsn: str, create: bool) -> None:
+    from urllib.parse import urlsplit
+
+    scheme = urlsplit(dsn).scheme
+    if scheme not in DSN_SCHEMES:
+        raise CommandError(
+            f"{redacted(dsn)!r} is not a ClickHouse DSN: chdb:///path (the embedded store) or "
+            "http(s)://user:password@host:8123"
+        )
+    if scheme != "chdb":
+        return
+    path = Path(dsn.removeprefix("chdb://")).resolve()
+    if not create and not path.exists():
+        raise CommandError(
+            f"nothing is stored at {path}: start `runwatch up` (or `runwatch sink`) here first, or give "
+            "--dsn / $RUNWATCH_CLICKHOUSE_DSN"
+        )
+    if create and not path.parent.is_dir():
+        raise CommandError(f"cannot make the store {path}: its folder {path.parent} does not exist")
 
 
 def redacted(dsn: str) -> str:
