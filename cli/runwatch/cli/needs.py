@@ -9,6 +9,7 @@ a command that still fails to import a module one of the extras brings says the 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +73,26 @@ class NeedsExtra(click.Command):
 
 class RunwatchGroup(click.Group):
     """The ``runwatch`` group: a ModuleNotFoundError of a module an extra brings, raised while a command
-    runs, becomes the one line naming that extra (exit 1) instead of a traceback."""
+    runs, becomes the one line naming that extra (exit 2) instead of a traceback; a usage error is one
+    line too (``error: ... (see `runwatch x --help`)``, exit 2), not click's usage block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        run: Any = super().main  # (click overloads main on standalone_mode's literal value)
+        if not standalone_mode:
+            return run(*args, standalone_mode=False, **kwargs)
+        try:
+            returned = run(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "runwatch"
+            click.echo(f"error: {exc.format_message()} (see `{where} --help`)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(returned if isinstance(returned, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
