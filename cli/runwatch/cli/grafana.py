@@ -44,6 +44,11 @@ def generate(out_dir: str, database: str, check: bool) -> None:
     if not database.isidentifier():
         fail(f"--database {database!r} is not a plain identifier")
     if check:
+        if not Path(out_dir).is_dir():
+            fail(
+                f"no dashboards to check: {out_dir} is not a folder (run this in a runwatch checkout, or "
+                "give --out)"
+            )
         stale = stale_files(Path(out_dir), database)
         if stale:
             click.echo(

@@ -4,6 +4,8 @@ module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from runwatch.cli import (
@@ -31,6 +33,8 @@ from runwatch.producer.wire import logsafe
 def main() -> None:
     """runwatch: see training regressions while the run is still going, and act on them."""
     logsafe.install()  # what a client sent (a run id, a module name) cannot forge a log line
+    # clickhouse-connect logs a failed request before raising it; the command says it once, in its line
+    logging.getLogger("clickhouse_connect").setLevel(logging.CRITICAL)
 
 
 for command in (

@@ -29,7 +29,7 @@ def migrate(dsn: str | None, wait_s: float) -> None:
     tables there and never race each other to create them."""
     from clickhouse_connect.driver.exceptions import OperationalError
 
-    from runwatch.cli.startup import redacted
+    from runwatch.producer.wire.logsafe import redacted
     from runwatch.sinks import ClickHouseSink, default_dsn
 
     require_engine("runwatch migrate", dsn or default_dsn())

@@ -50,7 +50,8 @@ def sink(
 ) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
-    from runwatch.cli.startup import open_store, redacted, require_topics
+    from runwatch.cli.startup import open_store, require_topics
+    from runwatch.producer.wire.logsafe import redacted
     from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
     from runwatch.sinks import SinkConsumer
 

@@ -13,6 +13,7 @@ from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import current_command, require_engine
 from runwatch.cli.reach import CONNECT_TIMEOUT_S, Unreachable, call_within, kafka_partition_counts
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.logsafe import redacted
 
 if TYPE_CHECKING:
     from runwatch.sinks.clickhouse import ClickHouseSink
@@ -100,14 +101,3 @@ def _check_dsn(dsn: str, create: bool) -> None:
         )
     if create and not path.parent.is_dir():
         raise CommandError(f"cannot make the store {path}: its folder {path.parent} does not exist")
-
-
-def redacted(dsn: str) -> str:
-    """The DSN without its password, for logs and errors."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -65,6 +65,7 @@ def up(
 
     # The parts log to files; here only what goes wrong (the client libraries' retry chatter included).
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.ERROR)
     options = StackOptions(
         state_dir=state_dir,
         bootstrap=bootstrap,

@@ -40,3 +40,17 @@ def install() -> None:
         return record
 
     logging.setLogRecordFactory(factory)
+
+
+def redacted(url: str) -> str:
+    """``url`` (a DSN, a Grafana URL) without its password, for log lines and error messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    except ValueError:  # a port that is not a number: show no credentials at all
+        return url.split("@", 1)[-1] if "@" in url else url
+    return urlunsplit(parts._replace(netloc=netloc))

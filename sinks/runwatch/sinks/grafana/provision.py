@@ -23,6 +23,8 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runwatch.producer.wire.logsafe import redacted
+
 DATASOURCE_TYPE = "grafana-clickhouse-datasource"
 DEFAULT_DATASOURCE_UID = "runwatch-clickhouse"
 DEFAULT_DATASOURCE_NAME = "runwatch ClickHouse"
@@ -219,7 +221,7 @@ class Provisioner:
         )
         if not isinstance(hits, list) or not all(isinstance(h, dict) and "uid" in h for h in hits):
             raise ProvisionError(
-                f"bad response from Grafana at {self.url} searching folder {folder}: {hits!r:.200}"
+                f"bad response from Grafana at {redacted(self.url)} searching folder {folder}: {hits!r:.200}"
             )
         keep = set(managed)
         return [(str(h["uid"]), str(h.get("title", ""))) for h in hits if h["uid"] not in keep]
@@ -326,7 +328,9 @@ class Provisioner:
                 return None
             raise ProvisionError(self._explain(f"reading {what}", exc)) from None
         if not isinstance(found, dict):
-            raise ProvisionError(f"bad response from Grafana at {self.url} reading {what}: {found!r:.200}")
+            raise ProvisionError(
+                f"bad response from Grafana at {redacted(self.url)} reading {what}: {found!r:.200}"
+            )
         return found
 
     def _call(
@@ -346,10 +350,15 @@ class Provisioner:
             raise ProvisionError(self._explain(what, exc)) from None
 
     def _explain(self, what: str, exc: BaseException) -> str:
+        # (never the password of a --url given as http://user:password@host)
+        return self._explain_why(what, exc, f"Grafana at {redacted(self.url)}").replace(
+            self.url, redacted(self.url)
+        )
+
+    def _explain_why(self, what: str, exc: BaseException, where: str) -> str:
         import niquests
         from grafana_client.client import GrafanaException, GrafanaTimeoutError
 
-        where = f"Grafana at {self.url}"
         if isinstance(exc, GrafanaTimeoutError | niquests.exceptions.Timeout):
             return f"{where} did not answer in time ({what}): {exc}"
         if isinstance(exc, niquests.exceptions.ConnectionError) or (
