@@ -29,10 +29,13 @@ def migrate(dsn: str | None, wait_s: float) -> None:
     tables there and never race each other to create them."""
     from clickhouse_connect.driver.exceptions import OperationalError
 
+    from runwatch.cli.startup import check_dsn
     from runwatch.producer.wire.logsafe import redacted
     from runwatch.sinks import ClickHouseSink, default_dsn
 
-    require_engine("runwatch migrate", dsn or default_dsn())
+    dsn = dsn or default_dsn()
+    check_dsn(dsn, create=True)
+    require_engine("runwatch migrate", dsn)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -40,8 +43,16 @@ def migrate(dsn: str | None, wait_s: float) -> None:
             break
         except OperationalError as exc:  # connection refused / not up yet; bad credentials are not retried
             if time.monotonic() >= deadline:
-                raise CommandError(f"ClickHouse did not answer within {wait_s:g} s: {exc}") from None
+                why = str(exc).replace(dsn, redacted(dsn)).splitlines()[0][:300] if str(exc) else ""
+                raise CommandError(
+                    f"ClickHouse at {redacted(dsn)} did not answer within {wait_s:g} s: {why}"
+                ) from None
             time.sleep(1.0)
+        except Exception as exc:  # noqa: BLE001 - bad credentials, a refused database: one line
+            why = str(exc).replace(dsn, redacted(dsn)).splitlines()[0][:300] if str(exc) else ""
+            raise CommandError(
+                f"cannot open ClickHouse at {redacted(dsn)}: {type(exc).__name__}: {why}"
+            ) from None
     try:
         applied = store.migrate()
         click.echo(

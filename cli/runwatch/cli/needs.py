@@ -74,7 +74,7 @@ class NeedsExtra(click.Command):
 class RunwatchGroup(click.Group):
     """The ``runwatch`` group: a ModuleNotFoundError of a module an extra brings, raised while a command
     runs, becomes the one line naming that extra (exit 2) instead of a traceback; a usage error is one
-    line too (``error: ... (see `runwatch x --help`)``, exit 2), not click's usage block."""
+    line too (``error: ... (see runwatch x --help)``, exit 2), not click's usage block."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         run: Any = super().main  # (click overloads main on standalone_mode's literal value)
@@ -84,7 +84,7 @@ class RunwatchGroup(click.Group):
             returned = run(*args, standalone_mode=False, **kwargs)
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else "runwatch"
-            click.echo(f"error: {exc.format_message()} (see `{where} --help`)", err=True)
+            click.echo(f"error: {exc.format_message()} (see {where} --help)", err=True)
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             exc.show()

@@ -56,7 +56,7 @@ def open_store(dsn: str | None, *, create: bool = True) -> ClickHouseSink:
     from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
 
     dsn = dsn or default_dsn()
-    _check_dsn(dsn, create)
+    check_dsn(dsn, create)
     require_engine(current_command(), dsn)
     # clickhouse-connect logs its failed attempt before raising; the exception says it in our one line
     logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
@@ -82,7 +82,9 @@ def open_store(dsn: str | None, *, create: bool = True) -> ClickHouseSink:
         ) from None
 
 
-def _check_dsn(dsn: str, create: bool) -> None:
+def check_dsn(dsn: str, create: bool) -> None:
+    """Exit 2 with one line when ``dsn`` is not a ClickHouse DSN, or names an embedded store that cannot
+    be (``create``) or is not there."""
     from urllib.parse import urlsplit
 
     scheme = urlsplit(dsn).scheme
@@ -96,8 +98,8 @@ def _check_dsn(dsn: str, create: bool) -> None:
     path = Path(dsn.removeprefix("chdb://")).resolve()
     if not create and not path.exists():
         raise CommandError(
-            f"nothing is stored at {path}: start `runwatch up` (or `runwatch sink`) here first, or give "
-            "--dsn / $RUNWATCH_CLICKHOUSE_DSN"
+            f"nothing is stored at {path}: start runwatch up (or runwatch sink) here first, or give --dsn "
+            "or $RUNWATCH_CLICKHOUSE_DSN"
         )
     if create and not path.parent.is_dir():
         raise CommandError(f"cannot make the store {path}: its folder {path.parent} does not exist")
