@@ -25,6 +25,7 @@ SETUPS = ("an empty folder", "a store", "a secret")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RUNWATCH_")}
 SECRET = "a-test-secret-of-at-least-thirty-two-bytes"
 PASSWORD = "s3cret"
+RUNWATCH = str(Path(sys.executable).with_name("runwatch"))  # the command as a user types it
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def _run(row: Row, cwd: Path, busy_port: int) -> tuple[Row, Path, subprocess.Com
     env = dict(CLEAN_ENV, **({"RUNWATCH_ACTION_SECRET": SECRET} if row.setup == "a secret" else {}))
     argv = shlex.split(row.command.format(busy_port=busy_port))[1:]
     done = subprocess.run(
-        [sys.executable, "-m", "runwatch.cli", *argv],
+        [RUNWATCH, *argv],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -144,4 +145,4 @@ def test_every_expected_failure_is_its_one_line(store_dir, tmp_path):
             problems.append(f"{row.command}: printed the password")
         if row.command.startswith(READ_ONLY) and cwd != store_dir and (cwd / ".runwatch").exists():
             problems.append(f"{row.command}: made .runwatch/ where it ran")
-    assert problems == []
+    assert problems == [], "\n".join(problems)

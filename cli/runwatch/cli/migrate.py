@@ -33,8 +33,8 @@ def migrate(dsn: str | None, wait_s: float) -> None:
     from runwatch.producer.wire.logsafe import redacted
     from runwatch.sinks import ClickHouseSink, default_dsn
 
+    check_dsn(dsn or default_dsn(), create=True, default=dsn is None)
     dsn = dsn or default_dsn()
-    check_dsn(dsn, create=True)
     require_engine("runwatch migrate", dsn)
     deadline = time.monotonic() + wait_s
     while True:

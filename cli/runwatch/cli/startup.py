@@ -55,8 +55,8 @@ def open_store(dsn: str | None, *, create: bool = True) -> ClickHouseSink:
     says there is nothing stored instead of making an empty store where it was run."""
     from runwatch.sinks.clickhouse import ClickHouseSink, default_dsn
 
+    check_dsn(dsn or default_dsn(), create, default=dsn is None)
     dsn = dsn or default_dsn()
-    check_dsn(dsn, create)
     require_engine(current_command(), dsn)
     # clickhouse-connect logs its failed attempt before raising; the exception says it in our one line
     logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
@@ -82,7 +82,7 @@ def open_store(dsn: str | None, *, create: bool = True) -> ClickHouseSink:
         ) from None
 
 
-def check_dsn(dsn: str, create: bool) -> None:
+def check_dsn(dsn: str, create: bool, default: bool = False) -> None:
     """Exit 2 with one line when ``dsn`` is not a ClickHouse DSN, or names an embedded store that cannot
     be (``create``) or is not there."""
     from urllib.parse import urlsplit
@@ -101,5 +101,5 @@ def check_dsn(dsn: str, create: bool) -> None:
             f"nothing is stored at {path}: start runwatch up (or runwatch sink) here first, or give --dsn "
             "or $RUNWATCH_CLICKHOUSE_DSN"
         )
-    if create and not path.parent.is_dir():
+    if create and not default and not path.parent.is_dir():  # (the default's .runwatch/ is made)
         raise CommandError(f"cannot make the store {path}: its folder {path.parent} does not exist")

@@ -24,7 +24,10 @@ from runwatch.producer.wire import topics
     help="health endpoint port (/livez, /readyz, /health; one per worker); 0 turns it off",
 )
 @click.option(
-    "--web-host", default="0.0.0.0", show_default=True, help="address the health endpoint listens on"
+    "--web-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="address the health endpoint listens on (0.0.0.0 for probes from outside the host or pod)",
 )
 @click.option(
     "--detector-timeout",
