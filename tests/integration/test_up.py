@@ -120,7 +120,7 @@ def test_up_watches_the_readme_example_and_its_page_shows_it_live(chromium, tmp_
         }
         run_id = "quickstart-up"
         with Browser(chromium) as browser:
-            browser.open(page_url, "document.getElementById('state').textContent.startsWith('updated')")
+            browser.open(page_url, "document.getElementById('state')?.textContent.startsWith('updated')")
             assert browser.evaluate(ROW.format(run=run_id)) is None
             # the README's example, as a user runs it, while the page is open (no reload from here on)
             trainer = subprocess.Popen(
@@ -138,25 +138,26 @@ def test_up_watches_the_readme_example_and_its_page_shows_it_live(chromium, tmp_
                     trainer.kill()
             assert trainer.returncode == 0, out[-4000:]
             assert re.search(r"step \d+: rollback applied", out), out[-4000:]
-            row_badges = f"{ROW.format(run=run_id)}?.querySelectorAll('.badge') || []"
-            badges = f"Array.from({row_badges}).map(b => b.textContent)"
-            shown = eventually(
-                lambda: browser.evaluate(badges),
-                lambda b: (
-                    any(t.startswith("rollback") for t in b) and any(t.startswith("critical") for t in b)
+            row_js = ROW.format(run=run_id)
+            shown = (
+                f"[{row_js}?.querySelector('.status').textContent, "
+                f"Array.from({row_js}?.querySelectorAll('.badge') || []).map(b => b.textContent)]"
+            )
+            status, badges = eventually(
+                lambda: browser.evaluate(shown),
+                lambda seen: (
+                    seen[0] == "completed" and {t.split()[0] for t in seen[1]} >= {"rollback", "critical"}
                 ),
                 30,
-                "the page to show the run's critical finding and its rollback",
+                "the page to show the run completed, with its critical finding and its rollback",
             )
-            status = browser.evaluate(f"{ROW.format(run=run_id)}.querySelector('.status').textContent")
-            assert status == "completed", (status, shown)
-            link = browser.evaluate(f"{ROW.format(run=run_id)}.querySelector('a').href")
+            link = browser.evaluate(f"{row_js}.querySelector('a').href")
             assert link == f"{page_url}runs/{run_id}"
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             browser.screenshot(ARTIFACTS / "local-page.png")
             assert browser.console_errors == []
             # the run's report, served live from the store by the same process
-            drawn = browser.open(link, "document.body.dataset.drawn", timeout=90)
+            drawn = browser.open(link, "document.body?.dataset.drawn", timeout=90)
             assert int(drawn) == int(browser.evaluate("document.body.dataset.panels")) > 0
             assert browser.console_errors == []
 

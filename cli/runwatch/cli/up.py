@@ -65,7 +65,8 @@ def up(
 
     # The parts log to files; here only what goes wrong (the client libraries' retry chatter included).
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.ERROR)
+    # (kafka-python's reconnect chatter: the stack says itself what failed)
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
     options = StackOptions(
         state_dir=state_dir,
         bootstrap=bootstrap,

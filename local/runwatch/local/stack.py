@@ -80,6 +80,7 @@ class LocalStack:
 
         opts = self.options
         config = load_config(opts.config_path) if opts.config_path else RunwatchConfig()
+        _check_port(opts.page_host, opts.page_port)  # before anything starts: a busy port is one line
         self.logs.mkdir(parents=True, exist_ok=True)
         self.secret, self.secret_file = stack_secret(opts.state_dir)
         self._start_broker()
@@ -192,3 +193,14 @@ def end_offsets(bootstrap: str, names: tuple[str, ...]) -> dict[tuple[str, int],
         return {(tp.topic, tp.partition): int(end) for tp, end in consumer.end_offsets(parts).items()}
     finally:
         consumer.close()
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raise ``OSError`` (EADDRINUSE) now when ``host:port`` cannot be listened on."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the page's server does
+        probe.bind((host, port))

@@ -148,6 +148,8 @@ def _handler(page: PageServer) -> type[BaseHTTPRequestHandler]:
         def _route(self, parts: list[str], query: dict[str, str]) -> None:
             if not parts:
                 self._send(200, RUNS_PAGE.encode(), "text/html; charset=utf-8")
+            elif parts == ["favicon.ico"]:  # (no icon: an empty answer, not a 404 in the console)
+                self._send(204, b"", "image/x-icon")
             elif parts == ["api", "health"]:
                 self._json(200, {"service": "runwatch-page", "dsn": page.sink.dsn, "pid": os.getpid()})
             elif parts == ["api", "runs"]:
