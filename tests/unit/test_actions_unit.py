@@ -30,7 +30,7 @@ from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.publish.lr import LR_SCALE_KEY, scale_lr
 from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
-from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.signing import MissingSecretError, sign_action
 
 SECRET = "unit-secret-of-at-least-32-bytes-0123"
 REPO = Path(__file__).resolve().parents[2]
@@ -489,3 +489,31 @@ def test_the_attempt_comes_from_the_environment_on_every_rank(monkeypatch):
     assert RecordingPublisher(rank=3).attempt is None  # rank 0 decides for it when ranks apply in step
     first, second = RecordingPublisher(), RecordingPublisher()
     assert first.attempt != second.attempt  # every launch is a new attempt
+
+
+def test_a_listener_on_a_recorded_run_reads_no_kafka(tmp_path):
+    from runwatch.producer import JsonlRecorder
+
+    with JsonlRecorder(tmp_path / "run.jsonl", "recorded", collect_metadata=False) as rw:
+        listener = ActionListener(rw, secret=SECRET)
+        assert listener._reader is None  # nothing connects to $RUNWATCH_BOOTSTRAP or 127.0.0.1:9092
+        assert listener.poll(step=1) == []
+    rw_memory = RecordingPublisher()
+    assert ActionListener(rw_memory, secret=SECRET)._reader is None  # nor on a run kept in memory
+
+
+def test_without_a_secret_the_listener_warns_once_and_the_run_goes_on_unwatched(monkeypatch, caplog):
+    monkeypatch.delenv("RUNWATCH_ACTION_SECRET", raising=False)
+    rw = RecordingPublisher()
+    with caplog.at_level("WARNING", logger="runwatch.producer.actions.listener"):
+        listener = ActionListener(rw)  # no exception inside the training loop's `with`
+    assert [r.getMessage() for r in caplog.records] == [
+        f"runwatch: {listener.unsigned}; actions are not applied in this run"
+    ]
+    assert "RUNWATCH_ACTION_SECRET" in (listener.unsigned or "")
+    deliver(listener, action("rollback"))  # signed with a secret this run does not have: refused
+    assert listener.poll(step=1) == [] and rw.acks() == []
+    with pytest.raises(MissingSecretError):
+        ActionListener(rw, strict=True)
+    with pytest.raises(MissingSecretError, match="at least 32"):
+        ActionListener(rw, secret="short", strict=True)

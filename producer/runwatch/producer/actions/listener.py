@@ -23,6 +23,7 @@ thread on receipt, since a rank blocked in a collective or hung elsewhere never 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from datetime import timedelta
@@ -39,10 +40,20 @@ from runwatch.producer.actions.watchdog import StopWatchdog
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.action_kinds import applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
-from runwatch.producer.wire.signing import resolve_secret
+from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
 
 if TYPE_CHECKING:
     from runwatch.producer.publish.run_watch import RunWatch
+
+
+log = logging.getLogger(__name__)
+
+
+def _publishes_to_kafka(rw: Any) -> bool:
+    """Whether ``rw`` sends to a Kafka broker (its actions come back from the same one)."""
+    from runwatch.producer.publish.kafka_delivery import KafkaDelivery
+
+    return isinstance(getattr(rw, "delivery", None), KafkaDelivery)
 
 
 class ActionListener:
@@ -60,11 +71,12 @@ class ActionListener:
         stop_exit_after_s: float | None = None,
         stop_exit_code: int = 1,
         topic: str = topics.ACTIONS,
-        consume: bool = True,
+        consume: bool | None = None,
         sync: bool | str = "auto",
         sync_timeout_s: float = 30.0,
         state_path: str | os.PathLike[str] | bool | None = None,
         state_max_ids: int = STATE_MAX_IDS,
+        strict: bool = False,
     ):
         """``sync``: apply actions at the same poll on every rank (see
         :mod:`~runwatch.producer.actions.rank_sync`): True, False, or "auto" (on when
@@ -75,10 +87,27 @@ class ActionListener:
         ``clock_skew_s``: how far before the listener's start and how far in the future an
         action's ``issued_at`` may lie. ``state_path``: the file that keeps the ids of the actions
         this rank applied, across restarts (None: :func:`default_state_path`; False: none; give each
-        rank its own), bounded to the newest ``state_max_ids``. ``consume=False``: no consumer
-        thread (tests, another transport); raw actions go to ``_accept``."""
+        rank its own), bounded to the newest ``state_max_ids``. ``consume``: read the action topic
+        from the run's broker in a thread (default: when the run publishes to Kafka; not for a run
+        recorded to a file or to memory); False: no consumer thread (tests, another transport), raw
+        actions go to ``_accept``.
+
+        Without a usable secret (none given, ``$RUNWATCH_ACTION_SECRET`` unset or too short) the
+        listener warns once and applies nothing: the run goes on, unwatched by actions (``unsigned``
+        says why). ``strict=True`` raises ``MissingSecretError`` instead."""
         self.rw = rw
-        secret_bytes = resolve_secret(secret)
+        self.unsigned: str | None = None  # why no action can be applied in this run, if so
+        try:
+            secret_bytes = resolve_secret(secret)
+        except MissingSecretError as exc:
+            if strict:
+                raise
+            self.unsigned = str(exc)
+            log.warning("runwatch: %s; actions are not applied in this run", exc)
+            secret_bytes = os.urandom(32)  # matches nothing that was signed: every action is refused
+            consume = False
+        if consume is None:
+            consume = _publishes_to_kafka(rw)
         if restore is None and model is not None:
             restore = torch_restore(model, optimizer)
         if optimizer is not None and hasattr(rw, "track_lr"):
