@@ -26,15 +26,20 @@ from runwatch.producer import ActionListener, RunWatch, category_loss, save_chec
 LANGUAGES = ["en", "de", "fr"]  # the categories: each batch's samples are split among them
 
 
-def batches(seed: int, batch_size: int = 64):
-    """An endless stream of (x, y, language) batches: 3 classes, one input shift per language."""
+def batches(seed: int, batch_size: int = 64, corrupt: int | None = None):
+    """An endless stream of (x, y, language) batches: 3 classes, one input shift per language. The
+    batch number ``corrupt`` holds a NaN, as a bad record would."""
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(3, 16, generator=g) * 2.0
     shift = torch.randn(len(LANGUAGES), 16, generator=g) * 0.3
+    n = 0
     while True:
         y = torch.randint(0, 3, (batch_size,), generator=g)
         language = torch.randint(0, len(LANGUAGES), (batch_size,), generator=g)
         x = centers[y] + shift[language] + torch.randn(batch_size, 16, generator=g)
+        if n == corrupt:
+            x[0, 0] = math.nan
+        n += 1
         yield x, y, language
 
 
@@ -62,7 +67,7 @@ def main() -> int:
     loss_fn = nn.CrossEntropyLoss(reduction="none")  # per sample, for the per-language losses
     ckpt = args.checkpoints / args.run_id
     ckpt.mkdir(parents=True, exist_ok=True)
-    faulted = False
+    loader = batches(seed=0, corrupt=args.fault_step or None)
     print(f"run {args.run_id}: {args.steps} steps, a corrupted batch at step {args.fault_step}")
 
     # The bootstrap comes from $RUNWATCH_BOOTSTRAP; config= is the run's own settings, stored with it.
@@ -70,11 +75,7 @@ def main() -> int:
         watch = rw.watch(model, optimizer, clip=1.0, update_every=10)  # runwatch clips: no clip_grad_norm_
         listener = ActionListener(rw, model, optimizer)  # secret from $RUNWATCH_ACTION_SECRET
         step = 0
-        for x, y, language in watch.data(batches(seed=0)):  # times the wait for each batch
-            if step == args.fault_step and not faulted:
-                x = x.clone()
-                x[0, 0] = math.nan  # the corrupted record
-                faulted = True
+        for x, y, language in watch.data(loader):  # times the wait for each batch
             per_sample = loss_fn(model(x), y)
             loss = per_sample.mean()
             loss.backward()
@@ -104,7 +105,7 @@ def main() -> int:
             if stop or step >= args.steps:
                 break
             step += 1
-            time.sleep(0.02)  # a real step takes longer: give the worker a realistic pace
+            time.sleep(0.02)  # (a real step takes longer: a realistic pace for the worker)
     print(f"run {args.run_id} ended at step {step}")
     return 0
 

@@ -48,41 +48,8 @@ WORKER_SIDE = {
     "rich",
     "pyyaml",
 }
-README_BOOTSTRAP = '"kafka-1:9092"'
 STEPS = 30
-
-# The README's loop names what a training script has already (a model, its optimizer, a loader, a loss,
-# an evaluation): this prelude defines them, tiny. Everything after it is the README's block, as written
-# there, but for its broker address (the test's broker).
-PRELUDE = f"""
-# --- test prelude: what the README's loop uses but does not define ------------------------------------
-import collections, os
-import torch
-torch.manual_seed(0)
-os.makedirs("ckpt", exist_ok=True)
-cfg = {{"lr": 0.05, "batch_size": 8}}
-model = torch.nn.Linear(4, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-def loss_fn(out, y):  # per sample, shape (B,)
-    return torch.nn.functional.mse_loss(out, y, reduction="none").mean(dim=1)
-Batch = collections.namedtuple("Batch", "x y tokens language lengths")
-def _batch():
-    x = torch.randn(8, 4)
-    return Batch(x, x.sum(dim=1, keepdim=True), 8 * 16, ["en", "de"] * 4, torch.full((8,), 16))
-loader = [_batch() for _ in range({STEPS})]
-def evaluate(model):  # val loss, accuracy, per-language loss
-    return 0.5, 0.9, {{"en": 0.4, "de": 0.6}}
-# --- the README's block ----------------------------------------------------------------------------------
-"""
-
-
-def readme_loop() -> str:
-    """The first Python block under the README's "Use it in a training loop"."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Use it in a training loop", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, flags=re.S)
-    assert match, "README.md: no python block under 'Use it in a training loop'"
-    return match.group(1)
+EXAMPLE = REPO / "examples" / "quickstart.py"  # the README's loop, whole (tests/unit/test_readme_loop.py)
 
 
 def copy_sources(into: Path) -> Path:
@@ -174,15 +141,13 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
         [*pip, "install", "--quiet", "torch==2.13.0"], capture_output=True, text=True, timeout=1200
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    block = readme_loop()
-    assert block.count(README_BOOTSTRAP) == 1, f"README.md's loop no longer names {README_BOOTSTRAP}"
-    script = tmp_path / "train.py"
-    script.write_text(PRELUDE + block.replace(README_BOOTSTRAP, repr(broker.bootstrap)))
     before = end_offsets(broker.bootstrap, topics.TELEMETRY)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "RUNWATCH_"))}
     env["RUNWATCH_ACTION_SECRET"] = secret
+    env["RUNWATCH_BOOTSTRAP"] = broker.bootstrap
     trained = subprocess.run(
-        [str(venv / "bin" / "python"), str(script)],
+        [str(venv / "bin" / "python"), str(EXAMPLE), "--run-id", "run-42", "--steps", str(STEPS - 1)]
+        + ["--fault-step", "0"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -193,7 +158,7 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
     steps = step_events_since(broker.bootstrap, before, "run-42", STEPS)
     assert [e.step for e in steps] == list(range(STEPS))
     assert all(e.loss is not None and e.grad_norm is not None for e in steps)
-    assert steps[0].category_loss and set(steps[0].category_loss) == {"en", "de"}
+    assert steps[0].category_loss and set(steps[0].category_loss) == {"en", "de", "fr"}
 
 
 def test_the_base_install_resolves_beside_transformers_518(tmp_path):

@@ -84,6 +84,13 @@ from runwatch.producer.wire import topics
     show_default=True,
     help="seconds an ended run's marker stays in runwatch.state before it is deleted",
 )
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".runwatch") / "worker",
+    show_default=True,
+    help="Faust's own files (its offsets' table and such); said at start",
+)
 @click.option("--loglevel", default="WARNING", show_default=True)
 def worker(
     bootstrap: str,
@@ -99,6 +106,7 @@ def worker(
     snapshot_every_events: int,
     snapshot_interval: float,
     state_retention: float,
+    data_dir: Path,
     loglevel: str,
 ) -> None:
     """Run the Faust detection worker."""
@@ -156,7 +164,9 @@ def worker(
         state=state,
         partitions=partitions,
         health_server=server,
+        data_dir=data_dir,
     )
+    click.echo(f"runwatch worker: group {group} on {bootstrap}; Faust's files in {data_dir.resolve()}")
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
 

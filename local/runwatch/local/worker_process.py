@@ -64,6 +64,8 @@ class WorkerProcess:
             cmd += ["--config", str(Path(config_path).resolve())]
         if group is not None:
             cmd += ["--group", group]
+        # (Faust's files beside the log, where they always were: "<group>-data")
+        cmd += ["--data-dir", str(log_path.parent / f"{group or topics.DETECT_GROUP}-data")]
         cmd += list(extra_args)
         env = dict(os.environ, **{topics.SECRET_ENV: secret})
         self.log_path = log_path

@@ -76,10 +76,13 @@ class RunwatchApp(faust.App):
         await super().on_stop()
 
 
-def faust_app(bootstrap: str, app_id: str, web_port: int = 6066) -> RunwatchApp:
-    """A Faust app with runwatch's settings (raw bytes, short fetch wait, quick group joins)."""
+def faust_app(bootstrap: str, app_id: str, web_port: int = 6066, data_dir: Path | None = None) -> RunwatchApp:
+    """A Faust app with runwatch's settings (raw bytes, short fetch wait, quick group joins). ``data_dir``:
+    Faust's own folder (default Faust's, ``<app_id>-data`` in the working directory)."""
+    extra = {"datadir": str(data_dir)} if data_dir is not None else {}
     return RunwatchApp(
         app_id,
+        **extra,
         broker=faust_broker_url(bootstrap),
         value_serializer="raw",
         key_serializer="raw",
@@ -114,7 +117,7 @@ def create_app(
     *,
     app_id: str = DETECT_GROUP,
     web_port: int | None = 6066,
-    web_host: str = "0.0.0.0",
+    web_host: str = "127.0.0.1",
     ready_file: Path | None = None,
     detector_timeout_s: float = REPLY_TIMEOUT_S,
     delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
@@ -122,6 +125,7 @@ def create_app(
     state: StateOptions | None = None,
     partitions: int | None = None,
     health_server: HealthServer | None = None,
+    data_dir: Path | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
@@ -134,7 +138,7 @@ def create_app(
     (streams/runwatch/streams/worker/baselines.py). ``state``: the runs' state snapshots to ``runwatch.state``
     (streams/runwatch/streams/worker/run_states.py); on by default. ``partitions``: the telemetry topic's
     partition count, against which each record's partition is checked."""
-    app = faust_app(bootstrap, app_id, web_port or 6066)
+    app = faust_app(bootstrap, app_id, web_port or 6066, data_dir)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {
         name: app.topic(name, value_serializer="raw", key_serializer="raw")
