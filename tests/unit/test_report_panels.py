@@ -87,7 +87,12 @@ def test_the_loss_panel_marks_the_finding_and_the_rollback():
     (markers,) = [t for t in loss.figure["data"] if t["name"] == "anomalies"]
     assert markers["x"] == [5] and markers["y"][0] is not None  # on the curve, though the value was NaN
     assert "rollback → step 2" in [a["text"] for a in loss.figure["layout"]["annotations"]]
-    assert [s["x0"] for s in loss.figure["layout"]["shapes"]] == [7]  # where the trainer took it
+    shapes = loss.figure["layout"]["shapes"]
+    assert [s["x0"] for s in shapes if s.get("name") != "nonfinite"] == [7]  # where the trainer took it
+    # the NaN step is a band over the panel's height, labelled at its top (not a point at 0)
+    [band] = [s for s in shapes if s.get("name") == "nonfinite"]
+    assert (band["x0"], band["x1"], band["yref"], band["y0"], band["y1"]) == (4.5, 5.5, "paper", 0, 1)
+    assert "not finite at step 5" in [a["text"] for a in loss.figure["layout"]["annotations"]]
 
 
 def test_an_unreported_figure_is_a_panel_that_says_so_and_no_baseline_is_said():
@@ -96,3 +101,45 @@ def test_an_unreported_figure_is_a_panel_that_says_so_and_no_baseline_is_said():
     html = render(data(), list(panels.values()))
     assert "no baseline history" in html and 'id="panel-mfu"' in html
     assert "NaN" not in html.split('id="runwatch-panels"')[1]  # JSON has no NaN: the browser would refuse it
+
+
+def test_the_steps_run_again_after_a_rollback_are_a_trace_of_their_own():
+    loss = next(p for p in all_panels(data()) if p.id == "loss")
+    curves = [t for t in loss.figure["data"] if t["name"] != "anomalies"]
+    assert [t["name"] for t in curves] == ["loss", "loss after rollback 1 (from step 3)"]
+    assert [t["line"]["dash"] for t in curves] == ["solid", "dash"]
+    assert curves[1]["x"][0] == 3 and 5 in curves[0]["x"]  # the first pass keeps its steps, NaN included
+
+
+def test_a_time_axis_leaves_out_the_warm_up_steps_that_would_squash_it():
+    from runwatch.sinks.report.panels import layout, line, past_warmup
+
+    slow_start = [12.0, 3.0, 1.6] + [1.5 + 0.01 * (i % 7) for i in range(40)]
+    fig = {"data": [line("step time", list(range(43)), slow_start)], "layout": layout("Step time")}
+    past_warmup(fig)
+    low, high = fig["layout"]["yaxis"]["range"]
+    assert 1.4 < low < 1.5 and 1.56 < high < 1.7  # the steady steps fill the panel
+    assert any("warm-up" in a["text"] for a in fig["layout"]["annotations"])
+    steady = {"data": [line("step time", list(range(43)), slow_start[3:])], "layout": layout("Step time")}
+    past_warmup(steady)
+    assert "range" not in steady["layout"]["yaxis"]  # nothing off scale: plotly's own range
+
+
+def test_the_demo_says_what_happened_and_what_to_open_next():
+    from runwatch.demo.console import closing_lines
+
+    report = {
+        "rollbacks": [{"from_step": 159, "to_step": 125, "lr_scale": 0.5}],
+        "steps": 300,
+        "steps_completed": 300,
+        "steps_executed": 334,
+        "stopped": False,
+        "report": "/tmp/report-demo.html",
+    }
+    assert closing_lines(report) == [
+        "runwatch rolled the run back at step 159 to the checkpoint of step 125 at 0.5x the LR",
+        "the run completed at step 300 of 300, after 334 executed steps "
+        "(34 of them run again after a rollback)",
+        "next: open the report, /tmp/report-demo.html (findings, actions, every curve)",
+        "then watch your own loop: runwatch up, and examples/quickstart.py (docs/local-stack.md)",
+    ]

@@ -57,12 +57,35 @@ class DemoConsole:
         for a in report["actions"]:
             table.add_row(str(a["step"]), a["kind"], a["reason"])
         out.print(table if report["actions"] else "no actions")
-        for r in report["rollbacks"]:
-            out.print(f"rolled back at step {r['from_step']} to the checkpoint of step {r['to_step']}")
         ch = report["clickhouse"]
         out.print(
             f"ClickHouse ({report['clickhouse_dsn']}): telemetry {ch['telemetry']}, anomalies "
             f"{ch['anomalies']}, actions {ch['actions']}, dead letters {ch['deadletter']}; events published "
             f"{report['events_published']}, dropped {report['events_dropped']}"
         )
-        out.print(f"report: {report['report'] or 'not written (see the log above)'}")
+        for line in closing_lines(report):
+            out.print(line)
+
+
+def closing_lines(report: dict[str, Any]) -> list[str]:
+    """What happened, in words, and what to open next: the demo's last lines."""
+    lines = []
+    for r in report["rollbacks"]:
+        scale = f" at {r['lr_scale']:g}x the LR" if r.get("lr_scale") else ""
+        lines.append(
+            f"runwatch rolled the run back at step {r['from_step']} to the checkpoint of step "
+            f"{r['to_step']}{scale}"
+        )
+    again = report["steps_executed"] - report["steps_completed"]
+    end = "was stopped" if report["stopped"] else "completed"
+    lines.append(
+        f"the run {end} at step {report['steps_completed']} of {report['steps']}, after "
+        f"{report['steps_executed']} executed steps"
+        + (f" ({again} of them run again after a rollback)" if again > 0 else "")
+    )
+    if report["report"]:
+        lines.append(f"next: open the report, {report['report']} (findings, actions, every curve)")
+    else:
+        lines.append("the report was not written (see the log above)")
+    lines.append("then watch your own loop: runwatch up, and examples/quickstart.py (docs/local-stack.md)")
+    return lines

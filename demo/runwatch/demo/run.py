@@ -397,7 +397,12 @@ def run_demo(
         "anomalies": anomalies,
         "actions": actions,
         "rollbacks": [
-            {"from_step": r["from_step"], "to_step": r["to_step"], "action_id": r["action_id"]}
+            {
+                "from_step": r["from_step"],
+                "to_step": r["to_step"],
+                "action_id": r["action_id"],
+                "lr_scale": r.get("lr_scale"),
+            }
             for r in result.rollbacks
         ],
         "actions_ignored_by_trainer": dict(listener.ignored),

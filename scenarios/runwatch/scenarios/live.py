@@ -40,7 +40,12 @@ class TrainingResult:
                 on_action(applied)
             if applied.kind == "rollback" and applied.outcome == "applied" and applied.to_step is not None:
                 self.rollbacks.append(
-                    {"from_step": step, "to_step": applied.to_step, "action_id": applied.action.action_id}
+                    {
+                        "from_step": step,
+                        "to_step": applied.to_step,
+                        "action_id": applied.action.action_id,
+                        "lr_scale": applied.action.params.get("lr_scale"),
+                    }
                 )
                 self.nonfinite_after_last_rollback = 0
                 step = applied.to_step

@@ -117,6 +117,122 @@ def line(name: str, xs: Sequence[Any], ys: Sequence[float | None], **extra: Any)
     }
 
 
+ATTEMPT_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
+
+
+def attempt_lines(
+    name: str, rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], Any]
+) -> list[dict[str, Any]]:
+    """``name``'s curve as one trace per attempt: a rollback's replay (the step going back) starts a trace
+    of its own, named for the step it went back to and drawn dashed, so that the steps run again are not
+    drawn over the first pass with nothing telling them apart."""
+    segments: list[tuple[list[int], list[float | None]]] = [([], [])]
+    last: int | None = None
+    for row in rows:
+        step, raw = row.get("step"), value(row)
+        if step is None or raw is None:
+            continue
+        if last is not None and step < last and segments[-1][0]:
+            segments.append(([], []))
+        segments[-1][0].append(int(step))
+        segments[-1][1].append(finite(raw))
+        last = step
+    traces = []
+    for i, (xs, ys) in enumerate(segments):
+        label = name if i == 0 else f"{name} after rollback {i} (from step {xs[0]})"
+        dash = ATTEMPT_DASHES[i % len(ATTEMPT_DASHES)]
+        traces.append(line(label, xs, ys, line={"dash": dash}, legendgroup=name))
+    return traces
+
+
+def nonfinite_steps(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> list[int]:
+    """The steps whose ``names`` value was reported but not finite (NaN, Inf), in order, once each."""
+    found = {
+        int(row["step"])
+        for row in rows
+        if row.get("step") is not None
+        for n in names
+        if row.get(n) is not None and finite(row.get(n)) is None
+    }
+    return sorted(found)
+
+
+def mark_nonfinite(fig: Figure, steps: Sequence[int]) -> None:
+    """A red band over each run of non-finite steps, labelled at the top of the panel: a NaN has no place
+    on a value axis (a marker at 0 or on the last value would mislead), so it is shown over the whole
+    height where it happened."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    for run in runs:
+        fig["layout"]["shapes"].append(
+            {
+                "type": "rect",
+                "xref": "x",
+                "yref": "paper",
+                "x0": run[0] - 0.5,
+                "x1": run[-1] + 0.5,
+                "y0": 0,
+                "y1": 1,
+                "fillcolor": "rgba(214,39,40,0.18)",
+                "line": {"width": 0},
+                "layer": "below",
+                "name": "nonfinite",
+            }
+        )
+        # ("not finite": the panels' JSON holds no "NaN", which a browser's JSON.parse would refuse)
+        label = f"not finite at step {run[0]}" if len(run) == 1 else f"not finite, steps {run[0]}–{run[-1]}"
+        fig["layout"]["annotations"].append(
+            {
+                "text": label,
+                "x": run[0],
+                "xref": "x",
+                "y": 1.06,
+                "yref": "paper",
+                "xanchor": "left",
+                "showarrow": False,
+                "font": {"size": 11, "color": "#d62728"},
+                "name": "nonfinite",
+            }
+        )
+
+
+WARMUP_STEPS = 5  # the first steps (compilation, allocator, caches) are left out of a time axis's range
+
+
+def past_warmup(fig: Figure) -> None:
+    """Fit the y axis to the values after the first ``WARMUP_STEPS`` points when those are far outside
+    them (a first step 10x slower squashes the rest of the curve), saying so on the panel."""
+    first: list[float] = []
+    rest: list[float] = []
+    for trace in fig["data"]:
+        ys = [y for y in trace.get("y") or [] if y is not None]
+        first += ys[:WARMUP_STEPS]
+        rest += ys[WARMUP_STEPS:]
+    if len(rest) < 10 or fig["layout"]["yaxis"].get("type") == "log":
+        return
+    low, high = min(rest), max(rest)
+    span = (high - low) or abs(high) or 1.0
+    if not any(v > high + span or v < low - span for v in first):
+        return
+    fig["layout"]["yaxis"]["range"] = [low - 0.1 * span, high + 0.1 * span]
+    fig["layout"]["annotations"].append(
+        {
+            "text": f"the first {WARMUP_STEPS} steps (warm-up) are off this scale",
+            "xref": "paper",
+            "yref": "paper",
+            "x": 1,
+            "y": 1.06,
+            "xanchor": "right",
+            "showarrow": False,
+            "font": {"size": 11, "color": "#888"},
+        }
+    )
+
+
 def has_values(traces: Iterable[dict[str, Any]]) -> bool:
     return any(y is not None for t in traces for y in (t.get("y") or t.get("z") or []))
 
@@ -262,12 +378,18 @@ def _step_panel(
     log_y: bool = False,
     metrics: Sequence[str] = (),
     mark_on: int = 0,
+    nonfinite: Sequence[str] = (),
+    warmup: bool = False,
 ) -> Panel:
     """A panel of curves against the step, with the run's actions and the anomalies of ``metrics``
-    marked (on trace ``mark_on``)."""
+    marked (on trace ``mark_on``); steps where a ``nonfinite`` column was NaN/Inf are banded; ``warmup``:
+    the y axis leaves out first steps far off the rest."""
     fig = _figure([t for t in traces if has_values([t])], layout(title, y_title, log_y))
     if not fig["data"]:
         return Panel(pid, title, "run", no_data(fig, what))
+    mark_nonfinite(fig, nonfinite_steps(data.steps, nonfinite))
+    if warmup:
+        past_warmup(fig)
     marked = [a for a in data.anomalies if a.get("metric") in metrics or "*" in metrics]
     base = fig["data"][min(mark_on, len(fig["data"]) - 1)]
     trace = anomaly_trace(marked, base["x"], base["y"])
@@ -310,9 +432,10 @@ def run_panels(data: ReportData) -> list[Panel]:
             "loss",
             "Loss (rank 0) with findings and actions",
             "loss",
-            [line("loss", *_col(s, "loss"))],
+            attempt_lines("loss", s, lambda r: r.get("loss")),
             "loss",
             metrics=("*",),
+            nonfinite=("loss",),
         ),
         _step_panel(
             data,
@@ -331,12 +454,14 @@ def run_panels(data: ReportData) -> list[Panel]:
             "Grad norm before and after clipping",
             "norm",
             [
-                line("before clipping", *_col(s, "grad_norm")),
-                line("after clipping", *_col(s, "grad_norm_clipped")),
+                # wide and pale under a thin dashed "after": where clipping did nothing both still show
+                line("before clipping", *_col(s, "grad_norm"), line={"width": 4}, opacity=0.45),
+                line("after clipping", *_col(s, "grad_norm_clipped"), line={"width": 1.5, "dash": "dash"}),
             ],
             "grad_norm",
             log_y=True,
             metrics=("grad_norm", "grad_norm_clipped"),
+            nonfinite=("grad_norm",),
         ),
         _step_panel(
             data,
@@ -375,6 +500,7 @@ def run_panels(data: ReportData) -> list[Panel]:
             [line("step time", *_col(s, "step_time_s")), line("compute", *_col(s, "compute_s"))],
             "step_time_s",
             metrics=("step_time_s", "step_time"),
+            warmup=True,
         ),
         _step_panel(
             data,
@@ -384,6 +510,7 @@ def run_panels(data: ReportData) -> list[Panel]:
             [line("samples/s", *_col(s, "samples_per_s")), line("tokens/s", *_col(s, "tokens_per_s"))],
             "samples_per_s, tokens_per_s",
             metrics=("samples_per_s", "tokens_per_s", "throughput"),
+            warmup=True,
         ),
         _step_panel(
             data, "mfu", "MFU", "fraction of peak", [line("MFU", *_col(s, "mfu"))], "mfu", metrics=("mfu",)
