@@ -143,3 +143,9 @@ def test_the_demo_says_what_happened_and_what_to_open_next():
         "next: open the report, /tmp/report-demo.html (findings, actions, every curve)",
         "then watch your own loop: runwatch up, and examples/quickstart.py (docs/local-stack.md)",
     ]
+
+
+def test_the_baselines_section_says_why_there_is_no_baseline_once():
+    report = data(baseline_note="no baseline history: the run names no baseline_key")
+    html = render(report, all_panels(report))
+    assert html.count("no baseline history: the run names no baseline_key") == 1

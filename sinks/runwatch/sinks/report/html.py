@@ -234,14 +234,13 @@ def render(data: ReportData, panels: list[Panel]) -> str:
     run_panels = [p for p in panels if p.section == "run"]
     band_panels = [p for p in panels if p.section == "baselines"]
     generated = f" · generated {_time(data.generated_at)}" if data.generated_at else ""
+    # (the reason, when there is one, is the verdicts' note just above: said once)
     band_note = (
         ""
         if band_panels
-        else (
-            '<p class="note">No baseline band: '
-            + (_e(data.baseline_note) or "no earlier runs to draw one from")
-            + "</p>"
-        )
+        else '<p class="note">No baseline band'
+        + ("." if data.baseline_note else ": no earlier runs to draw one from.")
+        + "</p>"
     )
     multi = (
         (
