@@ -154,3 +154,26 @@ def test_a_module_missing_while_a_command_runs_is_the_same_one_line(tmp_path: Pa
             ["error: runwatch grafana generate needs the 'grafana' extra: pip install 'runwatch[grafana]'"],
         ],
     }, json.dumps(results)
+
+
+def test_every_missing_extra_is_named_at_once_the_embedded_stores_too():
+    absent = {"report": ["plotly"], "embedded": ["chdb"]}
+    assert extras.message("runwatch report", absent, partial=["embedded"]) == (
+        "runwatch report needs the 'report' extra and chdb (from the 'embedded' extra): "
+        "pip install 'runwatch[report,embedded]'"
+    )
+
+
+def test_a_command_opens_the_embedded_store_unless_given_a_server(monkeypatch):
+    from runwatch.cli.needs import _embedded_store
+    from runwatch.cli.report import report
+    from runwatch.cli.worker import worker
+
+    monkeypatch.delenv("RUNWATCH_CLICKHOUSE_DSN", raising=False)
+    assert _embedded_store(report, ["run-1"])  # the default DSN is the embedded store
+    assert _embedded_store(report, ["run-1", "--dsn", "chdb:///tmp/x"])
+    assert not _embedded_store(report, ["run-1", "--dsn", "http://ch:8123"])
+    assert not _embedded_store(report, ["run-1", "--dsn=https://ch:8443"])
+    monkeypatch.setenv("RUNWATCH_CLICKHOUSE_DSN", "http://ch:8123")
+    assert not _embedded_store(report, ["run-1"])
+    assert not _embedded_store(worker, ["--bootstrap", "k:9092"])  # no store at all

@@ -103,15 +103,19 @@ def missing(
     return out
 
 
-def message(command: str, absent: dict[str, list[str]], partial: bool = False) -> str:
-    """One line: ``runwatch worker needs the 'worker' extra: pip install 'runwatch[worker]'``; with
-    ``partial`` (the command needs part of the extra), the missing distributions are named too."""
+def message(command: str, absent: dict[str, list[str]], partial: bool | Sequence[str] = False) -> str:
+    """One line naming every extra missing at once: ``runwatch worker needs the 'worker' extra: pip install
+    'runwatch[worker]'``. ``partial``: the extras (True: all) of which the command needs a part only; for
+    those the missing distributions are named too (``chdb (from the 'embedded' extra)``)."""
     names = list(absent)
-    quoted = " and ".join(f"'{n}'" for n in names)
-    what = f"the {quoted} extra{'s' if len(names) > 1 else ''}"
-    if partial:
-        what = f"{', '.join(d for n in names for d in absent[n])} (from {what})"
-    return f"{command} needs {what}: pip install '{DIST}[{','.join(names)}]'"
+    parts = names if partial is True else [n for n in names if partial and n in partial]
+    whole = [n for n in names if n not in parts]
+    said = []
+    if whole:
+        said.append(f"the {' and '.join(repr(n) for n in whole)} extra{'s' if len(whole) > 1 else ''}")
+    for n in parts:
+        said.append(f"{', '.join(absent[n])} (from the {n!r} extra)")
+    return f"{command} needs {' and '.join(said)}: pip install '{DIST}[{','.join(names)}]'"
 
 
 def installed_distribution(name: str) -> bool:
@@ -132,8 +136,11 @@ def installed_table() -> dict[str, list[str]]:
 
 def check(command: str, needs: Sequence[str], without: Sequence[str] = ()) -> str | None:
     """The one-line message when ``command`` cannot run on this install, else None."""
-    absent = missing(needs, installed_table(), installed_distribution, without)
-    return message(command, absent, partial=bool(without)) if absent else None
+    table = installed_table()
+    absent = missing(needs, table, installed_distribution, without)
+    skip = {normalize(n) for n in without}
+    partial = [e for e in absent if skip & set(distributions(e, table))]
+    return message(command, absent, partial=partial) if absent else None
 
 
 def for_missing_module(command: str, module: str, needs: Sequence[str]) -> str | None:

