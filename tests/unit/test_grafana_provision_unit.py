@@ -124,3 +124,24 @@ def test_connect_needs_a_token_and_an_http_url():
     with pytest.raises(ProvisionError, match="http"):
         connect("grafana:3000", "t")
     assert connect("http://admin:admin@grafana:3000", None) is not None  # basic auth in the URL
+
+
+def test_a_dry_run_with_no_grafana_lists_what_it_would_send_and_never_the_password():
+    import socket
+
+    from click.testing import CliRunner
+
+    from runwatch.cli.main import main
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    url = f"http://admin:s3cret@127.0.0.1:{port}"
+    done = CliRunner().invoke(main, ["grafana", "provision", "--url", url, "--dry-run", "--timeout", "2"])
+    assert done.exit_code == 0, done.output
+    assert "s3cret" not in done.output and f"admin:***@127.0.0.1:{port}" in done.output
+    plan = [line.split()[4:6] for line in done.output.splitlines() if line.startswith("would create or")]
+    assert plan[:2] == [["folder", "runwatch"], ["datasource", "runwatch-clickhouse"]]
+    assert [kind for kind, _ in plan[2:]] == ["dashboard"] * 5
+    failed = CliRunner().invoke(main, ["grafana", "provision", "--url", url, "--timeout", "2"])
+    assert failed.exit_code == 2 and "s3cret" not in failed.output  # not a dry run: it must reach Grafana

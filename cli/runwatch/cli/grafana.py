@@ -10,6 +10,7 @@ import click
 from runwatch.cli.failure import EXIT_VERDICT, fail
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.output import print_json
+from runwatch.producer.wire.logsafe import redacted
 
 DEFAULT_DATASOURCE_URL = "native://runwatch_reader@clickhouse:9000/runwatch"
 
@@ -164,12 +165,22 @@ def provision(
         folder = folder_uid or prov.folder_uid(folder_title)
         outcomes = provisioner.run(folder_title, folder, datasource, dashboards)
         strays = provisioner.strays(folder, [str(d["uid"]) for d in dashboards])
+    except prov.GrafanaUnreachable as exc:
+        if not dry_run:
+            fail(str(exc))
+        # A dry run with no Grafana to compare with: what a run would send, compared with nothing.
+        click.echo(f"note: {exc}: nothing compared", err=True)
+        click.echo(f"would create or update  folder      {folder:<28} {folder_title}")
+        click.echo(f"would create or update  datasource  {datasource_uid:<28} {datasource_name}")
+        for d in dashboards:
+            click.echo(f"would create or update  dashboard   {d['uid']!s:<28} {d.get('title', '')}")
+        return
     except prov.ProvisionError as exc:
         fail(str(exc))
     counts = Counter(o.action for o in outcomes)
     if as_json:
         report = {
-            "url": url,
+            "url": redacted(url),
             "dry_run": dry_run,
             "objects": [o.model_dump() for o in outcomes],
             "counts": dict(counts),
@@ -185,4 +196,4 @@ def provision(
     shown: tuple[prov.Action, ...] = (
         ("would create", "would update", "unchanged") if dry_run else ("created", "updated", "unchanged")
     )
-    click.echo(f"grafana {url}: " + ", ".join(f"{counts[a]} {a}" for a in shown))
+    click.echo(f"grafana {redacted(url)}: " + ", ".join(f"{counts[a]} {a}" for a in shown))

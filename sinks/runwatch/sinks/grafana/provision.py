@@ -44,6 +44,10 @@ class ProvisionError(Exception):
     """Provisioning stopped: Grafana unreachable, the token refused, or an answer that makes no sense."""
 
 
+class GrafanaUnreachable(ProvisionError):
+    """Grafana did not answer at all (refused, timed out): nothing was read."""
+
+
 class Outcome(BaseModel):
     """What provisioning did (or would do) to one Grafana object."""
 
@@ -326,7 +330,7 @@ class Provisioner:
         except GrafanaClientError as exc:
             if exc.status_code == 404:
                 return None
-            raise ProvisionError(self._explain(f"reading {what}", exc)) from None
+            raise self._error(f"reading {what}", exc) from None
         if not isinstance(found, dict):
             raise ProvisionError(
                 f"bad response from Grafana at {redacted(self.url)} reading {what}: {found!r:.200}"
@@ -347,7 +351,17 @@ class Provisioner:
         except reraise:
             raise
         except Exception as exc:  # noqa: BLE001 - grafana-client, niquests and JSON errors, explained below
-            raise ProvisionError(self._explain(what, exc)) from None
+            raise self._error(what, exc) from None
+
+    def _error(self, what: str, exc: BaseException) -> ProvisionError:
+        import niquests
+        from grafana_client.client import GrafanaException, GrafanaTimeoutError
+
+        silent = isinstance(
+            exc, GrafanaTimeoutError | niquests.exceptions.Timeout | niquests.exceptions.ConnectionError
+        )
+        silent = silent or (isinstance(exc, GrafanaException) and exc.status_code == 0)
+        return (GrafanaUnreachable if silent else ProvisionError)(self._explain(what, exc))
 
     def _explain(self, what: str, exc: BaseException) -> str:
         # (never the password of a --url given as http://user:password@host)
