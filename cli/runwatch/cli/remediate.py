@@ -52,6 +52,7 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
         raise
     # (after the startup checks: what a client library logs while it retries is not the one line)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # its connection chatter: about 80 lines a start
     consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
     n_commands = sum(len(rule.commands) for rule in config.rules)
     click.echo(

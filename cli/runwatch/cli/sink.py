@@ -69,6 +69,7 @@ def sink(
         raise
     # (after the startup checks: what a client library logs while it retries is not the one line)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # its connection chatter: about 80 lines a start
     click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
     consumer = SinkConsumer(
         store,

@@ -33,7 +33,7 @@ ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same o
 
 # Pinned so that constructors never probe the broker (kafka-python 3.x returns at
 # once with an explicit api_version, even when nothing is listening).
-KAFKA_API_VERSION = (2, 8, 0)
+KAFKA_API_VERSION = (2, 8)  # (kafka-python 3 knows versions by two numbers: a third is warned about)
 
 
 @overload
