@@ -94,7 +94,7 @@ def test_close_returns_promptly_and_accounts_for_every_event(make_rw):
         rw.step(i, loss=1.0)
         offered += 1
     t = time.monotonic()
-    stats = rw.close(timeout=2)
+    stats = rw.close(timeout=0.5)
     offered += 1  # run_end, published by close()
     assert time.monotonic() - t < 5.0
     assert stats.published == 0
@@ -151,12 +151,12 @@ def test_stats_stay_final_after_close():
 
 def test_publish_after_close_is_dropped_as_closed(make_rw):
     rw = make_rw(queue_size=10)
-    rw.close(timeout=2)
+    rw.close(timeout=0.3)
     before = rw.stats.dropped
     assert rw.step(1, loss=1.0) is False
     assert rw.stats.drop_reasons["closed"] == 1
     assert rw.stats.dropped == before + 1
-    assert rw.close(timeout=2) is rw.stats  # closing twice is harmless
+    assert rw.close(timeout=0.3) is rw.stats  # closing twice is harmless
 
 
 def test_invalid_arguments_are_counted_not_raised_into_the_loop():
