@@ -114,6 +114,9 @@ class LocalStack:
             limits=config.limits,
             summary_loss_every=config.baseline.loss_every,
             secret=self.secret.encode(),
+            # (the embedded broker's topics are made here, with the default count; a given Kafka's are
+            # not known here, and the worker dead-letters a record on the wrong partition anyway)
+            partitions=topics.DEFAULT_PARTITIONS if self.broker is not None else None,
         )
         self._run_thread("runwatch-sink", self.sink_consumer.run)
         self.page = PageServer(
