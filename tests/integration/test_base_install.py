@@ -126,15 +126,23 @@ def test_the_base_install_is_the_training_side_and_the_readme_loop_runs_there(tm
     assert (
         subprocess.run([runwatch, "--help"], capture_output=True, timeout=120, cwd=tmp_path).returncode == 0
     )
-    for command, extra in (
-        (["worker", "--bootstrap", "127.0.0.1:9"], "worker"),
-        (["worker"], "worker"),
-        (["sink", "--bootstrap", "127.0.0.1:9"], "sink"),
+    for command, needs in (
+        (["worker", "--bootstrap", "127.0.0.1:9"], "the 'worker' extra: pip install 'runwatch[worker]'"),
+        (["worker"], "the 'worker' extra: pip install 'runwatch[worker]'"),
+        # the default store is the embedded one: its extra is named in the same line
+        (
+            ["sink", "--bootstrap", "127.0.0.1:9"],
+            "the 'sink' extra and chdb (from the 'embedded' extra): pip install 'runwatch[sink,embedded]'",
+        ),
+        (
+            ["sink", "--bootstrap", "127.0.0.1:9", "--dsn", "http://ch:8123"],
+            "the 'sink' extra: pip install 'runwatch[sink]'",
+        ),
     ):
         out = subprocess.run([runwatch, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert (out.returncode, out.stderr.strip().splitlines()) == (
             2,
-            [f"error: runwatch {command[0]} needs the '{extra}' extra: pip install 'runwatch[{extra}]'"],
+            [f"error: runwatch {command[0]} needs {needs}"],
         ), out.stderr
 
     done = subprocess.run(

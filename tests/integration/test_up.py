@@ -72,9 +72,14 @@ class Up:
         return next(m for line in self.lines if (m := re.search(pattern, line)))
 
     def kill(self) -> None:
+        """Ctrl-C first (the stack stops its children), SIGKILL if it does not end."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
 
 
 def runwatch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -208,3 +213,43 @@ def test_a_busy_page_port_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"error: the page's port {port} on 127.0.0.1 is in use: give --page-port N (0 picks a free one)"
     ]
+
+
+def processes_mentioning(*needles: str) -> list[int]:
+    """The pids whose command line holds every one of ``needles``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_stack_leaves_no_process_behind(tmp_path):
+    up = Up(tmp_path, "--page-port", "0")
+    try:
+        up.wait_for("Ctrl-C stops everything.", timeout=300)
+        port = up.line(r"export RUNWATCH_BOOTSTRAP=127\.0\.0\.1:(\d+)").group(1)
+        worker = processes_mentioning("runwatch.cli", "worker", str(tmp_path))
+        broker = processes_mentioning("tansu", f"tcp://127.0.0.1:{port}")
+        assert worker and broker, (worker, broker)
+        os.killpg(up.proc.pid, signal.SIGKILL)  # no Ctrl-C: nothing of the stack's own stops them
+        up.proc.wait(10)
+        eventually(
+            lambda: (
+                processes_mentioning("runwatch.cli", "worker", str(tmp_path))
+                + processes_mentioning("tansu", f"tcp://127.0.0.1:{port}")
+            ),
+            lambda left: left == [],
+            30,
+            "the worker and the broker to end with runwatch up",
+        )
+    finally:
+        up.kill()
+        for pid in processes_mentioning(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)

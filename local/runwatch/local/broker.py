@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from runwatch.local.children import die_with_parent
 from runwatch.producer.wire import topics
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,11 @@ class EmbeddedBroker:
         port: int | None = None,
         log_path: Path | None = None,
         advertised: str | None = None,
+        die_with_parent: bool = False,
     ):
+        """``die_with_parent``: the broker is ended when the process that started it dies (``runwatch
+        up``: a SIGKILL must not leave it running)."""
+        self.die_with_parent = die_with_parent
         self.host = host
         self.port = port or free_port(host)
         self.log_path = log_path
@@ -93,6 +98,7 @@ class EmbeddedBroker:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C to the demo must not kill the broker before we drain
+            preexec_fn=die_with_parent() if self.die_with_parent else None,
         )
         if not wait_for_port(self.host, self.port, timeout):
             self.stop()

@@ -84,7 +84,9 @@ class LocalStack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.secret, self.secret_file = stack_secret(opts.state_dir)
         self._start_broker()
-        self.worker = WorkerProcess(self.bootstrap, self.secret, self.logs / "worker.log", opts.config_path)
+        self.worker = WorkerProcess(
+            self.bootstrap, self.secret, self.logs / "worker.log", opts.config_path, die_with_parent=True
+        )
         self.say(f"worker starting (log: {self.worker.log_path})")
         self._start_store(config)
         if opts.remediate_config is not None:
@@ -95,7 +97,7 @@ class LocalStack:
         if self.options.bootstrap:
             self.bootstrap = self.options.bootstrap
         else:
-            self.broker = EmbeddedBroker(log_path=self.logs / "broker.log").start()
+            self.broker = EmbeddedBroker(log_path=self.logs / "broker.log", die_with_parent=True).start()
             self.bootstrap = self.broker.bootstrap
         ensure_topics(self.bootstrap)
 

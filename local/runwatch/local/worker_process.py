@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runwatch.local.broker import free_port
+from runwatch.local.children import die_with_parent as ending_with_parent
 from runwatch.producer.wire import topics
 
 
@@ -40,6 +41,7 @@ class WorkerProcess:
         config_path: Path | None = None,
         group: str | None = None,
         extra_args: tuple[str, ...] = (),
+        die_with_parent: bool = False,
     ):
         # (the worker runs in the log's folder: every path it gets is absolute)
         log_path = Path(log_path).resolve()
@@ -78,6 +80,7 @@ class WorkerProcess:
             env=env,
             start_new_session=True,
             cwd=log_path.parent,
+            preexec_fn=ending_with_parent() if die_with_parent else None,
         )
 
     def wait_ready(self, timeout: float) -> None:
