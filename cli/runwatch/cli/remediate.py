@@ -10,6 +10,7 @@ import click
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import BOOTSTRAP_HELP
+from runwatch.cli.repeats import quiet_repeats
 from runwatch.cli.signals import run_until_signalled
 from runwatch.producer.wire import topics
 
@@ -53,6 +54,7 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
     # (after the startup checks: what a client library logs while it retries is not the one line)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # its connection chatter: about 80 lines a start
+    quiet_repeats("kafka")  # and a broker gone away: one line per kind every 30 s, not 10 a second
     consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
     n_commands = sum(len(rule.commands) for rule in config.rules)
     click.echo(

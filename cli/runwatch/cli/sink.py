@@ -9,6 +9,7 @@ import click
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config
+from runwatch.cli.repeats import quiet_repeats
 from runwatch.cli.signals import run_until_signalled
 from runwatch.producer.wire import topics
 
@@ -70,6 +71,7 @@ def sink(
     # (after the startup checks: what a client library logs while it retries is not the one line)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # its connection chatter: about 80 lines a start
+    quiet_repeats("kafka")  # and a broker gone away: one line per kind every 30 s, not 10 a second
     click.echo(f"ClickHouse {redacted(store.dsn)}: schema v{store.schema_version()}")
     consumer = SinkConsumer(
         store,
