@@ -46,7 +46,8 @@ class PageClient:
     def report(self, run_id: str, config_json: str | None = None) -> tuple[str, list[str]]:
         """The run's report HTML and its panel ids."""
         path = f"/runs/{urllib.parse.quote(run_id, safe='')}"
-        body, headers = self._get(path, {"config": config_json} if config_json else None)
+        params = {"file": "1", **({"config": config_json} if config_json else {})}  # (no self-reload)
+        body, headers = self._get(path, params)
         panels = headers.get("X-Runwatch-Panels", "")
         return body.decode(), [p for p in panels.split(",") if p]
 

@@ -87,7 +87,8 @@ class PageServer:
             "runs": [r.model_dump(mode="json") for r in self.sink.runs.overview(now)],
         }
 
-    def report(self, run_id: str, config_json: str | None) -> tuple[str, list[str]]:
+    def report(self, run_id: str, config_json: str | None, live: bool = True) -> tuple[str, list[str]]:
+        """The run's report; ``live``: reloading itself while the run goes on (not in a written file)."""
         from runwatch.sinks.report import UnknownRun, build_report
 
         try:
@@ -97,7 +98,7 @@ class PageServer:
         status = next(
             (r.status for r in self.sink.runs.overview(datetime.now(UTC)) if r.run_id == run_id), None
         )
-        if status in LIVE:  # the page follows a run that is still going on
+        if live and status in LIVE:  # the page follows a run that is still going on
             html = html.replace("<head>", f'<head><meta http-equiv="refresh" content="{LIVE_RELOAD_S}">', 1)
         return html, [p.id for p in panels]
 
@@ -155,7 +156,7 @@ def _handler(page: PageServer) -> type[BaseHTTPRequestHandler]:
             elif parts == ["api", "runs"]:
                 self._json(200, page.runs())
             elif len(parts) == 2 and parts[0] == "runs":
-                html, panels = page.report(parts[1], query.get("config"))
+                html, panels = page.report(parts[1], query.get("config"), live=query.get("file") != "1")
                 self._send(
                     200, html.encode(), "text/html; charset=utf-8", {"X-Runwatch-Panels": ",".join(panels)}
                 )
