@@ -177,3 +177,9 @@ def test_a_command_opens_the_embedded_store_unless_given_a_server(monkeypatch):
     monkeypatch.setenv("RUNWATCH_CLICKHOUSE_DSN", "http://ch:8123")
     assert not _embedded_store(report, ["run-1"])
     assert not _embedded_store(worker, ["--bootstrap", "k:9092"])  # no store at all
+
+
+def test_an_extra_that_brings_the_embedded_one_is_named_alone():
+    assert extras.brings(["demo"], "embedded", TABLE)  # demo = torch, server, embedded
+    assert not extras.brings(["report"], "embedded", TABLE)
+    assert extras.brings(["embedded"], "embedded", TABLE)

@@ -168,3 +168,9 @@ def _closure_refs(extra: str, table: dict[str, list[str]]) -> set[str]:
                         refs.add(f"{DIST}[{inner}]")
                         todo.append(inner)
     return refs
+
+
+def brings(needs: Sequence[str], extra: str, table: dict[str, list[str]] | None = None) -> bool:
+    """Whether one of the extras ``needs`` is ``extra`` or installs it (``demo`` brings ``embedded``)."""
+    table = installed_table() if table is None else table
+    return any(n == extra or f"{DIST}[{extra}]" in _closure_refs(n, table) for n in needs)

