@@ -133,3 +133,15 @@ def nan_demo_run(broker, secret, chdb_dsn, tmp_path_factory) -> dict:
         )
     assert len(report["rollbacks"]) == 1 and report["steps_completed"] == 160, report
     return report
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Headless Chromium's path (installed with apt-get when root); the tests that open pages in it skip,
+    saying why, only where it cannot be had (`make test` installs it through its `browser` target)."""
+    from tests.integration.chromium import find_chromium
+
+    path, why = find_chromium()
+    if path is None:
+        pytest.skip(f"headless Chromium is not available: {why}")
+    return path

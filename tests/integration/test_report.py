@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.chromium import Browser, find_chromium
+from tests.integration.chromium import Browser
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +26,6 @@ PANELS_DRAWN = (
     "Array.from(document.querySelectorAll('.panel')).map(p => "
     "[p.dataset.panel, p.querySelectorAll('.main-svg').length, !!p.querySelector('.plot-container')])"
 )
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path, why = find_chromium()
-    if path is None:
-        pytest.skip(f"headless Chromium is not available: {why}")
-    return path
 
 
 def runwatch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

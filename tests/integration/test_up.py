@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from runwatch.local.broker import free_port
-from tests.integration.chromium import Browser, find_chromium
+from tests.integration.chromium import Browser
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -29,14 +29,6 @@ EXAMPLE = REPO / "examples" / "quickstart.py"
 ARTIFACTS = REPO / ".runwatch" / "test-artifacts"  # the page's screenshot is kept here
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RUNWATCH_")}
 ROW = "document.querySelector('tr[data-run=\"{run}\"]')"
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path, why = find_chromium()
-    if path is None:
-        pytest.skip(f"headless Chromium is not available: {why}")
-    return path
 
 
 class Up:
