@@ -21,13 +21,15 @@ every ``--checkpoint-every`` steps) and acts on what the worker sends. Faults (`
 does (no run_end, no exit handlers), once result.json is written.
 
 ``result.json`` in ``--out``: status, the actions applied, the losses of the final timeline, the
-LR of every step, the base LR.
+LR of every step, the base LR. The library's INFO log (each applied action) goes to stderr, as a
+trainer that logs at INFO would show it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -75,6 +77,8 @@ def batch(batch_id: int, corrupt: float = 0.0, wrong: float = 0.0) -> tuple[torc
 
 def main() -> int:
     args = parse()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("runwatch").setLevel(logging.INFO)
     kind, _, at = args.fault.partition(":")
     fault_step = int(at) if at else -1
     torch.manual_seed(0)
@@ -98,6 +102,7 @@ def main() -> int:
                         "outcome": applied.outcome,
                         "at": step,
                         "to_step": applied.to_step,
+                        "detail": applied.detail,
                         "lr_scale": applied.lr_scale,
                         "lr_after": optimizer.param_groups[0]["lr"],
                     }

@@ -3,7 +3,8 @@ real broker and a real Faust worker with the *default* config (no custom policy 
 
 - an LR x50 bug in a step where a checkpoint is saved: the rollback skips that checkpoint (it
   holds the bad update) for the previous confirmed one, sets the run's own LR x the scale, and
-  the run finishes with its loss back at the pre-fault level;
+  the run finishes with its loss back at the pre-fault level, which the worker verifies and tells
+  the trainer (a ``recovered`` finding and action, a line in its log);
 - the same bug on every pass through the step: three rollbacks, then a stop at the cap;
 - a fault that, after the rollback, degrades the loss without spiking: ``not_recovered``, more
   rollbacks, a stop; never a finished, degraded run;
@@ -157,6 +158,21 @@ def test_an_lr_bug_saved_in_a_checkpoint_is_rolled_back_to_the_previous_confirme
     cause = [a for a in run.anomalies(lambda got: bool(got)) if a.anomaly_id in action.anomaly_ids]
     assert cause[0].detector in ("loss_spike", "grad_norm_spike") and cause[0].severity == "critical"
     assert run.run_end().status == "completed"
+
+    # the replay is verified, and the trainer hears it: an event and a line in its log
+    kinds = [a["kind"] for a in result["applied"] if a["kind"] != "alert"]
+    assert kinds == ["rollback", "recovered"], result["applied"]
+    (recovered,) = [a for a in result["applied"] if a["kind"] == "recovered"]
+    assert recovered["outcome"] == "applied" and recovered["at"] >= 220
+    assert "recovered after the rollback to step 180" in recovered["detail"]
+    assert f"step {recovered['at']}: recovered applied: the run recovered" in run.log.read_text()
+    (verified,) = [
+        a
+        for a in run.anomalies(lambda got: any(a.detector == "recovered" for a in got))
+        if a.detector == "recovered"
+    ]
+    assert verified.severity == "info" and verified.evidence["rolled_back_to"] == 180
+    assert verified.value <= verified.threshold
 
 
 def test_a_fault_repeated_after_every_rollback_ends_in_a_stop_at_the_cap(worker, train):

@@ -165,6 +165,7 @@ def test_up_watches_the_readme_example_and_its_page_shows_it_live(chromium, tmp_
         assert (
             row["status"] == "completed"
             and row["actions"]["rollback"] >= 1
+            and row["actions"]["recovered"] >= 1  # the replay was verified
             and row["findings"]["critical"] >= 1
         )
         table = runwatch(tmp_path, "runs")

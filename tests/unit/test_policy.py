@@ -126,6 +126,37 @@ def test_no_second_rollback_while_one_is_pending_then_allowed_after_ack():
     assert again[0].action_id != rollbacks[0].action_id
 
 
+def test_a_verified_recovery_is_an_info_finding_and_a_recovered_action_for_the_trainer():
+    monitor = RunMonitor("run-1", RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}))
+    monitor.observe(_ckpt(0))  # confirmed at step 6
+    _, first = _run_nan(monitor, first_nan=8, last=11)
+    (rollback,) = [d for d in first if d.kind == "rollback"]
+    monitor.observe(
+        ActionAckEvent(
+            run_id="run-1",
+            action_id=rollback.action_id,
+            action_kind="rollback",
+            outcome="applied",
+            to_step=0,
+            ts=_at(11.5),
+        )
+    )
+    # the replay from step 1 is healthy; judged 20 steps past the onset (step 8): at step 27
+    anomalies, decisions = [], []
+    for s in range(1, 40):
+        out = monitor.observe(StepEvent(run_id="run-1", step=s, loss=1.0, ts=_at(12 + s), event_id=f"r{s}"))
+        anomalies += out.anomalies
+        decisions += out.decisions
+    (verified,) = anomalies
+    assert (verified.detector, verified.severity, verified.step) == ("recovered", "info", 27)
+    assert verified.evidence["rolled_back_to"] == 0 and verified.evidence["action_id"] == rollback.action_id
+    (recovered,) = decisions
+    assert recovered.kind == "recovered" and recovered.anomaly_ids == [verified.anomaly_id]
+    assert recovered.params["rollback_action_id"] == rollback.action_id
+    assert recovered.params["rolled_back_to"] == 0 and recovered.reason == verified.message
+    assert monitor.recovery is None  # judged once
+
+
 def test_ack_of_another_action_does_not_release_the_pending_rollback():
     policy = ActionPolicy(PolicyConfig())
     first = policy.decide(_anomaly("a1"), _at(0), GOOD)

@@ -130,6 +130,11 @@ def test_the_demo_says_what_happened_and_what_to_open_next():
 
     report = {
         "rollbacks": [{"from_step": 159, "to_step": 125, "lr_scale": 0.5}],
+        "actions": [
+            {"kind": "alert", "step": 150, "action_id": "a", "reason": "loss spike"},
+            {"kind": "rollback", "step": 159, "action_id": "b", "reason": "loss spike"},
+            {"kind": "recovered", "step": 177, "action_id": "c", "reason": "the run recovered ..."},
+        ],
         "steps": 300,
         "steps_completed": 300,
         "steps_executed": 334,
@@ -138,6 +143,7 @@ def test_the_demo_says_what_happened_and_what_to_open_next():
     }
     assert closing_lines(report) == [
         "runwatch rolled the run back at step 159 to the checkpoint of step 125 at 0.5x the LR",
+        "at step 177 the run was back at its loss before the fault: the rollback worked",
         "the run completed at step 300 of 300, after 334 executed steps "
         "(34 of them run again after a rollback)",
         "next: open the report, /tmp/report-demo.html (findings, actions, every curve)",

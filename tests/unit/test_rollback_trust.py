@@ -123,8 +123,15 @@ def test_a_run_back_at_its_pre_fault_loss_is_recovered():
     check = RecoveryCheck(RecoveryConfig(), "a1", onset_step=201, healthy=HEALTHY)
     assert check.update(181, 1.0) is None  # not armed: no ack yet
     check.arm(180)
-    findings = [check.update(s, 1.0 + 0.02 * math.sin(s)) for s in range(181, 230)]
-    assert findings == [None] * len(findings) and check.done
+    found = [(s, f) for s in range(181, 230) if (f := check.update(s, 1.0 + 0.02 * math.sin(s))) is not None]
+    # judged once, 20 steps past the onset: an info finding (not an alarm) that says the rollback worked
+    [(step, finding)] = found
+    assert step == 220 and check.done
+    assert finding.detector == "recovered" and finding.severity == "info"
+    assert finding.value == pytest.approx(1.0, abs=0.03) and finding.value <= finding.threshold
+    assert finding.evidence["rolled_back_to"] == 180 and finding.evidence["fault_onset_step"] == 201
+    assert "onset_step" not in finding.evidence  # no fault starts here: nothing for the policy to roll back
+    assert "recovered after the rollback to step 180" in finding.message
 
 
 def test_a_run_that_stays_worse_past_the_onset_is_not_recovered():
@@ -150,7 +157,8 @@ def test_after_a_failed_recovery_the_next_one_is_still_judged_past_the_fault():
     check.arm(160)
     assert check.onset_step == 201 and max(check.reference) == 160
     assert [check.update(s, 1.0) for s in range(161, 220)] == [None] * 59
-    assert check.update(220, math.nan) is None and check.done  # judged on the median of the last 5
+    verdict = check.update(220, math.nan)  # judged on the median of the last 5: one NaN does not sink it
+    assert verdict is not None and verdict.detector == "recovered" and check.done
 
 
 # -- the LR a rollback sets ---------------------------------------------------------------------

@@ -76,6 +76,11 @@ def closing_lines(report: dict[str, Any]) -> list[str]:
             f"runwatch rolled the run back at step {r['from_step']} to the checkpoint of step "
             f"{r['to_step']}{scale}"
         )
+    for a in report.get("actions", []):
+        if a["kind"] == "recovered":  # the worker's recovery check passed after a rollback
+            lines.append(
+                f"at step {a['step']} the run was back at its loss before the fault: the rollback worked"
+            )
     again = report["steps_executed"] - report["steps_completed"]
     end = "was stopped" if report["stopped"] else "completed"
     lines.append(

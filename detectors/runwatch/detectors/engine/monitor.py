@@ -22,7 +22,7 @@ from runwatch.detectors.engine.checkpoints import CheckpointLedger
 from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
 from runwatch.detectors.engine.progress import RunProgress
 from runwatch.detectors.engine.rank_join import Joined, StepJoin
-from runwatch.detectors.engine.recovery import RecoveryCheck
+from runwatch.detectors.engine.recovery import RECOVERED, RecoveryCheck
 from runwatch.detectors.engine.rewind import DetectorSnapshots
 from runwatch.detectors.findings import Finding
 from runwatch.producer.wire.schema import (
@@ -299,9 +299,14 @@ class RunMonitor:
         ):
             self.recovery = None  # the rollback expired unacknowledged: there is no replay to verify
         if self.recovery is not None:
-            unrecovered = self.recovery.update(event.step, event.loss)
-            if unrecovered is not None:
-                self._emit(unrecovered, event.ts, f"{event.event_id}|recovery", out)
+            verdict = self.recovery.update(event.step, event.loss)
+            if verdict is not None:
+                anomaly = self._emit(verdict, event.ts, f"{event.event_id}|recovery", out)
+                if verdict.detector == RECOVERED:
+                    # the trainer hears that the rollback worked, as it heard of the rollback
+                    decision = self.policy.recovered(anomaly)
+                    if decision is not None:
+                        out.decisions.append(decision)
             if self.recovery is not None and self.recovery.done:
                 self.recovery = None
 
@@ -387,7 +392,8 @@ class RunMonitor:
         out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
         return out
 
-    def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> None:
+    def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> Anomaly:
+        """Issue ``finding`` as an anomaly, and the action the policy decides for it; the anomaly."""
         anomaly = self._to_anomaly(finding, ts, cause)
         out.anomalies.append(anomaly)
         self.baseline.add_anomaly(anomaly)
@@ -396,7 +402,7 @@ class RunMonitor:
             self.checkpoints.reject_for(onset)  # a checkpoint near a fault is never confirmed
         decision = self.policy.decide(anomaly, ts, self.checkpoints.target(onset))
         if decision is None:
-            return
+            return anomaly
         out.decisions.append(decision)
         if decision.kind == "rollback" and self.config.policy.recovery.enabled and onset is not None:
             healthy = {
@@ -409,6 +415,7 @@ class RunMonitor:
                 healthy,
                 anomaly.evidence.get("fault_onset_step"),
             )
+        return anomaly
 
     def _to_anomaly(self, finding: Finding, ts: datetime, cause: str) -> Anomaly:
         # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).

@@ -254,6 +254,24 @@ class ActionPolicy:
         self._issued(decision, anomaly, now, episode)
         return decision
 
+    def recovered(self, anomaly: Anomaly) -> ActionDecision | None:
+        """The ``recovered`` action for a rollback the recovery check verified (``anomaly``, its ``recovered``
+        finding), so the trainer's log says the rollback worked; none once the run is stopped."""
+        if self.stopped:
+            return None
+        evidence = anomaly.evidence
+        return ActionDecision(
+            action_id=decision_id(anomaly.run_id, "recovered", [anomaly.anomaly_id]),
+            run_id=anomaly.run_id,
+            kind="recovered",
+            reason=anomaly.message,
+            anomaly_ids=[anomaly.anomaly_id],
+            step=anomaly.step,
+            onset_step=evidence.get("fault_onset_step"),
+            params={key: evidence[key] for key in ("rolled_back_to", "ratio", "tolerance") if key in evidence}
+            | {"rollback_action_id": evidence.get("action_id")},
+        )
+
     def _decided_kind(self, anomaly: Anomaly) -> PolicyActionKind | None:
         """The kind of action the rules give ``anomaly``, None for none; after the rollback cap a milder
         return of the fault (an alert-level spike of a detector a rule rolls back on) is a rollback too,

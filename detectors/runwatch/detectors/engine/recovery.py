@@ -10,7 +10,9 @@ at the same step would pass that): at step ``onset + within_steps - 1`` the medi
 ``judged_over`` ratios ``loss / reference`` must be inside the band of the healthy steps:
 ``exp(band_z * robust scale of log loss)``, never tighter than ``1 + min_band``.
 If it is not, a ``not_recovered`` finding (critical) says so; the policy turns it into another
-rollback, counting towards the cap, or a stop. A run that reports no loss is not judged.
+rollback, counting towards the cap, or a stop. If it is, a ``recovered`` finding (info) says so, and
+the monitor sends the trainer a ``recovered`` action, so the training log shows the rollback worked.
+A run that reports no loss is not judged.
 
 Pure and picklable, like every detector.
 """
@@ -56,6 +58,7 @@ class RecoveryConfig(Strict):
 
 
 NAME = "not_recovered"
+RECOVERED = "recovered"
 IQR_TO_SIGMA = 1.349
 NOT_FINITE_RATIO = 1e9  # a non-finite loss: far out of any band (and the anomaly stays valid JSON)
 
@@ -106,6 +109,7 @@ class RecoveryCheck:
         self.to_step = to_step
 
     def update(self, step: int, loss: float | None) -> Finding | None:
+        """The verdict once the run is judged (``recovered`` or ``not_recovered``), None before."""
         if self.to_step is None or self.done or step <= self.to_step or self.level is None:  # (not armed)
             return None
         if loss is None:
@@ -120,8 +124,31 @@ class RecoveryCheck:
         self.done = True
         last = self.ratios[-self.config.judged_over :]
         ratio = _quantile(last, 0.5)
+        evidence = {
+            "fault_onset_step": self.onset_step,
+            "rolled_back_to": self.to_step,
+            "ratio": ratio,
+            "tolerance": self.tolerance,
+            "steps_replayed": len(self.ratios),
+            "action_id": self.action_id,
+        }
+        past_onset = step - self.onset_step + 1
         if ratio <= self.tolerance:
-            return None
+            return Finding(
+                detector=RECOVERED,
+                metric="loss",
+                step=step,
+                severity="info",
+                value=ratio,
+                threshold=self.tolerance,
+                score=ratio / self.tolerance,
+                message=(
+                    f"the run recovered after the rollback to step {self.to_step}: {past_onset} steps past "
+                    f"the fault's onset at step {self.onset_step} its loss is {ratio:.2f}x what it was "
+                    f"before the fault (within the healthy band of {self.tolerance:.2f}x)"
+                ),
+                evidence=evidence,
+            )
         return Finding(
             detector=NAME,
             metric="loss",
@@ -132,18 +159,10 @@ class RecoveryCheck:
             score=ratio / self.tolerance,
             message=(
                 f"the run did not recover after the rollback to step {self.to_step}: "
-                f"{step - self.onset_step + 1} steps past the fault's onset at step {self.onset_step} its "
+                f"{past_onset} steps past the fault's onset at step {self.onset_step} its "
                 f"loss is {ratio:.2f}x what it was before the fault (the healthy band allows "
                 f"{self.tolerance:.2f}x)"
             ),
             # the restored checkpoint did not bring the run back: a further rollback must go before it
-            evidence={
-                "onset_step": self.to_step + 1,
-                "fault_onset_step": self.onset_step,
-                "rolled_back_to": self.to_step,
-                "ratio": ratio,
-                "tolerance": self.tolerance,
-                "steps_replayed": len(self.ratios),
-                "action_id": self.action_id,
-            },
+            evidence={"onset_step": self.to_step + 1, **evidence},
         )

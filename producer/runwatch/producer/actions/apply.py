@@ -15,8 +15,11 @@
   ``params.timeout_s``) passes; the ack's detail says which. Actions that arrive meanwhile are
   applied after the pause, in order. With a heartbeat the pause is reported as the ``idle``
   phase, so it is not taken for a stall.
-- ``stop`` is handed to the loop (``poll`` returns it), which exits gracefully; ``alert`` only
-  says so.
+- ``stop`` is handed to the loop (``poll`` returns it), which exits gracefully; ``alert`` and
+  ``recovered`` only say so (their detail is the reason: what the worker saw, or that a rollback
+  brought the run back to its loss before the fault).
+
+Each applied action is logged at INFO on ``runwatch.producer.actions.apply``.
 
 Every outcome (applied or failed) is remembered in the rank's applied ids, on disk, before this
 rank acknowledges it with an ``action_ack`` event.
@@ -24,6 +27,7 @@ rank acknowledges it with an ``action_ack`` event.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +40,8 @@ from runwatch.producer.actions.checkpoints import RestoreFn
 from runwatch.producer.publish.lr import scale_lr
 from runwatch.producer.wire.action_kinds import Applies, applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,11 @@ class ActionApplier:
         return self.record(handler(self, action, step), step)
 
     def _note(self, action: Action, step: int | None) -> AppliedAction:
-        """An alert: nothing to do here but acknowledge it (and end a pause it ended)."""
+        """An alert or a recovery: nothing to do here but acknowledge it (and end a pause it ended). Its
+        detail is the reason, so the loop's log says what the worker saw."""
         ended = self._ended_pause.pop(action.action_id, None)
         return AppliedAction(
-            action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else None
+            action, "applied", from_step=step, detail=f"ended pause {ended}" if ended else action.reason
         )
 
     def _resume(self, action: Action, step: int | None) -> AppliedAction:
@@ -126,6 +133,7 @@ class ActionApplier:
         action = result.action
         self.applied.append(result)
         self._applied_ids.add(action.action_id)
+        log.info("runwatch: step %s: %s %s: %s", step, action.kind, result.outcome, result.detail or "")
         self.rw.ack(
             action_id=action.action_id,
             action_kind=action.kind,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-ActionKind = Literal["alert", "pause", "resume", "rollback", "stop"]
+ActionKind = Literal["alert", "pause", "resume", "rollback", "stop", "recovered"]
 PolicyActionKind = Literal["alert", "pause", "rollback", "stop"]  # the kinds a policy rule may name
 
 # How the trainer's listener applies a kind (producer/runwatch/producer/actions/apply.py
@@ -87,6 +87,19 @@ ACTION_KINDS: dict[str, ActionKindSpec] = {
             color="#000000",
             chat_color="danger",
             summary="ends the run gracefully at the next step (and ends a pause)",
+        ),
+        ActionKindSpec(
+            name="recovered",
+            order=0,
+            policy_rule=False,
+            applies="note",
+            ends_pause=False,
+            color="#17becf",
+            chat_color="good",
+            summary=(
+                "says a rollback worked: the replayed run is back to its loss before the fault (sent by the "
+                "worker's recovery check, never by a rule); the trainer only acknowledges it"
+            ),
         ),
     )
 }
