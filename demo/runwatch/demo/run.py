@@ -26,9 +26,10 @@ from runwatch.local.netcut import NetCut
 from runwatch.local.worker_process import WorkerProcess, wait_until
 from runwatch.producer import ActionListener, AppliedAction, RunWatch
 from runwatch.producer.wire import topics
-from runwatch.scenarios.catalog import SCENARIOS, Scenario
+from runwatch.scenarios.catalog import SCENARIOS
 from runwatch.scenarios.clocks import SimulatedClock
 from runwatch.scenarios.live import TrainingResult
+from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.training import run_scenario
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.report import write_report

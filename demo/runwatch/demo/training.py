@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from runwatch.producer import ActionListener, AppliedAction, RunWatch, category_loss, save_checkpoint
-from runwatch.scenarios.catalog import SCENARIOS, Scenario
+from runwatch.scenarios.catalog import SCENARIOS
 from runwatch.scenarios.faults import FaultRun, Healthy
 from runwatch.scenarios.live import TrainingResult
+from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.tasks import Batch
 from runwatch.scenarios.threads import one_torch_thread
 

@@ -10,8 +10,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from runwatch.scenarios.catalog import CORPUS, DETECTOR_FOR, SCENARIOS, Scenario
+from runwatch.scenarios.catalog import CORPUS, DETECTOR_FOR, SCENARIOS
 from runwatch.scenarios.clocks import START, SimulatedClock
+from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.training import ScenarioOutcome, run_scenario
 
 

@@ -28,8 +28,8 @@ from torch import nn
 from runwatch.producer.instrument.runtime import transformer_flops_per_step
 from runwatch.producer.publish.recorder import JsonlRecorder
 from runwatch.producer.wire.schema import MemoryStats
-from runwatch.scenarios.catalog import Scenario
 from runwatch.scenarios.faults import FaultInjector, FaultRun
+from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.tasks import AudioTask, Batch, Task
 
 # Declared hardware: what one step of the job costs there and the peak FLOP/s MFU is measured against

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from runwatch.scenarios.catalog import Scenario
+    from runwatch.scenarios.scenario import Scenario
 
 CATEGORIES = ("en", "de", "fr", "es", "it", "pt", "nl", "sv")
 CATEGORY_SHARE = (0.25, 0.2, 0.15, 0.12, 0.1, 0.08, 0.06, 0.04)

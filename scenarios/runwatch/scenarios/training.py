@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from runwatch.producer import category_loss
-from runwatch.scenarios.catalog import Scenario
 from runwatch.scenarios.clocks import HEARTBEAT_S
 from runwatch.scenarios.faults import FaultRun
 from runwatch.scenarios.live import TrainingResult
 from runwatch.scenarios.memory import ScenarioMemory
+from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.tasks import Batch, Task, make_task
 from runwatch.scenarios.threads import one_torch_thread
 

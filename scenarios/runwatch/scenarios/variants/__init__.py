@@ -1,0 +1,23 @@
+"""The harder corpus variants (issue 27), one module per shape, each a labelled fault or a healthy run
+with the benign pattern a detector could take for that fault."""
+
+from __future__ import annotations
+
+from runwatch.scenarios.scenario import Scenario
+from runwatch.scenarios.variants import (
+    category,
+    generalization,
+    learning_rate,
+    loss_rise,
+    memory,
+    throughput,
+)
+
+HARDER_VARIANTS: tuple[Scenario, ...] = (
+    *memory.VARIANTS,
+    *throughput.VARIANTS,
+    *generalization.VARIANTS,
+    *category.VARIANTS,
+    *learning_rate.VARIANTS,
+    *loss_rise.VARIANTS,
+)
