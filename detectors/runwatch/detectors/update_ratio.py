@@ -16,6 +16,15 @@ nor anything above the absolute ``high``. Without LR in the events, only the ban
 
 Unexcused observations stay out of the history, so a fault is not learnt as normal,
 unless they last a full ``window`` (then they are the new normal).
+
+The update norm is measured every ``update_every`` steps (10 by default: it costs a copy of the
+weights), but the LR comes with every step, and for SGD and Adam the update scales with it. So every
+step the detector also checks the LR against the run's schedule so far, and the finding comes at the
+step the LR changed: a jump up by ``lr_jump`` or more at once to above every LR the run has had (a
+warm restart goes back to a peak it had; a warm-up ramps by smaller steps), or a drop by
+``lr_drop`` or more at once (a step decay divides by 10; a schedule that ends anneals to zero
+slowly). Its evidence estimates the update ratio now: the last measured one times the LR's change
+since (``estimated_ratio``).
 """
 
 from __future__ import annotations
@@ -50,6 +59,14 @@ class UpdateRatioConfig(Strict):
         default=3, ge=1, description="consecutive out-of-band observations before a finding"
     )
     cooldown_steps: int = Field(default=100, ge=0)
+    lr_jump: float = Field(
+        default=5.0,
+        gt=1,
+        description="an LR this many times the last step's, above every LR the run had, is a fault at once",
+    )
+    lr_drop: float = Field(
+        default=100.0, gt=1, description="an LR divided by this much or more in one step is a fault at once"
+    )
 
 
 NAME = "update_ratio"
@@ -77,11 +94,49 @@ class UpdateRatioDetector(Detector):
         self._direction: str | None = None
         self._onset_step = 0
         self._cooldown = Cooldown()
+        self._last_lr: float | None = None  # the previous step's LR
+        self._measured: tuple[float, float] | None = None  # the last in-band (ratio, LR) with LR > 0
+
+    # Class defaults: a detector pickled before the per-step LR check existed reads them.
+    _last_lr: float | None = None
+    _measured: tuple[float, float] | None = None
+    _lr_peak_seen = 0.0  # the largest LR of any step, for the jump check
+    _lr_seen = 0  # steps with an LR
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        if not isinstance(event, StepEvent) or event.relative_update_norm is None:
+        if not isinstance(event, StepEvent):
             return []
-        ratio = event.relative_update_norm
+        lr_fault = self._lr_step(event)
+        if lr_fault is not None:
+            return [lr_fault]
+        if event.relative_update_norm is None:
+            return []
+        return self._update_ratio(event, event.relative_update_norm)
+
+    def _lr_step(self, event: StepEvent) -> Finding | None:
+        """The per-step LR check: a finding at the step the LR jumped or collapsed against the schedule."""
+        lr = _lr_of(event)
+        if lr is None:
+            return None
+        before, peak = self._last_lr, self._lr_peak_seen
+        self._last_lr = lr
+        self._lr_peak_seen = max(peak, lr)
+        self._lr_seen += 1
+        if before is None or before <= 0 or self._lr_seen <= self.config.warmup:
+            return None  # no schedule to judge against yet (a warm-up from zero starts here)
+        change = lr / before
+        if change >= self.config.lr_jump and lr > peak * (1 + 1e-6):
+            direction = "too_large"
+        elif change <= 1 / self.config.lr_drop and not (lr == 0 and before * self.config.factor <= peak):
+            direction = "vanishing"  # (an annealing schedule that ends at zero is not a collapse)
+        else:
+            return None
+        if self._cooldown.active(event.step):
+            return None
+        self._cooldown.start(event.step, self.config.cooldown_steps)
+        return self._lr_finding(event, direction, lr, before, peak)
+
+    def _update_ratio(self, event: StepEvent, ratio: float) -> list[Finding]:
         if not math.isfinite(ratio) or ratio < 0:
             return []  # non-finite updates are the non-finite detector's
         lr = _lr_of(event)
@@ -123,6 +178,8 @@ class UpdateRatioDetector(Detector):
             self._lr_peak = max(self._lr_peak, lr)
         if not math.isfinite(x):
             return  # a zero update (LR 0 at the start of a warm-up) has no log
+        if lr:
+            self._measured = (math.exp(x), lr)
         self._median.update(x)
         self.seen += 1
         if lr:
@@ -188,6 +245,47 @@ class UpdateRatioDetector(Detector):
                 f"step {self._onset_step}{lr_note}"
             ),
             evidence=evidence,
+        )
+
+    def _lr_finding(self, event: StepEvent, direction: str, lr: float, before: float, peak: float) -> Finding:
+        cfg = self.config
+        typical_log = self._median.get(0.5)
+        typical = math.exp(typical_log) if typical_log is not None else None
+        estimated = self._measured[0] * lr / self._measured[1] if self._measured is not None else None
+        too_large = direction == "too_large"
+        change = lr / before
+        times = change if too_large else before / lr if lr > 0 else math.inf
+        what = (
+            f"the LR jumped {times:.3g}x in one step ({before:.3g} -> {lr:.3g}), above every LR of the run "
+            f"(peak {peak:.3g})"
+            if too_large
+            else f"the LR dropped {times:.3g}x in one step ({before:.3g} -> {lr:.3g})"
+        )
+        if estimated is not None and typical is not None:
+            what += f": updates now about {estimated:.3g} of the weights per step (typical {typical:.3g})"
+        return Finding(
+            detector=NAME,
+            metric="lr",
+            step=event.step,
+            rank=event.rank,
+            severity="critical" if estimated is not None and estimated > cfg.high else "warning",
+            value=lr,
+            threshold=before * (cfg.lr_jump if too_large else 1 / cfg.lr_drop),
+            score=times if math.isfinite(times) else None,
+            message=f"updates {'too large' if too_large else 'vanishing'}: {what}; not a change the "
+            "schedule so far explains",
+            evidence={
+                "direction": direction,
+                "kind": direction,  # what evaluation labels call it
+                "cause": "lr_change",
+                "lr": lr,
+                "lr_before": before,
+                "lr_peak": peak,
+                "change": change,
+                "estimated_ratio": estimated,
+                "typical": typical,
+                "onset_step": event.step,
+            },
         )
 
 
