@@ -243,8 +243,22 @@ def test_lr_times_100_is_too_large(schedule):
 
     found = run(UpdateRatioDetector(UpdateRatioConfig()), update_stream(1, schedule, fault=lr_bug))
     first = found[0]
-    assert first.detector == "update_ratio" and first.metric == "relative_update_norm"
-    assert first.evidence["direction"] == "too_large"
+    # found at the step the LR jumped (the per-step LR check), not at the third measured update after it
+    assert first.detector == "update_ratio" and first.metric == "lr"
+    assert first.evidence["direction"] == "too_large" and first.evidence["cause"] == "lr_change"
+    assert first.step == 3000 and first.evidence["onset_step"] == 3000
+    assert first.evidence["change"] == pytest.approx(100, rel=0.05)
+
+
+def test_an_lr_x100_without_lr_in_the_events_is_found_from_the_measured_updates():
+    def lr_bug(i: int, lr: float, ratio: float) -> tuple[float, float]:
+        return (lr * 100, ratio * 100) if i >= 3000 else (lr, ratio)
+
+    events = (
+        e.model_copy(update={"lr": []}) for e in update_stream(1, constant_lr, fault=lr_bug)
+    )  # a producer that does not report the LR
+    first = run(UpdateRatioDetector(UpdateRatioConfig()), events)[0]
+    assert first.metric == "relative_update_norm" and first.evidence["direction"] == "too_large"
     assert first.step == 3020  # patience 3: the third observation (every 10 steps) after the jump
     assert first.evidence["onset_step"] == 3000
 
@@ -258,11 +272,14 @@ def test_lr_times_100_is_too_large(schedule):
         pytest.param(lambda i, lr, r: (lr, r * 1e-5) if i >= 3000 else (lr, r), id="updates-vanish"),
     ],
 )
-def test_vanishing_updates(fault):
+def test_vanishing_updates(fault, request):
     found = run(UpdateRatioDetector(UpdateRatioConfig()), update_stream(2, constant_lr, fault=fault))
     first = found[0]
-    assert first.evidence["direction"] == "vanishing"
-    assert first.step == 3020 and first.evidence["onset_step"] == 3000
+    assert first.evidence["direction"] == "vanishing" and first.evidence["onset_step"] == 3000
+    # an LR that collapses is found at that step; updates that vanish at an unchanged LR, from the
+    # measured update norms (every 10 steps, patience 3)
+    lr_fault = request.node.callspec.id in ("lr-collapses", "lr-zero")
+    assert first.step == (3000 if lr_fault else 3020)
     assert first.severity == "warning"
 
 
@@ -483,6 +500,8 @@ def test_an_update_ratio_fault_replayed_after_a_rollback_is_found_again():
 
     events = list(update_stream(1, constant_lr, n=3030, fault=lr_bug))
     det = UpdateRatioDetector(UpdateRatioConfig())
-    assert [f.step for f in run(det, events)] == [3020]
-    replay = run(det, events[2900:])  # rolled back to step 2900; the LR bug comes back at 3000
-    assert [f.step for f in replay] == [3020]
+    assert [f.step for f in run(det, events)] == [3000]
+    # rolled back to step 2900 (no snapshot: the detector as it is): the restored LR, 100x below the
+    # faulty one, is no collapse, and the LR bug coming back at 3000 is found again at once
+    replay = run(det, events[2900:])
+    assert [(f.step, f.evidence["direction"]) for f in replay] == [(3000, "too_large")]

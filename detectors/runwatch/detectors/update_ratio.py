@@ -70,6 +70,7 @@ class UpdateRatioConfig(Strict):
 
 
 NAME = "update_ratio"
+LR_RECORDS = 256  # new LR peaks remembered (a warm-up makes one per step; a decay none)
 
 
 def _lr_of(event: StepEvent) -> float | None:
@@ -100,8 +101,11 @@ class UpdateRatioDetector(Detector):
     # Class defaults: a detector pickled before the per-step LR check existed reads them.
     _last_lr: float | None = None
     _measured: tuple[float, float] | None = None
-    _lr_peak_seen = 0.0  # the largest LR of any step, for the jump check
     _lr_seen = 0  # steps with an LR
+    _lr_at_step: int | None = None  # the step of _last_lr
+    # (step, LR) each time the LR rose above every earlier one: the peak so far, which a step counter going
+    # back (a rollback the monitor had no snapshot to rewind) cuts back to the peak of the restored steps.
+    _lr_records: tuple[tuple[int, float], ...] = ()
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent):
@@ -118,9 +122,15 @@ class UpdateRatioDetector(Detector):
         lr = _lr_of(event)
         if lr is None:
             return None
-        before, peak = self._last_lr, self._lr_peak_seen
-        self._last_lr = lr
-        self._lr_peak_seen = max(peak, lr)
+        if self._lr_at_step is not None and event.step <= self._lr_at_step:
+            # the run went back (a rollback): compare with the restored steps, not the ones it left
+            self._lr_records = tuple(r for r in self._lr_records if r[0] < event.step)
+            self._last_lr = None
+        before = self._last_lr
+        peak = self._lr_records[-1][1] if self._lr_records else 0.0
+        self._last_lr, self._lr_at_step = lr, event.step
+        if lr > peak:
+            self._lr_records = (*self._lr_records, (event.step, lr))[-LR_RECORDS:]
         self._lr_seen += 1
         if before is None or before <= 0 or self._lr_seen <= self.config.warmup:
             return None  # no schedule to judge against yet (a warm-up from zero starts here)

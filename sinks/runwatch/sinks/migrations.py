@@ -227,6 +227,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        7,
+        "anomalies: onset_step",
+        (
+            # Where the detector estimates the fault began (issue 27), beside `step`, where it was found.
+            # Null where it estimates none and for rows written before this migration.
+            "ALTER TABLE {db}.anomalies ADD COLUMN IF NOT EXISTS onset_step Nullable(Int64) AFTER step",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

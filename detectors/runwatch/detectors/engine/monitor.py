@@ -43,6 +43,7 @@ _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
 
 
 RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
+ISSUED_ONSETS = 1024  # alert-level findings remembered per run by onset, so a replay does not repeat them
 LOSS_HISTORY = 1024  # joined steps' losses kept per run: a rollback's recovery is judged against them
 
 
@@ -51,6 +52,8 @@ class MonitorOutput:
     anomalies: list[Anomaly] = field(default_factory=list)
     decisions: list[ActionDecision] = field(default_factory=list)
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
+    # Findings not issued because one for the same onset was (a replay after a rollback): not published
+    repeated: list[Finding] = field(default_factory=list)
 
 
 class _RewindState(TypedDict):
@@ -99,6 +102,10 @@ class RunMonitor:
     _settling: str | None = None  # the applied rollback not every rank has acknowledged yet
     _before_rollback: frozenset[int] = frozenset()  # ranks yet to acknowledge it
     _stale_through: tuple[int, int] | None = None  # joined steps up to this (generation, step) came before it
+    # (detector, metric, rank, severity, onset) of the findings issued that the policy does not act on:
+    # the replay after a rollback finds the same onset again (the same slow steps, the same drift), and
+    # says nothing new. None until the first (a class default: a monitor pickled before it reads None).
+    _issued_onsets: dict[tuple[str, str, int | None, str, int | None], None] | None = None
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -302,7 +309,7 @@ class RunMonitor:
             verdict = self.recovery.update(event.step, event.loss)
             if verdict is not None:
                 anomaly = self._emit(verdict, event.ts, f"{event.event_id}|recovery", out)
-                if verdict.detector == RECOVERED:
+                if anomaly is not None and verdict.detector == RECOVERED:
                     # the trainer hears that the rollback worked, as it heard of the rollback
                     decision = self.policy.recovered(anomaly)
                     if decision is not None:
@@ -392,12 +399,41 @@ class RunMonitor:
         out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
         return out
 
-    def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> Anomaly:
-        """Issue ``finding`` as an anomaly, and the action the policy decides for it; the anomaly."""
+    def _said_before(self, finding: Finding) -> bool:
+        """Whether ``finding`` repeats one already issued for the same onset that the policy only reports
+        (alert or nothing): then it is not issued again. One the policy acts on (a rollback, a stop) always
+        is, and so does any finding of a detector some rule rolls back on: a fault that strikes again at
+        the same step after a rollback must count towards the cap. Only for the detectors a rollback
+        rewinds (about steps): a stall, a hang or a straggler again after a rollback happens again in
+        time, and is said again."""
+        if finding.detector in EPISODIC_DETECTORS or finding.detector in CROSS_RANK_VIEW:
+            return False
+        if finding.detector not in DETECTORS:
+            return False  # the policy's own findings (not_recovered, recovered, baseline_outliers)
+        kind = self.policy.action_for(finding.detector, finding.severity)
+        if kind not in (None, "alert") or self.policy.rolls_back_on(finding.detector):
+            return False
+        onset = finding.onset_step if finding.onset_step is not None else finding.step
+        key = (finding.detector, finding.metric, finding.rank, finding.severity, onset)
+        issued = self._issued_onsets if self._issued_onsets is not None else {}
+        self._issued_onsets = issued
+        if key in issued:
+            return True
+        issued[key] = None
+        if len(issued) > ISSUED_ONSETS:
+            del issued[next(iter(issued))]
+        return False
+
+    def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> Anomaly | None:
+        """Issue ``finding`` as an anomaly, and the action the policy decides for it; the anomaly (None: it
+        repeats one already issued for the same onset)."""
+        if self._said_before(finding):
+            out.repeated.append(finding)
+            return None
         anomaly = self._to_anomaly(finding, ts, cause)
         out.anomalies.append(anomaly)
         self.baseline.add_anomaly(anomaly)
-        onset = anomaly.evidence.get("onset_step", anomaly.step)
+        onset = anomaly.onset_step if anomaly.onset_step is not None else anomaly.step
         if anomaly.severity != "info" and self.policy.rolls_back_on(anomaly.detector):
             self.checkpoints.reject_for(onset)  # a checkpoint near a fault is never confirmed
         decision = self.policy.decide(anomaly, ts, self.checkpoints.target(onset))
@@ -424,6 +460,7 @@ class RunMonitor:
             anomaly_id=uuid.uuid5(_ANOMALY_NAMESPACE, key).hex,
             run_id=self.run_id,
             step=finding.step,
+            onset_step=finding.onset_step,
             rank=finding.rank,
             detector=finding.detector,
             metric=finding.metric,

@@ -36,9 +36,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from runwatch.detectors import registry
-from runwatch.detectors.config import PolicyConfig, PolicyRule
+from runwatch.detectors.config import PolicyConfig
 from runwatch.producer.wire.action_kinds import ActionKind, PolicyActionKind
-from runwatch.producer.wire.schema import SEVERITY_RANK, Anomaly, CheckpointRef
+from runwatch.producer.wire.schema import SEVERITY_RANK, Anomaly, CheckpointRef, Severity
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
 # Evidence an alert carries on in its params, for the remediator's notification.
@@ -96,20 +96,16 @@ class ActionPolicy:
         self._last_issued: dict[tuple[str, str], datetime] = {}
         self.episodes: dict[str, AlertEpisode] = {}
 
-    def _rule_for(self, anomaly: Anomaly) -> PolicyRule | None:
-        for rule in self.config.rules:
-            if (
-                rule.detector in ("*", anomaly.detector)
-                and SEVERITY_RANK[anomaly.severity] >= SEVERITY_RANK[rule.min_severity]
-            ):
-                return rule
-        return None
-
     def _action_for(self, anomaly: Anomaly) -> PolicyActionKind | None:
-        rule = self._rule_for(anomaly)
-        if rule is None:
-            return None
-        return "alert" if self.config.alert_only else rule.action
+        return self.action_for(anomaly.detector, anomaly.severity)
+
+    def action_for(self, detector: str, severity: Severity) -> PolicyActionKind | None:
+        """The kind of action the rules give a finding of ``detector`` at ``severity`` (None: none)."""
+        rank = SEVERITY_RANK[severity]
+        for rule in self.config.rules:
+            if rule.detector in ("*", detector) and rank >= SEVERITY_RANK[rule.min_severity]:
+                return "alert" if self.config.alert_only else rule.action
+        return None
 
     def rolls_back_on(self, detector: str) -> bool:
         """Whether some rule turns a finding of ``detector`` (at some severity) into a rollback."""

@@ -281,6 +281,8 @@ class Anomaly(WireModel):
     anomaly_id: str = Field(min_length=1)
     run_id: str = Field(min_length=1)
     step: int | None = None
+    # Where the detector estimates the fault began (``step`` is where it was found); None: no estimate.
+    onset_step: int | None = None
     rank: int | None = None
     detector: str
     metric: str

@@ -93,6 +93,7 @@ def findings_table(data: ReportData) -> str:
     rows = [
         [
             _e(a["step"]),
+            _e(a.get("onset_step")),
             _e(a["rank"]),
             f'<span class="sev-{_e(a["severity"])}">{_e(a["severity"])}</span>',
             _e(a["detector"]),
@@ -104,7 +105,9 @@ def findings_table(data: ReportData) -> str:
         for a in data.anomalies
     ]
     return _table(
-        ["step", "rank", "severity", "detector", "metric", "value", "threshold", "message"], rows, "findings"
+        ["step", "since step", "rank", "severity", "detector", "metric", "value", "threshold", "message"],
+        rows,
+        "findings",
     )
 
 

@@ -113,6 +113,7 @@ class ReportReads:
         columns = (
             "ts",
             "step",
+            "onset_step",
             "rank",
             "detector",
             "metric",
