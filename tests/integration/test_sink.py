@@ -105,6 +105,38 @@ def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
         sink.close()
 
 
+def test_an_anomaly_keeps_its_onset_step_and_the_report_shows_it(chdb_dsn):
+    from datetime import UTC, datetime
+
+    from runwatch.producer.wire.schema import Anomaly
+
+    sink = ClickHouseSink(chdb_dsn)
+    try:
+        sink.migrate()
+        run_id = f"onset-{uuid.uuid4().hex[:8]}"
+        found = [
+            Anomaly(
+                anomaly_id=f"{run_id}-{i}",
+                run_id=run_id,
+                step=step,
+                onset_step=onset,
+                detector="memory_growth",
+                metric="host_rss",
+                severity="warning",
+                message="leak",
+                ts=datetime.now(UTC),
+            )
+            for i, (step, onset) in enumerate([(140, 121), (200, None)])
+        ]
+        assert sink.writer.write_anomalies(found) == 2
+        assert [(a["step"], a["onset_step"]) for a in sink.report.anomalies(run_id)] == [
+            (140, 121),
+            (200, None),
+        ]
+    finally:
+        sink.close()
+
+
 def test_the_stored_payload_is_the_bytes_received(broker, chdb_dsn):
     """Not a re-serialisation: whitespace, key order, number spelling, escapes and unicode survive."""
     from datetime import UTC, datetime

@@ -464,3 +464,63 @@ def test_a_stall_that_persists_escalates_to_stop_through_the_monitor_ticks():
             kinds += [d.kind for d in out.decisions]
         kinds += [d.kind for d in monitor.tick(now).decisions]
     assert kinds == ["alert", "stop"]  # alerted once at the stall, stopped when nothing changed
+
+
+# -- one finding per onset across rollbacks ------------------------------------------------------------
+
+
+def _lr_step(step: int, lr: float, t: float) -> StepEvent:
+    return StepEvent(run_id="run-1", step=step, loss=1.0, lr=[lr], ts=_at(t), event_id=f"e{step}-{t}")
+
+
+def test_a_replay_that_finds_the_same_onset_says_nothing_new_and_a_new_onset_is_a_new_finding():
+    monitor = RunMonitor("run-1", RunwatchConfig())
+    t = 0.0
+
+    def run(steps, lr_of):
+        nonlocal t
+        issued, repeated = [], []
+        for s in steps:
+            t += 1
+            out = monitor.observe(_lr_step(s, lr_of(s), t))
+            issued += [a for a in out.anomalies if a.detector == "update_ratio"]
+            repeated += [f for f in out.repeated if f.detector == "update_ratio"]
+        return issued, repeated
+
+    def bug_at_100(s):
+        return 1e-1 if s >= 100 else 1e-3
+
+    first, _ = run(range(0, 120), bug_at_100)
+    assert [(a.step, a.onset_step) for a in first] == [(100, 100)]
+    # the trainer rolls back to step 50 (no alert-level action to acknowledge: the step counter goes back)
+    again, repeated = run(range(51, 120), bug_at_100)
+    assert again == [] and [(f.step, f.onset_step) for f in repeated] == [(100, 100)]
+    # later the LR collapses x1e-4 at step 300: a new onset, a new finding
+    later, _ = run(range(120, 320), lambda s: 1e-1 if s < 300 else 1e-5)
+    assert [(a.step, a.onset_step, a.evidence["direction"]) for a in later] == [(300, 300, "vanishing")]
+
+
+def test_a_finding_the_policy_rolls_back_on_is_issued_again_at_the_same_onset():
+    """A fault that strikes again at the same step after a rollback must count towards the cap."""
+    monitor = RunMonitor("run-1", RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}))
+    monitor.observe(_ckpt(0))
+    first, decisions = _run_nan(monitor, first_nan=8, last=11)
+    (rollback,) = [d for d in decisions if d.kind == "rollback"]
+    monitor.observe(
+        ActionAckEvent(
+            run_id="run-1",
+            action_id=rollback.action_id,
+            action_kind="rollback",
+            outcome="applied",
+            to_step=0,
+            ts=_at(11.5),
+        )
+    )
+    again = []
+    for s in range(1, 12):  # replayed from step 1 (new events): NaN at step 8 again
+        event = StepEvent(
+            run_id="run-1", step=s, loss=math.nan if s >= 8 else 1.0, ts=_at(12 + s), event_id=f"r{s}"
+        )
+        again += monitor.observe(event).anomalies
+    assert [(a.detector, a.onset_step) for a in first] == [(a.detector, a.onset_step) for a in again]
+    assert [a.detector for a in again] == ["non_finite", "non_finite"]

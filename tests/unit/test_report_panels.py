@@ -39,6 +39,7 @@ def data(**overrides) -> ReportData:
         anomalies=[
             {
                 "step": 5,
+                "onset_step": 3,
                 "rank": 0,
                 "detector": "non_finite",
                 "metric": "loss",
@@ -155,3 +156,10 @@ def test_the_baselines_section_says_why_there_is_no_baseline_once():
     report = data(baseline_note="no baseline history: the run names no baseline_key")
     html = render(report, all_panels(report))
     assert html.count("no baseline history: the run names no baseline_key") == 1
+
+
+def test_the_findings_table_says_since_which_step():
+    from runwatch.sinks.report.html import findings_table
+
+    table = findings_table(data())
+    assert "<th>since step</th>" in table and "<td>5</td><td>3</td>" in table
