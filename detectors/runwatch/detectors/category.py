@@ -98,13 +98,14 @@ class _Category:
 
 def _pool(
     cat: _Category, mean: float, count: int, mean_loss: float, floor: float, min_count: int
-) -> float | None:
+) -> tuple[float, float] | None:
     """Add a step's samples of one category (``count`` of them, averaging ``mean``, while the run's mean
-    loss was ``mean_loss``) to its pool: the observation x (its log loss relative to the run's mean over
-    the same steps) once the pool holds ``min_count`` samples, else None."""
+    loss was ``mean_loss``) to its pool: once the pool holds ``min_count`` samples, the observation x (its
+    log loss relative to the run's mean over the same steps) and that mean loss, else None."""
     if cat.pool_count == 0 and count >= min_count:
         # (the pool is empty: its sums would be 0.0 + these very products)
-        return math.log(mean * count / count + floor) - math.log(mean_loss * count / count + floor)
+        pooled_mean = mean_loss * count / count
+        return math.log(mean * count / count + floor) - math.log(pooled_mean + floor), pooled_mean
     cat.pool_sum += mean * count
     cat.pool_mean_sum += mean_loss * count
     cat.pool_count += count
@@ -113,9 +114,10 @@ def _pool(
     # The category relative to the run's mean over the same steps: the shared trend of
     # training (a falling loss, an LR change, a run-wide bump) cancels out.
     pooled = cat.pool_count
-    x = math.log(cat.pool_sum / pooled + floor) - math.log(cat.pool_mean_sum / pooled + floor)
+    pooled_mean = cat.pool_mean_sum / pooled
+    x = math.log(cat.pool_sum / pooled + floor) - math.log(pooled_mean + floor)
     cat.pool_sum, cat.pool_mean_sum, cat.pool_count = 0.0, 0.0, 0
-    return x
+    return x, pooled_mean
 
 
 class CategoryDivergenceDetector(Detector):
@@ -142,7 +144,8 @@ class CategoryDivergenceDetector(Detector):
         # other category); a diverging one waits for the others' ratios of this step.
         categories = self._categories
         min_count = cfg.min_count
-        diverging: list[tuple[str, _Category, float, float, float]] = []  # name, state, x, z, ratio
+        # name, state, x, the run's mean loss over the observation, z, ratio
+        diverging: list[tuple[str, _Category, float, float, float, float]] = []
         for name, loss in event.category_loss.items():
             count, mean = loss.count, loss.mean
             if count <= 0 or not math.isfinite(mean) or mean <= 0:
@@ -152,16 +155,17 @@ class CategoryDivergenceDetector(Detector):
                 cat = categories[name] = _Category(cfg.window)
             if mean_loss is None:
                 continue
-            x = _pool(cat, mean, count, mean_loss, floor, min_count)
-            if x is None:
+            observed = _pool(cat, mean, count, mean_loss, floor, min_count)
+            if observed is None:
                 continue
+            x, pooled_mean = observed
             scored = self._score(cat, x)
             if scored is not None:
-                diverging.append((name, cat, x, *scored))
+                diverging.append((name, cat, x, pooled_mean, *scored))
 
         # 2. a divergence is one category's, not the run's: the others' median ratio must stay low
         found: list[Finding] = []
-        for name, cat, x, z, ratio in diverging:
+        for name, cat, x, pooled_mean, z, ratio in diverging:
             others_ratio = self._others_ratio(name)
             if others_ratio is None or others_ratio >= 1.0 + (cfg.min_ratio - 1.0) / 2:
                 cat.learn(x)
@@ -173,7 +177,7 @@ class CategoryDivergenceDetector(Detector):
             if cat.streak < cfg.patience or cat.cooldown.active(event.step):
                 continue
             cat.cooldown.start(event.step, cfg.cooldown_steps)
-            found.append(self._finding(event, name, cat, x, z, ratio, others_ratio, mean_ratio))
+            found.append(self._finding(event, name, cat, x, pooled_mean, z, ratio, others_ratio, mean_ratio))
         return found
 
     def _observe_mean(self, event: StepEvent) -> tuple[float | None, float | None, float]:
@@ -240,6 +244,7 @@ class CategoryDivergenceDetector(Detector):
         name: str,
         cat: _Category,
         x: float,
+        pooled_mean: float,
         z: float,
         ratio: float,
         others_ratio: float | None,
@@ -249,8 +254,11 @@ class CategoryDivergenceDetector(Detector):
         floor = self._floor()
         median = cat.history.get(0.5)
         assert median is not None  # a category is judged only past its warm-up
-        typical = math.exp(median) - floor
-        loss = math.exp(x) - floor
+        # In losses, not log-space levels: the observation's loss, and the loss the category would have
+        # at its typical level relative to the run's mean loss over the same steps.
+        typical = math.exp(median) * (pooled_mean + floor) - floor
+        loss = math.exp(x) * (pooled_mean + floor) - floor
+        loss_ratio = loss / typical if typical > 0 else math.inf
         mean_part = f"; the mean loss is at {mean_ratio:.2f}x its typical" if mean_ratio is not None else ""
         return Finding(
             detector=NAME,
@@ -259,7 +267,7 @@ class CategoryDivergenceDetector(Detector):
             rank=event.rank,
             severity="warning",
             message=(
-                f"category {name!r} loss diverges: {loss:.4g} is {ratio:.2f}x its typical {typical:.4g} "
+                f"category {name!r} loss diverges: {loss:.4g} is {loss_ratio:.2f}x its typical {typical:.4g} "
                 f"(robust z {z:.1f}) for {cat.streak} observations since step {cat.onset_step}, while the "
                 f"other categories are at {others_ratio:.2f}x theirs{mean_part}"
             ),
@@ -269,7 +277,8 @@ class CategoryDivergenceDetector(Detector):
             evidence={
                 "category": name,
                 "typical_loss": typical,
-                "ratio": ratio,
+                "ratio": ratio,  # of the losses offset by the floor, which min_ratio bounds
+                "loss_ratio": loss_ratio,
                 "robust_z": z,
                 "consecutive": cat.streak,
                 "onset_step": cat.onset_step,
