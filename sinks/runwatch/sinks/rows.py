@@ -114,7 +114,7 @@ UINT64 = IntRange("UInt64", 0, 2**64 - 1)
 # tests/integration/test_sink_poison.py checks this table against the migrated schema.
 COLUMN_BOUNDS: dict[str, dict[str, IntRange]] = {
     "telemetry": {"rank": UINT32, "step": INT64},
-    "anomalies": {"step": INT64, "rank": UINT32},
+    "anomalies": {"step": INT64, "onset_step": INT64, "rank": UINT32},
     "actions": {"step": INT64, "onset_step": INT64, "target_step": INT64},
     "deadletter": {"partition": INT32, "offset": INT64, "size": UINT64},
     "joined_steps": {
