@@ -322,8 +322,20 @@ class KafkaDelivery:
                 if closing:
                     return  # in-flight sends are flushed (and failures spooled) by _shutdown
                 continue
-            for event in events:
-                self._send_direct(producer, event.to_json(), _timestamp_ms(event))
+            self._send_batch(producer, events)
+
+    def _send_batch(self, producer: Any, events: list[EventBase]) -> None:
+        """Send ``events`` in order. Stop at the first failure (the broker is not taking events: the rest go
+        back to the front of the queue, which spooling mode then takes) or at close()'s deadline (then
+        _shutdown spools them), so a broker that is down costs one ``max_block_ms`` per batch, not one
+        per event (a batch of 200 would hold close() for 40 s and lose the events it could not spool)."""
+        for i, event in enumerate(events):
+            with self._lock:
+                failed = bool(self._failed)
+            if failed or (self._closing.is_set() and time.monotonic() >= self._close_deadline):
+                self._queue.extendleft(reversed(events[i:]))
+                return
+            self._send_direct(producer, event.to_json(), _timestamp_ms(event))
 
     def _send_direct(self, producer: Any, value: bytes, timestamp_ms: int | None = None) -> None:
         self._seq += 1
