@@ -1,12 +1,22 @@
 """Memory that keeps growing: a leak (allocated grows) or fragmentation (reserved - allocated grows
 while allocated stays flat), with the projected time until the memory limit is reached.
 
-Per series, a rolling least-squares fit of bytes against event time (river ``Rolling(Cov)`` /
-``Rolling(Var)``'s arithmetic, fused in ``_Trend``, over the last ``window`` samples) gives the slope per
-second and how straight the growth is (r²). A fit alone also likes a warm-up ramp that has levelled off or a
-one-time step up, so growth only counts when it is also *ongoing*: the means of the window's four quarters
-rise one after the other, each by a fair share of the total, and the last quarter's lowest sample is above the
-first quarter's median (a sawtooth that frees its memory drops below it).
+A sequential test per series, not a fixed window: a one-sided CUSUM of the step-to-step changes, each
+divided by a robust scale of the series' recent changes (their median size, with a floor at a small
+fraction of the level: a series that never moved still has a resolution) and clipped to a few scales, so
+one jump (a batch-size increase, an eval's buffers) counts as little as a few ordinary steps. Growth
+accumulates it; a change below ``allowance`` scales never does. The steps since the CUSUM last left zero
+are the growth episode: its first step is the onset, its least-squares fit (over at most ``window`` of
+its samples) the rate. The episode ends when the CUSUM is back at zero (a freed buffer's drop takes it
+there). The test starts after ``min_points`` samples (the allocator's warm-up).
+
+A finding needs the CUSUM at ``threshold``, growth for ``min_steps`` steps, and growth that is *ongoing*
+and *new*: the means of the fit's four quarters rise one after the other, each by a fair share of the
+total, and the last quarter's lowest sample is above the first quarter's median and above every sample
+before the fit (the history before the onset, and the episode's own samples the fit has let go). A level
+compared with its own past, minimum against maximum, is what keeps host RSS that swings around evals and
+checkpoints quiet: memory an eval or a checkpoint takes and gives back, or a cache refilled after a
+checkpoint dropped it, never climbs past the level it had before; a leak does, and keeps climbing.
 
 Series: CUDA ``allocated`` (leak; limit: ``device_total``), ``reserved - allocated``
 (fragmentation; limit: ``device_total``) and the host's ``host_rss`` (leak; limit:
@@ -14,15 +24,17 @@ Series: CUDA ``allocated`` (leak; limit: ``device_total``), ``reserved - allocat
 
 Severity: critical when the limit is projected within ``critical_horizon_s``, a warning within
 ``warn_horizon_s``, and a warning too for steady growth of at least ``min_growth`` (a fraction of
-the current value) over the window even when no limit is known.
+the current value) over the fit even when no limit is known.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
 from datetime import datetime
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -38,16 +50,27 @@ class MemoryConfig(Strict):
     grows), and time to the limit."""
 
     enabled: bool = True
-    window: int = Field(default=100, ge=8, description="steps in the rolling slope")
+    window: int = Field(
+        default=100,
+        ge=8,
+        description="steps of history: the scale of the changes, the level to beat, the longest fit",
+    )
     min_points: int = Field(
         default=100,
         ge=8,
-        description="samples in the fit before any finding (outlasts the allocator's warm-up)",
+        description="samples before the test starts (outlasts the allocator's warm-up)",
+    )
+    min_steps: int = Field(default=10, ge=4, description="steps the growth must have lasted before a finding")
+    threshold: float = Field(
+        default=8.0, gt=0, description="CUSUM of the changes, in scales, that makes the growth clear"
+    )
+    allowance: float = Field(
+        default=0.25, ge=0, description="change per step, in scales, that the CUSUM lets pass"
     )
     min_growth: float = Field(
         default=0.1,
         gt=0,
-        description="growth over the window, as a fraction of the current value, that counts",
+        description="growth over the fit, as a fraction of the current value, that counts",
     )
     min_r2: float = Field(
         default=0.6, ge=0, le=1, description="how straight the growth must be (a leak is steady)"
@@ -62,14 +85,21 @@ class MemoryConfig(Strict):
     def _points_fit(self) -> MemoryConfig:
         if self.min_points > self.window:
             raise ValueError(f"min_points ({self.min_points}) must not exceed window ({self.window})")
+        if self.min_steps > self.window:
+            raise ValueError(f"min_steps ({self.min_steps}) must not exceed window ({self.window})")
         if self.critical_horizon_s > self.warn_horizon_s:
             raise ValueError("critical_horizon_s must not exceed warn_horizon_s")
         return self
 
 
 NAME = "memory_growth"
-_MIB = float(1 << 20)  # the fit works in MiB: byte counts squared lose precision in the rolling sums
+_MIB = float(1 << 20)  # the series are kept in MiB: byte counts squared lose precision in the fit
 _SEVERITY = {"warning": 1, "critical": 2}
+_CLIP = 3.0  # one step's change counts at most this many scales: a single jump is not a trend
+_CAP = 2.0  # the CUSUM stops at this many thresholds, so it falls back soon after the growth stops
+_MAD_TO_SIGMA = 1 / 0.6745  # median |change| of Gaussian changes is 0.6745 of their standard deviation
+_REL_FLOOR = 1e-4  # the scale is at least this fraction of the level (a flat series has a resolution too)
+_ABS_FLOOR_MIB = 512 / _MIB  # and at least the CUDA allocator's rounding, for a level near zero
 
 
 def _bytes(n: float) -> str:
@@ -87,119 +117,126 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-class _Trend:
-    """Rolling linear fit of one series (MiB) against time (s), and the samples for the ongoing-growth check.
+def _fit(samples: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least squares of MiB against seconds: (slope in MiB/s, r², the slope's standard error)."""
+    n = len(samples)
+    if n < 3:
+        return 0.0, 0.0, math.inf
+    mean_t = sum(t for t, _ in samples) / n
+    mean_v = sum(v for _, v in samples) / n
+    sxx = sum((t - mean_t) ** 2 for t, _ in samples)
+    syy = sum((v - mean_v) ** 2 for _, v in samples)
+    sxy = sum((t - mean_t) * (v - mean_v) for t, v in samples)
+    if sxx <= 0 or syy <= 0:
+        return 0.0, 0.0, math.inf
+    slope = sxy / sxx
+    residual = max(0.0, syy - slope * sxy)
+    return slope, min(1.0, sxy * sxy / (sxx * syy)), math.sqrt(residual / (n - 2) / sxx)
 
-    The fit's statistics are river's ``Rolling(Cov)``, ``Rolling(Var)`` of t and ``Rolling(Var)`` of the
-    value, fused: the same Welford updates and reverts, in the same order, give the same numbers bit for
-    bit, but the means of t and of the value (which river keeps twice, in the covariance and in each
-    variance) are updated once, and there is no call through river's wrappers for each of them.
-    """
+
+def _ongoing(values: list[float], level_to_beat: float) -> bool:
+    """Growth through the whole fit, to a level never seen before: not a ramp that levelled off, a
+    one-time step up, or memory that only comes back to where it was (a sawtooth's next rise, a cache
+    refilled after a checkpoint)."""
+    n = len(values) // 4
+    quarters = [values[i * n : (i + 1) * n] for i in range(3)] + [values[3 * n :]]
+    means = [sum(q) / len(q) for q in quarters]
+    total = means[3] - means[0]
+    if total <= 0:
+        return False
+    if any(b - a < total / 6 for a, b in zip(means, means[1:], strict=False)):
+        return False
+    floor = min(quarters[3])
+    return floor > statistics.median(quarters[0]) and floor > level_to_beat
+
+
+class _Trend:
+    """The fixed-window fit this detector kept before the sequential test: only so that a snapshot
+    taken then still loads (``MemoryGrowthDetector.__setstate__`` drops it)."""
+
+
+class _Series:
+    """One memory series (MiB against seconds): its recent history, the robust scale of its changes,
+    the CUSUM of those changes and the growth episode it is in."""
 
     __slots__ = (
-        "cov",
-        "evicted_max",
+        "changes",
+        "cooldown",
+        "cusum",
+        "episode",
+        "episode_steps",
+        "history",
         "last_severity",
         "last_step",
-        "mean_t",
-        "mean_v",
-        "n",
-        "cooldown",
-        "samples",
-        "steps",
-        "sum_sq_t",
-        "sum_sq_v",
-        "window",
+        "level_to_beat",
+        "onset",
+        "seen",
+        "sorted_changes",
     )
 
     def __init__(self, window: int):
-        self.window = window
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (t, MiB), oldest first
-        self.steps: deque[int] = deque(maxlen=window)
-        self.n = 0.0
-        self.mean_t = 0.0
-        self.mean_v = 0.0
-        self.sum_sq_t = 0.0  # Welford's S of t and of the value
-        self.sum_sq_v = 0.0
-        self.cov = 0.0  # running covariance (ddof 1), as river's Cov
-        self.evicted_max = -math.inf  # highest sample that has left the window: the level to beat
+        self.history: deque[tuple[int, float, float]] = deque(maxlen=window)  # (step, t, MiB), oldest first
+        self.changes: deque[float] = deque(maxlen=window)  # |change| per step, oldest first
+        self.sorted_changes: list[float] = []  # the same, sorted: their median is the scale
+        self.seen = 0
         self.last_step = -1
+        self.cusum = 0.0  # in scales
+        self.onset: int | None = None  # the episode's first step (None: not growing)
+        self.level_to_beat = -math.inf  # highest sample before the fit
+        self.episode: deque[tuple[float, float]] = deque(maxlen=window)  # the fit: (t, MiB) since the onset
+        self.episode_steps = 0
         self.last_severity = 0
         self.cooldown = Cooldown()
 
-    def update(self, t: float, mib: float, step: int) -> None:
-        samples = self.samples
-        n = self.n
-        mean_t, mean_v, cov = self.mean_t, self.mean_v, self.cov
-        if len(samples) == self.window:
-            old_t, old_v = samples[0]
-            if old_v > self.evicted_max:
-                self.evicted_max = old_v
-            # river's revert of the oldest sample: Mean.revert, Cov.revert, Var.revert
-            n -= 1.0
-            dt = old_t - mean_t
-            dv = old_v - mean_v
-            mean_t -= (1.0 / n) * dt
-            mean_v -= (1.0 / n) * dv
-            denom = n - 1
-            cov -= (dt * (old_v - mean_v) - cov) / (denom if denom > 1 else 1)
-            self.sum_sq_t -= dt * (old_t - mean_t)
-            self.sum_sq_v -= dv * (old_v - mean_v)
-        # river's update: Mean.update, Cov.update, Var.update
-        n += 1.0
-        dt = t - mean_t
-        dv = mib - mean_v
-        mean_t += (1.0 / n) * dt
-        mean_v += (1.0 / n) * dv
-        denom = n - 1
-        cov += (dt * (mib - mean_v) - cov) / (denom if denom > 1 else 1)
-        self.sum_sq_t += dt * (t - mean_t)
-        self.sum_sq_v += dv * (mib - mean_v)
-        self.n, self.mean_t, self.mean_v, self.cov = n, mean_t, mean_v, cov
-        samples.append((t, mib))
-        self.steps.append(step)
+    def scale(self, level: float) -> float:
+        """MiB that one ordinary step moves the series by."""
+        ordered, n = self.sorted_changes, len(self.sorted_changes)
+        median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2 if n else 0.0
+        return max(median * _MAD_TO_SIGMA, abs(level) * _REL_FLOOR, _ABS_FLOOR_MIB)
 
-    def __len__(self) -> int:
-        return len(self.steps)
+    def observe(self, step: int, t: float, mib: float, cfg: MemoryConfig) -> None:
+        if self.history:
+            change = mib - self.history[-1][2]
+            if self.seen >= cfg.min_points:
+                self._advance(step, change / self.scale(mib), cfg)
+            self._remember_change(abs(change))
+        if self.onset is not None:
+            if len(self.episode) == self.episode.maxlen:  # the fit lets its oldest sample go
+                self.level_to_beat = max(self.level_to_beat, self.episode[0][1])
+            self.episode.append((t, mib))
+            self.episode_steps += 1
+        self.history.append((step, t, mib))
+        self.seen += 1
+        self.last_step = step
 
-    def fit(self) -> tuple[float, float]:
-        """(slope in MiB/s, r²)."""
-        n = self.n
-        if n <= 1:
-            return 0.0, 0.0
-        var_t = self.sum_sq_t / (n - 1)
-        var_v = self.sum_sq_v / (n - 1)
-        if var_t <= 0 or var_v <= 0:
-            return 0.0, 0.0
-        cov = self.cov
-        return cov / var_t, min(1.0, cov * cov / (var_t * var_v))
+    def _advance(self, step: int, score: float, cfg: MemoryConfig) -> None:
+        """The CUSUM's step; the episode starts when it leaves zero and ends when it is back."""
+        before = self.cusum
+        score = max(-_CLIP, min(_CLIP, score))
+        self.cusum = min(_CAP * cfg.threshold, max(0.0, before + score - cfg.allowance))
+        if self.cusum <= 0:
+            self.onset = None
+        elif before <= 0:
+            self.onset = step
+            self.level_to_beat = max(v for _, _, v in self.history)
+            self.episode.clear()
+            self.episode_steps = 0
 
-    def recent_slope(self) -> float:
-        """Least-squares slope (MiB/s) over the newer half of the window: the current rate, when the
-        growth began inside the window or is speeding up."""
-        samples = list(self.samples)[len(self.samples) // 2 :]
-        n = len(samples)
-        mean_t = sum(t for t, _ in samples) / n
-        mean_v = sum(v for _, v in samples) / n
-        sxx = sum((t - mean_t) ** 2 for t, _ in samples)
-        sxy = sum((t - mean_t) * (v - mean_v) for t, v in samples)
-        return sxy / sxx if sxx > 0 else 0.0
+    def _remember_change(self, size: float) -> None:
+        if len(self.changes) == self.changes.maxlen:
+            del self.sorted_changes[bisect.bisect_left(self.sorted_changes, self.changes[0])]
+        self.changes.append(size)
+        bisect.insort(self.sorted_changes, size)
 
-    def ongoing(self) -> bool:
-        """Growth through the whole window, to a level never seen before: not a ramp that levelled off,
-        a one-time step up, or a sawtooth that frees what it took (its next rise only
-        returns to the old peak)."""
-        values = [v for _, v in self.samples]
-        n = len(values) // 4
-        quarters = [values[i * n : (i + 1) * n] for i in range(3)] + [values[3 * n :]]
-        means = [sum(q) / len(q) for q in quarters]
-        total = means[3] - means[0]
-        if total <= 0:
-            return False
-        if any(b - a < total / 6 for a, b in zip(means, means[1:], strict=False)):
-            return False
-        floor = min(quarters[3])
-        return floor > statistics.median(quarters[0]) and floor > self.evicted_max
+    def growing(self, cfg: MemoryConfig) -> bool:
+        """The cheap part of the test: the CUSUM at its threshold, for long enough."""
+        return self.onset is not None and self.cusum >= cfg.threshold and self.episode_steps >= cfg.min_steps
+
+    def growth_since(self, step: int) -> float:
+        """Fitted growth (MiB) over this series' samples from ``step`` on (0 with fewer than three)."""
+        samples = [(t, v) for s, t, v in self.history if s >= step]
+        slope, _, _ = _fit(samples)
+        return slope * (samples[-1][0] - samples[0][0]) if len(samples) > 1 else 0.0
 
 
 class MemoryGrowthDetector(Detector):
@@ -210,13 +247,20 @@ class MemoryGrowthDetector(Detector):
     def __init__(self, config: MemoryConfig):
         self.config = config
         self._t0: datetime | None = None
-        self._trends: dict[str, _Trend] = {}
+        self._series: dict[str, _Series] = {}
 
-    def _trend(self, metric: str) -> _Trend:
-        trend = self._trends.get(metric)
-        if trend is None:
-            trend = self._trends[metric] = _Trend(self.config.window)
-        return trend
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "_series" not in state:  # a snapshot from before the sequential test: its fits are dropped
+            self.__dict__.pop("_trends", None)
+            self._series = {}
+            self.config = MemoryConfig(**self.config.__dict__)  # its config lacks the test's knobs
+
+    def _state(self, metric: str) -> _Series:
+        series = self._series.get(metric)
+        if series is None:
+            series = self._series[metric] = _Series(self.config.window)
+        return series
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or event.memory is None:
@@ -226,20 +270,11 @@ class MemoryGrowthDetector(Detector):
             self._t0 = event.ts
         t = (event.ts - self._t0).total_seconds()
         found: list[Finding] = []
-        leak_alloc = None
         if mem.allocated is not None:
-            # (arguments: metric, value, t, event, used, limit, base, kind, found, allocated_growth)
-            leak_alloc = self._observe(
-                "allocated",
-                mem.allocated,
-                t,
-                event,
-                mem.reserved or mem.allocated,
-                mem.device_total,
-                mem.allocated,
-                "leak",
-                found,
-                None,
+            # (arguments: metric, value, t, event, used, limit, base, kind, found)
+            used = mem.reserved or mem.allocated
+            self._observe(
+                "allocated", mem.allocated, t, event, used, mem.device_total, mem.allocated, "leak", found
             )
             if mem.reserved is not None:
                 self._observe(
@@ -252,20 +287,11 @@ class MemoryGrowthDetector(Detector):
                     mem.reserved,
                     "fragmentation",
                     found,
-                    leak_alloc,
                 )
         if mem.host_rss is not None:
+            used = mem.cgroup_usage or mem.host_rss
             self._observe(
-                "host_rss",
-                mem.host_rss,
-                t,
-                event,
-                mem.cgroup_usage or mem.host_rss,
-                mem.cgroup_limit,
-                mem.host_rss,
-                "leak",
-                found,
-                None,
+                "host_rss", mem.host_rss, t, event, used, mem.cgroup_limit, mem.host_rss, "leak", found
             )
         return found
 
@@ -280,47 +306,51 @@ class MemoryGrowthDetector(Detector):
         base: int,
         kind: str,
         found: list[Finding],
-        allocated_growth: float | None,
-    ) -> float | None:
-        """Feed one sample; append a finding if due. Returns the window's fitted growth (bytes), if known."""
-        trend = self._trends.get(metric)
-        if trend is None:
-            trend = self._trend(metric)
-        step = event.step
-        if step <= trend.last_step:
-            return None  # a replayed or rolled-back step: the series would fold back on itself
-        trend.last_step = step
-        trend.update(t, value / _MIB, step)
+    ) -> None:
+        """Feed one sample; append a finding if due."""
+        series = self._state(metric)
+        if event.step <= series.last_step:
+            return  # a replayed or rolled-back step: the series would fold back on itself
         cfg = self.config
-        samples = trend.samples
-        if len(samples) < cfg.min_points:
-            return None
-        slope_mib, r2 = trend.fit()
-        span = samples[-1][0] - samples[0][0]
-        growth = slope_mib * span * _MIB
+        series.observe(event.step, t, value / _MIB, cfg)
+        if not series.growing(cfg):
+            return
+        samples = list(series.episode)
+        if not _ongoing([v for _, v in samples], series.level_to_beat):
+            return
+        slope_mib, r2, _ = _fit(samples)
         if slope_mib <= 0 or r2 < cfg.min_r2:
-            return growth
-        if allocated_growth is not None and allocated_growth > growth / 4:
-            return growth  # allocated grows too: that is the leak finding's, not fragmentation
-        # Project with the faster of the window's and its newer half's rate: a leak that began inside the
-        # window, or speeds up, must not look further from the limit than it is.
-        rate = max(slope_mib, trend.recent_slope()) * _MIB
+            return
+        newest, _, _ = _fit(samples[-max(3, len(samples) // 4) :])
+        if newest < slope_mib / 4:
+            return  # the growth has levelled off (a ramp to a new batch size's level): not a leak
+        growth = slope_mib * (samples[-1][0] - samples[0][0]) * _MIB
+        if kind == "fragmentation" and self._allocated_grows(series, growth):
+            return
+        # Project with the newer half's rate where it is clearly the faster (by two standard errors):
+        # growth that speeds up must not look further from the limit than it is, and noise must not
+        # make it look nearer.
+        recent, _, error = _fit(samples[len(samples) // 2 :])
+        rate = max(slope_mib, recent - 2 * error) * _MIB
         severity, seconds_to_limit = self._severity(rate, growth / max(base, 1), used, limit)
         if severity is None:
-            return growth
+            return
         rank = _SEVERITY[severity]
-        if trend.cooldown.active(event.step) and rank <= trend.last_severity:
-            return growth
-        if not trend.ongoing():
-            return growth
-        trend.last_severity = rank
-        trend.cooldown.start(event.step, cfg.cooldown_steps)
+        if series.cooldown.active(event.step) and rank <= series.last_severity:
+            return
+        series.last_severity = rank
+        series.cooldown.start(event.step, cfg.cooldown_steps)
         found.append(
             self._finding(
-                metric, kind, severity, event, value, trend, rate, growth, base, r2, limit, seconds_to_limit
+                metric, kind, severity, event, value, series, rate, growth, base, r2, limit, seconds_to_limit
             )
         )
-        return growth
+
+    def _allocated_grows(self, fragmentation: _Series, growth: float) -> bool:
+        """Allocated grows too over the fragmentation's episode: that is the leak finding's."""
+        allocated = self._state("allocated")
+        assert fragmentation.onset is not None  # (growing() says so)
+        return allocated.growth_since(fragmentation.onset) * _MIB > growth / 4
 
     def _severity(
         self, slope: float, fraction: float, used: int, limit: int | None
@@ -344,7 +374,7 @@ class MemoryGrowthDetector(Detector):
         severity: Severity,
         event: StepEvent,
         value: int,
-        trend: _Trend,
+        series: _Series,
         slope: float,
         growth: float,
         base: int,
@@ -352,7 +382,7 @@ class MemoryGrowthDetector(Detector):
         limit: int | None,
         seconds_to_limit: float | None,
     ) -> Finding:
-        steps = len(trend)
+        steps = len(series.episode)
         what = {
             "allocated": "CUDA allocated memory",
             "fragmentation": "CUDA reserved-but-unallocated memory",
@@ -360,14 +390,14 @@ class MemoryGrowthDetector(Detector):
         }[metric]
         cause = "a leak" if kind == "leak" else "fragmentation (allocated stays flat)"
         message = (
-            f"{what} grows steadily, {cause}: +{_bytes(growth)} over the last {steps} steps "
-            f"({growth / max(base, 1):.1%} of {_bytes(base)}, {_bytes(slope)}/s, r² {r2:.2f})"
+            f"{what} grows steadily, {cause}: +{_bytes(growth)} over the last {steps} steps, growing since "
+            f"step {series.onset} ({growth / max(base, 1):.1%} of {_bytes(base)}, {_bytes(slope)}/s, "
+            f"r² {r2:.2f})"
         )
         if seconds_to_limit is not None and limit is not None:  # (there is a time to the limit only with one)
             message += f"; at this rate the {_bytes(limit)} limit is reached in {_duration(seconds_to_limit)}"
         else:
             message += "; no memory limit is known"
-        onset = trend.steps[0]
         return Finding(
             detector=NAME,
             metric=metric,
@@ -385,9 +415,12 @@ class MemoryGrowthDetector(Detector):
                 "growth_fraction": growth / max(base, 1),
                 "r2": r2,
                 "window_steps": steps,
+                "steps_growing": series.episode_steps,
+                "cusum": series.cusum,
+                "level_to_beat_bytes": series.level_to_beat * _MIB,
                 "seconds_to_limit": seconds_to_limit,
                 "limit_bytes": limit,
-                "onset_step": onset,
+                "onset_step": series.onset,
             },
         )
 
