@@ -141,6 +141,7 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
         "memory_growth",
         "category_divergence",
         "val_vs_train",
+        "loss_rise",
         "stall",
         "straggler",
         "hung_rank",

@@ -244,6 +244,7 @@ def test_state_pickles_mid_stream_and_resumes_with_the_same_findings(spec):
 EXPECTED = {
     "non_finite",
     "loss_spike",
+    "loss_rise",
     "module_grad_explosion",
     "update_ratio",
     "throughput_drift",

@@ -90,6 +90,7 @@ BUILTIN_MODULES = (
     "runwatch.detectors.memory_growth",
     "runwatch.detectors.category",
     "runwatch.detectors.generalization",
+    "runwatch.detectors.loss_rise",
     "runwatch.detectors.stall",
     "runwatch.detectors.straggler",
     "runwatch.detectors.hung_rank",

@@ -262,6 +262,27 @@ class UpdateRatio(FaultInjector):
 
 
 @dataclass
+class LrRamp(FaultInjector):
+    """From the onset the LR is the schedule's times ``factor_per_step`` to the power of the steps since
+    (a scheduler left multiplying, an LR range test left on: x1.01 per step is x2.7 after 100 steps), up
+    to ``cap`` times: no single step jumps, the training loss rises slowly."""
+
+    kind: ClassVar[str] = "loss_rise"
+    factor_per_step: float = 1.01
+    cap: float = 1e4
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "magnitude": self.factor_per_step}
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.active(step):
+            assert self.run.onset is not None  # active() says so
+            scale = min(self.cap, self.factor_per_step ** (step - self.run.onset + 1))
+            for g in optimizer.param_groups:
+                g["lr"] = self.run.base_lr(step) * scale
+
+
+@dataclass
 class ThroughputDrift(FaultInjector):
     """From the onset steps take ``factor`` times as long, at once or (``ramp``) growing linearly to it by
     the end of the run."""
@@ -309,9 +330,11 @@ class DataWait(FaultInjector):
 @dataclass
 class MemoryLeak(FaultInjector):
     """From the onset every step's input, hidden activations and logits are kept in a list never cleared
-    (needs a model with an ``encoder`` whose first layer takes the batch)."""
+    (needs a model with an ``encoder`` whose first layer takes the batch); with ``logits_only`` only the
+    logits (a smaller leak: a metric buffer that keeps every step's outputs)."""
 
     kind: ClassVar[str] = "memory_leak"
+    logits_only: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "kind": "leak"}
@@ -327,6 +350,8 @@ class MemoryLeak(FaultInjector):
             encoder = cast(nn.Sequential, model.encoder)  # (the class doc's model)
             h1 = encoder[0](batch.x)
             kept = [batch.x.clone(), h1, F.gelu(h1), encoder(batch.x), logits.detach().clone()]
+        if self.logits_only:
+            kept = kept[-1:]
         self.retained.extend(kept)  # the bug: a list that is never cleared
         return [t.numel() * t.element_size() for t in kept]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
@@ -90,3 +91,51 @@ class ScenarioMemory:
         fields = host.model_dump(exclude_none=True) if host is not None else {}
         a = self.allocator
         return MemoryStats(**fields, allocated=a.allocated, reserved=a.reserved, peak=a.peak)
+
+
+class HostSwings:
+    """Host memory a CPU run takes around its evals and checkpoints and gives back, for the healthy
+    scenarios with RSS swings (``extra["rss_swing_mib"]``; without it every hook does nothing): anonymous
+    mappings really touched, so the measured host RSS moves by their size, and unmapped, so it really
+    comes back.
+
+    After each eval ``mib`` MiB of eval buffers stay mapped for ``hold`` steps. A data cache of ``mib``
+    MiB is filled over the first ``refill`` steps, dropped at each checkpoint and refilled over the
+    ``refill`` steps after it: the RSS falls by ``mib`` and climbs back, steadily, to where it was.
+    """
+
+    PAGE = 4096
+
+    def __init__(self, mib: int, hold: int = 12, refill: int = 20):
+        self.mib, self.hold, self.refill = mib, hold, refill
+        self._eval: list[tuple[int, mmap.mmap]] = []  # (step to release after, buffer)
+        self._cache: list[mmap.mmap] = []
+
+    @classmethod
+    def for_scenario(cls, extra: dict[str, Any]) -> HostSwings:
+        return cls(
+            extra.get("rss_swing_mib", 0), extra.get("rss_swing_hold", 12), extra.get("rss_swing_refill", 20)
+        )
+
+    def _mapped(self, nbytes: int) -> mmap.mmap:
+        buffer = mmap.mmap(-1, nbytes)
+        for offset in range(0, nbytes, self.PAGE):  # touch every page: resident from now on
+            buffer[offset] = 1
+        return buffer
+
+    def after_step(self, step: int) -> None:
+        """Release the eval buffers whose time is up; add one chunk to the cache while it refills."""
+        for entry in [e for e in self._eval if e[0] <= step]:
+            entry[1].close()
+            self._eval.remove(entry)
+        if self.mib and len(self._cache) < self.refill:
+            self._cache.append(self._mapped(self.mib * (1 << 20) // self.refill))
+
+    def after_eval(self, step: int) -> None:
+        if self.mib:
+            self._eval.append((step + self.hold, self._mapped(self.mib * (1 << 20))))
+
+    def at_checkpoint(self) -> None:
+        for buffer in self._cache:
+            buffer.close()
+        self._cache.clear()

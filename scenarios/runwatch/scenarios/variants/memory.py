@@ -4,6 +4,35 @@ around evals).
 
 from __future__ import annotations
 
+from runwatch.scenarios.faults import Healthy, MemoryLeak
 from runwatch.scenarios.scenario import Scenario
 
-VARIANTS: tuple[Scenario, ...] = ()
+VARIANTS: tuple[Scenario, ...] = (
+    Scenario(
+        "memory_leak_small_mlp",
+        MemoryLeak(logits_only=True),
+        "mlp",
+        "From the onset a metric buffer keeps every step's logits in a list that is never cleared: "
+        "2.5 KB per step, a 43rd of memory_leak_mlp's leak, gradual. allocated/reserved come from the "
+        "documented caching-allocator model (CPU run) and grow by exactly the retained bytes; host RSS "
+        "barely moves.",
+        onset=0.4,
+        seed=70,
+        steps=400,
+        quick_steps=120,
+    ),
+    Scenario(
+        "healthy_cpu_rss_swings_mlp",
+        Healthy(),
+        "mlp",
+        "Host RSS swings by 150 MiB and comes back, really mapped and unmapped: after every eval 150 MiB of "
+        "eval buffers stay for 12 steps; a 150 MiB data cache, filled over the first 20 steps, is dropped "
+        "at every checkpoint and refilled over the next 20 steps (a steady climb back to the old level). "
+        "Nothing leaks.",
+        seed=71,
+        steps=400,
+        quick_steps=200,
+        extra={"rss_swing_mib": 150},
+        benign=("rss_swing", "checkpoint", "eval", "lr_warmup_peak"),
+    ),
+)
