@@ -353,7 +353,7 @@ def test_val_worsening_while_train_improves_fires_once_with_its_best(seed, val_n
     f = found[0]
     assert f.detector == "val_vs_train" and f.metric == "eval_loss.val" and f.severity == "warning"
     assert 2600 <= f.evidence["best_step"] <= 3200
-    assert f.evidence["best_step"] < f.step <= 4800  # within 9 evals of the turn
+    assert f.evidence["best_step"] < f.step <= 5000  # within 10 evals of the turn
     assert f.evidence["best_val"] < f.value
     assert f.evidence["train_trend"] < 0  # the train loss improved since the best eval
     assert f.evidence["onset_step"] == f.evidence["best_step"] + 1

@@ -3,24 +3,30 @@ the training and the evaluation data, a bug in the eval path).
 
 Per eval split, the best validation loss so far and the train loss at that eval (the mean over the
 last ``train_window`` step losses before it). An eval is *worse* when its loss is above the best by
-more than ``min_rel_increase`` and by more than this run's own eval noise allows: sigma comes from
-the rolling mean square of second differences of log val loss (river ``Rolling(Mean)``; second
-differences cancel the improving trend), and the margin is ``3 + sqrt(2 ln n)`` sigmas because the
-best of n noisy evals is itself about ``sqrt(2 ln n)`` sigmas low (doubled while fewer than three
-differences make the estimate, and nothing is judged before there is one). So a noisy validation set that
-improves overall, or plateaus, does not trip it. ``patience`` worse evals in a row, each with the train loss
-below its level at the best eval, make one finding; a new best re-arms it. Val and train both worsening is the
-loss detectors' business, not this one's.
+more than ``min_rel_increase`` and by more than this run's own eval noise allows. ``patience`` worse
+evals in a row, each with the train loss below its level at the best eval, make one finding; a new
+best re-arms it. Val and train both worsening is the loss detectors' business, not this one's.
+
+The noise is the evals' residuals around their trend, not their raw spread: sigma of one eval's log
+loss is the root mean square of third differences of log val loss over the last ``NOISE_EVALS`` evals
+(a local quadratic trend cancels, so the steep, bending curve of the early evals is not taken for
+noise, as second differences took it). Worse evals, the ones under test, join the estimate only once
+their streak ends, so a turn or a jump does not widen the noise it is tested against. The margin is
+``3.5 + sqrt(2 ln n)`` sigmas, because the best of n noisy evals is itself about ``sqrt(2 ln n)``
+sigmas low; its 3.5 doubles while fewer than five differences make the estimate (from few evals a tail
+quantile is a wide one, as Student's t is), and nothing is judged before there is one. So a noisy
+validation set that improves overall, or plateaus, does not trip it, and a few percent is enough where
+the evals are smooth.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from datetime import datetime
 
 from pydantic import Field
-from river import stats, utils
 
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
@@ -42,46 +48,74 @@ class GeneralizationConfig(Strict):
 
 
 NAME = "val_vs_train"
-NOISE_SIGMAS = 3.0  # above the expected low bias of the best eval
-NOISE_EVALS = 50  # second differences in the noise estimate
+NOISE_SIGMAS = 3.5  # above the expected low bias of the best eval
+NOISE_EVALS = 50  # the latest evals whose residuals make the noise estimate
+FEW_DIFFERENCES = 5  # under this many the estimate is a rough one: its NOISE_SIGMAS doubles
+THIRD_DIFF_VARIANCE = 20  # x[k] - 3 x[k-1] + 3 x[k-2] - x[k-3] of independent noise: 20 sigma²
+
+
+def third_diff_noise(log_vals: Iterable[float]) -> tuple[float, int] | None:
+    """Sigma of one eval's log loss from its residuals around a local quadratic trend, and the number of
+    differences it comes from (None under four evals)."""
+    x = list(log_vals)
+    diffs = [x[k] - 3 * x[k - 1] + 3 * x[k - 2] - x[k - 3] for k in range(3, len(x))]
+    if not diffs:
+        return None
+    return math.sqrt(sum(d * d for d in diffs) / len(diffs) / THIRD_DIFF_VARIANCE), len(diffs)
 
 
 class _Split:
+    log_vals: deque[float] | None = None  # the log losses the noise comes from (NOISE_EVALS)
+    held: list[float] | None = None  # worse evals' log losses, learnt once their streak ends
+
     def __init__(self) -> None:
         self.evals = 0
         self.best_val = math.inf
         self.best_step: int | None = None
         self.train_at_best: float | None = None
-        self.last_log_vals: deque[float] = deque(maxlen=2)
-        self.diff2_sq = utils.Rolling(stats.Mean, window_size=NOISE_EVALS)
-        self.diffs = 0
+        self.log_vals = deque(maxlen=NOISE_EVALS)
+        self.held = []
         self.streak = 0
         self.first_worse_step: int | None = None
         self.fired = False  # once per episode: until a new best
 
-    def noise(self) -> float:
-        """Sigma of one eval's log loss: x[k] - 2 x[k-1] + x[k-2] of independent
-        noise has variance 6 sigma²."""
-        if self.diffs == 0:
-            return math.inf  # no estimate yet: no eval can be judged worse
-        # river's utils.Rolling forwards get() to the wrapped Mean through __getattr__, typed as object
-        sigma = math.sqrt(self.diff2_sq.get() / 6)  # type: ignore[operator]
-        return sigma if self.diffs >= 3 else 2 * sigma
+    def learnt(self) -> deque[float]:
+        if self.log_vals is None:  # pickled before it kept log losses (it then had only a running mean)
+            self.log_vals = deque(maxlen=NOISE_EVALS)
+        return self.log_vals
+
+    def held_back(self) -> list[float]:
+        if self.held is None:  # pickled before it held worse evals back
+            self.held = []
+        return self.held
+
+    def noise(self) -> tuple[float, int] | None:
+        """Sigma of one eval's log loss and the differences it comes from (None: no eval can be judged)."""
+        return third_diff_noise(self.learnt())
 
     def margin(self, min_rel_increase: float) -> float:
-        """How far (log units) above the best an eval must be to count as worse."""
-        sigmas = NOISE_SIGMAS + math.sqrt(2 * math.log(max(self.evals, 2)))
-        return max(math.log1p(min_rel_increase), sigmas * self.noise())
+        """How far (log units) above the best an eval must be to count as worse (inf: no estimate yet)."""
+        noise = self.noise()
+        if noise is None:
+            return math.inf
+        sigma, differences = noise
+        # a tail quantile from few differences is a wide one (as Student's t is): doubled under FEW
+        quantile = NOISE_SIGMAS if differences >= FEW_DIFFERENCES else 2 * NOISE_SIGMAS
+        sigmas = quantile + math.sqrt(2 * math.log(max(self.evals, 2)))
+        return max(math.log1p(min_rel_increase), sigmas * sigma)
 
     def learn(self, log_val: float) -> None:
-        if len(self.last_log_vals) == 2:
-            self.diff2_sq.update((log_val - 2 * self.last_log_vals[1] + self.last_log_vals[0]) ** 2)
-            self.diffs += 1
-        self.last_log_vals.append(log_val)
+        """A worse eval waits while its streak lasts (it is under test, not noise); any other is learnt,
+        after the ones that waited."""
+        self.held_back().append(log_val)
+        if self.streak == 0 or self.fired:
+            self.learnt().extend(self.held_back())
+            self.held_back().clear()
 
 
 class ValVsTrainDetector(Detector):
-    """Validation worse than its best for ``patience`` evals while the train loss keeps improving."""
+    """Validation worse than its best, beyond its eval noise, for ``patience`` evals while the train loss
+    keeps improving."""
 
     name = NAME
 
@@ -132,10 +166,17 @@ class ValVsTrainDetector(Detector):
         if split.fired or split.streak < cfg.patience or split.evals < cfg.min_evals:
             return None
         split.fired = True
-        # (``improving`` above: both train figures are there; ``worse``: a best eval, so its step, is there)
+        return self._finding(split, event, train, margin)
+
+    def _finding(self, split: _Split, event: EvalEvent, train: float | None, margin: float) -> Finding:
+        # (``_judge`` fires only with both train figures and a best eval, so its step, there)
         assert train is not None and split.train_at_best is not None and split.best_step is not None
+        val = event.loss
+        assert val is not None
         increase = val / split.best_val - 1
         train_trend = train / split.train_at_best - 1
+        noise = split.noise()
+        eval_noise = math.expm1(noise[0]) if noise is not None else math.nan
         return Finding(
             detector=NAME,
             metric=f"eval_loss.{event.split}",
@@ -144,9 +185,10 @@ class ValVsTrainDetector(Detector):
             severity="warning",
             message=(
                 f"{event.split} loss {val:.4g} is {increase:.1%} above its best {split.best_val:.4g} "
-                f"(step {split.best_step}) for {split.streak} evals in a row, while the train loss improved "
-                f"{-train_trend:.1%} over the same time ({train:.4g}, mean of the last {len(self._train)} "
-                f"steps, vs {split.train_at_best:.4g})"
+                f"(step {split.best_step}), and more than {math.expm1(margin):.1%} above it (what this "
+                f"run's eval noise of \u00b1{eval_noise:.1%} allows) for {split.streak} evals in a row, "
+                f"while the train loss improved {-train_trend:.1%} over the same time ({train:.4g}, mean "
+                f"of the last {len(self._train)} steps, vs {split.train_at_best:.4g})"
             ),
             value=val,
             threshold=split.best_val * math.exp(margin),
@@ -157,6 +199,7 @@ class ValVsTrainDetector(Detector):
                 "best_step": split.best_step,
                 "rel_increase": increase,
                 "required_rel_increase": math.expm1(margin),
+                "eval_noise": eval_noise,
                 "consecutive_evals": split.streak,
                 "first_worse_step": split.first_worse_step,
                 "train_loss": train,
