@@ -17,7 +17,14 @@ import pytest
 from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.config import DataWaitConfig, ThroughputConfig
 from runwatch.detectors.data_wait import DataWaitDetector
-from runwatch.detectors.host_load import HostLoadTracker, annotate, busier_reasons, describe
+from runwatch.detectors.host_load import (
+    HostLoadTracker,
+    annotate,
+    busier_reasons,
+    contention,
+    describe,
+    saturated,
+)
 from runwatch.detectors.offline.replay import replay
 from runwatch.detectors.throughput import ThroughputDetector
 from runwatch.producer import MemoryDelivery
@@ -284,6 +291,95 @@ def test_messages():
     assert describe(calm) == "; host load unchanged (1.0 → 1.1 on 2 CPUs)"
 
 
+@pytest.mark.parametrize(
+    ("side", "expected"),
+    [
+        ({"load1": 6.5, "cpus": 2}, True),  # 3.2 per CPU
+        ({"load1": 1.5, "cpus": 2}, False),
+        (
+            {"load1": 1.0, "cpus": 2, "cpu_wait_frac": 0.4},
+            True,
+        ),  # this process waits for a CPU 40% of the time
+        ({"load1": 1.0, "cpus": 2, "steal_frac": 0.15}, True),
+        ({"load1": 2.2, "cpus": 2, "cpu_wait_frac": 0.14}, False),  # 1.1 per CPU, but the run barely waits
+        ({"process_cpu_frac": 0.9}, None),  # nothing of the rule known
+        (None, None),
+    ],
+)
+def test_saturated(side, expected):
+    assert saturated(side) is expected
+
+
+SAT = {"load1": 6.5, "process_cpu_frac": 0.4, "cpu_wait_frac": 0.6}
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "slowdown", "cause", "by"),
+    [
+        # more jobs on a saturated host: the CPU share the run lost went to waiting for a CPU
+        (SAT, {"load1": 7.2, "process_cpu_frac": 0.3, "cpu_wait_frac": 0.7}, 1.35, "contention", "cpu_wait"),
+        # the same host, the run's CPU share held: its steps do more work (a regression, on a busy host)
+        (SAT, {"load1": 6.6, "process_cpu_frac": 0.4, "cpu_wait_frac": 0.6}, 2.0, "run", None),
+        # its share fell, but not into waiting: it sleeps (a loop of its own making)
+        (
+            {"load1": 1.0, "process_cpu_frac": 0.95, "cpu_wait_frac": 0.02},
+            {"load1": 1.0, "process_cpu_frac": 0.45, "cpu_wait_frac": 0.01},
+            2.0,
+            "run",
+            None,
+        ),
+        # the host explains a part (x1.25) but leaves x1.6 unexplained: the run's, beyond min_change
+        (SAT, {"load1": 7.0, "process_cpu_frac": 0.32, "cpu_wait_frac": 0.68}, 2.0, "run", "cpu_wait"),
+        # the hypervisor took half the CPUs
+        ({"steal_frac": 0.0}, {"steal_frac": 0.5}, 1.9, "contention", "steal"),
+        # only the load is known: the fair share of 2 CPUs at a load of 6.5, then 9.0
+        ({"load1": 6.5}, {"load1": 9.0}, 1.4, "contention", "load"),
+        ({"load1": 6.5}, {"load1": 6.6}, 1.4, "run", "load"),  # x1.02 of x1.4: less than half the rise
+    ],
+)
+def test_contention_rule(before, after, slowdown, cause, by):
+    verdict = contention(_tracker(before, after).evidence(100), slowdown, 0.3)
+    assert verdict["cause"] == cause
+    assert (max(verdict["factors"], key=verdict["factors"].get) if verdict["factors"] else None) == by
+    assert verdict["slowdown"] == slowdown and verdict["explained"] >= 1
+
+
+def test_no_contention_verdict_without_both_sides():
+    assert contention(None, 2.0, 0.3) is None
+    t = HostLoadTracker()
+    t.observe(_hb(50, load1=6.0, cpus=2))
+    assert contention(t.evidence(100), 2.0, 0.3) is None  # nothing since the onset
+
+
+def test_a_host_saturated_on_both_sides_is_never_called_calm():
+    ev = _tracker({"load1": 6.5}, {"load1": 7.2}).evidence(100)
+    assert ev["busier"] is False and ev["saturated"] == {"before": True, "now": True}
+    assert (
+        describe(ev) == "; host load unchanged, saturated throughout (6.5 → 7.2 on 2 CPUs, 3.2 → 3.6 per CPU)"
+    )
+
+
+def test_now_is_the_heartbeats_since_the_recent_level_began():
+    """A finding judged on its latest steps (a creep, a long slowdown) compares the host then, not the
+    median of every heartbeat since the onset."""
+    t = HostLoadTracker()
+    for step, load in [
+        (80, 1.0),
+        (90, 1.0),
+        (100, 1.0),
+        (110, 4.0),
+        (120, 4.0),
+        (130, 4.0),
+        (140, 1.2),
+        (150, 1.2),
+    ]:
+        t.observe(_hb(step, load1=load, cpus=2, cpu_wait_frac=load / 10))
+    assert t.evidence(95)["now"]["cpu_wait_frac"] == pytest.approx(0.26)  # the median of all 6 since step 95
+    recent = t.evidence(95, recent_step=135)["now"]
+    assert recent["cpu_wait_frac"] == pytest.approx(0.12) and recent["first_step"] == 140
+    assert t.evidence(95, recent_step=151)["now"]["first_step"] == 150  # none since: the latest
+
+
 def test_annotate_keeps_the_finding_and_adds_the_evidence():
     from runwatch.detectors.findings import Finding
 
@@ -336,7 +432,9 @@ def _stream(
                     load1=(3.5 if busy else 1.0) + rng.uniform(0, 0.1),
                     cpus=2,
                     steal_frac=0.01,
-                    process_cpu_frac=(0.8 if busy else 0.95) if not slow or busy else 0.5,
+                    # (busy: the run gets under half the CPU it had, the rest of the time it waits for one;
+                    # slow and not busy: it sleeps half the time, as a loop of its own making would)
+                    process_cpu_frac=(0.45 if busy else 0.95) if not slow or busy else 0.5,
                     cpu_wait_frac=(0.7 if busy else 0.02) + rng.uniform(0, 0.01),
                 ),
             )
@@ -348,18 +446,21 @@ def test_throughput_finding_says_whether_the_host_got_busier(contended):
     host = finding.evidence["host_load"]
     assert host["busier"] is contended
     assert host["before"]["last_step"] < finding.evidence["onset_step"] <= host["now"]["first_step"]
-    if contended:
+    if contended:  # named as contention; an alert still, since the host was not saturated before it
         assert host["reasons"] == ["load", "cpu_wait"]
+        assert finding.evidence["cause"] == "contention" and finding.severity == "warning"
         assert re.search(
-            r"; host busier at the same step: load 1\.\d → 3\.\d on 2 CPUs, this process waited for "
-            r"a CPU 2% → 7\d% of the time$",
+            r"^contention: step time rose .*; host busier at the same step: load 1\.\d → 3\.\d on 2 CPUs, "
+            r"this process waited for a CPU 2% → 7\d% of the time; the host explains x2\.\d\d of the "
+            r"x\d\.\d\d: this process's CPU share 95% → 45%, the rest waiting for a CPU$",
             finding.message,
         ), finding.message
-    else:
+    else:  # the run's own: it lost CPU time to sleeping, not to waiting for a CPU
         assert host["reasons"] == []
-        assert re.search(r"; host load unchanged \(1\.\d → 1\.\d on 2 CPUs\)$", finding.message), (
-            finding.message
-        )
+        assert finding.evidence["cause"] == "run" and finding.severity == "warning"
+        assert re.search(
+            r"^step time rose .*; host load unchanged \(1\.\d → 1\.\d on 2 CPUs\)$", finding.message
+        ), finding.message
 
 
 @pytest.mark.parametrize("contended", [True, False])

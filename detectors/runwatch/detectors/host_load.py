@@ -7,8 +7,11 @@ share and its run-queue wait (seconds its threads were runnable but had no CPU, 
 the previous one). When a throughput or data-wait finding names its onset step, the tracker compares the
 heartbeats before the onset (the median of the last ``BASELINE_SAMPLES``) with those whose period lies mostly
 after it (at least half of its steps at or after the onset; the median, and the latest load average, which is
-already a 1-minute average), and says whether the host got busier. The finding is emitted either way
-(attribution, not suppression).
+already a 1-minute average), and says whether the host got busier. A finding that judged the level of
+its latest steps (``evidence["recent_from_step"]``: a creep, a slowdown found long after its onset) is
+compared over those: "since" is then the heartbeats since that step (at least the latest since the onset).
+The finding is emitted either way (attribution, not suppression; a detector may then name contention,
+``HostLoadAttributed.attributed``).
 
 **Busier**, by a fixed rule (any one of):
 
@@ -17,8 +20,28 @@ already a 1-minute average), and says whether the host got busier. The finding i
 - ``cpu_wait``: this process's run-queue wait rose by >= 0.25 s per second and to >= 1.5x its
   level before (its threads wanted a CPU and another process had it).
 
-This process's own CPU share is reported but decides nothing: it falls just as much when the run
+This process's own CPU share decides nothing on its own: it falls just as much when the run
 slows down by its own doing (a sleep, I/O, a lock), so it cannot tell a neighbour from a regression.
+
+**Saturated** (``evidence["saturated"]``, each side): the run competes for CPU time: this process's
+run-queue wait is >= 0.25 s per second, or the steal share is >= 0.1; where its wait is not measured, the
+load per CPU is >= ``SATURATED_LOAD_PER_CPU`` (1.0: every CPU has a runnable task). (A load of 1.1 per CPU
+that leaves the run 90% of a CPU is not saturated for it.) The message says "host load unchanged, saturated
+throughout (6.5 → 7.2 on 2 CPUs, 3.2 → 3.6 per CPU)" where it was saturated on both sides, never only
+"unchanged": a load three times the cores is not a calm host.
+
+**Contention** (``contention``, for a slowdown by a known factor): how much slower the host alone makes
+the run (``explained``), by the largest of
+
+- ``cpu_wait``: this process's CPU share fell from ``c0`` to ``c1`` and at least half of what it lost
+  went to waiting for a CPU (its run-queue wait rose by >= half the fall): ``c0 / c1``;
+- ``steal``: the steal share rose from ``s0`` to ``s1``: ``(1 - s0) / (1 - s1)``;
+- ``load`` (only where this process's CPU share or run-queue wait is unknown): the fair share of the
+  CPUs the load leaves a runnable thread, ``max(load1, cpus)`` after over before.
+
+The slowdown is contention (``cause``) when the host explains at least half of the rise and leaves less
+than the detector's tolerance (its ``min_change``) unexplained; otherwise it is the run's (``run``),
+even on a saturated host (its CPU share held, or fell without waiting: more work per step, a sleep).
 
 **Waiting for the evidence.** A slowdown is often found within a few steps, before any heartbeat
 has measured the slow steps. While the rank's heartbeats carry host load, a finding is held
@@ -55,6 +78,11 @@ LOAD_RATIO = 1.5
 STEAL_RISE = 0.1
 CPU_WAIT_RISE = 0.25
 CPU_WAIT_RATIO = 1.5
+SATURATED_LOAD_PER_CPU = 1.0
+SATURATED_STEAL = 0.1
+SATURATED_CPU_WAIT = 0.25
+LOST_TO_WAIT = 0.5  # of the CPU share this process lost, the part that must have gone to waiting for a CPU
+MIN_EXPLAINED = 0.5  # of a slowdown's rise, the part the host must explain for contention
 
 _SHARES = ("steal_frac", "process_cpu_frac", "cpu_wait_frac")
 
@@ -124,6 +152,67 @@ def _comparable(before: dict[str, Any], now: dict[str, Any]) -> bool:
     )
 
 
+def saturated(side: dict[str, Any] | None) -> bool | None:
+    """Whether the host was saturated on this side (module doc); None where no figure of the rule is known."""
+    if side is None:
+        return None
+    per_cpu, steal, wait = _per_cpu(side), side.get("steal_frac"), side.get("cpu_wait_frac")
+    if per_cpu is None and steal is None and wait is None:
+        return None
+    if steal is not None and steal >= SATURATED_STEAL:
+        return True
+    if wait is not None:  # what the run itself gets, where measured
+        return bool(wait >= SATURATED_CPU_WAIT)
+    return per_cpu is not None and per_cpu >= SATURATED_LOAD_PER_CPU
+
+
+def _known(before: dict[str, Any], now: dict[str, Any], name: str) -> tuple[float, float] | None:
+    b, n = before.get(name), now.get(name)
+    return (float(b), float(n)) if b is not None and n is not None else None
+
+
+def explained_slowdown(before: dict[str, Any], now: dict[str, Any]) -> dict[str, float]:
+    """By each figure of the contention rule (module doc) that says the host took CPU time from the run:
+    how much slower that alone makes it (> 1)."""
+    factors: dict[str, float] = {}
+    cpu, wait = _known(before, now, "process_cpu_frac"), _known(before, now, "cpu_wait_frac")
+    if cpu is not None and wait is not None and cpu[0] > cpu[1] > 0:
+        if wait[1] - wait[0] >= LOST_TO_WAIT * (cpu[0] - cpu[1]):
+            factors["cpu_wait"] = cpu[0] / cpu[1]
+    steal = _known(before, now, "steal_frac")
+    if steal is not None and steal[1] > steal[0] and steal[1] < 1:
+        factors["steal"] = (1 - steal[0]) / (1 - steal[1])
+    cpus = now.get("cpus") or before.get("cpus")
+    load = _known(before, now, "load1")
+    if (cpu is None or wait is None) and load is not None and cpus:
+        fair = max(load[1], cpus) / max(load[0], cpus)
+        if fair > 1:
+            factors["load"] = fair
+    return factors
+
+
+def contention(evidence: dict[str, Any] | None, slowdown: float, tolerance: float) -> dict[str, Any] | None:
+    """Whether the host explains a slowdown by ``slowdown`` (after over before), leaving less than
+    ``tolerance`` (relative) unexplained (module doc): ``{"cause": "contention" | "run", "explained",
+    "factors", "slowdown", "saturated_before", "saturated_now"}``; None with no comparable figures."""
+    if not evidence or evidence.get("before") is None or evidence.get("now") is None:
+        return None
+    before, now = evidence["before"], evidence["now"]
+    if not _comparable(before, now):
+        return None
+    factors = explained_slowdown(before, now)
+    explained = max(factors.values(), default=1.0)
+    shared = explained - 1 >= MIN_EXPLAINED * (slowdown - 1) and slowdown / explained < 1 + tolerance
+    return {
+        "cause": "contention" if shared else "run",
+        "explained": explained,
+        "factors": factors,
+        "slowdown": slowdown,
+        "saturated_before": saturated(before),
+        "saturated_now": saturated(now),
+    }
+
+
 @dataclass(frozen=True)
 class _Held:
     finding: Finding
@@ -174,7 +263,7 @@ class HostLoadTracker:
         due, kept = [], []
         for held in self._held:
             if event.ts >= held.until or self._covered_since(held.onset) >= MIN_AFTER_S:
-                due.append(_annotated(held.finding, self.evidence(held.onset)))
+                due.append(_annotated(held.finding, self._evidence_for(held.finding, held.onset)))
             else:
                 kept.append(held)
         self._held = kept
@@ -190,7 +279,7 @@ class HostLoadTracker:
     def attribute(self, finding: Finding, onset_step: int | None, now: datetime) -> list[Finding]:
         """``[finding]`` with ``evidence["host_load"]`` and the message's clause; ``[]`` while it waits
         for a heartbeat since ``onset_step`` (then ``observe`` returns it)."""
-        evidence = self.evidence(onset_step)
+        evidence = self._evidence_for(finding, onset_step)
         if (
             evidence is not None
             and evidence["before"] is not None
@@ -205,14 +294,20 @@ class HostLoadTracker:
     def release_all(self) -> list[Finding]:
         """Every held finding, with what is known (the run ends: no heartbeat is coming)."""
         held, self._held = self._held, []
-        return [_annotated(h.finding, self.evidence(h.onset)) for h in held]
+        return [_annotated(h.finding, self._evidence_for(h.finding, h.onset)) for h in held]
 
     @property
     def holding(self) -> int:
         return len(self._held)
 
-    def evidence(self, onset_step: int | None) -> dict[str, Any] | None:
-        """``{"before", "now", "busier"[, "reasons"]}`` around ``onset_step``; None without any sample."""
+    def _evidence_for(self, finding: Finding, onset_step: int | None) -> dict[str, Any] | None:
+        return self.evidence(onset_step, finding.evidence.get("recent_from_step"))
+
+    def evidence(self, onset_step: int | None, recent_step: int | None = None) -> dict[str, Any] | None:
+        """``{"before", "now", "busier", "saturated"[, "reasons"]}`` around ``onset_step``; None without
+        any sample. ``recent_step``: where the level a finding judged began (a finding's
+        ``evidence["recent_from_step"]``, after a long slowdown or a creep): "now" is then the heartbeats
+        since it (at least the latest since the onset), not every one since the onset."""
         if not self._samples:
             return None
         samples = list(self._samples)
@@ -221,12 +316,15 @@ class HostLoadTracker:
         else:
             before_all = [s for s in samples if s.step < onset_step]
             after = self._after(onset_step)
+            if recent_step is not None and recent_step > onset_step and after:
+                after = [s for s in self._after(recent_step) if s in after] or after[-1:]
         before = before_all[-BASELINE_SAMPLES:]
         result: dict[str, Any] = {
             "before": summarize(before, latest_load=False) if before else None,
             "now": summarize(after, latest_load=True) if after else None,
             "busier": None,
         }
+        result["saturated"] = {"before": saturated(result["before"]), "now": saturated(result["now"])}
         if before and after and _comparable(result["before"], result["now"]):
             reasons = busier_reasons(result["before"], result["now"])
             result["busier"] = bool(reasons)
@@ -245,7 +343,7 @@ def describe(evidence: dict[str, Any] | None) -> str:
     b_load, n_load = before.get("load1"), now.get("load1")
     load = f"{b_load:.1f} → {n_load:.1f}{on}" if b_load is not None and n_load is not None else None
     if not evidence["busier"]:
-        return f"; host load unchanged ({load})" if load else "; host not busier"
+        return _not_busier(evidence, load)
     reasons = evidence.get("reasons", [])
     parts = []
     if load and "load" in reasons:
@@ -260,6 +358,49 @@ def describe(evidence: dict[str, Any] | None) -> str:
     if load and "load" not in reasons:
         parts.append(f"load {load}")
     return "; host busier at the same step: " + ", ".join(parts)
+
+
+def _not_busier(evidence: dict[str, Any], load: str | None) -> str:
+    """The clause for a host that did not get busier: never only "unchanged" where it was saturated on both
+    sides (a load three times the cores is not a calm host)."""
+    if not _saturated_throughout(evidence):
+        return f"; host load unchanged ({load})" if load else "; host not busier"
+    figures = ", ".join(f for f in (load, _per_cpu_change(evidence["before"], evidence["now"])) if f)
+    return (
+        f"; host load unchanged, saturated throughout ({figures})"
+        if figures
+        else "; host not busier, saturated"
+    )
+
+
+def _saturated_throughout(evidence: dict[str, Any]) -> bool:
+    sides = evidence.get("saturated") or {}
+    return bool(sides.get("before")) and bool(sides.get("now"))
+
+
+def _per_cpu_change(before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    b, n = _per_cpu(before), _per_cpu(now)
+    return f"{b:.1f} → {n:.1f} per CPU" if b is not None and n is not None else None
+
+
+def describe_contention(verdict: dict[str, Any], evidence: dict[str, Any]) -> str:
+    """The message's clause for a contention verdict: how much of the slowdown the host explains, and by
+    what (``"; the host explains x1.9 of the x2.0: this process's CPU share 95% → 50%, the rest waiting
+    for a CPU"``)."""
+    before, now, factors = evidence["before"], evidence["now"], verdict["factors"]
+    if not factors:
+        return "; the host explains none of it"
+    by = max(factors, key=lambda name: factors[name])
+    if by == "cpu_wait":
+        why = (
+            f"this process's CPU share {before['process_cpu_frac']:.0%} → {now['process_cpu_frac']:.0%}, "
+            "the rest waiting for a CPU"
+        )
+    elif by == "steal":
+        why = f"CPU steal {before['steal_frac']:.0%} → {now['steal_frac']:.0%}"
+    else:
+        why = f"its fair share of the CPUs at load {_per_cpu_change(before, now)}"
+    return f"; the host explains x{verdict['explained']:.2f} of the x{verdict['slowdown']:.2f}: {why}"
 
 
 def _annotated(finding: Finding, evidence: dict[str, Any] | None) -> Finding:
@@ -289,7 +430,15 @@ class HostLoadAttributed(Detector):
     def find(self, event: StepEvent) -> tuple[Finding, int | None] | None:
         raise NotImplementedError
 
+    def attributed(self, finding: Finding) -> Finding:
+        """The finding as it goes out, once its host-load evidence is known (a detector may name
+        contention here); as it is by default."""
+        return finding
+
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        return [self.attributed(f) for f in self._update(event, now)]
+
+    def _update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if isinstance(event, RunEndEvent):  # no heartbeat is coming: what waits goes out as it is
             return self.host_load.release_all()
         released = self.host_load.observe(event)  # findings that waited for a heartbeat's host load

@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from runwatch.producer import category_loss
+from runwatch.producer.instrument.heartbeat import HostLoadSampler
 from runwatch.scenarios.clocks import HEARTBEAT_S
 from runwatch.scenarios.faults import FaultRun
 from runwatch.scenarios.live import TrainingResult
-from runwatch.scenarios.memory import ScenarioMemory
+from runwatch.scenarios.memory import HostSwings, ScenarioMemory
 from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.tasks import Batch, Task, make_task
 from runwatch.scenarios.threads import one_torch_thread
@@ -107,6 +108,7 @@ def _run(
     optimizer = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(sc, s, n))
     memory = ScenarioMemory(model)
+    swings = HostSwings.for_scenario(sc.extra)  # host RSS that comes and goes around evals and checkpoints
     watch = rw.watch(
         model,
         optimizer,
@@ -117,8 +119,12 @@ def _run(
         memory=memory,
     )
     clock.bind(watch.heartbeat)
+    host = SaturatedHost.for_scenario(sc)  # None unless the run shares a saturated host (heartbeats say so)
+    if host is not None:
+        watch.heartbeat.host_load = SimulatedHostLoad(host, clock)
     timing = random.Random(sc.seed * 31 + 7)
-    val = task.validation(256)
+    val = task.validation(sc.extra.get("val_size", 256))
+    eval_draws = random.Random(sc.seed * 53 + 11)  # used only where evals score a sample (eval_sample)
     out = ScenarioOutcome(steps=0, status="completed", onset_step=onset, onset_ts=None)
 
     def mark_onset() -> None:
@@ -173,7 +179,9 @@ def _run(
         optimizer.step()
         scheduler.step()
         memory.after_step(fault.retain(model, batch, logits, step))
-        clock.advance(fault.compute_time(sc.step_time_s * timing.lognormvariate(0, sc.noise), step))
+        swings.after_step(step)
+        compute = fault.compute_time(sc.step_time_s * timing.lognormvariate(0, sc.noise), step)
+        clock.advance(compute if host is None else host.stretch(compute, clock.seconds()))
         fault.step_computed(step)
         cats = category_loss(per_sample.detach(), batch.cat, names=task.names)
         watch.end_step(loss, step=step, samples=batch.x.shape[0], tokens=batch.tokens, category_loss=cats)
@@ -188,6 +196,7 @@ def _run(
             break
         seconds = _checkpoint_seconds(sc, step, n)
         if seconds is not None:
+            swings.at_checkpoint()
             with watch.phase("checkpoint"):
                 buffer = io.BytesIO()
                 torch.save(
@@ -200,9 +209,11 @@ def _run(
             rw.checkpoint(step, uri)
         if _eval_due(sc, step, n):
             with watch.phase("eval"):
-                val_loss, cats_val = _evaluate(model, task, val)
+                scored = _eval_batch(sc, val, eval_draws)
+                val_loss, cats_val = _evaluate(model, task, scored)
+                swings.after_eval(step)
                 clock.advance(sc.eval_s * timing.lognormvariate(0, 0.05))
-            watch.eval(step, "val", val_loss, {"examples": float(val.x.shape[0])}, per_category=cats_val)
+            watch.eval(step, "val", val_loss, {"examples": float(scored.x.shape[0])}, per_category=cats_val)
             if _improves(val_loss, best_val):
                 best_val = (val_loss, step, clock.now())
         if listener is not None:
@@ -265,7 +276,96 @@ def _data_step(sc: Scenario, step: int) -> int:
     return step % epoch if epoch else step  # a fixed order that repeats every epoch
 
 
+def _eval_batch(sc: Scenario, val: Batch, draws: random.Random) -> Batch:
+    """What an eval scores: the whole validation set, or where the scenario has ``eval_sample``, a fresh
+    random sample of that many of its examples (an eval on a few batches: a noisier validation loss)."""
+    size = sc.extra.get("eval_sample")
+    if not size:
+        return val
+    idx = torch.tensor(sorted(draws.sample(range(val.x.shape[0]), size)))
+    return Batch(val.x[idx], val.y[idx], val.cat[idx])
+
+
 def _evaluate(model: nn.Module, task: Task, val: Batch) -> tuple[float, Any]:
     with torch.no_grad():
         per_sample = task.per_sample_loss(model(val.x), val.y)
     return float(per_sample.mean()), category_loss(per_sample, val.cat, names=task.names)
+
+
+@dataclass
+class SaturatedHost:
+    """A host shared with other jobs from start to end (``extra["saturated_host"]``: these fields): on
+    ``cpus`` CPUs, ``others`` runnable tasks of other jobs on average, swinging by ``swing`` in waves of
+    ``period_s`` (and a faster one a third as large). The run (one runnable thread) gets its fair share of
+    the CPUs, ``min(1, cpus / (others + 1))``: its compute takes 1 / share as long, times a log-normal
+    jitter of sigma ``jitter`` (the scheduler's ups and downs). What its heartbeats carry is what the real
+    sampler would measure there: the 1-minute load average, the CPU count, no steal, and over the period
+    this process's CPU share and, the rest of the time, its run-queue wait."""
+
+    cpus: int = 2
+    others: float = 5.5
+    swing: float = 1.0
+    period_s: float = 90.0
+    jitter: float = 0.2
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+    _phases: tuple[float, float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed * 97 + 5)  # its own draws: the run's timing draws are unchanged
+        self._phases = (self._rng.uniform(0, 2 * math.pi), self._rng.uniform(0, 2 * math.pi))
+
+    @classmethod
+    def for_scenario(cls, sc: Scenario) -> SaturatedHost | None:
+        options = sc.extra.get("saturated_host")
+        return None if options is None else cls(**{"seed": sc.seed, **options})
+
+    def others_at(self, t: float) -> float:
+        """Runnable tasks of the other jobs at simulated second ``t``."""
+        slow = math.sin(2 * math.pi * t / self.period_s + self._phases[0])
+        fast = math.sin(2 * math.pi * t / (self.period_s / 4.3) + self._phases[1]) / 3
+        return max(0.0, self.others + self.swing * (slow + fast))
+
+    def share_at(self, t: float) -> float:
+        """The CPU share the run's thread gets at ``t``."""
+        return min(1.0, self.cpus / (self.others_at(t) + 1))
+
+    def stretch(self, seconds: float, t: float) -> float:
+        """How long ``seconds`` of compute take at ``t`` on this host."""
+        return seconds / self.share_at(t) * self._rng.lognormvariate(0, self.jitter)
+
+    def mean_share(self, start: float, end: float) -> float:
+        points = [start + (end - start) * (i + 0.5) / 10 for i in range(10)]
+        return sum(self.share_at(t) for t in points) / len(points)
+
+    def noisy(self, value: float) -> float:
+        return round(max(0.0, value * self._rng.lognormvariate(0, 0.03)), 4)
+
+
+class SimulatedHostLoad(HostLoadSampler):
+    """The heartbeat's host-load sampler on a :class:`SaturatedHost` and the simulated clock: the load
+    average follows the host's runnable tasks with a 1-minute time constant (the host was busy before the
+    run began), the period shares are those of the period since the previous beat (none at the first)."""
+
+    def __init__(self, host: SaturatedHost, clock: Any):
+        super().__init__(clock=clock.seconds)
+        self.host = host
+        self.sim_clock = clock
+        self._load = host.others + 1
+        self._beat_at: float | None = None
+
+    def sample(self) -> dict[str, Any] | None:
+        host, now = self.host, self.sim_clock.seconds()
+        out: dict[str, Any] = {"cpus": host.cpus}
+        if self._beat_at is not None and now > self._beat_at:
+            share = host.mean_share(self._beat_at, now)
+            runnable = host.others_at(now) + 1
+            self._load += (runnable - self._load) * (1 - math.exp(-(now - self._beat_at) / 60.0))
+            out.update(
+                steal_frac=0.0,
+                process_cpu_frac=host.noisy(share),
+                cpu_wait_frac=host.noisy(1 - share),
+            )
+        out["load1"] = round(self._load, 3)
+        self._beat_at = now
+        return out
