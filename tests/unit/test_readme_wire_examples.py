@@ -33,8 +33,12 @@ def test_documented_configuration_block_is_the_defaults():
     from runwatch.detectors.config import RunwatchConfig
 
     block = re.search(r"```yaml\n(detectors:.*?)```", CONFIG_DOC.read_text(), flags=re.S).group(1)
-    documented = RunwatchConfig.model_validate(yaml.safe_load(block))
+    loaded = yaml.safe_load(block)
+    documented = RunwatchConfig.model_validate(loaded)
     assert documented == RunwatchConfig()
+    # every setting is written out: a section or a knob left out would pass as its default
+    for name, section in RunwatchConfig().detectors:
+        assert set(loaded["detectors"].get(name, {})) == set(type(section).model_fields), name
 
 
 def test_every_limit_is_documented_with_its_default():
