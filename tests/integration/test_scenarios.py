@@ -106,19 +106,27 @@ def test_the_fault_is_visible_at_its_onset(generated):
             assert last[-1].module_grad_norms[module] > 100 * before, name
             assert last[-1].module_grad_norms[module] > 0.9 * last[-1].grad_norm, name  # it dominates
         elif fault == "update_ratio":
+            # the update moves with the LR's scale (x100 and x1e-4, the harder variants x10 and x1e-3; Adam's
+            # update grows less than the LR once it is large: x100 gives about x18)
+            scale = lab["magnitude"]
             before = median(e.relative_update_norm for e in pre)
             after = median(steps[s].relative_update_norm for s in range(onset, onset + 12))
-            assert (after > 10 * before) if lab["kind"] == "too_large" else (after < before / 100), name
+            too_large = lab["kind"] == "too_large"
+            assert (after > min(10, scale / 3) * before) if too_large else (after < scale * 10 * before), name
         elif fault == "throughput_drift":
+            # slower by the fault's factor by the end (x2, x1.8; the harder creep x1.6)
+            slower = 1 + (lab["magnitude"] - 1) * 0.6
             before = median(e.step_time_s for e in pre)
-            assert median(e.step_time_s for e in last) > 1.5 * before, name
-            assert median(e.samples_per_s for e in last) < median(e.samples_per_s for e in pre) / 1.4, name
+            assert median(e.step_time_s for e in last) > slower * before, name
+            assert median(e.samples_per_s for e in last) < median(e.samples_per_s for e in pre) / slower, name
         elif fault == "data_wait":
             share = [e.data_wait_s / e.step_time_s for e in pre]
             assert median(share) < 0.15 and median(e.data_wait_s / e.step_time_s for e in last) > 0.4, name
         elif fault == "memory_leak":
+            # at least 1 KB more every step since the onset (the corpus's leak about 100 KB a step, the
+            # harder variant's 2.5 KB)
             grown = last[-1].memory.allocated - steps[onset].memory.allocated
-            assert grown > 2_000_000, name
+            assert grown > 1_000 * (last[-1].step - onset), name
             free = [e.memory.reserved - e.memory.allocated for e in steps_of(runs[name])[onset:]]
             assert max(free) < 2_100_000, name  # reserved follows allocated: a leak, not fragmentation
             assert last[-1].memory.host_rss is not None
