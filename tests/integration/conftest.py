@@ -8,6 +8,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -145,3 +146,20 @@ def chromium() -> str:
     if path is None:
         pytest.skip(f"headless Chromium is not available: {why}")
     return path
+
+
+def cpu_bound_mlp() -> tuple[Any, Any, Any, Any]:
+    """The contention tests' CPU-bound training step: an MLP (seeded), its SGD optimizer and one batch
+    ``(x, y)``; a step takes tens of milliseconds of one core, so CPU hogs beside it slow it down."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, optimizer, torch.randn(128, 512), torch.randint(0, 10, (128,))

@@ -26,7 +26,7 @@ from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Anomaly, decode_anomaly
 from runwatch.scenarios.threads import one_torch_thread
 
-from .conftest import read_topic, worker_with_config
+from .conftest import cpu_bound_mlp, read_topic, worker_with_config
 
 pytestmark = pytest.mark.integration
 
@@ -85,16 +85,7 @@ def train(bootstrap: str, run_id: str, slow_down: Callable[[float], Callable[[],
     steps' median time)`` (returns the per-step extra, called each step) and SLOW_S more. Returns the
     first step after the slowdown began."""
     with one_torch_thread():  # one training thread, as a loaded data-parallel worker would have
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(512, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 10),
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(128, 512), torch.randint(0, 10, (128,))
+        model, optimizer, x, y = cpu_bound_mlp()
         rw = RunWatch(run_id, bootstrap)
         watch = rw.watch(model, optimizer, heartbeat_s=HEARTBEAT_S, update_every=50)
         step, per_step, onset, slowed_at = 0, (lambda: None), None, 0.0

@@ -25,6 +25,8 @@ from runwatch.producer import JsonlRecorder
 from runwatch.producer.wire.schema import Anomaly, HeartbeatEvent, StepEvent, TelemetryEvent
 from runwatch.scenarios.threads import one_torch_thread
 
+from .conftest import cpu_bound_mlp
+
 pytestmark = pytest.mark.integration
 
 HOGS = 2
@@ -59,16 +61,7 @@ def recording(tmp_path_factory) -> Path:
 def record(path: Path) -> None:
     """A CPU-bound MLP trained for RECORD_S seconds on one thread, recorded to ``path``."""
     with one_torch_thread():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(512, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 10),
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(128, 512), torch.randint(0, 10, (128,))
+        model, optimizer, x, y = cpu_bound_mlp()
         with JsonlRecorder(path, run_id="contention-replay", collect_metadata=False) as rec:
             watch = rec.watch(model, optimizer, heartbeat_s=HEARTBEAT_S, update_every=50)
             started, step = time.monotonic(), 0

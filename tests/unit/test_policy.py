@@ -60,6 +60,18 @@ def _ckpt(step: int, ok: bool = True) -> CheckpointEvent:
     return CheckpointEvent(run_id="run-1", step=step, uri=f"/ckpt/{step}.pt", ok=ok, ts=_at(step))
 
 
+def _applied(action_id: str, to_step: int, t: float) -> ActionAckEvent:
+    """Rank 0's acknowledgement of a rollback to ``to_step``, applied at time ``t``."""
+    return ActionAckEvent(
+        run_id="run-1",
+        action_id=action_id,
+        action_kind="rollback",
+        outcome="applied",
+        to_step=to_step,
+        ts=_at(t),
+    )
+
+
 def _run_nan(monitor: RunMonitor, first_nan: int, last: int, start: int = 0):
     anomalies, decisions = [], []
     for s in range(start, last + 1):
@@ -131,16 +143,7 @@ def test_a_verified_recovery_is_an_info_finding_and_a_recovered_action_for_the_t
     monitor.observe(_ckpt(0))  # confirmed at step 6
     _, first = _run_nan(monitor, first_nan=8, last=11)
     (rollback,) = [d for d in first if d.kind == "rollback"]
-    monitor.observe(
-        ActionAckEvent(
-            run_id="run-1",
-            action_id=rollback.action_id,
-            action_kind="rollback",
-            outcome="applied",
-            to_step=0,
-            ts=_at(11.5),
-        )
-    )
+    monitor.observe(_applied(rollback.action_id, to_step=0, t=11.5))
     # the replay from step 1 is healthy; judged 20 steps past the onset (step 8): at step 27
     anomalies, decisions = [], []
     for s in range(1, 40):
@@ -506,16 +509,7 @@ def test_a_finding_the_policy_rolls_back_on_is_issued_again_at_the_same_onset():
     monitor.observe(_ckpt(0))
     first, decisions = _run_nan(monitor, first_nan=8, last=11)
     (rollback,) = [d for d in decisions if d.kind == "rollback"]
-    monitor.observe(
-        ActionAckEvent(
-            run_id="run-1",
-            action_id=rollback.action_id,
-            action_kind="rollback",
-            outcome="applied",
-            to_step=0,
-            ts=_at(11.5),
-        )
-    )
+    monitor.observe(_applied(rollback.action_id, to_step=0, t=11.5))
     again = []
     for s in range(1, 12):  # replayed from step 1 (new events): NaN at step 8 again
         event = StepEvent(

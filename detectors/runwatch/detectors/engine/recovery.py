@@ -132,37 +132,27 @@ class RecoveryCheck:
             "steps_replayed": len(self.ratios),
             "action_id": self.action_id,
         }
-        past_onset = step - self.onset_step + 1
-        if ratio <= self.tolerance:
-            return Finding(
-                detector=RECOVERED,
-                metric="loss",
-                step=step,
-                severity="info",
-                value=ratio,
-                threshold=self.tolerance,
-                score=ratio / self.tolerance,
-                message=(
-                    f"the run recovered after the rollback to step {self.to_step}: {past_onset} steps past "
-                    f"the fault's onset at step {self.onset_step} its loss is {ratio:.2f}x what it was "
-                    f"before the fault (within the healthy band of {self.tolerance:.2f}x)"
-                ),
-                evidence=evidence,
-            )
+        assert self.to_step is not None  # (armed)
+        where = (
+            f"after the rollback to step {self.to_step}: {step - self.onset_step + 1} steps past the fault's "
+            f"onset at step {self.onset_step} its loss is {ratio:.2f}x what it was before the fault"
+        )
+        recovered = ratio <= self.tolerance
+        if not recovered:
+            # the restored checkpoint did not bring the run back: a further rollback must go before it
+            evidence = {"onset_step": self.to_step + 1, **evidence}
         return Finding(
-            detector=NAME,
+            detector=RECOVERED if recovered else NAME,
             metric="loss",
             step=step,
-            severity="critical",
+            severity="info" if recovered else "critical",
             value=ratio,
             threshold=self.tolerance,
             score=ratio / self.tolerance,
             message=(
-                f"the run did not recover after the rollback to step {self.to_step}: "
-                f"{past_onset} steps past the fault's onset at step {self.onset_step} its "
-                f"loss is {ratio:.2f}x what it was before the fault (the healthy band allows "
-                f"{self.tolerance:.2f}x)"
+                f"the run recovered {where} (within the healthy band of {self.tolerance:.2f}x)"
+                if recovered
+                else f"the run did not recover {where} (the healthy band allows {self.tolerance:.2f}x)"
             ),
-            # the restored checkpoint did not bring the run back: a further rollback must go before it
-            evidence={"onset_step": self.to_step + 1, **evidence},
+            evidence=evidence,
         )
