@@ -5,7 +5,7 @@ broker to a real worker and a real sink (embedded ClickHouse).
 It holds when: neither the worker nor the sink restarts; every malformed message is dead-lettered
 with a reason (the same set of partition/offset, counted exactly) and none reaches a table; every
 valid event is stored exactly once; every fault is found at the step the offline replay of the same
-run finds it (no poison, no delay); the worker's memory ends within 20% of where it started; and
+run finds it (no poison, no delay); the worker's memory ends within 64 MiB of where it started; and
 every partition's committed offset reaches past the last message sent to it.
 """
 
@@ -47,6 +47,7 @@ SCENARIOS = [
     "healthy_mlp_warmup_cosine",
 ]
 COPIES = 2  # each recorded run is sent twice, under two run ids
+RSS_GROWTH_KIB = 64 * 1024  # the worker's and its detector process's memory after the fuzz, at most this more
 
 
 def _rss_kib(pid: int) -> int:
@@ -326,7 +327,11 @@ def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chd
                 "rss_ratio": round(rss_after / rss_before, 3),
             }
             print("fuzz:", json.dumps(figures))
-            assert rss_after <= 1.2 * rss_before, figures
+            # An absolute margin, not a ratio of the baseline: the baseline moves with what the worker imports
+            # (it fell from about 290 to 160 MiB when throughput_drift stopped importing river's drift
+            # module), while the growth over these messages has stayed about 35-40 MiB (an allocator's high
+            # water mark: 3x the malformed messages grow it to about 51 MiB, not 3x).
+            assert rss_after - rss_before <= RSS_GROWTH_KIB, figures
         finally:
             producer.close()
             sink.stopping.set()
