@@ -219,3 +219,14 @@ def test_a_config_that_still_sets_the_adwin_delta_loads_with_a_warning(caplog):
         config = RunwatchConfig.model_validate({"detectors": {"throughput_drift": {"delta": 0.01}}})
     assert config.detectors.throughput_drift.cusum_threshold == 12.0
     assert "throughput_drift.delta no longer does anything" in caplog.text
+
+
+def test_a_jump_after_steps_kept_a_little_slow_by_a_busy_host_is_dated_at_the_jump():
+    """A busy host had kept the steps a little slow (z about 1) and the CUSUM above zero for 150 steps when
+    the run itself got 3x slower (z at its clip): the onset is the jump, not where the CUSUM left zero (a
+    CI run dated a sleep that began at step 365 'since about step 204')."""
+    rng = np.random.default_rng(0)
+    z = np.concatenate([rng.normal(0, 0.3, 50), 1.0 + rng.normal(0, 0.5, 150), np.full(28, 4.0)])
+    assert abs(onset_of_rise(z, 50) - 200) <= 2
+    creep = np.concatenate([np.zeros(50), np.linspace(0, 4, 150) + rng.normal(0, 0.3, 150)])
+    assert onset_of_rise(creep, 50) == 50  # a creep is still dated from where it began

@@ -118,17 +118,21 @@ MAX_LEVEL_SE = 0.1  # the standard error of the recent median (log): the new lev
 
 
 def onset_of_rise(z: np.ndarray, start: int) -> int:
-    """Where the rise of the z's that the CUSUM has summed since ``start`` began. Two fits of ``z[start:]``
-    (the level is 0): a jump at the split that explains most (the largest ``sum(z[k:]) ** 2 / (n - k)``),
-    and a straight rise from ``start``; the jump's split unless the rise fits better (a creep, which
-    began where the CUSUM left zero). A single slow step shortly before a jump keeps the CUSUM above zero
-    for a while: the jump, not that step, is the onset."""
+    """Where the rise of the z's that the CUSUM has summed since ``start`` began. Two fits of
+    ``z[start:]``: a jump at the split that explains most (the largest ``sum(z[k:]) ** 2 / (n - k)``;
+    the steps before it at their own level, 0 or above), and a straight rise from 0 at ``start``; the
+    jump's split unless the rise fits better (a creep, which began where the CUSUM left zero). A single
+    slow step shortly before a jump keeps the CUSUM above zero for a while: the jump, not that step, is
+    the onset."""
     n = len(z)
     k = np.arange(start, n)  # up to the latest step: a fresh jump is not split before its start
     tail = np.cumsum(z[::-1])[::-1]  # tail[i] = sum(z[i:])
     split = int(k[int(np.argmax(np.where(tail[k] > 0, tail[k] ** 2 / (n - k), -1.0)))])
-    jumped = z[split:]
-    jump_sse = float(np.sum(z[start:split] ** 2) + np.sum((jumped - jumped.mean()) ** 2))
+    jumped, before = z[split:], z[start:split]
+    # the steps before the jump at their own level (a busy host may have kept them a little slow, and the
+    # CUSUM above zero): a 3x jump after them is still a jump, not the end of a creep that began with them
+    level = max(0.0, float(before.mean())) if len(before) else 0.0
+    jump_sse = float(np.sum((before - level) ** 2) + np.sum((jumped - jumped.mean()) ** 2))
     seg = z[start:]
     x = np.arange(1, len(seg) + 1, dtype=np.float64)
     slope = max(0.0, float(x @ seg) / float(x @ x))
