@@ -91,9 +91,11 @@ def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path
     # no action issued twice (the successor did not re-decide what its predecessor had published)
     ids = [a.action_id for a in parsed]
     assert len(ids) == len(set(ids)), ids
-    # every pass through the bug found at the same step: no warm-up after the takeover
+    # every pass through the bug after the first rollback found at the same step, before the kill and after
+    # it: no warm-up after the takeover. (The first pass, whose detectors were never rewound, may date the
+    # bug one step later, by the loss at 202 rather than the grad norm at 201: a loaded CI run did.)
     onsets = [a.onset_step for a in parsed if a.kind in ("rollback", "stop")]
-    assert len(set(onsets)) == 1, onsets
+    assert len(set(onsets[1:])) == 1 and onsets[0] in (201, 202), onsets
     # an anomaly read again under its id carries the same finding
     by_id: dict[str, set[str]] = {}
     for raw in anomalies:
