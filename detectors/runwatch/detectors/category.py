@@ -29,7 +29,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.detectors.rolling_quantile import RollingQuantiles
+from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
 from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
@@ -59,7 +59,6 @@ class CategoryConfig(Strict):
 
 
 NAME = "category_divergence"
-IQR_TO_SIGMA = 1.349
 MIN_SCALE = 0.02  # floor on the robust scale (log units): a nearly constant loss is not a hair trigger
 # A well-learned category's loss sits near 0, where log() turns tiny absolute noise into huge
 # relative noise and hides a real divergence; losses are offset by this fraction of the run's

@@ -34,6 +34,7 @@ from pydantic import Field, model_validator
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
 from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
@@ -84,7 +85,6 @@ class LossRiseConfig(Strict):
 
 
 NAME = "loss_rise"
-MAD_TO_SIGMA = 1.4826  # MAD of a standard normal
 
 
 @dataclass(frozen=True, slots=True)

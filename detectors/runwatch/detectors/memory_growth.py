@@ -42,6 +42,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
 from runwatch.producer.wire.schema import Severity, StepEvent, TelemetryEvent
 
 
@@ -97,7 +98,6 @@ _MIB = float(1 << 20)  # the series are kept in MiB: byte counts squared lose pr
 _SEVERITY = {"warning": 1, "critical": 2}
 _CLIP = 3.0  # one step's change counts at most this many scales: a single jump is not a trend
 _CAP = 2.0  # the CUSUM stops at this many thresholds, so it falls back soon after the growth stops
-_MAD_TO_SIGMA = 1 / 0.6745  # median |change| of Gaussian changes is 0.6745 of their standard deviation
 _REL_FLOOR = 1e-4  # the scale is at least this fraction of the level (a flat series has a resolution too)
 _ABS_FLOOR_MIB = 512 / _MIB  # and at least the CUDA allocator's rounding, for a level near zero
 
@@ -192,7 +192,7 @@ class _Series:
         """MiB that one ordinary step moves the series by."""
         ordered, n = self.sorted_changes, len(self.sorted_changes)
         median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2 if n else 0.0
-        return max(median * _MAD_TO_SIGMA, abs(level) * _REL_FLOOR, _ABS_FLOOR_MIB)
+        return max(median * MAD_TO_SIGMA, abs(level) * _REL_FLOOR, _ABS_FLOOR_MIB)
 
     def observe(self, step: int, t: float, mib: float, cfg: MemoryConfig) -> None:
         if self.history:

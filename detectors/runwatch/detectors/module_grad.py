@@ -30,6 +30,7 @@ from pydantic import Field
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA
 from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
@@ -54,7 +55,6 @@ class ModuleGradConfig(Strict):
 
 
 NAME = "module_grad_explosion"
-IQR_TO_SIGMA = 1.349  # IQR of a standard normal
 MIN_SCALE_LOG = 0.05  # floor on the robust scale in log units: a very flat module is not a hair trigger
 REFRESH_EVERY = (
     4  # events between quantile refreshes; the history excludes suspects, so staleness is harmless

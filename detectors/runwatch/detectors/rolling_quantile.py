@@ -16,6 +16,11 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 
+# A robust spread as a standard deviation, for a normal distribution: its interquartile range is 1.349
+# standard deviations, its median absolute deviation 1 / 1.4826 of one.
+IQR_TO_SIGMA = 1.349
+MAD_TO_SIGMA = 1.4826
+
 
 class RollingQuantiles:
     """The rolling window of the last ``window_size`` values, kept sorted; ``get(q)`` as

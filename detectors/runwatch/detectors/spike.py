@@ -26,7 +26,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.detectors.rolling_quantile import RollingQuantiles
+from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
 from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
@@ -69,9 +69,6 @@ class SpikeConfig(Strict):
         if self.critical_z < self.z_threshold:
             raise ValueError("critical_z must be at least z_threshold")
         return self
-
-
-IQR_TO_SIGMA = 1.349  # IQR of a standard normal
 
 
 class SpikeDetector:

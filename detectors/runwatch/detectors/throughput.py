@@ -65,7 +65,7 @@ from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker, contention, describe_contention
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.detectors.rolling_quantile import RollingQuantiles
+from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
 from runwatch.producer.wire.schema import StepEvent
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,6 @@ CLIP_Z = 4.0
 CUSUM_SLACK = 0.5  # robust standard deviations above the level that the CUSUM lets pass
 CUSUM_CAP = 2.0  # times cusum_threshold: a long wait below min_change does not keep the test pending for ever
 MIN_SCALE_LOG = 0.02  # a very steady step time still has 2% noise, as far as significance goes
-IQR_TO_SIGMA = 1.349
 MEDIAN_SE = 1.2533  # the standard error of a median, in standard deviations over sqrt(n)
 SIGNIFICANCE = 3.0  # robust standard errors
 MAX_LEVEL_SE = 0.1  # the standard error of the recent median (log): the new level known to about 10%

@@ -22,11 +22,10 @@ from typing import Literal
 from pydantic import Field
 
 from runwatch.detectors.configfile import Strict
+from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
 
 Verdict = Literal["normal", "OUTLIER", "INVALID", "insufficient_history"]
 Direction = Literal["lower_is_better", "higher_is_better"]
-
-MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import Strict
+from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA
 
 
 class RecoveryConfig(Strict):
@@ -59,7 +60,6 @@ class RecoveryConfig(Strict):
 
 NAME = "not_recovered"
 RECOVERED = "recovered"
-IQR_TO_SIGMA = 1.349
 NOT_FINITE_RATIO = 1e9  # a non-finite loss: far out of any band (and the anomaly stays valid JSON)
 
 

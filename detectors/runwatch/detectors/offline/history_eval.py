@@ -33,7 +33,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from runwatch.detectors.baselines.changepoints import LevelChange, baseline_segments, scan_history
 from runwatch.detectors.baselines.check import BaselineReport, check_run
 from runwatch.detectors.baselines.compare import (
-    MAD_TO_SIGMA,
     BaselineConfig,
     MetricSpec,
     is_valid,
@@ -41,6 +40,7 @@ from runwatch.detectors.baselines.compare import (
 )
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.offline.replay import ReplayError, read_events
+from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
 from runwatch.producer.wire.schema import TelemetryEvent
 
 LABELS_FILE = "labels.json"
