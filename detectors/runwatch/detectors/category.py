@@ -48,7 +48,7 @@ class CategoryConfig(Strict):
         default=1.5, ge=1.0, description="category loss / its typical loss must also reach this"
     )
     patience: int = Field(
-        default=5, ge=1, description="consecutive observations above the threshold (not one noisy batch)"
+        default=4, ge=1, description="consecutive observations above the threshold (not one noisy batch)"
     )
     min_count: int = Field(
         default=16,

@@ -13,8 +13,10 @@ loss is the root mean square of third differences of log val loss over the last 
 noise, as second differences took it). Worse evals, the ones under test, join the estimate only once
 their streak ends, so a turn or a jump does not widen the noise it is tested against. The margin is
 ``3.5 + sqrt(2 ln n)`` sigmas, because the best of n noisy evals is itself about ``sqrt(2 ln n)``
-sigmas low; its 3.5 doubles while fewer than five differences make the estimate (from few evals a tail
-quantile is a wide one, as Student's t is), and nothing is judged before there is one. So a noisy
+sigmas low. While fewer than five differences make the estimate, its 3.5 is Student's t's 99% quantile
+at their effective degrees of freedom instead (k overlapping third differences carry about 1, 1.3, 1.7,
+2.1 for k = 1..4: from few evals a tail quantile is a wide one), and nothing is judged before there is
+an estimate. So a noisy
 validation set that improves overall, or plateaus, does not trip it, and a few percent is enough where
 the evals are smooth.
 """
@@ -50,8 +52,20 @@ class GeneralizationConfig(Strict):
 NAME = "val_vs_train"
 NOISE_SIGMAS = 3.5  # above the expected low bias of the best eval
 NOISE_EVALS = 50  # the latest evals whose residuals make the noise estimate
-FEW_DIFFERENCES = 5  # under this many the estimate is a rough one: its NOISE_SIGMAS doubles
 THIRD_DIFF_VARIANCE = 20  # x[k] - 3 x[k-1] + 3 x[k-2] - x[k-3] of independent noise: 20 sigma²
+# Under FEW_DIFFERENCES the estimate is a rough one. Its quantile for k = 1..4 differences is Student's t's
+# 99% one at their effective degrees of freedom, (sum of eigenvalues)² / sum of squares of the eigenvalues of
+# the covariance of k overlapping third differences (Satterthwaite): 1.0, 1.28, 1.66, 2.07.
+FEW_DIFFERENCE_QUANTILES = (31.8, 15.9, 9.3, 6.7)
+FEW_DIFFERENCES = len(FEW_DIFFERENCE_QUANTILES) + 1
+
+
+def noise_quantile(differences: int) -> float:
+    """Sigmas of the noise estimate an eval must clear (before the best eval's own low bias): a wider one
+    while the estimate rests on few differences, never under NOISE_SIGMAS."""
+    if differences >= FEW_DIFFERENCES:
+        return NOISE_SIGMAS
+    return max(NOISE_SIGMAS, FEW_DIFFERENCE_QUANTILES[differences - 1])
 
 
 def third_diff_noise(log_vals: Iterable[float]) -> tuple[float, int] | None:
@@ -99,9 +113,7 @@ class _Split:
         if noise is None:
             return math.inf
         sigma, differences = noise
-        # a tail quantile from few differences is a wide one (as Student's t is): doubled under FEW
-        quantile = NOISE_SIGMAS if differences >= FEW_DIFFERENCES else 2 * NOISE_SIGMAS
-        sigmas = quantile + math.sqrt(2 * math.log(max(self.evals, 2)))
+        sigmas = noise_quantile(differences) + math.sqrt(2 * math.log(max(self.evals, 2)))
         return max(math.log1p(min_rel_increase), sigmas * sigma)
 
     def learn(self, log_val: float) -> None:
