@@ -100,11 +100,8 @@ def _pool(
 ) -> tuple[float, float] | None:
     """Add a step's samples of one category (``count`` of them, averaging ``mean``, while the run's mean
     loss was ``mean_loss``) to its pool: once the pool holds ``min_count`` samples, the observation x (its
-    log loss relative to the run's mean over the same steps) and that mean loss, else None."""
-    if cat.pool_count == 0 and count >= min_count:
-        # (the pool is empty: its sums would be 0.0 + these very products)
-        pooled_mean = mean_loss * count / count
-        return math.log(mean * count / count + floor) - math.log(pooled_mean + floor), pooled_mean
+    log loss relative to the run's mean over the same steps) and that mean loss, else None. (A step that
+    makes a whole observation on its own, into an empty pool, is taken without the pool by the caller.)"""
     cat.pool_sum += mean * count
     cat.pool_mean_sum += mean_loss * count
     cat.pool_count += count
@@ -145,22 +142,41 @@ class CategoryDivergenceDetector(Detector):
         min_count = cfg.min_count
         # name, state, x, the run's mean loss over the observation, z, ratio
         diverging: list[tuple[str, _Category, float, float, float, float]] = []
+        warmup = cfg.warmup
         for name, loss in event.category_loss.items():
             count, mean = loss.count, loss.mean
-            if count <= 0 or not math.isfinite(mean) or mean <= 0:
+            if count <= 0 or not 0.0 < mean < math.inf:
                 continue  # non-finite losses are the non-finite detector's
             cat = categories.get(name)
             if cat is None:
                 cat = categories[name] = _Category(cfg.window)
             if mean_loss is None:
                 continue
-            observed = _pool(cat, mean, count, mean_loss, floor, min_count)
-            if observed is None:
+            # (the pooling and the usual, quiet scoring are written out here: this loop runs for every
+            # category of every step, and two calls per category were a fifth of the detector's cost)
+            if cat.pool_count == 0 and count >= min_count:
+                # a whole observation in one step: the pool's sums would be 0.0 + these very products
+                pooled_mean = mean_loss * count / count
+                x = math.log(mean * count / count + floor) - math.log(pooled_mean + floor)
+            else:
+                observed = _pool(cat, mean, count, mean_loss, floor, min_count)
+                if observed is None:
+                    continue
+                x, pooled_mean = observed
+            if cat.seen < warmup:
+                cat.learn(x)
                 continue
-            x, pooled_mean = observed
-            scored = self._score(cat, x)
-            if scored is not None:
-                diverging.append((name, cat, x, pooled_mean, *scored))
+            history = cat.history
+            deviation = x - history.median()
+            cat.last_ratio = math.exp(deviation)
+            if deviation >= self._log_min_ratio:  # only then can the ratio reach min_ratio
+                scored = self._score(cat, x, deviation)
+                if scored is not None:
+                    diverging.append((name, cat, x, pooled_mean, *scored))
+                    continue
+            history.update(x)
+            cat.seen += 1
+            cat.streak, cat.onset_step = 0, None
 
         # 2. a divergence is one category's, not the run's: the others' median ratio must stay low
         found: list[Finding] = []
@@ -195,28 +211,17 @@ class CategoryDivergenceDetector(Detector):
         floor = LOSS_FLOOR_FRACTION * math.exp(typical_mean) if typical_mean is not None else 0.0
         return mean_loss, mean_ratio, floor
 
-    def _score(self, cat: _Category, x: float) -> tuple[float, float] | None:
-        """Score one complete observation ``x`` against its category's history: ``(robust z, ratio)``
-        when it diverges (not learnt: it waits for the other categories' ratios); otherwise it is learnt,
-        the category's streak ends (not during warm-up) and None."""
+    def _score(self, cat: _Category, x: float, deviation: float) -> tuple[float, float] | None:
+        """``(robust z, ratio)`` of an observation ``x`` whose ``deviation`` from its category's typical
+        level is large enough for the ratio to reach ``min_ratio``, when it diverges (it is not learnt
+        then: it waits for the other categories' ratios); else None."""
         cfg = self.config
-        history = cat.history
-        if cat.seen < cfg.warmup:
-            history.update(x)
-            cat.seen += 1
-            return None
-        median = history.median()
-        ratio = math.exp(x - median)
-        cat.last_ratio = ratio
-        if x - median >= self._log_min_ratio:  # only then can ratio reach min_ratio: the quartiles are needed
-            q25, _, q75 = history.quartiles()
-            scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE)
-            z = (x - median) / scale
-            if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
-                return z, ratio
-        history.update(x)
-        cat.seen += 1
-        cat.streak, cat.onset_step = 0, None
+        q25, _, q75 = cat.history.quartiles()
+        scale = max((q75 - q25) / IQR_TO_SIGMA, MIN_SCALE)
+        z = deviation / scale
+        ratio = math.exp(deviation)
+        if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
+            return z, ratio
         return None
 
     def _others_ratio(self, name: str) -> float | None:

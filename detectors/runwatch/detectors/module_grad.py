@@ -57,7 +57,7 @@ class ModuleGradConfig(Strict):
 NAME = "module_grad_explosion"
 MIN_SCALE_LOG = 0.05  # floor on the robust scale in log units: a very flat module is not a hair trigger
 REFRESH_EVERY = (
-    4  # events between quantile refreshes; the history excludes suspects, so staleness is harmless
+    10  # events between quantile refreshes; the history excludes suspects, so staleness is harmless
 )
 
 
@@ -295,7 +295,7 @@ class ModuleGradDetector(Detector):
         if names != self._order:
             self._columns_for(names)
         values = np.fromiter(norms.values(), dtype=np.float64, count=len(names))
-        positive = min(norms.values()) > 0  # (a NaN may hide from min(); it then shows in x below)
+        positive = bool(values.min() > 0)  # (False for a NaN: numpy's min propagates it)
         if self._identity:
             v = values
         else:
