@@ -5,6 +5,8 @@ back are not growth; a snapshot taken before the test existed still loads. Every
 from __future__ import annotations
 
 import base64
+import copyreg
+import io
 import pickle
 import random
 import zlib
@@ -14,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.memory_growth import MemoryConfig, MemoryGrowthDetector
+from runwatch.detectors.memory_growth import MemoryConfig, MemoryGrowthDetector, _Series
 from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.producer.wire.schema import MemoryStats, StepEvent
 from runwatch.scenarios.memory import HostSwings
@@ -233,3 +235,33 @@ def test_a_noisy_ramp_to_a_new_batch_size_s_level_is_not_a_leak(seed):
         return {"allocated": int(allocated), "reserved": int(allocated + 2 * GiB), "device_total": 80 * GiB}
 
     assert feed(MemoryGrowthDetector(MemoryConfig()), events(shape, 600, seed)) == []
+
+
+def _pickled_without_levels(detector: MemoryGrowthDetector) -> bytes:
+    """``detector`` pickled as the code before each series kept its levels apart pickled it: every
+    ``_Series`` as its ``__slots__`` state without ``levels`` (they were read from the history)."""
+
+    class OldFormat(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if not isinstance(obj, _Series):
+                return NotImplemented
+            slots = {name: getattr(obj, name) for name in _Series.__slots__ if name != "levels"}
+            return copyreg.__newobj__, (_Series,), (None, slots)
+
+    out = io.BytesIO()
+    OldFormat(out).dump(detector)
+    return out.getvalue()
+
+
+def test_a_series_pickled_before_it_kept_its_levels_apart_loads_and_carries_on():
+    stream = events(allocator(lambda s: 362 * KiB + from_step(160, 108 * KiB)(s)), 400, seed=3)
+    whole = feed(MemoryGrowthDetector(MemoryConfig()), stream)
+    first = MemoryGrowthDetector(MemoryConfig())
+    before = feed(first, stream[:165])  # inside the episode, before its finding
+    old = _pickled_without_levels(first)
+    assert b"levels" not in old  # (the old format indeed)
+    restored = pickle.loads(old)
+    for series in restored._series.values():  # the levels are rebuilt from the history, window and all
+        assert list(series.levels) == [mib for _, _, mib in series.history]
+        assert series.levels.maxlen == series.history.maxlen
+    assert whole and before + feed(restored, stream[165:]) == whole

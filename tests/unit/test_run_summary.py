@@ -201,3 +201,41 @@ def test_a_slower_commit_stands_out_against_ten_summaries_of_its_job():
 def test_loss_every_must_be_positive():
     with pytest.raises(ValueError):
         RunSummarizer("r", loss_every=0)
+
+
+def _categories_changing(steps: int = 300, seed: int = 5) -> list[StepEvent]:
+    """Steps whose categories come, go and change order (each category's last mean must survive)."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(steps):
+        cats = {f"c{i}": CategoryLoss(mean=1.0 + i + rng.gauss(0, 0.1), count=4) for i in range(4)}
+        if 100 <= step < 200:
+            del cats["c3"]  # gone for a while: its mean from step 99 stands until it is back
+        if 140 <= step < 150:
+            cats["extra"] = CategoryLoss(mean=9.0 + step, count=2)  # only these steps: its last is kept
+        if step >= 250:
+            cats = dict(reversed(list(cats.items())))
+        out.append(StepEvent(run_id="r1", step=step, ts=T0 + timedelta(seconds=step), category_loss=cats))
+    return out
+
+
+def test_a_summarizer_pickled_before_it_kept_the_latest_categories_aside_carries_on():
+    events = _categories_changing()
+    whole = summarize(events).summary()
+    for split in (120, 145, 260):
+        first = summarize(events[:split])
+        # As the code before pickled it: every step's means copied into _category, none waiting aside.
+        state = dict(vars(first))
+        latest = state.pop("_latest_categories")
+        state["_category"] = {**state["_category"], **{n: c.mean for n, c in latest.items()}}
+        as_before = RunSummarizer.__new__(RunSummarizer)
+        as_before.__dict__.update(state)
+        old = pickle.dumps(as_before)
+        assert b"_latest_categories" not in old
+        resumed = pickle.loads(old)
+        assert resumed._latest_categories is None  # (the class default)
+        assert resumed.summary() == first.summary()
+        for e in events[split:]:
+            resumed.observe(e)
+        assert resumed.summary() == whole
+    assert whole.metrics["category_loss_extra"] == 9.0 + 149

@@ -436,7 +436,9 @@ class HostLoadAttributed(Detector):
         return finding
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        return [self.attributed(f) for f in self._update(event, now)]
+        found = self._update(event, now)
+        # (most events find nothing: no second list, and no comprehension's call, for them)
+        return [self.attributed(f) for f in found] if found else found
 
     def _update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if isinstance(event, RunEndEvent):  # no heartbeat is coming: what waits goes out as it is

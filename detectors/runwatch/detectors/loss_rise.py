@@ -110,6 +110,9 @@ def _median_sigma(values: list[float]) -> float:
 
 def _lr_of(event: StepEvent) -> float | None:
     """The largest LR over the parameter groups (the one that drives the update)."""
+    if len(event.lr) == 1:  # one parameter group (the usual case, on every step): no list to build
+        lr = event.lr[0]
+        return lr if math.isfinite(lr) and lr >= 0 else None
     lrs = [lr for lr in event.lr if math.isfinite(lr) and lr >= 0]
     return max(lrs) if lrs else None
 
@@ -251,15 +254,19 @@ class LossRiseDetector(Detector):
         if len(points) < max(cfg.warmup_blocks, cfg.window_blocks + cfg.level_blocks):
             return None
         slope, level = theil_sen([p.log_loss for p in points[-cfg.window_blocks :]])
+        if slope <= 0 and not self._fired:
+            return None  # not rising (most blocks of a healthy run): the costlier figures are not needed
         best, at = self._best()
+        if self._fired:
+            if level - best < 0.5 * math.log(cfg.min_ratio):
+                self._fired = False  # back near its best: the episode is over
+            return None
+        if level - best < math.log(cfg.min_ratio):
+            return None  # under the least margin there is, whatever the noise (which costs the most)
         sigma = self._noise()
         margin = max(math.log(cfg.min_ratio), self._margin(sigma, at))
         rise = _Rise(best, level, slope, sigma, margin, points[at:])
-        if self._fired:
-            if rise.log_ratio < 0.5 * math.log(cfg.min_ratio):
-                self._fired = False  # back near its best: the episode is over
-            return None
-        if slope <= 0 or rise.log_ratio < rise.margin:
+        if rise.log_ratio < rise.margin:
             return None
         if self._planned(at):
             return None

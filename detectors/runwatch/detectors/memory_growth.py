@@ -34,7 +34,7 @@ import math
 import statistics
 from collections import deque
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from pydantic import Field, model_validator
 
@@ -169,6 +169,7 @@ class _Series:
         "last_severity",
         "last_step",
         "level_to_beat",
+        "levels",
         "onset",
         "seen",
         "sorted_changes",
@@ -176,6 +177,9 @@ class _Series:
 
     def __init__(self, window: int):
         self.history: deque[tuple[int, float, float]] = deque(maxlen=window)  # (step, t, MiB), oldest first
+        # The history's MiB alone: their max is taken each time the CUSUM leaves zero (often, on a noisy
+        # series), and max() over plain floats costs a third of a generator over the tuples.
+        self.levels: deque[float] = deque(maxlen=window)
         self.changes: deque[float] = deque(maxlen=window)  # |change| per step, oldest first
         self.sorted_changes: list[float] = []  # the same, sorted: their median is the scale
         self.seen = 0
@@ -188,17 +192,30 @@ class _Series:
         self.last_severity = 0
         self.cooldown = Cooldown()
 
+    def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:
+        """A snapshot of ``__slots__`` (``(None, slots)``); one taken before ``levels`` existed gets
+        them from its history."""
+        _, slots = state
+        for name, value in slots.items():
+            setattr(self, name, value)
+        if "levels" not in slots:
+            self.levels = deque((v for _, _, v in self.history), maxlen=self.history.maxlen)
+
     def scale(self, level: float) -> float:
         """MiB that one ordinary step moves the series by."""
         ordered, n = self.sorted_changes, len(self.sorted_changes)
         median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2 if n else 0.0
         return max(median * MAD_TO_SIGMA, abs(level) * _REL_FLOOR, _ABS_FLOOR_MIB)
 
-    def observe(self, step: int, t: float, mib: float, cfg: MemoryConfig) -> None:
-        if self.history:
-            change = mib - self.history[-1][2]
-            if self.seen >= cfg.min_points:
-                self._advance(step, change / self.scale(mib), cfg)
+    def observe(self, step: int, t: float, mib: float, cfg: MemoryConfig) -> bool:
+        """Take one sample; whether the series is in a growth episode now (the rest of the test is due)."""
+        levels = self.levels
+        if levels:
+            change = mib - levels[-1]
+            # A CUSUM at zero stays there on a change that is no rise (about half the changes of a noisy
+            # series, every one of a flat one): the scale, the costliest part, is measured only if it counts.
+            if self.seen >= cfg.min_points and (change > 0 or self.cusum > 0):
+                self._advance(step, change, mib, cfg)
             self._remember_change(abs(change))
         if self.onset is not None:
             if len(self.episode) == self.episode.maxlen:  # the fit lets its oldest sample go
@@ -206,27 +223,36 @@ class _Series:
             self.episode.append((t, mib))
             self.episode_steps += 1
         self.history.append((step, t, mib))
+        levels.append(mib)
         self.seen += 1
         self.last_step = step
+        return self.onset is not None
 
-    def _advance(self, step: int, score: float, cfg: MemoryConfig) -> None:
-        """The CUSUM's step; the episode starts when it leaves zero and ends when it is back."""
+    def _advance(self, step: int, change: float, mib: float, cfg: MemoryConfig) -> None:
+        """The CUSUM's step for a ``change`` to ``mib``; the episode starts when it leaves zero and ends
+        when it is back."""
         before = self.cusum
-        score = max(-_CLIP, min(_CLIP, score))
+        score = max(-_CLIP, min(_CLIP, change / self.scale(mib)))
         self.cusum = min(_CAP * cfg.threshold, max(0.0, before + score - cfg.allowance))
         if self.cusum <= 0:
             self.onset = None
         elif before <= 0:
             self.onset = step
-            self.level_to_beat = max(v for _, _, v in self.history)
+            self.level_to_beat = max(self.levels)
             self.episode.clear()
             self.episode_steps = 0
 
     def _remember_change(self, size: float) -> None:
-        if len(self.changes) == self.changes.maxlen:
-            del self.sorted_changes[bisect.bisect_left(self.sorted_changes, self.changes[0])]
-        self.changes.append(size)
-        bisect.insort(self.sorted_changes, size)
+        changes, ordered = self.changes, self.sorted_changes
+        if len(changes) < cast(int, changes.maxlen):
+            changes.append(size)
+            bisect.insort(ordered, size)
+            return
+        oldest = changes[0]
+        changes.append(size)  # (the deque lets the oldest go)
+        if size != oldest:  # the same size in as out (a flat series' zeros) leaves the sorted list as it is
+            del ordered[bisect.bisect_left(ordered, oldest)]
+            bisect.insort(ordered, size)
 
     def growing(self, cfg: MemoryConfig) -> bool:
         """The cheap part of the test: the CUSUM at its threshold, for long enough."""
@@ -270,17 +296,21 @@ class MemoryGrowthDetector(Detector):
             self._t0 = event.ts
         t = (event.ts - self._t0).total_seconds()
         found: list[Finding] = []
+        step = event.step
+        # Each series is fed first, and judged (the costly part, with many arguments) only while it grows.
         if mem.allocated is not None:
-            # (arguments: metric, value, t, event, used, limit, base, kind, found)
-            used = mem.reserved or mem.allocated
-            self._observe(
-                "allocated", mem.allocated, t, event, used, mem.device_total, mem.allocated, "leak", found
-            )
-            if mem.reserved is not None:
-                self._observe(
+            if self._feed("allocated", mem.allocated, t, step):
+                used = mem.reserved or mem.allocated
+                # (arguments: metric, value, event, used, limit, base, kind, found)
+                self._judge(
+                    "allocated", mem.allocated, event, used, mem.device_total, mem.allocated, "leak", found
+                )
+            if mem.reserved is not None and self._feed(
+                "fragmentation", mem.reserved - mem.allocated, t, step
+            ):
+                self._judge(
                     "fragmentation",
                     mem.reserved - mem.allocated,
-                    t,
                     event,
                     mem.reserved,
                     mem.device_total,
@@ -288,18 +318,25 @@ class MemoryGrowthDetector(Detector):
                     "fragmentation",
                     found,
                 )
-        if mem.host_rss is not None:
+        if mem.host_rss is not None and self._feed("host_rss", mem.host_rss, t, step):
             used = mem.cgroup_usage or mem.host_rss
-            self._observe(
-                "host_rss", mem.host_rss, t, event, used, mem.cgroup_limit, mem.host_rss, "leak", found
-            )
+            self._judge("host_rss", mem.host_rss, event, used, mem.cgroup_limit, mem.host_rss, "leak", found)
         return found
 
-    def _observe(
+    def _feed(self, metric: str, value: int, t: float, step: int) -> bool:
+        """Feed one sample to its series; whether the series is growing (a finding's test is due)."""
+        series = self._series.get(metric)
+        if series is None:
+            series = self._state(metric)
+        if step <= series.last_step:
+            return False  # a replayed or rolled-back step: the series would fold back on itself
+        cfg = self.config
+        return series.observe(step, t, value / _MIB, cfg) and series.growing(cfg)
+
+    def _judge(
         self,
         metric: str,
         value: int,
-        t: float,
         event: StepEvent,
         used: int,
         limit: int | None,
@@ -307,14 +344,9 @@ class MemoryGrowthDetector(Detector):
         kind: str,
         found: list[Finding],
     ) -> None:
-        """Feed one sample; append a finding if due."""
-        series = self._state(metric)
-        if event.step <= series.last_step:
-            return  # a replayed or rolled-back step: the series would fold back on itself
+        """The growing series' full test; append a finding if due."""
+        series = self._series[metric]
         cfg = self.config
-        series.observe(event.step, t, value / _MIB, cfg)
-        if not series.growing(cfg):
-            return
         samples = list(series.episode)
         if not _ongoing([v for _, v in samples], series.level_to_beat):
             return

@@ -88,7 +88,8 @@ class SpikeDetector:
         if value is None or not math.isfinite(value) or value <= 0:
             return None  # non-finite values belong to the non-finite detector
         x = math.log(value)
-        finding = self._follow_spike(x, step, rank)
+        # (the watch after a spike is rare: no call on every other step)
+        finding = self._follow_spike(x, step, rank) if self._watch is not None else None
         if finding is None and self.seen >= self.config.warmup and not self._cooldown.active(step):
             finding = self._score(x, value, step, rank)
             if finding is not None and self.config.divergence_steps > 0:
@@ -144,8 +145,7 @@ class SpikeDetector:
         )
 
     def _score(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
-        median = self._history.get(0.5)
-        assert median is not None  # scored only past warm-up: the window is not empty
+        median = self._history.median()  # (scored only past warm-up: the window is not empty)
         ratio = math.exp(x - median)
         if ratio < self.config.min_ratio:
             return None  # (the usual case: no need for the quartiles)

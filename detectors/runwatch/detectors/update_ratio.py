@@ -75,6 +75,9 @@ LR_RECORDS = 256  # new LR peaks remembered (a warm-up makes one per step; a dec
 
 def _lr_of(event: StepEvent) -> float | None:
     """The largest LR over the parameter groups (the one that drives the global update norm)."""
+    if len(event.lr) == 1:  # one parameter group (the usual case, on every step): no list to build
+        lr = event.lr[0]
+        return lr if math.isfinite(lr) and lr >= 0 else None
     lrs = [lr for lr in event.lr if math.isfinite(lr) and lr >= 0]
     return max(lrs) if lrs else None
 

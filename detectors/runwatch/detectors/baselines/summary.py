@@ -38,6 +38,7 @@ from river import stats
 from runwatch.producer.wire.schema import (
     ActionAckEvent,
     Anomaly,
+    CategoryLoss,
     EvalEvent,
     RunEndEvent,
     RunStartEvent,
@@ -98,6 +99,10 @@ def fingerprint_id(parts: dict[str, str]) -> str:
 class RunSummarizer:
     """Accumulates one run's summary (see the module doc). Pure; pickles."""
 
+    # The latest step's category losses, not yet copied into ``_category`` (a class default: a summarizer
+    # pickled before it existed has none waiting).
+    _latest_categories: dict[str, CategoryLoss] | None = None
+
     def __init__(self, run_id: str, loss_every: int = 100):
         if loss_every < 1:
             raise ValueError("loss_every must be at least 1")
@@ -123,8 +128,10 @@ class RunSummarizer:
         self._rollbacks: set[str] = set()
 
     def observe(self, event: TelemetryEvent) -> None:
-        self.first_ts = event.ts if self.first_ts is None else min(self.first_ts, event.ts)
-        self.last_ts = event.ts if self.last_ts is None else max(self.last_ts, event.ts)
+        if self.first_ts is None or event.ts < self.first_ts:
+            self.first_ts = event.ts
+        if self.last_ts is None or event.ts > self.last_ts:
+            self.last_ts = event.ts
         if isinstance(event, StepEvent):
             if event.rank == 0:
                 self._step(event)
@@ -144,34 +151,54 @@ class RunSummarizer:
 
     def _step(self, event: StepEvent) -> None:
         self.steps += 1
-        if event.step_time_s is not None and event.step_time_s > 0:
-            self._step_time_median.update(event.step_time_s)
-            self._step_time_p95.update(event.step_time_s)
-            self._step_time_sum += event.step_time_s
+        step_time = event.step_time_s
+        if step_time is not None and step_time > 0:
+            self._step_time_median.update(step_time)
+            self._step_time_p95.update(step_time)
+            self._step_time_sum += step_time
             if event.data_wait_s is not None:
                 self._data_wait_sum += event.data_wait_s
-        for name in ("samples_per_s", "tokens_per_s", "mfu"):
-            value = getattr(event, name)
-            if value is not None:
-                self._rates.setdefault(name, stats.Quantile(0.5)).update(value)
-        if event.loss is not None and math.isfinite(event.loss):
-            self._last_losses.append(event.loss)
+        # Each rate by name, not a loop over the names with getattr: this runs on every step.
+        if event.samples_per_s is not None:
+            self._rate("samples_per_s").update(event.samples_per_s)
+        if event.tokens_per_s is not None:
+            self._rate("tokens_per_s").update(event.tokens_per_s)
+        if event.mfu is not None:
+            self._rate("mfu").update(event.mfu)
+        loss = event.loss
+        if loss is not None and math.isfinite(loss):
+            self._last_losses.append(loss)
             if event.step % self.loss_every == 0:
-                self._loss_at[event.step] = event.loss
-        for name, category in event.category_loss.items():
-            self._category[name] = category.mean
+                self._loss_at[event.step] = loss
+        if event.category_loss:
+            self._note_categories(event.category_loss)
+
+    def _rate(self, name: str) -> stats.Quantile:
+        """The running median of rate ``name``, made at its first value."""
+        rate = self._rates.get(name)
+        if rate is None:  # (not setdefault: that would build a quantile on every step)
+            rate = self._rates[name] = stats.Quantile(0.5)
+        return rate
+
+    def _note_categories(self, categories: dict[str, CategoryLoss]) -> None:
+        """Keep each category's last mean loss. A step with the same categories as the one before replaces
+        all of its means, so that step's are copied into ``_category`` only when the names change (and read
+        by ``metrics``): a copy per step cost more than the rest of the step's figures together."""
+        latest = self._latest_categories
+        if latest is not None and latest.keys() != categories.keys():
+            self._category.update(_means(latest))
+        self._latest_categories = categories
 
     def _memory(self, event: StepEvent) -> None:
-        if event.memory is None:
+        memory = event.memory
+        if memory is None:
             return
-        for name, value in (
-            ("max_cuda_allocated_bytes", event.memory.allocated),
-            ("max_cuda_reserved_bytes", event.memory.reserved),
-            ("max_cuda_peak_bytes", event.memory.peak),
-            ("max_host_rss_bytes", event.memory.host_rss),
-        ):
-            if value is not None:
-                self._maxima[name] = max(self._maxima.get(name, value), value)
+        # (four calls, not a loop over four (name, value) tuples built on every step)
+        maxima = self._maxima
+        _raise_max(maxima, "max_cuda_allocated_bytes", memory.allocated)
+        _raise_max(maxima, "max_cuda_reserved_bytes", memory.reserved)
+        _raise_max(maxima, "max_cuda_peak_bytes", memory.peak)
+        _raise_max(maxima, "max_host_rss_bytes", memory.host_rss)
 
     def _eval(self, event: EvalEvent) -> None:
         if event.split != "val" or event.loss is None or not math.isfinite(event.loss):
@@ -199,7 +226,10 @@ class RunSummarizer:
             "rollbacks": float(len(self._rollbacks)),
         }
         out.update({f"loss_at_step_{step}": loss for step, loss in sorted(self._loss_at.items())})
-        out.update({f"category_loss_{name}": loss for name, loss in sorted(self._category.items())})
+        categories = self._category
+        if self._latest_categories is not None:
+            categories = {**categories, **_means(self._latest_categories)}
+        out.update({f"category_loss_{name}": loss for name, loss in sorted(categories.items())})
         out.update({f"anomalies_{name}": float(n) for name, n in sorted(self._anomalies.items())})
         return out
 
@@ -235,6 +265,15 @@ def _commit_time(start: RunStartEvent | None) -> datetime | None:
         return datetime.fromisoformat(raw)
     except ValueError:
         return None  # a malformed tag is not worth losing the summary over
+
+
+def _raise_max(maxima: dict[str, float], name: str, value: int | None) -> None:
+    if value is not None and (name not in maxima or value > maxima[name]):
+        maxima[name] = value
+
+
+def _means(categories: dict[str, CategoryLoss]) -> dict[str, float]:
+    return {name: category.mean for name, category in categories.items()}
 
 
 def _get(quantile: stats.Quantile | None) -> float | None:

@@ -37,7 +37,7 @@ class CheckpointLedger:
     def observe_step(self, step: int, hold: bool = False) -> list[CheckpointRef]:
         """The run reached ``step`` (joined); returns the checkpoints confirmed now. ``hold``: a
         rollback's recovery is not verified yet, so nothing is confirmed."""
-        if hold:
+        if hold or not self.pending:
             return []
         confirmed = [c for c in self.pending if step >= c.step + self.confirm_steps]
         if confirmed:

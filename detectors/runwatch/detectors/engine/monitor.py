@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -45,6 +46,10 @@ _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
 RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
 ISSUED_ONSETS = 1024  # alert-level findings remembered per run by onset, so a replay does not repeat them
 LOSS_HISTORY = 1024  # joined steps' losses kept per run: a rollback's recovery is judged against them
+# These bounded memories are ordered dicts, not plain ones: dropping a plain dict's oldest key with
+# next(iter(d)) walks over every slot its earlier deletions left empty (hundreds, until the dict is next
+# resized), which cost ~1 µs per event with LOSS_HISTORY full and ~2 µs with RECENT_EVENT_IDS full;
+# an ordered dict's popitem(last=False) drops it at once.
 
 
 @dataclass
@@ -105,7 +110,7 @@ class RunMonitor:
     # (detector, metric, rank, severity, onset) of the findings issued that the policy does not act on:
     # the replay after a rollback finds the same onset again (the same slow steps, the same drift), and
     # says nothing new. None until the first (a class default: a monitor pickled before it reads None).
-    _issued_onsets: dict[tuple[str, str, int | None, str, int | None], None] | None = None
+    _issued_onsets: OrderedDict[tuple[str, str, int | None, str, int | None], None] | None = None
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -120,7 +125,8 @@ class RunMonitor:
         self.join = StepJoin(run_id, config.join.timeout_s)
         self.policy = ActionPolicy(config.policy)
         self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
-        self.losses: dict[int, float] = {}  # joined step -> the run's loss, the newest LOSS_HISTORY steps
+        # joined step -> the run's loss, the newest LOSS_HISTORY steps
+        self.losses: OrderedDict[int, float] = OrderedDict()
         self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
         # The step-indexed detectors' state at each checkpoint a rollback may target (rewind.py).
         self.snapshots: DetectorSnapshots[_RewindState] = DetectorSnapshots()
@@ -129,7 +135,7 @@ class RunMonitor:
         )
         self.events_seen = 0
         self.last_step: int | None = None
-        self._recent_ids: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
+        self._recent_ids: OrderedDict[str, None] = OrderedDict()  # the oldest is dropped first
         # From run_start: job_id, host, pod (a tag) for actions' params, so a remediator's
         # `scancel {job_id}` needs no lookup.
         self.job: dict[str, str] = {}
@@ -140,12 +146,23 @@ class RunMonitor:
         # hands the history over with ``set_history``).
         self.baseline = RunEndBaselineCheck(run_id, config.baseline)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A monitor pickled when its bounded memories were plain dicts gets them as ordered dicts (in the
+        same order: a plain dict keeps its insertion order too)."""
+        self.__dict__.update(state)
+        if not isinstance(self.losses, OrderedDict):  # (one from now has them so already: no copies)
+            self._recent_ids = OrderedDict(self._recent_ids)
+            self.losses = OrderedDict(self.losses)
+            if self._issued_onsets is not None:
+                self._issued_onsets = OrderedDict(self._issued_onsets)
+
     def _seen_before(self, event_id: str) -> bool:
-        if event_id in self._recent_ids:
+        recent = self._recent_ids
+        if event_id in recent:
             return True
-        self._recent_ids[event_id] = None
-        if len(self._recent_ids) > RECENT_EVENT_IDS:
-            del self._recent_ids[next(iter(self._recent_ids))]
+        recent[event_id] = None
+        if len(recent) > RECENT_EVENT_IDS:
+            recent.popitem(last=False)
         return False
 
     def observe(self, event: TelemetryEvent) -> MonitorOutput:
@@ -183,8 +200,12 @@ class RunMonitor:
 
     def _on_step(self, event: StepEvent, out: MonitorOutput) -> None:
         self.last_step = event.step
-        self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
-        self._to_rank(event, out, stale=self._sent_before_rollback(event))
+        # (The guards spare the hot path a call per step where there is nothing to do: no stall episode
+        # open, no rollback settling.)
+        if self.policy.episodes:
+            self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
+        stale = self._settling is not None and self._sent_before_rollback(event)
+        self._to_rank(event, out, stale=stale)
         for joined in self.join.add(event):
             self._observe_joined(joined, out)
 
@@ -238,15 +259,17 @@ class RunMonitor:
         """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors (a
         ``stale`` step, sent before a rollback the detectors were rewound for, only the liveness ones)."""
         self.progress.observe(event)
-        self._to_cross_rank(event, out)
+        if self.join.world_size > 1:  # (the cross-rank detectors compare ranks: no call for one)
+            self._to_cross_rank(event, out)
         detectors = self.ranks.get(event.rank)
         if detectors is None:
             detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW, self.progress)
+        ts = event.ts
         for detector in detectors:
             if stale and detector.name not in EPISODIC_DETECTORS:
                 continue
-            for finding in detector.update(event, event.ts):
-                self._emit(finding, event.ts, event.event_id, out)
+            for finding in detector.update(event, ts):
+                self._emit(finding, ts, event.event_id, out)
 
     def _to_cross_rank(self, event: TelemetryEvent, out: MonitorOutput) -> None:
         if self.join.world_size > 1:  # compares ranks: nothing to do for one
@@ -270,9 +293,13 @@ class RunMonitor:
         self._judge_joined(joined, out)
         if event.loss is not None:
             self._remember_loss(event.step, event.loss)
-        self._verify_recovery(event, out)
-        # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
-        if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
+        if self.recovery is not None:  # (no call per step while no rollback is being verified)
+            self._verify_recovery(event, out)
+        # Checkpoints after a rollback are confirmed only once the run has shown it recovered (and with
+        # none pending there is nothing to confirm: no call).
+        if self.checkpoints.pending and self.checkpoints.observe_step(
+            event.step, hold=self.recovery is not None
+        ):
             self.snapshots.prune(
                 [c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good]
             )
@@ -281,9 +308,10 @@ class RunMonitor:
         """The run-level detectors on the joined step, and (several ranks) the cross-rank ones on its
         record."""
         event = joined.event
+        ts = event.ts
         for detector in self.joined_detectors:
-            for finding in detector.update(event, event.ts):
-                self._emit(self._run_level(finding), event.ts, event.event_id, out)
+            for finding in detector.update(event, ts):
+                self._emit(self._run_level(finding), ts, event.event_id, out)
         if joined.record is not None and self.join.world_size > 1:
             for detector in self.cross_rank_detectors:
                 for finding in detector.update(joined.record, event.ts):
@@ -291,10 +319,11 @@ class RunMonitor:
 
     def _remember_loss(self, step: int, loss: float) -> None:
         """Keep the run's loss at ``step`` among the newest LOSS_HISTORY joined steps."""
-        self.losses.pop(step, None)  # a replayed step is the newest again
-        self.losses[step] = loss
-        if len(self.losses) > LOSS_HISTORY:
-            del self.losses[next(iter(self.losses))]
+        losses = self.losses
+        losses.pop(step, None)  # a replayed step is the newest again
+        losses[step] = loss
+        if len(losses) > LOSS_HISTORY:
+            losses.popitem(last=False)
 
     def _verify_recovery(self, event: StepEvent, out: MonitorOutput) -> None:
         """Feed the joined step to the check of the last rollback's replay, if one is under way; drop
@@ -415,13 +444,13 @@ class RunMonitor:
             return False
         onset = finding.onset_step if finding.onset_step is not None else finding.step
         key = (finding.detector, finding.metric, finding.rank, finding.severity, onset)
-        issued = self._issued_onsets if self._issued_onsets is not None else {}
+        issued = self._issued_onsets if self._issued_onsets is not None else OrderedDict()
         self._issued_onsets = issued
         if key in issued:
             return True
         issued[key] = None
         if len(issued) > ISSUED_ONSETS:
-            del issued[next(iter(issued))]
+            issued.popitem(last=False)
         return False
 
     def _emit(self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput) -> Anomaly | None:

@@ -183,6 +183,8 @@ class ActionPolicy:
 
     def observe_progress(self, rank: int | None) -> None:
         """A rank completed a step: its stall or hang episode (if any) has cleared."""
+        if not self.episodes:
+            return  # (the usual case, on every step event)
         for detector in EPISODIC_DETECTORS:
             episode = self.episodes.get(detector)
             if episode is not None and (episode.rank is None or episode.rank == rank):

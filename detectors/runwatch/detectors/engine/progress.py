@@ -161,7 +161,10 @@ class RunProgress:
         return progress
 
     def observe(self, event: TelemetryEvent) -> None:
-        interval = self.rank(event.rank).observe(event)
+        progress = self.ranks.get(event.rank)  # (the rank's, looked up here: this runs on every event)
+        if progress is None:
+            progress = self.rank(event.rank)
+        interval = progress.observe(event)
         if interval is not None:
             self._intervals.update(interval)
             self.intervals_seen += 1
