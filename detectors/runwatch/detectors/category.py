@@ -142,10 +142,13 @@ class CategoryDivergenceDetector(Detector):
         min_count = cfg.min_count
         # name, state, x, the run's mean loss over the observation, z, ratio
         diverging: list[tuple[str, _Category, float, float, float, float]] = []
-        warmup = cfg.warmup
+        warmup, log_min_ratio, inf, log, exp = cfg.warmup, self._log_min_ratio, math.inf, math.log, math.exp
+        # the run's mean loss over one step, offset and logged once for every category that observes
+        # within the step (most do, where categories are common: see _pool for the others)
+        log_mean = log(mean_loss + floor) if mean_loss is not None else 0.0
         for name, loss in event.category_loss.items():
             count, mean = loss.count, loss.mean
-            if count <= 0 or not 0.0 < mean < math.inf:
+            if count <= 0 or not 0.0 < mean < inf:
                 continue  # non-finite losses are the non-finite detector's
             cat = categories.get(name)
             if cat is None:
@@ -155,9 +158,9 @@ class CategoryDivergenceDetector(Detector):
             # (the pooling and the usual, quiet scoring are written out here: this loop runs for every
             # category of every step, and two calls per category were a fifth of the detector's cost)
             if cat.pool_count == 0 and count >= min_count:
-                # a whole observation in one step: the pool's sums would be 0.0 + these very products
-                pooled_mean = mean_loss * count / count
-                x = math.log(mean * count / count + floor) - math.log(pooled_mean + floor)
+                # a whole observation in one step: no pool
+                pooled_mean = mean_loss
+                x = log(mean + floor) - log_mean
             else:
                 observed = _pool(cat, mean, count, mean_loss, floor, min_count)
                 if observed is None:
@@ -168,8 +171,8 @@ class CategoryDivergenceDetector(Detector):
                 continue
             history = cat.history
             deviation = x - history.median()
-            cat.last_ratio = math.exp(deviation)
-            if deviation >= self._log_min_ratio:  # only then can the ratio reach min_ratio
+            cat.last_ratio = exp(deviation)
+            if deviation >= log_min_ratio:  # only then can the ratio reach min_ratio
                 scored = self._score(cat, x, deviation)
                 if scored is not None:
                     diverging.append((name, cat, x, pooled_mean, *scored))
