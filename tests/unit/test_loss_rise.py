@@ -272,3 +272,34 @@ def test_the_variants_hold_the_ramp_faults_and_their_healthy_look_alikes():
     healthy = [s for s in variants.VARIANTS if s.fault == "healthy"]
     assert faults and all(s.onset is not None for s in faults)
     assert {b for s in healthy for b in s.benign} >= {"lr_warmup_peak", "lr_restart"}
+
+
+def test_the_best_level_kept_as_points_come_and_go_is_the_lowest_of_the_history():
+    """The best level is kept as blocks close, leave the history (past ``history_blocks``) and are replayed
+    away by a rollback, instead of scanning the whole history at every block: after each block it is what
+    the scan gives (the lowest level, its first index), through a long run and rewinds."""
+    config = LossRiseConfig(history_blocks=20, noise_blocks=10)
+    detector = LossRiseDetector(config)
+    rng = random.Random(7)
+    events = _events(1200, lambda s: 0.3 + 0.2 * math.sin(s / 37) + 0.05 * rng.random(), noise=0.1)
+    events += _events(900, _plateau, start=600, seed=3) + _events(300, _plateau, start=250, seed=4)  # rewinds
+    checked = 0
+    for event in events:
+        detector.update(event, event.ts)
+        if detector._levels:
+            lowest = min(detector._levels)
+            assert detector._best() == (lowest, detector._levels.index(lowest))
+            checked += 1
+    assert checked > 1500
+
+
+def test_a_detector_pickled_before_it_kept_its_best_level_carries_on():
+    events = _events(450, _rising, lr=_creeping_lr)
+    detector = LossRiseDetector(LossRiseConfig())
+    _run(events[:300], detector)
+    state = detector.__dict__.copy()
+    state.pop("_best_level", None)  # as the code before it pickled the detector
+    restored = LossRiseDetector.__new__(LossRiseDetector)
+    restored.__dict__.update(state)
+    assert _run(events[300:], restored) == _run(events[300:], detector)
+    assert len(_run(events, LossRiseDetector(LossRiseConfig()))) == 1

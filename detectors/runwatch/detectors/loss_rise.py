@@ -129,6 +129,9 @@ class LossRiseDetector(Detector):
     """The training loss rising slowly over a window, well above the run's best level."""
 
     name = NAME
+    # The lowest level and its index in ``_levels``, kept as points come and go (None: to be found again).
+    # A class default, so a detector pickled before it existed finds it on first use.
+    _best_level: tuple[float, int] | None = None
 
     def __init__(self, config: LossRiseConfig):
         self.config = config
@@ -171,6 +174,8 @@ class LossRiseDetector(Detector):
         while self._points and self._points[-1].step >= step:
             self._points.pop()
             self._levels.pop()
+            if self._best_level is not None and self._best_level[1] >= len(self._levels):
+                self._best_level = None  # the best was replayed away
         self._block, self._block_ratios, self._block_lr = [], [], None
         self._fired = False
 
@@ -198,9 +203,15 @@ class LossRiseDetector(Detector):
         lr_peak = max(points[-1].lr_peak if points else 0.0, self._block_lr or 0.0)
         level = statistics.fmean([p.log_loss for p in points[len(points) - k + 1 :]] + [log_loss])
         self._levels.append(level if len(points) >= k - 1 else math.inf)
+        best = self._best_level
+        if best is not None and self._levels[-1] < best[0]:  # (strictly: the earliest lowest stays the best)
+            self._best_level = (self._levels[-1], len(self._levels) - 1)
         points.append(_Point(log_loss, step, self._block_lr, lr_peak, ratio, _median_sigma(self._block)))
         if len(points) > self.config.history_blocks:
             del points[0], self._levels[0]
+            if self._best_level is not None:
+                value, index = self._best_level
+                self._best_level = (value, index - 1) if index > 0 else None  # the best left the history
         self._block, self._block_ratios, self._block_lr = [], [], None
 
     # -- the judgement
@@ -218,8 +229,10 @@ class LossRiseDetector(Detector):
 
     def _best(self) -> tuple[float, int]:
         """The lowest level and the index of its point (the last of those it is the mean of)."""
-        best = min(self._levels)
-        return best, self._levels.index(best)
+        if self._best_level is None:  # (a scan of the whole history: only when the best left it)
+            best = min(self._levels)
+            self._best_level = (best, self._levels.index(best))
+        return self._best_level
 
     def _margin(self, sigma: float, at: int) -> float:
         """How far (log units) above the best level (at point ``at``) the level must be: ``z_threshold``
