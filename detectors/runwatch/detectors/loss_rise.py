@@ -35,6 +35,7 @@ from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
+from runwatch.detectors.update_ratio import largest_lr
 from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
@@ -108,15 +109,6 @@ def _median_sigma(values: list[float]) -> float:
     return spread * math.sqrt(math.pi / (2 * len(values)))
 
 
-def _lr_of(event: StepEvent) -> float | None:
-    """The largest LR over the parameter groups (the one that drives the update)."""
-    if len(event.lr) == 1:  # one parameter group (the usual case, on every step): no list to build
-        lr = event.lr[0]
-        return lr if math.isfinite(lr) and lr >= 0 else None
-    lrs = [lr for lr in event.lr if math.isfinite(lr) and lr >= 0]
-    return max(lrs) if lrs else None
-
-
 def theil_sen(ys: list[float]) -> tuple[float, float]:
     """Slope (per point) and the level at the last point of the robust line through ``ys`` at 0, 1, ...:
     the median of the pairwise slopes, then the median of the points moved along it to the end."""
@@ -155,7 +147,7 @@ class LossRiseDetector(Detector):
         if event.step < self._last_step:
             self._rewind(event.step)
         self._last_step = event.step
-        lr = _lr_of(event)
+        lr = largest_lr(event)
         self._follow_lr(lr)
         loss = event.loss
         if loss is None or not math.isfinite(loss) or loss <= 0:

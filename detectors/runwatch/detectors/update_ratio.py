@@ -73,8 +73,9 @@ NAME = "update_ratio"
 LR_RECORDS = 256  # new LR peaks remembered (a warm-up makes one per step; a decay none)
 
 
-def _lr_of(event: StepEvent) -> float | None:
-    """The largest LR over the parameter groups (the one that drives the global update norm)."""
+def largest_lr(event: StepEvent) -> float | None:
+    """The largest finite LR over the parameter groups (the one that drives the global update norm), or
+    None; ``loss_rise`` reads the LR through it too."""
     if len(event.lr) == 1:  # one parameter group (the usual case, on every step): no list to build
         lr = event.lr[0]
         return lr if math.isfinite(lr) and lr >= 0 else None
@@ -122,7 +123,7 @@ class UpdateRatioDetector(Detector):
 
     def _lr_step(self, event: StepEvent) -> Finding | None:
         """The per-step LR check: a finding at the step the LR jumped or collapsed against the schedule."""
-        lr = _lr_of(event)
+        lr = largest_lr(event)
         if lr is None:
             return None
         if self._lr_at_step is not None and event.step <= self._lr_at_step:
@@ -152,7 +153,7 @@ class UpdateRatioDetector(Detector):
     def _update_ratio(self, event: StepEvent, ratio: float) -> list[Finding]:
         if not math.isfinite(ratio) or ratio < 0:
             return []  # non-finite updates are the non-finite detector's
-        lr = _lr_of(event)
+        lr = largest_lr(event)
         x = math.log(ratio) if ratio > 0 else -math.inf
         if self.seen < self.config.warmup:
             self._trust(x, lr)

@@ -200,10 +200,8 @@ class RunMonitor:
 
     def _on_step(self, event: StepEvent, out: MonitorOutput) -> None:
         self.last_step = event.step
-        # (The guards spare the hot path a call per step where there is nothing to do: no stall episode
-        # open, no rollback settling.)
-        if self.policy.episodes:
-            self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
+        self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
+        # (the guard spares the hot path a call per step while no rollback is settling)
         stale = self._settling is not None and self._sent_before_rollback(event)
         self._to_rank(event, out, stale=stale)
         for joined in self.join.add(event):
@@ -259,8 +257,7 @@ class RunMonitor:
         """One rank's own event: its progress, the cross-rank detectors, then the rank's detectors (a
         ``stale`` step, sent before a rollback the detectors were rewound for, only the liveness ones)."""
         self.progress.observe(event)
-        if self.join.world_size > 1:  # (the cross-rank detectors compare ranks: no call for one)
-            self._to_cross_rank(event, out)
+        self._to_cross_rank(event, out)
         detectors = self.ranks.get(event.rank)
         if detectors is None:
             detectors = self.ranks[event.rank] = build_detectors(self.config, RANK_VIEW, self.progress)
@@ -293,13 +290,9 @@ class RunMonitor:
         self._judge_joined(joined, out)
         if event.loss is not None:
             self._remember_loss(event.step, event.loss)
-        if self.recovery is not None:  # (no call per step while no rollback is being verified)
-            self._verify_recovery(event, out)
-        # Checkpoints after a rollback are confirmed only once the run has shown it recovered (and with
-        # none pending there is nothing to confirm: no call).
-        if self.checkpoints.pending and self.checkpoints.observe_step(
-            event.step, hold=self.recovery is not None
-        ):
+        self._verify_recovery(event, out)
+        # Checkpoints after a rollback are confirmed only once the run has shown it recovered.
+        if self.checkpoints.observe_step(event.step, hold=self.recovery is not None):
             self.snapshots.prune(
                 [c.step for c in self.checkpoints.pending], [c.step for c in self.checkpoints.good]
             )
@@ -328,11 +321,9 @@ class RunMonitor:
     def _verify_recovery(self, event: StepEvent, out: MonitorOutput) -> None:
         """Feed the joined step to the check of the last rollback's replay, if one is under way; drop
         the check when it is done, or when the rollback expired unacknowledged."""
-        if (
-            self.recovery is not None
-            and self.recovery.to_step is None
-            and not self.policy.rollback_pending(event.ts)
-        ):
+        if self.recovery is None:
+            return  # (the usual step: no rollback being verified)
+        if self.recovery.to_step is None and not self.policy.rollback_pending(event.ts):
             self.recovery = None  # the rollback expired unacknowledged: there is no replay to verify
         if self.recovery is not None:
             verdict = self.recovery.update(event.step, event.loss)
