@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import click
 
 from runwatch.cli.failure import CommandError
 from runwatch.producer.wire import topics
@@ -11,6 +14,16 @@ if TYPE_CHECKING:
     from runwatch.detectors import RunwatchConfig
 
 BOOTSTRAP_HELP = f"Kafka bootstrap host:port[,host:port]; default ${topics.BOOTSTRAP_ENV}"
+READY_FILE_ENV = "RUNWATCH_READY_FILE"
+
+# The long-running services' readiness for a supervisor without HTTP probes (and the deploy smoke test,
+# which sets it in the environment so that the manifests' command lines run unchanged).
+ready_file_option = click.option(
+    "--ready-file",
+    envvar=READY_FILE_ENV,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"written once the consumer group has given this process its partitions; default ${READY_FILE_ENV}",
+)
 
 
 def cli_config(path: str | None) -> RunwatchConfig:

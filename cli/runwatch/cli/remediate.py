@@ -9,7 +9,7 @@ import click
 
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
-from runwatch.cli.options import BOOTSTRAP_HELP
+from runwatch.cli.options import BOOTSTRAP_HELP, ready_file_option
 from runwatch.cli.repeats import quiet_repeats
 from runwatch.cli.signals import run_until_signalled
 from runwatch.producer.wire import topics
@@ -30,7 +30,8 @@ from runwatch.producer.wire import topics
     help="ClickHouse DSN for the remediations record; default chdb:///.runwatch/remediate "
     "(give it a ClickHouse server shared with the sink to resolve {job_id}/{host}/{pod} from run_start)",
 )
-def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
+@ready_file_option
+def remediate(bootstrap: str, config_path: str, dsn: str | None, ready_file: Path | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
     from runwatch.cli.startup import open_store, require_topics
     from runwatch.detectors.configfile import ConfigError
@@ -61,6 +62,6 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None) -> None:
         f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "
         f"record in {store.dsn}; {len(consumer.remediator.done)} execution(s) already recorded"
     )
-    run_until_signalled(consumer, store)
+    run_until_signalled(consumer, store, ready_file)
     rem = consumer.remediator
     click.echo(f"remediate stopped: executions {dict(rem.executed)}, ignored {dict(rem.ignored)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from typing import Protocol
 
 
@@ -13,6 +14,9 @@ class _Consumer(Protocol):
     @property
     def stopping(self) -> threading.Event: ...
 
+    @property
+    def assigned(self) -> threading.Event: ...
+
     def run(self) -> None: ...
 
 
@@ -20,10 +24,15 @@ class _Store(Protocol):
     def close(self) -> None: ...
 
 
-def run_until_signalled(consumer: _Consumer, store: _Store) -> None:
-    """Run ``consumer`` until SIGINT/SIGTERM asks it to stop, then close ``store``."""
+def run_until_signalled(consumer: _Consumer, store: _Store, ready_file: Path | None = None) -> None:
+    """Run ``consumer`` until SIGINT/SIGTERM asks it to stop, then close ``store``. ``ready_file`` is
+    written once the consumer has its partitions."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: consumer.stopping.set())
+    if ready_file is not None:
+        threading.Thread(
+            target=_write_when_assigned, args=(consumer, ready_file), name="ready-file", daemon=True
+        ).start()
     try:
         consumer.run()
     finally:
@@ -36,3 +45,10 @@ def wait_for_signal() -> None:
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
+
+
+def _write_when_assigned(consumer: _Consumer, ready_file: Path) -> None:
+    while not consumer.stopping.is_set():
+        if consumer.assigned.wait(0.5):
+            ready_file.write_text("assigned\n")
+            return

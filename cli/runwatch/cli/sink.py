@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import click
 
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
-from runwatch.cli.options import BOOTSTRAP_HELP, cli_config
+from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
 from runwatch.cli.repeats import quiet_repeats
 from runwatch.cli.signals import run_until_signalled
 from runwatch.producer.wire import topics
@@ -39,6 +40,7 @@ from runwatch.producer.wire import topics
     help="also serve the local page (the runs and their reports) on this port; 0 picks a free one",
 )
 @click.option("--page-host", default="127.0.0.1", show_default=True, help="where the local page listens")
+@ready_file_option
 def sink(
     bootstrap: str,
     dsn: str | None,
@@ -48,6 +50,7 @@ def sink(
     died_after: float,
     page_port: int | None,
     page_host: str,
+    ready_file: Path | None,
 ) -> None:
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
@@ -95,7 +98,7 @@ def sink(
             raise CommandError(f"the page cannot listen on {page_host}:{page_port}: {exc.strerror}") from None
         click.echo(f"page {page.url}")
     try:
-        run_until_signalled(consumer, store)
+        run_until_signalled(consumer, store, ready_file)
     finally:
         if page is not None:
             page.stop()

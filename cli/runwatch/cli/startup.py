@@ -45,6 +45,23 @@ def require_topics(
     return counts
 
 
+def writable_dir(path: Path, option: str) -> Path:
+    """``path`` made with its parents and written to once, or exit 2 with one line saying why it cannot be
+    (a read-only image, another user's folder): a service must not die later with a traceback."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise CommandError(
+            f"cannot write to {path.resolve()} ({option}): {exc.strerror or exc}; give {option} a folder "
+            "this user can write"
+        ) from None
+    return path
+
+
 DSN_SCHEMES = ("chdb", "http", "https")
 
 

@@ -9,7 +9,7 @@ import click
 
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra, require, require_engine
-from runwatch.cli.options import BOOTSTRAP_HELP, cli_config
+from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
 from runwatch.producer.wire import topics
 
 
@@ -43,7 +43,7 @@ from runwatch.producer.wire import topics
     show_default=True,
     help="seconds the broker may take to acknowledge the worker's records before the worker fails",
 )
-@click.option("--ready-file", type=click.Path(dir_okay=False), help="written once partitions are assigned")
+@ready_file_option
 @click.option(
     "--group",
     default=topics.DETECT_GROUP,
@@ -99,7 +99,7 @@ def worker(
     web_host: str,
     detector_timeout: float,
     delivery_timeout: float,
-    ready_file: str | None,
+    ready_file: Path | None,
     group: str,
     baseline_dsn: str | None,
     no_state: bool,
@@ -129,6 +129,9 @@ def worker(
                 "(another worker there? give each its own --web-port, or 0 for none)"
             ) from None
     config = cli_config(config_path)
+    from runwatch.cli.startup import writable_dir
+
+    writable_dir(data_dir, "--data-dir")  # (Faust makes only the last level, and fails late)
     try:
         secret = resolve_secret()
     except MissingSecretError as exc:
@@ -157,7 +160,7 @@ def worker(
         secret,
         app_id=group,
         web_port=None,
-        ready_file=Path(ready_file) if ready_file else None,
+        ready_file=ready_file,
         detector_timeout_s=detector_timeout,
         delivery_timeout_s=delivery_timeout,
         baseline_dsn=baseline_dsn,
