@@ -33,7 +33,7 @@ from runwatch.producer.wire import topics
 @ready_file_option
 def remediate(bootstrap: str, config_path: str, dsn: str | None, ready_file: Path | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
-    from runwatch.cli.startup import open_store, require_topics
+    from runwatch.cli.startup import open_store, require_topics, writable_dir
     from runwatch.detectors.configfile import ConfigError
     from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
     from runwatch.sinks.remediate.config import load_remediation_config
@@ -45,8 +45,10 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None, ready_file: Pat
         secret = resolve_secret()
     except (ConfigError, MissingSecretError) as exc:
         raise CommandError(str(exc)) from None
-    # Its own embedded path by default: a chdb path is open in one process at a time (the sink's).
-    store = open_store(dsn or f"chdb://{(Path('.runwatch') / 'remediate').resolve()}")
+    if dsn is None:  # its own embedded path: a chdb path is open in one process at a time (the sink's)
+        folder = writable_dir(Path(".runwatch"), "give --dsn, or start it where this user can write")
+        dsn = f"chdb://{(folder / 'remediate').resolve()}"
+    store = open_store(dsn)
     try:
         require_topics(bootstrap, [topics.ACTIONS])
     except CommandError:

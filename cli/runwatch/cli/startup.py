@@ -45,9 +45,10 @@ def require_topics(
     return counts
 
 
-def writable_dir(path: Path, option: str) -> Path:
+def writable_dir(path: Path, remedy: str) -> Path:
     """``path`` made with its parents and written to once, or exit 2 with one line saying why it cannot be
-    (a read-only image, another user's folder): a service must not die later with a traceback."""
+    and ``remedy`` (a read-only image, another user's folder): a service must not die later with a
+    traceback."""
     import tempfile
 
     try:
@@ -55,10 +56,7 @@ def writable_dir(path: Path, option: str) -> Path:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        raise CommandError(
-            f"cannot write to {path.resolve()} ({option}): {exc.strerror or exc}; give {option} a folder "
-            "this user can write"
-        ) from None
+        raise CommandError(f"cannot write to {path.resolve()}: {exc.strerror or exc}; {remedy}") from None
     return path
 
 

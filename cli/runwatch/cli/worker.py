@@ -131,7 +131,8 @@ def worker(
     config = cli_config(config_path)
     from runwatch.cli.startup import writable_dir
 
-    writable_dir(data_dir, "--data-dir")  # (Faust makes only the last level, and fails late)
+    # (Faust makes only the last level, and fails late)
+    writable_dir(data_dir, "give --data-dir a folder this user can write")
     try:
         secret = resolve_secret()
     except MissingSecretError as exc:
