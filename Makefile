@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.runwatch-demo-installed
 STAMP := $(VENV)/.runwatch-installed
 
-.PHONY: setup demo-setup clients browser demo test test-fast lint bench clean
+.PHONY: setup demo-setup clients browser demo test test-fast lint bench clean deploy-check
 
 setup: $(STAMP)
 demo-setup: $(DEMO_STAMP)
@@ -86,6 +86,13 @@ bench: setup
 	$(PY) tests/benchmarks/bench_throughput.py
 	$(PY) tests/benchmarks/bench_baselines.py
 	$(PY) tests/benchmarks/bench_state.py
+
+# The runwatch image built from the Dockerfile and the stack's runwatch services run as containers, with a
+# real training run acted on (deploy/README.md, section 3). As root: Podman, runc and debootstrap come from
+# Debian's packages; the trainer runs in this venv.
+deploy-check: demo-setup
+	deploy/check/podman-setup.sh
+	$(PY) deploy/check/deploy_check.py
 
 clean:
 	rm -rf .runwatch build dist *.egg-info
