@@ -50,6 +50,7 @@ from runwatch.streams.worker.published import READ_BUDGET_S, TAIL_RECORDS, read_
 from runwatch.streams.worker.run_states import StateOptions
 
 SECRET = secrets.token_bytes(32)
+STATE_SECRET = secrets.token_bytes(32)  # the workers' state key (never the action secret)
 PARTITIONS = 4
 
 
@@ -88,6 +89,9 @@ def stream(runs: int, steps: int, seed: int = 0) -> list[tuple[bytes, bytes, int
 class NoState:
     """A state reader with nothing stored (the in-process parts measure pickling, not Kafka)."""
 
+    topic = topics.STATE
+    origin: dict[str, tuple[int, int]] = {}
+
     def read(self, partitions: set[int]) -> dict[str, bytes | None]:
         return {}
 
@@ -104,6 +108,7 @@ def snapshot_cost(runs: int, steps: int, checkpoint_every: int) -> dict:
             SECRET,
             state_reader=NoState() if mode == "on" else None,
             state=StateOptions(interval_s=1e9),
+            state_secret=STATE_SECRET,
         )
         proc.keep_partitions(set(range(PARTITIONS)))
         written = 0
@@ -137,7 +142,11 @@ def snapshot_size() -> dict:
     rng = random.Random(1)
     t0 = datetime.now(UTC) - timedelta(hours=2)
     proc = TelemetryProcessor(
-        RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9)
+        RunwatchConfig(),
+        SECRET,
+        state_reader=NoState(),
+        state=StateOptions(interval_s=1e9),
+        state_secret=STATE_SECRET,
     )
     proc.keep_partitions({0})
     out = {}
@@ -156,7 +165,11 @@ def snapshot_size() -> dict:
 
     for world in (8, 32):  # a multi-rank run: per-rank detectors and the join grow with its ranks
         proc = TelemetryProcessor(
-            RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9)
+            RunwatchConfig(),
+            SECRET,
+            state_reader=NoState(),
+            state=StateOptions(interval_s=1e9),
+            state_secret=STATE_SECRET,
         )
         proc.keep_partitions({0})
         run = f"ranks-{world}"
@@ -246,7 +259,11 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
     from runwatch.streams.worker.state_reader import StateReader
 
     builder = TelemetryProcessor(
-        RunwatchConfig(), SECRET, state_reader=NoState(), state=StateOptions(interval_s=1e9)
+        RunwatchConfig(),
+        SECRET,
+        state_reader=NoState(),
+        state=StateOptions(interval_s=1e9),
+        state_secret=STATE_SECRET,
     )
     builder.keep_partitions(set(range(PARTITIONS)))
     for i, (value, key, partition) in enumerate(stream(runs, steps, seed=2)):
@@ -263,6 +280,8 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
     producer.flush(120)
     producer.close()
     total = sum(len(r.value or b"") for r in records)
+    decode = decode_cost([r.value for r in records if r.value is not None])
+    log(f"decoding the snapshots: {decode}")
     reader = StateReader(bootstrap, timeout_s=120)
     started = time.perf_counter()
     read = reader.read(set(range(PARTITIONS)))
@@ -272,6 +291,7 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
         SECRET,
         state_reader=StateReader(bootstrap, timeout_s=120),
         state=StateOptions(interval_s=1e9),
+        state_secret=STATE_SECRET,
     )
     started = time.perf_counter()
     fresh.keep_partitions(set(range(PARTITIONS)))
@@ -286,6 +306,36 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
         "read_s": round(read_s, 2),
         "restore_s": round(restore_s, 2),
         "restore_s_per_1000_runs": round(restore_s / runs * 1000, 2),
+        "decode": decode,
+    }
+
+
+def decode_cost(values: list[bytes], rounds: int = 5) -> dict:
+    """Unpickling the snapshots' bodies with the worker's restricted unpickler (``decode_body``) against a
+    plain ``pickle.loads`` of the same bytes, rounds in turn: ms per 1,000 runs and their ratio (what the
+    allowlist costs a restore)."""
+    import pickle
+    import zlib
+
+    from runwatch.streams.worker.state import decode_body, decode_header
+
+    bodies = [decode_header(v, STATE_SECRET)[1] for v in values]
+    took: dict[str, list[float]] = {"plain_pickle": [], "state_unpickler": []}
+    for _ in range(rounds):
+        for name, load in (
+            ("plain_pickle", lambda b: pickle.loads(zlib.decompress(b))),
+            ("state_unpickler", decode_body),
+        ):
+            started = time.perf_counter()
+            for body in bodies:
+                load(body)
+            took[name].append((time.perf_counter() - started) / len(bodies) * 1e6)
+    med = {k: statistics.median(v) for k, v in took.items()}
+    return {
+        "runs": len(bodies),
+        "rounds": rounds,
+        "ms_per_1000_runs": {k: round(v, 1) for k, v in med.items()},
+        "ratio_state_unpickler_over_plain": round(med["state_unpickler"] / med["plain_pickle"], 3),
     }
 
 
@@ -371,6 +421,7 @@ def worker_process(bootstrap: str, group: str, state: str, out: str, ready: str)
         web_port=free_port(),
         ready_file=Path(ready),
         state=StateOptions(enabled=state == "on"),
+        state_secret=STATE_SECRET,
     )
     seen: dict[int, list] = {}
     submit = detectors.submit

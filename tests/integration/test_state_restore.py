@@ -6,6 +6,7 @@ that run starts fresh, the others are restored and the worker goes on)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -22,7 +23,8 @@ from runwatch.streams.worker.state_reader import StateReader
 
 pytestmark = pytest.mark.integration
 
-SECRET = b"integration-state-secret-of-32-bytes-ok"
+SECRET = b"integration-action-secret-of-32-bytes-ok"
+STATE_SECRET = b"integration-state-secret-of-32-bytes-ok"
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)  # within the worker clock's 7-day window
 GROUP = "restore-test"
 
@@ -41,6 +43,7 @@ def _processor(bootstrap: str) -> TelemetryProcessor:
         state_reader=StateReader(bootstrap, timeout_s=20),
         state=StateOptions(every_events=10_000, interval_s=1e9),
         group=GROUP,
+        state_secret=STATE_SECRET,
     )
 
 
@@ -110,7 +113,7 @@ def test_a_record_that_cannot_be_read_is_logged_and_its_run_starts_fresh(bootstr
     _feed(first, "good", 2, _steps("good", 0, 20), 0)
     good, _ = first.take_snapshots(force_checkpoint=True)
     forged = _processor(bootstrap)
-    forged._secret = b"someone-else-s-secret-32-bytes-long-xx"  # signed, but not by this deployment
+    forged._state_secret = b"someone-else-s-secret-32-bytes-long-xx"  # signed, but not by this deployment
     forged.keep_partitions({2})
     _feed(forged, "forged", 2, _steps("forged", 0, 20), 20)
     unsigned, _ = forged.take_snapshots(force_checkpoint=True)
@@ -121,8 +124,11 @@ def test_a_record_that_cannot_be_read_is_logged_and_its_run_starts_fresh(bootstr
         second.keep_partitions({2})
     assert set(second.monitors) == {"good"} and second.counters.restore_failures == 2
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert "run forged: its state record cannot be read" in said and "not signed" in said
-    assert "run garbage: its state record cannot be read" in said and "bad magic" in said
+    # (said with where the record is: the topic, its partition and offset)
+    assert re.search(r"run forged: its state record runwatch\.state\[2\]@\d+ cannot be read", said), said
+    assert "not signed" in said
+    assert re.search(r"run garbage: its state record runwatch\.state\[2\]@\d+ cannot be read", said)
+    assert "bad magic" in said
     # the worker goes on: the unreadable runs start fresh, the restored one carries on
     _feed(second, "forged", 2, _steps("forged", 20, 25), 40)
     _feed(second, "garbage", 2, _steps("garbage", 0, 5), 45)

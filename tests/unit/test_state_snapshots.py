@@ -31,7 +31,8 @@ from runwatch.streams.worker.state import (
     encode_snapshot,
 )
 
-SECRET = b"unit-test-secret-at-least-32-bytes-0123"
+SECRET = b"unit-test-secret-at-least-32-bytes-0123"  # the codec tests sign with it; processors act with it
+STATE_SECRET = b"unit-test-state-key-at-least-32-bytes-456"
 T0 = datetime(2024, 5, 1, 12, tzinfo=UTC)
 WALL = T0 + timedelta(days=1)  # the worker clock: events within 7 days before it are in the time window
 
@@ -170,6 +171,9 @@ class Store:
         for r in records:
             self.partitions.setdefault(r.partition, {})[r.key] = r.value
 
+    topic = topics.STATE
+    origin: dict[str, tuple[int, int]] = {}  # (StateReader's: where each record read is; not kept here)
+
     def read(self, partitions: set[int]) -> dict[str, bytes | None]:
         out: dict[str, bytes | None] = {}
         for p in sorted(partitions):
@@ -282,6 +286,7 @@ def _processor(store: Store, wall: datetime = WALL) -> TelemetryProcessor:
         clock=lambda: wall,
         state_reader=store,  # type: ignore[arg-type]
         state=StateOptions(every_events=25, interval_s=1e9),
+        state_secret=STATE_SECRET,
     )
 
 
@@ -590,6 +595,7 @@ def test_a_run_let_go_has_its_snapshot_deleted_so_no_successor_restores_it():
         clock=lambda: wall[0],
         state_reader=store,  # type: ignore[arg-type]
         state=StateOptions(every_events=25, interval_s=1e9),
+        state_secret=STATE_SECRET,
     )
     proc.keep_partitions({0})
     for i, run in enumerate(("crashed", "evicted", "live")):
@@ -617,6 +623,7 @@ def test_a_run_let_go_has_its_snapshot_deleted_so_no_successor_restores_it():
         clock=lambda: wall[0],
         state_reader=store,  # type: ignore[arg-type]
         state=StateOptions(every_events=25, interval_s=1e9),
+        state_secret=STATE_SECRET,
     )
     successor.keep_partitions({0})
     assert set(successor.monitors) == {"live"}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.local.secret import stack_secret
+from runwatch.local.secret import stack_secret, stack_state_secret
 from runwatch.local.worker_process import WorkerProcess, wait_until
 from runwatch.producer.wire import topics
 
@@ -53,6 +53,7 @@ class LocalStack:
     bootstrap: str = ""
     secret: str = ""
     secret_file: Path | None = None
+    state_secret: str = ""  # the worker's alone: signs its state snapshots (never in .runwatch/env)
     worker: WorkerProcess | None = None
     sink: ClickHouseSink | None = None
     sink_consumer: SinkConsumer | None = None
@@ -83,9 +84,15 @@ class LocalStack:
         _check_port(opts.page_host, opts.page_port)  # before anything starts: a busy port is one line
         self.logs.mkdir(parents=True, exist_ok=True)
         self.secret, self.secret_file = stack_secret(opts.state_dir)
+        self.state_secret = stack_state_secret(opts.state_dir, self.secret)
         self._start_broker()
         self.worker = WorkerProcess(
-            self.bootstrap, self.secret, self.logs / "worker.log", opts.config_path, die_with_parent=True
+            self.bootstrap,
+            self.secret,
+            self.logs / "worker.log",
+            opts.config_path,
+            die_with_parent=True,
+            state_secret=self.state_secret,
         )
         self.say(f"worker starting (log: {self.worker.log_path})")
         self._start_store(config)

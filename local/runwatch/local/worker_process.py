@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from runwatch.local.broker import free_port
 from runwatch.local.children import die_with_parent as ending_with_parent
 from runwatch.producer.wire import topics
+from runwatch.streams.worker.state import STATE_SECRET_ENV
+
+
+@cache
+def launcher_state_secret() -> str:
+    """The state key of the workers this process starts: ``$RUNWATCH_STATE_SECRET``, else a new random
+    one (the same for every worker this process starts; never derived from the action secret)."""
+    return os.environ.get(STATE_SECRET_ENV) or secrets.token_hex(32)
 
 
 class LocalStackError(RuntimeError):
@@ -42,7 +52,11 @@ class WorkerProcess:
         group: str | None = None,
         extra_args: tuple[str, ...] = (),
         die_with_parent: bool = False,
+        state_secret: str | None = None,
     ):
+        """``secret``: the action secret. ``state_secret``: the worker's state key (its snapshots are signed
+        with it); None: ``$RUNWATCH_STATE_SECRET``, else one made once per launching process, so that the
+        workers one demo or test starts in turn restore each other's runs."""
         # (the worker runs in the log's folder: every path it gets is absolute)
         log_path = Path(log_path).resolve()
         self.ready_file = log_path.with_suffix(".ready")
@@ -69,7 +83,10 @@ class WorkerProcess:
         # (Faust's files beside the log, where they always were: "<group>-data")
         cmd += ["--data-dir", str(log_path.parent / f"{group or topics.DETECT_GROUP}-data")]
         cmd += list(extra_args)
-        env = dict(os.environ, **{topics.SECRET_ENV: secret})
+        env = dict(
+            os.environ,
+            **{topics.SECRET_ENV: secret, STATE_SECRET_ENV: state_secret or launcher_state_secret()},
+        )
         self.log_path = log_path
         self._log = open(log_path, "ab")
         # (in the log's folder: Faust keeps a data directory, "<group>-data", in its working directory)

@@ -30,6 +30,7 @@ from runwatch.streams.worker.detector_process import (
 from runwatch.streams.worker.health import CommitSensor, WorkerHealth
 from runwatch.streams.worker.health_server import HealthServer
 from runwatch.streams.worker.run_states import StateOptions
+from runwatch.streams.worker.state import resolve_state_secret
 
 if TYPE_CHECKING:
     from faust.types import TP, RecordMetadata, StreamT
@@ -126,6 +127,7 @@ def create_app(
     partitions: int | None = None,
     health_server: HealthServer | None = None,
     data_dir: Path | None = None,
+    state_secret: bytes | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
@@ -136,15 +138,19 @@ def create_app(
     serving it (``runwatch worker`` starts it before anything else), which this worker takes over.
     ``baseline_dsn``: the ClickHouse the runs' baseline bands are loaded from at their start
     (streams/runwatch/streams/worker/baselines.py). ``state``: the runs' state snapshots to ``runwatch.state``
-    (streams/runwatch/streams/worker/run_states.py); on by default. ``partitions``: the telemetry topic's
-    partition count, against which each record's partition is checked."""
+    (streams/runwatch/streams/worker/run_states.py); on by default, signed with ``state_secret``, the workers'
+    state key (None: ``$RUNWATCH_STATE_SECRET``; none there raises ``MissingStateSecretError``: the action
+    secret is never used for it, streams/runwatch/streams/worker/state.py). ``partitions``: the telemetry
+    topic's partition count, against which each record's partition is checked."""
+    state = state or StateOptions()
+    if state.enabled:  # (before anything starts: a missing or reused key is one error, at once)
+        state_secret = resolve_state_secret(state_secret, action_secret=secret)
     app = faust_app(bootstrap, app_id, web_port or 6066, data_dir)
     telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
     out_topics = {
         name: app.topic(name, value_serializer="raw", key_serializer="raw")
         for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)
     }
-    state = state or StateOptions()
     detectors = DetectorProcess(
         config,
         secret,
@@ -154,6 +160,7 @@ def create_app(
         state=state,
         group=app_id,
         partitions=partitions,
+        state_secret=state_secret if state.enabled else None,
     )
     health = WorkerHealth(detectors)
     app.sensors.add(CommitSensor(health))

@@ -173,6 +173,7 @@ def _serve(
     group: str = topics.DETECT_GROUP,
     reply_timeout_s: float = REPLY_TIMEOUT_S,
     partitions: int | None = None,
+    state_secret: bytes | None = None,
 ) -> None:
     """The child's loop: one request at a time, answered in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the worker, which closes us
@@ -209,6 +210,7 @@ def _serve(
             state=state,
             group=group,
             partitions=partitions,
+            state_secret=state_secret,
         )
         processor.on_restore_progress = lambda body: replies.put(("progress", body))
     except Exception:  # noqa: BLE001 - reported to the parent, which fails loudly
@@ -244,9 +246,11 @@ class DetectorProcess:
         state: StateOptions | None = None,
         group: str = topics.DETECT_GROUP,
         partitions: int | None = None,
+        state_secret: bytes | None = None,
     ):
         """``state_bootstrap``: the broker whose ``runwatch.state`` the runs' snapshots are read back
-        from (None: no durable state); ``state``: when snapshots are taken; ``partitions``: the telemetry
+        from (None: no durable state); ``state``: when snapshots are taken; ``state_secret``: the workers'
+        state key they are signed with (needed with durable state); ``partitions``: the telemetry
         topic's partition count (records on another partition than their key's are refused)."""
         self.reply_timeout_s = reply_timeout_s
         ctx = multiprocessing.get_context("spawn")  # (fork is unsafe once Faust's threads run)
@@ -268,6 +272,7 @@ class DetectorProcess:
                 group,
                 reply_timeout_s,
                 partitions,
+                state_secret,
             ),
         )
         self._pending: deque[asyncio.Future[Reply]] = deque()

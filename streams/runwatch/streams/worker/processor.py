@@ -51,6 +51,7 @@ from runwatch.streams.worker.state import (
     decode_body,
     decode_header,
     encode_snapshot,
+    resolve_state_secret,
 )
 
 if TYPE_CHECKING:
@@ -130,11 +131,15 @@ class TelemetryProcessor:
         state: StateOptions | None = None,
         group: str = topics.DETECT_GROUP,
         partitions: int | None = None,
+        state_secret: bytes | None = None,
     ):
-        """``state_reader``: where runs' snapshots are read back from (None: no durable state; every
-        request is then its own checkpoint). ``state``: when snapshots are taken. ``group``: the
-        workers' consumer group, whose snapshots these are. ``partitions``: the telemetry topic's
-        partition count; a record on another partition than its key's is refused (None: not checked)."""
+        """``secret``: the action secret actions are signed with. ``state_reader``: where runs' snapshots
+        are read back from (None: no durable state; every request is then its own checkpoint). ``state``:
+        when snapshots are taken. ``state_secret``: the workers' state key snapshots are signed with
+        (needed with durable state; never the action secret, which trainers hold: state.py).
+        ``group``: the workers' consumer group, whose snapshots these are. ``partitions``: the telemetry
+        topic's partition count; a record on another partition than its key's is refused (None: not
+        checked)."""
         self.config = config
         self.partitions = partitions
         self.baselines = (
@@ -154,6 +159,11 @@ class TelemetryProcessor:
         self.counters = WorkerCounters()
         options = state or StateOptions()
         self._reader = state_reader if options.enabled else None
+        if self._reader is not None:
+            if state_secret is None:
+                raise ValueError("durable state needs the workers' state key (state_secret)")
+            resolve_state_secret(state_secret, action_secret=secret)  # long enough, not the action secret
+        self._state_secret = state_secret or b""
         self.states = RunStates(options, clock, perf_clock) if self._reader is not None else None
         self._config_sha = config_digest(config.model_dump_json())
         self._loaded: set[int] = set()  # telemetry partitions whose runs' state was read back
@@ -382,7 +392,7 @@ class TelemetryProcessor:
             if raw is None or run_id in self.monitors:
                 continue  # a tombstone; or a run already live here (its state is newer than any record)
             try:
-                header, body = decode_header(raw, self._secret)
+                header, body = decode_header(raw, self._state_secret)
                 if header.run_id != run_id:
                     raise SnapshotError(
                         f"a state record of run {header.run_id!r} under the key of {run_id!r}"
@@ -403,7 +413,13 @@ class TelemetryProcessor:
                     raise SnapshotError(f"a state record holding {type(state).__name__}, not a run's state")
             except SnapshotError as exc:
                 self.counters.restore_failures += 1
-                log.error("run %s: its state record cannot be read (%s): the run starts fresh", run_id, exc)
+                where = self._reader.origin.get(key)
+                log.error(
+                    "run %s: its state record %s cannot be read (%s): the run starts fresh",
+                    run_id,
+                    f"{self._reader.topic}[{where[0]}]@{where[1]}" if where else f"in {self._reader.topic}",
+                    exc,
+                )
                 continue
             self.monitors[run_id] = state.monitor
             self._tick_order.append(run_id)
@@ -448,7 +464,9 @@ class TelemetryProcessor:
                 config_sha=self._config_sha,
             )
             try:
-                value = encode_snapshot(header, RunState(monitor, self._last_seen.get(run_id)), self._secret)
+                value = encode_snapshot(
+                    header, RunState(monitor, self._last_seen.get(run_id)), self._state_secret
+                )
             except Exception as exc:  # noqa: BLE001 - a detector whose state does not pickle: no snapshot
                 self.counters.snapshot_failures += 1
                 log.error("run %s: its state was not snapshotted: %r", run_id, exc)
@@ -479,7 +497,7 @@ class TelemetryProcessor:
             )
             records.append(
                 StateRecord(
-                    self._state_prefix + run_id, partition, encode_snapshot(header, None, self._secret)
+                    self._state_prefix + run_id, partition, encode_snapshot(header, None, self._state_secret)
                 )
             )
         records.extend(

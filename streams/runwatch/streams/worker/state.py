@@ -13,17 +13,28 @@ the log start during a long recovery). Restoring here is a plain read of a parti
 to its end offset as they are when the read starts (``state_reader.py``): gaps, an empty partition
 and a moving log start are all just ends of that loop.
 
-Layout: ``MAGIC`` (4 bytes), an HMAC-SHA256 of the rest under the action secret (32 bytes), header
-length (4 bytes, big-endian), the header (JSON), then the body (zlib-compressed pickle). Unpickling
-runs code, so only a record signed with the workers' secret is unpickled: anyone who can write the
-topic but lacks the secret gets their record refused. A record that does not decode raises
-``SnapshotError``: the worker logs it and the run starts fresh.
+Layout: ``MAGIC`` (4 bytes), an HMAC-SHA256 of the rest under the workers' state key (32 bytes),
+header length (4 bytes, big-endian), the header (JSON), then the body (zlib-compressed pickle).
+
+Two walls keep a record from running code in the worker:
+
+- the **state key** (``$RUNWATCH_STATE_SECRET``) is the workers' alone: never the action secret,
+  which every trainer holds. A record not signed with it is refused before its body is looked at;
+- the body is read by ``state_classes.StateUnpickler``, which resolves only the classes a run's state
+  is made of (runwatch's detectors and engine, the river and numpy pieces they hold, datetimes and a
+  few containers): a record that names anything else (``os.system``, ``builtins.eval``...) is refused
+  before that name is imported or called, signed or not.
+
+A record that does not decode raises ``SnapshotError``: the worker counts it, logs it with its offset,
+and the run starts fresh.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import io
+import os
 import pickle
 import struct
 import zlib
@@ -32,13 +43,47 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from runwatch.producer.wire.signing import MIN_SECRET_BYTES, MissingSecretError
+from runwatch.producer.wire.topics import SECRET_ENV
+from runwatch.streams.worker.state_classes import StateUnpickler
+
 MAGIC = b"RWS1"
 FORMAT = 1
 _LENGTH = struct.Struct(">I")
 
+STATE_SECRET_ENV = "RUNWATCH_STATE_SECRET"
+
 
 class SnapshotError(ValueError):
     """A state record that cannot be read."""
+
+
+class MissingStateSecretError(MissingSecretError):
+    """No usable state key: durable state is refused (``--no-state`` runs without it)."""
+
+
+def resolve_state_secret(secret: str | bytes | None = None, action_secret: bytes | None = None) -> bytes:
+    """The given state key, else ``$RUNWATCH_STATE_SECRET``: 32 bytes or more, and never the action
+    secret (``action_secret``), which trainers hold. Raises ``MissingStateSecretError`` saying what to do."""
+    value = secret if secret is not None else os.environ.get(STATE_SECRET_ENV)
+    make = "python -c 'import secrets; print(secrets.token_hex(32))'"
+    if not value:
+        raise MissingStateSecretError(
+            f"no state key: set {STATE_SECRET_ENV} for the workers (one value for every worker of the "
+            f"group, never given to trainers; make one with: {make}), or run with --no-state"
+        )
+    key = value.encode() if isinstance(value, str) else value
+    if len(key) < MIN_SECRET_BYTES:
+        raise MissingStateSecretError(
+            f"{STATE_SECRET_ENV} is {len(key)} bytes; at least {MIN_SECRET_BYTES} are needed "
+            f"(HMAC-SHA256). Make one with: {make}"
+        )
+    if action_secret is not None and hmac.compare_digest(key, action_secret):
+        raise MissingStateSecretError(
+            f"{STATE_SECRET_ENV} is the action secret ({SECRET_ENV}), which every trainer holds: give the "
+            f"workers a key of their own (make one with: {make})"
+        )
+    return key
 
 
 class SnapshotHeader(BaseModel):
@@ -67,7 +112,8 @@ _MAC = 32
 
 
 def encode_snapshot(header: SnapshotHeader, state: Any, secret: bytes, level: int = 1) -> bytes:
-    """The record value. ``state`` None: a marker with no body (an ended run)."""
+    """The record value, signed with the state key ``secret``. ``state`` None: a marker with no body
+    (an ended run)."""
     head = header.model_dump_json().encode()
     body = (
         b"" if state is None else zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), level)
@@ -77,14 +123,16 @@ def encode_snapshot(header: SnapshotHeader, state: Any, secret: bytes, level: in
 
 
 def decode_header(raw: bytes, secret: bytes) -> tuple[SnapshotHeader, memoryview]:
-    """The header, and the body still compressed (restoring a run it is not kept for costs nothing)."""
+    """The header, and the body still compressed (restoring a run it is not kept for costs nothing).
+    ``secret``: the workers' state key."""
     view = memoryview(raw)
     start = 4 + _MAC
     if len(raw) < start + 4 or bytes(view[:4]) != MAGIC:
         raise SnapshotError("not a runwatch state record (bad magic)")
     if not hmac.compare_digest(bytes(view[4:start]), hmac.digest(secret, view[start:], "sha256")):
         raise SnapshotError(
-            "a state record not signed with this worker's secret (refused: it would be unpickled)"
+            f"a state record not signed with the workers' state key ({STATE_SECRET_ENV}; one signed with "
+            "the action secret is refused too): refused unread"
         )
     (length,) = _LENGTH.unpack(view[start : start + 4])
     head_at = start + 4
@@ -100,10 +148,11 @@ def decode_header(raw: bytes, secret: bytes) -> tuple[SnapshotHeader, memoryview
 
 
 def decode_body(body: memoryview) -> Any:
-    """The state a snapshot holds (None for a marker)."""
+    """The state a snapshot holds (None for a marker), unpickled by ``StateUnpickler``: only the classes
+    a run's state is made of are resolved, whatever key signed the record."""
     if not len(body):
         return None
     try:
-        return pickle.loads(zlib.decompress(body))
-    except Exception as exc:  # zlib, pickle or a class that changed shape: all unreadable
+        return StateUnpickler(io.BytesIO(zlib.decompress(body))).load()
+    except Exception as exc:  # zlib, a refused class, or a class that changed shape: all unreadable
         raise SnapshotError(f"a state record whose body cannot be read: {type(exc).__name__}: {exc}") from exc

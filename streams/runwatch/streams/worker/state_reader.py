@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,9 @@ class StateReader:
         self.idle_s = idle_s
         self._consumer = consumer
         self.on_progress: Callable[[int], None] | None = None  # records read so far, about once a second
+        # key -> (partition, offset) of the value the last ``read`` returned for it (a refused record is
+        # logged with where it is)
+        self.origin: dict[str, tuple[int, int]] = {}
 
     def _client(self) -> Any:  # kafka-python's KafkaConsumer
         if self._consumer is None:
@@ -133,11 +137,15 @@ class StateReader:
         return self._consumer
 
     def read(self, partitions: Iterable[int]) -> dict[str, bytes | None]:
-        """The newest value of every key in ``partitions`` (None: a tombstone), in offset order."""
+        """The newest value of every key in ``partitions`` (None: a tombstone), in offset order; where
+        each came from is in ``origin``."""
         newest: dict[str, bytes | None] = {}
-        for key, value in self.scan(self.topic, partitions):
-            if key is not None:
-                newest[key.decode("utf-8", "replace")] = value
+        self.origin = {}
+        for partition, record in self._records(self.topic, partitions):
+            if record.key is not None:
+                key = record.key.decode("utf-8", "replace")
+                newest[key] = record.value
+                self.origin[key] = (partition, record.offset)
         return newest
 
     def scan(
@@ -150,6 +158,18 @@ class StateReader:
         """Every record's (key, value) of ``topic``'s ``partitions`` (None: all of them), in offset
         order per partition; ``tail``: only each partition's last ``tail`` offsets. Raises
         StateReadError past ``timeout_s`` (the reader's by default)."""
+        with closing(self._records(topic, partitions, tail, timeout_s)) as records:
+            for _, record in records:
+                yield record.key, record.value
+
+    def _records(
+        self,
+        topic: str,
+        partitions: Iterable[int] | None = None,
+        tail: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Generator[tuple[int, Any], None, None]:
+        """(partition, kafka-python ConsumerRecord) of what ``scan`` reads."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         consumer = self._client()
         assigned = _assign(consumer, topic, partitions, tail)
@@ -163,9 +183,9 @@ class StateReader:
                 batches = consumer.poll(timeout_ms=200, max_records=5000)
                 now = time.monotonic()
                 clock.note_deliveries(batches, now)
-                for records in batches.values():
+                for tp, records in batches.items():
                     for record in records:
-                        yield record.key, record.value
+                        yield tp.partition, record
                     clock.read += len(records)
                 if self.on_progress is not None and now - clock.reported >= PROGRESS_EVERY_S:
                     self.on_progress(clock.read)
