@@ -69,7 +69,8 @@ class SinkStats:
         0  # of those, dead letters that could not be published: their offsets were not committed
     )
     batches: int = 0
-    write_errors: int = 0  # writes that failed because ClickHouse was unreachable (the batch was retried)
+    # writes that failed because ClickHouse was unreachable or could store nothing (the batch was retried)
+    write_errors: int = 0
     commit_errors: int = 0  # offset commits that failed (broker unreachable, rebalance); rows were stored
     last_empty_poll: float = 0.0  # monotonic time of the last poll that returned nothing
 
@@ -292,9 +293,14 @@ class SinkConsumer:
         return failed
 
     def _write_failed(self, exc: BaseException, delay: float) -> None:
-        # ClickHouse down: keep the batch, retry, never commit past it
+        # ClickHouse down, or unable to store anything: keep the batch, retry, never commit past it
         self.stats.write_errors += 1
-        log.warning("runwatch sink: ClickHouse unreachable (%s); retrying in %.1fs", exc, delay)
+        log.warning(
+            "runwatch sink: ClickHouse cannot store the batch (%s); retrying in %.1fs, nothing "
+            "dead-lettered or committed meanwhile",
+            exc,
+            delay,
+        )
 
     def _committed(self, upto: dict[tuple[str, int], int]) -> None:
         with self._lock:

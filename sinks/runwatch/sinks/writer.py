@@ -11,6 +11,7 @@ the whole batch later.
 from __future__ import annotations
 
 import logging
+import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -87,6 +88,41 @@ try:
     _CLIENT_ROW_ERRORS += (_DataError,)
 except ImportError:  # pragma: no cover - clickhouse-connect is a dependency
     pass
+
+
+# ClickHouse error codes that concern the store, never one row (src/Common/ErrorCodes.cpp): an insert that
+# hits one is retried whole, later, and no row is refused for it.
+STORE_ERROR_CODES = {
+    60: "UNKNOWN_TABLE",
+    81: "UNKNOWN_DATABASE",
+    159: "TIMEOUT_EXCEEDED",
+    164: "READONLY",
+    201: "QUOTA_EXCEEDED",
+    202: "TOO_MANY_SIMULTANEOUS_QUERIES",
+    209: "SOCKET_TIMEOUT",
+    210: "NETWORK_ERROR",
+    236: "ABORTED",
+    241: "MEMORY_LIMIT_EXCEEDED",
+    242: "TABLE_IS_READ_ONLY",
+    243: "NOT_ENOUGH_SPACE",
+    252: "TOO_MANY_PARTS",
+    285: "TOO_FEW_LIVE_REPLICAS",
+    319: "UNKNOWN_STATUS_OF_INSERT",
+    425: "SYSTEM_ERROR",
+    497: "ACCESS_DENIED",
+    516: "AUTHENTICATION_FAILED",
+}
+_ERROR_CODE = re.compile(r"\bCode: (\d+)\b")
+
+
+def error_code(error: BaseException) -> int | None:
+    """The ClickHouse error code an exception carries, if any."""
+    m = _ERROR_CODE.search(str(error))
+    return int(m.group(1)) if m else None
+
+
+def is_store_error(error: BaseException) -> bool:
+    return error_code(error) in STORE_ERROR_CODES
 
 
 class SinkWriter:
@@ -189,6 +225,7 @@ class SinkWriter:
         retry cannot change.
         """
         refused: list[tuple[int, str]] = []
+        codes: set[int | None] = set()  # the server's error codes of the refused rows
         pending = [(0, len(rows))]
         while pending:
             lo, hi = pending.pop()
@@ -206,8 +243,15 @@ class SinkWriter:
                     continue
                 self._raise_if_unavailable(retry)
                 error = retry
-            log.warning("runwatch sink: ClickHouse refused a row of %s: %s", table, error_reason(error))
             refused.append((lo, error_reason(error)))
+            codes.add(None if isinstance(error, _CLIENT_ROW_ERRORS) else error_code(error))
+        if len(rows) > 1 and len(refused) == len(rows) and len(codes) == 1 and None not in codes:
+            # one server error that every single row hits is the store's, not theirs
+            from runwatch.sinks.clickhouse import ClickHouseUnavailable
+
+            raise ClickHouseUnavailable(f"every row of {table} refused: {refused[0][1]}")
+        for _, reason in refused:
+            log.warning("runwatch sink: ClickHouse refused a row of %s: %s", table, reason)
         refused.sort()
         return refused
 
@@ -228,7 +272,7 @@ class SinkWriter:
     def _raise_if_unavailable(self, error: Exception) -> None:
         if isinstance(error, _CLIENT_ROW_ERRORS):
             return  # raised before anything was sent: says nothing about the connection
-        if not self.sink.reachable():
+        if is_store_error(error) or not self.sink.reachable():
             from runwatch.sinks.clickhouse import ClickHouseUnavailable
 
             raise ClickHouseUnavailable(f"{type(error).__name__}: {first_line(str(error))}") from error
