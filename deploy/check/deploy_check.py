@@ -58,6 +58,7 @@ STANDINS = "localhost/runwatch-standins:local"
 SUITE = "bookworm"  # Python 3.11, as the Dockerfile's FROM
 # python-is-python3: compose's worker healthcheck calls `python`
 PACKAGES = ("python3", "python3-venv", "python3-pip", "python-is-python3", "ca-certificates")
+STATE_SECRET = secrets.token_hex(32)  # the workers' state key (RUNWATCH_STATE_SECRET): never the trainers'
 MIRROR = os.environ.get("DEPLOY_CHECK_MIRROR", "http://deb.debian.org/debian")
 IMPORT_CHANGES = (
     "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -94,16 +95,25 @@ def say(message: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {message}", flush=True)
 
 
-def run(cmd: Sequence[str], *, timeout: float = 120, log: Path | None = None, what: str = "") -> str:
+def run(
+    cmd: Sequence[str],
+    *,
+    timeout: float = 120,
+    log: Path | None = None,
+    what: str = "",
+    env: dict[str, str] | None = None,
+) -> str:
     """Run ``cmd``: its output is returned (or appended to ``log``); a failure raises Failed (last line)."""
     try:
         if log is not None:
             with log.open("ab") as out:
-                proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, text=True)
+                proc = subprocess.run(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, text=True, env=env
+                )
             text = ""
             tail = log.read_text(errors="replace").strip().splitlines()[-15:]
         else:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
             text = proc.stdout
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
     except subprocess.TimeoutExpired:
@@ -116,8 +126,14 @@ def run(cmd: Sequence[str], *, timeout: float = 120, log: Path | None = None, wh
     return text
 
 
-def podman(*args: str, timeout: float = 120, log: Path | None = None, what: str = "") -> str:
-    return run(["podman", *args], timeout=timeout, log=log, what=what or f"podman {args[0]}")
+def podman(
+    *args: str,
+    timeout: float = 120,
+    log: Path | None = None,
+    what: str = "",
+    env: dict[str, str] | None = None,
+) -> str:
+    return run(["podman", *args], timeout=timeout, log=log, what=what or f"podman {args[0]}", env=env)
 
 
 def free_port() -> int:
@@ -266,6 +282,10 @@ class Compose:
         for key, value in (self.services[service].get("environment") or {}).items():
             if key == "RUNWATCH_ACTION_SECRET":
                 continue  # passed from podman's own environment (-e NAME), so it is not on a command line
+            if key == "RUNWATCH_STATE_SECRET":
+                # the workers' alone: not in this process's environment, which the trainers inherit
+                out[key] = STATE_SECRET  # (Stack.start keeps it off the command line)
+                continue
             value = str(value)
             if re.match(r"https?://.*:8123$", value):  # a ClickHouse server
                 if key in EMBEDDED_DSN.get(service, {}):
@@ -294,12 +314,14 @@ class Stack:
         self, name: str, image: str, args: Sequence[str], env: dict[str, str], extra: Sequence[str] = ()
     ) -> str:
         full = f"{self.prefix}-{name}"
-        envs = [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
+        secret = {k: v for k, v in env.items() if k.endswith("_SECRET")}  # (by name: -e NAME)
+        envs = [a for k, v in env.items() for a in (("-e", k) if k in secret else ("-e", f"{k}={v}"))]
         self.containers.append(full)
         podman(
             "run", "-d", "--name", full, "--network=host", "-e", "RUNWATCH_ACTION_SECRET",
             *envs, *extra, image, *args,
             what=f"starting {name}",
+            env={**os.environ, **secret},
         )  # fmt: skip
         return full
 

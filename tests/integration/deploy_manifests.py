@@ -164,6 +164,7 @@ class StandIns:
     bootstrap: str  # the broker's, for the manifests' Kafka address
     store: Callable[[Service, str], str]  # (service, DSN variable) -> an embedded ClickHouse DSN
     secret: str  # the action secret an operator puts in place of the placeholders
+    state_secret: str  # the workers' state key, likewise
     free_port: Callable[[], int]
 
 
@@ -190,5 +191,7 @@ def localize(service: Service, kafka_address: str, stand_ins: StandIns) -> tuple
             value = stand_ins.store(service, key)
         elif key == "RUNWATCH_ACTION_SECRET":
             value = stand_ins.secret  # (the k8s base ships a placeholder the worker refuses)
+        elif key == "RUNWATCH_STATE_SECRET":
+            value = stand_ins.state_secret
         env[key] = value.replace(kafka_address, stand_ins.bootstrap)
     return replace(service, args=tuple(args), env=env), web_port

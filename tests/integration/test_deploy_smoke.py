@@ -23,6 +23,7 @@ import yaml
 
 from runwatch.local.broker import EmbeddedBroker, free_port
 from runwatch.producer.wire import topics
+from runwatch.streams.worker.state import STATE_SECRET_ENV
 from tests.integration.deploy_manifests import (
     DEPLOY,
     Service,
@@ -78,7 +79,13 @@ class Stack:
     def __init__(self, services: list[Service], bootstrap: str, sandbox: Sandbox, secret: str):
         self.sandbox, self.secret = sandbox, secret
         self.stores = sandbox.folder("stores")
-        self.stand_ins = StandIns(bootstrap=bootstrap, store=self._store, secret=secret, free_port=free_port)
+        self.stand_ins = StandIns(
+            bootstrap=bootstrap,
+            store=self._store,
+            secret=secret,
+            state_secret=secrets.token_hex(32),
+            free_port=free_port,
+        )
         self.services = services
         # the deployment's Kafka address, as its services are given it
         self.kafka_address = next(
@@ -157,7 +164,8 @@ def bare_broker(tmp_path) -> Iterator[EmbeddedBroker]:
 
 def _manifest_services(source: str, config_root: Path) -> tuple[list[Service], list[dict]]:
     if source == "compose":
-        return compose_services(COMPOSE_ENV | {"RUNWATCH_ACTION_SECRET": "from-deploy-env"}), []
+        filled = {"RUNWATCH_ACTION_SECRET": "from-deploy-env", STATE_SECRET_ENV: "from-deploy-env"}
+        return compose_services(COMPOSE_ENV | filled), []
     docs = kustomize()
     return k8s_services(docs, config_root), docs
 
@@ -173,6 +181,8 @@ def test_every_runwatch_service_of_the_manifests_starts_and_rolls_back_a_nan_run
         {"topics"} if source == "k8s" else set()
     )
     assert names == expected, names
+    # the workers' state key reaches the workers and nothing else (docs/state.md)
+    assert {s.name for s in services if STATE_SECRET_ENV in s.env} == {"worker"}
     if source == "k8s":
         assert set(_create_kafka_topics(bare_broker.bootstrap, docs)) >= set(topics.CREATED_TOPICS)
     secret = secrets.token_hex(32)
@@ -215,7 +225,7 @@ def _unstartable_compose(tmp_path: Path) -> Path:
 
 def test_the_smoke_test_fails_on_a_manifest_command_line_that_cannot_start(broker, sandbox, tmp_path):
     secret = secrets.token_hex(32)
-    env = COMPOSE_ENV | {"RUNWATCH_ACTION_SECRET": secret}
+    env = COMPOSE_ENV | {"RUNWATCH_ACTION_SECRET": secret, STATE_SECRET_ENV: secrets.token_hex(32)}
     worker = next(s for s in compose_services(env, _unstartable_compose(tmp_path)) if s.name == "worker")
     stack = Stack([worker], broker.bootstrap, sandbox, secret)
     with pytest.raises(ServiceFailed, match=r"runwatch worker --config /etc/runwatch/runwatch.yml.*exited 2"):
@@ -240,7 +250,8 @@ def _port_free(port: int) -> bool:
 
 
 def test_runwatch_worker_from_an_empty_directory_becomes_ready(broker, sandbox):
-    """The issue's command line: RUNWATCH_ACTION_SECRET=<64 hex> runwatch worker --bootstrap HOST:PORT."""
+    """The issue's command line, RUNWATCH_ACTION_SECRET=<64 hex> runwatch worker --bootstrap HOST:PORT, with
+    the workers' own state key that issue 35 added (RUNWATCH_STATE_SECRET)."""
     args = ["worker", "--bootstrap", broker.bootstrap]
     port = 6066
     if not _port_free(port):  # (the default; another process on this machine may hold it)
@@ -249,7 +260,7 @@ def test_runwatch_worker_from_an_empty_directory_becomes_ready(broker, sandbox):
     worker = ServiceProcess(
         "worker-empty-dir",
         args,
-        {topics.SECRET_ENV: secrets.token_hex(32)},
+        {topics.SECRET_ENV: secrets.token_hex(32), STATE_SECRET_ENV: secrets.token_hex(32)},
         sandbox,
         web_port=port,
         ready_path="/readyz",

@@ -25,6 +25,7 @@ import pytest
 
 from runwatch.local.broker import free_port
 from runwatch.producer.wire import topics
+from runwatch.streams.worker.state import STATE_SECRET_ENV
 from tests.integration.service_process import Sandbox, ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -65,16 +66,17 @@ def documented_commands() -> dict[str, list[str]]:
     return found
 
 
-# Each documented command line, as it is run here: (environment it needs, how it ends up ready).
+# Each documented command line, as it is run here: (environment it needs, how it ends up ready). "secret":
+# RUNWATCH_ACTION_SECRET; "state": the workers' RUNWATCH_STATE_SECRET; "bootstrap": RUNWATCH_BOOTSTRAP.
 # "service": the ready file (its partitions assigned); "prints:TEXT": a line of its output;
 # "exits": runs to completion, exit 0.
 RUN_HERE: dict[str, tuple[str, ...]] = {
     "runwatch up": ("clean", "prints:runwatch is up"),
     "runwatch broker": ("clean", "prints:export RUNWATCH_BOOTSTRAP="),
     "runwatch broker --port 9092": ("clean", "prints:listening on"),
-    "runwatch worker --bootstrap B": ("secret", "service"),
-    "runwatch worker --bootstrap kafka:9092": ("secret", "service"),
-    "runwatch worker --config detectors.yaml --web-port 6066": ("secret bootstrap", "service"),
+    "runwatch worker --bootstrap B": ("secret state", "service"),
+    "runwatch worker --bootstrap kafka:9092": ("secret state", "service"),
+    "runwatch worker --config detectors.yaml --web-port 6066": ("secret state bootstrap", "service"),
     "runwatch sink --bootstrap B": ("secret", "service"),
     "runwatch sink --dsn 'http://runwatch:password@clickhouse:8123'": ("secret bootstrap", "service"),
     "runwatch remediate --bootstrap B --config R": ("secret", "service"),
@@ -108,6 +110,7 @@ class Reader:
 
     def __init__(self, sandbox: Sandbox, secret: str):
         self.sandbox, self.secret, self.bootstrap = sandbox, secret, ""
+        self.state_secret = secrets.token_hex(32)
         self.stores = sandbox.folder("stores")
         self.runs = 0
 
@@ -144,6 +147,8 @@ class Reader:
             env[topics.SECRET_ENV] = self.secret
         if "bootstrap" in needs:
             env[topics.BOOTSTRAP_ENV] = self.bootstrap
+        if "state" in needs:  # (a worker's: the workers' own key for their snapshots)
+            env[STATE_SECRET_ENV] = self.state_secret
         self.runs += 1
         label = f"doc-{self.runs}"
         args = self.args(line, self.sandbox.folder(label, "work"))

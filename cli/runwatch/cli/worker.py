@@ -133,8 +133,12 @@ def worker(
 
     # (Faust makes only the last level, and fails late)
     writable_dir(data_dir, "give --data-dir a folder this user can write")
+    from runwatch.streams.worker.state import resolve_state_secret
+
     try:
         secret = resolve_secret()
+        # (the snapshots' key: the workers' own, never the action secret trainers hold)
+        state_secret = None if no_state else resolve_state_secret(action_secret=secret)
     except MissingSecretError as exc:
         raise CommandError(str(exc)) from None
     try:
@@ -166,6 +170,7 @@ def worker(
         delivery_timeout_s=delivery_timeout,
         baseline_dsn=baseline_dsn,
         state=state,
+        state_secret=state_secret,
         partitions=partitions,
         health_server=server,
         data_dir=data_dir,
