@@ -6,6 +6,7 @@ stops everything, and everything stored is still there afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -246,3 +247,26 @@ def test_a_killed_stack_leaves_no_process_behind(tmp_path):
         up.kill()
         for pid in processes_mentioning(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_dead_broker_is_said_within_10_s_and_up_stops_within_30_s(tmp_path):
+    """Issue 35: after its broker died `runwatch up` said nothing, its page kept answering, and Ctrl-C (then
+    SIGTERM) hung for minutes."""
+    up = Up(tmp_path, "--page-port", "0")
+    try:
+        up.wait_for("Ctrl-C stops everything.", timeout=300)
+        port = up.line(r"export RUNWATCH_BOOTSTRAP=127\.0\.0\.1:(\d+)").group(1)
+        (broker,) = processes_mentioning("tansu", f"tcp://127.0.0.1:{port}")
+        os.kill(broker, signal.SIGKILL)
+        killed = time.monotonic()
+        up.wait_for("error: the embedded broker exited", timeout=10)
+        said = time.monotonic() - killed
+        with contextlib.suppress(ProcessLookupError):  # (it may have stopped already)
+            os.killpg(up.proc.pid, signal.SIGINT)  # and Ctrl-C, as its user would
+        up.proc.wait(30)
+        stopped = time.monotonic() - killed
+    finally:
+        up.kill()
+    assert up.proc.returncode == 1, "\n".join(up.lines)  # a part failed: exit 1, as for a dead worker
+    assert not processes_mentioning("runwatch.cli", "worker", str(tmp_path))
+    print(f"broker killed: said after {said:.1f} s, stopped after {stopped:.1f} s")

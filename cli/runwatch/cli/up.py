@@ -125,12 +125,11 @@ def _print_exports(stack: LocalStack) -> None:
 
 
 def _wait(stack: LocalStack, stopping: threading.Event) -> bool:
-    """Until Ctrl-C (False) or the worker exits on its own (True: said, and the stack then stops)."""
+    """Until Ctrl-C (False) or a part ends on its own: the broker, the worker, the sink or the remediator
+    (True: said, and the stack then stops)."""
     while not stopping.wait(0.5):
-        worker = stack.worker
-        if worker is not None and worker.process.poll() is not None:
-            click.echo(
-                f"error: the worker exited with {worker.process.returncode}; see {worker.log_path}", err=True
-            )
+        dead = stack.dead_part()
+        if dead is not None:
+            click.echo(f"error: {dead}; stopping the rest", err=True)
             return True
     return False

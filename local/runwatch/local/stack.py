@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0
+STOP_BUDGET_S = 15.0  # the drain's wait aside: joining the sink's and the remediator's threads
 
 
 @dataclass
@@ -149,19 +151,42 @@ class LocalStack:
         thread.start()
         self._threads.append(thread)
 
+    def dead_part(self) -> str | None:
+        """What has ended on its own, in one line (None: every part still runs). ``runwatch up`` asks this
+        every half second: a stack with a part gone must say so, not keep serving a page of nothing."""
+        if self.broker is not None and self.broker.process is not None:
+            code = self.broker.process.poll()
+            if code is not None:
+                return (
+                    f"the embedded broker exited with {code}: every event and offset it held is gone "
+                    f"(in memory only; see {self.broker.log_path})"
+                )
+        if self.worker is not None and self.worker.process.poll() is not None:
+            return f"the worker exited with {self.worker.process.returncode}; see {self.worker.log_path}"
+        for thread in self._threads:
+            if not thread.is_alive():
+                return f"the {thread.name.removeprefix('runwatch-')} stopped; see the messages above"
+        return None
+
     # -- down --------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop in reverse order; the sink stores everything on the broker before it stops."""
-        if self.worker is not None:
-            self.worker.stop()
-        if self.sink_consumer is not None and self.bootstrap:
+        """Stop in reverse order; the sink stores everything on the broker before it stops. Bounded
+        (STOP_BUDGET_S and the parts' own timeouts) whatever has died: a broker gone is not drained, and
+        a thread still waiting on it is left (a daemon: it ends with the process)."""
+        broker_alive = self._broker_alive()
+        if self.worker is not None:  # (with the broker gone it has nothing left to commit)
+            self.worker.stop(timeout=20.0 if broker_alive else 5.0)
+        deadline = time.monotonic() + STOP_BUDGET_S
+        if self.sink_consumer is not None and self.bootstrap and broker_alive:
             self._drain()
         for consumer in (self.sink_consumer, self.remediator):
             if consumer is not None:
                 consumer.stopping.set()
         for thread in self._threads:
-            thread.join(30)
+            thread.join(max(0.1, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("runwatch up: %s did not stop in time; leaving it", thread.name)
         if self.page is not None:
             self.page.stop()
         if self.sink is not None:
@@ -170,6 +195,9 @@ class LocalStack:
             self.broker.stop()
         self.worker = self.sink_consumer = self.remediator = self.page = self.sink = self.broker = None
         self._threads.clear()
+
+    def _broker_alive(self) -> bool:
+        return self.broker is None or (self.broker.process is not None and self.broker.process.poll() is None)
 
     def _drain(self) -> None:
         """Wait (bounded) until the sink has stored every record on the topics it copies."""
@@ -195,7 +223,10 @@ def end_offsets(bootstrap: str, names: tuple[str, ...]) -> dict[tuple[str, int],
     """The next offset of every partition of ``names``: what a caught-up consumer has read."""
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION)
+    # (bounded: kafka-python's consumer waits up to 305 s for a broker that does not answer)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, request_timeout_ms=10_000
+    )
     try:
         parts = [
             TopicPartition(name, p)
