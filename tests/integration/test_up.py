@@ -270,3 +270,46 @@ def test_a_dead_broker_is_said_within_10_s_and_up_stops_within_30_s(tmp_path):
     assert up.proc.returncode == 1, "\n".join(up.lines)  # a part failed: exit 1, as for a dead worker
     assert not processes_mentioning("runwatch.cli", "worker", str(tmp_path))
     print(f"broker killed: said after {said:.1f} s, stopped after {stopped:.1f} s")
+
+
+def test_the_stack_is_its_owners_alone(tmp_path):
+    """Issue 35's smaller items: `.runwatch/env` works from any folder (it read the secret by a relative
+    path); `.runwatch/` is its owner's alone; a second `runwatch up` on the same folder names who holds it (it
+    printed chdb's lock error); the page answers only at a loopback name (DNS rebinding)."""
+    import http.client
+
+    up = Up(tmp_path, "--page-port", "0")
+    try:
+        up.wait_for("Ctrl-C stops everything.", timeout=300)
+        page = up.line(r"page\s+http://127\.0\.0\.1:(\d+)/")
+        port = int(page.group(1))
+        sourced = subprocess.run(
+            ["bash", "-c", f"source {tmp_path / '.runwatch' / 'env'} && env"],
+            cwd="/",
+            env=CLEAN_ENV,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        exported = dict(line.split("=", 1) for line in sourced.splitlines() if line.startswith("RUNWATCH_"))
+        assert exported and all(exported.values()), exported  # every value there, read from /
+        assert stat.S_IMODE((tmp_path / ".runwatch").stat().st_mode) == 0o700
+        second = runwatch(tmp_path, "up", "--page-port", "0", timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert second.stderr.strip().splitlines() == [
+            f"error: another runwatch up (pid {up.proc.pid}) holds {tmp_path / '.runwatch'}: stop it (Ctrl-C "
+            f"in its shell, or kill {up.proc.pid}), or give this one another --state-dir"
+        ], second.stderr
+
+        def get(host: str) -> int:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                conn.request("GET", "/api/runs", headers={"Host": host})
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        assert get(f"127.0.0.1:{port}") == 200 and get(f"localhost:{port}") == 200
+        assert get(f"rebound.example:{port}") == 403
+    finally:
+        up.kill()

@@ -61,6 +61,7 @@ def up(
     import logging
 
     from runwatch.local.stack import LocalStack, StackOptions
+    from runwatch.local.state_lock import StateFolderHeld
     from runwatch.producer.wire.signing import MissingSecretError
 
     # The parts log to files; here only what goes wrong (the client libraries' retry chatter included).
@@ -82,7 +83,7 @@ def up(
         signal.signal(sig, lambda *_: stopping.set())
     try:
         stack.start()
-    except MissingSecretError as exc:
+    except (MissingSecretError, StateFolderHeld) as exc:
         raise CommandError(str(exc)) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -105,7 +106,10 @@ def up(
 def _print_exports(stack: LocalStack) -> None:
     state = stack.options.state_dir.resolve()
     secret_value = (
-        f'"$(cat {shlex.quote(str(stack.secret_file))})"' if stack.secret_file else f"${topics.SECRET_ENV}"
+        # (by its absolute path: the file is sourced from wherever the training shell is)
+        f'"$(cat {shlex.quote(str(stack.secret_file.resolve()))})"'
+        if stack.secret_file
+        else f"${topics.SECRET_ENV}"
     )
     env_file = state / "env"
     lines = [f"export {topics.BOOTSTRAP_ENV}={stack.bootstrap}", f"export {topics.SECRET_ENV}={secret_value}"]

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.secret import stack_secret, stack_state_secret
+from runwatch.local.state_lock import hold
 from runwatch.local.worker_process import WorkerProcess, wait_until
 from runwatch.producer.wire import topics
 
@@ -62,6 +63,7 @@ class LocalStack:
     page: PageServer | None = None
     remediator: RemediateConsumer | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: IO[str] | None = None
 
     @property
     def logs(self) -> Path:
@@ -84,6 +86,7 @@ class LocalStack:
         opts = self.options
         config = load_config(opts.config_path) if opts.config_path else RunwatchConfig()
         _check_port(opts.page_host, opts.page_port)  # before anything starts: a busy port is one line
+        self._lock = hold(opts.state_dir)  # (one stack per state folder; made 0700)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.secret, self.secret_file = stack_secret(opts.state_dir)
         self.state_secret = stack_state_secret(opts.state_dir, self.secret)
@@ -193,6 +196,9 @@ class LocalStack:
             self.sink.close()
         if self.broker is not None:
             self.broker.stop()
+        if self._lock is not None:
+            self._lock.close()  # (releases the state folder)
+        self._lock = None
         self.worker = self.sink_consumer = self.remediator = self.page = self.sink = self.broker = None
         self._threads.clear()
 

@@ -11,6 +11,7 @@ store serialises statements (``ClickHouseSink``'s lock). Routes:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -37,6 +38,9 @@ class _NotFound(Exception):
     pass
 
 
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
 class PageServer:
     """Serves ``sink`` on ``host:port`` (port 0: a free one) from a daemon thread; ``start()`` also
     announces the page beside an embedded store (``address.page_file``), ``stop()`` withdraws it."""
@@ -54,6 +58,18 @@ class PageServer:
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="runwatch-page", daemon=True)
         self._announced: Path | None = None
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        """A page bound to a loopback address answers only requests addressed to a loopback name: a web
+        page elsewhere cannot rebind its own name to 127.0.0.1 and read the runs (DNS rebinding). Bound
+        to another address, it serves whatever name the operator gave it."""
+        bound = self._httpd.server_address[0]
+        if not ipaddress.ip_address(bound if isinstance(bound, str) else bytes(bound).decode()).is_loopback:
+            return True
+        if not host_header:
+            return False
+        name = urllib.parse.urlsplit(f"//{host_header}").hostname or ""
+        return name in LOOPBACK_NAMES
 
     @property
     def url(self) -> str:
@@ -131,6 +147,9 @@ def _handler(page: PageServer) -> type[BaseHTTPRequestHandler]:
         server_version = "runwatch-page"
 
         def do_GET(self) -> None:
+            if not page.host_allowed(self.headers.get("Host")):
+                self._json(403, {"error": "this page answers only at localhost or 127.0.0.1"})
+                return
             url = urllib.parse.urlsplit(self.path)
             query = dict(urllib.parse.parse_qsl(url.query))
             parts = (
