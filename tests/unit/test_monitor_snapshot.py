@@ -50,6 +50,7 @@ def _as_pickled_before(monitor: RunMonitor) -> bytes:
     state["losses"] = dict(monitor.losses)
     assert monitor._issued_onsets is not None  # (the stream's spikes were issued)
     state["_issued_onsets"] = dict(monitor._issued_onsets)
+    del state["acks"]  # (the code before issue 35 waited for no acknowledgement)
     as_before = RunMonitor.__new__(RunMonitor)
     as_before.__dict__.update(state)
     return pickle.dumps(as_before)

@@ -152,6 +152,12 @@ class PolicyConfig(Strict):
         default=3, ge=0, description="after this many rollbacks a rollback becomes a stop"
     )
     action_ttl_s: float = Field(default=120.0, gt=0, description="actions expire this long after issue")
+    ack_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="an action with no action_ack from any rank this long after issue: an "
+        "action_unacknowledged finding (the trainer's listener is not running or refuses the signature)",
+    )
     lr_scale_on_rollback: float = Field(
         default=0.5,
         gt=0,

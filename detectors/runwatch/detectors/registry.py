@@ -76,9 +76,9 @@ class DetectorSpec:
 _REGISTRY: dict[str, DetectorSpec] = {}
 
 # Findings the policy and the monitor produce (not a registered detector's), which rules may name too:
-# a rollback that did (or did not) bring the run back, and a run that ended outside its job's history
-# (baselines/gate.py).
-POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers")
+# a rollback that did (or did not) bring the run back, a run that ended outside its job's history
+# (baselines/gate.py), and an action no rank acknowledged in time (engine/ack_watch.py).
+POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers", "action_unacknowledged")
 
 BUILTIN_MODULES = (
     "runwatch.detectors.nonfinite",

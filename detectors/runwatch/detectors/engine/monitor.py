@@ -19,6 +19,7 @@ from runwatch.detectors.base import CrossRankDetector, Detector
 from runwatch.detectors.baselines.gate import RunEndBaselineCheck
 from runwatch.detectors.baselines.summary import RunSummary
 from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.engine.ack_watch import AckWatch
 from runwatch.detectors.engine.checkpoints import CheckpointLedger
 from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
 from runwatch.detectors.engine.progress import RunProgress
@@ -111,6 +112,8 @@ class RunMonitor:
     # the replay after a rollback finds the same onset again (the same slow steps, the same drift), and
     # says nothing new. None until the first (a class default: a monitor pickled before it reads None).
     _issued_onsets: OrderedDict[tuple[str, str, int | None, str, int | None], None] | None = None
+    # Actions waiting for a rank's acknowledgement (ack_watch.py); None in a monitor pickled before it.
+    acks: AckWatch | None = None
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -124,6 +127,7 @@ class RunMonitor:
         )
         self.join = StepJoin(run_id, config.join.timeout_s)
         self.policy = ActionPolicy(config.policy)
+        self.acks = AckWatch(config.policy.ack_timeout_s)
         self.checkpoints = CheckpointLedger(config.policy.confirm_steps)
         # joined step -> the run's loss, the newest LOSS_HISTORY steps
         self.losses: OrderedDict[int, float] = OrderedDict()
@@ -175,7 +179,16 @@ class RunMonitor:
         if self.ended_at is not None and event.kind not in ("step", "run_end"):
             return out  # the run is over: nothing but its last steps' join is judged
         _ROUTES[event.kind](self, event, out)
+        self._await_acks(out, event.ts)
         return out
+
+    def _await_acks(self, out: MonitorOutput, at: datetime) -> None:
+        """Every action issued now waits for a rank's acknowledgement (``tick`` judges the overdue)."""
+        if out.decisions:
+            if self.acks is None:
+                self.acks = AckWatch(self.config.policy.ack_timeout_s)
+            for decision in out.decisions:
+                self.acks.issued(decision, at)
 
     # -- one handler per event kind (``_ROUTES``) ------------------------------------------------
 
@@ -223,6 +236,8 @@ class RunMonitor:
         self._to_rank(event, out)
 
     def _on_action_ack(self, event: ActionAckEvent, out: MonitorOutput) -> None:
+        if self.acks is not None:
+            self.acks.acknowledged(event.action_id)
         if event.action_kind == "rollback":
             self._rollback_acknowledged(event)
         else:
@@ -417,6 +432,10 @@ class RunMonitor:
                     # time, so online and offline ticks give the same anomaly id.
                     self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
         out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
+        if self.acks is not None:
+            for finding in self.acks.overdue(now):
+                self._emit(finding, now, f"tick|ack|{finding.evidence['action_id']}", out)
+        self._await_acks(out, now)
         return out
 
     def _said_before(self, finding: Finding) -> bool:

@@ -36,6 +36,7 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.findings",
         "runwatch.detectors.host_load",
         "runwatch.detectors.rolling_quantile",
+        "runwatch.detectors.engine.ack_watch",
         "runwatch.detectors.engine.checkpoints",
         "runwatch.detectors.engine.monitor",
         "runwatch.detectors.engine.policy",
