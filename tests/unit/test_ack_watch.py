@@ -1,6 +1,6 @@
-"""An action no rank acknowledges in time raises an ``action_unacknowledged`` finding (issue 35: a trainer with
-the wrong key, or no listener, counted every action as refused and the worker never learnt its rollback did
-nothing). Driven through the run monitor, on event time, as the worker and the replay drive it."""
+"""An action no rank acknowledges in time raises an ``action_unacknowledged`` finding (issue 35: a trainer
+with the wrong key, or no listener, counted every action as refused and the worker never learnt its rollback
+did nothing). Driven through the run monitor, on event time, as the worker and the replay drive it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def _rollback_issued(config: RunwatchConfig) -> tuple[RunMonitor, str, datetime]
     for n, s in enumerate(range(0, 212)):
         ts = T0 + timedelta(seconds=n)
         loss = 1.0 + 0.02 * math.sin(s) if s <= 200 else 50.0
-        out = monitor.observe(StepEvent(run_id="r", step=s, loss=loss, grad_norm=1.0, ts=ts, event_id=f"e{n}"))
+        out = monitor.observe(
+            StepEvent(run_id="r", step=s, loss=loss, grad_norm=1.0, ts=ts, event_id=f"e{n}")
+        )
         rollbacks = [d for d in out.decisions if d.kind == "rollback"]
         if rollbacks:
             return monitor, rollbacks[0].action_id, ts
@@ -32,6 +34,20 @@ def _rollback_issued(config: RunwatchConfig) -> tuple[RunMonitor, str, datetime]
 
 def _unacknowledged(monitor: RunMonitor, at: datetime) -> list:
     return [a for a in monitor.tick(at).anomalies if a.detector == "action_unacknowledged"]
+
+
+def test_the_alert_about_an_unanswered_action_is_not_awaited_itself():
+    """The default policy alerts on the warning; that alert goes to the same silent trainer, and must not
+    be said again as unanswered every ack_timeout_s."""
+    config = RunwatchConfig.model_validate({"policy": {"ack_timeout_s": 30}})
+    monitor, action_id, issued = _rollback_issued(config)
+    out = monitor.tick(issued + timedelta(seconds=31))
+    (warning,) = [a for a in out.anomalies if a.detector == "action_unacknowledged"]
+    assert warning.evidence["action_id"] == action_id
+    alerts = {d.action_id for d in out.decisions if d.kind == "alert" and warning.anomaly_id in d.anomaly_ids}
+    assert alerts  # the default rule's alert on the warning
+    later = _unacknowledged(monitor, issued + timedelta(seconds=31 + 120))
+    assert not {a.evidence["action_id"] for a in later} & alerts
 
 
 def test_an_action_nobody_acknowledges_is_a_finding_once_after_the_timeout():

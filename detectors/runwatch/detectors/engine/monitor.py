@@ -432,10 +432,12 @@ class RunMonitor:
                     # time, so online and offline ticks give the same anomaly id.
                     self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
         out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
+        self._await_acks(out, now)
+        # Last, and not awaited: the alert about an unanswered action would go unanswered too, and be
+        # said again every ack_timeout_s.
         if self.acks is not None:
             for finding in self.acks.overdue(now):
                 self._emit(finding, now, f"tick|ack|{finding.evidence['action_id']}", out)
-        self._await_acks(out, now)
         return out
 
     def _said_before(self, finding: Finding) -> bool:
