@@ -1,7 +1,7 @@
 """The README's training loop, complete: a small classifier on synthetic data in three "languages",
 watched by runwatch. Run it against `runwatch up` (in another shell):
 
-    source .runwatch/env          # RUNWATCH_BOOTSTRAP and RUNWATCH_ACTION_SECRET, as `runwatch up` printed
+    source .runwatch/env    # RUNWATCH_BOOTSTRAP and RUNWATCH_ACTION_PUBLIC_KEYS, as `runwatch up` printed
     python examples/quickstart.py
 
 At step 70 one batch is corrupted (a NaN in its inputs, as a bad record would): the loss goes NaN, the
@@ -73,7 +73,7 @@ def main() -> int:
     # The bootstrap comes from $RUNWATCH_BOOTSTRAP; config= is the run's own settings, stored with it.
     with RunWatch(args.run_id, config={"lr": 3e-3, "batch_size": 64}, seed=0, tags={"team": "docs"}) as rw:
         watch = rw.watch(model, optimizer, clip=1.0, update_every=10)  # runwatch clips: no clip_grad_norm_
-        listener = ActionListener(rw, model, optimizer)  # secret from $RUNWATCH_ACTION_SECRET
+        listener = ActionListener(rw, model, optimizer)  # verifies with $RUNWATCH_ACTION_PUBLIC_KEYS
         step = 0
         for x, y, language in watch.data(loader):  # times the wait for each batch
             per_sample = loss_fn(model(x), y)

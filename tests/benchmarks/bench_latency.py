@@ -23,11 +23,12 @@ from pathlib import Path
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer import ActionListener, RunWatch
+from runwatch.producer.wire.signing import ActionSigningKey
 
 
-def one_run(bootstrap: str, secret: str, index: int, warmup_steps: int, timeout: float) -> float | None:
+def one_run(bootstrap: str, public_keys: str, index: int, warmup_steps: int, timeout: float) -> float | None:
     rw = RunWatch(f"latency-{index}-{secrets.token_hex(3)}", bootstrap, spool=False, collect_metadata=False)
-    listener = ActionListener(rw, secret=secret)
+    listener = ActionListener(rw, public_keys=public_keys)
     try:
         if not listener.wait_ready(10):
             raise RuntimeError("the action listener did not get its partitions")
@@ -54,16 +55,16 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=25)
     ap.add_argument("--timeout", type=float, default=10.0)
     args = ap.parse_args()
-    secret = secrets.token_hex(16)
+    keys = ActionSigningKey.generate()  # the worker's; the trainers get its public key
     latencies: list[float] = []
     missed = 0
     with tempfile.TemporaryDirectory() as tmp, EmbeddedBroker(log_path=Path(tmp) / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
-        worker = WorkerProcess(broker.bootstrap, secret, Path(tmp) / "worker.log")
+        worker = WorkerProcess(broker.bootstrap, keys, Path(tmp) / "worker.log")
         try:
             worker.wait_ready(90)
             for i in range(args.runs):
-                latency = one_run(broker.bootstrap, secret, i, args.warmup_steps, args.timeout)
+                latency = one_run(broker.bootstrap, keys.public.text, i, args.warmup_steps, args.timeout)
                 if latency is None:
                     missed += 1
                 else:

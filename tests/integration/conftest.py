@@ -4,7 +4,6 @@ the embedded ClickHouse engine. Every process is stopped by pid at the end."""
 from __future__ import annotations
 
 import contextlib
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
+from tests.action_keys import ActionKeys
 
 
 @pytest.fixture(scope="session")
@@ -29,14 +29,16 @@ def broker(tmp_path_factory) -> Iterator[EmbeddedBroker]:
 
 
 @pytest.fixture(scope="session")
-def secret() -> str:
-    return secrets.token_hex(16)
+def action_keys() -> ActionKeys:
+    """The session's action keys: the workers sign with ``action_keys.signing``; trainers, the sink and the
+    remediator are given ``action_keys.public_text`` (``trainer_env``), which cannot sign."""
+    return ActionKeys.generate()
 
 
 @contextlib.contextmanager
 def worker_with_config(
     broker: EmbeddedBroker,
-    secret: str,
+    action_keys: ActionKeys,
     folder: Path,
     config: dict,
     group: str,
@@ -47,7 +49,7 @@ def worker_with_config(
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     w = WorkerProcess(
-        broker.bootstrap, secret, folder / "worker.log", path, group=group, extra_args=extra_args
+        broker.bootstrap, action_keys.signing, folder / "worker.log", path, group=group, extra_args=extra_args
     )
     try:
         w.wait_ready(90)
@@ -57,8 +59,8 @@ def worker_with_config(
 
 
 @pytest.fixture(scope="session")
-def worker(broker, secret, tmp_path_factory) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(broker.bootstrap, secret, tmp_path_factory.mktemp("worker") / "worker.log")
+def worker(broker, action_keys, tmp_path_factory) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(broker.bootstrap, action_keys.signing, tmp_path_factory.mktemp("worker") / "worker.log")
     try:
         w.wait_ready(90)
         yield w
@@ -117,10 +119,10 @@ def publish_actions(bootstrap: str, actions: list) -> None:
 
 
 @pytest.fixture(scope="session")
-def nan_demo_run(broker, secret, chdb_dsn, tmp_path_factory) -> dict:
+def nan_demo_run(broker, action_keys, chdb_dsn, tmp_path_factory) -> dict:
     """One `nan` demo run through the whole real pipeline, stored in the session's ClickHouse
     (``chdb_dsn``): real torch training on the session broker, a worker of the default group and
-    config signing with the session ``secret`` (so it may share partitions with the session
+    config signing with the session's ``action_keys`` (so it may share partitions with the session
     ``worker``), the sink in this process. The NaN is found, rolled back once and the run completes.
     Returns ``run_demo``'s report (run_id, fault_step, anomalies, actions, rollbacks, ...)."""
     from runwatch.demo.run import DemoOptions, run_demo
@@ -128,7 +130,8 @@ def nan_demo_run(broker, secret, chdb_dsn, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("nan-demo")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)  # the demo keeps logs and checkpoints under ./.runwatch
-        mp.setenv(topics.SECRET_ENV, secret)
+        mp.setenv(topics.SIGNING_KEY_ENV, action_keys.pem)
+        mp.setenv(topics.PUBLIC_KEYS_ENV, action_keys.public_text)
         report = run_demo(
             DemoOptions(scenario="nan", steps=160, bootstrap=broker.bootstrap, dsn=chdb_dsn, timeout_s=120)
         )

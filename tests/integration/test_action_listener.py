@@ -14,7 +14,8 @@ from kafka import KafkaProducer
 from runwatch.producer import ActionListener, RunWatch, save_checkpoint
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, CheckpointRef, decode_event, utc_now
-from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.signing import ActionSigningKey, sign_action
+from tests.action_keys import ActionKeys
 
 from .conftest import eventually, read_topic
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.integration
 def make_action(
     run_id: str,
     kind: str,
-    secret: str,
+    key: ActionSigningKey,
     *,
     onset: int,
     ttl_s: float = 60,
@@ -45,17 +46,17 @@ def make_action(
         issued_at=issued,
         expires_at=issued + timedelta(seconds=ttl_s),
     )
-    return sign_action(action, secret.encode())
+    return sign_action(action, key)
 
 
 def test_forged_and_expired_actions_are_ignored_and_a_valid_rollback_restores(broker, tmp_path):
-    secret = "s3cret-for-this-test-of-32-bytes-at-least"
+    keys = ActionKeys.generate()  # this test's workers' key; the trainer holds its public half
     run_id = f"al-{uuid.uuid4().hex[:8]}"
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rw = RunWatch(run_id, broker.bootstrap)
-    listener = ActionListener(rw, model, optimizer, secret=secret)
+    listener = ActionListener(rw, model, optimizer, public_keys=keys.public_text)
     assert listener.wait_ready(30)
 
     # Two checkpoints: step 10 (before the fault at 15) and step 20 (after it).
@@ -75,11 +76,11 @@ def test_forged_and_expired_actions_are_ignored_and_a_valid_rollback_restores(br
     rw.checkpoint(20, str(tmp_path / "c20.pt"))
     assert not torch.equal(model.weight, good_weights)
 
-    forged = make_action(run_id, "rollback", "the-wrong-secret", onset=15)
-    expired = make_action(run_id, "rollback", secret, onset=15, ttl_s=5, issued_delta_s=-10)
-    tampered = make_action(run_id, "rollback", secret, onset=15).model_copy(update={"onset_step": 25})
-    other_run = make_action("someone-else", "rollback", secret, onset=15)
-    valid = make_action(run_id, "rollback", secret, onset=15)
+    forged = make_action(run_id, "rollback", ActionSigningKey.generate(), onset=15)
+    expired = make_action(run_id, "rollback", keys.signing, onset=15, ttl_s=5, issued_delta_s=-10)
+    tampered = make_action(run_id, "rollback", keys.signing, onset=15).model_copy(update={"onset_step": 25})
+    other_run = make_action("someone-else", "rollback", keys.signing, onset=15)
+    valid = make_action(run_id, "rollback", keys.signing, onset=15)
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
     for action in (forged, expired, tampered, other_run, valid, valid):  # the valid one delivered twice
         producer.send(topics.ACTIONS, key=action.run_id.encode(), value=action.to_json())
@@ -116,15 +117,15 @@ def test_forged_and_expired_actions_are_ignored_and_a_valid_rollback_restores(br
 
 
 def test_rollback_without_an_earlier_checkpoint_fails_visibly(broker, tmp_path):
-    secret = "another-secret-of-at-least-32-bytes-0123"
+    keys = ActionKeys.generate()  # this test's workers' key; the trainer holds its public half
     run_id = f"al-{uuid.uuid4().hex[:8]}"
     model = torch.nn.Linear(2, 1)
     rw = RunWatch(run_id, broker.bootstrap)
-    listener = ActionListener(rw, model, secret=secret)
+    listener = ActionListener(rw, model, public_keys=keys.public_text)
     assert listener.wait_ready(30)
     save_checkpoint(str(tmp_path / "late.pt"), model)
     rw.checkpoint(50, str(tmp_path / "late.pt"))
-    action = make_action(run_id, "rollback", secret, onset=40)
+    action = make_action(run_id, "rollback", keys.signing, onset=40)
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
     producer.send(topics.ACTIONS, key=run_id.encode(), value=action.to_json())
     producer.flush()
@@ -146,18 +147,18 @@ def _send(bootstrap: str, *actions: Action) -> None:
 
 
 def test_rollback_scales_the_lr_and_pause_holds_until_resume(broker, tmp_path):
-    secret = "lr-and-pause-secret-of-at-least-32-bytes"
+    keys = ActionKeys.generate()  # this test's workers' key; the trainer holds its public half
     run_id = f"al-{uuid.uuid4().hex[:8]}"
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rw = RunWatch(run_id, broker.bootstrap, rank=2, world_size=4)
-    listener = ActionListener(rw, model, optimizer, secret=secret)
+    listener = ActionListener(rw, model, optimizer, public_keys=keys.public_text)
     assert listener.wait_ready(30)
     save_checkpoint(str(tmp_path / "c5.pt"), model, optimizer)
     rw.checkpoint(5, str(tmp_path / "c5.pt"))
 
     rollback = make_action(
-        run_id, "rollback", secret, onset=8, params={"lr_scale": 0.5, "skip_steps": [6, 10]}
+        run_id, "rollback", keys.signing, onset=8, params={"lr_scale": 0.5, "skip_steps": [6, 10]}
     )
     _send(broker.bootstrap, rollback)
     applied = []
@@ -166,8 +167,8 @@ def test_rollback_scales_the_lr_and_pause_holds_until_resume(broker, tmp_path):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
 
     pause, resume = (
-        make_action(run_id, "pause", secret, onset=12),
-        make_action(run_id, "resume", secret, onset=12),
+        make_action(run_id, "pause", keys.signing, onset=12),
+        make_action(run_id, "resume", keys.signing, onset=12),
     )
     _send(broker.bootstrap, pause)
     sender = threading.Timer(1.0, _send, (broker.bootstrap, resume))

@@ -8,7 +8,6 @@ HTTP server as an "outlier alert (30-day)"."""
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from runwatch.producer import RunWatch
 from runwatch.producer.publish.recorder import JsonlRecorder
 from runwatch.producer.wire import topics
 from runwatch.scenarios.threads import one_torch_thread
+from tests.action_keys import ActionKeys
 
 from .conftest import eventually, read_topic, worker_with_config
 from .test_remediate import Webhook
@@ -83,7 +83,7 @@ def runwatch_cli(
 
 
 def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_webhook(broker, tmp_path):
-    secret = secrets.token_hex(16)  # our own: only this test's worker signs what its remediator runs
+    action_keys = ActionKeys.generate()  # our own: only this test's worker signs what its remediator runs
     key = f"alert-job-{uuid.uuid4().hex[:8]}"
     recordings = tmp_path / "history"
     recordings.mkdir()
@@ -106,7 +106,7 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
     config = tmp_path / "remediation.yaml"
     with Webhook() as hook:
         config.write_text(yaml.safe_dump({"webhooks": [{"url": hook.url, "kinds": ["alert"]}]}))
-        env = {**os.environ, topics.SECRET_ENV: secret}
+        env = {**os.environ, **action_keys.trainer_env}
         remediate = subprocess.Popen(
             [
                 sys.executable,
@@ -128,7 +128,12 @@ def test_a_slower_run_is_flagged_in_flight_and_its_outlier_alert_reaches_the_web
         )
         try:
             with worker_with_config(
-                broker, secret, tmp_path, {}, group=f"alert-{key}", extra_args=("--baseline-dsn", history_dsn)
+                broker,
+                action_keys,
+                tmp_path,
+                {},
+                group=f"alert-{key}",
+                extra_args=("--baseline-dsn", history_dsn),
             ):
                 run_id = f"{key}-slow"
                 with RunWatch(

@@ -143,12 +143,13 @@ def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored
     from runwatch.detectors.config import RunwatchConfig
     from runwatch.streams.worker.baselines import BaselineLoader
     from runwatch.streams.worker.processor import TelemetryProcessor
+    from tests.action_keys import SEED
 
     sink, runs = stored
     config = RunwatchConfig()
     # (this process already holds the chdb path; a worker opens its own DSN)
     bands = BaselineLoader(sink.dsn, config, timeout_s=30.0, sink=sink)
-    processor = TelemetryProcessor(config, b"secret", baselines=bands)
+    processor = TelemetryProcessor(config, SEED, baselines=bands)
 
     def anomalies(event):  # as the worker reads it: keyed by run id, sent at its ts
         return processor.process(

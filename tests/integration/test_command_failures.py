@@ -1,7 +1,8 @@
 """Every expected failure of every command, as docs/operations.md's table lists it (issue 26): the table
 is run as written. Each row's command exits with its code and prints exactly its one line on stderr;
 no output holds a traceback or the password `s3cret` given in a URL. A row that needs a store gets one
-(`runwatch migrate` into ./store), a row that needs a secret gets RUNWATCH_ACTION_SECRET."""
+(`runwatch migrate` into ./store), a row that needs "the keys" gets the workers' action signing key, its
+public key and a state key."""
 
 from __future__ import annotations
 
@@ -17,13 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.action_keys import UNIT
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "operations.md"
-SETUPS = ("an empty folder", "a store", "a secret")
+SETUPS = ("an empty folder", "a store", "the keys")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RUNWATCH_")}
-SECRET = "a-test-secret-of-at-least-thirty-two-bytes"
+KEYS = {
+    **UNIT.worker_env,
+    **UNIT.trainer_env,
+    "RUNWATCH_STATE_SECRET": "a-test-state-key-of-at-least-thirty-two-bytes",
+}
 PASSWORD = "s3cret"
 RUNWATCH = str(Path(sys.executable).with_name("runwatch"))  # the command as a user types it
 
@@ -102,7 +109,7 @@ READ_ONLY = ("runwatch runs", "runwatch report", "runwatch baseline")
 
 
 def _run(row: Row, cwd: Path, busy_port: int) -> tuple[Row, Path, subprocess.CompletedProcess[str]]:
-    env = dict(CLEAN_ENV, **({"RUNWATCH_ACTION_SECRET": SECRET} if row.setup == "a secret" else {}))
+    env = dict(CLEAN_ENV, **(KEYS if row.setup == "the keys" else {}))
     argv = shlex.split(row.command.format(busy_port=busy_port))[1:]
     done = subprocess.run(
         [RUNWATCH, *argv],

@@ -63,10 +63,14 @@ def broker(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def contention_worker(broker, secret, tmp_path_factory):
+def contention_worker(broker, action_keys, tmp_path_factory):
     """The only worker of this module's broker, with the test-sized throughput config."""
     with worker_with_config(
-        broker, secret, tmp_path_factory.mktemp("contention-worker"), CONFIG, "runwatch-detect-contention"
+        broker,
+        action_keys,
+        tmp_path_factory.mktemp("contention-worker"),
+        CONFIG,
+        "runwatch-detect-contention",
     ) as worker:
         yield worker
 

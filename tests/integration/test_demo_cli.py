@@ -17,7 +17,11 @@ STEPS = 160
 
 
 def run_demo(scenario: str, cwd, *options: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("RUNWATCH_ACTION_") and k != "RUNWATCH_BOOTSTRAP"
+    }
     proc = subprocess.run(
         [
             sys.executable,

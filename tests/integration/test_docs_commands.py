@@ -26,6 +26,7 @@ import pytest
 from runwatch.local.broker import free_port
 from runwatch.producer.wire import topics
 from runwatch.streams.worker.state import STATE_SECRET_ENV
+from tests.action_keys import ActionKeys
 from tests.integration.service_process import Sandbox, ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -66,26 +67,36 @@ def documented_commands() -> dict[str, list[str]]:
     return found
 
 
-# Each documented command line, as it is run here: (environment it needs, how it ends up ready). "secret":
-# RUNWATCH_ACTION_SECRET; "state": the workers' RUNWATCH_STATE_SECRET; "bootstrap": RUNWATCH_BOOTSTRAP.
+# Each documented command line, as it is run here: (environment it needs, how it ends up ready). "signing":
+# the workers' RUNWATCH_ACTION_SIGNING_KEY; "public": its public key, RUNWATCH_ACTION_PUBLIC_KEYS (what the
+# sink, the remediator and trainers verify with); "state": the workers' RUNWATCH_STATE_SECRET; "bootstrap":
+# RUNWATCH_BOOTSTRAP.
 # "service": the ready file (its partitions assigned); "prints:TEXT": a line of its output;
 # "exits": runs to completion, exit 0.
 RUN_HERE: dict[str, tuple[str, ...]] = {
     "runwatch up": ("clean", "prints:runwatch is up"),
     "runwatch broker": ("clean", "prints:export RUNWATCH_BOOTSTRAP="),
     "runwatch broker --port 9092": ("clean", "prints:listening on"),
-    "runwatch worker --bootstrap B": ("secret state", "service"),
-    "runwatch worker --bootstrap kafka:9092": ("secret state", "service"),
-    "runwatch worker --config detectors.yaml --web-port 6066": ("secret state bootstrap", "service"),
-    "runwatch sink --bootstrap B": ("secret", "service"),
-    "runwatch sink --dsn 'http://runwatch:password@clickhouse:8123'": ("secret bootstrap", "service"),
-    "runwatch remediate --bootstrap B --config R": ("secret", "service"),
+    "runwatch worker --bootstrap B": ("signing state", "service"),
+    "runwatch worker --bootstrap kafka:9092": ("signing state", "service"),
+    "runwatch worker --config detectors.yaml --web-port 6066": ("signing state bootstrap", "service"),
+    "runwatch sink --bootstrap B": ("public", "service"),
+    "runwatch sink --dsn 'http://runwatch:password@clickhouse:8123'": ("public bootstrap", "service"),
+    "runwatch remediate --bootstrap B --config R": ("public", "service"),
     "runwatch demo": ("clean", "exits"),
     "runwatch demo --scenario nan --bootstrap \"$RUNWATCH_BOOTSTRAP\" --dsn 'http://' --no-worker": (
-        "secret bootstrap",
+        "public bootstrap",
         "exits",
     ),
 }
+
+
+def test_the_signing_key_is_the_workers_alone():
+    """Only a worker is given the action signing key; everything else that checks actions gets the public key
+    (docs/security.md)."""
+    signing = {line for line, (needs, _) in RUN_HERE.items() if "signing" in needs.split()}
+    assert signing and all(line.startswith("runwatch worker") for line in signing), signing
+    assert not [line for line, (needs, _) in RUN_HERE.items() if {"signing", "public"} <= set(needs.split())]
 
 
 def test_every_documented_command_is_run_here():
@@ -108,8 +119,8 @@ def _port_free(port: int) -> bool:
 class Reader:
     """Fills in what a page leaves to its reader, and runs the command in an empty folder of its own."""
 
-    def __init__(self, sandbox: Sandbox, secret: str):
-        self.sandbox, self.secret, self.bootstrap = sandbox, secret, ""
+    def __init__(self, sandbox: Sandbox, keys: ActionKeys):
+        self.sandbox, self.keys, self.bootstrap = sandbox, keys, ""
         self.state_secret = secrets.token_hex(32)
         self.stores = sandbox.folder("stores")
         self.runs = 0
@@ -143,8 +154,10 @@ class Reader:
     def run(self, line: str, env: dict[str, str] | None = None) -> ServiceProcess:
         needs = RUN_HERE[line][0]
         env = dict(env or {})
-        if "secret" in needs:
-            env[topics.SECRET_ENV] = self.secret
+        if "signing" in needs:  # (a worker's: the only process that signs actions)
+            env.update(self.keys.worker_env)
+        if "public" in needs:
+            env.update(self.keys.trainer_env)
         if "bootstrap" in needs:
             env[topics.BOOTSTRAP_ENV] = self.bootstrap
         if "state" in needs:  # (a worker's: the workers' own key for their snapshots)
@@ -188,7 +201,7 @@ def sandbox() -> Iterator[Sandbox]:
 
 def test_each_documented_command_starts_from_an_empty_directory(sandbox):
     documented = documented_commands()
-    reader = Reader(sandbox, secrets.token_hex(32))
+    reader = Reader(sandbox, ActionKeys.generate())
     # The page's own broker first: it is the B of the rest.
     broker = reader.run("runwatch broker")
     codes: dict[str, int | None] = {}

@@ -43,6 +43,7 @@ from .test_poison_cases import (
 pytestmark = pytest.mark.integration
 
 Y9999_MS = 253402300799000  # 9999-12-31T23:59:59Z as a record timestamp
+STATE_KEY = {"RUNWATCH_STATE_SECRET": "a-state-key-of-the-workers-32-bytes-or-more"}  # a worker's own
 
 
 # -- case 1: one record crash-looped every worker -------------------------------------------------
@@ -130,10 +131,10 @@ def test_case11_a_run_id_with_a_newline_is_deadlettered_and_forges_no_log_line(b
 SCRIPT = Path(__file__).with_name("fault_train.py")
 
 
-def _attempt(bootstrap: str, secret: str, run_id: str, folder: Path, *args: str) -> subprocess.Popen:
+def _attempt(bootstrap: str, public_keys: str, run_id: str, folder: Path, *args: str) -> subprocess.Popen:
     folder.mkdir(parents=True)
     # a fresh node: its own spool directory (and so its own record of applied actions)
-    env = {**os.environ, topics.SECRET_ENV: secret, "RUNWATCH_SPOOL_DIR": str(folder / "spool")}
+    env = {**os.environ, topics.PUBLIC_KEYS_ENV: public_keys, "RUNWATCH_SPOOL_DIR": str(folder / "spool")}
     env.pop(topics.ATTEMPT_ENV, None)
     cmd = [
         sys.executable,
@@ -164,14 +165,14 @@ def _finish(proc: subprocess.Popen, folder: Path, expect: int, timeout: float = 
 
 
 def test_cases2_and_3_a_requeued_attempt_is_watched_fresh_and_the_old_stop_is_not_applied(
-    broker, secret, worker, tmp_path
+    broker, action_keys, worker, tmp_path
 ):
     run_id = new_run("requeue")
     # Attempt 1: NaN from step 30 and no checkpoint to roll back to: a stop, and the job is killed
     # (no run_end), as a preempted job is.
     first = _attempt(
         broker.bootstrap,
-        secret,
+        action_keys.public_text,
         run_id,
         tmp_path / "a1",
         "--fault",
@@ -186,7 +187,14 @@ def test_cases2_and_3_a_requeued_attempt_is_watched_fresh_and_the_old_stop_is_no
     stopped_at = time.monotonic()
     # Attempt 2, within 30 s of the stop, same run id, a fresh spool directory: NaN at step 50 again.
     second = _attempt(
-        broker.bootstrap, secret, run_id, tmp_path / "a2", "--fault", "nan:50", "--checkpoint-every", "10"
+        broker.bootstrap,
+        action_keys.public_text,
+        run_id,
+        tmp_path / "a2",
+        "--fault",
+        "nan:50",
+        "--checkpoint-every",
+        "10",
     )
     assert time.monotonic() - stopped_at < 30
     two = _finish(second, tmp_path / "a2", expect=0)
@@ -212,11 +220,11 @@ def test_cases2_and_3_a_requeued_attempt_is_watched_fresh_and_the_old_stop_is_no
 # -- case 6: pointed at a broker or a database that is not there ----------------------------------
 
 
-def test_case6_worker_sink_and_remediate_exit_with_one_line_when_nothing_answers(secret, tmp_path):
+def test_case6_worker_sink_and_remediate_exit_with_one_line_when_nothing_answers(action_keys, tmp_path):
     nothing = f"127.0.0.1:{free_port()}"  # a free port: nobody listens
     config = tmp_path / "remediate.yaml"
     config.write_text("rules: []\nwebhooks: []\n")
-    env = {**os.environ, topics.SECRET_ENV: secret}
+    env = {**os.environ, **action_keys.worker_env, **action_keys.trainer_env, **STATE_KEY}
     env.pop(topics.BOOTSTRAP_ENV, None)
     cli = [sys.executable, "-m", "runwatch.cli"]
     commands = {
@@ -271,7 +279,7 @@ def test_case6_worker_sink_and_remediate_exit_with_one_line_when_nothing_answers
 # -- case 10: a trainer reads only what was issued since it started ------------------------------
 
 
-def test_case10_a_new_listener_reads_no_other_runs_history(tmp_path, secret):
+def test_case10_a_new_listener_reads_no_other_runs_history(tmp_path, action_keys):
     from runwatch.producer.actions.reader import ActionReader
 
     broker = EmbeddedBroker(log_path=tmp_path / "broker.log").start()  # its own: the count is exact
@@ -289,7 +297,7 @@ def test_case10_a_new_listener_reads_no_other_runs_history(tmp_path, secret):
                 issued_at=now,
                 expires_at=now + timedelta(minutes=5),
             )
-            return sign_action(a, secret.encode()).to_json()
+            return sign_action(a, action_keys.signing).to_json()
 
         # other runs' history, on every partition, sent a minute before the trainer starts
         old_ms = int((now - timedelta(minutes=1)).timestamp() * 1000)
@@ -320,7 +328,7 @@ def test_case10_a_new_listener_reads_no_other_runs_history(tmp_path, secret):
 
 
 def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_do_not_verify(
-    broker, chdb_dsn, secret
+    broker, chdb_dsn, action_keys
 ):
     from runwatch.sinks import ClickHouseSink, SinkConsumer
 
@@ -343,7 +351,7 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
             issued_at=now,
             expires_at=now + timedelta(minutes=2),
         )
-        return sign_action(a, secret.encode()).model_copy(update=update)
+        return sign_action(a, action_keys.signing).model_copy(update=update)
 
     try:
         sink.migrate()
@@ -359,11 +367,11 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
         ).get(timeout=30)
         signed = action("rollback")
         forged = action("stop", signature="0" * 64)
-        tampered = sign_action(action("alert"), secret.encode()).model_copy(update={"kind": "stop"})
+        tampered = sign_action(action("alert"), action_keys.signing).model_copy(update={"kind": "stop"})
         unsigned = action("stop", signature="")
         ahead = now + timedelta(hours=1)
         future = sign_action(
-            action("stop").model_copy(update={"issued_at": ahead, "expires_at": ahead}), secret.encode()
+            action("stop").model_copy(update={"issued_at": ahead, "expires_at": ahead}), action_keys.signing
         )
         refused = {
             _send(kafka, topics.ACTIONS, key, a.to_json()): a.action_id
@@ -372,7 +380,7 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
         _send(kafka, topics.ACTIONS, key, signed.to_json())
         kafka.flush()
         consumer = SinkConsumer(
-            sink, broker.bootstrap, group_id=group, batch_interval_s=0.2, secret=secret.encode()
+            sink, broker.bootstrap, group_id=group, batch_interval_s=0.2, public_keys=action_keys.public
         )
         with _running(consumer):
             eventually(lambda: len(_sink_letters(sink, run_id)) >= 5, 60, "the sink's dead letters")
@@ -398,12 +406,12 @@ def test_cases8_and_9_the_sink_deadletters_rows_it_cannot_keep_and_actions_that_
         sink.close()
 
 
-def test_case6_the_health_port_answers_from_the_first_second_while_the_worker_starts(secret, tmp_path):
+def test_case6_the_health_port_answers_from_the_first_second_while_the_worker_starts(action_keys, tmp_path):
     import urllib.request
 
     nothing = f"127.0.0.1:{free_port()}"
     port = free_port()
-    env = {**os.environ, topics.SECRET_ENV: secret}
+    env = {**os.environ, **action_keys.worker_env, **STATE_KEY}
     started = time.monotonic()
     proc = subprocess.Popen(
         [

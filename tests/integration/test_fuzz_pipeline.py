@@ -81,7 +81,7 @@ def _findings(records, run_ids: set[str]) -> set[tuple]:
     }
 
 
-def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chdb_dsn, secret):
+def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chdb_dsn, action_keys):
     rng = random.Random(SEED)
     runs = _valid_runs(tmp_path / "runs")
     run_ids = set(runs)
@@ -115,7 +115,9 @@ def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chd
 
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
-        worker = WorkerProcess(broker.bootstrap, secret, tmp_path / "worker.log", group="runwatch-fuzz")
+        worker = WorkerProcess(
+            broker.bootstrap, action_keys.signing, tmp_path / "worker.log", group="runwatch-fuzz"
+        )
         store = ClickHouseSink(chdb_dsn)
         store.migrate()
         sink = SinkConsumer(
@@ -123,7 +125,7 @@ def test_malformed_messages_never_crash_wedge_or_skip_the_pipeline(tmp_path, chd
             broker.bootstrap,
             group_id="runwatch-sink-fuzz",
             batch_interval_s=0.3,
-            secret=secret.encode(),
+            public_keys=action_keys.public,
             partitions=topics.DEFAULT_PARTITIONS,
         )
         sink_errors: list[BaseException] = []

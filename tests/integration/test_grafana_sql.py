@@ -53,7 +53,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def dist_run(chdb_dsn, secret, tmp_path_factory) -> str:
+def dist_run(chdb_dsn, action_keys, tmp_path_factory) -> str:
     """A 3-rank run (rank 2 a straggler, rank 1 hung at step 30 until the escalated stop) stored in
     ``chdb_dsn`` by a sink on a broker of its own; its run id."""
     folder = tmp_path_factory.mktemp("grafana-dist")
@@ -69,11 +69,11 @@ def dist_run(chdb_dsn, secret, tmp_path_factory) -> str:
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
-            with worker_with_config(broker, secret, folder, DIST_CONFIG, "runwatch-detect-grafana"):
+            with worker_with_config(broker, action_keys, folder, DIST_CONFIG, "runwatch-detect-grafana"):
                 (folder / "run").mkdir()
                 run = Run(
                     broker,
-                    secret,
+                    action_keys.public_text,
                     folder / "run",
                     "slow:2:0.2",
                     "hang:1:30",

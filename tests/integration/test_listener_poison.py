@@ -22,7 +22,7 @@ from runwatch.producer import ActionListener, RunWatch
 from runwatch.producer.actions.applied_ids import default_state_path
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, decode_event, utc_now
-from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.signing import ActionSigningKey, sign_action
 
 from .conftest import eventually, read_topic
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 
 def make_action(
-    run_id: str, kind: str, secret: str, *, issued_delta_s: float = 0, ttl_s: float = 60
+    run_id: str, kind: str, key: ActionSigningKey, *, issued_delta_s: float = 0, ttl_s: float = 60
 ) -> Action:
     issued = utc_now() + timedelta(seconds=issued_delta_s)
     action = Action(
@@ -43,7 +43,7 @@ def make_action(
         issued_at=issued,
         expires_at=issued + timedelta(seconds=ttl_s),
     )
-    return sign_action(action, secret.encode())
+    return sign_action(action, key)
 
 
 def send(bootstrap: str, *actions: Action, key: str | None = None) -> None:
@@ -79,7 +79,7 @@ def acks_of(bootstrap: str, run_id: str, until_id: str) -> list:
 
 
 @pytest.fixture
-def trainer(broker, secret) -> Iterator:
+def trainer(broker, action_keys) -> Iterator:
     """A small real model and optimizer, and a factory for RunWatch + ActionListener pairs that are
     closed at the end whatever happens."""
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def trainer(broker, secret) -> Iterator:
     def start(run_id: str, rank: int = 0, **options) -> tuple[RunWatch, ActionListener]:
         rw = RunWatch(run_id, broker.bootstrap, rank=rank, world_size=2)
         opened.append(rw)
-        listener = ActionListener(rw, model, optimizer, secret=secret, **options)
+        listener = ActionListener(rw, model, optimizer, public_keys=action_keys.public_text, **options)
         opened.append(listener)
         assert listener.wait_ready(30)
         return rw, listener
@@ -101,13 +101,13 @@ def trainer(broker, secret) -> Iterator:
             thing.close()
 
 
-def test_a_signed_stop_dated_two_hours_ahead_is_ignored_and_counted_as_future(broker, secret, trainer):
+def test_a_signed_stop_dated_two_hours_ahead_is_ignored_and_counted_as_future(broker, action_keys, trainer):
     model, optimizer, start = trainer
     run_id = f"poison-future-{uuid.uuid4().hex[:8]}"
     rw, listener = start(run_id, state_path=False)
     weights = model.weight.detach().clone()
-    future = make_action(run_id, "stop", secret, issued_delta_s=2 * 3600)
-    marker = make_action(run_id, "alert", secret)
+    future = make_action(run_id, "stop", action_keys.signing, issued_delta_s=2 * 3600)
+    marker = make_action(run_id, "alert", action_keys.signing)
     send(broker.bootstrap, future, marker)
 
     applied = poll_until(listener, marker.action_id)
@@ -122,13 +122,13 @@ def test_a_signed_stop_dated_two_hours_ahead_is_ignored_and_counted_as_future(br
     assert [a.action_id for a in acks] == [marker.action_id]  # nothing acknowledged the future stop
 
 
-def test_a_trainer_restarted_seconds_after_a_stop_does_not_apply_it_again(broker, secret, trainer):
+def test_a_trainer_restarted_seconds_after_a_stop_does_not_apply_it_again(broker, action_keys, trainer):
     _model, _optimizer, start = trainer
     run_id = f"poison-restart-{uuid.uuid4().hex[:8]}"
     first_rw, first = start(run_id)  # default state file: beside the rank's spool directory
     state = default_state_path(first_rw)
     assert state.name == f"{run_id}-r0.actions"
-    stop = make_action(run_id, "stop", secret)
+    stop = make_action(run_id, "stop", action_keys.signing)
     send(broker.bootstrap, stop)
     assert [a.kind for a in poll_until(first, stop.action_id)] == ["stop"]
     assert json.loads(state.read_text())["applied"] == [stop.action_id]
@@ -142,7 +142,7 @@ def test_a_trainer_restarted_seconds_after_a_stop_does_not_apply_it_again(broker
         assert default_state_path(restarted_rw) == state
         # The control, on the other rank's identity and without a state file, shows the redelivery.
         _control_rw, control = start(run_id, rank=1, state_path=False)
-        marker = make_action(run_id, "alert", secret)
+        marker = make_action(run_id, "alert", action_keys.signing)
         send(broker.bootstrap, marker)
 
         applied = poll_until(restarted, marker.action_id)
@@ -160,12 +160,14 @@ def test_a_trainer_restarted_seconds_after_a_stop_does_not_apply_it_again(broker
         state.unlink(missing_ok=True)
 
 
-def test_an_action_for_another_run_is_counted_as_other_run(broker, secret, trainer):
+def test_an_action_for_another_run_is_counted_as_other_run(broker, action_keys, trainer):
     _model, _optimizer, start = trainer
     run_id = f"poison-ours-{uuid.uuid4().hex[:8]}"
     _rw, listener = start(run_id, state_path=False)
-    theirs = make_action(f"poison-theirs-{uuid.uuid4().hex[:8]}", "stop", secret)  # validly signed, not ours
-    marker = make_action(run_id, "alert", secret)
+    theirs = make_action(
+        f"poison-theirs-{uuid.uuid4().hex[:8]}", "stop", action_keys.signing
+    )  # validly signed, not ours
+    marker = make_action(run_id, "alert", action_keys.signing)
     # Keyed by our run, so it shares our partition and is judged before the marker.
     send(broker.bootstrap, theirs, marker, key=run_id)
 

@@ -92,10 +92,10 @@ def broker(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dist_worker(broker, secret, tmp_path_factory):
+def dist_worker(broker, action_keys, tmp_path_factory):
     """The only worker of this module's broker, running CONFIG."""
     with worker_with_config(
-        broker, secret, tmp_path_factory.mktemp("dist-worker"), CONFIG, "runwatch-detect-dist"
+        broker, action_keys, tmp_path_factory.mktemp("dist-worker"), CONFIG, "runwatch-detect-dist"
     ) as worker:
         yield worker
 
@@ -106,7 +106,7 @@ class Run:
     def __init__(
         self,
         broker,
-        secret: str,
+        public_keys: str,
         folder: Path,
         *faults: str,
         steps: int = 60,
@@ -118,7 +118,7 @@ class Run:
         self.folder = folder
         self.bootstrap = broker.bootstrap
         port = free_port()
-        env = {**__import__("os").environ, topics.SECRET_ENV: secret}
+        env = {**__import__("os").environ, topics.PUBLIC_KEYS_ENV: public_keys}
         self.procs = []
         for rank in range(WORLD):
             cmd = [
@@ -196,13 +196,13 @@ class Run:
 
 
 @pytest.fixture
-def run_factory(broker, secret, dist_worker, tmp_path):
+def run_factory(broker, action_keys, dist_worker, tmp_path):
     runs: list[Run] = []
 
     def start(*faults: str, **options) -> Run:
         folder = tmp_path / f"run{len(runs)}"
         folder.mkdir()
-        run = Run(broker, secret, folder, *faults, **options)
+        run = Run(broker, action_keys.public_text, folder, *faults, **options)
         runs.append(run)
         return run
 

@@ -14,6 +14,7 @@ from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer import ActionListener, RunWatch
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import decode_event
+from tests.action_keys import UNIT
 
 from .conftest import read_topic
 
@@ -24,7 +25,7 @@ def test_training_loop_is_not_blocked_without_a_broker(tmp_path):
     dead = f"127.0.0.1:{free_port()}"  # nothing listens here
     t0 = time.perf_counter()
     rw = RunWatch("no-broker-run", dead, max_block_ms=200, spool_dir=tmp_path / "spool")
-    listener = ActionListener(rw, secret="x" * 32)
+    listener = ActionListener(rw, public_keys=UNIT.public_text)
     construct_s = time.perf_counter() - t0
 
     torch.manual_seed(0)

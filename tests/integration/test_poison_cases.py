@@ -40,6 +40,7 @@ from runwatch.producer.wire.schema import (
     decode_action,
     decode_anomaly,
 )
+from tests.action_keys import UNIT
 
 from .conftest import eventually, read_topic
 
@@ -481,11 +482,14 @@ def test_case8_every_loose_message_is_deadlettered_naming_its_field(broker, unha
         assert by_raw[raw.decode()].stage == "decode"
 
 
-# -- case 12: a short secret is refused; the health endpoint listens -----------------------------
+# -- case 12: a signing key that is not one is refused; the health endpoint listens ---------------
 
 
-def test_case12_a_one_character_secret_is_refused_and_the_health_endpoint_answers(broker, unharmed, tmp_path):
-    env = {**os.environ, topics.SECRET_ENV: "x"}
+def test_case12_a_signing_key_that_is_not_one_is_refused_and_the_health_endpoint_answers(
+    broker, unharmed, tmp_path
+):
+    # a public key where the private one belongs (the old one-character secret's case, for the new key)
+    env = {**os.environ, topics.SIGNING_KEY_ENV: UNIT.public_text}
     proc = subprocess.run(
         [
             sys.executable,
@@ -506,7 +510,7 @@ def test_case12_a_one_character_secret_is_refused_and_the_health_endpoint_answer
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
-    assert "32" in output and "bytes" in output, output
+    assert "RUNWATCH_ACTION_SIGNING_KEY holds a public key" in output, output
     assert not (tmp_path / "ready").exists()
 
     assert unharmed.health("/livez")[0] == 200

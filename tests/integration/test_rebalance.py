@@ -97,7 +97,7 @@ def _offline(events: list[bytes], config: RunwatchConfig) -> dict[str, dict]:
     return found
 
 
-def test_faults_are_found_once_while_workers_die_and_join(tmp_path, secret):
+def test_faults_are_found_once_while_workers_die_and_join(tmp_path, action_keys):
     group = f"rebalance-{uuid.uuid4().hex[:6]}"
     run_ids = [f"rb{i:02d}-{uuid.uuid4().hex[:6]}" for i in range(RUNS)]
     rngs = [random.Random(i) for i in range(RUNS)]
@@ -107,7 +107,9 @@ def test_faults_are_found_once_while_workers_die_and_join(tmp_path, secret):
         ensure_topics(broker.bootstrap, partitions=PARTITIONS)
         try:
             for n in range(3):
-                workers.append(WorkerProcess(broker.bootstrap, secret, tmp_path / f"w{n}.log", group=group))
+                workers.append(
+                    WorkerProcess(broker.bootstrap, action_keys.signing, tmp_path / f"w{n}.log", group=group)
+                )
             for w in workers:
                 w.wait_ready(120)
             producer = KafkaProducer(
@@ -129,7 +131,9 @@ def test_faults_are_found_once_while_workers_die_and_join(tmp_path, secret):
                     killed = workers[0]
                     os.kill(killed.process.pid, signal.SIGKILL)
                 if step == JOIN_AT:
-                    joined = WorkerProcess(broker.bootstrap, secret, tmp_path / "w3.log", group=group)
+                    joined = WorkerProcess(
+                        broker.bootstrap, action_keys.signing, tmp_path / "w3.log", group=group
+                    )
                     workers.append(joined)
             producer.flush(30)
             producer.close()

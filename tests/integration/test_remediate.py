@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -24,15 +23,19 @@ import yaml
 from runwatch.producer import RunStartEvent
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.signing import ActionSigningKey, sign_action
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.remediate.config import load_remediation_config
 from runwatch.sinks.remediate.consumer import RemediateConsumer
 from runwatch.sinks.remediate.record import RemediationStore
+from tests.action_keys import ActionKeys, forgeries, trainer_materials
 
 from .conftest import eventually, publish_actions
 
 pytestmark = pytest.mark.integration
+
+# an old deployment's shared RUNWATCH_ACTION_SECRET, still in a trainer's environment
+OLD_SECRET = "0123456789abcdef" * 4
 
 # Appends its arguments as one line to the marker file: proof of each run, no shell involved.
 MARKER_SCRIPT = "import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + chr(10))"
@@ -134,7 +137,7 @@ def _write_config(tmp_path: Path, hook_url: str, marker: Path, jobs: dict[str, d
     return path
 
 
-def _action(run_id: str, kind: str, secret: bytes, **params) -> Action:
+def _action(run_id: str, kind: str, key: ActionSigningKey, **params) -> Action:
     now = utc_now()
     action = Action(
         action_id=f"{kind}-{uuid.uuid4().hex[:12]}",
@@ -146,7 +149,7 @@ def _action(run_id: str, kind: str, secret: bytes, **params) -> Action:
         issued_at=now,
         expires_at=now + timedelta(seconds=120),
     )
-    return sign_action(action, secret)
+    return sign_action(action, key)
 
 
 def _marker_lines(marker: Path, action_id: str) -> list[str]:
@@ -156,7 +159,7 @@ def _marker_lines(marker: Path, action_id: str) -> list[str]:
 
 
 def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb_dsn, tmp_path):
-    secret = secrets.token_bytes(16)  # our own: other tests' actions on the topic are not ours to run
+    keys = ActionKeys.generate()  # our own: other tests' actions on the topic are not ours to run
     run_id = f"remediate-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "ran.txt"
     sink = ClickHouseSink(chdb_dsn)
@@ -165,28 +168,35 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
     sink.writer.write_events([RunStartEvent(run_id=run_id, job_id="4242", host="node-7.cluster")])
     store = RemediationStore(sink)
 
-    stop = _action(run_id, "stop", secret)
-    forged = _action(run_id, "stop", b"attacker-key")
+    stop = _action(run_id, "stop", keys.signing)
+    forged = _action(run_id, "stop", ActionSigningKey.generate())  # another key pair's
+    # A stop signed with everything a trainer holds (the public key, an old shared HMAC secret): none signs
+    by_trainer = forgeries(
+        _action(run_id, "stop", keys.signing).model_copy(update={"signature": ""}),
+        trainer_materials(keys.public_text, OLD_SECRET),
+        keys.signing.key_id,
+    )
     # signed, but dated an hour ahead: the trainer's listener refuses it, so must the remediator (issue 23)
     ahead = utc_now() + timedelta(hours=1)
     future = sign_action(
-        _action(run_id, "stop", secret).model_copy(
+        _action(run_id, "stop", keys.signing).model_copy(
             update={"issued_at": ahead, "expires_at": ahead + timedelta(seconds=120), "signature": ""}
         ),
-        secret,
+        keys.signing,
     )
-    sentinel = _action(run_id, "alert", secret)  # same partition, after the rest: all handled when it is
+    # same partition, after the rest: all handled when it is
+    sentinel = _action(run_id, "alert", keys.signing)
 
     with Webhook() as hook:
         config = load_remediation_config(
             _write_config(tmp_path, hook.url, marker, {"4242": {"host": "node-7.cluster", "comment": run_id}})
         )
-        consumer = RemediateConsumer(config, secret, store, broker.bootstrap, group_id=f"rem-{run_id}")
+        consumer = RemediateConsumer(config, keys.public, store, broker.bootstrap, group_id=f"rem-{run_id}")
         thread = threading.Thread(target=consumer.run, daemon=True)
         thread.start()
         try:
             # the stop arrives twice
-            publish_actions(broker.bootstrap, [stop, forged, future, stop, sentinel])
+            publish_actions(broker.bootstrap, [stop, forged, *by_trainer, future, stop, sentinel])
             eventually(lambda: hook.for_action(sentinel.action_id), 30, "the sentinel action's webhook post")
         finally:
             consumer.stopping.set()
@@ -194,6 +204,9 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
 
         assert _marker_lines(marker, stop.action_id) == [f"{stop.action_id} 4242 node-7.cluster"]
         assert _marker_lines(marker, forged.action_id) == [] == _marker_lines(marker, future.action_id)
+        forged_by_trainer = by_trainer[0].action_id  # the trainer's forged stop: no remediation
+        assert _marker_lines(marker, forged_by_trainer) == []
+        assert hook.for_action(forged_by_trainer) == [] and store.executions(forged_by_trainer) == []
         posts = hook.for_action(stop.action_id)
         assert len(posts) == 1
         post = posts[0]
@@ -208,7 +221,9 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         assert hook.for_action(forged.action_id) == []
         rem = consumer.remediator
         assert (
-            rem.ignored["bad_signature"] >= 1 and rem.ignored["duplicate"] >= 1 and rem.ignored["future"] == 1
+            rem.ignored["bad_signature"] >= 1 + len(by_trainer)
+            and rem.ignored["duplicate"] >= 1
+            and rem.ignored["future"] == 1
         )
         assert hook.for_action(future.action_id) == [] and store.executions(future.action_id) == []
 
@@ -227,7 +242,7 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
         assert store.executions(forged.action_id) == []
 
         # A restarted remediator (fresh memory, re-reading the topic from the start) repeats nothing.
-        restarted = RemediateConsumer(config, secret, store, broker.bootstrap, group_id=f"rem2-{run_id}")
+        restarted = RemediateConsumer(config, keys.public, store, broker.bootstrap, group_id=f"rem2-{run_id}")
         thread = threading.Thread(target=restarted.run, daemon=True)
         thread.start()
         try:
@@ -244,8 +259,9 @@ def test_action_delivered_twice_runs_and_posts_once_and_is_recorded(broker, chdb
 
 
 def test_remediate_command_line(broker, tmp_path):
-    """The `runwatch remediate` process itself: needs the secret, runs once per action, stops on SIGTERM."""
-    secret = secrets.token_hex(16)
+    """The `runwatch remediate` process itself: needs the workers' public key, runs once per action, stops on
+    SIGTERM."""
+    keys = ActionKeys.generate()
     run_id = f"remediate-cli-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "ran.txt"
     with Webhook() as hook:
@@ -262,16 +278,21 @@ def test_remediate_command_line(broker, tmp_path):
             "--dsn",
             f"chdb://{tmp_path / 'clickhouse'}",
         ]
-        env = {k: v for k, v in os.environ.items() if k != topics.SECRET_ENV}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNWATCH_ACTION_")}
         refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
-        assert refused.returncode != 0 and topics.SECRET_ENV in refused.stderr
+        assert refused.returncode != 0 and topics.PUBLIC_KEYS_ENV in refused.stderr
+        # the workers' private key is not what it takes: it verifies with the public key alone
+        refused = subprocess.run(
+            args, env={**env, **keys.worker_env}, capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode != 0 and topics.PUBLIC_KEYS_ENV in refused.stderr
 
-        stop = _action(run_id, "stop", secret.encode(), job_id="777", host="gpu-3")  # signed params
-        sentinel = _action(run_id, "alert", secret.encode())
+        stop = _action(run_id, "stop", keys.signing, job_id="777", host="gpu-3")  # signed params
+        sentinel = _action(run_id, "alert", keys.signing)
         publish_actions(broker.bootstrap, [stop, stop, sentinel])
         proc = subprocess.Popen(
             args,
-            env={**env, topics.SECRET_ENV: secret},
+            env={**env, **keys.trainer_env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -14,7 +14,6 @@ that leave a marker line when they run.
 from __future__ import annotations
 
 import json
-import secrets
 import sys
 import threading
 import uuid
@@ -26,11 +25,12 @@ import yaml
 
 from runwatch.producer import RunStartEvent
 from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey, sign_action
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.remediate.config import load_remediation_config
 from runwatch.sinks.remediate.consumer import RemediateConsumer
 from runwatch.sinks.remediate.record import RemediationStore
+from tests.action_keys import ActionKeys
 
 from .conftest import eventually, publish_actions
 
@@ -152,7 +152,7 @@ class Platform:
         return [line for line in self._lines(self.verify_log) if line.split()[1] == action_id]
 
 
-def _action(run_id: str, secret: bytes, **params) -> Action:
+def _action(run_id: str, key: ActionSigningKey, **params) -> Action:
     now = utc_now()
     action = Action(
         action_id=f"stop-{uuid.uuid4().hex[:12]}",
@@ -164,12 +164,12 @@ def _action(run_id: str, secret: bytes, **params) -> Action:
         issued_at=now,
         expires_at=now + timedelta(seconds=300),
     )
-    return sign_action(action, secret)
+    return sign_action(action, key)
 
 
 def _remediate(
     platform: Platform,
-    secret: bytes,
+    public_keys: ActionPublicKeys,
     store: RemediationStore,
     bootstrap: str,
     actions: list[Action],
@@ -177,7 +177,7 @@ def _remediate(
 ) -> RemediateConsumer:
     """Publish ``deliveries`` and consume until both commands of every action are recorded."""
     consumer = RemediateConsumer(
-        platform.config, secret, store, bootstrap, group_id=f"rem-targets-{uuid.uuid4().hex[:8]}"
+        platform.config, public_keys, store, bootstrap, group_id=f"rem-targets-{uuid.uuid4().hex[:8]}"
     )
     thread = threading.Thread(target=consumer.run, daemon=True)
     thread.start()
@@ -205,7 +205,7 @@ def _rows(store: RemediationStore, action: Action) -> dict[str, dict]:
 
 
 def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tmp_path):
-    secret = secrets.token_bytes(32)  # our own: other tests' actions on the topic are not ours to run
+    keys = ActionKeys.generate()  # our own: other tests' actions on the topic are not ours to run
     tag = uuid.uuid4().hex[:8]
     victim, attacker, honest, mapped = (f"{team}-{tag}" for team in ("team-b", "team-a", "team-l", "team-m"))
     platform = Platform(
@@ -232,16 +232,16 @@ def test_a_run_cannot_aim_commands_at_another_teams_targets(broker, chdb_dsn, tm
         ]
     )
 
-    from_run_start = _action(attacker, secret)
+    from_run_start = _action(attacker, keys.signing)
     # The worker copies run_start's job_id/host/pod into the signed params: signed, still self-declared.
-    from_params = _action(attacker, secret, job_id="5001", host="node-b", pod="b-trainer-0")
-    verified = _action(honest, secret)
-    by_mapping = _action(mapped, secret, job_id="5001", host="node-b", pod="b-trainer-0")
+    from_params = _action(attacker, keys.signing, job_id="5001", host="node-b", pod="b-trainer-0")
+    verified = _action(honest, keys.signing)
+    by_mapping = _action(mapped, keys.signing, job_id="5001", host="node-b", pod="b-trainer-0")
     actions = [from_run_start, from_params, verified, by_mapping]
     try:
         consumer = _remediate(
             platform,
-            secret,
+            keys.public,
             store,
             broker.bootstrap,
             actions,
@@ -285,7 +285,7 @@ BAD_VALUES = [
 
 
 def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_path):
-    secret = secrets.token_bytes(32)
+    keys = ActionKeys.generate()  # our own: other tests' actions on the topic are not ours to run
     tag = uuid.uuid4().hex[:8]
     good = {"job_id": "6001", "host": "node-x", "pod": "x-trainer-0"}
     cases = []  # (run_id, field, value, reason, what the run declares)
@@ -302,7 +302,7 @@ def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_pa
     events = []
     for n, (run_id, _field, _value, _reason, declared) in enumerate(cases):
         if n % 2:  # half declared in run_start (field, or the pod tag), half in the signed params
-            actions.append(_action(run_id, secret, **declared))
+            actions.append(_action(run_id, keys.signing, **declared))
         else:
             events.append(
                 RunStartEvent(
@@ -312,10 +312,10 @@ def test_paths_urls_and_at_signs_are_refused_as_targets(broker, chdb_dsn, tmp_pa
                     tags={"pod": declared["pod"]},
                 )
             )
-            actions.append(_action(run_id, secret))
+            actions.append(_action(run_id, keys.signing))
     sink.writer.write_events(events)
     try:
-        _remediate(platform, secret, store, broker.bootstrap, actions, actions)
+        _remediate(platform, keys.public, store, broker.bootstrap, actions, actions)
         for action, (_run_id, field, value, reason, _declared) in zip(actions, cases, strict=True):
             refused = "delete-pod" if field == "pod" else "scancel"
             row = _rows(store, action)[refused]

@@ -32,7 +32,7 @@ def runwatch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Complete
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_SECRET", "RUNWATCH_CLICKHOUSE_DSN")
+        if k not in ("RUNWATCH_BOOTSTRAP", "RUNWATCH_CLICKHOUSE_DSN") and not k.startswith("RUNWATCH_ACTION_")
     }
     return subprocess.run(
         [sys.executable, "-m", "runwatch.cli", *args],

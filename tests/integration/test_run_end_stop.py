@@ -16,12 +16,11 @@ from runwatch.producer import ActionListener, RunWatch
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, decode_event, utc_now
 from runwatch.producer.wire.signing import sign_action
+from tests.action_keys import PUBLIC, WORKERS
 
 from .conftest import publish_actions, read_topic
 
 pytestmark = pytest.mark.integration
-
-SECRET = "run-end-integration-secret-of-32-bytes"
 
 
 def run_end(bootstrap: str, run_id: str):
@@ -44,7 +43,7 @@ def test_a_stop_action_ends_the_run_as_stopped_with_its_id_and_cause(broker, tmp
     stop = None
     with RunWatch(run_id, broker.bootstrap, collect_metadata=False, spool_dir=tmp_path / "spool") as rw:
         watch = rw.watch(model, optimizer, memory=False)
-        listener = ActionListener(rw, model, optimizer, secret=SECRET, state_path=False)
+        listener = ActionListener(rw, model, optimizer, public_keys=PUBLIC.text, state_path=False)
         assert listener.wait_ready(30)
         stopped_at = None
         for step in range(10_000):
@@ -66,7 +65,7 @@ def test_a_stop_action_ends_the_run_as_stopped_with_its_id_and_cause(broker, tmp
                         issued_at=issued,
                         expires_at=issued + timedelta(seconds=60),
                     ),
-                    SECRET.encode(),
+                    WORKERS,
                 )
                 publish_actions(broker.bootstrap, [stop])
             if any(a.kind == "stop" for a in listener.poll(step)):

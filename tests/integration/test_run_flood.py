@@ -42,14 +42,14 @@ def _counters(worker: WorkerProcess) -> dict:
     return worker.health()[1]["counters"]
 
 
-def test_a_flood_of_runs_that_never_end_is_let_go_and_a_successor_restores_in_time(tmp_path, secret):
+def test_a_flood_of_runs_that_never_end_is_let_go_and_a_successor_restores_in_time(tmp_path, action_keys):
     config = tmp_path / "config.yaml"
     # (max_runs above the flood: every run is held until its silence; eviction is the unit tests')
     config.write_text(yaml.safe_dump({"runs": {"silence_retention_s": RETENTION_S, "max_runs": 2 * FLOOD}}))
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
         first = WorkerProcess(
-            broker.bootstrap, secret, tmp_path / "first.log", config, group="runwatch-flood"
+            broker.bootstrap, action_keys.signing, tmp_path / "first.log", config, group="runwatch-flood"
         )
         successor = None
         producer = KafkaProducer(
@@ -133,7 +133,11 @@ def test_a_flood_of_runs_that_never_end_is_let_go_and_a_successor_restores_in_ti
             first.process.wait(30)
             started = time.monotonic()
             successor = WorkerProcess(
-                broker.bootstrap, secret, tmp_path / "successor.log", config, group="runwatch-flood"
+                broker.bootstrap,
+                action_keys.signing,
+                tmp_path / "successor.log",
+                config,
+                group="runwatch-flood",
             )
             successor.wait_ready(300)
             eventually(lambda: successor.health("/readyz")[0] == 200, 300, "the successor to be ready")

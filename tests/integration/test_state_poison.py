@@ -1,6 +1,6 @@
 """A state record that would run code in the worker does not (issue 35): on a real broker, records are
 written to ``runwatch.state`` for three runs before a real worker starts, each a pickle that calls
-``os.system("touch MARKER")``: one signed with the action secret (what every trainer holds), one with no
+``os.system("touch MARKER")``: one signed with the actions' public key (what every trainer holds), one with no
 key (a trainer's environment has no state key), and one with the workers' own state key (a leaked key:
 the unpickler is the second wall). The worker starts, refuses all three (counted, each logged with its
 partition and offset), runs those runs fresh (their NaN streaks are found), and no marker appears."""
@@ -41,12 +41,12 @@ class RunsCode:
         return (os.system, (self.command,))
 
 
-def test_a_state_record_that_would_run_code_is_refused_and_its_run_is_watched_fresh(tmp_path, secret):
+def test_a_state_record_that_would_run_code_is_refused_and_its_run_is_watched_fresh(tmp_path, action_keys):
     state_key = secrets.token_hex(32)
-    trainer_env = {**os.environ, topics.SECRET_ENV: secret}  # what the tests' trainers are given
+    trainer_env = {**os.environ, **action_keys.trainer_env}  # what the tests' trainers are given
     assert STATE_SECRET_ENV not in trainer_env  # a trainer has no state key to sign with
     keys = {
-        "by-action-secret": trainer_env[topics.SECRET_ENV].encode(),
+        "by-trainer-key": trainer_env[topics.PUBLIC_KEYS_ENV].encode(),
         "by-no-key": b"",
         "by-leaked-state-key": state_key.encode(),
     }
@@ -79,7 +79,11 @@ def test_a_state_record_that_would_run_code_is_refused_and_its_run_is_watched_fr
         producer.flush(30)
 
         worker = WorkerProcess(
-            broker.bootstrap, secret, tmp_path / "worker.log", group=GROUP, state_secret=state_key
+            broker.bootstrap,
+            action_keys.signing,
+            tmp_path / "worker.log",
+            group=GROUP,
+            state_secret=state_key,
         )
         try:
             worker.wait_ready(90)

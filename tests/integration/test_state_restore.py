@@ -20,10 +20,11 @@ from runwatch.producer.wire.schema import StepEvent
 from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor
 from runwatch.streams.worker.run_states import StateOptions
 from runwatch.streams.worker.state_reader import StateReader
+from tests.action_keys import SEED
 
 pytestmark = pytest.mark.integration
 
-SECRET = b"integration-action-secret-of-32-bytes-ok"
+SECRET = SEED  # the workers' action signing key
 STATE_SECRET = b"integration-state-secret-of-32-bytes-ok"
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)  # within the worker clock's 7-day window
 GROUP = "restore-test"

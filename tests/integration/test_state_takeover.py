@@ -42,16 +42,21 @@ def _kinds(raw: list[bytes]) -> list[str]:
     return [Action.model_validate_json(v).kind for v in raw if Action.model_validate_json(v).kind != "alert"]
 
 
-def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path, secret):
+def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path, action_keys):
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
-        first = WorkerProcess(broker.bootstrap, secret, tmp_path / "first.log", group=GROUP)
+        first = WorkerProcess(broker.bootstrap, action_keys.signing, tmp_path / "first.log", group=GROUP)
         second = None
         run = None
         try:
             first.wait_ready(90)
             run = Training(
-                broker.bootstrap, secret, tmp_path, "lr_spike_repeat:200", steps=900, step_sleep=0.05
+                broker.bootstrap,
+                action_keys.public_text,
+                tmp_path,
+                "lr_spike_repeat:200",
+                steps=900,
+                step_sleep=0.05,
             )
             _records(
                 broker.bootstrap,
@@ -62,7 +67,9 @@ def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path
             )
             os.kill(first.process.pid, signal.SIGKILL)  # no revoke, no last checkpoint: what a crash leaves
             first.process.wait(10)
-            second = WorkerProcess(broker.bootstrap, secret, tmp_path / "second.log", group=GROUP)
+            second = WorkerProcess(
+                broker.bootstrap, action_keys.signing, tmp_path / "second.log", group=GROUP
+            )
             second.wait_ready(90)
             result = run.finish(timeout=240)
             actions = _records(
@@ -109,7 +116,7 @@ def test_a_killed_worker_s_successor_resumes_the_run_without_re_warming(tmp_path
     assert "restored 1 run(s)" in second_log, second_log[-3000:]
 
 
-def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, secret):
+def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, action_keys):
     """SIGTERM: a last checkpoint, every event read acknowledged and committed, a prompt exit. (Offsets are
     committed only behind a checkpoint, and Faust waits for every acknowledgement before it stops.)"""
     from kafka import KafkaProducer
@@ -121,7 +128,7 @@ def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, secret)
         ensure_topics(broker.bootstrap)
         worker = WorkerProcess(
             broker.bootstrap,
-            secret,
+            action_keys.signing,
             tmp_path / "w.log",
             group="stop-test",
             extra_args=("--snapshot-interval", "600"),

@@ -40,7 +40,7 @@ class Training:
     def __init__(
         self,
         bootstrap: str,
-        secret: str,
+        public_keys: str,
         folder: Path,
         fault: str,
         steps: int = 300,
@@ -50,7 +50,7 @@ class Training:
         self.bootstrap = bootstrap
         self.folder = folder
         self.log = folder / "train.log"
-        env = {**os.environ, topics.SECRET_ENV: secret}
+        env = {**os.environ, topics.PUBLIC_KEYS_ENV: public_keys}  # a trainer holds the public key only
         cmd = [
             sys.executable,
             str(SCRIPT),
@@ -111,13 +111,13 @@ class Training:
 
 
 @pytest.fixture
-def train(broker, secret, tmp_path):
+def train(broker, action_keys, tmp_path):
     runs: list[Training] = []
 
     def start(fault: str, **options) -> Training:
         folder = tmp_path / f"run{len(runs)}"
         folder.mkdir()
-        run = Training(broker.bootstrap, secret, folder, fault, **options)
+        run = Training(broker.bootstrap, action_keys.public_text, folder, fault, **options)
         runs.append(run)
         return run
 

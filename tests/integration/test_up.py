@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 
 from runwatch.local.broker import free_port
+from runwatch.producer.wire.schema import Action, utc_now
+from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
+from tests.action_keys import forgeries, trainer_materials
 from tests.integration.chromium import Browser
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -104,18 +107,13 @@ def test_up_watches_the_readme_example_and_its_page_shows_it_live(chromium, tmp_
         page_url = up.line(r"page\s+(http://\S+)").group(1)
         assert page_url == f"http://127.0.0.1:{page_port}/"
         bootstrap = up.line(r"export RUNWATCH_BOOTSTRAP=(\S+)").group(1)
-        secret_file = tmp_path / ".runwatch" / "secret"
-        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600  # made for the user, readable by them only
-        assert (
-            (tmp_path / ".runwatch" / "env")
-            .read_text()
-            .startswith(f"export RUNWATCH_BOOTSTRAP={bootstrap}\n")
-        )
-        trainer_env = {
-            **CLEAN_ENV,
-            "RUNWATCH_BOOTSTRAP": bootstrap,
-            "RUNWATCH_ACTION_SECRET": secret_file.read_text().strip(),
-        }
+        key_file = tmp_path / ".runwatch" / "action-signing-key.pem"  # the worker's private key
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600  # made for the user, readable by them only
+        env_text = (tmp_path / ".runwatch" / "env").read_text()
+        assert env_text.startswith(f"export RUNWATCH_BOOTSTRAP={bootstrap}\n")
+        public = up.line(r"export RUNWATCH_ACTION_PUBLIC_KEYS=(\S+)").group(1)  # printed and in the file
+        assert f"export RUNWATCH_ACTION_PUBLIC_KEYS={public}\n" in env_text
+        trainer_env = {**CLEAN_ENV, "RUNWATCH_BOOTSTRAP": bootstrap, "RUNWATCH_ACTION_PUBLIC_KEYS": public}
         run_id = "quickstart-up"
         with Browser(chromium) as browser:
             browser.open(page_url, "document.getElementById('state')?.textContent.startsWith('updated')")
@@ -293,6 +291,23 @@ def test_the_stack_is_its_owners_alone(tmp_path):
         ).stdout
         exported = dict(line.split("=", 1) for line in sourced.splitlines() if line.startswith("RUNWATCH_"))
         assert exported and all(exported.values()), exported  # every value there, read from /
+        # What the training shell gets holds no key that signs an action (issue 35): the bootstrap and the
+        # worker's public key. A stop forged with every piece of it, and with the file itself, verifies with
+        # none of the stack's keys, while one the worker's key signs does.
+        assert set(exported) == {"RUNWATCH_BOOTSTRAP", "RUNWATCH_ACTION_PUBLIC_KEYS"}, exported
+        public = ActionPublicKeys.parse(exported["RUNWATCH_ACTION_PUBLIC_KEYS"])
+        worker_key = ActionSigningKey.from_pem(
+            (tmp_path / ".runwatch" / "action-signing-key.pem").read_bytes()
+        )
+        assert public.key_ids == [worker_key.key_id]
+        now = utc_now()
+        stop = Action(
+            action_id="forged", run_id="victim", kind="stop", reason="f", issued_at=now, expires_at=now
+        )
+        materials = trainer_materials(*exported.values(), (tmp_path / ".runwatch" / "env").read_text())
+        forged = forgeries(stop, materials, worker_key.key_id)
+        assert forged and not [a for a in forged if public.verify(a)]
+        assert public.verify(worker_key.sign(stop))
         assert stat.S_IMODE((tmp_path / ".runwatch").stat().st_mode) == 0o700
         second = runwatch(tmp_path, "up", "--page-port", "0", timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr

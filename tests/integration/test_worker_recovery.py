@@ -36,13 +36,13 @@ def _detector_pid(worker: WorkerProcess) -> int:
     return found[0]
 
 
-def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
+def test_a_dead_detector_process_loses_no_events(tmp_path, action_keys):
     run_id = f"recover-{uuid.uuid4().hex[:8]}"
     group = "runwatch-recovery-test"
     t0 = datetime.now(UTC)
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
-        first = WorkerProcess(broker.bootstrap, secret, tmp_path / "first.log", group=group)
+        first = WorkerProcess(broker.bootstrap, action_keys.signing, tmp_path / "first.log", group=group)
         second = None
         try:
             first.wait_ready(90)
@@ -75,7 +75,9 @@ def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
                 committed_offset(broker.bootstrap, group, topics.TELEMETRY, partition) <= sent[0].get().offset
             )
 
-            second = WorkerProcess(broker.bootstrap, secret, tmp_path / "second.log", group=group)
+            second = WorkerProcess(
+                broker.bootstrap, action_keys.signing, tmp_path / "second.log", group=group
+            )
             second.wait_ready(90)
 
             def kinds(records):
@@ -96,7 +98,9 @@ def test_a_dead_detector_process_loses_no_events(tmp_path, secret):
                 second.stop()
 
 
-def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says_so_first(tmp_path, secret):
+def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says_so_first(
+    tmp_path, action_keys
+):
     """A child that stops answering (SIGSTOP: alive, but frozen) must not leave a worker that looks
     alive while nothing moves: /livez turns 503 within its stuck threshold (5 s), and the worker exits
     non-zero once the reply timeout (here 6 s) has passed, within the failure grace period."""
@@ -105,7 +109,7 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
         ensure_topics(broker.bootstrap)
         worker = WorkerProcess(
             broker.bootstrap,
-            secret,
+            action_keys.signing,
             tmp_path / "worker.log",
             group="runwatch-frozen-test",
             extra_args=("--detector-timeout", "6"),
@@ -162,7 +166,7 @@ def test_a_frozen_detector_process_fails_the_worker_and_the_health_endpoint_says
                 pass
 
 
-def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_past_them(tmp_path, secret):
+def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_past_them(tmp_path, action_keys):
     """The broker becomes unreachable between the worker reading a malformed message and publishing
     its dead letter: the worker must neither commit past the message nor wait silently. It fails
     (the health endpoint says why), exits non-zero, and its successor dead-letters the message."""
@@ -179,7 +183,7 @@ def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_pas
         ensure_topics(net.bootstrap)
         worker = WorkerProcess(
             net.bootstrap,
-            secret,
+            action_keys.signing,
             tmp_path / "worker.log",
             group=group,
             extra_args=("--delivery-timeout", "5", "--detector-timeout", "120"),
@@ -213,7 +217,7 @@ def test_results_that_cannot_be_delivered_fail_the_worker_without_committing_pas
 
             net.restore()
             assert committed_offset(net.bootstrap, group, topics.TELEMETRY, meta.partition) <= meta.offset
-            second = WorkerProcess(net.bootstrap, secret, tmp_path / "second.log", group=group)
+            second = WorkerProcess(net.bootstrap, action_keys.signing, tmp_path / "second.log", group=group)
             second.wait_ready(90)
 
             def ours(records):

@@ -28,8 +28,8 @@ from runwatch.producer.wire.signing import sign_action
 from runwatch.sinks.grafana.panels import RUN_DASHBOARD
 from runwatch.sinks.remediate.notifications import slack_payload
 from runwatch.sinks.report.panels import layout, mark_actions
+from tests.action_keys import PUBLIC, WORKERS
 
-SECRET = "conformance-secret-of-at-least-32-bytes"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
 
 
@@ -50,7 +50,7 @@ def _issue(kind: str, target: CheckpointRef | None = None) -> Action:
         issued_at=issued,
         expires_at=issued + timedelta(seconds=60),
     )
-    return sign_action(action, SECRET.encode())
+    return sign_action(action, WORKERS)
 
 
 @pytest.mark.parametrize("kind", list(ACTION_KINDS))
@@ -65,7 +65,7 @@ def test_every_kind_is_issued_signed_applied_acknowledged_and_shown(kind, tmp_pa
     checkpoint = tmp_path / "step10.pt"
     save_checkpoint(str(checkpoint), model, optimizer, step=10)
     rw.checkpoint(10, str(checkpoint), lr=[0.1])
-    listener = ActionListener(rw, model, optimizer, secret=SECRET, consume=False)
+    listener = ActionListener(rw, model, optimizer, public_keys=PUBLIC.text, consume=False)
     try:
         action = _issue(kind, CheckpointRef(step=10, uri=str(checkpoint), lr=[0.1]))
         listener._accept(action.to_json())  # the signed bytes, as the consumer thread hands them over

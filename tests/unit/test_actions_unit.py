@@ -30,9 +30,11 @@ from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.publish.lr import LR_SCALE_KEY, scale_lr
 from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
-from runwatch.producer.wire.signing import MissingSecretError, sign_action
+from runwatch.producer.wire.signing import ActionSigningKey, MissingKeyError, sign_action
+from tests.action_keys import PUBLIC, WORKERS
 
-SECRET = "unit-secret-of-at-least-32-bytes-0123"
+PUBLIC_KEYS = PUBLIC.text  # what a trainer holds: $RUNWATCH_ACTION_PUBLIC_KEYS
+OTHER_KEY = ActionSigningKey.generate()  # not the workers'
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +67,7 @@ def action(
     step: int = 17,
     params: dict | None = None,
     target: CheckpointRef | None = None,
-    secret: str = SECRET,
+    signed_by: ActionSigningKey = WORKERS,
     issued_delta_s: float = 0,
 ) -> Action:
     issued = utc_now() + timedelta(seconds=issued_delta_s)
@@ -81,11 +83,11 @@ def action(
         issued_at=issued,
         expires_at=issued + timedelta(seconds=60),
     )
-    return sign_action(a, secret.encode())
+    return sign_action(a, signed_by)
 
 
 def make(rw: RecordingPublisher, model=None, optimizer=None, **kw) -> ActionListener:
-    return ActionListener(rw, model, optimizer, secret=SECRET, consume=False, **kw)
+    return ActionListener(rw, model, optimizer, public_keys=PUBLIC_KEYS, consume=False, **kw)
 
 
 def deliver(listener: ActionListener, *actions: Action) -> None:
@@ -221,7 +223,7 @@ def test_a_rank_that_registered_no_checkpoint_restores_the_target_and_acks_with_
 def test_forged_and_foreign_actions_are_not_applied():
     rw = RecordingPublisher()
     listener = make(rw)
-    deliver(listener, action("stop", secret="wrong"), action("stop", run_id="other-run"))
+    deliver(listener, action("stop", signed_by=OTHER_KEY), action("stop", run_id="other-run"))
     assert listener.poll(step=1) == [] and dict(listener.ignored) == {"bad_signature": 1, "other_run": 1}
     assert rw.acks() == []
 
@@ -274,7 +276,7 @@ CHILD = textwrap.dedent("""
     from unit.test_actions_unit import RecordingPublisher, action, deliver
     from runwatch.producer.actions.listener import ActionListener
 
-    listener = ActionListener(RecordingPublisher(), secret={secret!r}, consume=False,
+    listener = ActionListener(RecordingPublisher(), public_keys={public_keys!r}, consume=False,
                               stop_exit_after_s=1.0, stop_exit_code=7)
     deliver(listener, action("stop"))
     [applied] = listener.poll(step=3)
@@ -288,7 +290,7 @@ CHILD = textwrap.dedent("""
 @pytest.mark.integration  # starts a process
 @pytest.mark.parametrize("mode", ["hang", "graceful"])
 def test_stop_watchdog_hard_exits_a_process_that_does_not_exit(mode):
-    code = CHILD.format(tests=str(REPO / "tests"), secret=SECRET)
+    code = CHILD.format(tests=str(REPO / "tests"), public_keys=PUBLIC_KEYS)
     started = time.monotonic()
     child = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=30)
     elapsed = time.monotonic() - started
@@ -433,12 +435,12 @@ def test_every_ignored_action_is_counted_by_reason_and_none_stops_the_consumer()
             "expires_at": (utc_now() + timedelta(seconds=60)).replace(tzinfo=None),
         }
     )
-    naive = sign_action(naive, SECRET.encode())
+    naive = sign_action(naive, WORKERS)
     deliver(
         listener,
         action("stop", run_id="other-run"),
-        action("alert", run_id="another", secret="theirs"),
-        action("stop", secret="wrong"),
+        action("alert", run_id="another", signed_by=OTHER_KEY),
+        action("stop", signed_by=OTHER_KEY),
         action("stop", issued_delta_s=3600),
         action("stop", issued_delta_s=-120),  # expired
         action("stop", issued_delta_s=-50),  # issued before the start (minus 30 s), not expired yet
@@ -465,7 +467,7 @@ def test_every_ignored_action_is_counted_by_reason_and_none_stops_the_consumer()
 
 def _for_attempt(kind: str, attempt: str | None) -> Action:
     a = action(kind).model_copy(update={"attempt": attempt, "signature": ""})
-    return sign_action(a, SECRET.encode())
+    return sign_action(a, WORKERS)
 
 
 def test_a_restarted_trainer_refuses_the_stop_issued_for_its_previous_attempt(monkeypatch):
@@ -495,25 +497,45 @@ def test_a_listener_on_a_recorded_run_reads_no_kafka(tmp_path):
     from runwatch.producer import JsonlRecorder
 
     with JsonlRecorder(tmp_path / "run.jsonl", "recorded", collect_metadata=False) as rw:
-        listener = ActionListener(rw, secret=SECRET)
+        listener = ActionListener(rw, public_keys=PUBLIC_KEYS)
         assert listener._reader is None  # nothing connects to $RUNWATCH_BOOTSTRAP or 127.0.0.1:9092
         assert listener.poll(step=1) == []
     rw_memory = RecordingPublisher()
-    assert ActionListener(rw_memory, secret=SECRET)._reader is None  # nor on a run kept in memory
+    assert ActionListener(rw_memory, public_keys=PUBLIC_KEYS)._reader is None  # nor on a run kept in memory
 
 
-def test_without_a_secret_the_listener_warns_once_and_the_run_goes_on_unwatched(monkeypatch, caplog):
-    monkeypatch.delenv("RUNWATCH_ACTION_SECRET", raising=False)
+def test_without_a_public_key_the_listener_warns_once_and_the_run_goes_on_unwatched(monkeypatch, caplog):
+    monkeypatch.delenv("RUNWATCH_ACTION_PUBLIC_KEYS", raising=False)
     rw = RecordingPublisher()
     with caplog.at_level("WARNING", logger="runwatch.producer.actions.listener"):
         listener = ActionListener(rw)  # no exception inside the training loop's `with`
     assert [r.getMessage() for r in caplog.records] == [
         f"runwatch: {listener.unsigned}; actions are not applied in this run"
     ]
-    assert "RUNWATCH_ACTION_SECRET" in (listener.unsigned or "")
-    deliver(listener, action("rollback"))  # signed with a secret this run does not have: refused
+    assert "RUNWATCH_ACTION_PUBLIC_KEYS" in (listener.unsigned or "")
+    deliver(listener, action("rollback"))  # signed by the workers, whose public key this run does not have
     assert listener.poll(step=1) == [] and rw.acks() == []
-    with pytest.raises(MissingSecretError):
+    with pytest.raises(MissingKeyError):
         ActionListener(rw, strict=True)
-    with pytest.raises(MissingSecretError, match="at least 32"):
-        ActionListener(rw, secret="short", strict=True)
+    with pytest.raises(MissingKeyError, match="not base64"):
+        ActionListener(rw, public_keys="ed25519:short", strict=True)
+    with pytest.raises(MissingKeyError, match="private key"):  # never the workers' key on the training side
+        ActionListener(rw, public_keys=WORKERS.pem().decode(), strict=True)
+
+
+def test_the_first_action_of_this_run_that_fails_verification_is_warned_about_once(caplog):
+    """A trainer whose public key is not the workers' (issue 35: a wrong key was silent) says so at the
+    first such action of its own run, once; another run's actions and good ones say nothing."""
+    rw = RecordingPublisher()
+    listener = make(rw, state_path=False)
+    with caplog.at_level("WARNING", logger="runwatch.producer.actions.listener"):
+        deliver(listener, action("alert", run_id="another", signed_by=OTHER_KEY), action("alert"))
+        assert caplog.records == [] and not listener.verification_warned
+        deliver(listener, *(action("rollback", signed_by=OTHER_KEY) for _ in range(3)))
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(
+        "runwatch: actions for run run-u fail verification: "
+        "is RUNWATCH_ACTION_PUBLIC_KEYS the workers' public key?"
+    )
+    assert OTHER_KEY.key_id in warning and WORKERS.key_id in warning
+    assert listener.ignored["bad_signature"] == 3 and [r.kind for r in listener.poll(step=1)] == ["alert"]

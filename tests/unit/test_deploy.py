@@ -142,7 +142,9 @@ def test_compose_runwatch_commands_parse(compose, name, monkeypatch):
     assert service["image"] == compose["x-runwatch"]["image"]
     env = service_env(compose, name)
     assert env[topics.BOOTSTRAP_ENV] == "kafka:9092"
-    assert env[topics.SECRET_ENV], "every runwatch service gets the one action secret"
+    assert env[topics.PUBLIC_KEYS_ENV], "every runwatch service gets the workers' public key"
+    # and the private key only the workers (docs/security.md)
+    assert (topics.SIGNING_KEY_ENV in env) == (name == "worker"), name
     args = interpolate(service["command"], env_example())
     ctx = parse_cli(args, env, monkeypatch)
     if name == "worker":

@@ -22,10 +22,11 @@ from runwatch.producer.wire.schema import Action, Anomaly, CheckpointEvent, Step
 from runwatch.producer.wire.signing import verify_action
 from runwatch.streams.worker.detector_process import DetectorProcess, DetectorProcessError, handle
 from runwatch.streams.worker.processor import TelemetryProcessor
+from tests.action_keys import PUBLIC, SEED
 
 pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
 
-SECRET = b"unit-test-secret-at-least-32-bytes-0123"
+SECRET = SEED  # the workers' signing key
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 
@@ -85,7 +86,7 @@ def test_replies_come_back_in_order_with_the_records_the_processor_gives(detecto
     assert [(a.step, a.severity) for a in anomalies] == [(8, "warning"), (10, "critical")]
     assert [a.kind for a in actions] == ["alert", "rollback"]
     assert actions[1].target_checkpoint.uri == "/ckpt/1.pt"
-    assert all(verify_action(a, SECRET) for a in actions)  # signed in the child with the worker's secret
+    assert all(verify_action(a, PUBLIC) for a in actions)  # signed in the child with the workers' key
     assert all(r.key == b"run-1" for r in second.records)
     assert json.loads(second.records[-1].value)["offset"] == 99
 
@@ -157,7 +158,7 @@ def test_the_child_exits_when_its_worker_is_killed(tmp_path):
         "from runwatch.detectors.config import RunwatchConfig\n"
         "from runwatch.streams.worker.detector_process import DetectorProcess\n"
         "if __name__ == '__main__':\n"
-        "    d = DetectorProcess(RunwatchConfig(), b's')\n"
+        "    d = DetectorProcess(RunwatchConfig(), bytes(32))\n"
         "    d.wait_ready(60)\n"
         "    print(d.pid, flush=True)\n"
         "    time.sleep(120)\n"

@@ -96,7 +96,7 @@ def test_an_extra_the_metadata_does_not_know_is_not_judged():
 
 def test_the_base_is_the_training_side_with_no_upper_caps():
     names = [extras._NAME.match(r).group(1).lower() for r in PYPROJECT["dependencies"]]
-    assert names == ["pydantic", "orjson", "kafka-python", "click"]
+    assert names == ["pydantic", "orjson", "kafka-python", "click", "cryptography"]
     assert not [r for r in PYPROJECT["dependencies"] if "<" in r or "==" in r or "~=" in r]
     assert "<" not in "".join(PYPROJECT["optional-dependencies"]["torch"])
     assert not [

@@ -41,6 +41,7 @@ from runwatch.producer.wire.schema import (
     decode_event,
 )
 from runwatch.streams.worker.processor import TelemetryProcessor
+from tests.action_keys import SEED
 
 T0 = datetime(2026, 5, 1, tzinfo=UTC)
 
@@ -556,7 +557,7 @@ def _nan_steps(run_id: str) -> list[StepEvent]:
 
 def test_the_worker_stamps_detected_at_with_its_clock_and_the_monitor_does_not():
     wall = T0 + timedelta(days=1)  # after the events, as a worker reading a backlog is
-    proc = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall)
+    proc = TelemetryProcessor(RunwatchConfig(), SEED, clock=lambda: wall)
     events, online = _nan_steps("r1"), []
     for e in events:
         online.extend(proc.process(e.to_json(), key=b"r1").anomalies)

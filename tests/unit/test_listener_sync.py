@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_actions_unit import SECRET, RecordingPublisher, action, deliver
+from test_actions_unit import PUBLIC_KEYS, RecordingPublisher, action, deliver
 
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
@@ -50,7 +50,13 @@ def _rank(rank: int, init_file: str, out_dir: str, actions_json: str, checkpoint
     rw = RecordingPublisher(run_id="run-u", rank=rank)
     heartbeat = Heartbeat(rw, interval_s=60)  # not started: beats by hand below
     listener = ActionListener(
-        rw, model, optimizer, secret=SECRET, consume=False, sync_timeout_s=SYNC_TIMEOUT_S, heartbeat=heartbeat
+        rw,
+        model,
+        optimizer,
+        public_keys=PUBLIC_KEYS,
+        consume=False,
+        sync_timeout_s=SYNC_TIMEOUT_S,
+        heartbeat=heartbeat,
     )
     leader = rank == 0
     torch.manual_seed(100 + rank)  # each rank's training drifts its own way until the rollback
@@ -175,7 +181,7 @@ def test_an_action_received_early_elsewhere_waits_for_rank_0(ranks):
 def test_an_action_a_rank_never_receives_is_applied_from_rank_0s_signed_copy_after_the_timeout(ranks):
     results, plan, _ref = ranks
     lost = [by_id(r["log"], plan["lost"].action_id) for r in results]
-    # every rank applies it at the same poll: the others from rank 0's copy, which verifies with the secret
+    # every rank applies it at the same poll: the others from rank 0's copy, which verifies here
     assert [(e[0]["poll"], e[0]["outcome"]) for e in lost] == [(10, "applied")] * 3
     for entry in lost[1:]:
         assert SYNC_TIMEOUT_S * 0.9 <= entry[0]["waited"] < SYNC_TIMEOUT_S + 5
@@ -199,7 +205,7 @@ CHILD = textwrap.dedent("""
     from test_actions_unit import RecordingPublisher, action, deliver
     from runwatch.producer.actions.listener import ActionListener
 
-    listener = ActionListener(RecordingPublisher(), secret={secret!r}, consume=False,
+    listener = ActionListener(RecordingPublisher(), public_keys={public_keys!r}, consume=False,
                               stop_exit_after_s=1.0, stop_exit_code=7)
     threading.Timer(0.2, deliver, (listener, action("stop"))).start()  # the consumer thread's receipt
     print("blocked", time.monotonic(), flush=True)
@@ -209,7 +215,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_a_stop_arms_the_watchdog_on_receipt_for_a_rank_that_never_polls():
-    code = CHILD.format(tests=str(REPO / "tests" / "unit"), secret=SECRET)
+    code = CHILD.format(tests=str(REPO / "tests" / "unit"), public_keys=PUBLIC_KEYS)
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -228,7 +234,9 @@ def test_a_stop_arms_the_watchdog_on_receipt_for_a_rank_that_never_polls():
 
 
 def test_arming_again_keeps_one_watchdog_and_the_earlier_deadline():
-    listener = ActionListener(RecordingPublisher(), secret=SECRET, consume=False, stop_exit_after_s=60.0)
+    listener = ActionListener(
+        RecordingPublisher(), public_keys=PUBLIC_KEYS, consume=False, stop_exit_after_s=60.0
+    )
     try:
         deliver(listener, action("stop"))  # armed on receipt
         first = listener.watchdog.thread
@@ -269,7 +277,7 @@ def _restarted_rank(rank: int, init_file: str, out_dir: str, actions_json: str, 
     listener = ActionListener(
         rw,
         torch.nn.Linear(2, 2),
-        secret=SECRET,
+        public_keys=PUBLIC_KEYS,
         consume=False,
         sync_timeout_s=RESTART_SYNC_TIMEOUT_S,
         state_path=state,

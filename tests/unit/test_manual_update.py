@@ -19,9 +19,9 @@ import torch
 from runwatch.producer import ActionListener, JsonlRecorder, save_checkpoint
 from runwatch.producer.wire.schema import Action, decode_event, utc_now
 from runwatch.producer.wire.signing import sign_action
+from tests.action_keys import PUBLIC, WORKERS
 
 LR = 0.1
-SECRET = "manual-update-secret-of-32-bytes-or-more"
 
 
 def steps_of(path) -> list:
@@ -129,7 +129,7 @@ def test_a_rollback_with_no_optimizer_restores_the_model_and_leaves_the_lr(tmp_p
     rec = JsonlRecorder(tmp_path / "rb.jsonl", "manual-rb", collect_metadata=False)
     model = make_model()
     watch = rec.watch(model, None, lr=LR, memory=False, heartbeat_s=None)
-    listener = ActionListener(rec, model, None, secret=SECRET, consume=False, state_path=False)
+    listener = ActionListener(rec, model, None, public_keys=PUBLIC.text, consume=False, state_path=False)
 
     def train(step: int) -> None:
         x, y = batch()
@@ -160,7 +160,7 @@ def test_a_rollback_with_no_optimizer_restores_the_model_and_leaves_the_lr(tmp_p
             issued_at=issued,
             expires_at=issued + timedelta(seconds=60),
         ),
-        SECRET.encode(),
+        WORKERS,
     )
     listener._accept(rollback.to_json())
     [applied] = listener.poll(step=5)

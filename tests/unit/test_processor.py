@@ -14,11 +14,12 @@ import pytest
 
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer.wire.schema import CheckpointEvent, CheckpointRef, RunEndEvent, StepEvent
-from runwatch.producer.wire.signing import verify_action
+from runwatch.producer.wire.signing import ActionSigningKey, verify_action
 from runwatch.producer.wire.topics import TELEMETRY
 from runwatch.streams.worker.processor import TelemetryProcessor
+from tests.action_keys import PUBLIC, SEED
 
-SECRET = b"unit-test-secret-at-least-32-bytes-0123"
+SECRET = SEED  # the workers' signing key
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 # The worker's wall clock: events without a record time are checked against it (within 7 days before it)
 WALL = T0 + timedelta(hours=6)
@@ -132,8 +133,8 @@ def test_nan_run_yields_a_signed_rollback(proc):
     assert rollback.target_checkpoint == CheckpointRef(step=1, uri="/ckpt/1.pt")  # confirmed at step 7
     assert rollback.anomaly_ids == [anomalies[1].anomaly_id]
 
-    assert verify_action(rollback, SECRET)
-    assert not verify_action(rollback, b"another-secret")
+    assert verify_action(rollback, PUBLIC)
+    assert not verify_action(rollback, ActionSigningKey.generate().public)
     assert rollback.issued_at == WALL
     assert rollback.expires_at - rollback.issued_at == timedelta(seconds=proc.config.policy.action_ttl_s)
     assert not rollback.is_expired(WALL)
@@ -201,7 +202,7 @@ def test_tick_runs_time_based_checks_for_every_held_run(monkeypatch):
         "build_detectors",
         lambda config, names, progress: [FiresOnTick()] if names == monitor_module.RANK_VIEW else [],
     )
-    processor = TelemetryProcessor(RunwatchConfig(), b"secret")
+    processor = TelemetryProcessor(RunwatchConfig(), SECRET)
     for run in ("run-a", "run-b"):
         processor.process(StepEvent(run_id=run, step=3).to_json(), run.encode())
     result = processor.tick(datetime(2026, 11, 21, 10, 0, tzinfo=UTC))
@@ -237,7 +238,7 @@ def _record_ticks(monkeypatch) -> list:
 def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_clock(monkeypatch):
     ticked = _record_ticks(monkeypatch)
     wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
-    processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
+    processor = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: wall[0])
     sent = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)  # a backlog from three hours ago, read now
     processor.process(StepEvent(run_id="old", step=7, ts=sent).to_json(), b"old")
     wall[0] += timedelta(seconds=10)
@@ -248,7 +249,7 @@ def test_tick_judges_each_run_on_its_event_time_carried_forward_by_the_wall_cloc
 def test_a_run_whose_partition_the_worker_is_behind_on_is_not_carried_forward(monkeypatch):
     ticked = _record_ticks(monkeypatch)
     wall = [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
-    processor = TelemetryProcessor(RunwatchConfig(), b"secret", clock=lambda: wall[0])
+    processor = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: wall[0])
     processor.process(StepEvent(run_id="r", step=7, ts=wall[0]).to_json(), b"r", partition=2)
     wall[0] += timedelta(seconds=10)  # ten seconds in which the worker read nothing of partition 2
     processor.tick(behind={2})
@@ -299,7 +300,7 @@ def test_actions_carry_the_runs_job_id_for_remediation(proc):
         a.params["job_id"] == "81234" and a.params["host"] == "node7" and a.params["pod"] == "trainer-0"
         for a in actions
     )
-    assert all(verify_action(a, proc._secret) for a in actions)
+    assert all(verify_action(a, ActionSigningKey.from_seed(proc._secret).public) for a in actions)
 
 
 # -- isolation: one run's failure is that run's alone ---------------------------------------------
@@ -539,7 +540,7 @@ def test_a_new_attempt_without_run_end_is_watched_fresh_and_its_actions_name_it(
     # killed after the stop, no run_end; requeued under the same run id with a new attempt
     second = _nan_attempt(proc, "a2", T0 + timedelta(minutes=5))
     assert [a.kind for a in second] == ["alert", "stop"] and {a.attempt for a in second} == {"a2"}
-    assert all(verify_action(a, SECRET) for a in second)
+    assert all(verify_action(a, PUBLIC) for a in second)
     assert not {a.action_id for a in first} & {a.action_id for a in second}
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer.wire import topics
 from runwatch.streams.worker.processor import TelemetryProcessor
+from tests.action_keys import SEED
 
 WALL = datetime(2026, 11, 27, 12, tzinfo=UTC)
 PARTITIONS = 4
@@ -128,9 +129,7 @@ def _record(
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_messages, min_size=1, max_size=60))
 def test_no_message_or_record_metadata_makes_the_processor_raise_or_a_detector_fail(messages):
-    proc = TelemetryProcessor(
-        RunwatchConfig(), b"fuzz-secret-of-at-least-32-bytes-0000", clock=lambda: WALL, partitions=PARTITIONS
-    )
+    proc = TelemetryProcessor(RunwatchConfig(), SEED, clock=lambda: WALL, partitions=PARTITIONS)
     handled = 0
     for i, (kind, run_id, ago, mutations, tick) in enumerate(messages):
         value, key, partition, record_ts = _record(i, kind, run_id, ago, mutations)

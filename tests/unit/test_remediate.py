@@ -16,8 +16,8 @@ import pytest
 
 from runwatch.detectors.configfile import ConfigError
 from runwatch.producer.wire.schema import Action, CheckpointRef
-from runwatch.producer.wire.signing import sign_action
-from runwatch.producer.wire.topics import SECRET_ENV
+from runwatch.producer.wire.signing import ActionSigningKey, sign_action
+from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, SIGNING_KEY_ENV
 from runwatch.sinks.remediate.config import RemediationConfig, Target, load_remediation_config
 from runwatch.sinks.remediate.notifications import slack_payload
 from runwatch.sinks.remediate.remediator import Remediator
@@ -28,8 +28,8 @@ from runwatch.sinks.remediate.templates import (
     fill_argv,
     placeholder_values,
 )
+from tests.action_keys import PUBLIC, WORKERS
 
-SECRET = b"remediate-secret-at-least-32-bytes-0123"
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 
 
@@ -49,7 +49,7 @@ def _action(**overrides) -> Action:
 
 
 def _signed(**overrides) -> bytes:
-    return sign_action(_action(**overrides), SECRET).to_json()
+    return sign_action(_action(**overrides), WORKERS).to_json()
 
 
 # -- filling templates ------------------------------------------------------------------------
@@ -477,7 +477,7 @@ def _remediator(calls: Calls, platform: Platform, **kw) -> Remediator:
     )
     return Remediator(
         config,
-        SECRET,
+        PUBLIC,
         record=calls.recorded.append,
         runner=calls.runner,
         poster=calls.poster,
@@ -497,7 +497,7 @@ def _one_command(platform: Platform | None = None, **config) -> tuple[Calls, Rem
     calls = Calls()
     return calls, Remediator(
         config,
-        SECRET,
+        PUBLIC,
         record=calls.recorded.append,
         runner=calls.runner,
         poster=calls.poster,
@@ -564,7 +564,7 @@ def test_a_verify_command_that_echoes_its_target_cannot_verify_a_run_named_like_
     calls = Calls()
     rem = Remediator(
         config,
-        SECRET,
+        PUBLIC,
         record=calls.recorded.append,
         runner=calls.runner,
         poster=calls.poster,
@@ -604,7 +604,7 @@ def test_an_unsafe_value_in_the_verify_command_is_refused_before_anything_runs(p
     calls = Calls()
     rem = Remediator(
         config,
-        SECRET,
+        PUBLIC,
         record=calls.recorded.append,
         runner=calls.runner,
         poster=calls.poster,
@@ -654,7 +654,7 @@ def test_a_targets_file_is_read_at_load_and_again_when_it_changes(tmp_path):
     calls = Calls()
     rem = Remediator(
         config,
-        SECRET,
+        PUBLIC,
         record=calls.recorded.append,
         runner=calls.runner,
         poster=calls.poster,
@@ -680,7 +680,7 @@ def test_commands_without_self_declared_targets_and_webhooks_need_no_verify():
     )
     rem = Remediator(
         config,
-        SECRET,
+        PUBLIC,
         record=calls.recorded.append,
         runner=calls.runner,
         poster=calls.poster,
@@ -717,10 +717,10 @@ def test_a_restarted_remediator_skips_what_is_recorded(platform):
 def test_forged_expired_and_malformed_actions_do_nothing(platform):
     calls = Calls()
     rem = _remediator(calls, platform)
-    forged = sign_action(_action(action_id="forged"), b"not-the-secret").to_json()
+    forged = sign_action(_action(action_id="forged"), ActionSigningKey.generate()).to_json()
     tampered = (
         _action()
-        .model_copy(update={"signature": sign_action(_action(), SECRET).signature, "kind": "rollback"})
+        .model_copy(update={"signature": sign_action(_action(), WORKERS).signature, "kind": "rollback"})
         .to_json()
     )
     expired = _signed(action_id="old", expires_at=NOW)
@@ -765,19 +765,22 @@ def test_slack_payload_escapes_the_run_id_in_its_text_and_attachment():
 
 
 def test_run_command_captures_exit_code_and_output_without_a_shell(monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "must-not-leak")
+    for name in (SIGNING_KEY_ENV, LEGACY_SECRET_ENV, "RUNWATCH_STATE_SECRET"):
+        monkeypatch.setenv(name, "must-not-leak")
     status, code, out = run_command(
         [
             sys.executable,
             "-c",
-            "import os, sys; print(sys.argv[1], os.environ.get(sys.argv[2])); sys.exit(3)",
+            "import os, sys; print(sys.argv[1], [os.environ.get(n) for n in sys.argv[2:]]); sys.exit(3)",
             "$(echo hi);",
-            SECRET_ENV,
+            SIGNING_KEY_ENV,
+            LEGACY_SECRET_ENV,
+            "RUNWATCH_STATE_SECRET",
         ],
         10,
     )
     assert (status, code) == ("failed", 3)
-    assert out.strip() == "$(echo hi); None"  # no shell expansion, no secret in the environment
+    assert out.strip() == "$(echo hi); [None, None, None]"  # no shell expansion, no key in the environment
 
 
 def test_run_command_timeout_and_missing_program():

@@ -15,8 +15,8 @@ from runwatch.producer import ActionListener, JsonlRecorder, RunWatch
 from runwatch.producer.publish.spool import DiskSpool
 from runwatch.producer.wire.schema import Action, decode_event, utc_now
 from runwatch.producer.wire.signing import sign_action
+from tests.action_keys import PUBLIC, WORKERS
 
-SECRET = "run-end-secret-of-at-least-32-bytes-0123"
 NO_BROKER = "127.0.0.1:1"
 
 
@@ -33,12 +33,12 @@ def stop_action(run_id: str, params: dict | None = None) -> Action:
         issued_at=issued,
         expires_at=issued + timedelta(seconds=60),
     )
-    return sign_action(a, SECRET.encode())
+    return sign_action(a, WORKERS)
 
 
 def apply_stop(rw, params: dict | None = None) -> Action:
     """Hand a signed stop to a listener as its consumer would, and poll it as the loop does."""
-    listener = ActionListener(rw, secret=SECRET, consume=False, state_path=False)
+    listener = ActionListener(rw, public_keys=PUBLIC.text, consume=False, state_path=False)
     action = stop_action(rw.run_id, params)
     listener._accept(action.to_json())
     [applied] = listener.poll(step=8)
@@ -98,7 +98,7 @@ def test_without_a_stop_close_says_completed(tmp_path):
 
 def test_other_actions_do_not_make_the_run_stopped(tmp_path):
     rec = recorder(tmp_path)
-    listener = ActionListener(rec, secret=SECRET, consume=False, state_path=False)
+    listener = ActionListener(rec, public_keys=PUBLIC.text, consume=False, state_path=False)
     issued = utc_now()
     alert = sign_action(
         Action(
@@ -110,7 +110,7 @@ def test_other_actions_do_not_make_the_run_stopped(tmp_path):
             issued_at=issued,
             expires_at=issued + timedelta(seconds=60),
         ),
-        SECRET.encode(),
+        WORKERS,
     )
     listener._accept(alert.to_json())
     assert [a.kind for a in listener.poll(step=3)] == ["alert"]

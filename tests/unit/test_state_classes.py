@@ -57,9 +57,12 @@ from runwatch.streams.worker.state_classes import (
     own_modules,
     referenced_globals,
 )
+from tests.action_keys import PUBLIC, SEED
 from tests.unit.test_conformance import EVENTS, MULTI_RANK, REPLAYED, SPECS, Feed, build, events_for
 
-ACTION_SECRET = b"the-action-secret-every-trainer-holds-0123"
+# What a trainer holds: the actions' public key (and, in an old deployment, the shared action secret)
+TRAINER_KEY = PUBLIC.text.encode()
+OLD_ACTION_SECRET = b"the-old-action-secret-every-trainer-held-0123"
 STATE_KEY = b"the-workers-own-state-key-32-bytes-or-more-456"
 CONFIG = RunwatchConfig.model_validate({"policy": {"confirm_steps": 12}})
 
@@ -105,7 +108,7 @@ def _processor(store: _Store, wall=None) -> TelemetryProcessor:
     last = max(e.ts for e in EVENTS + MULTI_RANK + REPLAYED)
     return TelemetryProcessor(
         CONFIG,
-        ACTION_SECRET,
+        SEED,
         clock=lambda: wall or last + timedelta(hours=1),
         state_reader=store,  # type: ignore[arg-type]
         state=StateOptions(every_events=50, interval_s=1e9),
@@ -263,7 +266,9 @@ def test_the_code_running_pickle_really_runs_code_when_plainly_unpickled(tmp_pat
 
 
 @pytest.mark.parametrize(
-    "key", [ACTION_SECRET, b"", STATE_KEY], ids=["action_secret", "no_key", "the_workers_state_key"]
+    "key",
+    [TRAINER_KEY, OLD_ACTION_SECRET, b"", STATE_KEY],
+    ids=["public_key", "old_action_secret", "no_key", "the_workers_state_key"],
 )
 def test_a_pickle_that_calls_os_system_is_refused_whichever_key_signs_it(tmp_path, key):
     marker = tmp_path / "MARKER"
@@ -324,7 +329,7 @@ def test_names_outside_a_run_s_state_are_refused_before_anything_is_imported(mod
 
 
 def test_a_refused_record_is_counted_logged_where_it_is_and_its_run_starts_fresh(tmp_path, caplog):
-    """Two records that would run code (one signed with the action secret, one with the workers' key) and a
+    """Two records that would run code (one signed with a trainer's key, one with the workers' key) and a
     genuine one: the genuine run is restored; the other two are counted, logged with their topic,
     partition and offset, and start fresh, their NaN found by their new detectors."""
     marker = tmp_path / "MARKER"
@@ -335,7 +340,7 @@ def test_a_refused_record_is_counted_logged_where_it_is_and_its_run_starts_fresh
     for offset, raw in enumerate(steps):
         first.process(raw, key=b"good", partition=0, offset=offset)
     store.write(first.take_snapshots(force_checkpoint=True)[0])
-    for run_id, key in (("by-trainer", ACTION_SECRET), ("leaked-key", STATE_KEY)):
+    for run_id, key in (("by-trainer", TRAINER_KEY), ("leaked-key", STATE_KEY)):
         value = encode_snapshot(_header(run_id), RunsCode(marker), key)
         store.write([StateRecord(f"runwatch-detect/{run_id}", 0, value)])
 
@@ -367,38 +372,49 @@ def test_a_refused_record_is_counted_logged_where_it_is_and_its_run_starts_fresh
 # -- the state key ----------------------------------------------------------------------------------
 
 
-def test_the_state_key_is_required_long_enough_and_never_the_action_secret(monkeypatch):
+def test_the_state_key_is_required_long_enough_and_never_an_action_key(monkeypatch):
     monkeypatch.delenv(STATE_SECRET_ENV, raising=False)
     with pytest.raises(MissingStateSecretError, match=f"set {STATE_SECRET_ENV}.*--no-state"):
         resolve_state_secret()
     with pytest.raises(MissingStateSecretError, match="at least 32"):
         resolve_state_secret("short")
-    with pytest.raises(MissingStateSecretError, match="is the action secret"):
-        resolve_state_secret(ACTION_SECRET, action_secret=ACTION_SECRET)
+    with pytest.raises(MissingStateSecretError, match="is the action signing key"):
+        resolve_state_secret(SEED * 2, action_secret=SEED * 2)
+    # nor what trainers are given: the public keys, or an old deployment's shared action secret
+    for name, value in (
+        ("RUNWATCH_ACTION_PUBLIC_KEYS", TRAINER_KEY),
+        ("RUNWATCH_ACTION_SECRET", OLD_ACTION_SECRET),
+    ):
+        monkeypatch.setenv(name, value.decode())
+        with pytest.raises(MissingStateSecretError, match=f"is {name}, which trainers are given"):
+            resolve_state_secret(value)
     monkeypatch.setenv(STATE_SECRET_ENV, STATE_KEY.decode())
-    assert resolve_state_secret(action_secret=ACTION_SECRET) == STATE_KEY
-    # a processor with durable state takes no action secret for its snapshots
+    assert resolve_state_secret(action_secret=SEED) == STATE_KEY
+    # a processor with durable state takes no action key for its snapshots
     store = _Store()
     with pytest.raises(ValueError, match="state key"):
-        TelemetryProcessor(CONFIG, ACTION_SECRET, state_reader=store)  # type: ignore[arg-type]
-    with pytest.raises(MissingStateSecretError, match="is the action secret"):
-        TelemetryProcessor(CONFIG, ACTION_SECRET, state_reader=store, state_secret=ACTION_SECRET)  # type: ignore[arg-type]
-    TelemetryProcessor(CONFIG, b"short", state_reader=None)  # (no durable state: no key needed)
+        TelemetryProcessor(CONFIG, SEED, state_reader=store)  # type: ignore[arg-type]
+    with pytest.raises(MissingStateSecretError, match="is the action signing key"):
+        TelemetryProcessor(CONFIG, SEED, state_reader=store, state_secret=SEED)  # type: ignore[arg-type]
+    TelemetryProcessor(CONFIG, SEED, state_reader=None)  # (no durable state: no state key needed)
+    with pytest.raises(ValueError, match="32-byte seed"):  # but a signing key, always
+        TelemetryProcessor(CONFIG, b"short", state_reader=None)
 
 
 def test_a_local_stack_keeps_a_state_key_of_its_own(tmp_path, monkeypatch):
-    from runwatch.local.secret import STATE_SECRET_FILE, stack_secret, stack_state_secret
+    from runwatch.local.secret import STATE_SECRET_FILE, stack_action_keys, stack_state_secret
 
-    monkeypatch.delenv(STATE_SECRET_ENV, raising=False)
-    monkeypatch.delenv("RUNWATCH_ACTION_SECRET", raising=False)
-    secret, _ = stack_secret(tmp_path)
-    key = stack_state_secret(tmp_path, secret)
-    assert len(key) >= 32 and key != secret
-    assert stack_state_secret(tmp_path, secret) == key  # kept
+    for name in (STATE_SECRET_ENV, "RUNWATCH_ACTION_SIGNING_KEY", "RUNWATCH_ACTION_PUBLIC_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    keys = stack_action_keys(tmp_path)
+    key = stack_state_secret(tmp_path, keys.seed)
+    assert len(key) >= 32 and key.encode() != keys.seed
+    assert stack_state_secret(tmp_path, keys.seed) == key  # kept
     assert (tmp_path / STATE_SECRET_FILE).stat().st_mode & 0o077 == 0  # readable by its owner only
-    monkeypatch.setenv(STATE_SECRET_ENV, secret)
-    with pytest.raises(MissingStateSecretError, match="is the action secret"):
-        stack_state_secret(tmp_path, secret)
+    monkeypatch.setenv(STATE_SECRET_ENV, keys.public_keys.text)
+    monkeypatch.setenv("RUNWATCH_ACTION_PUBLIC_KEYS", keys.public_keys.text)
+    with pytest.raises(MissingStateSecretError, match="which trainers are given"):
+        stack_state_secret(tmp_path, keys.seed)
 
 
 if __name__ == "__main__":  # every name real snapshots reference, and whether it is admitted

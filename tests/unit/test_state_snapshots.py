@@ -30,8 +30,9 @@ from runwatch.streams.worker.state import (
     decode_header,
     encode_snapshot,
 )
+from tests.action_keys import SEED
 
-SECRET = b"unit-test-secret-at-least-32-bytes-0123"  # the codec tests sign with it; processors act with it
+SECRET = SEED  # the codec tests sign with it; processors sign actions with it
 STATE_SECRET = b"unit-test-state-key-at-least-32-bytes-456"
 T0 = datetime(2024, 5, 1, 12, tzinfo=UTC)
 WALL = T0 + timedelta(days=1)  # the worker clock: events within 7 days before it are in the time window

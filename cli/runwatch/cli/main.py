@@ -1,5 +1,5 @@
 """The ``runwatch`` command line: up, runs, broker, worker, sink, remediate, migrate, demo, scenarios,
-config, replay, evaluate, calibrate, ingest, baseline, report, grafana; each command group in its own
+config, replay, evaluate, calibrate, ingest, baseline, report, grafana, keys; each command group in its own
 module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from runwatch.cli import (
     demo,
     grafana,
     ingest,
+    keys,
     migrate,
     offline,
     remediate,
@@ -55,6 +56,7 @@ for command in (
     report.report,
     grafana.grafana,
     migrate.migrate,
+    keys.keys,
 ):
     main.add_command(command)
 

@@ -35,15 +35,15 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None, ready_file: Pat
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
     from runwatch.cli.startup import open_store, require_topics, writable_dir
     from runwatch.detectors.configfile import ConfigError
-    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
+    from runwatch.producer.wire.signing import MissingKeyError, resolve_public_keys
     from runwatch.sinks.remediate.config import load_remediation_config
     from runwatch.sinks.remediate.consumer import RemediateConsumer
     from runwatch.sinks.remediate.record import RemediationStore
 
     try:
         config = load_remediation_config(config_path)
-        secret = resolve_secret()
-    except (ConfigError, MissingSecretError) as exc:
+        public_keys = resolve_public_keys()  # verifies the workers' actions; cannot sign one
+    except (ConfigError, MissingKeyError) as exc:
         raise CommandError(str(exc)) from None
     if dsn is None:  # its own embedded path: a chdb path is open in one process at a time (the sink's)
         folder = writable_dir(Path(".runwatch"), "give --dsn, or start it where this user can write")
@@ -58,7 +58,7 @@ def remediate(bootstrap: str, config_path: str, dsn: str | None, ready_file: Pat
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # its connection chatter: about 80 lines a start
     quiet_repeats("kafka")  # and a broker gone away: one line per kind every 30 s, not 10 a second
-    consumer = RemediateConsumer(config, secret, RemediationStore(store), bootstrap)
+    consumer = RemediateConsumer(config, public_keys, RemediationStore(store), bootstrap)
     n_commands = sum(len(rule.commands) for rule in config.rules)
     click.echo(
         f"remediate: {n_commands} command template(s), {len(config.webhooks)} webhook(s); "

@@ -56,14 +56,14 @@ def sink(
     write each run's summary (run_summaries) when it ends or dies."""
     from runwatch.cli.startup import open_store, require_topics
     from runwatch.producer.wire.logsafe import redacted
-    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
+    from runwatch.producer.wire.signing import MissingKeyError, resolve_public_keys
     from runwatch.sinks import SinkConsumer
 
     config = cli_config(config_path)
     limits = config.limits
     try:
-        secret = resolve_secret()  # actions are stored only when signed with it
-    except MissingSecretError as exc:
+        public_keys = resolve_public_keys()  # actions are stored only when signed by the workers' key
+    except MissingKeyError as exc:
         raise CommandError(str(exc)) from None
     store = open_store(dsn)
     try:
@@ -84,7 +84,7 @@ def sink(
         limits=limits,
         died_after_s=died_after,
         summary_loss_every=config.baseline.loss_every,
-        secret=secret,
+        public_keys=public_keys,
         partitions=partitions,
     )
     page = None

@@ -26,7 +26,7 @@ from runwatch.producer.wire import topics
     type=click.Path(file_okay=False, path_type=Path),
     default=Path(".runwatch"),
     show_default=True,
-    help="the store, the secret, the logs and the worker's files",
+    help="the store, the keys, the logs and the worker's files",
 )
 @click.option("--bootstrap", help="an existing Kafka instead of the embedded broker")
 @click.option("--dsn", help="an existing ClickHouse (http(s)://...) instead of the embedded store")
@@ -62,7 +62,7 @@ def up(
 
     from runwatch.local.stack import LocalStack, StackOptions
     from runwatch.local.state_lock import StateFolderHeld
-    from runwatch.producer.wire.signing import MissingSecretError
+    from runwatch.producer.wire.signing import MissingKeyError
 
     # The parts log to files; here only what goes wrong (the client libraries' retry chatter included).
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -83,7 +83,7 @@ def up(
         signal.signal(sig, lambda *_: stopping.set())
     try:
         stack.start()
-    except (MissingSecretError, StateFolderHeld) as exc:
+    except (MissingKeyError, StateFolderHeld) as exc:
         raise CommandError(str(exc)) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -105,14 +105,15 @@ def up(
 
 def _print_exports(stack: LocalStack) -> None:
     state = stack.options.state_dir.resolve()
-    secret_value = (
-        # (by its absolute path: the file is sourced from wherever the training shell is)
-        f'"$(cat {shlex.quote(str(stack.secret_file.resolve()))})"'
-        if stack.secret_file
-        else f"${topics.SECRET_ENV}"
-    )
+    keys = stack.action_keys
+    assert keys is not None
     env_file = state / "env"
-    lines = [f"export {topics.BOOTSTRAP_ENV}={stack.bootstrap}", f"export {topics.SECRET_ENV}={secret_value}"]
+    # The public key only: it verifies the worker's actions and cannot sign one (the signing key stays with
+    # the worker). Written out, not read from a file: the env file is sourced from any folder.
+    lines = [
+        f"export {topics.BOOTSTRAP_ENV}={stack.bootstrap}",
+        f"export {topics.PUBLIC_KEYS_ENV}={shlex.quote(keys.public_keys.text)}",
+    ]
     fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write("\n".join(lines) + "\n")
@@ -120,8 +121,8 @@ def _print_exports(stack: LocalStack) -> None:
     broker = "embedded, in memory" if stack.broker is not None else "given"
     click.echo(f"runwatch is up:\n  broker  {stack.bootstrap} ({broker})\n  page    {stack.page.url}")
     click.echo(f"  store   {stack.sink.dsn}\n  logs    {stack.logs}")
-    if stack.secret_file is not None:
-        click.echo(f"  secret  {stack.secret_file} (readable by you only)")
+    if keys.signing_key_file is not None:
+        click.echo(f"  key     {keys.signing_key_file} (the worker's signing key, readable by you only)")
     click.echo(f"In the training shell (or: source {shlex.quote(str(env_file))}):")
     for line in lines:
         click.echo(f"  {line}")

@@ -115,7 +115,7 @@ def worker(
         require_engine("runwatch worker --baseline-dsn", baseline_dsn)
     from pydantic import ValidationError
 
-    from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
+    from runwatch.producer.wire.signing import MissingKeyError, resolve_signing_key
     from runwatch.streams.worker.health_server import HealthServer
     from runwatch.streams.worker.run_states import StateOptions
 
@@ -136,10 +136,11 @@ def worker(
     from runwatch.streams.worker.state import resolve_state_secret
 
     try:
-        secret = resolve_secret()
-        # (the snapshots' key: the workers' own, never the action secret trainers hold)
+        # (the workers' private key: only they sign actions; trainers hold its public key)
+        secret = resolve_signing_key().seed
+        # (the snapshots' key: the workers' own, never one a trainer holds)
         state_secret = None if no_state else resolve_state_secret(action_secret=secret)
-    except MissingSecretError as exc:
+    except MissingKeyError as exc:
         raise CommandError(str(exc)) from None
     try:
         state = StateOptions(

@@ -9,7 +9,6 @@ event is stored, shuts everything down and reports what happened, read back from
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 import time
 import uuid
@@ -26,6 +25,13 @@ from runwatch.local.netcut import NetCut
 from runwatch.local.worker_process import WorkerProcess, wait_until
 from runwatch.producer import ActionListener, AppliedAction, RunWatch
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.signing import (
+    ActionPublicKeys,
+    ActionSigningKey,
+    MissingKeyError,
+    resolve_public_keys,
+    resolve_signing_key,
+)
 from runwatch.scenarios.catalog import SCENARIOS
 from runwatch.scenarios.clocks import SimulatedClock
 from runwatch.scenarios.live import TrainingResult
@@ -179,14 +185,18 @@ def _connect_broker(
 
 
 def _start_sink(
-    stack: ExitStack, dsn: str | None, bootstrap: str, secret: str, log: Callable[[str], None]
+    stack: ExitStack,
+    dsn: str | None,
+    bootstrap: str,
+    public_keys: ActionPublicKeys,
+    log: Callable[[str], None],
 ) -> tuple[ClickHouseSink, SinkConsumer, Callable[[], None]]:
     """The ClickHouse sink and its consumer, running in a thread: the sink, the consumer and the
     function that stops the thread (``stack`` stops it and closes the sink)."""
     sink = ClickHouseSink(dsn)
     stack.callback(sink.close)
     sink.migrate()
-    sink_consumer = SinkConsumer(sink, bootstrap, batch_interval_s=0.25, secret=secret.encode())
+    sink_consumer = SinkConsumer(sink, bootstrap, batch_interval_s=0.25, public_keys=public_keys)
     sink_thread = threading.Thread(target=sink_consumer.run, name="runwatch-sink", daemon=True)
     sink_thread.start()
 
@@ -337,6 +347,22 @@ def _outage_summary(outage: _Outage | None) -> dict[str, Any] | None:
     }
 
 
+def _demo_keys(start_worker: bool) -> tuple[ActionSigningKey | None, ActionPublicKeys]:
+    """The worker's signing key (None: no worker is started here) and the public keys the trainer and the
+    sink verify with: ``$RUNWATCH_ACTION_SIGNING_KEY`` / ``$RUNWATCH_ACTION_PUBLIC_KEYS`` when set, else a
+    pair made for this run."""
+    try:
+        key = None
+        if start_worker:
+            given = os.environ.get(topics.SIGNING_KEY_ENV)
+            key = resolve_signing_key(given) if given else ActionSigningKey.generate()
+        if os.environ.get(topics.PUBLIC_KEYS_ENV) or key is None:  # (another worker's: its public key)
+            return key, resolve_public_keys()
+        return key, ActionPublicKeys([key.public])
+    except MissingKeyError as exc:
+        raise DemoError(str(exc)) from None
+
+
 def run_demo(
     opts: DemoOptions,
     log: Callable[[str], None] = lambda _m: None,
@@ -344,7 +370,7 @@ def run_demo(
 ) -> dict[str, Any]:
     run_id = f"demo-{opts.scenario}-{uuid.uuid4().hex[:8]}"
     sc, fault_step = _scenario_and_fault_step(opts)
-    secret = os.environ.get(topics.SECRET_ENV) or secrets.token_hex(32)
+    signing_key, public_keys = _demo_keys(opts.start_worker)
     logs = STATE_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -353,14 +379,14 @@ def run_demo(
         bootstrap, outage = _connect_broker(opts, stack, logs, log)
 
         worker = None
-        if opts.start_worker:
-            worker = WorkerProcess(bootstrap, secret, logs / f"worker-{run_id}.log", opts.config_path)
+        if signing_key is not None:
+            worker = WorkerProcess(bootstrap, signing_key, logs / f"worker-{run_id}.log", opts.config_path)
             stack.callback(worker.stop)
 
-        sink, sink_consumer, stop_sink = _start_sink(stack, opts.dsn, bootstrap, secret, log)
+        sink, sink_consumer, stop_sink = _start_sink(stack, opts.dsn, bootstrap, public_keys, log)
 
         rw = RunWatch(run_id, bootstrap, run_start={"tags": {"scenario": opts.scenario}, "seed": 0})
-        listener = ActionListener(rw, secret=secret)
+        listener = ActionListener(rw, public_keys=public_keys)
         stack.callback(listener.close)
         if worker is not None:
             worker.wait_ready(60)

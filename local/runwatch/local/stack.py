@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.local.secret import stack_secret, stack_state_secret
+from runwatch.local.secret import StackActionKeys, stack_action_keys, stack_state_secret
 from runwatch.local.state_lock import hold
 from runwatch.local.worker_process import WorkerProcess, wait_until
 from runwatch.producer.wire import topics
 
 if TYPE_CHECKING:
     from runwatch.detectors.config import RunwatchConfig
+    from runwatch.producer.wire.signing import ActionPublicKeys
     from runwatch.sinks.clickhouse import ClickHouseSink
     from runwatch.sinks.consumer import SinkConsumer
     from runwatch.sinks.page import PageServer
@@ -54,8 +55,7 @@ class LocalStack:
     say: Callable[[str], None] = print
     broker: EmbeddedBroker | None = None
     bootstrap: str = ""
-    secret: str = ""
-    secret_file: Path | None = None
+    action_keys: StackActionKeys | None = None  # the worker's signing key; the public key for everyone else
     state_secret: str = ""  # the worker's alone: signs its state snapshots (never in .runwatch/env)
     worker: WorkerProcess | None = None
     sink: ClickHouseSink | None = None
@@ -88,12 +88,12 @@ class LocalStack:
         _check_port(opts.page_host, opts.page_port)  # before anything starts: a busy port is one line
         self._lock = hold(opts.state_dir)  # (one stack per state folder; made 0700)
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.secret, self.secret_file = stack_secret(opts.state_dir)
-        self.state_secret = stack_state_secret(opts.state_dir, self.secret)
+        self.action_keys = keys = stack_action_keys(opts.state_dir)
+        self.state_secret = stack_state_secret(opts.state_dir, keys.seed)
         self._start_broker()
         self.worker = WorkerProcess(
             self.bootstrap,
-            self.secret,
+            keys.signing_key,
             self.logs / "worker.log",
             opts.config_path,
             die_with_parent=True,
@@ -127,7 +127,7 @@ class LocalStack:
             batch_interval_s=0.5,
             limits=config.limits,
             summary_loss_every=config.baseline.loss_every,
-            secret=self.secret.encode(),
+            public_keys=self._public_keys(),
             # (the embedded broker's topics are made here, with the default count; a given Kafka's are
             # not known here, and the worker dead-letters a record on the wrong partition anyway)
             partitions=topics.DEFAULT_PARTITIONS if self.broker is not None else None,
@@ -145,9 +145,13 @@ class LocalStack:
         assert self.sink is not None
         config = load_remediation_config(str(path))
         self.remediator = RemediateConsumer(
-            config, self.secret.encode(), RemediationStore(self.sink), self.bootstrap
+            config, self._public_keys(), RemediationStore(self.sink), self.bootstrap
         )
         self._run_thread("runwatch-remediate", self.remediator.run)
+
+    def _public_keys(self) -> ActionPublicKeys:
+        assert self.action_keys is not None
+        return self.action_keys.public_keys
 
     def _run_thread(self, name: str, target: Callable[[], Any]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

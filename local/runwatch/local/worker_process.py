@@ -17,13 +17,14 @@ from typing import Any
 from runwatch.local.broker import free_port
 from runwatch.local.children import die_with_parent as ending_with_parent
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.signing import ActionSigningKey
 from runwatch.streams.worker.state import STATE_SECRET_ENV
 
 
 @cache
 def launcher_state_secret() -> str:
     """The state key of the workers this process starts: ``$RUNWATCH_STATE_SECRET``, else a new random
-    one (the same for every worker this process starts; never derived from the action secret)."""
+    one (the same for every worker this process starts; never derived from an action key)."""
     return os.environ.get(STATE_SECRET_ENV) or secrets.token_hex(32)
 
 
@@ -46,7 +47,7 @@ class WorkerProcess:
     def __init__(
         self,
         bootstrap: str,
-        secret: str,
+        signing_key: str | ActionSigningKey,
         log_path: Path,
         config_path: Path | None = None,
         group: str | None = None,
@@ -54,7 +55,8 @@ class WorkerProcess:
         die_with_parent: bool = False,
         state_secret: str | None = None,
     ):
-        """``secret``: the action secret. ``state_secret``: the worker's state key (its snapshots are signed
+        """``signing_key``: the action signing key (``$RUNWATCH_ACTION_SIGNING_KEY``: its PEM text or its
+        file's path; or the key). ``state_secret``: the worker's state key (its snapshots are signed
         with it); None: ``$RUNWATCH_STATE_SECRET``, else one made once per launching process, so that the
         workers one demo or test starts in turn restore each other's runs."""
         # (the worker runs in the log's folder: every path it gets is absolute)
@@ -85,7 +87,12 @@ class WorkerProcess:
         cmd += list(extra_args)
         env = dict(
             os.environ,
-            **{topics.SECRET_ENV: secret, STATE_SECRET_ENV: state_secret or launcher_state_secret()},
+            **{
+                topics.SIGNING_KEY_ENV: signing_key.pem().decode()
+                if isinstance(signing_key, ActionSigningKey)
+                else signing_key,
+                STATE_SECRET_ENV: state_secret or launcher_state_secret(),
+            },
         )
         self.log_path = log_path
         self._log = open(log_path, "ab")

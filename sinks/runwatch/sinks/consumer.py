@@ -39,12 +39,15 @@ from runwatch.producer.wire.schema import (
     receive_time,
     utc_now,
 )
+from runwatch.producer.wire.signing import ActionPublicKeys
 from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.rows import storable_time
 from runwatch.sinks.summaries import SummaryUpkeep
 
 log = logging.getLogger(__name__)
+
+_UNVERIFIED = "action bad_signature"  # the start of the reason an unverified action is dead-lettered with
 
 SINK_GROUP = topics.SINK_GROUP
 
@@ -93,7 +96,7 @@ class SinkConsumer:
         died_after_s: float = 600.0,
         summary_interval_s: float = 30.0,
         summary_loss_every: int = 100,
-        secret: bytes | None = None,
+        public_keys: ActionPublicKeys | None = None,
         partitions: int | None = None,
     ):
         """``deadletter_producer``: a kafka-python ``KafkaProducer`` for the sink's dead letters
@@ -102,13 +105,15 @@ class SinkConsumer:
         ``summarize``: write run summaries (see the module doc); ``died_after_s``: a run whose last
         event is older is summarised as ``died``; ``summary_interval_s``: how often to look for them;
         ``summary_loss_every``: the summaries' loss_at_step_N (the config's ``baseline.loss_every``).
-        ``secret``: the action secret; actions not signed with it (or dated in the future) are dead-lettered,
-        not stored (None: stored unchecked; ``runwatch sink`` always gives it). ``partitions``: the telemetry
-        topic's partition count; a record on another partition than its key's is not stored (the worker
-        dead-letters it)."""
+        ``public_keys``: the workers' public keys; actions not signed by one of them (or dated in the future)
+        are dead-lettered, not stored (None: stored unchecked; ``runwatch sink`` always gives them); a batch
+        whose every action fails verification is logged as such (the keys are not the workers').
+        ``partitions``: the telemetry topic's partition count; a record on another partition than its key's
+        is not stored (the worker dead-letters it)."""
         self.partitions = partitions
         self.limits = limits
-        self._actions = ActionInbox(secret, remember=False) if secret is not None else None
+        self._actions = ActionInbox(public_keys, remember=False) if public_keys is not None else None
+        self._public_key_ids = ", ".join(public_keys.key_ids) if public_keys is not None else ""
         self.sink = sink
         self.bootstrap = bootstrap
         self.group_id = group_id
@@ -147,6 +152,7 @@ class SinkConsumer:
         batch: dict[str, list[tuple[Any, Any]]] = {table: [] for table in TOPIC_TABLES.values()}
         refused: list[tuple[Any, str]] = []
         now = utc_now()
+        actions = unverified = 0
         for r in records:
             table = TOPIC_TABLES.get(r.topic)
             if table is None:
@@ -157,10 +163,23 @@ class SinkConsumer:
                 # Malformed telemetry is the worker's to dead-letter; the sink just skips it.
                 self.stats.skipped[r.topic] += 1
                 continue
+            if r.topic == topics.ACTIONS and self._actions is not None:
+                actions += 1
+                unverified += problem is not None and problem.startswith(_UNVERIFIED)
             if problem is not None:
                 refused.append((r, problem))
             else:
                 batch[table].append((r, item))
+        if actions and unverified == actions:
+            # Not a forger's odd message: every action the workers sent is refused. Loud, not a quiet count.
+            log.warning(
+                "runwatch sink: %d of %d actions fail verification: is the public key the workers'? (%s, "
+                "now %s; they are dead-lettered, not stored)",
+                unverified,
+                actions,
+                topics.PUBLIC_KEYS_ENV,
+                self._public_key_ids,
+            )
         return batch, refused
 
     def _decode(self, r: Any, now: datetime) -> tuple[Any, str | None]:

@@ -6,7 +6,8 @@ order, each counted in ``ignored``:
 
 - ``malformed``: not a valid action (or anything else that makes judging it fail);
 - ``other_run``: addressed to another run (only with ``run_id``: the trainer's inbox);
-- ``bad_signature``: not signed with the shared secret over its canonical body;
+- ``bad_signature``: not signed over its canonical body by the workers' key (one of the public keys
+  given: ``$RUNWATCH_ACTION_PUBLIC_KEYS``; nothing that holds only those can sign);
 - ``other_attempt``: issued for another attempt of the run (only with ``attempt``: a trainer's inbox,
   when both the trainer and the action name one);
 - ``future``: issued later than now plus the clock-skew allowance (``clock_skew``, by default
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from runwatch.producer.wire.schema import Action, SchemaError, decode_action, utc_now
-from runwatch.producer.wire.signing import verify_action
+from runwatch.producer.wire.signing import ActionPublicKeys
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class ActionInbox:
 
     def __init__(
         self,
-        secret: bytes,
+        public_keys: ActionPublicKeys,
         *,
         run_id: str | None = None,
         attempt: str | None = None,
@@ -65,7 +66,7 @@ class ActionInbox:
         handled: Callable[[Action], str | None] = lambda _action: None,
         now: Callable[[], datetime] = utc_now,
     ):
-        self._secret = secret
+        self._public_keys = public_keys
         self._run_id = run_id
         self._attempt = attempt
         self._clock_skew = clock_skew
@@ -93,8 +94,8 @@ class ActionInbox:
         return verdict.action if verdict.reason is None else None
 
     def verifies(self, action: Action) -> bool:
-        """Whether ``action`` is for this inbox's run (if it has one) and signed with its secret."""
-        return (self._run_id is None or action.run_id == self._run_id) and verify_action(action, self._secret)
+        """Whether ``action`` is for this inbox's run (if it has one) and signed by the workers' key."""
+        return (self._run_id is None or action.run_id == self._run_id) and self._public_keys.verify(action)
 
     def mark_seen(self, action_id: str) -> None:
         """Take a later copy of ``action_id`` for a duplicate."""
@@ -110,7 +111,7 @@ class ActionInbox:
         if self._run_id is not None and action.run_id != self._run_id:
             return Verdict(action, "other_run")  # another run's action on a shared partition
         now = self._now()
-        if not verify_action(action, self._secret):
+        if not self._public_keys.verify(action):
             return Verdict(action, "bad_signature")
         if self._attempt is not None and action.attempt is not None and action.attempt != self._attempt:
             return Verdict(action, "other_attempt")  # e.g. the stop that ended the job before it was requeued

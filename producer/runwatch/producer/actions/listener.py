@@ -2,7 +2,8 @@
 
 A daemon thread (:mod:`~runwatch.producer.actions.reader`) consumes ``runwatch.actions``; its
 :mod:`~runwatch.producer.actions.inbox` keeps only actions that are addressed to this run, signed
-with the shared secret, issued for this attempt of the run (when both name one: ``RunWatch.attempt``),
+by the workers' key (verified with their public key: ``$RUNWATCH_ACTION_PUBLIC_KEYS``; a trainer holds
+no key that can sign), issued for this attempt of the run (when both name one: ``RunWatch.attempt``),
 unexpired, issued neither before the listener started nor in the future (both with a clock-skew
 allowance, ``clock_skew_s``) and neither seen before nor applied before a restart. Everything else is
 counted in ``ignored`` by reason: ``other_run``, ``malformed``, ``bad_signature``, ``other_attempt``,
@@ -40,13 +41,28 @@ from runwatch.producer.actions.watchdog import StopWatchdog
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.action_kinds import applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
-from runwatch.producer.wire.signing import MissingSecretError, resolve_secret
+from runwatch.producer.wire.signing import ActionPublicKeys, MissingKeyError, resolve_public_keys
 
 if TYPE_CHECKING:
     from runwatch.producer.publish.run_watch import RunWatch
 
 
 log = logging.getLogger(__name__)
+
+
+def _no_keys() -> ActionPublicKeys:
+    """Keys that verify nothing (a listener without public keys refuses every action): one made here, its
+    private half dropped at once."""
+    from runwatch.producer.wire.signing import ActionSigningKey
+
+    return ActionPublicKeys([ActionSigningKey.generate().public])
+
+
+def _signer(action: Action | None) -> str:
+    """Which key an action names as its signer, for the warning."""
+    signature = action.signature if action is not None else ""
+    parts = signature.split(":")
+    return f"names key {parts[1]!r}" if len(parts) == 3 else "is not an ed25519:<key id>:<signature>"
 
 
 def _publishes_to_kafka(rw: Any) -> bool:
@@ -63,7 +79,7 @@ class ActionListener:
         model: Any = None,
         optimizer: Any = None,
         *,
-        secret: str | bytes | None = None,
+        public_keys: str | ActionPublicKeys | None = None,
         restore: RestoreFn | None = None,
         clock_skew_s: float = DEFAULT_CLOCK_SKEW.total_seconds(),
         pause_timeout_s: float = 300.0,
@@ -92,20 +108,26 @@ class ActionListener:
         recorded to a file or to memory); False: no consumer thread (tests, another transport), raw
         actions go to ``_accept``.
 
-        Without a usable secret (none given, ``$RUNWATCH_ACTION_SECRET`` unset or too short) the
-        listener warns once and applies nothing: the run goes on, unwatched by actions (``unsigned``
-        says why). ``strict=True`` raises ``MissingSecretError`` instead."""
+        ``public_keys``: the workers' public key(s), as ``$RUNWATCH_ACTION_PUBLIC_KEYS`` holds them (the
+        default) or parsed; only actions signed by one of them are applied. Without a usable one (none
+        given, the variable unset or not public keys) the listener warns once and applies nothing: the run
+        goes on, unwatched by actions (``unsigned`` says why). ``strict=True`` raises ``MissingKeyError``
+        instead. The first action for this run that fails verification is warned about once: the
+        trainer's public keys are not the workers'."""
         self.rw = rw
         self.unsigned: str | None = None  # why no action can be applied in this run, if so
+        self.verification_warned = False  # the one warning of an action for this run that fails verification
+        keys: ActionPublicKeys | None
         try:
-            secret_bytes = resolve_secret(secret)
-        except MissingSecretError as exc:
+            keys = resolve_public_keys(public_keys)
+        except MissingKeyError as exc:
             if strict:
                 raise
             self.unsigned = str(exc)
             log.warning("runwatch: %s; actions are not applied in this run", exc)
-            secret_bytes = os.urandom(32)  # matches nothing that was signed: every action is refused
+            keys = None
             consume = False
+        self._key_ids = keys.key_ids if keys is not None else []
         if consume is None:
             consume = _publishes_to_kafka(rw)
         if restore is None and model is not None:
@@ -120,7 +142,7 @@ class ActionListener:
         clock_skew = timedelta(seconds=clock_skew_s)
         started_at = utc_now() - clock_skew
         self._inbox = ActionInbox(
-            secret_bytes,
+            keys if keys is not None else _no_keys(),
             run_id=rw.run_id,
             attempt=getattr(rw, "attempt", None),
             clock_skew=clock_skew,
@@ -260,7 +282,7 @@ class ActionListener:
             self.ignored["malformed"] += 1
             return None
         if self._inbox.verifies(action):
-            # Signed with our secret for our run: apply rank 0's copy, so that this rank does not
+            # Signed by the workers for our run: apply rank 0's copy, so that this rank does not
             # diverge from the others (a rank that skips a rollback trains on different weights).
             return self._applier.apply(action, step, check_expiry=False)
         detail = (
@@ -272,7 +294,19 @@ class ActionListener:
     # -- from the consumer thread ------------------------------------------------------
 
     def _accept(self, raw: bytes | None) -> None:
-        action = self._inbox.admit(raw)
+        verdict = self._inbox.judge(raw)
+        if verdict.reason == "bad_signature" and not self.verification_warned:
+            # (only this run's actions reach the signature check: another run's are other_run)
+            self.verification_warned = True
+            log.warning(
+                "runwatch: actions for run %s fail verification: is %s the workers' public key? "
+                "(this one's signature %s; the keys here: %s; no such action is applied)",
+                self.rw.run_id,
+                topics.PUBLIC_KEYS_ENV,
+                _signer(verdict.action),
+                ", ".join(self._key_ids) or "none",
+            )
+        action = verdict.action if verdict.reason is None else None
         if action is None:
             return
         if applies(action.kind) == "stop":

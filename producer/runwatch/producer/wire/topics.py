@@ -28,7 +28,11 @@ REMEDIATE_GROUP = "runwatch-remediate"  # the remediator
 ALL_GROUPS = (DETECT_GROUP, SINK_GROUP, REMEDIATE_GROUP)
 
 BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
-SECRET_ENV = "RUNWATCH_ACTION_SECRET"
+# Actions are signed by the workers with their private key and verified with its public key(s) by everyone
+# else (producer/runwatch/producer/wire/signing.py, docs/security.md).
+SIGNING_KEY_ENV = "RUNWATCH_ACTION_SIGNING_KEY"  # the workers only: the PEM private key, or its file's path
+PUBLIC_KEYS_ENV = "RUNWATCH_ACTION_PUBLIC_KEYS"  # trainers, sink, remediator: public keys, comma-separated
+LEGACY_SECRET_ENV = "RUNWATCH_ACTION_SECRET"  # the old shared HMAC secret: read by nothing, named in errors
 ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same on every rank (RunWatch)
 
 # Pinned so that constructors never probe the broker (kafka-python 3.x returns at

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.signing import ActionPublicKeys
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.remediate.config import RemediationConfig
 from runwatch.sinks.remediate.notifications import post_webhook
@@ -33,7 +34,7 @@ class RemediateConsumer:
     def __init__(
         self,
         config: RemediationConfig,
-        secret: bytes,
+        public_keys: ActionPublicKeys,
         store: RemediationStore,
         bootstrap: str,
         *,
@@ -54,7 +55,7 @@ class RemediateConsumer:
         self._meta: dict[str, Mapping[str, Any]] = {}
         self.remediator = Remediator(
             config,
-            secret,
+            public_keys,
             record=self._record,
             lookup_run=self._lookup_run,
             done=store.done_keys(),

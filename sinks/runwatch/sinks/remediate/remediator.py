@@ -1,11 +1,11 @@
 """The remediator's core: what one delivered action needs, and doing it.
 
 For every action the shared :class:`~runwatch.producer.actions.inbox.ActionInbox` admits (it
-decodes, checks the HMAC signature and the expiry, and refuses an action whose every planned
-(action, target) pair is recorded already), it runs the command templates of the rules that match
-the action's kind, as argument lists without a shell, and posts Slack-compatible JSON to the
-webhooks that want that kind. I/O is injected: the consumer records to ClickHouse, runs real
-programs and posts over HTTP; tests pass their own.
+decodes, checks the workers' Ed25519 signature with their public keys and the expiry, and refuses an
+action whose every planned (action, target) pair is recorded already), it runs the command templates
+of the rules that match the action's kind, as argument lists without a shell, and posts
+Slack-compatible JSON to the webhooks that want that kind. I/O is injected: the consumer records to
+ClickHouse, runs real programs and posts over HTTP; tests pass their own.
 
 Targets: ``job_id``, ``host`` and ``pod`` are *self-declared*: they come from the trainer's own
 ``run_start`` (the worker copies them into the signed action's ``params``, so the signature
@@ -32,6 +32,7 @@ from typing import Any, TypedDict
 
 from runwatch.producer.actions.inbox import ActionInbox, Verdict
 from runwatch.producer.wire.schema import Action, utc_now
+from runwatch.producer.wire.signing import ActionPublicKeys
 from runwatch.sinks.remediate.config import CommandTemplate, RemediationConfig, VerifyCommand, Webhook
 from runwatch.sinks.remediate.notifications import post_webhook, slack_payload
 from runwatch.sinks.remediate.record import Execution, tail
@@ -68,7 +69,7 @@ class Remediator:
     def __init__(
         self,
         config: RemediationConfig,
-        secret: bytes,
+        public_keys: ActionPublicKeys,
         *,
         record: Callable[[Execution], None] = lambda _e: None,
         lookup_run: Callable[[str], Mapping[str, Any]] = lambda _run: {},
@@ -86,7 +87,7 @@ class Remediator:
         self._poster = poster
         self.done: set[tuple[str, str]] = set(done)
         # Every run's actions; what is recorded is the repeat check (per target, durable), not an id set.
-        self.inbox = ActionInbox(secret, remember=False, handled=self._all_recorded, now=now)
+        self.inbox = ActionInbox(public_keys, remember=False, handled=self._all_recorded, now=now)
         self.ignored = self.inbox.ignored  # the inbox's reasons, and no_rule
         self.executed: Counter[str] = Counter()  # by status
 

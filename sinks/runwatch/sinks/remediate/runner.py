@@ -1,4 +1,4 @@
-"""Running commands: without a shell, in their own session, stdin closed, the action secret
+"""Running commands: without a shell, in their own session, stdin closed, runwatch's keys
 removed from their environment, killed as a process group on timeout; and judging a verify
 command's answer (its stdout must be the run id on every non-empty line)."""
 
@@ -11,10 +11,14 @@ import subprocess
 from runwatch.producer.wire import topics
 from runwatch.sinks.remediate.record import tail
 
+# No key of runwatch's reaches a command: the remediator holds none that signs, but an environment shared
+# with a worker (or an old deployment's shared secret) might.
+_KEYS = (topics.SIGNING_KEY_ENV, topics.LEGACY_SECRET_ENV, "RUNWATCH_STATE_SECRET")
+
 
 def child_env() -> dict[str, str]:
-    """The remediator's environment without the action secret."""
-    return {k: v for k, v in os.environ.items() if k != topics.SECRET_ENV}
+    """The remediator's environment without runwatch's keys."""
+    return {k: v for k, v in os.environ.items() if k not in _KEYS}
 
 
 def _spawn(argv: list[str], timeout_s: float, *, merge_stderr: bool) -> tuple[str, int | None, bytes, bytes]:

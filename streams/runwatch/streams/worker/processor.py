@@ -34,7 +34,7 @@ from runwatch.producer.wire.schema import (
     receive_time,
     utc_now,
 )
-from runwatch.producer.wire.signing import sign_action
+from runwatch.producer.wire.signing import ActionSigningKey
 from runwatch.streams.worker.published import Published, read_published
 from runwatch.streams.worker.restore_progress import RestoreProgress
 from runwatch.streams.worker.run_lifecycle import (
@@ -133,10 +133,11 @@ class TelemetryProcessor:
         partitions: int | None = None,
         state_secret: bytes | None = None,
     ):
-        """``secret``: the action secret actions are signed with. ``state_reader``: where runs' snapshots
+        """``secret``: the action signing key's 32-byte seed (the workers' private key: trainers hold only
+        its public key). ``state_reader``: where runs' snapshots
         are read back from (None: no durable state; every request is then its own checkpoint). ``state``:
         when snapshots are taken. ``state_secret``: the workers' state key snapshots are signed with
-        (needed with durable state; never the action secret, which trainers hold: state.py).
+        (needed with durable state; never a key trainers hold: state.py).
         ``group``: the workers' consumer group, whose snapshots these are. ``partitions``: the telemetry
         topic's partition count; a record on another partition than its key's is refused (None: not
         checked)."""
@@ -146,6 +147,7 @@ class TelemetryProcessor:
             baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
         )
         self._secret = secret
+        self._signing_key = ActionSigningKey.from_seed(secret)  # (ValueError: not a 32-byte seed)
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
         self._perf = perf_clock
         self.monitors: dict[str, RunMonitor] = {}
@@ -162,7 +164,7 @@ class TelemetryProcessor:
         if self._reader is not None:
             if state_secret is None:
                 raise ValueError("durable state needs the workers' state key (state_secret)")
-            resolve_state_secret(state_secret, action_secret=secret)  # long enough, not the action secret
+            resolve_state_secret(state_secret, action_secret=secret)  # long enough, not an action key
         self._state_secret = state_secret or b""
         self.states = RunStates(options, clock, perf_clock) if self._reader is not None else None
         self._config_sha = config_digest(config.model_dump_json())
@@ -646,7 +648,7 @@ class TelemetryProcessor:
             issued_at=issued,
             expires_at=action_expiry(issued, self.config.policy.action_ttl_s),
         )
-        return sign_action(action, self._secret)
+        return self._signing_key.sign(action)
 
     def _attempt(self, run_id: str) -> str | None:
         monitor = self.monitors.get(run_id)

@@ -18,8 +18,9 @@ header length (4 bytes, big-endian), the header (JSON), then the body (zlib-comp
 
 Two walls keep a record from running code in the worker:
 
-- the **state key** (``$RUNWATCH_STATE_SECRET``) is the workers' alone: never the action secret,
-  which every trainer holds. A record not signed with it is refused before its body is looked at;
+- the **state key** (``$RUNWATCH_STATE_SECRET``) is the workers' alone: never a key a trainer holds
+  (trainers hold only the actions' public keys, and once held the old shared action secret). A record
+  not signed with it is refused before its body is looked at;
 - the body is read by ``state_classes.StateUnpickler``, which resolves only the classes a run's state
   is made of (runwatch's detectors and engine, the river and numpy pieces they hold, datetimes and a
   few containers): a record that names anything else (``os.system``, ``builtins.eval``...) is refused
@@ -43,8 +44,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runwatch.producer.wire.signing import MIN_SECRET_BYTES, MissingSecretError
-from runwatch.producer.wire.topics import SECRET_ENV
+from runwatch.producer.wire.signing import MissingKeyError
+from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV
 from runwatch.streams.worker.state_classes import StateUnpickler
 
 MAGIC = b"RWS1"
@@ -52,19 +53,21 @@ FORMAT = 1
 _LENGTH = struct.Struct(">I")
 
 STATE_SECRET_ENV = "RUNWATCH_STATE_SECRET"
+MIN_SECRET_BYTES = 32  # HMAC-SHA256's key should be at least its output's size; shorter is guessable
 
 
 class SnapshotError(ValueError):
     """A state record that cannot be read."""
 
 
-class MissingStateSecretError(MissingSecretError):
+class MissingStateSecretError(MissingKeyError):
     """No usable state key: durable state is refused (``--no-state`` runs without it)."""
 
 
 def resolve_state_secret(secret: str | bytes | None = None, action_secret: bytes | None = None) -> bytes:
-    """The given state key, else ``$RUNWATCH_STATE_SECRET``: 32 bytes or more, and never the action
-    secret (``action_secret``), which trainers hold. Raises ``MissingStateSecretError`` saying what to do."""
+    """The given state key, else ``$RUNWATCH_STATE_SECRET``: 32 bytes or more, never the action signing
+    key (``action_secret``: its seed), and never what trainers are given (``$RUNWATCH_ACTION_PUBLIC_KEYS``,
+    the old ``$RUNWATCH_ACTION_SECRET``). Raises ``MissingStateSecretError`` saying what to do."""
     value = secret if secret is not None else os.environ.get(STATE_SECRET_ENV)
     make = "python -c 'import secrets; print(secrets.token_hex(32))'"
     if not value:
@@ -80,9 +83,15 @@ def resolve_state_secret(secret: str | bytes | None = None, action_secret: bytes
         )
     if action_secret is not None and hmac.compare_digest(key, action_secret):
         raise MissingStateSecretError(
-            f"{STATE_SECRET_ENV} is the action secret ({SECRET_ENV}), which every trainer holds: give the "
-            f"workers a key of their own (make one with: {make})"
+            f"{STATE_SECRET_ENV} is the action signing key: give the workers' state a key of its own "
+            f"(make one with: {make})"
         )
+    for name in (PUBLIC_KEYS_ENV, LEGACY_SECRET_ENV):
+        if hmac.compare_digest(key, os.environ.get(name, "").encode()):
+            raise MissingStateSecretError(
+                f"{STATE_SECRET_ENV} is {name}, which trainers are given: give the workers a key of their "
+                f"own (make one with: {make})"
+            )
     return key
 
 
@@ -132,7 +141,7 @@ def decode_header(raw: bytes, secret: bytes) -> tuple[SnapshotHeader, memoryview
     if not hmac.compare_digest(bytes(view[4:start]), hmac.digest(secret, view[start:], "sha256")):
         raise SnapshotError(
             f"a state record not signed with the workers' state key ({STATE_SECRET_ENV}; one signed with "
-            "the action secret is refused too): refused unread"
+            "any key a trainer holds is refused too): refused unread"
         )
     (length,) = _LENGTH.unpack(view[start : start + 4])
     head_at = start + 4
