@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from runwatch.producer.wire.topics import key_partition
+from runwatch.producer.wire.signing import ActionSigningKey
+from runwatch.producer.wire.topics import PUBLIC_KEYS_ENV, SIGNING_KEY_ENV, key_partition
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -59,6 +60,11 @@ SUITE = "bookworm"  # Python 3.11, as the Dockerfile's FROM
 # python-is-python3: compose's worker healthcheck calls `python`
 PACKAGES = ("python3", "python3-venv", "python3-pip", "python-is-python3", "ca-certificates")
 STATE_SECRET = secrets.token_hex(32)  # the workers' state key (RUNWATCH_STATE_SECRET): never the trainers'
+# The workers' action signing key: only the worker containers get it (by name, off the command line); the
+# sink, the remediator and the trainers get its public key, which cannot sign (docs/security.md). On one line,
+# as deploy/.env holds it.
+SIGNING_KEY = ActionSigningKey.generate()
+PRIVATE_ENV = ("RUNWATCH_STATE_SECRET", SIGNING_KEY_ENV)  # passed to podman by name (-e NAME)
 MIRROR = os.environ.get("DEPLOY_CHECK_MIRROR", "http://deb.debian.org/debian")
 IMPORT_CHANGES = (
     "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -280,8 +286,13 @@ class Compose:
         kafka = self.option("topics", "--bootstrap")  # compose's Kafka address
         out = {}
         for key, value in (self.services[service].get("environment") or {}).items():
-            if key == "RUNWATCH_ACTION_SECRET":
-                continue  # passed from podman's own environment (-e NAME), so it is not on a command line
+            if key == PUBLIC_KEYS_ENV:
+                out[key] = SIGNING_KEY.public.text
+                continue
+            if key == SIGNING_KEY_ENV:
+                # the workers' alone: not in this process's environment, which the trainers inherit
+                out[key] = " ".join(SIGNING_KEY.pem().decode().split())  # (Stack.start: off the command line)
+                continue
             if key == "RUNWATCH_STATE_SECRET":
                 # the workers' alone: not in this process's environment, which the trainers inherit
                 out[key] = STATE_SECRET  # (Stack.start keeps it off the command line)
@@ -314,11 +325,11 @@ class Stack:
         self, name: str, image: str, args: Sequence[str], env: dict[str, str], extra: Sequence[str] = ()
     ) -> str:
         full = f"{self.prefix}-{name}"
-        secret = {k: v for k, v in env.items() if k.endswith("_SECRET")}  # (by name: -e NAME)
+        secret = {k: v for k, v in env.items() if k in PRIVATE_ENV}  # (by name: -e NAME)
         envs = [a for k, v in env.items() for a in (("-e", k) if k in secret else ("-e", f"{k}={v}"))]
         self.containers.append(full)
         podman(
-            "run", "-d", "--name", full, "--network=host", "-e", "RUNWATCH_ACTION_SECRET",
+            "run", "-d", "--name", full, "--network=host",
             *envs, *extra, image, *args,
             what=f"starting {name}",
             env={**os.environ, **secret},
@@ -476,7 +487,11 @@ def check(work: Path, figures: dict[str, Any]) -> None:
     conf.write_text(CONTAINERS_CONF)
     os.environ["CONTAINERS_CONF"] = str(conf)
     build_images(work, figures)
-    os.environ["RUNWATCH_ACTION_SECRET"] = secrets.token_hex(32)  # for `podman run -e NAME`, and the trainers
+    # what the trainers inherit: the workers' public key, nothing that signs (the signing key goes to the
+    # workers by name, from Stack.start's environment for podman alone)
+    os.environ[PUBLIC_KEYS_ENV] = SIGNING_KEY.public.text
+    for name in PRIVATE_ENV:
+        os.environ.pop(name, None)
     stack = Stack(work)
     try:
         services = start_services(stack, Compose(), figures)

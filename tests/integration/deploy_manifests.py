@@ -163,7 +163,8 @@ class StandIns:
 
     bootstrap: str  # the broker's, for the manifests' Kafka address
     store: Callable[[Service, str], str]  # (service, DSN variable) -> an embedded ClickHouse DSN
-    secret: str  # the action secret an operator puts in place of the placeholders
+    signing_key: str  # the workers' action signing key (PEM) an operator puts in place of the placeholder
+    public_keys: str  # its public key, likewise
     state_secret: str  # the workers' state key, likewise
     free_port: Callable[[], int]
 
@@ -189,8 +190,10 @@ def localize(service: Service, kafka_address: str, stand_ins: StandIns) -> tuple
     for key, value in service.env.items():
         if re.match(r"https?://[^/]*:8123", value):  # a ClickHouse server's HTTP interface
             value = stand_ins.store(service, key)
-        elif key == "RUNWATCH_ACTION_SECRET":
-            value = stand_ins.secret  # (the k8s base ships a placeholder the worker refuses)
+        elif key == "RUNWATCH_ACTION_SIGNING_KEY":
+            value = stand_ins.signing_key  # (the k8s base ships a placeholder the worker refuses)
+        elif key == "RUNWATCH_ACTION_PUBLIC_KEYS":
+            value = stand_ins.public_keys  # (and one the sink and the remediator refuse)
         elif key == "RUNWATCH_STATE_SECRET":
             value = stand_ins.state_secret
         env[key] = value.replace(kafka_address, stand_ins.bootstrap)

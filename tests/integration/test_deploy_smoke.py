@@ -24,6 +24,7 @@ import yaml
 from runwatch.local.broker import EmbeddedBroker, free_port
 from runwatch.producer.wire import topics
 from runwatch.streams.worker.state import STATE_SECRET_ENV
+from tests.action_keys import ActionKeys
 from tests.integration.deploy_manifests import (
     DEPLOY,
     Service,
@@ -76,13 +77,14 @@ def _create_kafka_topics(bootstrap: str, docs: list[dict]) -> list[str]:
 class Stack:
     """The services of one manifest set, started in their order on this machine's stand-ins."""
 
-    def __init__(self, services: list[Service], bootstrap: str, sandbox: Sandbox, secret: str):
-        self.sandbox, self.secret = sandbox, secret
+    def __init__(self, services: list[Service], bootstrap: str, sandbox: Sandbox, keys: ActionKeys):
+        self.sandbox = sandbox
         self.stores = sandbox.folder("stores")
         self.stand_ins = StandIns(
             bootstrap=bootstrap,
             store=self._store,
-            secret=secret,
+            signing_key=keys.pem,
+            public_keys=keys.public_text,
             state_secret=secrets.token_hex(32),
             free_port=free_port,
         )
@@ -129,11 +131,12 @@ class Stack:
         return {name: proc.stop() for name, proc in self.running.items()}
 
 
-def _nan_run(bootstrap: str, secret: str, folder: Path) -> dict:
+def _nan_run(bootstrap: str, public_keys: str, folder: Path) -> dict:
     """A real training run (fault_train.py) whose batch of step 50 holds a NaN; checkpoints every 10 steps."""
     folder.mkdir(parents=True)
     run_id = f"deploy-nan-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, topics.SECRET_ENV: secret, "RUNWATCH_SPOOL_DIR": str(folder / "spool")}
+    # a trainer holds the workers' public key, nothing that signs
+    env = {**os.environ, topics.PUBLIC_KEYS_ENV: public_keys, "RUNWATCH_SPOOL_DIR": str(folder / "spool")}
     done = subprocess.run(
         [sys.executable, str(TRAINER), "--bootstrap", bootstrap, "--run-id", run_id, "--out", str(folder)]
         + ["--steps", "120", "--fault", "nan:50", "--checkpoint-every", "10"],
@@ -164,7 +167,11 @@ def bare_broker(tmp_path) -> Iterator[EmbeddedBroker]:
 
 def _manifest_services(source: str, config_root: Path) -> tuple[list[Service], list[dict]]:
     if source == "compose":
-        filled = {"RUNWATCH_ACTION_SECRET": "from-deploy-env", STATE_SECRET_ENV: "from-deploy-env"}
+        filled = {
+            topics.SIGNING_KEY_ENV: "from-deploy-env",
+            topics.PUBLIC_KEYS_ENV: "from-deploy-env",
+            STATE_SECRET_ENV: "from-deploy-env",
+        }
         return compose_services(COMPOSE_ENV | filled), []
     docs = kustomize()
     return k8s_services(docs, config_root), docs
@@ -183,13 +190,17 @@ def test_every_runwatch_service_of_the_manifests_starts_and_rolls_back_a_nan_run
     assert names == expected, names
     # the workers' state key reaches the workers and nothing else (docs/state.md)
     assert {s.name for s in services if STATE_SECRET_ENV in s.env} == {"worker"}
+    # the action signing key reaches only the workers; the sink and the remediator verify with the public key
+    # (docs/security.md)
+    assert {s.name for s in services if topics.SIGNING_KEY_ENV in s.env} == {"worker"}
+    assert {"worker", "sink", "remediator"} <= {s.name for s in services if topics.PUBLIC_KEYS_ENV in s.env}
     if source == "k8s":
         assert set(_create_kafka_topics(bare_broker.bootstrap, docs)) >= set(topics.CREATED_TOPICS)
-    secret = secrets.token_hex(32)
-    stack = Stack(services, bare_broker.bootstrap, sandbox, secret)
+    keys = ActionKeys.generate()
+    stack = Stack(services, bare_broker.bootstrap, sandbox, keys)
     try:
         stack.start()
-        result = _nan_run(bare_broker.bootstrap, secret, tmp_path / "train")
+        result = _nan_run(bare_broker.bootstrap, keys.public_text, tmp_path / "train")
     finally:
         codes = stack.stop()
     kinds = [(a["kind"], a["outcome"]) for a in result["applied"]]
@@ -224,10 +235,10 @@ def _unstartable_compose(tmp_path: Path) -> Path:
 
 
 def test_the_smoke_test_fails_on_a_manifest_command_line_that_cannot_start(broker, sandbox, tmp_path):
-    secret = secrets.token_hex(32)
-    env = COMPOSE_ENV | {"RUNWATCH_ACTION_SECRET": secret, STATE_SECRET_ENV: secrets.token_hex(32)}
+    keys = ActionKeys.generate()
+    env = COMPOSE_ENV | {**keys.worker_env, **keys.trainer_env, STATE_SECRET_ENV: secrets.token_hex(32)}
     worker = next(s for s in compose_services(env, _unstartable_compose(tmp_path)) if s.name == "worker")
-    stack = Stack([worker], broker.bootstrap, sandbox, secret)
+    stack = Stack([worker], broker.bootstrap, sandbox, keys)
     with pytest.raises(ServiceFailed, match=r"runwatch worker --config /etc/runwatch/runwatch.yml.*exited 2"):
         stack.start()
     # and a Kubernetes container whose args lost a value: refused by the command line, not hung
@@ -237,7 +248,7 @@ def test_the_smoke_test_fails_on_a_manifest_command_line_that_cannot_start(broke
             d["spec"]["template"]["spec"]["containers"][0]["args"] = ["remediate", "--config"]
     remediator = next(s for s in k8s_services(docs, sandbox.folder("config")) if s.name == "remediator")
     with pytest.raises(ServiceFailed, match=r"runwatch remediate --config.*exited 2"):
-        Stack([remediator], broker.bootstrap, sandbox, secret).start()
+        Stack([remediator], broker.bootstrap, sandbox, keys).start()
 
 
 def _port_free(port: int) -> bool:
@@ -250,8 +261,9 @@ def _port_free(port: int) -> bool:
 
 
 def test_runwatch_worker_from_an_empty_directory_becomes_ready(broker, sandbox):
-    """The issue's command line, RUNWATCH_ACTION_SECRET=<64 hex> runwatch worker --bootstrap HOST:PORT, with
-    the workers' own state key that issue 35 added (RUNWATCH_STATE_SECRET)."""
+    """The issue's command line, runwatch worker --bootstrap HOST:PORT, with the keys issue 35 gave the
+    workers: their action signing key (RUNWATCH_ACTION_SIGNING_KEY, once the shared RUNWATCH_ACTION_SECRET)
+    and their own state key (RUNWATCH_STATE_SECRET)."""
     args = ["worker", "--bootstrap", broker.bootstrap]
     port = 6066
     if not _port_free(port):  # (the default; another process on this machine may hold it)
@@ -260,7 +272,7 @@ def test_runwatch_worker_from_an_empty_directory_becomes_ready(broker, sandbox):
     worker = ServiceProcess(
         "worker-empty-dir",
         args,
-        {topics.SECRET_ENV: secrets.token_hex(32), STATE_SECRET_ENV: secrets.token_hex(32)},
+        {**ActionKeys.generate().worker_env, STATE_SECRET_ENV: secrets.token_hex(32)},
         sandbox,
         web_port=port,
         ready_path="/readyz",
