@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
@@ -15,6 +15,9 @@ import yaml
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
+
+if TYPE_CHECKING:
+    from tests.integration.service_process import Sandbox
 from tests.action_keys import ActionKeys
 
 
@@ -166,3 +169,15 @@ def cpu_bound_mlp() -> tuple[Any, Any, Any, Any]:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     return model, optimizer, torch.randn(128, 512), torch.randint(0, 10, (128,))
+
+
+@pytest.fixture
+def sandbox() -> Iterator[Sandbox]:
+    """Folders the deployed services' user owns, under /tmp (tests/integration/service_process.py)."""
+    from tests.integration.service_process import Sandbox
+
+    box = Sandbox()
+    try:
+        yield box
+    finally:
+        box.cleanup()

@@ -39,6 +39,18 @@ def as_root() -> bool:
     return os.geteuid() == 0
 
 
+def port_free(port: int) -> bool:
+    """Whether ``port`` on the loopback can be listened on now (a documented fixed port may be taken)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def closed_folders(paths: Sequence[Path]) -> dict[Path, set[str]]:
     """Folders on the way to ``paths`` that other users cannot traverse, each with the entries the paths
     need in it."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import uuid
@@ -34,7 +33,12 @@ from tests.integration.deploy_manifests import (
     kustomize,
     localize,
 )
-from tests.integration.service_process import Sandbox, ServiceFailed, ServiceProcess
+from tests.integration.service_process import (
+    Sandbox,
+    ServiceFailed,
+    ServiceProcess,
+    port_free,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -150,15 +154,6 @@ def _nan_run(bootstrap: str, public_keys: str, folder: Path) -> dict:
 
 
 @pytest.fixture
-def sandbox() -> Iterator[Sandbox]:
-    box = Sandbox()
-    try:
-        yield box
-    finally:
-        box.cleanup()
-
-
-@pytest.fixture
 def bare_broker(tmp_path) -> Iterator[EmbeddedBroker]:
     """A broker with no topics: the manifests' own step creates them."""
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
@@ -251,22 +246,13 @@ def test_the_smoke_test_fails_on_a_manifest_command_line_that_cannot_start(broke
         Stack([remediator], broker.bootstrap, sandbox, keys).start()
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def test_runwatch_worker_from_an_empty_directory_becomes_ready(broker, sandbox):
     """The issue's command line, runwatch worker --bootstrap HOST:PORT, with the keys issue 35 gave the
     workers: their action signing key (RUNWATCH_ACTION_SIGNING_KEY, once the shared RUNWATCH_ACTION_SECRET)
     and their own state key (RUNWATCH_STATE_SECRET)."""
     args = ["worker", "--bootstrap", broker.bootstrap]
     port = 6066
-    if not _port_free(port):  # (the default; another process on this machine may hold it)
+    if not port_free(port):  # (the default; another process on this machine may hold it)
         port = free_port()
         args += ["--web-port", str(port)]
     worker = ServiceProcess(

@@ -14,11 +14,9 @@ from __future__ import annotations
 import re
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from runwatch.local.broker import free_port
 from runwatch.producer.wire import topics
 from runwatch.streams.worker.state import STATE_SECRET_ENV
 from tests.action_keys import ActionKeys
-from tests.integration.service_process import Sandbox, ServiceProcess
+from tests.integration.service_process import Sandbox, ServiceProcess, port_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -107,15 +105,6 @@ def test_every_documented_command_is_run_here():
     assert not stale, f"run here but no longer documented: {stale}"
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 class Reader:
     """Fills in what a page leaves to its reader, and runs the command in an empty folder of its own."""
 
@@ -146,7 +135,7 @@ class Reader:
             elif arg == "R":
                 (cwd / "remediate.yaml").write_text((REPO / "deploy/config/remediate.yaml").read_text())
                 arg = "remediate.yaml"
-            elif arg.isdigit() and int(arg) in (9092, 6066) and not _port_free(int(arg)):
+            elif arg.isdigit() and int(arg) in (9092, 6066) and not port_free(int(arg)):
                 arg = str(free_port())
             out.append(arg)
         return out
@@ -188,15 +177,6 @@ def wait_ready(proc: ServiceProcess, line: str) -> None:
         proc.wait_ready(READY_TIMEOUT_S)
     else:
         wait_printed(proc, how.removeprefix("prints:"))
-
-
-@pytest.fixture
-def sandbox() -> Iterator[Sandbox]:
-    box = Sandbox()
-    try:
-        yield box
-    finally:
-        box.cleanup()
 
 
 def test_each_documented_command_starts_from_an_empty_directory(sandbox):
