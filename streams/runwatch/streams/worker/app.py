@@ -280,6 +280,9 @@ def create_app(
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
         for partition in set(submitted) - owned:
             del submitted[partition]
+        # Not ready until the runs of these partitions are restored (the child reports its progress only
+        # once it has started)
+        health.restoring = sorted(owned)
         health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
         # Drops the runs moved away and restores those of new partitions (before any of their events:
         # the child handles requests in order). The reply also says the detector process is up: only
@@ -288,6 +291,7 @@ def create_app(
             reply = await detectors.submit("keep_partitions", owned)
         except DetectorProcessError as exc:
             await fail(str(exc).splitlines()[0], exc)
+        health.restoring = None
         for run in reply.dropped_runs:
             log.info("run %s moved to another worker", run)
         if ready_file is not None:

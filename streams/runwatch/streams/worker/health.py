@@ -3,8 +3,9 @@
 - ``GET /livez``: 200 while the worker can make progress: not failed, and its detector process
   alive and answering (no request waiting longer than ``stuck_after_s`` without a progress report:
   a restore of many runs reports its progress); else 503.
-- ``GET /readyz``: 200 when live, partitions are assigned, the detector process is ready and no
-  restore of runs is under way.
+- ``GET /readyz``: 200 when live, partitions are assigned, the detector process is ready and the runs
+  of the partitions last assigned are restored (from the assignment on: not only once the restore has
+  reported progress).
 - ``GET /health``: the figures behind both, as JSON (partitions, age of the last offset commit and
   of the last acknowledged batch, the detector process and the latest restore's progress, counters).
 
@@ -42,6 +43,8 @@ class WorkerHealth:
         self.last_commit: float | None = None
         self.last_ack: float | None = None
         self.publish_failures = 0  # publish attempts that failed (each retried before the worker fails)
+        # telemetry partitions assigned whose runs are being restored (None: none); set at the assignment
+        self.restoring: list[int] | None = None
         self.failure: str | None = None
         self._exit_timer: threading.Timer | None = None
 
@@ -77,6 +80,8 @@ class WorkerHealth:
             return False, "detector process starting"
         if not self.partitions:
             return False, "no partitions assigned"
+        if self.restoring is not None:
+            return False, f"restoring runs of partitions {self.restoring} (assigned)"
         restore = self.detectors.health()["restore"]
         if restore is not None and restore["phase"] != "done":
             return False, f"restoring runs of partitions {restore['partitions']} ({restore['phase']})"
