@@ -99,7 +99,28 @@ class RunsConfig(Strict):
         default=5_000,
         ge=1,
         description="runs one worker holds at most (40-250 KB each for one rank, by its events); past it "
-        "the least recently active run is let go, with an info finding saying why",
+        "a run is let go, with an info finding saying why: first those that never sent a step, then those "
+        "not active within active_s, then active ones without a confirmed-good checkpoint, the least "
+        "recently active first",
+    )
+    active_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a run with an event this recent is active: past max_runs an active run that has sent a "
+        "step is let go only when no run that never stepped or went quiet is held",
+    )
+    ledger_retention_s: float = Field(
+        default=24 * 3600.0,
+        ge=0,
+        description="a run let go without its end (silence, eviction) keeps its checkpoint ledger, rollback "
+        "count and attempt this long (a small record on runwatch.state): back within it, its next fault "
+        "still rolls back to its confirmed-good checkpoint",
+    )
+    max_ledgers: int = Field(
+        default=10_000,
+        ge=0,
+        description="ledgers of runs let go one worker keeps at most (about 1 KB each); past it the oldest "
+        "goes",
     )
 
 

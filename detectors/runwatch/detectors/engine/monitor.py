@@ -62,6 +62,24 @@ class MonitorOutput:
     repeated: list[Finding] = field(default_factory=list)
 
 
+@dataclass
+class RunLedger:
+    """What a run keeps when a worker lets it go without its end (silence, eviction) or drops a snapshot
+    of another log: enough for it to come back able to roll back, a few hundred bytes. Its checkpoints
+    (confirmed-good and pending), the rollbacks it has spent and whether it was stopped (a run let go
+    and back has no fresh budget), its attempt, job and world size (actions name the attempt; a
+    remediator reads the job). A fresh monitor takes it on with ``RunMonitor.take_ledger``."""
+
+    attempt: str | None
+    started: bool
+    job: dict[str, str]
+    world_size: int
+    good: list[CheckpointRef]
+    pending: list[CheckpointRef]
+    rollbacks: int
+    stopped: bool
+
+
 class _RewindState(TypedDict):
     """The step-indexed detectors' state, as snapshotted at a checkpoint (the rank ones by position)."""
 
@@ -159,6 +177,32 @@ class RunMonitor:
             self.losses = OrderedDict(self.losses)
             if self._issued_onsets is not None:
                 self._issued_onsets = OrderedDict(self._issued_onsets)
+
+    def ledger(self) -> RunLedger | None:
+        """What this run keeps if it is let go (None: nothing a rollback or the policy would miss: no
+        checkpoint, no rollback spent, not stopped)."""
+        checkpoints, policy = self.checkpoints, self.policy
+        if not (checkpoints.good or checkpoints.pending or policy.rollbacks or policy.stopped):
+            return None
+        return RunLedger(
+            attempt=self.attempt,
+            started=self.started,
+            job=dict(self.job),
+            world_size=self.join.world_size,
+            good=list(checkpoints.good),
+            pending=list(checkpoints.pending),
+            rollbacks=policy.rollbacks,
+            stopped=policy.stopped,
+        )
+
+    def take_ledger(self, ledger: RunLedger) -> None:
+        """A fresh monitor of a run that was let go takes on what it kept (before its first event)."""
+        self.attempt, self.started = ledger.attempt, ledger.started
+        self.job = dict(ledger.job)
+        self.join.set_world_size(ledger.world_size)
+        self.checkpoints.good = list(ledger.good)
+        self.checkpoints.pending = list(ledger.pending)
+        self.policy.rollbacks, self.policy.stopped = ledger.rollbacks, ledger.stopped
 
     def _seen_before(self, event_id: str) -> bool:
         recent = self._recent_ids

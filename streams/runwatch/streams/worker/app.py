@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import faust
 
@@ -29,6 +30,13 @@ from runwatch.streams.worker.detector_process import (
 )
 from runwatch.streams.worker.health import CommitSensor, WorkerHealth
 from runwatch.streams.worker.health_server import HealthServer
+from runwatch.streams.worker.log_identity import (
+    ID_EVERY_S,
+    UNKNOWN,
+    LogWatch,
+    TopicIds,
+    commit_offsets_allowed,
+)
 from runwatch.streams.worker.run_states import StateOptions
 from runwatch.streams.worker.state import resolve_state_secret
 
@@ -213,6 +221,119 @@ def create_app(
         async with in_order:  # (the child answers in request order: the queue must hold that order too)
             await pipeline["inflight"].put((batch, detectors.submit(kind, payload), done))
 
+    # -- offsets that belong to the log they came from (log_identity.py) ---------------------------
+    topic_ids = TopicIds(bootstrap)
+    watch = LogWatch()
+    id_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runwatch-topic-id")
+    id_read_at = [float("-inf")]
+    refusal_logged_at = [float("-inf")]
+
+    def telemetry_consumer() -> transport.Consumer:
+        return cast(transport.Consumer, app.consumer)
+
+    def high_watermark(tp: TP) -> int | None:
+        try:
+            return cast(int | None, app.consumer.highwater(tp))
+        except Exception:  # noqa: BLE001 - not fetched yet, or no longer assigned
+            return None
+
+    async def read_log_id(timeout_s: float) -> object:
+        """The telemetry topic's id now (None: the broker reports none; UNKNOWN: it did not answer)."""
+        try:
+            current = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(id_reader, topic_ids.read), timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - judged by the high watermark alone this time
+            log.debug("the %s topic id could not be read: %r", topics.TELEMETRY, exc)
+            return UNKNOWN
+        id_read_at[0] = time.monotonic()
+        health.log_id = current
+        return current
+
+    async def guard_commit(offsets: Mapping[TP, int]) -> Mapping[TP, int]:
+        """Never commit an old log's position on a new one: telemetry offsets are committed only while
+        the topic id is the one they were read under and within their log's end."""
+        telemetry = {tp: o for tp, o in offsets.items() if tp.topic == topics.TELEMETRY}
+        if not telemetry:
+            return offsets
+        changed = watch.id_changed(await read_log_id(2.0))
+        allowed, refused = commit_offsets_allowed(telemetry, high_watermark, changed)
+        if refused:
+            health.commits_refused += len(refused)
+            if time.monotonic() - refusal_logged_at[0] >= 10.0:
+                refusal_logged_at[0] = time.monotonic()
+                log.warning(
+                    "not committed (an old log's position on a new log): %s",
+                    "; ".join(
+                        f"{tp.topic}[{tp.partition}]@{offsets[tp]}: {why}" for tp, why in refused.items()
+                    ),
+                )
+        return {**{tp: o for tp, o in offsets.items() if tp.topic != topics.TELEMETRY}, **allowed}
+
+    async def start_over(
+        partitions: set[int], current: object, why: str, assigned: Iterable[TP] | None = None
+    ) -> None:
+        """Forget the old log's positions of ``partitions`` here and in the detector process (its runs'
+        offsets), and read them again from the beginning of their new log. ``assigned``: at an assignment
+        (Faust seeks them to their committed offsets next, which are never an old log's: guard_commit)."""
+        consumer = telemetry_consumer()
+        tps = sorted(
+            tp
+            for tp in (consumer.assignment() if assigned is None else assigned)
+            if tp.topic == topics.TELEMETRY and tp.partition in partitions
+        )
+        if not tps:
+            return
+        beginnings: Mapping[TP, int] = {}
+        if assigned is None:
+            try:
+                beginnings = await consumer.earliest_offsets(*tps)
+            except Exception:  # noqa: BLE001 - a new log begins at 0
+                beginnings = {}
+        for tp in tps:
+            unsettled = consumer.forget_positions(tp)
+            submitted.pop(tp.partition, None)
+            start = beginnings.get(tp) or 0
+            if assigned is None:
+                await consumer.seek(tp, start)
+            log.warning(
+                "%s[%d] was recreated (%s): read again from %s; the old log's positions are forgotten and "
+                "never committed on the new one (%d event(s) of it read and not committed); its runs' "
+                "offsets are forgotten",
+                tp.topic,
+                tp.partition,
+                why,
+                f"offset {start}" if assigned is None else "its committed offset (or its beginning)",
+                unsettled,
+            )
+        watch.recreated({tp.partition for tp in tps}, current)
+        log_id = current if isinstance(current, str) else None
+        reply = await detectors.submit("log_recreated", ({tp.partition for tp in tps}, log_id))
+        for run in reply.dropped_runs:
+            log.info(
+                "run %s: its snapshot was of the old log: it starts fresh with its checkpoint ledger", run
+            )
+
+    async def check_log() -> None:
+        """A recreated telemetry log: a new topic id, or a log that ends below what was read from it."""
+        consumer = telemetry_consumer()
+        if "inflight" not in pipeline or app.rebalancing or not consumer.flow_active:
+            return  # (a rebalance sets the positions: judged once it is over)
+        current = UNKNOWN
+        if time.monotonic() - id_read_at[0] >= ID_EVERY_S:
+            current = await read_log_id(ID_EVERY_S)
+        owned = {tp: tp.partition for tp in consumer.assignment() if tp.topic == topics.TELEMETRY}
+        if watch.id_changed(current):
+            was = watch.known_id
+            await start_over(set(owned.values()), current, f"a new topic id {current}, was {was}")
+            return
+        for tp, partition in owned.items():
+            read = consumer.read_offset(tp)
+            position = max(read if read is not None else -1, submitted.get(partition, -1) + 1)
+            high = high_watermark(tp)
+            if watch.ends_below(partition, high, position if position >= 0 else None):
+                await start_over({partition}, current, f"its log ends at {high}, below offset {position}")
+
     async def acknowledge(stream: StreamT[Any], delivered: asyncio.Queue[_Delivered]) -> None:
         # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
         # acknowledged every record they produced, and a checkpoint after them. The producer retries
@@ -256,14 +377,19 @@ def create_app(
         acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
         await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
         pipeline["inflight"] = inflight
+        telemetry_consumer().commit_guard = guard_commit
         try:
-            async for batch in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
+            async for events in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
+                # (an event of a log found recreated while it waited here was settled: start_over)
+                batch = [e for e in events if not e.message.acked]
+                if not batch:
+                    continue
                 raw = [
                     (e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
                     for e in batch
                 ]
                 for _value, _key, partition, offset, _ts in raw:
-                    submitted[partition] = max(offset, submitted.get(partition, -1))
+                    submitted[partition] = offset  # (the newest: after a seek back, lower than before)
                 await submit("events", raw, batch)
                 for task in (completer, acknowledger):
                     if task.done():
@@ -284,11 +410,17 @@ def create_app(
         # once it has started)
         health.restoring = sorted(owned)
         health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
+        # The telemetry topic's id: snapshots of another log are not restored as they are (a changed id
+        # makes the worker read the partitions again from their beginning once the rebalance is over)
+        current = await read_log_id(ID_EVERY_S)
+        log_id = current if isinstance(current, str) else None
         # Drops the runs moved away and restores those of new partitions (before any of their events:
         # the child handles requests in order). The reply also says the detector process is up: only
         # then is the worker ready.
         try:
-            reply = await detectors.submit("keep_partitions", owned)
+            reply = await detectors.submit("keep_partitions", (owned, log_id))
+            if watch.id_changed(current):  # (a broker that lost its data: the group is new too)
+                await start_over(owned, current, f"a new topic id {current}, was {watch.known_id}", assigned)
         except DetectorProcessError as exc:
             await fail(str(exc).splitlines()[0], exc)
         health.restoring = None
@@ -316,16 +448,21 @@ def create_app(
         if "inflight" in pipeline:
             await submit("tick", (bool(app.rebalancing), behind()), None)
 
+    @app.timer(0.5)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
+    async def recreated_logs() -> None:
+        await check_log()
+
     @app.timer(30.0)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
     async def report_counters() -> None:
         c = detectors.counters
         log.info(
-            "processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s",
+            "processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s logs_recreated=%d",
             c.processed,
             c.deadlettered,
             c.detector_errors,
             c.anomalies,
             dict(c.actions),
+            c.logs_recreated,
         )
 
     if health_server is None and web_port is not None:
@@ -343,6 +480,8 @@ def create_app(
     @app.on_before_shutdown.connect  # type: ignore[arg-type] # (mode's receiver type, as above)
     async def stop_detectors(sender: Any, **kwargs: Any) -> None:
         detectors.close()
+        topic_ids.close()
+        id_reader.shutdown(wait=False)
 
     return app, detectors
 

@@ -59,7 +59,8 @@ class Outgoing:
 class Reply:
     records: list[Outgoing] = field(default_factory=list)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
-    dropped_runs: list[str] = field(default_factory=list)  # for a `keep_partitions` request
+    # `keep_partitions`: the runs moved away; `log_recreated`: those whose snapshot was stale
+    dropped_runs: list[str] = field(default_factory=list)
     # Every event handled before this reply is in a snapshot once its records are delivered (run_states.py):
     # only then may those events be acknowledged.
     checkpoint: bool = True
@@ -150,11 +151,15 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
         if let_go > _released["let_go"] and time.monotonic() - _released["at"] >= RELEASE_EVERY_S:
             _released.update(let_go=let_go, at=time.monotonic())
             release_memory()
-    elif kind == "keep_partitions":
-        reply.dropped_runs = processor.keep_partitions(payload)
+    elif kind == "keep_partitions":  # payload: the partitions, or (them, the telemetry topic's id)
+        partitions, log_id = payload if isinstance(payload, tuple) else (payload, None)
+        reply.dropped_runs = processor.keep_partitions(partitions, log_id)
+    elif kind == "log_recreated":  # payload: (partitions, the telemetry topic's id now)
+        partitions, log_id = payload
+        reply.dropped_runs = processor.log_recreated(partitions, log_id)
     else:
         raise ValueError(f"unknown request {kind!r}")
-    if kind != "keep_partitions":
+    if kind in ("events", "tick"):  # (the others are answered outside the pipeline that publishes)
         state, reply.checkpoint = processor.take_snapshots(force_checkpoint=kind == "tick" and rebalancing)
         reply.records.extend(state_outgoing(state))
     reply.counters = processor.counters

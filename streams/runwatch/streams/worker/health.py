@@ -45,6 +45,8 @@ class WorkerHealth:
         self.publish_failures = 0  # publish attempts that failed (each retried before the worker fails)
         # telemetry partitions assigned whose runs are being restored (None: none); set at the assignment
         self.restoring: list[int] | None = None
+        self.log_id: object = None  # the telemetry topic's id as last read (log_identity.py)
+        self.commits_refused = 0  # telemetry offsets not committed: an old log's positions on a new log
         self.failure: str | None = None
         self._exit_timer: threading.Timer | None = None
 
@@ -102,6 +104,8 @@ class WorkerHealth:
             "last_commit_age_s": None if self.last_commit is None else round(now - self.last_commit, 3),
             "last_ack_age_s": None if self.last_ack is None else round(now - self.last_ack, 3),
             "publish_failures": self.publish_failures,
+            "telemetry_topic_id": self.log_id if isinstance(self.log_id, str) else None,
+            "commits_refused": self.commits_refused,
             "detector_process": self.detectors.health(),
             "counters": {
                 **asdict(counters),

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
+from runwatch.detectors.engine.monitor import RunLedger
 from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import (
@@ -70,6 +71,15 @@ class RunState:
 
 
 @dataclass(frozen=True)
+class KeptLedger:
+    """The ledger of a run let go (``RunLedger``), its telemetry partition and when it was let go."""
+
+    ledger: RunLedger
+    partition: int | None
+    let_go_at: datetime
+
+
+@dataclass(frozen=True)
 class StateRecord:
     """One record for ``runwatch.state``: a snapshot or marker (``value``), or a tombstone (None). ``key``:
     the consumer group, a slash, the run id (two deployments in two groups keep their own state)."""
@@ -108,6 +118,12 @@ class WorkerCounters:
     )
     # runs let go without run_end, by why (silent, evicted)
     runs_let_go: Counter[str] = field(default_factory=Counter)
+    ledgers: int = 0  # checkpoint ledgers of runs let go held now (runs.ledger_retention_s)
+    ledgers_resumed: int = 0  # runs back after they were let go that took their ledger on
+    # telemetry partitions found recreated (a new topic id, or a log that ends below what was read): read
+    # again from their beginning, their runs' old-log offsets forgotten
+    logs_recreated: int = 0
+    stale_snapshots: int = 0  # snapshots of an old log (a recreated topic): dropped, their ledgers kept
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -172,6 +188,14 @@ class TelemetryProcessor:
         self._state_prefix = f"{group}/"
         self._published = Published()  # what predecessors published for the runs restored here
         self._activity = RunActivity()  # runs, least recently active first (run_lifecycle.py)
+        # telemetry partition -> the newest record time read from it (a run quiet for runs.active_s against
+        # it is inactive: eviction's order)
+        self._frontier: dict[int | None, datetime] = {}
+        # What runs let go keep for a rollback when they come back, the oldest first (run_lifecycle.py)
+        self._ledgers: OrderedDict[str, KeptLedger] = OrderedDict()
+        # The telemetry topic's id (where the broker reports one), as the worker last checked it: the log
+        # the offsets handled here belong to (a snapshot of another is not restored as it is)
+        self.log_id: str | None = None
         self._let_go: list[
             Anomaly
         ] = []  # findings of runs let go outside a request's result, sent with the next tick
@@ -240,6 +264,8 @@ class TelemetryProcessor:
             self._make_room(1)
             monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
             self._tick_order.append(run_id)
+            if self._ledgers:
+                self._resume_ledger(monitor, event)
         if self.baselines is not None and isinstance(event, RunStartEvent):
             self.baselines.hand(monitor, event)
         out = monitor.observe(event)
@@ -249,7 +275,13 @@ class TelemetryProcessor:
         previous = self._last_seen.get(run_id)
         if previous is None or ts >= previous[0]:
             self._last_seen[run_id] = (ts, self._clock())
-        self._activity.seen(run_id, self._clock())
+        sent = received or self._clock()
+        self._activity.seen(
+            run_id, self._clock(), monitor.last_step is not None, bool(monitor.checkpoints.good), sent
+        )
+        newest = self._frontier.get(partition)
+        if newest is None or sent > newest:
+            self._frontier[partition] = sent
         if partition is not None:
             self._partition[run_id] = partition
         result = self._result(out)
@@ -270,7 +302,8 @@ class TelemetryProcessor:
 
     def _forget(self, run_id: str, why: str) -> None:
         """Let the run go: it ``ended``, was ``reset`` (a detector error), ``moved`` to another worker,
-        or ``restarted`` under its id. What its snapshot becomes follows (run_states.py)."""
+        ``restarted`` under its id, was let go (``silent``, ``evicted``) or held a snapshot of a recreated
+        log (``stale``). What its snapshot becomes follows (run_states.py)."""
         self.monitors.pop(run_id, None)
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
@@ -278,31 +311,92 @@ class TelemetryProcessor:
         self._activity.forget(run_id)
         # (_tick_order drops it lazily)
         if self.states is not None:
+            if why in ("silent", "evicted", "stale"):
+                self.states.let_go(run_id, ledger=run_id in self._ledgers)
+                return
             {
                 "ended": self.states.ended_run,
                 "reset": self.states.dropped,
-                "silent": self.states.dropped,
-                "evicted": self.states.dropped,
                 "moved": self.states.moved,
                 "restarted": self.states.moved,
             }[why](run_id)
 
     def _make_room(self, coming: int) -> None:
-        """Let the least recently active runs go until ``coming`` more fit under ``runs.max_runs``."""
+        """Let runs go until ``coming`` more fit under ``runs.max_runs``: those that never stepped first,
+        then inactive ones, then those without a confirmed-good checkpoint (run_lifecycle.py)."""
         excess = len(self.monitors) + coming - self.config.runs.max_runs
         if excess <= 0:
             return
-        held = self.config.runs.max_runs
+        runs = self.config.runs
+        held = runs.max_runs
         self._evictions_unlogged += excess
         if self._perf() - self._evictions_logged_at >= EVICTION_LOG_EVERY_S:  # (a flood would fill the log)
             log.warning(
-                "holding runs.max_runs (%d) runs: %d least recently active let go for new ones",
+                "holding runs.max_runs (%d) runs: %d let go for new ones (those that never stepped, then "
+                "inactive ones, then those without a confirmed-good checkpoint first)",
                 held,
                 self._evictions_unlogged,
             )
             self._evictions_unlogged, self._evictions_logged_at = 0, self._perf()
-        for run_id in self._activity.least_recent(excess):
-            self._let_go.append(self._lifecycle(run_id, "evicted", eviction_message(held), value=float(held)))
+        active = timedelta(seconds=runs.active_s)
+
+        def inactive(run_id: str) -> bool:
+            sent, newest = self._activity.sent(run_id), self._frontier.get(self._partition.get(run_id))
+            return sent is not None and newest is not None and newest - sent > active
+
+        victims = self._activity.victims(excess, inactive)
+        for run_id, why in victims:
+            monitor = self.monitors.get(run_id)
+            kept = monitor is not None and monitor.ledger() is not None and runs.max_ledgers > 0
+            message = eviction_message(held, why, runs.active_s, kept)
+            self._let_go.append(self._lifecycle(run_id, "evicted", message, value=float(held), evidence=why))
+
+    # -- what runs let go keep -------------------------------------------------------------------
+
+    def _keep_ledger(self, run_id: str, ledger: RunLedger, partition: int | None, at: datetime) -> None:
+        """Keep ``ledger`` for the run's return, within ``runs.max_ledgers`` (the oldest goes first)."""
+        limit = self.config.runs.max_ledgers
+        if limit <= 0:
+            return
+        self._ledgers.pop(run_id, None)
+        self._ledgers[run_id] = KeptLedger(ledger, partition, at)
+        while len(self._ledgers) > limit:
+            self._drop_ledger(next(iter(self._ledgers)))
+        self.counters.ledgers = len(self._ledgers)
+
+    def _drop_ledger(self, run_id: str) -> None:
+        kept = self._ledgers.pop(run_id)
+        if self.states is not None and kept.partition is not None:
+            self.states.ledger_gone(run_id, kept.partition)
+        self.counters.ledgers = len(self._ledgers)
+
+    def _expire_ledgers(self, now: datetime) -> None:
+        retention = timedelta(seconds=self.config.runs.ledger_retention_s)
+        while self._ledgers:
+            run_id, kept = next(iter(self._ledgers.items()))
+            if now - kept.let_go_at <= retention:
+                return  # (kept in the order they were let go)
+            self._drop_ledger(run_id)
+
+    def _resume_ledger(self, monitor: RunMonitor, event: TelemetryEvent) -> None:
+        """A run back after it was let go takes on what it kept (not a new attempt of it: that starts
+        fresh, with a budget of its own)."""
+        kept = self._ledgers.pop(monitor.run_id, None)
+        self.counters.ledgers = len(self._ledgers)
+        if kept is None:
+            return
+        ledger = kept.ledger
+        if isinstance(event, RunStartEvent) and event.attempt is not None and event.attempt != ledger.attempt:
+            return
+        monitor.take_ledger(ledger)
+        self.counters.ledgers_resumed += 1
+        log.info(
+            "run %s: back after it was let go: its checkpoint ledger (%d confirmed-good) and %d rollback(s) "
+            "spent taken on",
+            monitor.run_id,
+            len(ledger.good),
+            ledger.rollbacks,
+        )
 
     def _lifecycle(
         self,
@@ -312,8 +406,10 @@ class TelemetryProcessor:
         value: float | None = None,
         threshold: float | None = None,
         ts: datetime | None = None,
+        evidence: str | None = None,
     ) -> Anomaly:
-        """Let ``run_id`` go for ``why`` (``silent``, ``evicted``); the info finding that says so."""
+        """Let ``run_id`` go for ``why`` (``silent``, ``evicted``; ``evidence``: which of eviction's
+        reasons); the info finding that says so. What a rollback needs is kept (its ledger)."""
         monitor = self.monitors.get(run_id)
         seen = self._last_seen.get(run_id)
         ts = ts or (seen[0] if seen is not None else self._clock())
@@ -325,9 +421,13 @@ class TelemetryProcessor:
             ts=ts,
             value=value,
             threshold=threshold,
+            reason=evidence,
         ).model_copy(update={"detected_at": self._clock()})
         self.counters.runs_let_go[why] += 1
         log.debug("run %s: %s", run_id, message)  # (the finding says it; a flood would fill the log)
+        ledger = monitor.ledger() if monitor is not None else None
+        if ledger is not None:
+            self._keep_ledger(run_id, ledger, self._partition.get(run_id), self._clock())
         self._forget(run_id, why)
         return finding
 
@@ -358,18 +458,55 @@ class TelemetryProcessor:
         )
         return ProcessResult(errors=[letter])
 
-    def keep_partitions(self, partitions: set[int]) -> list[str]:
+    def keep_partitions(self, partitions: set[int], log_id: str | None = None) -> list[str]:
         """After a rebalance: drop the runs whose partition this worker no longer owns (their new
-        owner rebuilds them), so timers only ever judge runs this worker holds. Returns them."""
+        owner rebuilds them), so timers only ever judge runs this worker holds. Returns them.
+        ``log_id``: the telemetry topic's id as the worker sees it now (None: not known)."""
+        if log_id is not None:
+            self.log_id = log_id
         dropped = [run for run, p in self._partition.items() if p not in partitions]
         for run in dropped:
             self._forget(run, "moved")
+        for run in [r for r, k in self._ledgers.items() if k.partition not in partitions | {None}]:
+            del self._ledgers[run]  # (its new owner reads it back)
+        self.counters.ledgers = len(self._ledgers)
         if self.states is not None:
             self.states.moved_partitions(partitions)
             self._loaded &= partitions
             # (now, so that a silent restored run is still judged by the timer)
             self.load_partitions(partitions)
         return dropped
+
+    def log_recreated(self, partitions: set[int], log_id: str | None = None) -> list[str]:
+        """The telemetry log of ``partitions`` was recreated (a new topic id, or a log that ends below
+        what was read from it): the worker reads it again from its beginning. The runs held keep their
+        state (what this worker judged is theirs) but forget their offsets, which are the old log's: no
+        event of the new log is taken for one a snapshot includes, and each run is snapshotted again
+        with positions of the new log. A run restored from a snapshot that named no log (a broker without
+        topic ids) and fed nothing since holds the old log's snapshot: it is dropped, its ledger kept.
+        Returns the runs dropped."""
+        if log_id is not None:
+            self.log_id = log_id
+        self.counters.logs_recreated += len(partitions)
+        if self.states is None:
+            return []
+        stale = self.states.log_recreated(partitions)
+        for run_id in stale:
+            monitor = self.monitors[run_id]
+            ledger = monitor.ledger()
+            if ledger is not None:
+                self._keep_ledger(run_id, ledger, self._partition.get(run_id), self._clock())
+            self._forget(run_id, "stale")
+        self.counters.stale_snapshots += len(stale)
+        self.counters.runs = len(self.monitors)
+        log.warning(
+            "%s partition(s) %s recreated: their runs' offsets forgotten (%d run(s) restored from a "
+            "snapshot of the old log dropped, their checkpoint ledgers kept)",
+            topics.TELEMETRY,
+            sorted(partitions),
+            len(stale),
+        )
+        return stale
 
     # -- durable state ---------------------------------------------------------------------------
 
@@ -386,6 +523,7 @@ class TelemetryProcessor:
         if hasattr(self._reader, "on_progress"):
             self._reader.on_progress = progress.reading
         records = self._reader.read(new)
+        stale = 0
         for key, raw in records.items():
             progress.restoring(len(restored), len(records))
             if not key.startswith(self._state_prefix):
@@ -401,6 +539,12 @@ class TelemetryProcessor:
                     )
                 if header.partition not in new:
                     continue
+                if header.let_go_at is not None:  # a run let go: its ledger (whatever the config)
+                    ledger = decode_body(body)
+                    if not isinstance(ledger, RunLedger):
+                        raise SnapshotError(f"a ledger record holding {type(ledger).__name__}, not a ledger")
+                    self._restore_ledger(run_id, ledger, header.partition, header.let_go_at)
+                    continue
                 if header.config_sha != self._config_sha:
                     log.warning(
                         "run %s: its snapshot was taken under another detector config: it starts fresh",
@@ -415,12 +559,30 @@ class TelemetryProcessor:
                     raise SnapshotError(f"a state record holding {type(state).__name__}, not a run's state")
             except SnapshotError as exc:
                 self.counters.restore_failures += 1
-                where = self._reader.origin.get(key)
                 log.error(
                     "run %s: its state record %s cannot be read (%s): the run starts fresh",
                     run_id,
-                    f"{self._reader.topic}[{where[0]}]@{where[1]}" if where else f"in {self._reader.topic}",
+                    self._where(key),
                     exc,
+                )
+                continue
+            if header.log_id is not None and self.log_id is not None and header.log_id != self.log_id:
+                # taken on a telemetry log that is gone (the topic was recreated since): its offset says
+                # nothing of the new log, whose every event is judged; the run starts fresh with its ledger
+                stale += 1
+                ledger = state.monitor.ledger()
+                if ledger is not None:
+                    self._restore_ledger(run_id, ledger, header.partition, self._clock())
+                    self.states.keep_ledger(run_id, header.partition)
+                log.warning(
+                    "run %s: its snapshot %s was taken on another %s log (topic id %s, now %s: recreated): "
+                    "not restored; the run starts fresh%s",
+                    run_id,
+                    self._where(key),
+                    topics.TELEMETRY,
+                    header.log_id,
+                    self.log_id,
+                    " with its checkpoint ledger" if ledger is not None else "",
                 )
                 continue
             self.monitors[run_id] = state.monitor
@@ -429,13 +591,18 @@ class TelemetryProcessor:
             if state.last_seen is not None:
                 # its clock resumes from now: the time no worker held the run is not the run's silence
                 self._last_seen[run_id] = (state.last_seen[0], self._clock())
-            self.states.restored(run_id, header.partition, header.offset)
-            self._activity.seen(run_id, self._clock())
+            verified = header.log_id is not None and self.log_id is not None
+            self.states.restored(run_id, header.partition, header.offset, verified=verified)
+            monitor = state.monitor
+            self._activity.seen(
+                run_id, self._clock(), monitor.last_step is not None, bool(monitor.checkpoints.good)
+            )
             restored.append(run_id)
         if restored:  # their predecessor may have published more than its last snapshot knows of
             self._published.update(read_published(self._reader.scan, restored))
             self._make_room(0)  # (more partitions than the predecessor held may bring more runs than fit)
         self.counters.restored_runs += len(restored)
+        self.counters.stale_snapshots += stale
         self.counters.runs = len(self.monitors)
         progress.done(len(restored), len(records))
         log.info(
@@ -444,6 +611,20 @@ class TelemetryProcessor:
             sorted(new),
             self._perf() - started,
         )
+
+    def _where(self, key: str) -> str:
+        """Where the state record of ``key`` the last read returned lies (for a log line)."""
+        assert self._reader is not None
+        where = self._reader.origin.get(key)
+        return f"{self._reader.topic}[{where[0]}]@{where[1]}" if where else f"in {self._reader.topic}"
+
+    def _restore_ledger(self, run_id: str, ledger: RunLedger, partition: int, let_go_at: datetime) -> None:
+        """A ledger read back: kept for the run's return, or its record deleted once past its retention."""
+        if self._clock() - let_go_at > timedelta(seconds=self.config.runs.ledger_retention_s):
+            if self.states is not None:
+                self.states.ledger_gone(run_id, partition)
+            return
+        self._keep_ledger(run_id, ledger, partition, let_go_at)
 
     def take_snapshots(self, force_checkpoint: bool = False) -> tuple[list[StateRecord], bool]:
         """The state records due now, and whether they make a checkpoint (see run_states.py). Without
@@ -464,6 +645,7 @@ class TelemetryProcessor:
                 events=monitor.events_seen,
                 taken_at=now,
                 config_sha=self._config_sha,
+                log_id=self.log_id,
             )
             try:
                 value = encode_snapshot(
@@ -502,6 +684,22 @@ class TelemetryProcessor:
                     self._state_prefix + run_id, partition, encode_snapshot(header, None, self._state_secret)
                 )
             )
+        for run_id, partition in due.ledgers:
+            kept = self._ledgers.get(run_id)
+            if kept is None:
+                continue  # (gone meanwhile: its tombstone is due)
+            header = SnapshotHeader(
+                run_id=run_id,
+                partition=partition,
+                offset=-1,
+                events=0,
+                taken_at=now,
+                let_go_at=kept.let_go_at,
+                config_sha=self._config_sha,
+                log_id=self.log_id,
+            )
+            value = encode_snapshot(header, kept.ledger, self._state_secret)
+            records.append(StateRecord(self._state_prefix + run_id, partition, value))
         records.extend(
             StateRecord(self._state_prefix + run_id, partition, None) for run_id, partition in due.tombstones
         )
@@ -523,6 +721,8 @@ class TelemetryProcessor:
         """
         now = now or self._clock()
         result = ProcessResult(anomalies=self._silent_runs(now, behind))
+        if self._ledgers:
+            self._expire_ledgers(self._clock())
         if self._let_go:
             result.anomalies[:0] = self._let_go
             self._let_go = []
@@ -582,11 +782,13 @@ class TelemetryProcessor:
         for run_id in silent:
             event_ts, arrived = self._last_seen.get(run_id, (now, now))
             quiet_s = (now - arrived).total_seconds()
+            monitor = self.monitors.get(run_id)
+            kept = monitor is not None and monitor.ledger() is not None and self.config.runs.max_ledgers > 0
             out.append(
                 self._lifecycle(
                     run_id,
                     "silent",
-                    silence_message(quiet_s, retention_s),
+                    silence_message(quiet_s, retention_s, kept),
                     value=quiet_s,
                     threshold=retention_s,
                     ts=event_ts + (now - arrived),

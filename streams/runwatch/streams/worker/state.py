@@ -110,7 +110,13 @@ class SnapshotHeader(BaseModel):
     ended_at: datetime | None = (
         None  # set on the marker of an ended run (no body): kept until retention ends it
     )
+    # set on the record of a run let go without its end: its body is the run's ledger (RunLedger), kept
+    # until runs.ledger_retention_s ends it
+    let_go_at: datetime | None = None
     config_sha: str  # the detector config it was taken under: another config starts the run fresh
+    # the telemetry topic's id (where the broker reports one) when ``offset`` was read: a snapshot of
+    # another log (the topic was recreated since) is not restored as it is (processor.py)
+    log_id: str | None = None
 
 
 def config_digest(config_json: str) -> str:
