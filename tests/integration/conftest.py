@@ -31,6 +31,16 @@ def broker(tmp_path_factory) -> Iterator[EmbeddedBroker]:
         b.stop()
 
 
+@pytest.fixture
+def own_broker(tmp_path) -> Iterator[EmbeddedBroker]:
+    """A broker of the test's own, with runwatch's topics: for a test that floods the topics (thousands of
+    runs, hundreds of state records), which every later worker of the default group on the session broker
+    would otherwise have to read and restore."""
+    with EmbeddedBroker(log_path=tmp_path / "own-broker.log") as b:
+        ensure_topics(b.bootstrap)
+        yield b
+
+
 @pytest.fixture(scope="session")
 def action_keys() -> ActionKeys:
     """The session's action keys: the workers sign with ``action_keys.signing``; trainers, the sink and the

@@ -39,8 +39,9 @@ def _counters(worker) -> dict:
 
 
 def test_a_flood_of_run_ids_evicts_neither_a_live_run_nor_what_a_quiet_one_needs_to_roll_back(
-    broker, action_keys, tmp_path
+    own_broker, action_keys, tmp_path
 ):
+    broker = own_broker  # (its flood stays off the session broker)
     tag = uuid.uuid4().hex[:8]
     live, quiet = f"live-{tag}", f"quiet-{tag}"
     t0 = datetime.now(UTC) - timedelta(minutes=5)

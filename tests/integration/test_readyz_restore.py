@@ -65,7 +65,10 @@ def _snapshots(group: str) -> list:
     return records
 
 
-def test_readyz_is_not_ready_until_the_assigned_partitions_runs_are_restored(broker, action_keys, tmp_path):
+def test_readyz_is_not_ready_until_the_assigned_partitions_runs_are_restored(
+    own_broker, action_keys, tmp_path
+):
+    broker = own_broker  # (its flood stays off the session broker)
     group = f"runwatch-readyz-{uuid.uuid4().hex[:8]}"
     producer = KafkaProducer(
         bootstrap_servers=broker.bootstrap,
