@@ -96,20 +96,41 @@ class WorkerProcess:
         )
         self.log_path = log_path
         self._log = open(log_path, "ab")
+        self._cmd, self._env, self._die_with_parent = cmd, env, die_with_parent
+        self._port_retries = 3
+        self.process = self._launch()
+
+    def _launch(self) -> subprocess.Popen[bytes]:
         # (in the log's folder: Faust keeps a data directory, "<group>-data", in its working directory)
-        self.process = subprocess.Popen(
-            cmd,
+        return subprocess.Popen(
+            self._cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=self._env,
             start_new_session=True,
-            cwd=log_path.parent,
-            preexec_fn=ending_with_parent() if die_with_parent else None,
+            cwd=self.log_path.parent,
+            preexec_fn=ending_with_parent() if self._die_with_parent else None,
         )
+
+    def _port_taken(self) -> bool:
+        """The worker exited because its health port, free when chosen, was taken before it bound it (another
+        process's connection got it meanwhile): a race of the launcher's, not the worker's failure."""
+        if self.process.returncode != 2 or self._port_retries == 0:
+            return False
+        self._log.flush()
+        tail = self.log_path.read_bytes()[-2000:].decode(errors="replace")
+        return f"cannot listen on 127.0.0.1:{self.web_port}" in tail
 
     def wait_ready(self, timeout: float) -> None:
         def ready() -> bool:
             if self.process.poll() is not None:
+                if self._port_taken():  # another free port, and start again
+                    self._port_retries -= 1
+                    port_at = self._cmd.index("--web-port") + 1
+                    self.web_port = free_port()
+                    self._cmd[port_at] = str(self.web_port)
+                    self.process = self._launch()
+                    return False
                 raise LocalStackError(
                     f"the worker exited with {self.process.returncode}; see {self.log_path}"
                 )
