@@ -626,6 +626,24 @@ class TelemetryProcessor:
             return
         self._keep_ledger(run_id, ledger, partition, let_go_at)
 
+    def _eventless_record(
+        self, run_id: str, partition: int, now: datetime, body: Any, **header: Any
+    ) -> StateRecord:
+        """A state record that holds no events (offset -1): an ended run's marker (no body) or a let-go
+        run's ledger."""
+        head = SnapshotHeader(
+            run_id=run_id,
+            partition=partition,
+            offset=-1,
+            events=0,
+            taken_at=now,
+            config_sha=self._config_sha,
+            **header,
+        )
+        return StateRecord(
+            self._state_prefix + run_id, partition, encode_snapshot(head, body, self._state_secret)
+        )
+
     def take_snapshots(self, force_checkpoint: bool = False) -> tuple[list[StateRecord], bool]:
         """The state records due now, and whether they make a checkpoint (see run_states.py). Without
         durable state nothing is written and every request is a checkpoint."""
@@ -670,36 +688,16 @@ class TelemetryProcessor:
             self.counters.snapshots += 1
             self.counters.snapshot_bytes += len(value)
         for run_id, partition, ended_at in due.markers:
-            header = SnapshotHeader(
-                run_id=run_id,
-                partition=partition,
-                offset=-1,
-                events=0,
-                taken_at=now,
-                ended_at=ended_at,
-                config_sha=self._config_sha,
-            )
-            records.append(
-                StateRecord(
-                    self._state_prefix + run_id, partition, encode_snapshot(header, None, self._state_secret)
-                )
-            )
+            records.append(self._eventless_record(run_id, partition, now, None, ended_at=ended_at))
         for run_id, partition in due.ledgers:
             kept = self._ledgers.get(run_id)
             if kept is None:
                 continue  # (gone meanwhile: its tombstone is due)
-            header = SnapshotHeader(
-                run_id=run_id,
-                partition=partition,
-                offset=-1,
-                events=0,
-                taken_at=now,
-                let_go_at=kept.let_go_at,
-                config_sha=self._config_sha,
-                log_id=self.log_id,
+            records.append(
+                self._eventless_record(
+                    run_id, partition, now, kept.ledger, let_go_at=kept.let_go_at, log_id=self.log_id
+                )
             )
-            value = encode_snapshot(header, kept.ledger, self._state_secret)
-            records.append(StateRecord(self._state_prefix + run_id, partition, value))
         records.extend(
             StateRecord(self._state_prefix + run_id, partition, None) for run_id, partition in due.tombstones
         )
