@@ -45,7 +45,14 @@ def _counters(worker: WorkerProcess) -> dict:
 def test_a_flood_of_runs_that_never_end_is_let_go_and_a_successor_restores_in_time(tmp_path, action_keys):
     config = tmp_path / "config.yaml"
     # (max_runs above the flood: every run is held until its silence; eviction is the unit tests')
-    config.write_text(yaml.safe_dump({"runs": {"silence_retention_s": RETENTION_S, "max_runs": 2 * FLOOD}}))
+    # (new run ids admitted as fast as they come: the budget that sheds such a flood is run_budget.py's)
+    runs = {
+        "silence_retention_s": RETENTION_S,
+        "max_runs": 2 * FLOOD,
+        "new_runs_per_s": 1e6,
+        "new_runs_burst": 10**6,
+    }
+    config.write_text(yaml.safe_dump({"runs": runs}))
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)
         first = WorkerProcess(

@@ -122,6 +122,24 @@ class RunsConfig(Strict):
         description="ledgers of runs let go one worker keeps at most (about 1 KB each); past it the oldest "
         "goes",
     )
+    budget_events_per_s: float = Field(
+        default=2_000.0,
+        ge=0,
+        description="events one run may send per second, as the worker sees its partition's log grow; "
+        "beyond it (and its burst) they are shed, never judged, and reported, so that one run's flood "
+        "cannot starve the other runs of its partition (streams/runwatch/streams/worker/run_budget.py). "
+        "A backlog already in the log when the worker reads it is never shed. 0: no budget",
+    )
+    budget_burst_events: int = Field(
+        default=4_000, ge=1, description="events one run may send at once above budget_events_per_s"
+    )
+    new_runs_per_s: float = Field(
+        default=50.0,
+        gt=0,
+        description="run ids a partition has not seen that it admits per second (bursts of new_runs_burst): "
+        "a flood of made-up run ids is shed too",
+    )
+    new_runs_burst: int = Field(default=500, ge=1, description="new run ids a partition admits at once")
 
 
 class PolicyRule(Strict):

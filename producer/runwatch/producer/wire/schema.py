@@ -391,14 +391,15 @@ class DeadLetter(WireModel):
     and at most the first ``DEADLETTER_RAW_MAX_BYTES`` of it, so that a dead letter always fits
     on its topic whatever was sent. ``stage`` says who refused it: ``decode`` (the worker's
     validation), ``detector`` (an error while a detector handled a valid event: ``detector_error``)
-    or ``sink`` (a row ClickHouse refused)."""
+    ``sink`` (a row ClickHouse refused) or ``budget`` (a summary of a run's events shed over its
+    budget by the worker, streams/runwatch/streams/worker/run_budget.py: no value, ``size`` 0)."""
 
     reason: str
     source_topic: str
     partition: int | None = None
     offset: int | None = None
     key: str | None = None
-    stage: Literal["decode", "detector", "sink"] = "decode"
+    stage: Literal["decode", "detector", "sink", "budget"] = "decode"
     size: int = Field(default=0, ge=0, description="bytes of the original message value (0 for a null value)")
     sha256: str | None = Field(
         default=None, description="hex SHA-256 of the original value; absent for a null value"
@@ -418,7 +419,7 @@ class DeadLetter(WireModel):
         partition: int | None = None,
         offset: int | None = None,
         key: bytes | None = None,
-        stage: Literal["decode", "detector", "sink"] = "decode",
+        stage: Literal["decode", "detector", "sink", "budget"] = "decode",
         traceback: str | None = None,
     ) -> DeadLetter:
         """A dead letter for ``raw`` (a message value, possibly None) that is bounded in size."""

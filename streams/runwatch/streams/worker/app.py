@@ -20,6 +20,7 @@ import faust
 from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.offline.replay import TICK_EVERY_S
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import DeadLetter
 from runwatch.streams.worker import transport
 from runwatch.streams.worker.detector_process import (
     REPLY_TIMEOUT_S,
@@ -37,6 +38,7 @@ from runwatch.streams.worker.log_identity import (
     TopicIds,
     commit_offsets_allowed,
 )
+from runwatch.streams.worker.run_budget import BudgetLimits, RunBudget, ShedReport
 from runwatch.streams.worker.run_states import StateOptions
 from runwatch.streams.worker.state import resolve_state_secret
 
@@ -172,6 +174,13 @@ def create_app(
     )
     health = WorkerHealth(detectors)
     app.sensors.add(CommitSensor(health))
+    runs = config.runs
+    budget = RunBudget(
+        BudgetLimits(
+            runs.budget_events_per_s, runs.budget_burst_events, runs.new_runs_per_s, runs.new_runs_burst
+        )
+    )
+    health.budget = budget
 
     async def fail(reason: str, exc: BaseException) -> None:
         health.fail(reason)
@@ -211,6 +220,10 @@ def create_app(
             except Exception:  # noqa: BLE001 - no fetch answered yet
                 continue
             if high is not None and high - 1 > submitted[tp.partition]:
+                if budget.caught_up(tp.partition, submitted[tp.partition]) and (
+                    budget.read_through(tp.partition) >= high - 1
+                ):
+                    continue  # (what follows the last event handed on was shed: run_budget.py)
                 lagging.append(tp.partition)
         return lagging
 
@@ -290,6 +303,7 @@ def create_app(
                 beginnings = await consumer.earliest_offsets(*tps)
             except Exception:  # noqa: BLE001 - a new log begins at 0
                 beginnings = {}
+        budget.forget({tp.partition for tp in tps})
         for tp in tps:
             unsettled = consumer.forget_positions(tp)
             submitted.pop(tp.partition, None)
@@ -378,6 +392,7 @@ def create_app(
         await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
         pipeline["inflight"] = inflight
         telemetry_consumer().commit_guard = guard_commit
+        telemetry_consumer().run_budget = budget
         try:
             async for events in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
                 # (an event of a log found recreated while it waited here was settled: start_over)
@@ -404,6 +419,7 @@ def create_app(
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def keep_owned_runs(sender: Any, assigned: set[TP], **kwargs: Any) -> None:
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
+        budget.forget()  # (Faust seeks every partition to its committed offset: the log is watched anew)
         for partition in set(submitted) - owned:
             del submitted[partition]
         # Not ready until the runs of these partitions are restored (the child reports its progress only
@@ -452,6 +468,33 @@ def create_app(
     async def recreated_logs() -> None:
         await check_log()
 
+    shed_logged_at = [float("-inf")]
+
+    async def report_shed() -> None:
+        # Events shed over a run's budget (run_budget.py): a dead letter per run and partition, so that
+        # the store and the dashboards show who was shed, and a log line at most every 10 s
+        report = budget.take_shed()
+        if not report.events:
+            return
+        await send(shed_letters(report, budget.limits))
+        if time.monotonic() - shed_logged_at[0] >= 10.0:
+            shed_logged_at[0] = time.monotonic()
+            log.warning(
+                "shed %d telemetry event(s) over their runs' budget (%s events/s, bursts of %d; %s new run "
+                "ids/s): %s",
+                report.events,
+                f"{budget.limits.events_per_s:g}",
+                budget.limits.burst_events,
+                f"{budget.limits.new_runs_per_s:g}",
+                ", ".join(
+                    f"{key.decode(errors='replace')!r}[{partition}] {s.count}"
+                    for (partition, key), s in list(report.runs.items())[:5]
+                ),
+            )
+
+    app.timer(1.0)(report_shed)
+    app.before_stop.append(report_shed)  # (what was shed since the last report is said before stopping)
+
     @app.timer(30.0)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
     async def report_counters() -> None:
         c = detectors.counters
@@ -484,6 +527,37 @@ def create_app(
         id_reader.shutdown(wait=False)
 
     return app, detectors
+
+
+def shed_letters(report: ShedReport, limits: BudgetLimits) -> list[Outgoing]:
+    """Dead letters (stage ``budget``) for what ``report`` says was shed, one per run and partition."""
+    letters = []
+    for (partition, key), shed in report.runs.items():
+        why = (
+            f"a new run id beyond the partition's {limits.new_runs_per_s:g} new run ids/s"
+            if shed.reason == "new_run"
+            else f"over the run's budget of {limits.events_per_s:g} events/s, bursts of {limits.burst_events}"
+        )
+        letter = DeadLetter.for_message(
+            f"{shed.count} event(s) shed, offsets {shed.first_offset}-{shed.last_offset}: {why}",
+            None,
+            source_topic=topics.TELEMETRY,
+            partition=partition,
+            offset=shed.first_offset,
+            key=key,
+            stage="budget",
+        )
+        letters.append(Outgoing(topics.DEADLETTER, key or None, letter.to_json(), None))
+    if report.other_events:
+        letter = DeadLetter.for_message(
+            f"{report.other_events} event(s) of more runs shed (runs past the first {len(report.runs)} "
+            "of this report are not named)",
+            None,
+            source_topic=topics.TELEMETRY,
+            stage="budget",
+        )
+        letters.append(Outgoing(topics.DEADLETTER, None, letter.to_json(), None))
+    return letters
 
 
 def run_worker(app: faust.App, loglevel: str = "WARNING") -> None:

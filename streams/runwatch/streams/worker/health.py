@@ -25,6 +25,7 @@ from typing import Any
 from faust.sensors import Sensor
 
 from runwatch.streams.worker.detector_process import DetectorProcess
+from runwatch.streams.worker.run_budget import RunBudget
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class WorkerHealth:
         self.restoring: list[int] | None = None
         self.log_id: object = None  # the telemetry topic's id as last read (log_identity.py)
         self.commits_refused = 0  # telemetry offsets not committed: an old log's positions on a new log
+        self.budget: RunBudget | None = None  # the per-run budgets (run_budget.py), once the app has one
         self.failure: str | None = None
         self._exit_timer: threading.Timer | None = None
 
@@ -111,6 +113,8 @@ class WorkerHealth:
                 **asdict(counters),
                 "actions": dict(counters.actions),
                 "runs_let_go": dict(counters.runs_let_go),
+                "events_shed": self.budget.shed_total if self.budget is not None else 0,
+                "events_shed_new_runs": self.budget.shed_new_runs if self.budget is not None else 0,
             },
         }
 
