@@ -77,8 +77,9 @@ _REGISTRY: dict[str, DetectorSpec] = {}
 
 # Findings the policy and the monitor produce (not a registered detector's), which rules may name too:
 # a rollback that did (or did not) bring the run back, a run that ended outside its job's history
-# (baselines/gate.py), and an action no rank acknowledged in time (engine/ack_watch.py).
-POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers", "action_unacknowledged")
+# (baselines/gate.py), an action no rank acknowledged in time (engine/ack_watch.py), and a rank whose clock
+# is ahead of the worker's (engine/monitor.py, clock_seen).
+POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers", "action_unacknowledged", "clock_skew")
 
 BUILTIN_MODULES = (
     "runwatch.detectors.nonfinite",

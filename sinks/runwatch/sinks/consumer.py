@@ -35,8 +35,7 @@ from runwatch.producer.wire.schema import (
     check_record_key,
     decode_action,
     decode_anomaly,
-    decode_event,
-    receive_time,
+    decode_received,
     utc_now,
 )
 from runwatch.producer.wire.signing import ActionPublicKeys
@@ -185,8 +184,8 @@ class SinkConsumer:
     def _decode(self, r: Any, now: datetime) -> tuple[Any, str | None]:
         if r.topic == topics.TELEMETRY:
             # the same verdict as the worker's: same limits, same receive time
-            received = receive_time(r.timestamp / 1000 if r.timestamp is not None else None, now, self.limits)
-            event = decode_event(r.value, received_at=received, limits=self.limits, key=r.key)
+            timestamp_s = r.timestamp / 1000 if r.timestamp is not None else None
+            event, _, _ = decode_received(r.value, timestamp_s, now, self.limits, r.key)
             check_record_key(r.key, r.partition, self.partitions)
             return (event, r.value), storable_time("telemetry", event.ts, now)
         if r.topic == topics.ANOMALIES:

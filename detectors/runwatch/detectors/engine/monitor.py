@@ -46,6 +46,8 @@ _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
 
 RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
 ISSUED_ONSETS = 1024  # alert-level findings remembered per run by onset, so a replay does not repeat them
+CLOCK_SKEW = "clock_skew"  # the finding about a rank whose clock is ahead of the worker's (clock_seen)
+MAX_CLOCK_RANKS = 64  # ranks whose clock offsets a run's actions carry at most
 LOSS_HISTORY = 1024  # joined steps' losses kept per run: a rollback's recovery is judged against them
 # These bounded memories are ordered dicts, not plain ones: dropping a plain dict's oldest key with
 # next(iter(d)) walks over every slot its earlier deletions left empty (hundreds, until the dict is next
@@ -132,6 +134,11 @@ class RunMonitor:
     _issued_onsets: OrderedDict[tuple[str, str, int | None, str, int | None], None] | None = None
     # Actions waiting for a rank's acknowledgement (ack_watch.py); None in a monitor pickled before it.
     acks: AckWatch | None = None
+    # Ranks whose clock the worker found ahead of its own: rank -> seconds (None: none yet, or a monitor
+    # pickled before it). Signed into the run's actions, so that such a rank's listener judges them on the
+    # worker's clock; each rank is told once (a clock_skew finding).
+    clock_ahead: dict[int, float] | None = None
+    _clock_told: set[int] | None = None
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -224,6 +231,44 @@ class RunMonitor:
             return out  # the run is over: nothing but its last steps' join is judged
         _ROUTES[event.kind](self, event, out)
         self._await_acks(out, event.ts)
+        return out
+
+    def clock_seen(self, rank: int, ahead_s: float | None, ts: datetime, step: int | None) -> MonitorOutput:
+        """The worker read an event of ``rank`` whose clock is ``ahead_s`` seconds ahead of its own (None:
+        not ahead, beyond the wire's allowance): remember it for the run's actions, and say it once per rank
+        with a ``clock_skew`` warning (the default policy alerts the trainer, whose listener can take the
+        alert because the action carries the offset)."""
+        out = MonitorOutput()
+        ahead = self.clock_ahead if self.clock_ahead is not None else {}
+        if ahead_s is None:
+            ahead.pop(rank, None)  # (its clock was put right)
+            return out
+        self.clock_ahead = ahead
+        if rank not in ahead and len(ahead) >= MAX_CLOCK_RANKS:
+            return out  # (the actions carry a bounded list; the finding below already went out for many)
+        ahead[rank] = round(ahead_s, 1)
+        told = self._clock_told if self._clock_told is not None else set()
+        self._clock_told = told
+        if rank in told:
+            return out
+        told.add(rank)
+        finding = Finding(
+            detector=CLOCK_SKEW,
+            metric="clock",
+            step=step,
+            rank=rank,
+            severity="warning",
+            value=round(ahead_s, 1),
+            threshold=self.config.limits.max_future_s,
+            message=(
+                f"rank {rank}'s clock is {ahead_s:.0f} s ahead of the worker's (more than the "
+                f"{self.config.limits.max_future_s:.0f} s a record may be ahead): its event times are moved "
+                "back by that much and its actions say so; put the host's clock right (NTP)"
+            ),
+            evidence={"ahead_s": round(ahead_s, 1)},
+        )
+        self._emit(finding, ts, f"clock|{rank}", out)
+        self._await_acks(out, ts)
         return out
 
     def _await_acks(self, out: MonitorOutput, at: datetime) -> None:

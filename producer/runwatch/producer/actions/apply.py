@@ -101,7 +101,8 @@ class ActionApplier:
             self._arrivals.done(action.action_id)
 
     def _apply(self, action: Action, step: int | None, check_expiry: bool) -> AppliedAction | None:
-        if check_expiry and action.is_expired(utc_now()):  # it may have waited in the queue
+        # (it may have waited in the queue; judged on the issuing worker's clock: Action.issuer_now)
+        if check_expiry and action.is_expired(action.issuer_now(utc_now(), getattr(self.rw, "rank", 0) or 0)):
             self._ignored["expired"] += 1
             return None
         handler = self._HANDLERS[applies(action.kind)]  # one per way of applying (wire/action_kinds.py)

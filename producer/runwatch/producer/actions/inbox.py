@@ -65,8 +65,12 @@ class ActionInbox:
         remember: bool = True,
         handled: Callable[[Action], str | None] = lambda _action: None,
         now: Callable[[], datetime] = utc_now,
+        rank: int | None = None,
     ):
         self._public_keys = public_keys
+        # A trainer's rank: the clock offset the worker measured for it and signed applies
+        # (Action.issuer_now); None (the sink, the remediator: the servers' clocks): none applies
+        self._rank = rank
         self._run_id = run_id
         self._attempt = attempt
         self._clock_skew = clock_skew
@@ -110,9 +114,12 @@ class ActionInbox:
             return Verdict(None, "malformed", exc.reason)
         if self._run_id is not None and action.run_id != self._run_id:
             return Verdict(action, "other_run")  # another run's action on a shared partition
-        now = self._now()
         if not self._public_keys.verify(action):
             return Verdict(action, "bad_signature")
+        # (times judged on the issuing worker's clock: a rank whose clock it found fast is told by how much)
+        local_now = self._now()
+        now = local_now if self._rank is None else action.issuer_now(local_now, self._rank)
+        not_before = None if self._not_before is None else self._not_before - (local_now - now)
         if self._attempt is not None and action.attempt is not None and action.attempt != self._attempt:
             return Verdict(action, "other_attempt")  # e.g. the stop that ended the job before it was requeued
         if action.issued_at > now + self._clock_skew:
@@ -120,7 +127,7 @@ class ActionInbox:
             return Verdict(action, "future")
         if action.is_expired(now):
             return Verdict(action, "expired")
-        if self._not_before is not None and action.issued_at < self._not_before:
+        if not_before is not None and action.issued_at < not_before:
             return Verdict(action, "stale")
         if self._remember and action.action_id in self._seen:
             return Verdict(action, "duplicate")

@@ -148,6 +148,7 @@ class ActionListener:
             clock_skew=clock_skew,
             not_before=started_at,
             handled=self._handled_before,
+            rank=getattr(rw, "rank", 0) or 0,
         )
         self.ignored = self._inbox.ignored
         self._arrivals = Arrivals(self.applied_ids, self.ignored)

@@ -117,7 +117,7 @@ class RankSync:
             action = self._arrivals.next_nowait()
             if action is None:
                 break
-            if action.is_expired(utc_now()):
+            if action.is_expired(action.issuer_now(utc_now(), 0)):  # (rank 0's clock: it decides)
                 self._ignored["expired"] += 1
                 continue
             batch.append(action)

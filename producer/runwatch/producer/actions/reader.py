@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import MAX_CLOCK_AHEAD_S
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class ActionReader:
         self._bootstrap = bootstrap
         self._topic = topic
         self._start_ms = int(start_at.timestamp() * 1000)
+        self._oldest_ms = self._start_ms - int(MAX_CLOCK_AHEAD_S * 1000)
         self._on_value = on_value
         self._client_id = client_id
         self.ready = threading.Event()
@@ -84,8 +86,11 @@ class ActionReader:
                 for records in consumer.poll(timeout_ms=100).values():
                     for record in records:
                         # a broker whose end offset falls short (Tansu's points into its last batch) may
-                        # still hand over older records: sent before the start, they are not ours
-                        if record.timestamp is None or record.timestamp >= self._start_ms:
+                        # still hand over older records: sent before the start, they are not ours. Sent
+                        # on the worker's clock, though, which may be behind this host's by up to what a
+                        # worker corrects for (schema.MAX_CLOCK_AHEAD_S): the inbox then judges such an
+                        # action's times against the offset the worker signed into it (Action.issuer_now).
+                        if record.timestamp is None or record.timestamp >= self._oldest_ms:
                             self._on_value(record.value)
             except Exception as exc:  # noqa: BLE001 - broker down: retry, never raise into training
                 log.debug("runwatch: action consumer error: %r", exc)

@@ -381,6 +381,27 @@ class Action(WireModel):
     def is_expired(self, now: datetime) -> bool:
         return now >= self.expires_at
 
+    def issuer_now(self, now: datetime, rank: int) -> datetime:
+        """``now``, a trainer rank's clock, on the clock of the worker that issued this action: less what the
+        worker measured that rank's clock to be ahead of its own and signed with the action
+        (``params.clock_ahead_s``: rank -> seconds; issue 35). A trainer whose clock is minutes fast would
+        otherwise find every action expired, or issued before its listener started. Only a verified
+        action's word counts: call it after the signature check."""
+        ahead = self.params.get(CLOCK_AHEAD_PARAM)
+        seconds = ahead.get(str(rank)) if isinstance(ahead, dict) else None
+        if (
+            isinstance(seconds, int | float)
+            and not isinstance(seconds, bool)
+            and 0 < seconds <= MAX_CLOCK_AHEAD_S
+        ):
+            return now - timedelta(seconds=seconds)
+        return now
+
+
+# An action's params entry: rank (as a string) -> seconds that rank's clock is ahead of the issuing worker's
+CLOCK_AHEAD_PARAM = "clock_ahead_s"
+MAX_CLOCK_AHEAD_S = 86_400.0  # a record time further ahead is no clock: its events are judged as before
+
 
 DEADLETTER_RAW_MAX_BYTES = 4096  # a dead letter carries at most this much of the message it stands for
 _DEADLETTER_TEXT_MAX = 2000  # reason and traceback: enough to act on, never the message again
@@ -755,6 +776,21 @@ def check_record_key(key: bytes | None, partition: int | None, partitions: int |
             )
 
 
+def clock_ahead(
+    timestamp_s: float | None, now: datetime, limits: WireLimits = DEFAULT_LIMITS
+) -> float | None:
+    """Seconds a sender's clock is ahead of ``now`` (the reader's), by a record time more than
+    ``limits.max_future_s`` and at most ``MAX_CLOCK_AHEAD_S`` ahead of it; None otherwise. Such a record and
+    its event's ``ts`` agree on a fast clock (issue 35): the worker judges the event against the record time
+    and moves its time back by this much, rather than refusing every event of a trainer whose clock is
+    minutes fast."""
+    received = record_time(timestamp_s)
+    if received is None:
+        return None
+    ahead = (received - now).total_seconds()
+    return ahead if limits.max_future_s < ahead <= MAX_CLOCK_AHEAD_S else None
+
+
 def receive_time(timestamp_s: float | None, now: datetime, limits: WireLimits = DEFAULT_LIMITS) -> datetime:
     """The ``received_at`` a consumer (the worker, the sink) checks an event's ``ts`` against: the
     Kafka record's timestamp, unless it is missing, unusable or more than ``limits.max_future_s``
@@ -806,6 +842,27 @@ def decode_event(
     if key is not None and key != event.run_id.encode():
         raise SchemaError(f"key {key[:100]!r} does not match run_id {event.run_id[:100]!r}")
     return event
+
+
+def decode_received(
+    raw: bytes | str | None,
+    timestamp_s: float | None,
+    now: datetime,
+    limits: WireLimits = DEFAULT_LIMITS,
+    key: bytes | None = None,
+) -> tuple[TelemetryEvent, datetime, float | None]:
+    """A telemetry record as the worker and the sink judge it: ``decode_event`` against the record's
+    receive time (``receive_time``). Returns the event, that receive time on the reader's clock, and the
+    seconds the sender's clock is ahead when its record time is beyond the allowance (``clock_ahead``; else
+    None): such an event is judged against its record time, and its ``ts`` moved back onto the reader's
+    clock by that much."""
+    received = receive_time(timestamp_s, now, limits)
+    ahead = clock_ahead(timestamp_s, now, limits)
+    judged_at = record_time(timestamp_s) if ahead is not None else received
+    event = decode_event(raw, received_at=judged_at, limits=limits, key=key)
+    if ahead is not None:
+        event = event.model_copy(update={"ts": event.ts - timedelta(seconds=ahead)})
+    return event, received, ahead
 
 
 def decode_anomaly(raw: bytes | str) -> Anomaly:

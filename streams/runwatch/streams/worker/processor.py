@@ -22,6 +22,7 @@ from runwatch.detectors.engine.monitor import RunLedger
 from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import (
+    CLOCK_AHEAD_PARAM,
     Action,
     Anomaly,
     DeadLetter,
@@ -31,8 +32,7 @@ from runwatch.producer.wire.schema import (
     TelemetryEvent,
     action_expiry,
     check_record_key,
-    decode_event,
-    receive_time,
+    decode_received,
     utc_now,
 )
 from runwatch.producer.wire.signing import ActionSigningKey
@@ -213,11 +213,13 @@ class TelemetryProcessor:
     ) -> ProcessResult:
         """One telemetry message. ``timestamp`` is the Kafka record's (seconds since the epoch): the
         receive time that an event's ``ts`` must lie near (``limits.max_future_s`` / ``max_past_s``). A
-        record time that is missing, unusable or more than ``max_future_s`` ahead of this worker's clock
-        is not trusted: the event's ``ts`` is then checked against the worker's clock."""
-        received = receive_time(timestamp, self._clock(), self.config.limits)
+        record time that is missing or unusable is not trusted: the event's ``ts`` is then checked against
+        the worker's clock. One more than ``max_future_s`` (and at most a day) ahead of the worker's clock is
+        a fast clock: the event is judged against it and its time moved back (``decode_received``)."""
+        # A record time minutes ahead, with an event time that agrees: the trainer's clock is fast. Judged
+        # against its own clock, then moved back onto the worker's, and said (RunMonitor.clock_seen).
         try:
-            event = decode_event(raw, received_at=received, limits=self.config.limits, key=key)
+            event, received, ahead_s = decode_received(raw, timestamp, self._clock(), self.config.limits, key)
             # (a run's partition, once checked, is not hashed again for each of its events)
             known = event.run_id in self._partition and self._partition[event.run_id] == partition
             check_record_key(key, partition, None if known else self.partitions)
@@ -233,7 +235,7 @@ class TelemetryProcessor:
                 return ProcessResult()
         self.counters.processed += 1
         try:
-            return self._observe(event, received, partition, offset)
+            return self._observe(event, received, partition, offset, ahead_s)
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
 
@@ -243,6 +245,7 @@ class TelemetryProcessor:
         received: datetime | None,
         partition: int | None,
         offset: int | None = None,
+        clock_ahead_s: float | None = None,
     ) -> ProcessResult:
         run_id = event.run_id
         monitor = self.monitors.get(run_id)
@@ -269,6 +272,11 @@ class TelemetryProcessor:
         if self.baselines is not None and isinstance(event, RunStartEvent):
             self.baselines.hand(monitor, event)
         out = monitor.observe(event)
+        if clock_ahead_s is not None or monitor.clock_ahead:
+            rank = getattr(event, "rank", None) or 0
+            said = monitor.clock_seen(rank, clock_ahead_s, event.ts, getattr(event, "step", None))
+            out.anomalies += said.anomalies
+            out.decisions += said.decisions
         # The run's clock: its newest event time, never ahead of when the record was sent (one event
         # with a skewed clock must not make the run's other ranks look silent).
         ts = event.ts if received is None else min(event.ts, received + _CLOCK_SLACK)
@@ -855,10 +863,14 @@ class TelemetryProcessor:
         return monitor.attempt if monitor is not None else None
 
     def _with_job(self, decision: ActionDecision) -> dict[str, Any]:
-        """The run's job_id, host and pod (from its run_start) join the action's params, signed with it."""
+        """The run's job_id, host and pod (from its run_start) join the action's params, signed with it, and
+        the offsets of the ranks whose clocks are ahead of the worker's (``Action.issuer_now``)."""
         monitor = self.monitors.get(decision.run_id)
         job = monitor.job if monitor is not None else {}
-        return {**job, **decision.params} if job else decision.params
+        params = {**job, **decision.params} if job else decision.params
+        if monitor is not None and monitor.clock_ahead:  # (ranks whose clock is fast: RunMonitor.clock_seen)
+            params = {**params, CLOCK_AHEAD_PARAM: {str(r): s for r, s in monitor.clock_ahead.items()}}
+        return params
 
     @staticmethod
     def _deadletter(
