@@ -131,10 +131,17 @@ def test_case11_a_run_id_with_a_newline_is_deadlettered_and_forges_no_log_line(b
 SCRIPT = Path(__file__).with_name("fault_train.py")
 
 
-def _attempt(bootstrap: str, public_keys: str, run_id: str, folder: Path, *args: str) -> subprocess.Popen:
+def _attempt(
+    bootstrap: str, public_keys: str, run_id: str, folder: Path, *args: str, env: dict | None = None
+) -> subprocess.Popen:
     folder.mkdir(parents=True)
     # a fresh node: its own spool directory (and so its own record of applied actions)
-    env = {**os.environ, topics.PUBLIC_KEYS_ENV: public_keys, "RUNWATCH_SPOOL_DIR": str(folder / "spool")}
+    env = {
+        **os.environ,
+        **(env or {}),
+        topics.PUBLIC_KEYS_ENV: public_keys,
+        "RUNWATCH_SPOOL_DIR": str(folder / "spool"),
+    }
     env.pop(topics.ATTEMPT_ENV, None)
     cmd = [
         sys.executable,
@@ -215,6 +222,46 @@ def test_cases2_and_3_a_requeued_attempt_is_watched_fresh_and_the_old_stop_is_no
     ]
     attempts = {a.kind: a.attempt for a in issued if a.kind in ("stop", "rollback")}
     assert attempts["stop"] and attempts["rollback"] and attempts["stop"] != attempts["rollback"]
+
+
+def test_ranks_of_a_requeued_slurm_job_without_rank_sync_refuse_the_old_stop(
+    broker, action_keys, worker, tmp_path
+):
+    """Issue 35, item 9: two ranks (two processes, no process group: no rank sync), fresh spool directories
+    on requeue, no RUNWATCH_ATTEMPT; Slurm's job id and restart count name the attempt on every rank. Before,
+    rank 1 named none and applied the first attempt's stop (a DDP job then hangs on rank 0)."""
+    run_id = new_run("requeue-ranks")
+
+    def ranks(attempt: int, *args: str) -> list[subprocess.Popen]:
+        return [
+            _attempt(
+                broker.bootstrap,
+                action_keys.public_text,
+                run_id,
+                tmp_path / f"a{attempt}-r{rank}",
+                *args,
+                env={
+                    "RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                    "SLURM_JOB_ID": "4242",
+                    "SLURM_RESTART_COUNT": str(attempt),
+                },
+            )
+            for rank in (0, 1)
+        ]
+
+    first = ranks(0, "--fault", "nan:30", "--checkpoint-every", "1000", "--exit-on-stop", "kill")
+    ones = [_finish(p, tmp_path / f"a0-r{r}", expect=137) for r, p in enumerate(first)]
+    assert all(one["status"] == "stopped" for one in ones), ones
+    stopped_at = time.monotonic()
+    second = ranks(1, "--fault", "nan:50", "--checkpoint-every", "10")
+    assert time.monotonic() - stopped_at < 30
+    twos = [_finish(p, tmp_path / f"a1-r{r}", expect=0) for r, p in enumerate(second)]
+    for rank, two in enumerate(twos):
+        kinds = [(a["kind"], a["outcome"]) for a in two["applied"]]
+        assert ("stop", "applied") not in kinds, (rank, two["applied"])
+        assert ("rollback", "applied") in kinds, (rank, two["applied"])
+        assert two["status"] == "completed" and two["ignored"].get("other_attempt", 0) >= 1, (rank, two)
 
 
 # -- case 6: pointed at a broker or a database that is not there ----------------------------------

@@ -14,7 +14,7 @@ import atexit
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,9 +54,33 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound="RunWatch")
 
 
+# What a launcher sets on every rank of one launch, and changes at each requeue or restart: the job, and
+# how many times it was restarted (Slurm's requeue keeps the job id; torchelastic restarts its workers)
+LAUNCH_IDS = (
+    ("slurm", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
+    ("torchelastic", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
+)
+
+
+def launch_attempt(env: Mapping[str, str] = os.environ) -> str | None:
+    """The attempt every rank of this launch can name alike, from its launcher's variables (Slurm's job id
+    and restart count, torchelastic's run id and restart count); None when no launcher says."""
+    parts = [
+        f"{name}-{env[job]}.{env.get(restarts, '0')}" for name, job, restarts in LAUNCH_IDS if env.get(job)
+    ]
+    return "+".join(parts)[:128] or None
+
+
 def resolve_attempt(attempt: str | None, rank: int) -> str | None:
-    """The attempt a ``RunWatch`` names: given, from ``$RUNWATCH_ATTEMPT``, or new on rank 0."""
-    attempt = attempt or os.environ.get(topics.ATTEMPT_ENV) or (uuid.uuid4().hex if rank == 0 else None)
+    """The attempt a ``RunWatch`` names: given, from ``$RUNWATCH_ATTEMPT``, from the launcher's variables
+    (``launch_attempt``: the same on every rank, so that ranks 1..N of a requeued job refuse the old
+    attempt's stop without rank sync, issue 35), or new on rank 0."""
+    attempt = (
+        attempt
+        or os.environ.get(topics.ATTEMPT_ENV)
+        or launch_attempt()
+        or (uuid.uuid4().hex if rank == 0 else None)
+    )
     if attempt is not None and not 0 < len(attempt) <= 128:
         raise ValueError(f"attempt: {len(attempt)} characters (1 to 128)")
     return attempt
