@@ -1,6 +1,6 @@
 """The ``runwatch`` command line: up, runs, broker, worker, sink, remediate, migrate, demo, scenarios,
-config, replay, evaluate, calibrate, ingest, baseline, report, grafana, keys; each command group in its own
-module, imported lazily inside the command (the CLI starts fast)."""
+config, replay, evaluate, calibrate, ingest, baseline, report, grafana, keys, simulate; each command group
+in its own module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from runwatch.cli import (
     report,
     runs,
     scenarios,
+    simulate,
     sink,
     up,
     worker,
@@ -57,6 +58,7 @@ for command in (
     grafana.grafana,
     migrate.migrate,
     keys.keys,
+    simulate.simulate,
 ):
     main.add_command(command)
 
