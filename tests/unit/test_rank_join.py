@@ -430,3 +430,42 @@ def test_straggler_one_step_back_over_the_threshold_does_not_start_a_new_episode
             see(detector, step(rank, n, n, step_time_s=0.5 if slow else 0.2))
         found += [f.rank for f in detector.update(joined(n, n), at(n))]
     assert found == [1]
+
+
+def test_a_joined_step_of_16384_ranks_counts_its_ranks_and_lists_few_of_them():
+    """Issue 36: the joined record listed every rank (87 KB a step at 16,384 ranks); it counts them and
+    lists the lowest 64 missing ids only, and stays under 8 KB."""
+    world = 16_384
+    join = StepJoin(RUN, 5.0)
+    join.set_world_size(world)
+    missing = {7, 9_001, 12_345}
+    out = []
+    for rank in range(world):
+        if rank not in missing:
+            out += join.add(step(rank, 3, 1.0))
+    assert out == []  # (waiting for the three)
+    (late,) = join.expire(at(10.0))
+    record = late.record
+    assert (record.reported_count, record.missing_count) == (world - 3, 3)
+    assert record.ranks_missing == sorted(missing) and record.ranks_reported == []
+    assert not record.complete and len(record.to_json()) < 8 * 1024
+    # a world of ranks past 64 missing: the lowest 64 ids, the whole count
+    join = StepJoin(RUN, 5.0)
+    join.set_world_size(1_000)
+    for rank in range(500):
+        join.add(step(rank, 4, 1.0))
+    (half,) = join.expire(at(10.0))
+    assert half.record.missing_count == 500 and half.record.ranks_missing == list(range(500, 564))
+
+
+def test_a_joined_record_of_an_older_worker_counts_its_lists():
+    old = JoinedStep.model_validate_json(
+        '{"run_id":"r","step":1,"ts":"2026-01-01T00:00:00Z","world_size":3,"complete":false,'
+        '"ranks_reported":[0,2],"ranks_missing":[1]}'
+    )
+    assert (old.reported_count, old.missing_count) == (2, 1)
+    small = StepJoin(RUN)
+    small.set_world_size(2)
+    small.add(step(0, 1, 0.0))
+    (both,) = small.add(step(1, 1, 0.1))
+    assert both.record.ranks_reported == [0, 1] and both.record.reported_count == 2

@@ -236,6 +236,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE {db}.anomalies ADD COLUMN IF NOT EXISTS onset_step Nullable(Int64) AFTER step",
         ),
     ),
+    Migration(
+        8,
+        "joined_steps: reported_count, missing_count",
+        (
+            # A joined step lists its ranks by id only while they are few (issue 36); the counts are whole.
+            # Rows written before this migration: their lists' lengths.
+            "ALTER TABLE {db}.joined_steps ADD COLUMN IF NOT EXISTS reported_count UInt32 "
+            "DEFAULT length(ranks_reported) AFTER ranks_missing",
+            "ALTER TABLE {db}.joined_steps ADD COLUMN IF NOT EXISTS missing_count UInt32 "
+            "DEFAULT length(ranks_missing) AFTER reported_count",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

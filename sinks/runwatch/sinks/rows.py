@@ -123,6 +123,8 @@ COLUMN_BOUNDS: dict[str, dict[str, IntRange]] = {
         "world_size": UINT32,
         "ranks_reported": UINT32,
         "ranks_missing": UINT32,
+        "reported_count": UINT32,
+        "missing_count": UINT32,
         "step_time_max_rank": UINT32,
         "compute_max_rank": UINT32,
         "memory_max_bytes": INT64,

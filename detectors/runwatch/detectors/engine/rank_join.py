@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeVar
 
-from runwatch.producer.wire.schema import CategoryLoss, JoinedStep, StepEvent
+from runwatch.producer.wire.schema import RANKS_LISTED, CategoryLoss, JoinedStep, StepEvent
 
 Key = tuple[int, int]  # (generation, step)
 
@@ -207,8 +207,11 @@ class StepJoin:
             ts=fields["ts"],
             world_size=self.world_size,
             complete=not missing,
-            ranks_reported=sorted(pending.events),
-            ranks_missing=missing,
+            # (by id only while few: RANKS_LISTED)
+            ranks_reported=sorted(pending.events) if self.world_size <= RANKS_LISTED else [],
+            ranks_missing=missing[:RANKS_LISTED],
+            reported_count=len(pending.events),
+            missing_count=len(missing),
             loss_mean=fields["loss"],
             grad_norm=fields["grad_norm"],
             grad_sharded=bool(fields["grad_sharded"]),

@@ -17,7 +17,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.action_kinds import ActionKind
@@ -301,10 +309,12 @@ class Anomaly(WireModel):
 class JoinedStep(WireModel):
     """One step of a run across its ranks, as the worker's join combined it (``runwatch.joined``).
 
-    Gradient norms: the root of the sum of squares of the ranks' figures when they report shards
-    (``grad_sharded``), else the largest (replicas agree). Loss: the mean over the ranks. Step time
-    and memory: the extremes and the rank that has them. Throughput: the sum. ``complete`` is
-    False when the join timed out without every rank (``ranks_missing``).
+    ``reported_count`` and ``missing_count`` say how many ranks reported the step and how many did not;
+    ``ranks_reported`` lists them only in a world of at most ``RANKS_LISTED`` ranks, ``ranks_missing``
+    the lowest ``RANKS_LISTED`` of the missing. Gradient norms: the root of the sum of squares of the
+    ranks' figures when they report shards (``grad_sharded``), else the largest (replicas agree). Loss:
+    the mean over the ranks. Step time and memory: the extremes and the rank that has them.
+    Throughput: the sum. ``complete`` is False when the join timed out without every rank.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -316,8 +326,14 @@ class JoinedStep(WireModel):
     ts: datetime
     world_size: int = Field(ge=1)
     complete: bool
-    ranks_reported: list[int]
+    # The ranks by id only while they are few (issue 36: at 16,384 ranks the full lists were 87 KB a
+    # step): every reporting rank when the world is at most RANKS_LISTED, else none; the missing ranks'
+    # lowest RANKS_LISTED ids. The counts are always whole (absent in a record of an older worker: the
+    # lists' lengths, which were whole then).
+    ranks_reported: list[int] = Field(default_factory=list)
     ranks_missing: list[int] = Field(default_factory=list)
+    reported_count: int = Field(default=-1, ge=-1)
+    missing_count: int = Field(default=-1, ge=-1)
     loss_mean: float | None = None
     grad_norm: float | None = None
     grad_sharded: bool = False
@@ -337,6 +353,14 @@ class JoinedStep(WireModel):
         default=0, ge=0, description="events of this run that came after their step was joined"
     )
     duplicate_events: int = Field(default=0, ge=0, description="events of this run delivered more than once")
+
+    @model_validator(mode="after")
+    def _whole_counts(self) -> JoinedStep:
+        if self.reported_count < 0:
+            self.reported_count = len(self.ranks_reported)
+        if self.missing_count < 0:
+            self.missing_count = len(self.ranks_missing)
+        return self
 
 
 class CheckpointRef(WireModel):
@@ -403,6 +427,7 @@ CLOCK_AHEAD_PARAM = "clock_ahead_s"
 MAX_CLOCK_AHEAD_S = 86_400.0  # a record time further ahead is no clock: its events are judged as before
 
 
+RANKS_LISTED = 64  # rank ids a joined step lists at most (reported: only in a world this small)
 DEADLETTER_RAW_MAX_BYTES = 4096  # a dead letter carries at most this much of the message it stands for
 _DEADLETTER_TEXT_MAX = 2000  # reason and traceback: enough to act on, never the message again
 

@@ -633,10 +633,11 @@ RANK_HUNG = PanelSpec(
 RANK_JOIN = PanelSpec(
     "Incomplete steps",
     "table",
-    "SELECT ts AS time, generation, step, world_size, ranks_reported, ranks_missing\n"
+    "SELECT ts AS time, generation, step, world_size, reported_count, missing_count, ranks_missing\n"
     f"FROM {{db}}.joined_steps FINAL WHERE {RUN} AND NOT complete AND $__timeFilter(ts) ORDER BY time",
-    ("time", "generation", "step", "world_size", "ranks_reported", "ranks_missing"),
-    "Steps the join timed out on, and the ranks that never reported them.",
+    ("time", "generation", "step", "world_size", "reported_count", "missing_count", "ranks_missing"),
+    "Steps the join timed out on: how many ranks reported and how many did not, and the lowest ids of "
+    "those that did not (64 at most).",
     width=24,
 )
 
