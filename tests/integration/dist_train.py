@@ -97,6 +97,7 @@ def main() -> int:
     dist.barrier()
 
     result: dict = {"rank": args.rank, "applied": [], "full_grad_norms": {}, "status": "completed"}
+    result["consuming"] = listener.consuming  # (under rank sync, one rank per node reads the action topic)
     out = args.out / f"result-{args.rank}.json"
 
     def write() -> None:

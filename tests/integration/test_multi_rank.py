@@ -147,8 +147,15 @@ class Run:
             if shard:
                 cmd.append("--shard")
             log = open(folder / f"rank{rank}.log", "wb")
+            # Two simulated nodes, {0, 1} and {2}, each with its own node-local folder: under rank sync only
+            # LOCAL_RANK 0 of a node reads the action topic (rank 1 reads through its node's reader)
+            node = folder / f"node{rank // 2}"
+            node.mkdir(exist_ok=True)
+            rank_env = {**env, "LOCAL_RANK": str(rank % 2), "RUNWATCH_STOP_RELAY_DIR": str(node)}
             self.procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env, start_new_session=True
+                )
             )
 
     def wait(self, timeout: float) -> list[int | None]:
@@ -279,6 +286,8 @@ def test_a_grad_explosion_is_rolled_back_with_the_lr_scaled_and_the_run_finishes
         assert result["lr"] == pytest.approx(0.05 * 0.5)
     # every rank applied every action at the same step
     assert len({json.dumps([(a["kind"], a["at"]) for a in r["applied"]]) for r in results}) == 1
+    # one action-topic consumer per node: rank 1 applied rank 0's copies, read by no consumer of its own
+    assert [r["consuming"] for r in results] == [True, False, True]
     actions = run.actions(lambda got: any(a.kind == "recovered" for a in got))
     kinds = [a.kind for a in actions if a.kind in ("rollback", "stop", "recovered")]
     assert kinds == ["rollback", "recovered"]

@@ -37,6 +37,7 @@ from runwatch.producer.actions.checkpoints import RestoreFn, torch_restore
 from runwatch.producer.actions.inbox import DEFAULT_CLOCK_SKEW, ActionInbox
 from runwatch.producer.actions.rank_sync import RankSync, sync_group
 from runwatch.producer.actions.reader import ActionReader
+from runwatch.producer.actions.stop_relay import StopRelay
 from runwatch.producer.actions.watchdog import StopWatchdog
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.action_kinds import applies
@@ -90,6 +91,7 @@ class ActionListener:
         consume: bool | None = None,
         sync: bool | str = "auto",
         sync_timeout_s: float = 30.0,
+        consume_on_every_rank: bool = False,
         state_path: str | os.PathLike[str] | bool | None = None,
         state_max_ids: int = STATE_MAX_IDS,
         strict: bool = False,
@@ -97,8 +99,12 @@ class ActionListener:
         """``sync``: apply actions at the same poll on every rank (see
         :mod:`~runwatch.producer.actions.rank_sync`): True, False, or "auto" (on when
         torch.distributed is initialised with more than one rank). Construct the listener at the
-        same point on every rank when it is on. ``sync_timeout_s``: how long a rank waits for an
-        action rank 0 announced before it applies rank 0's copy.
+        same point on every rank when it is on. Under it, when the launcher sets ``LOCAL_RANK``, only one
+        rank per node reads the action topic (``LOCAL_RANK`` 0, and rank 0): the others apply rank 0's
+        copies, verified with the public key, and a stop their node's reader receives arms their
+        watchdog through a node-local marker (stop_relay.py); ``consume_on_every_rank=True``: every rank
+        reads it. ``sync_timeout_s``: how long a reading rank waits for an action rank 0 announced
+        before it applies rank 0's copy.
 
         ``clock_skew_s``: how far before the listener's start and how far in the future an
         action's ``issued_at`` may lie. ``state_path``: the file that keeps the ids of the actions
@@ -165,6 +171,12 @@ class ActionListener:
         self.applied: list[AppliedAction] = self._applier.applied
         self.watchdog = StopWatchdog(stop_exit_after_s, stop_exit_code)
         group, leader = sync_group(sync)
+        # Under rank sync one rank per node reads the action topic (a consumer per rank is thousands of
+        # consumers of one partition on a large job); the node's others get a stop through its relay
+        local_rank = os.environ.get("LOCAL_RANK")
+        node_reads = group is not None and local_rank is not None and not consume_on_every_rank
+        follower = node_reads and not leader and local_rank != "0"
+        self._relay = StopRelay(rw.run_id, getattr(rw, "attempt", None)) if node_reads else None
         self._sync = RankSync(
             group,
             leader,
@@ -173,18 +185,16 @@ class ActionListener:
             self.ignored,
             timeout_s=sync_timeout_s,
             heartbeat=heartbeat,
+            own_consumer=not follower,
         )
         self._sync_timeout_s = sync_timeout_s
         self._reader: ActionReader | None = None
-        if consume:
-            self._reader = ActionReader(
-                rw.bootstrap,
-                topic,
-                started_at,
-                self._accept,
-                client_id=f"runwatch-actions-{rw.run_id}-r{rw.rank}",
-            )
-            self._reader.start()
+        self._reader_args = (rw.bootstrap, topic, started_at, f"runwatch-actions-{rw.run_id}-r{rw.rank}")
+        self._consume = bool(consume)
+        if consume and not follower:
+            self._start_reader()
+        elif consume and self._relay is not None:
+            self._relay.watch(self.watchdog.arm_on_stop, since=started_at.timestamp())
 
     # -- what training code calls -------------------------------------------------
 
@@ -200,10 +210,22 @@ class ActionListener:
         if heartbeat is not None:
             self._applier.heartbeat = self._sync.heartbeat = heartbeat
 
+    def _start_reader(self) -> None:
+        bootstrap, topic, started_at, client_id = self._reader_args
+        self._reader = ActionReader(bootstrap, topic, started_at, self._accept, client_id=client_id)
+        self._reader.start()
+
     def wait_ready(self, timeout: float = 10.0) -> bool:
         """Block until the consumer has its partitions (useful before the first step); False at
-        once without a consumer (``consume=False``)."""
+        once without a consumer (``consume=False``). A rank whose node's reader reads for it: True."""
+        if self._reader is None and self._consume and not self._sync.own_consumer:
+            return True
         return self._reader is not None and self._reader.ready.wait(timeout)
+
+    @property
+    def consuming(self) -> bool:
+        """Whether this rank reads the action topic itself (under rank sync, one rank per node does)."""
+        return self._reader is not None
 
     @property
     def synced(self) -> bool:
@@ -246,6 +268,8 @@ class ActionListener:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
+        if self._relay is not None:
+            self._relay.close()
 
     # -- applying in step with the other ranks ----------------------------------------
 
@@ -253,6 +277,8 @@ class ActionListener:
         results: list[AppliedAction] = []
         while True:  # rounds: what arrives during a pause is announced in the next round of this poll
             if not self._sync.active:  # the broadcast failed in an earlier round: on our own from here
+                if self._reader is None and self._consume:
+                    self._start_reader()  # (a rank its node's reader read for reads for itself now)
                 return results + self.poll(step)
             batch = self._sync.next_batch()
             if batch is None:
@@ -311,8 +337,11 @@ class ActionListener:
         if action is None:
             return
         if applies(action.kind) == "stop":
-            # Armed on receipt: a rank blocked in a collective or hung never reaches poll().
+            # Armed on receipt: a rank blocked in a collective or hung never reaches poll(); so are the
+            # watchdogs of the node's ranks that read through this one (stop_relay.py)
             self.watchdog.arm_on_stop()
+            if self._relay is not None:
+                self._relay.signal(action.action_id)
         self._arrivals.put(action)
 
     def _handled_before(self, action: Action) -> str | None:

@@ -4,7 +4,9 @@ Each rank's consumer receives an action at its own moment, so left alone one ran
 a step before another, with a different checkpoint. Instead rank 0 leads: at each ``poll`` it
 broadcasts how many actions it is about to apply (one small tensor per poll) and, only when there
 are some, their ids and signed bodies; every other rank waits (up to ``sync_timeout_s``) until its
-own consumer has accepted those ids and applies exactly those, in rank 0's order. So every rank
+own consumer has accepted those ids and applies exactly those, in rank 0's order. A rank that reads no
+action topic (one rank per node does, when ``LOCAL_RANK`` says which: stop_relay.py) applies rank 0's
+copies, each verified with the workers' public key, at once. So every rank
 rolls back at the same ``poll`` (the same step) to the same checkpoint. Actions a rank received
 that rank 0 has not announced wait for a later poll; one that does not arrive in time is applied
 from rank 0's copy (verified with the secret here), so no rank diverges and none hangs; a copy
@@ -80,9 +82,13 @@ class RankSync:
         *,
         timeout_s: float,
         heartbeat: Any = None,
+        own_consumer: bool = True,
     ):
         self.group = group
         self.leader = leader
+        # False: this rank reads no action topic (its node's reader does: stop_relay.py); it applies
+        # rank 0's copies, verified here, at once
+        self.own_consumer = own_consumer
         self.heartbeat = heartbeat
         self._arrivals = arrivals
         self._applied_ids = applied_ids
@@ -179,6 +185,8 @@ class RankSync:
     def _await(self, announced: Announced) -> list[Action | tuple[str, bytes]]:
         """The announced actions from this rank's own consumer, in rank 0's order; an (id, body)
         pair for each that did not arrive within the timeout."""
+        if not self.own_consumer:
+            return list(announced)
         deadline = time.monotonic() + self._timeout_s
         self._arrivals.pull_all()
         out: list[Action | tuple[str, bytes]] = []
