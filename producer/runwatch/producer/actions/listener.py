@@ -212,7 +212,9 @@ class ActionListener:
 
     def _start_reader(self) -> None:
         bootstrap, topic, started_at, client_id = self._reader_args
-        self._reader = ActionReader(bootstrap, topic, started_at, self._accept, client_id=client_id)
+        self._reader = ActionReader(
+            bootstrap, topic, started_at, self._accept, client_id=client_id, key=self.rw.run_id.encode()
+        )
         self._reader.start()
 
     def wait_ready(self, timeout: float = 10.0) -> bool:

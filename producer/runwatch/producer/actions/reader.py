@@ -14,7 +14,6 @@ from collections.abc import Callable
 from datetime import datetime
 
 from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import MAX_CLOCK_AHEAD_S
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +30,13 @@ class ActionReader:
         on_value: Callable[[bytes], None],
         *,
         client_id: str,
+        key: bytes | None = None,
     ):
+        """``key``: the run's (its actions' record key): its records are handed on whatever their time."""
         self._bootstrap = bootstrap
         self._topic = topic
         self._start_ms = int(start_at.timestamp() * 1000)
-        self._oldest_ms = self._start_ms - int(MAX_CLOCK_AHEAD_S * 1000)
+        self._key = key
         self._on_value = on_value
         self._client_id = client_id
         self.ready = threading.Event()
@@ -86,11 +87,12 @@ class ActionReader:
                 for records in consumer.poll(timeout_ms=100).values():
                     for record in records:
                         # a broker whose end offset falls short (Tansu's points into its last batch) may
-                        # still hand over older records: sent before the start, they are not ours. Sent
-                        # on the worker's clock, though, which may be behind this host's by up to what a
-                        # worker corrects for (schema.MAX_CLOCK_AHEAD_S): the inbox then judges such an
-                        # action's times against the offset the worker signed into it (Action.issuer_now).
-                        if record.timestamp is None or record.timestamp >= self._oldest_ms:
+                        # still hand over older records: another run's sent before the start are not ours.
+                        # This run's go to the inbox whatever their time: they are stamped on the worker's
+                        # clock, which may be behind this host's by minutes, and the inbox judges them by
+                        # the times and the clock offset the worker signed (Action.issuer_now).
+                        mine = self._key is not None and record.key == self._key
+                        if mine or record.timestamp is None or record.timestamp >= self._start_ms:
                             self._on_value(record.value)
             except Exception as exc:  # noqa: BLE001 - broker down: retry, never raise into training
                 log.debug("runwatch: action consumer error: %r", exc)
