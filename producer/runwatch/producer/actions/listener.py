@@ -176,7 +176,7 @@ class ActionListener:
         local_rank = os.environ.get("LOCAL_RANK")
         node_reads = group is not None and local_rank is not None and not consume_on_every_rank
         follower = node_reads and not leader and local_rank != "0"
-        self._relay = StopRelay(rw.run_id, getattr(rw, "attempt", None)) if node_reads else None
+        self._relay = StopRelay(rw.run_id) if node_reads else None
         self._sync = RankSync(
             group,
             leader,

@@ -7,8 +7,8 @@ hung, or blocked in a collective, never polls, and a stop must still end it: so 
 receiving a stop, drops a marker file in a node-local folder, and every other rank of the node looks for
 it (a ``stat`` every half second) and arms its stop watchdog, as its own consumer would have.
 
-The marker names the run and its attempt; one older than the listener that watches for it (a job before
-this one on the node) is not taken.
+The marker names the run (not its attempt: ranks other than 0 may name none); one older than the
+listener that watches for it (an earlier attempt or job on the node) is not taken.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ CHECK_EVERY_S = 0.5
 
 
 class StopRelay:
-    def __init__(self, run_id: str, attempt: str | None, folder: str | os.PathLike[str] | None = None):
+    def __init__(self, run_id: str, folder: str | os.PathLike[str] | None = None):
         folder = Path(folder or os.environ.get(DIR_ENV) or tempfile.gettempdir())
-        name = hashlib.sha256(f"{run_id}\0{attempt or ''}".encode()).hexdigest()[:24]
+        name = hashlib.sha256(run_id.encode()).hexdigest()[:24]
         self.path = folder / f"runwatch-stop-{name}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
