@@ -22,6 +22,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import CheckpointEvent, RunStartEvent, StepEvent, decode_action
+from runwatch.producer.wire.signing import ActionSigningKey
 
 _STEP_MARK = 987_654_321  # replaced by each flood event's step in its JSON
 
@@ -80,7 +81,7 @@ class _ActionWatch(threading.Thread):
 
 def run_flood(
     bootstrap: str,
-    signing_key: object,
+    signing_key: ActionSigningKey,
     folder: Path,
     config: dict,
     flood_events: int,
@@ -94,7 +95,7 @@ def run_flood(
     flood = same_partition_key(victim, partitions, tag)
     config_path = folder / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    worker = WorkerProcess(bootstrap, signing_key, folder / "worker.log", config_path, group=f"flood-{tag}")  # type: ignore[arg-type]
+    worker = WorkerProcess(bootstrap, signing_key, folder / "worker.log", config_path, group=f"flood-{tag}")
     producer = KafkaProducer(
         bootstrap_servers=bootstrap, api_version=topics.KAFKA_API_VERSION, linger_ms=20, batch_size=512 * 1024
     )
