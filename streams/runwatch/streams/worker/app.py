@@ -406,6 +406,7 @@ def create_app(
                 for _value, _key, partition, offset, _ts in raw:
                     submitted[partition] = offset  # (the newest: after a seek back, lower than before)
                 await submit("events", raw, batch)
+                health.events_submitted += len(raw)
                 for task in (completer, acknowledger):
                     if task.done():
                         task.result()  # the detector process or publishing failed: crash with its error

@@ -43,6 +43,7 @@ class WorkerHealth:
         self.partitions: list[str] = []
         self.last_commit: float | None = None
         self.last_ack: float | None = None
+        self.events_submitted = 0  # telemetry events handed to the detector process
         self.publish_failures = 0  # publish attempts that failed (each retried before the worker fails)
         # telemetry partitions assigned whose runs are being restored (None: none); set at the assignment
         self.restoring: list[int] | None = None
@@ -105,6 +106,7 @@ class WorkerHealth:
             "partitions": self.partitions,
             "last_commit_age_s": None if self.last_commit is None else round(now - self.last_commit, 3),
             "last_ack_age_s": None if self.last_ack is None else round(now - self.last_ack, 3),
+            "events_submitted": self.events_submitted,
             "publish_failures": self.publish_failures,
             "telemetry_topic_id": self.log_id if isinstance(self.log_id, str) else None,
             "commits_refused": self.commits_refused,
