@@ -16,6 +16,7 @@ import click
 
 from runwatch.cli.failure import CommandError
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.groups import DEFAULT_GROUP_SIZE, MAX_GROUP_SIZE
 from runwatch.producer.wire.schema import DEFAULT_LIMITS
 
 PROGRESS_EVERY_S = 5.0
@@ -47,6 +48,20 @@ PROGRESS_EVERY_S = 5.0
     metavar="KIND:RANK:ARG",
     help="hang:R:STEP, slow:R:FACTOR, nan:R:STEP, spike:R:STEP or memory:R:MB_PER_STEP (repeatable)",
 )
+@click.option(
+    "--group-size",
+    type=click.IntRange(1, MAX_GROUP_SIZE),
+    default=DEFAULT_GROUP_SIZE,
+    show_default=True,
+    help="ranks per group: a run of more ranks is split by rank group over the workers (as RunWatch's)",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(0),
+    default=10,
+    show_default=True,
+    help="rank 0 reports a checkpoint every this many steps (a rollback's target; 0: none)",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def simulate(
     bootstrap: str,
@@ -56,6 +71,8 @@ def simulate(
     step_time: float,
     heartbeat_s: float,
     fault_texts: tuple[str, ...],
+    group_size: int,
+    checkpoint_every: int,
     seed: int,
 ) -> None:
     """Play a synthetic run of RANKS ranks for STEPS steps, a step every STEP_TIME seconds, with faults.
@@ -73,7 +90,7 @@ def simulate(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--fault") from None
     run_id = run_id or f"sim-{uuid.uuid4().hex[:8]}"
-    run = SyntheticRun(run_id, ranks, step_time, faults, seed)
+    run = SyntheticRun(run_id, ranks, step_time, faults, seed, group_size=group_size)
     try:
         producer = KafkaProducer(
             bootstrap_servers=bootstrap,
@@ -85,16 +102,15 @@ def simulate(
         )
     except Exception as exc:  # noqa: BLE001 - one line, whatever kafka-python raises
         raise CommandError(f"cannot reach the broker at {bootstrap}: {exc}") from None
-    key = run_id.encode()
-    sent = {"run_start": 0, "step": 0, "heartbeat": 0}
+    sent = {"run_start": 0, "step": 0, "heartbeat": 0, "checkpoint": 0}
 
-    def send(value: bytes, kind: str) -> None:
-        producer.send(topics.TELEMETRY, key=key, value=value)
+    def send(rank: int, value: bytes, kind: str) -> None:
+        producer.send(topics.TELEMETRY, key=run.key(rank), value=value)
         sent[kind] += 1
 
     click.echo(f"simulating run {run_id}: {ranks} ranks, {steps} steps every {step_time:g} s", err=True)
     started = time.monotonic()
-    send(run.run_start(datetime.now(UTC)), "run_start")
+    send(0, run.run_start(datetime.now(UTC)), "run_start")
     next_heartbeat, last_progress, behind = started + heartbeat_s, started, 0.0
     last_step = -1
     try:
@@ -102,16 +118,18 @@ def simulate(
             due = started + step * step_time
             while (now := time.monotonic()) < due:
                 if now >= next_heartbeat:
-                    for _, value in run.heartbeats(last_step, datetime.now(UTC), heartbeat_s):
-                        send(value, "heartbeat")
+                    for rank, value in run.heartbeats(last_step, datetime.now(UTC), heartbeat_s):
+                        send(rank, value, "heartbeat")
                     next_heartbeat += heartbeat_s
                 time.sleep(min(due - now, max(0.0, next_heartbeat - now), 0.05))
             behind = max(0.0, time.monotonic() - due)
-            for _, value in run.step(step, datetime.now(UTC)):
-                send(value, "step")
+            for rank, value in run.step(step, datetime.now(UTC)):
+                send(rank, value, "step")
             hung = run.hung_at()
             if hung is None or step < hung:
                 last_step = step
+                if checkpoint_every and step and step % checkpoint_every == 0:
+                    send(0, run.checkpoint(step, datetime.now(UTC)), "checkpoint")
             if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                 last_progress = time.monotonic()
                 rate = sum(sent.values()) / (last_progress - started)
@@ -131,6 +149,7 @@ def simulate(
         "events_per_s": round(sum(sent.values()) / seconds),
         "behind_s": round(behind, 2),
         "faults": [f"{f.kind}:{f.rank}:{f.arg:g}" for f in faults],
+        "group_size": group_size,
     }
     json.dump(summary, sys.stdout)
     sys.stdout.write("\n")

@@ -27,6 +27,8 @@ from typing import Literal, get_args
 
 import orjson
 
+from runwatch.producer.wire.groups import DEFAULT_GROUP_SIZE, is_split, record_key
+
 FaultKind = Literal["hang", "slow", "nan", "spike", "memory"]
 _BASE_ALLOCATED = 10 * 2**30  # bytes a rank's tensors hold before any memory fault
 _MIB = 2**20
@@ -67,8 +69,15 @@ class SyntheticRun:
     faults: list[Fault] = field(default_factory=list)
     seed: int = 0
     attempt: str = "sim"
+    group_size: int = DEFAULT_GROUP_SIZE  # a run of more ranks is split by rank group (wire/groups.py)
 
     def __post_init__(self) -> None:
+        split = is_split(self.ranks, self.group_size)
+        # every event of a split run says its shape, and is keyed by its rank's group
+        self._shape = {"group_size": self.group_size, "world_size": self.ranks} if split else {}
+        self._keys = [
+            record_key(self.run_id, rank, self.group_size if split else None) for rank in range(self.ranks)
+        ]
         self._rng = random.Random(self.seed)
         self._hang = min((f for f in self.faults if f.kind == "hang"), key=lambda f: f.arg, default=None)
         self._slow = {f.rank: f.arg for f in self.faults if f.kind == "slow"}
@@ -83,6 +92,10 @@ class SyntheticRun:
         """The step before which the job stops (a hung rank), if any."""
         return int(self._hang.arg) if self._hang is not None else None
 
+    def key(self, rank: int) -> bytes:
+        """The Kafka key of ``rank``'s events."""
+        return self._keys[rank]
+
     def run_start(self, ts: datetime) -> bytes:
         return orjson.dumps(
             {
@@ -92,8 +105,25 @@ class SyntheticRun:
                 "rank": 0,
                 "ts": _iso(ts),
                 "kind": "run_start",
+                **self._shape,
                 "world_size": self.ranks,
                 "attempt": self.attempt,
+            }
+        )
+
+    def checkpoint(self, step: int, ts: datetime) -> bytes:
+        """Rank 0's checkpoint after ``step`` (what a rollback returns to)."""
+        return orjson.dumps(
+            {
+                "schema_version": 1,
+                "event_id": f"{self.run_id}-ckpt-{step}",
+                "run_id": self.run_id,
+                "rank": 0,
+                "ts": _iso(ts),
+                "kind": "checkpoint",
+                "step": step,
+                "uri": f"sim://{self.run_id}/step-{step}",
+                **self._shape,
             }
         )
 
@@ -127,6 +157,7 @@ class SyntheticRun:
                 "compute_s": self._work * self._slow.get(rank, 1.0) * math.exp(noise(0, 0.01)),
                 "samples_per_s": 32.0 / self._job_step_s,
                 "memory": {"allocated": allocated, "reserved": allocated + 2 * 2**30},
+                **self._shape,
             }
             yield rank, orjson.dumps(event)
 
@@ -148,6 +179,7 @@ class SyntheticRun:
                 "phase": "train",
                 "in_sync": waiting and rank != self._hang.rank if self._hang is not None else False,
                 "interval_s": interval_s,
+                **self._shape,
             }
             yield rank, orjson.dumps(event)
 

@@ -167,7 +167,7 @@ class SinkConsumer:
                 unverified += problem is not None and problem.startswith(_UNVERIFIED)
             if problem is not None:
                 refused.append((r, problem))
-            else:
+            elif item is not None:
                 batch[table].append((r, item))
         if actions and unverified == actions:
             # Not a forger's odd message: every action the workers sent is refused. Loud, not a quiet count.
@@ -187,6 +187,8 @@ class SinkConsumer:
             timestamp_s = r.timestamp / 1000 if r.timestamp is not None else None
             event, _, _ = decode_received(r.value, timestamp_s, now, self.limits, r.key)
             check_record_key(r.key, r.partition, self.partitions)
+            if event.kind == "group_report":
+                return None, None  # the workers' own (a split run's group to its run): not a rank's telemetry
             return (event, r.value), storable_time("telemetry", event.ts, now)
         if r.topic == topics.ANOMALIES:
             return decode_anomaly(r.value), None

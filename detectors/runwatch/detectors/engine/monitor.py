@@ -27,6 +27,7 @@ from runwatch.detectors.engine.rank_join import Joined, StepJoin
 from runwatch.detectors.engine.recovery import RECOVERED, RecoveryCheck
 from runwatch.detectors.engine.rewind import DetectorSnapshots
 from runwatch.detectors.findings import Finding
+from runwatch.producer.wire.group_report import ReportItem
 from runwatch.producer.wire.schema import (
     ActionAckEvent,
     Anomaly,
@@ -62,6 +63,9 @@ class MonitorOutput:
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
     # Findings not issued because one for the same onset was (a replay after a rollback): not published
     repeated: list[Finding] = field(default_factory=list)
+    # A rank group's items for the worker that merges its split run (group_monitor.py): steps as partials,
+    # findings for the run's policy, run-level events
+    report: list[ReportItem] = field(default_factory=list)
 
 
 @dataclass
@@ -126,7 +130,7 @@ class RunMonitor:
     # before another's last faulty steps): those steps, and the joined steps up to the first acknowledging
     # rank's newest, are kept out of the rewound detectors.
     _settling: str | None = None  # the applied rollback not every rank has acknowledged yet
-    _before_rollback: frozenset[int] = frozenset()  # ranks yet to acknowledge it
+    _before_rollback: set[int] | frozenset[int] = frozenset()  # ranks yet to acknowledge it
     _stale_through: tuple[int, int] | None = None  # joined steps up to this (generation, step) came before it
     # (detector, metric, rank, severity, onset) of the findings issued that the policy does not act on:
     # the replay after a rollback finds the same onset again (the same slow steps, the same drift), and
@@ -471,7 +475,7 @@ class RunMonitor:
                 self._rewound_for = ack.action_id
                 self._rewind(ack.to_step)
                 self._settling = ack.action_id
-                self._before_rollback = frozenset(self.join.expected())
+                self._before_rollback = self.join.expected()
                 # Every step up to the acknowledging rank's newest came before the rollback; what follows is
                 # the replay (a step counter that goes back starts a new generation, one that does not
                 # goes on past it).
@@ -481,8 +485,11 @@ class RunMonitor:
         elif check is not None and check.action_id == ack.action_id and check.to_step is None:
             self.recovery = None  # the rollback did not happen: nothing to verify
         if self._settling == ack.action_id:
-            self._before_rollback = self._before_rollback - {ack.rank}
-            if not self._before_rollback:
+            waiting = self._before_rollback
+            if isinstance(waiting, frozenset):  # (a monitor pickled when it was one)
+                waiting = self._before_rollback = set(waiting)
+            waiting.discard(ack.rank)  # (in place: a copy per ack is the world squared at 16,384 ranks)
+            if not waiting:
                 self._settling = None
                 self.policy.acknowledge(ack.action_id)
         else:

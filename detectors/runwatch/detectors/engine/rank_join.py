@@ -24,13 +24,13 @@ tokens/s are summed (the run's throughput); per-category losses are merged weigh
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple
 
-from runwatch.producer.wire.schema import RANKS_LISTED, CategoryLoss, JoinedStep, StepEvent
+from runwatch.detectors.engine.step_partial import joined_fields, joined_record, partial_of
+from runwatch.producer.wire.group_report import StepPartial
+from runwatch.producer.wire.schema import JoinedStep, StepEvent
 
 Key = tuple[int, int]  # (generation, step)
 
@@ -50,15 +50,21 @@ class Joined(NamedTuple):
     event: StepEvent
     record: JoinedStep | None
     generation: int = 0  # of its key: a step sent before a rollback took effect is of an older one
+    partial: StepPartial | None = None  # what it was made of (None: a single rank's step)
 
 
 class StepJoin:
     """Joins one run's step events across ranks (see the module doc). Pure; pickles."""
 
+    first_rank = 0  # (a class default too: a join pickled before groups existed reads 0)
+
     def __init__(self, run_id: str, timeout_s: float = 10.0):
         self.run_id = run_id
         self.timeout = timedelta(seconds=timeout_s)
         self.world_size = 1  # raised by run_start and by any higher rank seen
+        # The first rank joined: 0, or a rank group's first (a split run's stage one joins ranks
+        # first_rank .. world_size - 1 of its group: set_ranks)
+        self.first_rank = 0
         self.absent: set[int] = set()  # ranks left out of a timed-out join and silent since
         self._last_key: dict[int, Key] = {}  # rank -> its newest (generation, step)
         self._pending: dict[Key, _Pending] = {}
@@ -70,13 +76,17 @@ class StepJoin:
     def set_world_size(self, world_size: int) -> None:
         self.world_size = max(self.world_size, world_size)
 
+    def set_ranks(self, ranks: range) -> None:
+        """Join only ``ranks`` (a rank group's: stage one of a split run)."""
+        self.first_rank, self.world_size = ranks.start, max(ranks.stop, ranks.start + 1)
+
     def count_duplicate(self) -> None:
         """An event of the run delivered again, dropped before it reached the join (the joined steps
         report how many)."""
         self.duplicates += 1
 
     def expected(self) -> set[int]:
-        return set(range(self.world_size)) - self.absent
+        return set(range(self.first_rank, self.world_size)) - self.absent
 
     def add(self, event: StepEvent) -> list[Joined]:
         """Take one rank's step event; returns the steps it completes (in step order)."""
@@ -110,7 +120,7 @@ class StepJoin:
         in the size of ``absent`` rather than the world's: this runs for every event, and building the
         expected set made a step of 4,096 ranks cost 4,096 x 4,096 (issue 36)."""
         absent_reported = sum(1 for r in self.absent if r in pending.events) if self.absent else 0
-        return len(pending.events) - absent_reported >= self.world_size - len(self.absent)
+        return len(pending.events) - absent_reported >= self.world_size - self.first_rank - len(self.absent)
 
     def _advance(self, rank: int, step: int) -> Key:
         """The (generation, step) key of a rank's new step: a step going back (a rollback, a resume)
@@ -146,7 +156,7 @@ class StepJoin:
             self.absent.update(
                 r for r in self.expected() - pending.events.keys() if self._last_key.get(r, (-1, -1)) < key
             )
-            missing = sorted(set(range(self.world_size)) - pending.events.keys())
+            missing = sorted(set(range(self.first_rank, self.world_size)) - pending.events.keys())
             out.append(self._combine(key, pending, missing))
             self._emitted = key
         self.joined += len(out)
@@ -157,186 +167,13 @@ class StepJoin:
             # nothing to combine
             return Joined(event=next(iter(pending.events.values())), record=None, generation=key[0])
         events = [pending.events[r] for r in sorted(pending.events)]
-        fields = self._combined_fields(key, events)
-        _add_update_ratios(fields)
-        memory_rank = _argmax(events, _memory_figure)
-        if memory_rank is not None:
-            fields["memory"] = pending.events[memory_rank].memory
-        event = StepEvent.model_construct(**fields)  # built from validated parts: no second validation
-        record = self._record(key, pending, missing, events, fields, memory_rank)
-        return Joined(event=event, record=record, generation=key[0])
-
-    def _combined_fields(self, key: Key, events: list[StepEvent]) -> dict[str, Any]:
-        """The joined step event's fields, each combined across the ranks' ``events`` (see the module doc)."""
-        sharded = all(e.grad_sharded for e in events)
-        norm = _root_sum_squares if sharded else _largest
-        return {
-            "run_id": self.run_id,
-            "rank": events[0].rank,
-            "step": key[1],
-            "ts": max(e.ts for e in events),
-            "event_id": f"joined|{key[0]}|{key[1]}",
-            "lr": events[0].lr,
-            "loss": _mean(e.loss for e in events),
-            "grad_norm": norm(e.grad_norm for e in events),
-            "grad_norm_clipped": norm(e.grad_norm_clipped for e in events),
-            "clip_ratio": _smallest(e.clip_ratio for e in events),
-            "param_norm": norm(e.param_norm for e in events),
-            "update_norm": norm(e.update_norm for e in events),
-            "module_grad_norms": _merge_modules([e.module_grad_norms for e in events], norm),
-            "category_loss": _merge_categories([e.category_loss for e in events]),
-            "step_time_s": _largest(e.step_time_s for e in events),
-            "data_wait_s": _largest(e.data_wait_s for e in events),
-            "samples_per_s": _sum(e.samples_per_s for e in events),
-            "tokens_per_s": _sum(e.tokens_per_s for e in events),
-            "mfu": _mean(e.mfu for e in events),
-            "nonfinite_grads": _sum_int(e.nonfinite_grads for e in events),
-            "grad_sharded": sharded or None,
-        }
-
-    def _record(
-        self,
-        key: Key,
-        pending: _Pending,
-        missing: list[int],
-        events: list[StepEvent],
-        fields: dict[str, Any],
-        memory_rank: int | None,
-    ) -> JoinedStep:
-        """The join's record of the step: who reported, and the extremes across ranks with their rank.
-        ``fields``: the joined event's (:meth:`_combined_fields`); ``memory_rank``: the rank using the most
-        memory."""
-        memory_min_rank = _argmin(events, _memory_figure)
-        return JoinedStep(
-            run_id=self.run_id,
-            step=key[1],
-            generation=key[0],
-            ts=fields["ts"],
-            world_size=self.world_size,
-            complete=not missing,
-            # (by id only while few: RANKS_LISTED)
-            ranks_reported=sorted(pending.events) if self.world_size <= RANKS_LISTED else [],
-            ranks_missing=missing[:RANKS_LISTED],
-            reported_count=len(pending.events),
-            missing_count=len(missing),
-            loss_mean=fields["loss"],
-            grad_norm=fields["grad_norm"],
-            grad_sharded=bool(fields["grad_sharded"]),
-            step_time_max_s=fields["step_time_s"],
-            step_time_max_rank=_argmax(events, lambda e: e.step_time_s),
-            step_time_min_s=_smallest(e.step_time_s for e in events),
-            compute_max_s=_largest(e.compute_s for e in events),
-            compute_max_rank=_argmax(events, lambda e: e.compute_s),
-            compute_min_s=_smallest(e.compute_s for e in events),
-            memory_max_bytes=_memory_figure(pending.events[memory_rank]) if memory_rank is not None else None,
-            memory_max_rank=memory_rank,
-            memory_min_bytes=_memory_figure(pending.events[memory_min_rank])
-            if memory_min_rank is not None
-            else None,
-            memory_min_rank=memory_min_rank,
-            samples_per_s=fields["samples_per_s"],
-            tokens_per_s=fields["tokens_per_s"],
-            late_events=self.late,
-            duplicate_events=self.duplicates,
-        )
+        partial = partial_of(key, events, self.world_size - self.first_rank, missing)
+        return joined_from(self.run_id, partial, self.world_size, self.late, self.duplicates)
 
 
-def _add_update_ratios(fields: dict[str, Any]) -> None:
-    """The joined step's update ratios, from its combined norms: the update relative to the parameters,
-    and the effective learning rate (the update relative to the applied gradient)."""
-    if fields["param_norm"] and fields["update_norm"] is not None:
-        fields["relative_update_norm"] = fields["update_norm"] / fields["param_norm"]
-    clipped = fields["grad_norm_clipped"] if fields["grad_norm_clipped"] is not None else fields["grad_norm"]
-    if fields["update_norm"] is not None and clipped and math.isfinite(clipped):
-        fields["effective_lr_ratio"] = fields["update_norm"] / clipped
-
-
-def _memory_figure(event: StepEvent) -> int | None:
-    """Device memory where there is a device, else the host process's."""
-    m = event.memory
-    if m is None:
-        return None
-    return m.allocated if m.allocated is not None else m.host_rss
-
-
-_Number = TypeVar("_Number", int, float)
-_Norm = Callable[[Iterable[float | None]], float | None]
-
-
-def _present(values: Iterable[_Number | None]) -> list[_Number]:
-    return [v for v in values if v is not None]
-
-
-def _mean(values: Iterable[float | None]) -> float | None:
-    got = _present(values)
-    return sum(got) / len(got) if got else None  # a NaN on one rank makes the mean NaN, as it should
-
-
-def _sum(values: Iterable[float | None]) -> float | None:
-    got = _present(values)
-    return float(sum(got)) if got else None
-
-
-def _sum_int(values: Iterable[int | None]) -> int | None:
-    got = _present(values)
-    return int(sum(got)) if got else None
-
-
-def _largest(values: Iterable[float | None]) -> float | None:
-    got = _present(values)
-    if not got:
-        return None
-    return math.nan if any(math.isnan(v) for v in got) else max(got)  # max() would skip a NaN
-
-
-def _smallest(values: Iterable[float | None]) -> float | None:
-    got = _present(values)
-    if not got:
-        return None
-    return math.nan if any(math.isnan(v) for v in got) else min(got)
-
-
-def _root_sum_squares(values: Iterable[float | None]) -> float | None:
-    got = _present(values)
-    return math.sqrt(sum(v * v for v in got)) if got else None
-
-
-def _argmax(events: list[StepEvent], figure: Callable[[StepEvent], float | None]) -> int | None:
-    best: tuple[float, int] | None = None
-    for e in events:
-        value = figure(e)
-        if value is not None and (best is None or value > best[0]):
-            best = (value, e.rank)
-    return None if best is None else best[1]
-
-
-def _argmin(events: list[StepEvent], figure: Callable[[StepEvent], float | None]) -> int | None:
-    best: tuple[float, int] | None = None
-    for e in events:
-        value = figure(e)
-        if value is not None and (best is None or value < best[0]):
-            best = (value, e.rank)
-    return None if best is None else best[1]
-
-
-def _merge_modules(per_rank: list[dict[str, float]], norm: _Norm) -> Mapping[str, float | None]:
-    if len(per_rank) == 1:
-        return per_rank[0]
-    names: dict[str, list[float]] = {}
-    for modules in per_rank:
-        for name, value in modules.items():
-            names.setdefault(name, []).append(value)
-    return {name: norm(values) for name, values in names.items()}
-
-
-def _merge_categories(per_rank: list[dict[str, CategoryLoss]]) -> dict[str, CategoryLoss]:
-    if len(per_rank) == 1:
-        return per_rank[0]
-    totals: dict[str, list[float]] = {}
-    for categories in per_rank:
-        for name, c in categories.items():
-            if c.count > 0:
-                acc = totals.setdefault(name, [0.0, 0])
-                acc[0] += c.mean * c.count
-                acc[1] += c.count
-    return {name: CategoryLoss.model_construct(mean=s / n, count=int(n)) for name, (s, n) in totals.items()}
+def joined_from(run_id: str, partial: StepPartial, world_size: int, late: int, duplicates: int) -> Joined:
+    """The joined step of a run's partial of it (the partial rides along, for a group's report)."""
+    fields = joined_fields(run_id, partial)
+    event = StepEvent.model_construct(**fields)  # built from validated parts: no second validation
+    record = joined_record(run_id, partial, world_size, fields, late, duplicates)
+    return Joined(event=event, record=record, generation=partial.generation, partial=partial)

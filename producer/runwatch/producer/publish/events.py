@@ -25,13 +25,24 @@ class RunEvents:
     """Builds one rank's events: ``run_id`` and ``rank`` filled in, ``ts`` from ``clock`` (default:
     now, UTC) unless given. A field that does not validate raises pydantic's ``ValidationError``."""
 
-    def __init__(self, run_id: str, rank: int, clock: Callable[[], datetime] | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        clock: Callable[[], datetime] | None = None,
+        split: tuple[int, int] | None = None,
+    ):
+        """``split``: (group size, world size) of a run split by rank group (wire/groups.py), which every
+        event then says; None: the run is one group."""
         require_run_id(run_id)
         self.run_id = run_id
         self.rank = rank
         self.clock = clock
+        self.split = split
 
     def build(self, model: type[E], **fields: Any) -> E:
         if self.clock is not None and "ts" not in fields:
             fields["ts"] = self.clock()
+        if self.split is not None:
+            fields["group_size"], fields["world_size"] = self.split
         return model(run_id=self.run_id, rank=self.rank, **fields)

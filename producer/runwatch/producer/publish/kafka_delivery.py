@@ -112,6 +112,7 @@ class KafkaDelivery:
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
         spool_overflow: Overflow = "drop_newest",
         batch_interval_s: float = DEFAULT_BATCH_INTERVAL_S,
+        key: bytes | None = None,
     ):
         if not 0 <= batch_interval_s <= 10:
             raise ValueError(f"batch_interval_s must be between 0 and 10 seconds, not {batch_interval_s!r}")
@@ -125,7 +126,7 @@ class KafkaDelivery:
         self.spool_path = spool_path
         self._spool_max_bytes = spool_max_bytes
         self._spool_overflow: Overflow = spool_overflow
-        self._key = run_id.encode()
+        self._key = key if key is not None else run_id.encode()  # (a split run's rank: its group's key)
         # A deque (append and popleft are atomic) and a wake-up flag: the drain thread takes everything
         # queued at each wake, so a burst of events goes out as one batch.
         self._queue: deque[EventBase] = deque()

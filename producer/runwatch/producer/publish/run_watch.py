@@ -33,7 +33,7 @@ from runwatch.producer.publish.lr import base_lrs
 from runwatch.producer.publish.metadata import detect_rank_world, run_start_fields
 from runwatch.producer.publish.run_end import end_status, exit_status, stop_record
 from runwatch.producer.publish.spool import Overflow
-from runwatch.producer.wire import topics
+from runwatch.producer.wire import groups, topics
 from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CheckpointEvent,
@@ -86,6 +86,19 @@ def resolve_attempt(attempt: str | None, rank: int) -> str | None:
     return attempt
 
 
+def resolve_group_size(group_size: int | None) -> int:
+    """The ranks per group of a split run: given, from ``$RUNWATCH_GROUP_SIZE``, or 256."""
+    if group_size is None:
+        text = os.environ.get(topics.GROUP_SIZE_ENV, "").strip()
+        try:
+            group_size = int(text) if text else groups.DEFAULT_GROUP_SIZE
+        except ValueError:
+            raise ValueError(f"{topics.GROUP_SIZE_ENV}={text[:40]!r}: not a whole number of ranks") from None
+    if not 1 <= group_size <= groups.MAX_GROUP_SIZE:
+        raise ValueError(f"group_size: {group_size} ranks (1 to {groups.MAX_GROUP_SIZE})")
+    return group_size
+
+
 class RunWatch:
     """Publishes one rank's telemetry for one run.
 
@@ -114,6 +127,10 @@ class RunWatch:
     ``delivery``: where the events go instead of Kafka (the Kafka and spool options are then
     unused); :class:`~runwatch.producer.publish.recorder.JsonlRecorder` is a ``RunWatch`` whose
     delivery writes a JSONL file.
+
+    ``group_size``: ranks per group of a run split by rank group (default ``$RUNWATCH_GROUP_SIZE``, else
+    256; docs/operations.md): a run of more ranks is split, each group's telemetry keyed to its own
+    partition, so that one run spreads over every worker. Give every rank the same value.
 
     ``attempt`` names this attempt of the run (default: ``$RUNWATCH_ATTEMPT``, else a new random id on
     rank 0 and none on the other ranks): a job requeued or restarted under the same ``run_id`` is a new
@@ -150,13 +167,16 @@ class RunWatch:
         delivery: Delivery | None = None,
         attempt: str | None = None,
         batch_interval_s: float = DEFAULT_BATCH_INTERVAL_S,
+        group_size: int | None = None,
     ):
         if rank is None or world_size is None:
             detected_rank, detected_world = detect_rank_world()
             rank = detected_rank if rank is None else rank
             world_size = detected_world if world_size is None else world_size
-        self._events = RunEvents(run_id, rank, clock)
+        self.group_size = resolve_group_size(group_size)
         self.world_size = world_size
+        split = (self.group_size, world_size) if groups.is_split(world_size, self.group_size) else None
+        self._events = RunEvents(run_id, rank, clock, split)
         self.attempt = resolve_attempt(attempt, rank)
         self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
         self.spool_path: Path | None = (
@@ -171,6 +191,7 @@ class RunWatch:
                 run_id,
                 rank,
                 self.bootstrap,
+                key=groups.record_key(run_id, rank, split[0] if split else None),
                 topic=topic,
                 queue_size=queue_size,
                 max_block_ms=max_block_ms,

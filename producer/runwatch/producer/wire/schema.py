@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from runwatch.producer.wire import topics
+from runwatch.producer.wire import groups, topics
 from runwatch.producer.wire.action_kinds import ActionKind
 
 SCHEMA_VERSION = 1
@@ -107,6 +107,11 @@ class EventBase(WireModel):
     run_id: str = Field(min_length=1)
     rank: int = Field(default=0, ge=0)
     ts: WireTime = Field(default_factory=utc_now)
+    # A run split by rank group (wire/groups.py, issue 36): every event of its ranks says the group size and
+    # the world size, and is keyed ``<run id>#<rank // group_size>``. Absent: the run is one group, keyed by
+    # its run id (every producer before the split).
+    group_size: int | None = Field(default=None, ge=1, le=groups.MAX_GROUP_SIZE)
+    world_size: int | None = Field(default=None, ge=1)
 
 
 class RunStartEvent(EventBase):
@@ -266,8 +271,28 @@ class RunEndEvent(EventBase):
     summary: dict[str, float | int | str | None] = Field(default_factory=dict)
 
 
+class GroupReport(EventBase):
+    """A worker's report of one rank group of a split run to the worker that merges the run (issue 36),
+    keyed by the run id. ``body``: JSON text of the report's items in the group's order (a step's partial,
+    a finding for the run's policy, a run-level event of one of the group's ranks); ``signature``: the
+    workers' Ed25519 signature over it (``ActionSigningKey.sign_report``). Nothing a trainer holds can sign
+    one: a report that does not verify is dead-lettered, never merged."""
+
+    kind: Literal["group_report"] = "group_report"
+    group: int = Field(ge=0)
+    body: str
+    signature: str
+
+
 TelemetryEvent = Annotated[
-    RunStartEvent | StepEvent | EvalEvent | HeartbeatEvent | CheckpointEvent | ActionAckEvent | RunEndEvent,
+    RunStartEvent
+    | StepEvent
+    | EvalEvent
+    | HeartbeatEvent
+    | CheckpointEvent
+    | ActionAckEvent
+    | RunEndEvent
+    | GroupReport,
     Field(discriminator="kind"),
 ]
 EVENT_KINDS: tuple[str, ...] = (
@@ -596,6 +621,9 @@ def _longest_string(value: Any) -> int:
 # generic depth/string walk skips them, which keeps it off the hot path of a step event.
 _TYPED_FLAT = frozenset({"module_grad_norms", "category_loss", "memory", "lr", "metrics", "per_category"})
 _STEP_FIELDS = frozenset(StepEvent.model_fields) - {"event_id", "run_id"}
+# A group report's body is signed JSON text, whose events are checked again when it is opened (the message
+# size bounds it)
+_REPORT_FIELDS = _TYPED_FLAT | {"body"}
 
 
 def _check_free_form(key: str, value: Any, lim: WireLimits) -> str | None:
@@ -679,7 +707,13 @@ def _check_envelope(event: Any, received_at: datetime | None, lim: WireLimits) -
 def _check_extras(event: Any, data: dict[str, Any], lim: WireLimits) -> str | None:
     """Unknown fields (kept from a newer producer) and free-form maps: nesting and string length. A step
     event's own fields are numbers and flat maps whose shape the schema fixed: only its extras are walked."""
-    skip = _STEP_FIELDS if event.kind == "step" else _TYPED_FLAT
+    skip = (
+        _STEP_FIELDS
+        if event.kind == "step"
+        else _REPORT_FIELDS
+        if event.kind == "group_report"
+        else _TYPED_FLAT
+    )
     for key in data.keys() - skip:
         problem = _check_free_form(key, data[key], lim)
         if problem:
@@ -864,9 +898,40 @@ def decode_event(
     problem = _check_limits(event, data, received_at, limits)
     if problem:
         raise SchemaError(f"limits: {problem}")
-    if key is not None and key != event.run_id.encode():
-        raise SchemaError(f"key {key[:100]!r} does not match run_id {event.run_id[:100]!r}")
+    if key is not None:
+        problem = key_problem(key, event)
+        if problem:
+            raise SchemaError(problem)
     return event
+
+
+def key_problem(key: bytes, event: EventBase) -> str | None:
+    """Why ``key`` is not the Kafka key of ``event`` (``groups.record_key``), or None. In a split run (the
+    event says ``group_size``) a rank's key names its group: a rank that claims another group, or an event
+    that says a group size without the world size or a rank outside the world, is refused."""
+    group_size = event.group_size
+    if group_size is None or isinstance(event, GroupReport):
+        if key != event.run_id.encode():
+            return f"key {key[:100]!r} does not match run_id {event.run_id[:100]!r}"
+        return None
+    rank, world_size = event.rank, event.world_size
+    if world_size is None:
+        return "group_size: given without world_size (a split run's events carry both)"
+    if rank >= world_size:
+        return f"rank: {rank} is outside the run's world of {world_size} ranks"
+    expected = groups.record_key(event.run_id, rank, group_size)
+    if key == expected:
+        return None
+    run_id, group = groups.parse_key(key.decode(errors="replace"))
+    if run_id == event.run_id and group is not None:
+        return (
+            f"group: rank {rank} claims group {group}; with group_size {group_size} it is in group "
+            f"{groups.group_of(rank, group_size)}"
+        )
+    return (
+        f"key {key[:100]!r} does not match run_id {event.run_id[:100]!r} and its rank's group "
+        f"({expected.decode()!r})"
+    )
 
 
 def decode_received(

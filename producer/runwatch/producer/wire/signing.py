@@ -41,6 +41,9 @@ _PREFIX = SCHEME + ":"
 _PEM_PRIVATE = "-----BEGIN PRIVATE KEY-----"
 SEED_BYTES = 32  # an Ed25519 private key is its 32-byte seed
 _SIGNATURE_BYTES = 64
+# What a group report's signature covers before its body: an action's canonical body begins with "{", so
+# no signed report can pass for a signed action.
+REPORT_CONTEXT = b"runwatch.group_report\n"
 
 
 class MissingKeyError(RuntimeError):
@@ -118,15 +121,27 @@ class ActionPublicKeys:
     def verify(self, action: Action) -> bool:
         """Whether ``action`` is signed, over its canonical body, by one of these keys. Never raises,
         whatever the message holds."""
+        return self._verify(action.signature, action.body_bytes())
+
+    def verify_report(self, body: str, signature: str) -> bool:
+        """Whether a group report's ``body`` is signed by one of these keys
+        (``ActionSigningKey.sign_report``); never raises."""
         try:
-            scheme, kid, encoded = action.signature.split(":")
+            data = REPORT_CONTEXT + body.encode()
+        except UnicodeError:
+            return False
+        return self._verify(signature, data)
+
+    def _verify(self, signature_text: str, data: bytes) -> bool:
+        try:
+            scheme, kid, encoded = signature_text.split(":")
             public = self._keys.get(kid) if scheme == SCHEME else None
             if public is None:
                 return False
             signature = base64.b64decode(encoded, validate=True)
             if len(signature) != _SIGNATURE_BYTES:
                 return False
-            public.verify(signature, action.body_bytes())
+            public.verify(signature, data)
         except (InvalidSignature, ValueError, binascii.Error, UnicodeError):
             return False
         return True
@@ -180,8 +195,16 @@ class ActionSigningKey:
         )
 
     def sign(self, action: Action) -> Action:
-        signature = base64.b64encode(self._private.sign(action.body_bytes())).decode()
-        return action.model_copy(update={"signature": f"{_PREFIX}{self.key_id}:{signature}"})
+        return action.model_copy(update={"signature": self._signature(action.body_bytes())})
+
+    def sign_report(self, body: str) -> str:
+        """The signature of a group report's ``body`` (a worker's message to the worker that merges the run,
+        issue 36), over the body after ``REPORT_CONTEXT``: no report signature is an action's."""
+        return self._signature(REPORT_CONTEXT + body.encode())
+
+    def _signature(self, data: bytes) -> str:
+        signature = base64.b64encode(self._private.sign(data)).decode()
+        return f"{_PREFIX}{self.key_id}:{signature}"
 
 
 def sign_action(action: Action, key: ActionSigningKey) -> Action:

@@ -33,6 +33,7 @@ BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
 SIGNING_KEY_ENV = "RUNWATCH_ACTION_SIGNING_KEY"  # the workers only: the PEM private key, or its file's path
 PUBLIC_KEYS_ENV = "RUNWATCH_ACTION_PUBLIC_KEYS"  # trainers, sink, remediator: public keys, comma-separated
 LEGACY_SECRET_ENV = "RUNWATCH_ACTION_SECRET"  # the old shared HMAC secret: read by nothing, named in errors
+GROUP_SIZE_ENV = "RUNWATCH_GROUP_SIZE"  # ranks per group of a split run (RunWatch; wire/groups.py)
 ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same on every rank (RunWatch)
 
 # Pinned so that constructors never probe the broker (kafka-python 3.x returns at

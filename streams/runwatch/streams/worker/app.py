@@ -161,6 +161,7 @@ def create_app(
         name: app.topic(name, value_serializer="raw", key_serializer="raw")
         for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)
     }
+    out_topics[topics.TELEMETRY] = telemetry  # a split run's group reports, to the worker of its run key
     detectors = DetectorProcess(
         config,
         secret,

@@ -80,6 +80,8 @@ def outgoing(result: ProcessResult, key: bytes | None = None) -> list[Outgoing]:
     records.extend(Outgoing(topics.ANOMALIES, a.run_id.encode(), a.to_json()) for a in result.anomalies)
     records.extend(Outgoing(topics.ACTIONS, a.run_id.encode(), a.to_json()) for a in result.actions)
     records.extend(Outgoing(topics.JOINED, s.run_id.encode(), s.to_json()) for s in result.joined)
+    # a split run's groups report to the worker of the run's own key (split_runs.py)
+    records.extend(Outgoing(topics.TELEMETRY, r.run_id.encode(), r.to_json()) for r in result.reports)
     return records
 
 
@@ -141,6 +143,7 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
                 or result.actions
                 or result.joined
                 or result.errors
+                or result.reports
             ):
                 reply.records.extend(outgoing(result, key))
     # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)

@@ -15,17 +15,21 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
+from runwatch.detectors.engine.group_monitor import GroupMonitor
+from runwatch.detectors.engine.merge_monitor import RunMergeMonitor
 from runwatch.detectors.engine.monitor import RunLedger
 from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.group_report import ReportBody
 from runwatch.producer.wire.schema import (
     CLOCK_AHEAD_PARAM,
     Action,
     Anomaly,
     DeadLetter,
+    GroupReport,
     JoinedStep,
     RunStartEvent,
     SchemaError,
@@ -35,7 +39,7 @@ from runwatch.producer.wire.schema import (
     decode_received,
     utc_now,
 )
-from runwatch.producer.wire.signing import ActionSigningKey
+from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
 from runwatch.streams.worker.published import Published, read_published
 from runwatch.streams.worker.restore_progress import RestoreProgress
 from runwatch.streams.worker.run_lifecycle import (
@@ -45,6 +49,14 @@ from runwatch.streams.worker.run_lifecycle import (
     silence_message,
 )
 from runwatch.streams.worker.run_states import RunStates, StateOptions
+from runwatch.streams.worker.split_runs import (
+    SplitRunError,
+    check_shape,
+    new_monitor,
+    open_report,
+    signed_reports,
+    state_key,
+)
 from runwatch.streams.worker.state import (
     SnapshotError,
     SnapshotHeader,
@@ -96,6 +108,7 @@ class ProcessResult:
     actions: list[Action] = field(default_factory=list)
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
     errors: list[DeadLetter] = field(default_factory=list)  # detector_error records (a run's state was reset)
+    reports: list[GroupReport] = field(default_factory=list)  # a split run's groups' (split_runs.py)
 
 
 @dataclass
@@ -164,6 +177,7 @@ class TelemetryProcessor:
         )
         self._secret = secret
         self._signing_key = ActionSigningKey.from_seed(secret)  # (ValueError: not a 32-byte seed)
+        self._report_keys = ActionPublicKeys([self._signing_key.public])  # a split run's groups' reports
         self._clock = clock  # wall clock for issued_at/expires_at: expiry is checked by trainers in real time
         self._perf = perf_clock
         self.monitors: dict[str, RunMonitor] = {}
@@ -218,15 +232,22 @@ class TelemetryProcessor:
         a fast clock: the event is judged against it and its time moved back (``decode_received``)."""
         # A record time minutes ahead, with an event time that agrees: the trainer's clock is fast. Judged
         # against its own clock, then moved back onto the worker's, and said (RunMonitor.clock_seen).
+        body = None
         try:
             event, received, ahead_s = decode_received(raw, timestamp, self._clock(), self.config.limits, key)
+            run_id = state_key(event)  # (a split run's group: its own monitor, split_runs.py)
             # (a run's partition, once checked, is not hashed again for each of its events)
-            known = event.run_id in self._partition and self._partition[event.run_id] == partition
+            known = run_id in self._partition and self._partition[run_id] == partition
             check_record_key(key, partition, None if known else self.partitions)
+            if isinstance(event, GroupReport):
+                body = open_report(event, self._report_keys)
+            check_shape(self.monitors.get(run_id), event, body)
         except SchemaError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(exc.reason, raw, key, partition, offset))
-        run_id = event.run_id
+        except SplitRunError as exc:
+            self.counters.deadlettered += 1
+            return ProcessResult(deadletter=self._deadletter(str(exc), raw, key, partition, offset))
         if self.states is not None:
             if partition is not None:
                 self.load_partitions({partition})
@@ -235,7 +256,7 @@ class TelemetryProcessor:
                 return ProcessResult()
         self.counters.processed += 1
         try:
-            return self._observe(event, received, partition, offset, ahead_s)
+            return self._observe(event, received, partition, offset, ahead_s, run_id, body)
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
 
@@ -246,9 +267,17 @@ class TelemetryProcessor:
         partition: int | None,
         offset: int | None = None,
         clock_ahead_s: float | None = None,
+        run_id: str | None = None,
+        body: ReportBody | None = None,
     ) -> ProcessResult:
-        run_id = event.run_id
+        """``run_id``: the key of the monitor the event goes to (a split run's group's: split_runs.py);
+        ``body``: a group report's, verified."""
+        run_id = run_id or event.run_id
         monitor = self.monitors.get(run_id)
+        if body is not None and monitor is not None and not isinstance(monitor, RunMergeMonitor):
+            # the run is split now (its ranks were restarted with groups): its whole-run monitor goes
+            self._forget(run_id, "restarted")
+            monitor = None
         flushed = None
         if (
             monitor is not None
@@ -265,18 +294,24 @@ class TelemetryProcessor:
             monitor = None
         if monitor is None:
             self._make_room(1)
-            monitor = self.monitors[run_id] = RunMonitor(run_id, self.config)
+            monitor = self.monitors[run_id] = new_monitor(event, self.config, body)
             self._tick_order.append(run_id)
             if self._ledgers:
                 self._resume_ledger(monitor, event)
         if self.baselines is not None and isinstance(event, RunStartEvent):
             self.baselines.hand(monitor, event)
-        out = monitor.observe(event)
+        if body is not None:
+            out = cast(RunMergeMonitor, monitor).observe_report(
+                cast(GroupReport, event).group, body, event.ts
+            )
+        else:
+            out = monitor.observe(event)
         if clock_ahead_s is not None or monitor.clock_ahead:
             rank = getattr(event, "rank", None) or 0
             said = monitor.clock_seen(rank, clock_ahead_s, event.ts, getattr(event, "step", None))
             out.anomalies += said.anomalies
             out.decisions += said.decisions
+            out.report += said.report
         # The run's clock: its newest event time, never ahead of when the record was sent (one event
         # with a skewed clock must not make the run's other ranks look silent).
         ts = event.ts if received is None else min(event.ts, received + _CLOCK_SLACK)
@@ -292,7 +327,7 @@ class TelemetryProcessor:
             self._frontier[partition] = sent
         if partition is not None:
             self._partition[run_id] = partition
-        result = self._result(out)
+        result = self._result(out, monitor)
         if self._let_go:  # (runs evicted to make room for this one)
             result.anomalies[:0] = self._let_go
             self._let_go = []
@@ -754,10 +789,10 @@ class TelemetryProcessor:
                 run_now = event_ts if self._partition.get(run_id) in behind else event_ts + (now - arrived)
                 if monitor.ended_at is not None and run_now - monitor.ended_at > self._linger:
                     # run_end came a join timeout ago: whatever ranks still owe is not coming
-                    part = self._result(monitor.finish())
+                    part = self._result(monitor.finish(), monitor)
                     self._forget(run_id, "ended")
                 else:
-                    part = self._result(monitor.tick(run_now))
+                    part = self._result(monitor.tick(run_now), monitor)
                     if self.states is not None and (part.anomalies or part.actions):
                         self.states.emitted(run_id)
             except Exception as exc:  # noqa: BLE001
@@ -768,6 +803,7 @@ class TelemetryProcessor:
             result.anomalies.extend(part.anomalies)
             result.actions.extend(part.actions)
             result.joined.extend(part.joined)
+            result.reports.extend(part.reports)
         self.counters.runs = len(self.monitors)
         return result
 
@@ -802,7 +838,7 @@ class TelemetryProcessor:
             )
         return out
 
-    def _result(self, out: MonitorOutput) -> ProcessResult:
+    def _result(self, out: MonitorOutput, monitor: RunMonitor | None = None) -> ProcessResult:
         # detected_at: this worker's wall clock when the monitor produced them (the monitor has no clock;
         # their ts is the event time of what they are about), so detected_at - ts is the detection latency.
         detected = self._clock() if out.anomalies else None
@@ -811,6 +847,8 @@ class TelemetryProcessor:
         if self._published:  # (a restored run's predecessor published something)
             anomalies, actions = self._not_published(anomalies), self._not_published(actions)
         result = ProcessResult(anomalies=anomalies, actions=actions, joined=out.joined)
+        if out.report and isinstance(monitor, GroupMonitor):
+            result.reports += signed_reports(monitor, out.report, self._clock(), self._signing_key)
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:
             log.info(

@@ -1,0 +1,350 @@
+"""A step's figures across ranks as a partial that merges (issue 36), and the joined step it makes.
+
+``partial_of`` sums up the step events of some ranks (one rank group of a split run, or every rank of a
+run that is not split); ``merge`` combines partials of disjoint rank sets into the partial of their union;
+``joined_fields`` and ``joined_record`` turn a partial into the run's joined step event and its
+``JoinedStep`` record. The combining rules are rank_join's (its module doc): the root of the sum of
+squares of sharded norms, else the largest; the mean loss; summed throughput; extremes with their rank;
+per-category losses weighted by count. A NaN on any rank makes the extremes NaN, as ``max`` alone would
+not.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from runwatch.producer.wire.group_report import SLOWEST_LISTED, StepPartial
+from runwatch.producer.wire.schema import RANKS_LISTED, CategoryLoss, JoinedStep, MemoryStats, StepEvent
+
+NORMS = ("grad_norm", "grad_norm_clipped", "param_norm", "update_norm")
+_NAN = math.nan
+
+
+def _hi(a: float | None, b: float | None) -> float | None:
+    """The larger, NaN if either is (``max`` would keep whichever came first)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a != a or b != b:  # NaN
+        return _NAN
+    return a if a >= b else b
+
+
+def _lo(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a != a or b != b:
+        return _NAN
+    return a if a <= b else b
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _memory_figure(memory: MemoryStats | None) -> int | None:
+    """Device memory where there is a device, else the host process's."""
+    if memory is None:
+        return None
+    return memory.allocated if memory.allocated is not None else memory.host_rss
+
+
+def partial_of(
+    key: tuple[int, int], events: list[StepEvent], expected: int, missing: list[int]
+) -> StepPartial:
+    """The partial of one step (``key``: generation, step) from the step events of the ranks that reported it
+    (``events``, in rank order), out of ``expected`` ranks; ``missing``: the ranks that did not (sorted)."""
+    first = events[0]
+    loss_sum = mfu_sum = None
+    loss_n = mfu_n = 0
+    sharded = True
+    norms: dict[str, list[float]] = {}
+    modules: dict[str, list[float]] = {}
+    categories: dict[str, list[float]] = {}
+    clip = wait = st_max = st_min = c_max = c_min = samples = tokens = None
+    st_rank = c_rank = None
+    st_best: float | None = None
+    c_best: float | None = None
+    nonfinite: int | None = None
+    mem_max = mem_min = None
+    mem_max_rank = mem_min_rank = None
+    mem_max_stats: MemoryStats | None = None
+    work: list[tuple[float, int]] = []
+    ts = first.ts
+    for e in events:
+        rank = e.rank
+        if e.ts > ts:
+            ts = e.ts
+        if e.loss is not None:
+            loss_sum = e.loss if loss_sum is None else loss_sum + e.loss
+            loss_n += 1
+        if e.mfu is not None:
+            mfu_sum = e.mfu if mfu_sum is None else mfu_sum + e.mfu
+            mfu_n += 1
+        if not e.grad_sharded:
+            sharded = False
+        for name in NORMS:
+            value = getattr(e, name)
+            if value is not None:
+                acc = norms.get(name)
+                if acc is None:
+                    norms[name] = [value * value, value]
+                else:
+                    acc[0] += value * value
+                    acc[1] = _hi(acc[1], value)  # type: ignore[assignment] # (both present: a float)
+        for name, value in e.module_grad_norms.items():
+            acc = modules.get(name)
+            if acc is None:
+                modules[name] = [value * value, value]
+            else:
+                acc[0] += value * value
+                acc[1] = _hi(acc[1], value)  # type: ignore[assignment]
+        for name, category in e.category_loss.items():
+            if category.count > 0:
+                acc = categories.setdefault(name, [0.0, 0])
+                acc[0] += category.mean * category.count
+                acc[1] += category.count
+        clip = _lo(clip, e.clip_ratio)
+        wait = _hi(wait, e.data_wait_s)
+        st = e.step_time_s
+        if st is not None:
+            if st_best is None or st > st_best:  # (the rank of the largest comparable figure)
+                st_best, st_rank = st, rank
+            st_max, st_min = _hi(st_max, st), _lo(st_min, st)
+        c = e.compute_s
+        if c is not None:
+            if c_best is None or c > c_best:
+                c_best, c_rank = c, rank
+            c_max, c_min = _hi(c_max, c), _lo(c_min, c)
+        mine = c if c is not None else st
+        if mine is not None and mine == mine:
+            work.append((mine, rank))
+        samples = _add(samples, e.samples_per_s)
+        tokens = _add(tokens, e.tokens_per_s)
+        if e.nonfinite_grads is not None:
+            nonfinite = e.nonfinite_grads + (nonfinite or 0)
+        figure = _memory_figure(e.memory)
+        if figure is not None:
+            if mem_max is None or figure > mem_max:
+                mem_max, mem_max_rank, mem_max_stats = figure, rank, e.memory
+            if mem_min is None or figure < mem_min:
+                mem_min, mem_min_rank = figure, rank
+    slowest = heapq.nlargest(SLOWEST_LISTED, work)
+    return StepPartial.model_construct(
+        generation=key[0],
+        step=key[1],
+        ts=ts,
+        expected=expected,
+        reported=len(events),
+        missing_count=len(missing),
+        missing_first=missing[:RANKS_LISTED],
+        reported_first=[e.rank for e in events[:RANKS_LISTED]],
+        first_rank=first.rank,
+        lr=first.lr,
+        loss_sum=loss_sum,
+        loss_count=loss_n,
+        mfu_sum=mfu_sum,
+        mfu_count=mfu_n,
+        sharded=sharded,
+        norms={name: (acc[0], acc[1]) for name, acc in norms.items()},
+        modules={name: (acc[0], acc[1]) for name, acc in modules.items()},
+        categories={name: (acc[0], int(acc[1])) for name, acc in categories.items()},
+        clip_ratio_min=clip,
+        data_wait_max=wait,
+        step_time_max=st_max,
+        step_time_max_rank=st_rank,
+        step_time_min=st_min,
+        compute_max=c_max,
+        compute_max_rank=c_rank,
+        compute_min=c_min,
+        samples_sum=samples,
+        tokens_sum=tokens,
+        nonfinite_sum=nonfinite,
+        memory_max_bytes=mem_max,
+        memory_max_rank=mem_max_rank,
+        memory_max=mem_max_stats,
+        memory_min_bytes=mem_min,
+        memory_min_rank=mem_min_rank,
+        slowest=[(rank, value) for value, rank in slowest],
+    )
+
+
+def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[range] = ()) -> StepPartial:
+    """The partial of the union of ``partials`` (disjoint ranks, one step), out of ``expected`` ranks in all;
+    ``missing_groups``: the rank ranges of groups that sent no partial (every one of their ranks missing)."""
+    parts = sorted(partials, key=lambda p: p.first_rank)
+    first = parts[0]
+    out: dict[str, Any] = {"generation": first.generation, "step": first.step, "expected": expected}
+    out["ts"] = max(p.ts for p in parts)
+    out["reported"] = sum(p.reported for p in parts)
+    out["first_rank"], out["lr"] = first.first_rank, first.lr
+    absent = sorted(missing_groups, key=lambda r: r.start)
+    out["missing_count"] = sum(p.missing_count for p in parts) + sum(len(r) for r in absent)
+    missing: list[int] = []
+    for p in parts:
+        missing.extend(p.missing_first)
+    for r in absent:
+        missing.extend(r[:RANKS_LISTED])
+    out["missing_first"] = sorted(missing)[:RANKS_LISTED]
+    reported: list[int] = []
+    for p in parts:
+        if len(reported) >= RANKS_LISTED:
+            break
+        reported.extend(p.reported_first)
+    out["reported_first"] = reported[:RANKS_LISTED]
+    for total, count in (("loss_sum", "loss_count"), ("mfu_sum", "mfu_count")):
+        out[total] = _fold(_add, (getattr(p, total) for p in parts))
+        out[count] = sum(getattr(p, count) for p in parts)
+    out["sharded"] = all(p.sharded for p in parts)
+    for name in ("norms", "modules"):
+        merged: dict[str, tuple[float, float]] = {}
+        for p in parts:
+            for key, (squares, largest) in getattr(p, name).items():
+                had = merged.get(key)
+                merged[key] = (squares, largest) if had is None else (had[0] + squares, _hi(had[1], largest))  # type: ignore[assignment]
+        out[name] = merged
+    categories: dict[str, tuple[float, int]] = {}
+    for p in parts:
+        for category, (losses, n) in p.categories.items():
+            had_c = categories.get(category, (0.0, 0))
+            categories[category] = (had_c[0] + losses, had_c[1] + n)
+    out["categories"] = categories
+    out["clip_ratio_min"] = _fold(_lo, (p.clip_ratio_min for p in parts))
+    out["data_wait_max"] = _fold(_hi, (p.data_wait_max for p in parts))
+    for figure in ("step_time", "compute"):
+        top = _extreme(parts, f"{figure}_max", f"{figure}_max_rank")
+        out[f"{figure}_max"], out[f"{figure}_max_rank"] = top
+        out[f"{figure}_min"] = _fold(_lo, (getattr(p, f"{figure}_min") for p in parts))
+    out["samples_sum"] = _fold(_add, (p.samples_sum for p in parts))
+    out["tokens_sum"] = _fold(_add, (p.tokens_sum for p in parts))
+    nonfinite = [p.nonfinite_sum for p in parts if p.nonfinite_sum is not None]
+    out["nonfinite_sum"] = sum(nonfinite) if nonfinite else None
+    most = [p for p in parts if p.memory_max_bytes is not None]
+    best = max(most, key=lambda p: p.memory_max_bytes or 0) if most else None
+    out["memory_max_bytes"] = best.memory_max_bytes if best else None
+    out["memory_max_rank"] = best.memory_max_rank if best else None
+    out["memory_max"] = best.memory_max if best else None
+    least = [p for p in parts if p.memory_min_bytes is not None]
+    low = min(least, key=lambda p: p.memory_min_bytes or 0) if least else None
+    out["memory_min_bytes"] = low.memory_min_bytes if low else None
+    out["memory_min_rank"] = low.memory_min_rank if low else None
+    slow = [(value, rank) for p in parts for rank, value in p.slowest]
+    out["slowest"] = [(rank, value) for value, rank in heapq.nlargest(SLOWEST_LISTED, slow)]
+    return StepPartial.model_construct(**out)
+
+
+def _fold(combine: Any, values: Iterable[float | None]) -> float | None:
+    result = None
+    for value in values:
+        result = combine(result, value)
+    return result
+
+
+def _extreme(parts: list[StepPartial], value_name: str, rank_name: str) -> tuple[float | None, int | None]:
+    """The largest of the partials' extremes (NaN if any is) and the rank of the largest finite one."""
+    value: float | None = None
+    rank: int | None = None
+    best: float | None = None
+    for p in parts:
+        v = getattr(p, value_name)
+        value = _hi(value, v)
+        if v is not None and v == v and (best is None or v > best):  # (v == v: not NaN)
+            best, rank = v, getattr(p, rank_name)
+    return value, rank
+
+
+def joined_fields(run_id: str, partial: StepPartial) -> dict[str, Any]:
+    """The joined step event's fields (a ``StepEvent`` the run-level detectors read) from the run's
+    partial of the step."""
+    sharded = partial.sharded
+
+    def norm(squares_largest: tuple[float, float] | None) -> float | None:
+        if squares_largest is None:
+            return None
+        return math.sqrt(squares_largest[0]) if sharded else squares_largest[1]
+
+    norms = partial.norms
+    fields: dict[str, Any] = {
+        "run_id": run_id,
+        "rank": partial.first_rank,
+        "step": partial.step,
+        "ts": partial.ts,
+        "event_id": f"joined|{partial.generation}|{partial.step}",
+        "lr": partial.lr,
+        "loss": partial.loss_sum / partial.loss_count
+        if partial.loss_count and partial.loss_sum is not None
+        else None,
+        "grad_norm": norm(norms.get("grad_norm")),
+        "grad_norm_clipped": norm(norms.get("grad_norm_clipped")),
+        "clip_ratio": partial.clip_ratio_min,
+        "param_norm": norm(norms.get("param_norm")),
+        "update_norm": norm(norms.get("update_norm")),
+        "module_grad_norms": {name: norm(value) for name, value in partial.modules.items()},
+        "category_loss": {
+            name: CategoryLoss.model_construct(mean=total / count, count=int(count))
+            for name, (total, count) in partial.categories.items()
+            if count > 0
+        },
+        "step_time_s": partial.step_time_max,
+        "data_wait_s": partial.data_wait_max,
+        "samples_per_s": partial.samples_sum,
+        "tokens_per_s": partial.tokens_sum,
+        "mfu": partial.mfu_sum / partial.mfu_count
+        if partial.mfu_count and partial.mfu_sum is not None
+        else None,
+        "nonfinite_grads": partial.nonfinite_sum,
+        "grad_sharded": sharded or None,
+    }
+    if fields["param_norm"] and fields["update_norm"] is not None:
+        fields["relative_update_norm"] = fields["update_norm"] / fields["param_norm"]
+    clipped = fields["grad_norm_clipped"] if fields["grad_norm_clipped"] is not None else fields["grad_norm"]
+    if fields["update_norm"] is not None and clipped and math.isfinite(clipped):
+        fields["effective_lr_ratio"] = fields["update_norm"] / clipped
+    if partial.memory_max is not None:
+        fields["memory"] = partial.memory_max
+    return fields
+
+
+def joined_record(
+    run_id: str, partial: StepPartial, world_size: int, fields: dict[str, Any], late: int, duplicates: int
+) -> JoinedStep:
+    """The ``JoinedStep`` record of the run's partial of a step (``fields``: ``joined_fields``'s)."""
+    return JoinedStep.model_construct(
+        run_id=run_id,
+        step=partial.step,
+        generation=partial.generation,
+        ts=fields["ts"],
+        world_size=world_size,
+        complete=partial.missing_count == 0,
+        ranks_reported=list(partial.reported_first) if world_size <= RANKS_LISTED else [],
+        ranks_missing=list(partial.missing_first),
+        reported_count=partial.reported,
+        missing_count=partial.missing_count,
+        loss_mean=fields["loss"],
+        grad_norm=fields["grad_norm"],
+        grad_sharded=bool(fields["grad_sharded"]),
+        step_time_max_s=partial.step_time_max,
+        step_time_max_rank=partial.step_time_max_rank,
+        step_time_min_s=partial.step_time_min,
+        compute_max_s=partial.compute_max,
+        compute_max_rank=partial.compute_max_rank,
+        compute_min_s=partial.compute_min,
+        memory_max_bytes=partial.memory_max_bytes,
+        memory_max_rank=partial.memory_max_rank,
+        memory_min_bytes=partial.memory_min_bytes,
+        memory_min_rank=partial.memory_min_rank,
+        samples_per_s=partial.samples_sum,
+        tokens_per_s=partial.tokens_sum,
+        late_events=late,
+        duplicate_events=duplicates,
+    )

@@ -1,0 +1,105 @@
+"""One run split by rank group over two workers (issue 36), as users start everything: the embedded
+broker, two ``runwatch worker`` of one group, and ``runwatch simulate`` from an empty folder. 16 ranks in
+groups of 4: both workers hold part of the run; its joined steps come whole from the groups' partials; a
+NaN on rank 7 gives one rollback to a checkpoint; a rank 1.5x slower is named a straggler."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runwatch.local.broker import EmbeddedBroker, ensure_topics
+from runwatch.local.worker_process import WorkerProcess
+from runwatch.producer.wire import topics
+from runwatch.producer.wire.groups import record_key
+from runwatch.producer.wire.schema import JoinedStep, decode_action, decode_anomaly
+from runwatch.producer.wire.topics import key_partition
+
+from .conftest import eventually, read_topic
+
+pytestmark = pytest.mark.integration
+
+RANKS, GROUP_SIZE, STEPS = 16, 4, 70
+
+
+def _read_for(bootstrap: str, topic: str, seconds: float) -> list:
+    """Every record of ``topic`` read within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    return read_topic(bootstrap, topic, lambda _: time.monotonic() >= deadline, seconds + 30)
+
+
+def _spread_run_id() -> str:
+    """A run id whose four groups land on all four partitions (so on both workers, however assigned)."""
+    for n in range(1000):
+        run_id = f"split-{n}"
+        keys = {
+            key_partition(record_key(run_id, r, GROUP_SIZE), topics.DEFAULT_PARTITIONS) for r in range(RANKS)
+        }
+        if len(keys) == topics.DEFAULT_PARTITIONS:
+            return run_id
+    raise AssertionError("no run id spreads")
+
+
+def test_a_run_split_by_rank_group_over_two_workers_is_judged_as_one(tmp_path, action_keys):
+    run_id = _spread_run_id()
+    group = "runwatch-split-test"
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
+        ensure_topics(broker.bootstrap)
+        workers = [
+            WorkerProcess(broker.bootstrap, action_keys.signing, tmp_path / f"worker{i}.log", group=group)
+            for i in range(2)
+        ]
+        try:
+            for worker in workers:
+                worker.wait_ready(120)
+            def telemetry_held(worker: WorkerProcess) -> int:
+                return sum(p.startswith(f"{topics.TELEMETRY}:") for p in worker.health()[1]["partitions"])
+
+            eventually(lambda: [telemetry_held(w) for w in workers] == [2, 2], 90, "each worker to hold 2")
+            cmd = [sys.executable, "-m", "runwatch.cli", "simulate", "--bootstrap", broker.bootstrap]
+            cmd += ["--run-id", run_id, "--ranks", str(RANKS), "--group-size", str(GROUP_SIZE)]
+            cmd += ["--steps", str(STEPS), "--step-time", "0.15", "--heartbeat-s", "1"]
+            cmd += ["--fault", "nan:7:50", "--fault", "slow:13:1.5", "--checkpoint-every", "10"]
+            done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=180)
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["group_size"] == GROUP_SIZE
+
+            def rollbacks(records) -> list:
+                ours = [decode_action(r.value) for r in records if r.key == run_id.encode()]
+                return [a for a in ours if a.kind == "rollback"]
+
+            read_topic(broker.bootstrap, topics.ACTIONS, lambda rs: bool(rollbacks(rs)), 90)
+
+            def joined(records) -> list[JoinedStep]:
+                return [JoinedStep.model_validate_json(r.value) for r in records if r.key == run_id.encode()]
+
+            steps = joined(read_topic(broker.bootstrap, topics.JOINED, lambda rs: len(joined(rs)) >= 60, 90))
+            healthy = [s for s in steps if s.step < 50]
+            assert healthy and all(s.world_size == RANKS and s.reported_count == RANKS for s in healthy)
+            assert all(s.complete and s.missing_count == 0 for s in healthy)
+            assert len({s.step for s in steps}) == len(steps)  # each step joined once, by one worker
+
+            anomalies = [
+                decode_anomaly(r.value)
+                for r in _read_for(broker.bootstrap, topics.ANOMALIES, 5)
+                if r.key == run_id.encode()
+            ]
+            assert {(a.rank, a.step) for a in anomalies if a.detector == "non_finite"} >= {(7, 50)}
+            assert {a.rank for a in anomalies if a.detector == "straggler"} == {13}
+            # every finding is about the run, issued by the worker of its own key; none before the faults
+            early = [a for a in anomalies if a.detector not in ("straggler",) and (a.step or 0) < 50]
+            assert early == []
+            # a few seconds more: one fault, one rollback, whichever groups saw it
+            [rollback] = rollbacks(_read_for(broker.bootstrap, topics.ACTIONS, 5))
+            assert rollback.target_checkpoint is not None and rollback.target_checkpoint.step <= 40
+            # both workers read part of the run
+            assert all(w.health()[1]["events_submitted"] > 100 for w in workers)
+        finally:
+            for worker in workers:
+                worker.stop()

@@ -1,0 +1,241 @@
+"""A run split by rank group (issue 36), without a broker: the groups' partials merge into the same joined
+step as one join of every rank; a split run's fault gives one action; a forged report, a rank that claims
+another group and events that disagree on the run's shape are dead-lettered while the run goes on."""
+
+from __future__ import annotations
+
+import math
+import random
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.engine.group_join import GroupJoin
+from runwatch.detectors.engine.rank_join import StepJoin
+from runwatch.producer.wire.group_report import ReportBody
+from runwatch.producer.wire.groups import group_key, group_ranks, parse_key, record_key
+from runwatch.producer.wire.schema import (
+    CategoryLoss,
+    CheckpointEvent,
+    GroupReport,
+    MemoryStats,
+    RunStartEvent,
+    SchemaError,
+    StepEvent,
+    decode_event,
+)
+from runwatch.producer.wire.signing import ActionSigningKey
+from runwatch.streams.worker.processor import TelemetryProcessor
+from tests.action_keys import SEED
+
+T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+WALL = T0 + timedelta(hours=6)
+
+
+def _event(rng: random.Random, rank: int, step: int, **extra: object) -> StepEvent:
+    return StepEvent(
+        run_id="big",
+        rank=rank,
+        step=step,
+        ts=T0 + timedelta(seconds=step, milliseconds=rank),
+        loss=rng.uniform(1, 3),
+        lr=[0.1],
+        grad_norm=rng.uniform(0.5, 2),
+        param_norm=rng.uniform(10, 20),
+        update_norm=rng.uniform(0.01, 0.1),
+        module_grad_norms={"a": rng.uniform(0, 1), "b": rng.uniform(0, 1)},
+        category_loss={"x": CategoryLoss(mean=rng.uniform(1, 2), count=rng.randint(1, 9))},
+        step_time_s=rng.uniform(0.9, 1.1),
+        compute_s=rng.uniform(0.5, 0.8),
+        samples_per_s=rng.uniform(30, 40),
+        memory=MemoryStats(allocated=rng.randint(1, 10**9)),
+        nonfinite_grads=0,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("nan_rank", [None, 6])
+def test_merged_group_partials_make_the_joined_step_one_join_of_every_rank_makes(sharded, nan_rank):
+    rng = random.Random(7)
+    world, size = 11, 4
+    events = [_event(rng, r, 3, grad_sharded=sharded or None) for r in range(world)]
+    if nan_rank is not None:
+        events[nan_rank] = events[nan_rank].model_copy(update={"loss": math.nan, "grad_norm": math.nan})
+    absent = {9}  # one rank of the last group never reports: every join times out without it
+    whole = StepJoin("big", timeout_s=5)
+    whole.set_world_size(world)
+    partials = []
+    for group in range(3):
+        join = StepJoin("big", timeout_s=5)
+        join.set_ranks(group_ranks(group, size, world))
+        out = []
+        for e in events:
+            if e.rank in group_ranks(group, size, world) and e.rank not in absent:
+                out += join.add(e)
+        out += join.expire(T0 + timedelta(seconds=60))
+        [joined] = out
+        partials.append(joined.partial)
+    expected = []
+    for e in events:
+        if e.rank not in absent:
+            expected += whole.add(e)
+    expected += whole.expire(T0 + timedelta(seconds=60))
+    [one] = expected
+
+    groups = GroupJoin("big", timeout_s=5)
+    groups.set_shape(world, size)
+    merged = []
+    for group, partial in enumerate(partials):
+        merged += groups.add(group, partial)
+    [split] = merged
+
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    for name in ("loss", "grad_norm", "param_norm", "update_norm", "step_time_s", "samples_per_s", "memory"):
+        assert same(getattr(split.event, name), getattr(one.event, name)), name
+    assert same(split.event.module_grad_norms, one.event.module_grad_norms)
+    [(name, c)] = split.event.category_loss.items()
+    [(name_one, c_one)] = one.event.category_loss.items()
+    assert (name, c.count) == (name_one, c_one.count) and c.mean == pytest.approx(c_one.mean)
+    for name in ("world_size", "complete", "ranks_missing", "missing_count", "reported_count"):
+        assert getattr(split.record, name) == getattr(one.record, name), name
+    for name in ("step_time_max_rank", "compute_max_rank", "memory_max_rank", "memory_min_rank"):
+        assert getattr(split.record, name) == getattr(one.record, name), name
+    assert split.record.ranks_missing == [9] and not split.record.complete
+
+
+def test_a_partial_and_the_joined_record_stay_small_at_16384_ranks():
+    rng = random.Random(1)
+    size = 256
+    join = StepJoin("big")
+    join.set_ranks(group_ranks(10, size, 16_384))
+    [joined] = [j for e in (_event(rng, r, 0) for r in group_ranks(10, size, 16_384)) for j in join.add(e)]
+    partial = joined.partial
+    assert len(partial.model_dump_json()) < 2_000
+    groups = GroupJoin("big")
+    groups.set_shape(16_384, size)
+    out = []
+    for g in range(64):
+        out += groups.add(g, partial.model_copy(update={"first_rank": g * size}))
+    [step] = out
+    assert step.record.reported_count == 64 * 256
+    assert len(step.record.to_json()) <= 8_000
+
+
+def test_keys_of_a_split_run():
+    assert record_key("run-1") == b"run-1"
+    assert record_key("run-1", 600, 256) == b"run-1#2"
+    assert parse_key(group_key("a#b", 3)) == ("a#b", 3) and parse_key("run-1") == ("run-1", None)
+
+
+def _raw(rank: int, step: int = 0, group_size: int = 4, world: int = 8, **fields: object) -> bytes:
+    return StepEvent(
+        run_id="big", rank=rank, step=step, loss=1.0, group_size=group_size, world_size=world, ts=T0, **fields
+    ).to_json()
+
+
+def test_a_rank_that_claims_another_group_is_refused_with_the_reason():
+    decode_event(_raw(5), key=b"big#1")
+    with pytest.raises(SchemaError, match="rank 5 claims group 0; with group_size 4 it is in group 1"):
+        decode_event(_raw(5), key=b"big#0")
+    with pytest.raises(SchemaError, match="does not match run_id"):
+        decode_event(_raw(5), key=b"big")
+    with pytest.raises(SchemaError, match="outside the run's world of 8"):
+        decode_event(_raw(9, world=8), key=b"big#2")
+    with pytest.raises(SchemaError, match="without world_size"):
+        decode_event(StepEvent(run_id="big", rank=1, step=0, group_size=4, ts=T0).to_json(), key=b"big#0")
+
+
+class _Split:
+    """Two stages in one processor: a group's reports are read back as the broker would hand them over."""
+
+    def __init__(self) -> None:
+        config = RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}})
+        self.proc = TelemetryProcessor(config, SEED, clock=lambda: WALL)
+        self.offset = 0
+        self.actions: list = []
+        self.anomalies: list = []
+        self.joined: list = []
+        self.letters: list = []
+
+    def send(self, raw: bytes, key: bytes) -> None:
+        self.offset += 1
+        result = self.proc.process(raw, key, None, self.offset, None)
+        if result.deadletter is not None:
+            self.letters.append(result.deadletter.reason)
+        self.actions += result.actions
+        self.anomalies += result.anomalies
+        self.joined += result.joined
+        for report in result.reports:
+            self.send(report.to_json(), report.run_id.encode())
+
+
+def test_a_nan_on_one_rank_of_a_split_run_gives_one_rollback_and_its_groups_merge():
+    run = _Split()
+    start = RunStartEvent(run_id="big", world_size=8, group_size=4, ts=T0, attempt="a1")
+    run.send(start.to_json(), b"big#0")
+    for step in range(14):
+        for rank in range(8):
+            loss = math.nan if rank == 5 and step >= 10 else 2.0 - 0.01 * step
+            raw = StepEvent(
+                run_id="big",
+                rank=rank,
+                step=step,
+                loss=loss,
+                grad_norm=1.0,
+                group_size=4,
+                world_size=8,
+                ts=T0 + timedelta(seconds=step),
+            ).to_json()
+            run.send(raw, record_key("big", rank, 4))
+        if step == 2:
+            ckpt = CheckpointEvent(
+                run_id="big", step=2, uri="/c/2", group_size=4, world_size=8, ts=T0 + timedelta(seconds=2)
+            )
+            run.send(ckpt.to_json(), b"big#0")
+    assert run.letters == []
+    assert [j.step for j in run.joined] == list(range(14))
+    assert all(j.world_size == 8 and j.reported_count == 8 for j in run.joined)
+    assert math.isnan(run.joined[10].loss_mean) and run.joined[9].loss_mean == pytest.approx(1.91)
+    # as the same run unsplit: an alert at the first non-finite step, one rollback at the third
+    assert [a.kind for a in run.actions] == ["alert", "rollback"], run.actions
+    assert run.actions[1].target_checkpoint is not None and run.actions[1].target_checkpoint.step == 2
+    assert {a.run_id for a in run.anomalies} == {"big"}
+    assert {"big", "big#0", "big#1"} == set(run.proc.monitors)
+
+
+def test_forged_and_disagreeing_events_are_dead_lettered_and_the_run_goes_on():
+    run = _Split()
+    forger = ActionSigningKey.generate()  # not the workers' key
+    body = ReportBody(group_size=4, world_size=8).model_dump_json()
+    forged = GroupReport(run_id="big", group=0, body=body, signature=forger.sign_report(body), ts=WALL)
+    run.send(forged.to_json(), b"big")
+    assert run.letters and "not signed by the workers' key" in run.letters[-1]
+    unsigned = GroupReport(run_id="big", group=0, body=body, signature="", ts=WALL)
+    run.send(unsigned.to_json(), b"big")
+    assert "not signed" in run.letters[-1]
+
+    for rank in range(4):  # group 0 joins step 0 and reports: the run's own monitor is 4/8
+        run.send(_raw(rank, step=0), b"big#0")
+    assert "big" in run.proc.monitors and len(run.joined) == 0  # (waiting for group 1)
+    run.send(_raw(1, step=1, group_size=2), b"big#0")  # (rank 1 of groups of 2: group 0 too)
+    assert "group_size/world_size: 2/8 disagrees with the run's 4/8" in run.letters[-1]
+    run.send(_raw(2, step=1, world=12), b"big#0")
+    assert "4/12 disagrees with the run's 4/8" in run.letters[-1]
+    letters = len(run.letters)
+    for rank in range(4, 8):  # a group that disagrees with the others: its report is refused where they merge
+        run.send(_raw(rank, step=0, world=12), b"big#1")
+    assert len(run.letters) == letters + 1 and "group_report" not in run.letters[-1]
+    assert "4/12 disagrees with the run's 4/8" in run.letters[-1]
+    letters = len(run.letters)
+    for rank in range(4):  # the run goes on: group 0's next step is taken
+        run.send(_raw(rank, step=1), b"big#0")
+    assert len(run.letters) == letters
+    assert run.proc.monitors["big#0"].join.last_key(3) == (0, 1)
