@@ -209,6 +209,11 @@ def test_a_nan_on_one_rank_of_a_split_run_gives_one_rollback_and_its_groups_merg
     assert run.actions[1].target_checkpoint is not None and run.actions[1].target_checkpoint.step == 2
     assert {a.run_id for a in run.anomalies} == {"big"}
     assert {"big", "big#0", "big#1"} == set(run.proc.monitors)
+    # each group joins its own ranks, run_start or not (a handler of the group's, not the whole run's)
+    group0, group1 = run.proc.monitors["big#0"], run.proc.monitors["big#1"]
+    assert (group0.join.first_rank, group0.join.world_size) == (0, 4) and group0.started
+    assert (group1.join.first_rank, group1.join.world_size) == (4, 8)
+    assert group0.join.joined == group1.join.joined == 14
 
 
 def test_forged_and_disagreeing_events_are_dead_lettered_and_the_run_goes_on():

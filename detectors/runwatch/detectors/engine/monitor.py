@@ -233,7 +233,7 @@ class RunMonitor:
         self.baseline.observe(event)
         if self.ended_at is not None and event.kind not in ("step", "run_end"):
             return out  # the run is over: nothing but its last steps' join is judged
-        _ROUTES[event.kind](self, event, out)
+        getattr(self, _ROUTES[event.kind])(event, out)  # (by name: a subclass's handler, group_monitor.py)
         self._await_acks(out, event.ts)
         return out
 
@@ -611,13 +611,13 @@ class RunMonitor:
         )
 
 
-# kind -> what the monitor does with an event of that kind
-_ROUTES: dict[str, Callable[[RunMonitor, Any, MonitorOutput], None]] = {
-    "run_start": RunMonitor._on_run_start,
-    "step": RunMonitor._on_step,
-    "eval": RunMonitor._on_eval,
-    "heartbeat": RunMonitor._on_heartbeat,
-    "checkpoint": RunMonitor._on_checkpoint,
-    "action_ack": RunMonitor._on_action_ack,
-    "run_end": RunMonitor._on_run_end,
+# kind -> the monitor's handler of an event of that kind
+_ROUTES: dict[str, str] = {
+    "run_start": "_on_run_start",
+    "step": "_on_step",
+    "eval": "_on_eval",
+    "heartbeat": "_on_heartbeat",
+    "checkpoint": "_on_checkpoint",
+    "action_ack": "_on_action_ack",
+    "run_end": "_on_run_end",
 }
