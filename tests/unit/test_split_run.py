@@ -244,3 +244,40 @@ def test_forged_and_disagreeing_events_are_dead_lettered_and_the_run_goes_on():
         run.send(_raw(rank, step=1), b"big#0")
     assert len(run.letters) == letters
     assert run.proc.monitors["big#0"].join.last_key(3) == (0, 1)
+
+
+def test_a_runs_groups_fill_the_partitions_in_turn():
+    from runwatch.producer.wire.topics import key_partition, record_partitioner
+
+    for run_id in ("run-a", "run-b", "x" * 200):
+        first = key_partition(run_id.encode(), 8)
+        placed = [key_partition(group_key(run_id, g).encode(), 8) for g in range(64)]
+        assert placed == [(first + g) % 8 for g in range(64)]  # 8 groups on every partition
+        assert record_partitioner(group_key(run_id, 3).encode(), list(range(8)), []) == (first + 3) % 8
+    # a run's own key is placed as every Kafka client places it (murmur2): old producers are unchanged
+    from kafka.partitioner.default import murmur2
+
+    assert key_partition(b"run-a", 8) == (murmur2(b"run-a") & 0x7FFFFFFF) % 8
+
+
+def test_a_split_runs_monitors_are_restored_from_their_snapshots():
+    import pickle
+    import zlib
+
+    from runwatch.streams.worker.processor import RunState
+    from runwatch.streams.worker.state import decode_body
+
+    run = _Split()
+    for step in range(3):
+        for rank in range(6):  # group 1 is missing ranks 6 and 7: its steps wait, partials pending
+            run.send(_raw(rank, step=step), record_key("big", rank, 4))
+    for key in ("big", "big#0", "big#1"):
+        monitor = run.proc.monitors[key]
+        body = zlib.compress(pickle.dumps(RunState(monitor, None), protocol=pickle.HIGHEST_PROTOCOL))
+        restored = decode_body(memoryview(body)).monitor  # (the restricted unpickler: only admitted names)
+        assert type(restored) is type(monitor) and restored.run_id == "big"
+        assert getattr(restored, "shape", None) == (4, 8)
+    assert (
+        len(decode_body(memoryview(zlib.compress(pickle.dumps(run.proc.monitors["big"])))).groups._pending)
+        == 3
+    )

@@ -99,6 +99,7 @@ def simulate(
             linger_ms=20,
             batch_size=1 << 20,
             max_request_size=8 << 20,
+            partitioner=topics.record_partitioner,  # (a split run's groups: topics.key_partition)
         )
     except Exception as exc:  # noqa: BLE001 - one line, whatever kafka-python raises
         raise CommandError(f"cannot reach the broker at {bootstrap}: {exc}") from None

@@ -164,6 +164,8 @@ class KafkaDelivery:
             # which tells the worker the world size, rely on it). acks=1 turns idempotence off, and
             # with it kafka-python's own ordering guarantee.
             max_in_flight_requests_per_connection=1,
+            # (a split run's group keys are placed from the run's partition: topics.key_partition)
+            partitioner=topics.record_partitioner,
             # Per-request sensors cost more host time than the send itself; nothing reads them.
             metrics_enabled=False,
             # Short, so that a dead broker hands events to the spool within seconds and the

@@ -52,7 +52,23 @@ def bootstrap_from_env(default: str | None = None) -> str | None:
 def key_partition(key: bytes, partitions: int) -> int:
     """The partition a record keyed ``key`` belongs on among ``partitions``: murmur2 of the key, the
     Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's
-    events are all on this one partition; the worker refuses a record found elsewhere."""
+    events are all on this one partition; the worker refuses a record found elsewhere.
+
+    A split run's group key ``<run id>#<group>`` (wire/groups.py) is placed from its run's: the partition
+    after the run id's by ``group`` (mod ``partitions``), so that a run's groups fill the partitions in
+    turn, as evenly as they divide, rather than wherever their hashes fall."""
     from kafka.partitioner.default import murmur2  # (lazily: imports without Kafka)
 
+    run_id, separator, group = key.rpartition(b"#")
+    if separator and group.isdigit() and len(group) <= 9:
+        return (int(murmur2(run_id) & 0x7FFFFFFF) + int(group)) % partitions
     return int(murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def record_partitioner(key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
+    """kafka-python's ``partitioner``: ``key_partition`` (a key-less record: any available partition)."""
+    if key is None:
+        import random
+
+        return random.choice(available or all_partitions)
+    return key_partition(key, len(all_partitions))  # (a topic's partitions are 0 .. N-1)

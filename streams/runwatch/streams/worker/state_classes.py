@@ -38,6 +38,9 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.rolling_quantile",
         "runwatch.detectors.engine.ack_watch",
         "runwatch.detectors.engine.checkpoints",
+        "runwatch.detectors.engine.group_join",
+        "runwatch.detectors.engine.group_monitor",
+        "runwatch.detectors.engine.merge_monitor",
         "runwatch.detectors.engine.monitor",
         "runwatch.detectors.engine.policy",
         "runwatch.detectors.engine.progress",
@@ -49,6 +52,7 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.baselines.gate",
         "runwatch.detectors.baselines.summary",
         "runwatch.producer.wire.schema",
+        "runwatch.producer.wire.group_report",
     }
 )
 
