@@ -22,7 +22,7 @@ from runwatch.detectors.engine.rank_join import Joined
 from runwatch.detectors.findings import Finding
 from runwatch.producer.wire.group_report import ReportItem
 from runwatch.producer.wire.groups import group_ranks
-from runwatch.producer.wire.schema import Anomaly, RunStartEvent, TelemetryEvent
+from runwatch.producer.wire.schema import Anomaly, CheckpointEvent, RunStartEvent, TelemetryEvent
 
 # The kinds the run's own monitor needs: what the run is (run_start, run_end), its evaluations, its
 # checkpoints (rollback targets) and its ranks' acknowledgements of actions.
@@ -52,6 +52,13 @@ class GroupMonitor(RunMonitor):
     def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
         # (not the join's world size: this join is of the group's ranks)
         self.started, self.attempt = True, event.attempt
+
+    def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
+        # No checkpoint ledger and no rewind snapshots here: the run's monitor keeps the ledger (it decides
+        # the rollbacks) and rewinds the run's detectors. A copy of every rank's detectors per checkpoint
+        # would make a group's snapshot several times its live state (issue 36: at most 1 MiB); after a
+        # rollback the ranks' own detectors judge the replay as they are.
+        self._to_rank(event, out)
 
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
         if joined.partial is not None:

@@ -87,7 +87,7 @@ def resolve_attempt(attempt: str | None, rank: int) -> str | None:
 
 
 def resolve_group_size(group_size: int | None) -> int:
-    """The ranks per group of a split run: given, from ``$RUNWATCH_GROUP_SIZE``, or 256."""
+    """The ranks per group of a split run: given, from ``$RUNWATCH_GROUP_SIZE``, or 64."""
     if group_size is None:
         text = os.environ.get(topics.GROUP_SIZE_ENV, "").strip()
         try:
@@ -129,7 +129,7 @@ class RunWatch:
     delivery writes a JSONL file.
 
     ``group_size``: ranks per group of a run split by rank group (default ``$RUNWATCH_GROUP_SIZE``, else
-    256; docs/operations.md): a run of more ranks is split, each group's telemetry keyed to its own
+    64; docs/operations.md): a run of more ranks is split, each group's telemetry keyed to its own
     partition, so that one run spreads over every worker. Give every rank the same value.
 
     ``attempt`` names this attempt of the run (default: ``$RUNWATCH_ATTEMPT``, else a new random id on
