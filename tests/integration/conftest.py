@@ -120,6 +120,12 @@ def read_topic(bootstrap: str, topic: str, until: Callable[[list], bool], timeou
         consumer.close()
 
 
+def read_topic_for(bootstrap: str, topic: str, seconds: float) -> list:
+    """Every record of ``topic`` read within ``seconds`` (what is there, however many)."""
+    deadline = time.monotonic() + seconds
+    return read_topic(bootstrap, topic, lambda _: time.monotonic() >= deadline, seconds + 30)
+
+
 def publish_actions(bootstrap: str, actions: list) -> None:
     """Put signed actions on the action topic, keyed by run id, as the worker does."""
     from kafka import KafkaProducer

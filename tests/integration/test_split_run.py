@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -18,17 +17,11 @@ from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import JoinedStep, decode_action, decode_anomaly
 
-from .conftest import eventually, read_topic
+from .conftest import eventually, read_topic, read_topic_for
 
 pytestmark = pytest.mark.integration
 
 RANKS, GROUP_SIZE, STEPS = 16, 4, 70
-
-
-def _read_for(bootstrap: str, topic: str, seconds: float) -> list:
-    """Every record of ``topic`` read within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    return read_topic(bootstrap, topic, lambda _: time.monotonic() >= deadline, seconds + 30)
 
 
 def test_a_run_split_by_rank_group_over_two_workers_is_judged_as_one(tmp_path, action_keys):
@@ -75,7 +68,7 @@ def test_a_run_split_by_rank_group_over_two_workers_is_judged_as_one(tmp_path, a
 
             anomalies = [
                 decode_anomaly(r.value)
-                for r in _read_for(broker.bootstrap, topics.ANOMALIES, 5)
+                for r in read_topic_for(broker.bootstrap, topics.ANOMALIES, 5)
                 if r.key == run_id.encode()
             ]
             assert {(a.rank, a.step) for a in anomalies if a.detector == "non_finite"} >= {(7, 50)}
@@ -84,10 +77,39 @@ def test_a_run_split_by_rank_group_over_two_workers_is_judged_as_one(tmp_path, a
             early = [a for a in anomalies if a.detector not in ("straggler",) and (a.step or 0) < 50]
             assert early == []
             # a few seconds more: one fault, one rollback, whichever groups saw it
-            [rollback] = rollbacks(_read_for(broker.bootstrap, topics.ACTIONS, 5))
+            [rollback] = rollbacks(read_topic_for(broker.bootstrap, topics.ACTIONS, 5))
             assert rollback.target_checkpoint is not None and rollback.target_checkpoint.step <= 40
             # both workers read part of the run
             assert all(w.health()[1]["events_submitted"] > 100 for w in workers)
         finally:
             for worker in workers:
                 worker.stop()
+
+
+def test_a_split_runs_rank_publishes_to_its_groups_partition(broker):
+    """RunWatch, as a rank of a split run: its events say the run's shape and land on its group's partition
+    (the worker refuses a record elsewhere)."""
+    from runwatch.producer import RunWatch
+    from runwatch.producer.wire.schema import decode_event
+    from runwatch.producer.wire.topics import key_partition
+
+    run_id = f"split-rw-{uuid.uuid4().hex[:8]}"
+    rw = RunWatch(
+        run_id, broker.bootstrap, rank=5, world_size=8, group_size=4, spool=False, collect_metadata=False
+    )
+    try:
+        for step in range(3):
+            rw.step(step, loss=1.0)
+    finally:
+        rw.close(timeout=10)
+    assert rw.stats.published == 3, rw.stats
+
+    def ours(records) -> list:
+        return [r for r in records if r.key == f"{run_id}#1".encode()]
+
+    records = ours(read_topic(broker.bootstrap, topics.TELEMETRY, lambda rs: len(ours(rs)) >= 3, 30))
+    assert {r.partition for r in records} == {
+        key_partition(f"{run_id}#1".encode(), topics.DEFAULT_PARTITIONS)
+    }
+    events = [decode_event(r.value, key=r.key) for r in records]
+    assert {(e.rank, e.group_size, e.world_size) for e in events} == {(5, 4, 8)}

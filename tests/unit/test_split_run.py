@@ -247,13 +247,14 @@ def test_forged_and_disagreeing_events_are_dead_lettered_and_the_run_goes_on():
 
 
 def test_a_runs_groups_fill_the_partitions_in_turn():
-    from runwatch.producer.wire.topics import key_partition, record_partitioner
+    from runwatch.producer.wire.topics import group_partition, key_partition
 
     for run_id in ("run-a", "run-b", "x" * 200):
         first = key_partition(run_id.encode(), 8)
         placed = [key_partition(group_key(run_id, g).encode(), 8) for g in range(64)]
         assert placed == [(first + g) % 8 for g in range(64)]  # 8 groups on every partition
-        assert record_partitioner(group_key(run_id, 3).encode(), list(range(8)), []) == (first + 3) % 8
+        assert group_partition(group_key(run_id, 3).encode(), 8) == (first + 3) % 8
+        assert group_partition(run_id.encode(), 8) is None  # (the client's own murmur2)
     # a run's own key is placed as every Kafka client places it (murmur2): old producers are unchanged
     from kafka.partitioner.default import murmur2
 

@@ -99,14 +99,20 @@ def simulate(
             linger_ms=20,
             batch_size=1 << 20,
             max_request_size=8 << 20,
-            partitioner=topics.record_partitioner,  # (a split run's groups: topics.key_partition)
         )
     except Exception as exc:  # noqa: BLE001 - one line, whatever kafka-python raises
         raise CommandError(f"cannot reach the broker at {bootstrap}: {exc}") from None
     sent = {"run_start": 0, "step": 0, "heartbeat": 0, "checkpoint": 0}
 
+    try:
+        partitions = len(producer.partitions_for(topics.TELEMETRY))
+    except Exception as exc:  # noqa: BLE001 - one line, whatever kafka-python raises
+        raise CommandError(f"cannot read {topics.TELEMETRY}'s partitions at {bootstrap}: {exc}") from None
+    # a split run's group keys go to their groups' partitions (topics.key_partition), not murmur2's
+    where = [topics.group_partition(run.key(rank), partitions) for rank in range(ranks)]
+
     def send(rank: int, value: bytes, kind: str) -> None:
-        producer.send(topics.TELEMETRY, key=run.key(rank), value=value)
+        producer.send(topics.TELEMETRY, key=run.key(rank), value=value, partition=where[rank])
         sent[kind] += 1
 
     click.echo(f"simulating run {run_id}: {ranks} ranks, {steps} steps every {step_time:g} s", err=True)

@@ -164,8 +164,6 @@ class KafkaDelivery:
             # which tells the worker the world size, rely on it). acks=1 turns idempotence off, and
             # with it kafka-python's own ordering guarantee.
             max_in_flight_requests_per_connection=1,
-            # (a split run's group keys are placed from the run's partition: topics.key_partition)
-            partitioner=topics.record_partitioner,
             # Per-request sensors cost more host time than the send itself; nothing reads them.
             metrics_enabled=False,
             # Short, so that a dead broker hands events to the spool within seconds and the
@@ -340,6 +338,14 @@ class KafkaDelivery:
                 return
             self._send_direct(producer, event.to_json(), _timestamp_ms(event))
 
+    def _partition_of(self, producer: Any) -> int | None:
+        """A split run's group key goes to its group's partition (``topics.key_partition``), which the
+        client's murmur2 partitioner does not know; every other key to the client's choice (None)."""
+        if b"#" not in self._key or producer is None:
+            return None
+        partitions = producer.partitions_for(self.topic)  # (the client's cached metadata once it has it)
+        return topics.group_partition(self._key, len(partitions)) if partitions else None
+
     def _send_direct(self, producer: Any, value: bytes, timestamp_ms: int | None = None) -> None:
         self._seq += 1
         seq = self._seq
@@ -348,7 +354,13 @@ class KafkaDelivery:
         try:
             if producer is None:
                 raise RuntimeError("no Kafka producer")
-            future = producer.send(self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms)
+            future = producer.send(
+                self.topic,
+                key=self._key,
+                value=value,
+                timestamp_ms=timestamp_ms,
+                partition=self._partition_of(producer),
+            )
         except Exception as exc:  # noqa: BLE001 - e.g. KafkaTimeoutError when no broker answers
             # within max_block_ms
             self._on_failed(seq, exc)
@@ -421,7 +433,11 @@ class KafkaDelivery:
         send_error = False
         for value in records:
             try:
-                futures.append(producer.send(self.topic, key=self._key, value=value))
+                futures.append(
+                    producer.send(
+                        self.topic, key=self._key, value=value, partition=self._partition_of(producer)
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms, or a record too large
                 log.debug("runwatch: replay send failed: %r", exc)
                 if _rejected(exc):

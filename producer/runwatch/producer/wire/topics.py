@@ -56,7 +56,9 @@ def key_partition(key: bytes, partitions: int) -> int:
 
     A split run's group key ``<run id>#<group>`` (wire/groups.py) is placed from its run's: the partition
     after the run id's by ``group`` (mod ``partitions``), so that a run's groups fill the partitions in
-    turn, as evenly as they divide, rather than wherever their hashes fall."""
+    turn, as evenly as they divide, rather than wherever their hashes fall. A client's default partitioner
+    does not know this rule: a split run's records are sent to this partition explicitly
+    (``group_partition``)."""
     from kafka.partitioner.default import murmur2  # (lazily: imports without Kafka)
 
     run_id, separator, group = key.rpartition(b"#")
@@ -65,10 +67,7 @@ def key_partition(key: bytes, partitions: int) -> int:
     return int(murmur2(key) & 0x7FFFFFFF) % partitions
 
 
-def record_partitioner(key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
-    """kafka-python's ``partitioner``: ``key_partition`` (a key-less record: any available partition)."""
-    if key is None:
-        import random
-
-        return random.choice(available or all_partitions)
-    return key_partition(key, len(all_partitions))  # (a topic's partitions are 0 .. N-1)
+def group_partition(key: bytes, partitions: int) -> int | None:
+    """The partition to send a record keyed ``key`` to explicitly: ``key_partition`` for a split run's group
+    key, None (the client's default partitioner, murmur2) for any other."""
+    return key_partition(key, partitions) if b"#" in key else None
