@@ -93,7 +93,17 @@ def test_a_split_runs_rank_publishes_to_its_groups_partition(broker):
     from runwatch.producer.wire.schema import decode_event
     from runwatch.producer.wire.topics import key_partition
 
-    run_id = f"split-rw-{uuid.uuid4().hex[:8]}"
+    from kafka.partitioner.default import murmur2
+
+    def murmur_partition(key: bytes) -> int:
+        return (murmur2(key) & 0x7FFFFFFF) % topics.DEFAULT_PARTITIONS
+
+    # a run whose group key murmur2 would put elsewhere: only the explicit placement lands it right
+    run_id = next(
+        r
+        for r in (f"split-rw-{uuid.uuid4().hex[:8]}" for _ in range(100))
+        if murmur_partition(f"{r}#1".encode()) != key_partition(f"{r}#1".encode(), topics.DEFAULT_PARTITIONS)
+    )
     rw = RunWatch(
         run_id, broker.bootstrap, rank=5, world_size=8, group_size=4, spool=False, collect_metadata=False
     )

@@ -338,13 +338,15 @@ class KafkaDelivery:
                 return
             self._send_direct(producer, event.to_json(), _timestamp_ms(event))
 
-    def _partition_of(self, producer: Any) -> int | None:
-        """A split run's group key goes to its group's partition (``topics.key_partition``), which the
-        client's murmur2 partitioner does not know; every other key to the client's choice (None)."""
+    def _placed(self, producer: Any) -> dict[str, int]:
+        """``send``'s partition argument: a split run's group key goes to its group's partition
+        (``topics.key_partition``), which the client's murmur2 partitioner does not know; every other key
+        is left to the client (no argument)."""
         if b"#" not in self._key or producer is None:
-            return None
+            return {}
         partitions = producer.partitions_for(self.topic)  # (the client's cached metadata once it has it)
-        return topics.group_partition(self._key, len(partitions)) if partitions else None
+        partition = topics.group_partition(self._key, len(partitions)) if partitions else None
+        return {} if partition is None else {"partition": partition}
 
     def _send_direct(self, producer: Any, value: bytes, timestamp_ms: int | None = None) -> None:
         self._seq += 1
@@ -355,11 +357,7 @@ class KafkaDelivery:
             if producer is None:
                 raise RuntimeError("no Kafka producer")
             future = producer.send(
-                self.topic,
-                key=self._key,
-                value=value,
-                timestamp_ms=timestamp_ms,
-                partition=self._partition_of(producer),
+                self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms, **self._placed(producer)
             )
         except Exception as exc:  # noqa: BLE001 - e.g. KafkaTimeoutError when no broker answers
             # within max_block_ms
@@ -434,9 +432,7 @@ class KafkaDelivery:
         for value in records:
             try:
                 futures.append(
-                    producer.send(
-                        self.topic, key=self._key, value=value, partition=self._partition_of(producer)
-                    )
+                    producer.send(self.topic, key=self._key, value=value, **self._placed(producer))
                 )
             except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms, or a record too large
                 log.debug("runwatch: replay send failed: %r", exc)
