@@ -89,11 +89,11 @@ def test_a_run_split_by_rank_group_over_two_workers_is_judged_as_one(tmp_path, a
 def test_a_split_runs_rank_publishes_to_its_groups_partition(broker):
     """RunWatch, as a rank of a split run: its events say the run's shape and land on its group's partition
     (the worker refuses a record elsewhere)."""
+    from kafka.partitioner.default import murmur2
+
     from runwatch.producer import RunWatch
     from runwatch.producer.wire.schema import decode_event
     from runwatch.producer.wire.topics import key_partition
-
-    from kafka.partitioner.default import murmur2
 
     def murmur_partition(key: bytes) -> int:
         return (murmur2(key) & 0x7FFFFFFF) % topics.DEFAULT_PARTITIONS
