@@ -152,72 +152,154 @@ def create_app(
     state key (None: ``$RUNWATCH_STATE_SECRET``; none there raises ``MissingStateSecretError``: the action
     secret is never used for it, streams/runwatch/streams/worker/state.py). ``partitions``: the telemetry
     topic's partition count, against which each record's partition is checked."""
-    state = state or StateOptions()
-    if state.enabled:  # (before anything starts: a missing or reused key is one error, at once)
-        state_secret = resolve_state_secret(state_secret, action_secret=secret)
-    app = faust_app(bootstrap, app_id, web_port or 6066, data_dir)
-    telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
-    out_topics = {
-        name: app.topic(name, value_serializer="raw", key_serializer="raw")
-        for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)
-    }
-    out_topics[topics.TELEMETRY] = telemetry  # a split run's group reports, to the worker of its run key
-    detectors = DetectorProcess(
+    worker = DetectWorker(
+        bootstrap,
         config,
         secret,
-        reply_timeout_s=detector_timeout_s,
+        app_id=app_id,
+        web_port=web_port,
+        web_host=web_host,
+        ready_file=ready_file,
+        detector_timeout_s=detector_timeout_s,
+        delivery_timeout_s=delivery_timeout_s,
         baseline_dsn=baseline_dsn,
-        state_bootstrap=bootstrap if state.enabled else None,
         state=state,
-        group=app_id,
         partitions=partitions,
-        state_secret=state_secret if state.enabled else None,
+        health_server=health_server,
+        data_dir=data_dir,
+        state_secret=state_secret,
     )
-    health = WorkerHealth(detectors)
-    app.sensors.add(CommitSensor(health))
-    runs = config.runs
-    budget = RunBudget(
-        BudgetLimits(
-            runs.budget_events_per_s, runs.budget_burst_events, runs.new_runs_per_s, runs.new_runs_burst
-        )
-    )
-    health.budget = budget
+    return worker.app, worker.detectors
 
-    async def fail(reason: str, exc: BaseException) -> None:
-        health.fail(reason)
-        await app.crash(exc)
+
+class DetectWorker:
+    """The Faust app of ``create_app`` and what its agent, timers and signal handlers share: one method
+    each (registered on the app by ``_register``), the pipeline to the detector process, the per-run
+    budget, and the watch on the telemetry log's identity."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        config: RunwatchConfig,
+        secret: bytes,
+        *,
+        app_id: str,
+        web_port: int | None,
+        web_host: str,
+        ready_file: Path | None,
+        detector_timeout_s: float,
+        delivery_timeout_s: float,
+        baseline_dsn: str | None,
+        state: StateOptions | None,
+        partitions: int | None,
+        health_server: HealthServer | None,
+        data_dir: Path | None,
+        state_secret: bytes | None,
+    ):
+        state = state or StateOptions()
+        if state.enabled:  # (before anything starts: a missing or reused key is one error, at once)
+            state_secret = resolve_state_secret(state_secret, action_secret=secret)
+        self.app = app = faust_app(bootstrap, app_id, web_port or 6066, data_dir)
+        self.telemetry = app.topic(topics.TELEMETRY, value_serializer="raw", key_serializer="raw")
+        self.out_topics = {
+            name: app.topic(name, value_serializer="raw", key_serializer="raw")
+            for name in (topics.ANOMALIES, topics.ACTIONS, topics.DEADLETTER, topics.JOINED, topics.STATE)
+        }
+        self.out_topics[topics.TELEMETRY] = (
+            self.telemetry
+        )  # a split run's group reports, to its run key's worker
+        self.detectors = DetectorProcess(
+            config,
+            secret,
+            reply_timeout_s=detector_timeout_s,
+            baseline_dsn=baseline_dsn,
+            state_bootstrap=bootstrap if state.enabled else None,
+            state=state,
+            group=app_id,
+            partitions=partitions,
+            state_secret=state_secret if state.enabled else None,
+        )
+        self.health = WorkerHealth(self.detectors)
+        app.sensors.add(CommitSensor(self.health))
+        runs = config.runs
+        self.budget = RunBudget(
+            BudgetLimits(
+                runs.budget_events_per_s, runs.budget_burst_events, runs.new_runs_per_s, runs.new_runs_burst
+            )
+        )
+        self.health.budget = self.budget
+        self.ready_file = ready_file
+        self.delivery_timeout_s = delivery_timeout_s
+        # One pipeline, in request order: the agent's batches and the timer's ticks go to the detector
+        # process, their records are published, and events are acknowledged once a checkpoint's records
+        # (every run's state as of then: run_states.py) are delivered after them.
+        self.inflight: asyncio.Queue[_Inflight] | None = None  # (None: the agent is not running)
+        self.in_order = asyncio.Lock()
+        self.submitted: dict[
+            int, int
+        ] = {}  # telemetry partition -> the newest offset handed to the detector process
+        # -- offsets that belong to the log they came from (log_identity.py)
+        self.topic_ids = TopicIds(bootstrap)
+        self.watch = LogWatch()
+        self.id_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runwatch-topic-id")
+        self.id_read_at = float("-inf")
+        self.refusal_logged_at = float("-inf")
+        self.shed_logged_at = float("-inf")
+        if health_server is None and web_port is not None:
+            health_server = HealthServer(web_host, web_port).start()
+        self.health_server = health_server
+        if health_server is not None:
+            health_server.health = self.health
+        self._register()
+
+    def _register(self) -> None:
+        """The agent, the timers and the signal handlers, on the app."""
+        app = self.app
+        app.agent(self.telemetry, name=f"{__name__}.detect")(self.detect)
+        # mode's type of a signal receiver (*args, then a named ``signal``) is one no method matches under
+        # mypy, hence the arg-type ignores on these connects
+        app.on_partitions_assigned.connect(self.keep_owned_runs)  # type: ignore[arg-type]
+        app.before_stop.append(self.last_checkpoint)
+        app.timer(TICK_EVERY_S, name=f"{__name__}.tick")(self.tick)
+        app.timer(0.5, name=f"{__name__}.recreated_logs")(self.check_log)
+        app.timer(1.0, name=f"{__name__}.report_shed")(self.report_shed)
+        app.before_stop.append(
+            self.report_shed
+        )  # (what was shed since the last report is said before stopping)
+        app.timer(30.0, name=f"{__name__}.report_counters")(self.report_counters)
+        if self.health_server is not None:
+            app.on_before_shutdown.connect(self.stop_health)  # type: ignore[arg-type]
+        app.on_before_shutdown.connect(self.stop_detectors)  # type: ignore[arg-type]
+
+    async def fail(self, reason: str, exc: BaseException) -> None:
+        self.health.fail(reason)
+        await self.app.crash(exc)
         raise exc
 
-    async def send(records: list[Outgoing]) -> list[Awaitable[RecordMetadata]]:
+    async def send(self, records: list[Outgoing]) -> list[Awaitable[RecordMetadata]]:
         """Hand the records to the producer in order; returns their delivery futures."""
         try:
             return [
-                await out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
+                await self.out_topics[r.topic].send(key=r.key, value=r.value, partition=r.partition)
                 for r in records
             ]
         except Exception as exc:  # refused before sending (e.g. too large): never acked
-            health.publish_failures += 1
-            await fail(
+            self.health.publish_failures += 1
+            await self.fail(
                 f"cannot publish results ({len(records)} records): {exc!r}; their events stay uncommitted",
                 exc,
             )
             raise
 
-    # One pipeline, in request order: the agent's batches and the timer's ticks go to the detector
-    # process, their records are published, and events are acknowledged once a checkpoint's records
-    # (every run's state as of then: streams/runwatch/streams/worker/run_states.py) are delivered after them.
-    pipeline: dict[str, Any] = {}
-    in_order = asyncio.Lock()
-    submitted: dict[int, int] = {}  # telemetry partition -> the newest offset handed to the detector process
-
-    def behind() -> list[int]:
+    def behind(self) -> list[int]:
         """Telemetry partitions whose broker holds events this worker has not handed on yet."""
         lagging = []
-        for tp in app.consumer.assignment():
+        submitted, budget = self.submitted, self.budget
+        for tp in self.app.consumer.assignment():
             if tp.topic != topics.TELEMETRY or tp.partition not in submitted:
                 continue  # (nothing read from it yet: unknown, judged as caught up)
             try:
-                high = app.consumer.highwater(tp)
+                high = self.app.consumer.highwater(tp)
             except Exception:  # noqa: BLE001 - no fetch answered yet
                 continue
             if high is not None and high - 1 > submitted[tp.partition]:
@@ -229,53 +311,49 @@ def create_app(
         return lagging
 
     async def submit(
-        kind: str, payload: Any, batch: list[Any] | None, done: asyncio.Future[bool] | None = None
+        self, kind: str, payload: Any, batch: list[Any] | None, done: asyncio.Future[bool] | None = None
     ) -> None:
         """``done`` resolves once this request's records are delivered and, at a checkpoint, acknowledged."""
-        async with in_order:  # (the child answers in request order: the queue must hold that order too)
-            await pipeline["inflight"].put((batch, detectors.submit(kind, payload), done))
+        async with self.in_order:  # (the child answers in request order: the queue must hold that order too)
+            assert self.inflight is not None  # (only while the agent runs)
+            await self.inflight.put((batch, self.detectors.submit(kind, payload), done))
 
     # -- offsets that belong to the log they came from (log_identity.py) ---------------------------
-    topic_ids = TopicIds(bootstrap)
-    watch = LogWatch()
-    id_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runwatch-topic-id")
-    id_read_at = [float("-inf")]
-    refusal_logged_at = [float("-inf")]
 
-    def telemetry_consumer() -> transport.Consumer:
-        return cast(transport.Consumer, app.consumer)
+    def telemetry_consumer(self) -> transport.Consumer:
+        return cast(transport.Consumer, self.app.consumer)
 
-    def high_watermark(tp: TP) -> int | None:
+    def high_watermark(self, tp: TP) -> int | None:
         try:
-            return cast(int | None, app.consumer.highwater(tp))
+            return cast(int | None, self.app.consumer.highwater(tp))
         except Exception:  # noqa: BLE001 - not fetched yet, or no longer assigned
             return None
 
-    async def read_log_id(timeout_s: float) -> object:
+    async def read_log_id(self, timeout_s: float) -> object:
         """The telemetry topic's id now (None: the broker reports none; UNKNOWN: it did not answer)."""
         try:
             current = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(id_reader, topic_ids.read), timeout_s
+                asyncio.get_running_loop().run_in_executor(self.id_reader, self.topic_ids.read), timeout_s
             )
         except Exception as exc:  # noqa: BLE001 - judged by the high watermark alone this time
             log.debug("the %s topic id could not be read: %r", topics.TELEMETRY, exc)
             return UNKNOWN
-        id_read_at[0] = time.monotonic()
-        health.log_id = current
+        self.id_read_at = time.monotonic()
+        self.health.log_id = current
         return current
 
-    async def guard_commit(offsets: Mapping[TP, int]) -> Mapping[TP, int]:
+    async def guard_commit(self, offsets: Mapping[TP, int]) -> Mapping[TP, int]:
         """Never commit an old log's position on a new one: telemetry offsets are committed only while
         the topic id is the one they were read under and within their log's end."""
         telemetry = {tp: o for tp, o in offsets.items() if tp.topic == topics.TELEMETRY}
         if not telemetry:
             return offsets
-        changed = watch.id_changed(await read_log_id(2.0))
-        allowed, refused = commit_offsets_allowed(telemetry, high_watermark, changed)
+        changed = self.watch.id_changed(await self.read_log_id(2.0))
+        allowed, refused = commit_offsets_allowed(telemetry, self.high_watermark, changed)
         if refused:
-            health.commits_refused += len(refused)
-            if time.monotonic() - refusal_logged_at[0] >= 10.0:
-                refusal_logged_at[0] = time.monotonic()
+            self.health.commits_refused += len(refused)
+            if time.monotonic() - self.refusal_logged_at >= 10.0:
+                self.refusal_logged_at = time.monotonic()
                 log.warning(
                     "not committed (an old log's position on a new log): %s",
                     "; ".join(
@@ -285,12 +363,12 @@ def create_app(
         return {**{tp: o for tp, o in offsets.items() if tp.topic != topics.TELEMETRY}, **allowed}
 
     async def start_over(
-        partitions: set[int], current: object, why: str, assigned: Iterable[TP] | None = None
+        self, partitions: set[int], current: object, why: str, assigned: Iterable[TP] | None = None
     ) -> None:
         """Forget the old log's positions of ``partitions`` here and in the detector process (its runs'
         offsets), and read them again from the beginning of their new log. ``assigned``: at an assignment
         (Faust seeks them to their committed offsets next, which are never an old log's: guard_commit)."""
-        consumer = telemetry_consumer()
+        consumer = self.telemetry_consumer()
         tps = sorted(
             tp
             for tp in (consumer.assignment() if assigned is None else assigned)
@@ -304,10 +382,10 @@ def create_app(
                 beginnings = await consumer.earliest_offsets(*tps)
             except Exception:  # noqa: BLE001 - a new log begins at 0
                 beginnings = {}
-        budget.forget({tp.partition for tp in tps})
+        self.budget.forget({tp.partition for tp in tps})
         for tp in tps:
             unsettled = consumer.forget_positions(tp)
-            submitted.pop(tp.partition, None)
+            self.submitted.pop(tp.partition, None)
             start = beginnings.get(tp) or 0
             if assigned is None:
                 await consumer.seek(tp, start)
@@ -321,35 +399,39 @@ def create_app(
                 f"offset {start}" if assigned is None else "its committed offset (or its beginning)",
                 unsettled,
             )
-        watch.recreated({tp.partition for tp in tps}, current)
+        self.watch.recreated({tp.partition for tp in tps}, current)
         log_id = current if isinstance(current, str) else None
-        reply = await detectors.submit("log_recreated", ({tp.partition for tp in tps}, log_id))
+        reply = await self.detectors.submit("log_recreated", ({tp.partition for tp in tps}, log_id))
         for run in reply.dropped_runs:
             log.info(
                 "run %s: its snapshot was of the old log: it starts fresh with its checkpoint ledger", run
             )
 
-    async def check_log() -> None:
+    async def check_log(self) -> None:
         """A recreated telemetry log: a new topic id, or a log that ends below what was read from it."""
-        consumer = telemetry_consumer()
-        if "inflight" not in pipeline or app.rebalancing or not consumer.flow_active:
+        consumer = self.telemetry_consumer()
+        if self.inflight is None or self.app.rebalancing or not consumer.flow_active:
             return  # (a rebalance sets the positions: judged once it is over)
         current = UNKNOWN
-        if time.monotonic() - id_read_at[0] >= ID_EVERY_S:
-            current = await read_log_id(ID_EVERY_S)
+        if time.monotonic() - self.id_read_at >= ID_EVERY_S:
+            current = await self.read_log_id(ID_EVERY_S)
         owned = {tp: tp.partition for tp in consumer.assignment() if tp.topic == topics.TELEMETRY}
-        if watch.id_changed(current):
-            was = watch.known_id
-            await start_over(set(owned.values()), current, f"a new topic id {current}, was {was}")
+        if self.watch.id_changed(current):
+            was = self.watch.known_id
+            await self.start_over(set(owned.values()), current, f"a new topic id {current}, was {was}")
             return
         for tp, partition in owned.items():
             read = consumer.read_offset(tp)
-            position = max(read if read is not None else -1, submitted.get(partition, -1) + 1)
-            high = high_watermark(tp)
-            if watch.ends_below(partition, high, position if position >= 0 else None):
-                await start_over({partition}, current, f"its log ends at {high}, below offset {position}")
+            position = max(read if read is not None else -1, self.submitted.get(partition, -1) + 1)
+            high = self.high_watermark(tp)
+            if self.watch.ends_below(partition, high, position if position >= 0 else None):
+                await self.start_over(
+                    {partition}, current, f"its log ends at {high}, below offset {position}"
+                )
 
-    async def acknowledge(stream: StreamT[Any], delivered: asyncio.Queue[_Delivered]) -> None:
+    # -- the pipeline --------------------------------------------------------------------------------
+
+    async def acknowledge(self, stream: StreamT[Any], delivered: asyncio.Queue[_Delivered]) -> None:
         # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
         # acknowledged every record they produced, and a checkpoint after them. The producer retries
         # transient errors itself; what still fails fails the worker, and the events are read again by
@@ -358,11 +440,13 @@ def create_app(
         while True:
             batch, futures, checkpoint, done = await delivered.get()
             try:
-                await asyncio.wait_for(asyncio.gather(*futures), delivery_timeout_s)
+                await asyncio.wait_for(asyncio.gather(*futures), self.delivery_timeout_s)
             except Exception as exc:  # noqa: BLE001 - fail() fails the worker and raises it again
-                health.publish_failures += 1
+                self.health.publish_failures += 1
                 what = f"results of {len(batch)} events" if batch else "timer findings and snapshots"
-                await fail(f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc)
+                await self.fail(
+                    f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc
+                )
             if batch:
                 held.append(batch)
             if checkpoint:
@@ -370,30 +454,33 @@ def create_app(
                     for event in events:
                         await stream.ack(event)
                 held.clear()
-                health.last_ack = time.monotonic()
+                self.health.last_ack = time.monotonic()
             if done is not None and not done.done():
                 done.set_result(checkpoint)
 
-    async def complete(inflight: asyncio.Queue[_Inflight], delivered: asyncio.Queue[_Delivered]) -> None:
+    async def complete(
+        self, inflight: asyncio.Queue[_Inflight], delivered: asyncio.Queue[_Delivered]
+    ) -> None:
         # In order: send a request's records, then hand them to the acknowledger, while the next runs.
         while True:
             batch, reply, done = await inflight.get()
             try:
                 answer = await reply
             except DetectorProcessError as exc:
-                await fail(str(exc).splitlines()[0], exc)
-            await delivered.put((batch, await send(answer.records), answer.checkpoint, done))
+                await self.fail(str(exc).splitlines()[0], exc)
+            await delivered.put((batch, await self.send(answer.records), answer.checkpoint, done))
 
-    @app.agent(telemetry)
-    async def detect(stream: Any) -> None:  # a faust.Stream (its StreamT type has no noack_take)
+    async def detect(self, stream: Any) -> None:  # a faust.Stream (its StreamT type has no noack_take)
+        """The agent: telemetry in batches to the detector process."""
         inflight: asyncio.Queue[_Inflight] = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
         delivered: asyncio.Queue[_Delivered] = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
-        completer = asyncio.ensure_future(complete(inflight, delivered))
-        acknowledger = asyncio.ensure_future(acknowledge(stream, delivered))
-        await asyncio.get_running_loop().run_in_executor(None, detectors.wait_ready)
-        pipeline["inflight"] = inflight
-        telemetry_consumer().commit_guard = guard_commit
-        telemetry_consumer().run_budget = budget
+        completer = asyncio.ensure_future(self.complete(inflight, delivered))
+        acknowledger = asyncio.ensure_future(self.acknowledge(stream, delivered))
+        await asyncio.get_running_loop().run_in_executor(None, self.detectors.wait_ready)
+        self.inflight = inflight
+        self.telemetry_consumer().commit_guard = self.guard_commit
+        self.telemetry_consumer().run_budget = self.budget
+        submitted, health = self.submitted, self.health
         try:
             async for events in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
                 # (an event of a log found recreated while it waited here was settled: start_over)
@@ -406,81 +493,73 @@ def create_app(
                 ]
                 for _value, _key, partition, offset, _ts in raw:
                     submitted[partition] = offset  # (the newest: after a seek back, lower than before)
-                await submit("events", raw, batch)
+                await self.submit("events", raw, batch)
                 health.events_submitted += len(raw)
                 for task in (completer, acknowledger):
                     if task.done():
                         task.result()  # the detector process or publishing failed: crash with its error
         finally:
-            pipeline.clear()
+            self.inflight = None
             completer.cancel()
             acknowledger.cancel()
 
-    # mode's type of a signal receiver (*args, then a named ``signal``) is one no function matches under
-    # mypy, hence the arg-type ignores on these connects
-    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
-    async def keep_owned_runs(sender: Any, assigned: set[TP], **kwargs: Any) -> None:
+    async def keep_owned_runs(self, sender: Any, assigned: set[TP], **kwargs: Any) -> None:
+        """Partitions assigned: the detector process keeps their runs and restores those new to it."""
         owned = {tp.partition for tp in assigned if tp.topic == topics.TELEMETRY}
-        budget.forget()  # (Faust seeks every partition to its committed offset: the log is watched anew)
-        for partition in set(submitted) - owned:
-            del submitted[partition]
+        self.budget.forget()  # (Faust seeks every partition to its committed offset: the log is watched anew)
+        for partition in set(self.submitted) - owned:
+            del self.submitted[partition]
+        health = self.health
         # Not ready until the runs of these partitions are restored (the child reports its progress only
         # once it has started)
         health.restoring = sorted(owned)
         health.partitions = sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)
         # The telemetry topic's id: snapshots of another log are not restored as they are (a changed id
         # makes the worker read the partitions again from their beginning once the rebalance is over)
-        current = await read_log_id(ID_EVERY_S)
+        current = await self.read_log_id(ID_EVERY_S)
         log_id = current if isinstance(current, str) else None
         # Drops the runs moved away and restores those of new partitions (before any of their events:
         # the child handles requests in order). The reply also says the detector process is up: only
         # then is the worker ready.
         try:
-            reply = await detectors.submit("keep_partitions", (owned, log_id))
-            if watch.id_changed(current):  # (a broker that lost its data: the group is new too)
-                await start_over(owned, current, f"a new topic id {current}, was {watch.known_id}", assigned)
+            reply = await self.detectors.submit("keep_partitions", (owned, log_id))
+            if self.watch.id_changed(current):  # (a broker that lost its data: the group is new too)
+                was = self.watch.known_id
+                await self.start_over(owned, current, f"a new topic id {current}, was {was}", assigned)
         except DetectorProcessError as exc:
-            await fail(str(exc).splitlines()[0], exc)
+            await self.fail(str(exc).splitlines()[0], exc)
         health.restoring = None
         for run in reply.dropped_runs:
             log.info("run %s moved to another worker", run)
-        if ready_file is not None:
-            write_ready_file(ready_file, assigned)
+        if self.ready_file is not None:
+            write_ready_file(self.ready_file, assigned)
 
-    async def last_checkpoint() -> None:
+    async def last_checkpoint(self) -> None:
         # Stopping: every run's state now, so that what this worker read is acknowledged and committed
         # (Faust waits for that) and its successor starts where it stopped.
-        if "inflight" not in pipeline or detectors.failed:
+        if self.inflight is None or self.detectors.failed:
             return
         done = asyncio.get_running_loop().create_future()
-        await submit("tick", (True, []), None, done)
-        await asyncio.wait_for(done, delivery_timeout_s)
+        await self.submit("tick", (True, []), None, done)
+        await asyncio.wait_for(done, self.delivery_timeout_s)
 
-    app.before_stop.append(last_checkpoint)
-
-    @app.timer(TICK_EVERY_S)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
-    async def tick() -> None:  # as `runwatch replay --tick` does on event time
+    async def tick(self) -> None:  # as `runwatch replay --tick` does on event time
         # Stalled or silent ranks are found by time passing, not by an event arriving; not for runs
         # whose partition this worker is behind on. During a rebalance the tick asks for a checkpoint
         # at once: the revoke waits for every event's ack.
-        if "inflight" in pipeline:
-            await submit("tick", (bool(app.rebalancing), behind()), None)
+        if self.inflight is not None:
+            await self.submit("tick", (bool(self.app.rebalancing), self.behind()), None)
 
-    @app.timer(0.5)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
-    async def recreated_logs() -> None:
-        await check_log()
-
-    shed_logged_at = [float("-inf")]
-
-    async def report_shed() -> None:
+    async def report_shed(self) -> None:
         # Events shed over a run's budget (run_budget.py): a dead letter per run and partition, so that
         # the store and the dashboards show who was shed, and a log line at most every 10 s
+        budget = self.budget
         report = budget.take_shed()
         if not report.events:
             return
-        await send(shed_letters(report, budget.limits))
-        if time.monotonic() - shed_logged_at[0] >= 10.0:
-            shed_logged_at[0] = time.monotonic()
+        await self.send(shed_letters(report, budget.limits))
+        if time.monotonic() - self.shed_logged_at >= 10.0:
+            self.shed_logged_at = time.monotonic()
             log.warning(
                 "shed %d telemetry event(s) over their runs' budget (%s events/s, bursts of %d; %s new run "
                 "ids/s): %s",
@@ -494,12 +573,8 @@ def create_app(
                 ),
             )
 
-    app.timer(1.0)(report_shed)
-    app.before_stop.append(report_shed)  # (what was shed since the last report is said before stopping)
-
-    @app.timer(30.0)  # type: ignore[untyped-decorator] # (faust's returns a bare Callable)
-    async def report_counters() -> None:
-        c = detectors.counters
+    async def report_counters(self) -> None:
+        c = self.detectors.counters
         log.info(
             "processed=%d deadlettered=%d detector_errors=%d anomalies=%d actions=%s logs_recreated=%d",
             c.processed,
@@ -510,25 +585,15 @@ def create_app(
             c.logs_recreated,
         )
 
-    if health_server is None and web_port is not None:
-        health_server = HealthServer(web_host, web_port).start()
-    if health_server is not None:
-        health_server.health = health
-        server = health_server
+    async def stop_health(self, sender: Any, **kwargs: Any) -> None:
+        if self.health.failure is not None or self.health_server is None:
+            return  # a failing worker keeps saying why until the process ends
+        self.health_server.close()
 
-        @app.on_before_shutdown.connect  # type: ignore[arg-type] # (mode's receiver type, as above)
-        async def stop_health(sender: Any, **kwargs: Any) -> None:
-            if health.failure is not None:
-                return  # a failing worker keeps saying why until the process ends
-            server.close()
-
-    @app.on_before_shutdown.connect  # type: ignore[arg-type] # (mode's receiver type, as above)
-    async def stop_detectors(sender: Any, **kwargs: Any) -> None:
-        detectors.close()
-        topic_ids.close()
-        id_reader.shutdown(wait=False)
-
-    return app, detectors
+    async def stop_detectors(self, sender: Any, **kwargs: Any) -> None:
+        self.detectors.close()
+        self.topic_ids.close()
+        self.id_reader.shutdown(wait=False)
 
 
 def shed_letters(report: ShedReport, limits: BudgetLimits) -> list[Outgoing]:
