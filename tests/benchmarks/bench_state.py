@@ -45,9 +45,9 @@ from runwatch.detectors import RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
+from runwatch.streams.state.published import READ_BUDGET_S, TAIL_RECORDS, read_published
+from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import TelemetryProcessor
-from runwatch.streams.worker.published import READ_BUDGET_S, TAIL_RECORDS, read_published
-from runwatch.streams.worker.run_states import StateOptions
 
 SECRET = secrets.token_bytes(32)
 STATE_SECRET = secrets.token_bytes(32)  # the workers' state key (never the action secret)
@@ -256,7 +256,7 @@ def held_memory_in_child(runs: int, steps: int) -> dict:
 def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
     from kafka import KafkaProducer
 
-    from runwatch.streams.worker.state_reader import StateReader
+    from runwatch.streams.state.reader import StateReader
 
     builder = TelemetryProcessor(
         RunwatchConfig(),
@@ -317,7 +317,7 @@ def decode_cost(values: list[bytes], rounds: int = 5) -> dict:
     import pickle
     import zlib
 
-    from runwatch.streams.worker.state import decode_body, decode_header
+    from runwatch.streams.state.snapshot import decode_body, decode_header
 
     bodies = [decode_header(v, STATE_SECRET)[1] for v in values]
     took: dict[str, list[float]] = {"plain_pickle": [], "state_unpickler": []}
@@ -347,7 +347,7 @@ def tail_read(bootstrap: str, restored_runs: int = 1000, other_runs: int = 10_00
     anomalies and actions per partition, keyed by runs restored here and by other runs."""
     from kafka import KafkaProducer
 
-    from runwatch.streams.worker.state_reader import StateReader
+    from runwatch.streams.state.reader import StateReader
 
     rng = random.Random(3)
     now = datetime.now(UTC)

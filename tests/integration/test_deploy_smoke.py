@@ -22,7 +22,7 @@ import yaml
 
 from runwatch.local.broker import EmbeddedBroker, free_port
 from runwatch.producer.wire import topics
-from runwatch.streams.worker.state import STATE_SECRET_ENV
+from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 from tests.action_keys import ActionKeys
 from tests.integration.deploy_manifests import (
     DEPLOY,

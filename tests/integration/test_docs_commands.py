@@ -23,7 +23,7 @@ import pytest
 
 from runwatch.local.broker import free_port
 from runwatch.producer.wire import topics
-from runwatch.streams.worker.state import STATE_SECRET_ENV
+from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 from tests.action_keys import ActionKeys
 from tests.integration.service_process import Sandbox, ServiceProcess, port_free
 

@@ -18,8 +18,8 @@ from runwatch.detectors.config import RunwatchConfig
 from runwatch.local.worker_process import WorkerProcess, launcher_state_secret
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import StepEvent
+from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import TelemetryProcessor
-from runwatch.streams.worker.run_states import StateOptions
 from tests.action_keys import SEED
 
 from .conftest import eventually

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 FLOOD = 10_000
 RETENTION_S = 20.0
-CHECKPOINT_S = 5.0  # state.interval_s's default (streams/runwatch/streams/worker/run_states.py)
+CHECKPOINT_S = 5.0  # state.interval_s's default (streams/runwatch/streams/state/run_states.py)
 
 
 def _rss_mib(pid: int) -> float:

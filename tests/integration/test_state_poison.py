@@ -20,7 +20,7 @@ from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Anomaly, RunStartEvent, StepEvent, utc_now
-from runwatch.streams.worker.state import STATE_SECRET_ENV, SnapshotHeader, config_digest, encode_snapshot
+from runwatch.streams.state.snapshot import STATE_SECRET_ENV, SnapshotHeader, config_digest, encode_snapshot
 
 from .conftest import eventually, read_topic
 

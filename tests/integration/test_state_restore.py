@@ -17,9 +17,9 @@ from runwatch.detectors.config import RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import StepEvent
+from runwatch.streams.state.reader import StateReader
+from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor
-from runwatch.streams.worker.run_states import StateOptions
-from runwatch.streams.worker.state_reader import StateReader
 from tests.action_keys import SEED
 
 pytestmark = pytest.mark.integration

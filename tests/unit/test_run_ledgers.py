@@ -11,9 +11,9 @@ from datetime import timedelta
 
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer.wire.schema import CheckpointEvent, RunStartEvent, StepEvent
+from runwatch.streams.state.run_states import StateOptions
+from runwatch.streams.state.snapshot import decode_body, decode_header
 from runwatch.streams.worker.processor import ProcessResult, TelemetryProcessor
-from runwatch.streams.worker.run_states import StateOptions
-from runwatch.streams.worker.state import decode_body, decode_header
 from tests.unit.test_state_snapshots import SECRET, STATE_SECRET, T0, WALL, Store
 
 CONFIRM = 8  # policy.confirm_steps: a checkpoint is confirmed good this many healthy steps after it

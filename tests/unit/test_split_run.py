@@ -265,8 +265,8 @@ def test_a_split_runs_monitors_are_restored_from_their_snapshots():
     import pickle
     import zlib
 
+    from runwatch.streams.state.snapshot import decode_body
     from runwatch.streams.worker.processor import RunState
-    from runwatch.streams.worker.state import decode_body
 
     run = _Split()
     for step in range(3):

@@ -1,5 +1,5 @@
 """A state record cannot run code in the worker (issue 35): the snapshot body is read by an unpickler that
-resolves only what a run's state is made of (streams/runwatch/streams/worker/state_classes.py), and the
+resolves only what a run's state is made of (streams/runwatch/streams/state/classes.py), and the
 record is signed with the workers' own state key, never the action secret every trainer holds.
 
 - every name that real snapshots reference is admitted: each registered detector's state, cut at several
@@ -37,9 +37,15 @@ import pytest
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.producer.wire.schema import StepEvent
-from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor
-from runwatch.streams.worker.run_states import StateOptions
-from runwatch.streams.worker.state import (
+from runwatch.streams.state.classes import (
+    RefusedName,
+    StateUnpickler,
+    is_admitted,
+    own_modules,
+    referenced_globals,
+)
+from runwatch.streams.state.run_states import StateOptions
+from runwatch.streams.state.snapshot import (
     STATE_SECRET_ENV,
     MissingStateSecretError,
     SnapshotError,
@@ -50,13 +56,7 @@ from runwatch.streams.worker.state import (
     encode_snapshot,
     resolve_state_secret,
 )
-from runwatch.streams.worker.state_classes import (
-    RefusedName,
-    StateUnpickler,
-    is_admitted,
-    own_modules,
-    referenced_globals,
-)
+from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor
 from tests.action_keys import PUBLIC, SEED
 from tests.unit.test_conformance import EVENTS, MULTI_RANK, REPLAYED, SPECS, Feed, build, events_for
 
@@ -195,7 +195,7 @@ def test_every_name_a_registered_detector_s_state_references_is_admitted(spec):
     snapshots = list(detector_snapshots(spec))
     assert not _refused(snapshots), (
         f"{spec.name}'s state references names the state unpickler refuses: admit them in "
-        "streams/runwatch/streams/worker/state_classes.py if they are safe to load"
+        "streams/runwatch/streams/state/classes.py if they are safe to load"
     )
     assert spec.config.__module__ in own_modules()
     for data in snapshots:  # and it loads through the state unpickler as through pickle

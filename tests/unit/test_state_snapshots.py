@@ -21,15 +21,15 @@ from runwatch.producer.wire.schema import (
     RunStartEvent,
     StepEvent,
 )
-from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor
-from runwatch.streams.worker.run_states import RunStates, StateOptions
-from runwatch.streams.worker.state import (
+from runwatch.streams.state.run_states import RunStates, StateOptions
+from runwatch.streams.state.snapshot import (
     SnapshotError,
     SnapshotHeader,
     decode_body,
     decode_header,
     encode_snapshot,
 )
+from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor
 from tests.action_keys import SEED
 
 SECRET = SEED  # the codec tests sign with it; processors sign actions with it
@@ -366,7 +366,7 @@ def test_results_are_the_same_whichever_processor_holds_the_run_and_however_ofte
 def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_its_last_snapshot():
     """The worker died after the broker took an action and before it took the snapshot sent after it:
     the successor restores the snapshot before, replays, decides the action again, and finds it
-    already on the action topic (streams/runwatch/streams/worker/published.py). Without that read it is issued
+    already on the action topic (streams/runwatch/streams/state/published.py). Without that read it is issued
     twice."""
     draft = _stream()
     first, _ = _run(draft, set())
@@ -442,7 +442,7 @@ class CompactedLog:
 
 
 def test_reading_a_compacted_partition_keeps_each_run_s_newest_record_and_forgets_tombstoned_ones():
-    from runwatch.streams.worker.state_reader import StateReader
+    from runwatch.streams.state.reader import StateReader
 
     log = CompactedLog(
         {
@@ -489,7 +489,7 @@ class StarvedLog(CompactedLog):
 def test_a_partition_starved_behind_another_s_backlog_is_read_to_its_end():
     """Issue 23, case 5: under load one partition's fetches came back empty for the idle time while
     another's backlog was read, and the reader took it for a cleaned tail: its snapshots were dropped."""
-    from runwatch.streams.worker.state_reader import StateReader
+    from runwatch.streams.state.reader import StateReader
 
     backlog = [_Record(i, f"g/r{i}".encode(), b"v") for i in range(30)]  # two a poll: about 1.5 s
     starved = [_Record(i, f"g/s{i}".encode(), b"w") for i in range(4)]
@@ -503,7 +503,7 @@ def test_a_partition_starved_behind_another_s_backlog_is_read_to_its_end():
 
 
 def test_reading_while_retention_moves_the_log_start_ends_at_the_new_start():
-    from runwatch.streams.worker.state_reader import StateReader
+    from runwatch.streams.state.reader import StateReader
 
     records = [_Record(i, f"g/r{i % 4}".encode(), f"v{i}".encode()) for i in range(0, 30)]
     log = CompactedLog({2: (0, 30, records)}, move_start_after_polls=2)
@@ -554,8 +554,8 @@ def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(c
     """The published tail is read inside the reply the worker waits for: past its budget it gives up
     with a warning instead of failing the worker, keeping what it read by then."""
     from runwatch.producer.wire.schema import Anomaly
-    from runwatch.streams.worker.published import read_published
-    from runwatch.streams.worker.state_reader import StateReadError
+    from runwatch.streams.state.published import read_published
+    from runwatch.streams.state.reader import StateReadError
 
     found = Anomaly(
         anomaly_id="a1",

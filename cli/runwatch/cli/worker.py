@@ -116,8 +116,8 @@ def worker(
     from pydantic import ValidationError
 
     from runwatch.producer.wire.signing import MissingKeyError, resolve_signing_key
+    from runwatch.streams.state.run_states import StateOptions
     from runwatch.streams.worker.health_server import HealthServer
-    from runwatch.streams.worker.run_states import StateOptions
 
     server = None
     if web_port:  # first: a supervisor's probe is answered from the first second (live, starting)
@@ -133,7 +133,7 @@ def worker(
 
     # (Faust makes only the last level, and fails late)
     writable_dir(data_dir, "give --data-dir a folder this user can write")
-    from runwatch.streams.worker.state import resolve_state_secret
+    from runwatch.streams.state.snapshot import resolve_state_secret
 
     try:
         # (the workers' private key: only they sign actions; trainers hold its public key)

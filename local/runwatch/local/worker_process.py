@@ -18,7 +18,7 @@ from runwatch.local.broker import free_port
 from runwatch.local.children import die_with_parent as ending_with_parent
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.signing import ActionSigningKey
-from runwatch.streams.worker.state import STATE_SECRET_ENV
+from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 
 
 @cache

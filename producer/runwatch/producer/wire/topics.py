@@ -11,8 +11,9 @@ ACTIONS = "runwatch.actions"
 DEADLETTER = "runwatch.deadletter"
 JOINED = "runwatch.joined"  # per-step cross-rank joins, for ClickHouse/Grafana
 ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)  # what the sink stores
-# The workers' per-run state snapshots (streams/runwatch/streams/worker/state.py): compacted, keyed by run id,
-# and partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry comes from).
+# The workers' per-run state snapshots (streams/runwatch/streams/state/snapshot.py): compacted, keyed by
+# run id, and partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry
+# comes from).
 STATE = "runwatch.state"
 STATE_MAX_BYTES = 16 * 1024 * 1024  # a snapshot is one record: a large multi-rank run's can be megabytes
 STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STATE_MAX_BYTES)}

@@ -21,6 +21,8 @@ from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.offline.replay import TICK_EVERY_S
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import DeadLetter
+from runwatch.streams.state.run_states import StateOptions
+from runwatch.streams.state.snapshot import resolve_state_secret
 from runwatch.streams.worker import transport
 from runwatch.streams.worker.detector_process import (
     REPLY_TIMEOUT_S,
@@ -39,8 +41,6 @@ from runwatch.streams.worker.log_identity import (
     commit_offsets_allowed,
 )
 from runwatch.streams.worker.run_budget import BudgetLimits, RunBudget, ShedReport
-from runwatch.streams.worker.run_states import StateOptions
-from runwatch.streams.worker.state import resolve_state_secret
 
 if TYPE_CHECKING:
     from faust.types import TP, RecordMetadata, StreamT
@@ -141,16 +141,16 @@ def create_app(
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
-    delivered and a state checkpoint after them is too (streams/runwatch/streams/worker/run_states.py).
+    delivered and a state checkpoint after them is too (streams/runwatch/streams/state/run_states.py).
     Whatever stops progress (the detector process dies or stops answering, results cannot be published) fails
     the worker: it exits non-zero and its successor reads the events again. ``web_port`` serves the health
     endpoint (streams/runwatch/streams/worker/health.py); None turns it off; ``health_server``: one already
     serving it (``runwatch worker`` starts it before anything else), which this worker takes over.
     ``baseline_dsn``: the ClickHouse the runs' baseline bands are loaded from at their start
     (streams/runwatch/streams/worker/baselines.py). ``state``: the runs' state snapshots to ``runwatch.state``
-    (streams/runwatch/streams/worker/run_states.py); on by default, signed with ``state_secret``, the workers'
+    (streams/runwatch/streams/state/run_states.py); on by default, signed with ``state_secret``, the workers'
     state key (None: ``$RUNWATCH_STATE_SECRET``; none there raises ``MissingStateSecretError``: the action
-    secret is never used for it, streams/runwatch/streams/worker/state.py). ``partitions``: the telemetry
+    secret is never used for it, streams/runwatch/streams/state/snapshot.py). ``partitions``: the telemetry
     topic's partition count, against which each record's partition is checked."""
     worker = DetectWorker(
         bootstrap,

@@ -29,8 +29,8 @@ from typing import Any
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.producer.wire import logsafe, topics
+from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor, WorkerCounters
-from runwatch.streams.worker.run_states import StateOptions
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def _serve(
         state = StateOptions.model_validate_json(state_json) if state_json else StateOptions(enabled=False)
         reader = None
         if state_bootstrap and state.enabled:
-            from runwatch.streams.worker.state_reader import StateReader
+            from runwatch.streams.state.reader import StateReader
 
             # (a restore that reads nothing for this long fails, before the parent would take us for frozen;
             # one that reads goes on as long as it needs, and says so: RestoreProgress)

@@ -3,7 +3,7 @@
 Bytes in; dead letters, anomalies and signed actions out. Per-run state is a
 ``RunMonitor`` per run id; the run's partition owns it (key = run_id). With a state reader,
 each run's state is also snapshotted to ``runwatch.state`` (``run_states.py`` says when,
-``state.py`` how) and restored when this worker is given the run's partition.
+``runwatch.streams.state.snapshot`` how) and restored when this worker is given the run's partition.
 """
 
 from __future__ import annotations
@@ -40,24 +40,10 @@ from runwatch.producer.wire.schema import (
     utc_now,
 )
 from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
-from runwatch.streams.worker.published import Published, read_published
-from runwatch.streams.worker.restore_progress import RestoreProgress
-from runwatch.streams.worker.run_lifecycle import (
-    RunActivity,
-    eviction_message,
-    lifecycle_finding,
-    silence_message,
-)
-from runwatch.streams.worker.run_states import RunStates, StateOptions
-from runwatch.streams.worker.split_runs import (
-    SplitRunError,
-    check_shape,
-    new_monitor,
-    open_report,
-    signed_reports,
-    state_key,
-)
-from runwatch.streams.worker.state import (
+from runwatch.streams.state.published import Published, read_published
+from runwatch.streams.state.restore_progress import RestoreProgress
+from runwatch.streams.state.run_states import RunStates, StateOptions
+from runwatch.streams.state.snapshot import (
     SnapshotError,
     SnapshotHeader,
     config_digest,
@@ -66,10 +52,24 @@ from runwatch.streams.worker.state import (
     encode_snapshot,
     resolve_state_secret,
 )
+from runwatch.streams.worker.run_lifecycle import (
+    RunActivity,
+    eviction_message,
+    lifecycle_finding,
+    silence_message,
+)
+from runwatch.streams.worker.split_runs import (
+    SplitRunError,
+    check_shape,
+    new_monitor,
+    open_report,
+    signed_reports,
+    state_key,
+)
 
 if TYPE_CHECKING:
+    from runwatch.streams.state.reader import StateReader
     from runwatch.streams.worker.baselines import BaselineLoader
-    from runwatch.streams.worker.state_reader import StateReader
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class TelemetryProcessor:
         its public key). ``state_reader``: where runs' snapshots
         are read back from (None: no durable state; every request is then its own checkpoint). ``state``:
         when snapshots are taken. ``state_secret``: the workers' state key snapshots are signed with
-        (needed with durable state; never a key trainers hold: state.py).
+        (needed with durable state; never a key trainers hold: state/snapshot.py).
         ``group``: the workers' consumer group, whose snapshots these are. ``partitions``: the telemetry
         topic's partition count; a record on another partition than its key's is refused (None: not
         checked)."""

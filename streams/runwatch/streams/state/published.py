@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, Anomaly
-from runwatch.streams.worker.state_reader import StateReadError
+from runwatch.streams.state.reader import StateReadError
 
 if TYPE_CHECKING:
     # StateReader.scan: (topic, partitions, tail, timeout_s) -> every record's (key, value)

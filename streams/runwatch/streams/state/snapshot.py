@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from runwatch.producer.wire.signing import MissingKeyError
 from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV
-from runwatch.streams.worker.state_classes import StateUnpickler
+from runwatch.streams.state.classes import StateUnpickler
 
 MAGIC = b"RWS1"
 FORMAT = 1
