@@ -126,7 +126,8 @@ def cost(steps: int) -> dict[str, Any]:
     for ranks in (64, 16_384):
         cluster = Cluster()
         run = SyntheticRun(f"cost-{ranks}", ranks, seed=1)
-        cluster.send(run.run_start(cluster.now), run.key(0))
+        for rank in run.leaders():
+            cluster.send(run.run_start(cluster.now, rank), run.key(rank))
         # the first half fills the detectors' windows (a rank's detectors are built at its first step)
         play(cluster, run, range(steps // 2), heartbeats=False, ticks=False)
         cpu_before, events_before = sum(cluster.cpu), list(cluster.events)
@@ -166,7 +167,8 @@ def scenario(healthy: int = 200) -> dict[str, Any]:
         seed=3,
     )
     started = time.monotonic()
-    cluster.send(calm.run_start(cluster.now), calm.key(0))
+    for rank in calm.leaders():
+        cluster.send(calm.run_start(cluster.now, rank), calm.key(rank))
     play(cluster, calm, range(healthy))
     healthy_findings = [(a.detector, a.rank, a.step) for a in cluster.anomalies]
     at_slow = cluster.now

@@ -20,6 +20,7 @@ from runwatch.producer.wire.schema import (
     CheckpointEvent,
     GroupReport,
     MemoryStats,
+    RunEndEvent,
     RunStartEvent,
     SchemaError,
     StepEvent,
@@ -282,3 +283,49 @@ def test_a_split_runs_monitors_are_restored_from_their_snapshots():
         len(decode_body(memoryview(zlib.compress(pickle.dumps(run.proc.monitors["big"])))).groups._pending)
         == 3
     )
+
+
+def test_each_groups_first_rank_says_when_the_run_starts_and_ends(tmp_path, monkeypatch):
+    import json
+
+    from runwatch.producer.publish.recorder import JsonlRecorder
+
+    monkeypatch.setenv("RUNWATCH_GROUP_SIZE", "4")
+    kinds = {}
+    for rank in (0, 4, 5):
+        path = tmp_path / f"rank{rank}.jsonl"
+        with JsonlRecorder(path, "big", rank, world_size=8, collect_metadata=False) as rw:
+            rw.step(0, loss=1.0)
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        assert {(e["group_size"], e["world_size"]) for e in events} == {(4, 8)}
+        kinds[rank] = [e["kind"] for e in events]
+    assert kinds == {0: ["run_start", "step", "run_end"], 4: ["run_start", "step", "run_end"], 5: ["step"]}
+
+
+def test_a_groups_start_and_end_stay_with_it_and_end_it():
+    run = _Split()
+    for rank in (0, 4):  # the run's start (rank 0) and group 1's (its first rank)
+        start = RunStartEvent(run_id="big", rank=rank, world_size=8, group_size=4, ts=T0, attempt="a1")
+        run.send(start.to_json(), record_key("big", rank, 4))
+    for rank in range(8):
+        run.send(_raw(rank, step=0), record_key("big", rank, 4))
+    merged = run.proc.monitors["big"]
+    assert merged.started and merged.attempt == "a1" and run.proc.monitors["big#1"].started
+    assert merged.events_seen == 1  # rank 0's run_start only: group 1's start stayed with group 1
+    for rank in (0, 4):
+        end = RunEndEvent(run_id="big", rank=rank, group_size=4, world_size=8, ts=T0 + timedelta(seconds=1))
+        run.send(end.to_json(), record_key("big", rank, 4))
+    assert run.proc.monitors["big#1"].ended_at is not None and merged.ended_at is not None
+    assert merged.events_seen == 2
+    # a join timeout later, every key of the run is let go (not held for hours of silence)
+    run.proc._clock = lambda: WALL + timedelta(minutes=5)
+    run.proc.tick(now=WALL + timedelta(minutes=5))
+    assert run.proc.monitors == {}
+
+
+def test_a_group_of_one_rank_reports_its_steps():
+    run = _Split()
+    for step in range(2):
+        for rank in range(5):  # groups of 4 in a world of 5: group 1 is rank 4 alone
+            run.send(_raw(rank, step=step, world=5), record_key("big", rank, 4))
+    assert [(j.step, j.reported_count, j.world_size) for j in run.joined] == [(0, 5, 5), (1, 5, 5)]

@@ -62,6 +62,12 @@ PROGRESS_EVERY_S = 5.0
     show_default=True,
     help="rank 0 reports a checkpoint every this many steps (a rollback's target; 0: none)",
 )
+@click.option(
+    "--end/--no-end",
+    default=True,
+    show_default=True,
+    help="say run_end after the last step (not after a hang: a hung job never does)",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def simulate(
     bootstrap: str,
@@ -73,6 +79,7 @@ def simulate(
     fault_texts: tuple[str, ...],
     group_size: int,
     checkpoint_every: int,
+    end: bool,
     seed: int,
 ) -> None:
     """Play a synthetic run of RANKS ranks for STEPS steps, a step every STEP_TIME seconds, with faults.
@@ -102,7 +109,7 @@ def simulate(
         )
     except Exception as exc:  # noqa: BLE001 - one line, whatever kafka-python raises
         raise CommandError(f"cannot reach the broker at {bootstrap}: {exc}") from None
-    sent = {"run_start": 0, "step": 0, "heartbeat": 0, "checkpoint": 0}
+    sent = {"run_start": 0, "step": 0, "heartbeat": 0, "checkpoint": 0, "run_end": 0}
 
     try:
         partitions = len(producer.partitions_for(topics.TELEMETRY))
@@ -117,7 +124,8 @@ def simulate(
 
     click.echo(f"simulating run {run_id}: {ranks} ranks, {steps} steps every {step_time:g} s", err=True)
     started = time.monotonic()
-    send(0, run.run_start(datetime.now(UTC)), "run_start")
+    for rank in run.leaders():  # (rank 0, and each group's first rank of a split run)
+        send(rank, run.run_start(datetime.now(UTC), rank), "run_start")
     next_heartbeat, last_progress, behind = started + heartbeat_s, started, 0.0
     last_step = -1
     try:
@@ -141,6 +149,9 @@ def simulate(
                 last_progress = time.monotonic()
                 rate = sum(sent.values()) / (last_progress - started)
                 click.echo(f"step {step + 1}/{steps}: {rate:,.0f} events/s, {behind:.1f} s behind", err=True)
+        if end and run.hung_at() is None:  # (a hung job never says goodbye)
+            for rank in run.leaders():
+                send(rank, run.run_end(datetime.now(UTC), rank), "run_end")
         producer.flush(120)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

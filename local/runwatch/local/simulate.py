@@ -96,18 +96,37 @@ class SyntheticRun:
         """The Kafka key of ``rank``'s events."""
         return self._keys[rank]
 
-    def run_start(self, ts: datetime) -> bytes:
+    def leaders(self) -> list[int]:
+        """The ranks that say when the run starts and ends: rank 0, and in a split run the first rank of
+        every group (as RunWatch has them)."""
+        return list(range(0, self.ranks, self.group_size)) if self._shape else [0]
+
+    def run_start(self, ts: datetime, rank: int = 0) -> bytes:
         return orjson.dumps(
             {
                 "schema_version": 1,
-                "event_id": f"{self.run_id}-start",
+                "event_id": f"{self.run_id}-start-{rank}",
                 "run_id": self.run_id,
-                "rank": 0,
+                "rank": rank,
                 "ts": _iso(ts),
                 "kind": "run_start",
                 **self._shape,
                 "world_size": self.ranks,
                 "attempt": self.attempt,
+            }
+        )
+
+    def run_end(self, ts: datetime, rank: int = 0) -> bytes:
+        return orjson.dumps(
+            {
+                "schema_version": 1,
+                "event_id": f"{self.run_id}-end-{rank}",
+                "run_id": self.run_id,
+                "rank": rank,
+                "ts": _iso(ts),
+                "kind": "run_end",
+                "status": "completed",
+                **self._shape,
             }
         )
 

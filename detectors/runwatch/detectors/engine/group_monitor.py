@@ -19,14 +19,23 @@ import orjson
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.engine.rank_join import Joined
+from runwatch.detectors.engine.step_partial import partial_of
 from runwatch.detectors.findings import Finding
 from runwatch.producer.wire.group_report import ReportItem
 from runwatch.producer.wire.groups import group_ranks
-from runwatch.producer.wire.schema import Anomaly, CheckpointEvent, RunStartEvent, TelemetryEvent
+from runwatch.producer.wire.schema import Anomaly, CheckpointEvent, RunEndEvent, RunStartEvent, TelemetryEvent
 
-# The kinds the run's own monitor needs: what the run is (run_start, run_end), its evaluations, its
-# checkpoints (rollback targets) and its ranks' acknowledgements of actions.
+# The kinds the run's own monitor needs: what the run is (rank 0's run_start and run_end), its evaluations,
+# its checkpoints (rollback targets) and its ranks' acknowledgements of actions.
 RUN_LEVEL_KINDS = frozenset({"run_start", "eval", "checkpoint", "action_ack", "run_end"})
+
+
+def _for_the_run(event: TelemetryEvent) -> bool:
+    """Whether the run's own monitor is to see ``event``: the first rank of every group says when its group
+    starts and ends (its worker sees no other rank's), the run's own start and end are rank 0's."""
+    if event.kind not in RUN_LEVEL_KINDS:
+        return False
+    return event.rank == 0 or event.kind not in ("run_start", "run_end")
 
 
 class GroupMonitor(RunMonitor):
@@ -44,7 +53,7 @@ class GroupMonitor(RunMonitor):
     def observe(self, event: TelemetryEvent) -> MonitorOutput:
         seen = self.events_seen
         out = super().observe(event)
-        if event.kind in RUN_LEVEL_KINDS and self.events_seen > seen:  # (not a redelivered one)
+        if self.events_seen > seen and _for_the_run(event):  # (not a redelivered one)
             # first: what the event led to here (a rank detector's finding at run_end) comes after it
             out.report.insert(0, ReportItem.model_construct(event=orjson.loads(event.to_json())))
         return out
@@ -52,6 +61,15 @@ class GroupMonitor(RunMonitor):
     def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
         # (not the join's world size: this join is of the group's ranks)
         self.started, self.attempt = True, event.attempt
+
+    def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
+        # The group's ranks' detectors hear of it (what they held back goes out); the run's end is judged
+        # against its history by the run's monitor, not once per group.
+        self.ended_at = event.ts
+        for detectors in self.ranks.values():
+            for detector in detectors:
+                for finding in detector.update(event, event.ts):
+                    self._emit(finding, event.ts, event.event_id, out)
 
     def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
         # No checkpoint ledger and no rewind snapshots here: the run's monitor keeps the ledger (it decides
@@ -61,8 +79,10 @@ class GroupMonitor(RunMonitor):
         self._to_rank(event, out)
 
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
-        if joined.partial is not None:
-            out.report.append(ReportItem.model_construct(partial=joined.partial))
+        partial = joined.partial
+        if partial is None:  # (a group of one rank: its step is that rank's)
+            partial = partial_of((joined.generation, joined.event.step), [joined.event], 1, [])
+        out.report.append(ReportItem.model_construct(partial=partial))
         if joined.record is not None:
             for detector in self.cross_rank_detectors:
                 for finding in detector.update(joined.record, joined.event.ts):

@@ -177,6 +177,7 @@ class RunWatch:
         self.world_size = world_size
         split = (self.group_size, world_size) if groups.is_split(world_size, self.group_size) else None
         self._events = RunEvents(run_id, rank, clock, split)
+        self._leads_group = split is not None and rank % self.group_size == 0  # (rank 0's group too)
         self.attempt = resolve_attempt(attempt, rank)
         self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
         self.spool_path: Path | None = (
@@ -231,6 +232,13 @@ class RunWatch:
             if self.attempt is not None:
                 found["attempt"] = self.attempt
             self.publish(self._events.build(RunStartEvent, **{**found, **(run_start or {})}))
+        elif self._leads_group:
+            # The first rank of each rank group of a split run says when the run starts and ends too (only
+            # the attempt and the world): its group's worker never sees rank 0's (wire/groups.py)
+            fields: dict[str, Any] = {"world_size": world_size}
+            if self.attempt is not None:
+                fields["attempt"] = self.attempt
+            self.publish(self._events.build(RunStartEvent, **fields))
 
     @property
     def run_id(self) -> str:
@@ -342,7 +350,8 @@ class RunWatch:
     def close(
         self, timeout: float = 10.0, status: str | None = None, summary: dict[str, Any] | None = None
     ) -> PublisherStats:
-        """Publish ``run_end`` (rank 0), deliver what is queued or spooled within ``timeout``, stop.
+        """Publish ``run_end`` (rank 0, and the first rank of each group of a split run), deliver what is
+        queued or spooled within ``timeout``, stop.
 
         ``status`` (``completed``, ``failed``, ``stopped``, ``interrupted``) defaults to ``stopped``
         after an applied stop action (its id and cause go into ``summary``, see :meth:`note_stop`)
@@ -355,7 +364,7 @@ class RunWatch:
         if self._closed:
             return self.stats
         self._close_watchers()
-        if self.rank == 0:
+        if self.rank == 0 or self._leads_group:
             status, summary = end_status(status, summary, self.stopped_by)
             self.publish(self._events.build(RunEndEvent, status=status, summary=summary))
         self._closed = True

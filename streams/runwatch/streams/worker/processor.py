@@ -298,8 +298,12 @@ class TelemetryProcessor:
             self._tick_order.append(run_id)
             if self._ledgers:
                 self._resume_ledger(monitor, event)
-        if self.baselines is not None and isinstance(event, RunStartEvent):
-            self.baselines.hand(monitor, event)
+        if (
+            self.baselines is not None
+            and isinstance(event, RunStartEvent)
+            and not isinstance(monitor, GroupMonitor)
+        ):
+            self.baselines.hand(monitor, event)  # (a split run's groups: no history, its own monitor's check)
         if body is not None:
             out = cast(RunMergeMonitor, monitor).observe_report(
                 cast(GroupReport, event).group, body, event.ts
