@@ -329,3 +329,36 @@ def test_a_group_of_one_rank_reports_its_steps():
         for rank in range(5):  # groups of 4 in a world of 5: group 1 is rank 4 alone
             run.send(_raw(rank, step=step, world=5), record_key("big", rank, 4))
     assert [(j.step, j.reported_count, j.world_size) for j in run.joined] == [(0, 5, 5), (1, 5, 5)]
+
+
+def test_a_run_restarted_whole_after_it_was_split_is_watched_whole():
+    run = _Split()
+    for rank in range(8):
+        run.send(_raw(rank, step=0), record_key("big", rank, 4))
+    assert type(run.proc.monitors["big"]).__name__ == "RunMergeMonitor"
+    run.send(
+        _raw(0, step=1, group_size=None, world=None), b"big"
+    )  # (a whole run's step: refused while split)
+    assert "is split by rank group" in run.letters[-1]
+    # the job comes back with fewer ranks, not split: its run_start starts it whole
+    start = RunStartEvent(run_id="big", world_size=2, ts=T0 + timedelta(seconds=5), attempt="a2")
+    run.send(start.to_json(), b"big")
+    letters = len(run.letters)
+    for rank in range(2):
+        run.send(_raw(rank, step=0, group_size=None, world=None), b"big")
+    assert len(run.letters) == letters
+    assert (
+        type(run.proc.monitors["big"]).__name__ == "RunMonitor" and run.proc.monitors["big"].attempt == "a2"
+    )
+
+
+def test_a_silent_group_is_let_go_under_its_runs_id():
+    run = _Split()
+    for rank in range(4):
+        run.send(_raw(rank, step=0), record_key("big", rank, 4))
+    later = WALL + timedelta(days=1)
+    run.proc._clock = lambda: later
+    result = run.proc.tick(now=later)
+    let_go = [a for a in result.anomalies if a.detector != "straggler"]
+    assert let_go and {a.run_id for a in let_go} == {"big"}
+    assert "big#0" not in run.proc.monitors

@@ -24,6 +24,7 @@ from runwatch.detectors.engine.monitor import RunLedger
 from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.group_report import ReportBody
+from runwatch.producer.wire.groups import parse_key
 from runwatch.producer.wire.schema import (
     CLOCK_AHEAD_PARAM,
     Action,
@@ -274,8 +275,9 @@ class TelemetryProcessor:
         ``body``: a group report's, verified."""
         run_id = run_id or event.run_id
         monitor = self.monitors.get(run_id)
-        if body is not None and monitor is not None and not isinstance(monitor, RunMergeMonitor):
-            # the run is split now (its ranks were restarted with groups): its whole-run monitor goes
+        if monitor is not None and isinstance(monitor, RunMergeMonitor) != (body is not None):
+            # the run is split now, or whole again (its job was restarted with another world or group
+            # size): the monitor of the other kind goes (check_shape let only a report or a run_start by)
             self._forget(run_id, "restarted")
             monitor = None
         flushed = None
@@ -461,7 +463,7 @@ class TelemetryProcessor:
         seen = self._last_seen.get(run_id)
         ts = ts or (seen[0] if seen is not None else self._clock())
         finding = lifecycle_finding(
-            run_id,
+            parse_key(run_id)[0],  # (a split run's group is let go: the finding is about its run)
             why,
             message,
             step=monitor.last_step if monitor else None,

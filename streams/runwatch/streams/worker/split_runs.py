@@ -19,7 +19,7 @@ from runwatch.detectors.engine.group_monitor import GroupMonitor
 from runwatch.detectors.engine.merge_monitor import RunMergeMonitor
 from runwatch.producer.wire import groups
 from runwatch.producer.wire.group_report import ReportBody, ReportItem
-from runwatch.producer.wire.schema import GroupReport, TelemetryEvent
+from runwatch.producer.wire.schema import GroupReport, RunStartEvent, TelemetryEvent
 from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
 
 
@@ -59,6 +59,8 @@ def check_shape(monitor: RunMonitor | None, event: TelemetryEvent, body: ReportB
     if shape is None:
         return  # (a run watched whole: a report replaces its monitor, new_monitor)
     if said[0] is None:
+        if isinstance(event, RunStartEvent):
+            return  # a new attempt of the run, not split: it is watched whole (processor.py)
         raise SplitRunError(
             f"group_size: run {event.run_id[:100]!r} is split by rank group (group_size {shape[0]}), "
             f"this {event.kind} of rank {getattr(event, 'rank', 0)} says none"
