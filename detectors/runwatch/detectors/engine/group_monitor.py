@@ -23,7 +23,7 @@ from runwatch.detectors.engine.step_partial import partial_of
 from runwatch.detectors.findings import Finding
 from runwatch.producer.wire.group_report import ReportItem
 from runwatch.producer.wire.groups import group_ranks
-from runwatch.producer.wire.schema import Anomaly, CheckpointEvent, RunEndEvent, RunStartEvent, TelemetryEvent
+from runwatch.producer.wire.schema import Anomaly, CheckpointEvent, RunStartEvent, TelemetryEvent
 
 # The kinds the run's own monitor needs: what the run is (rank 0's run_start and run_end), its evaluations,
 # its checkpoints (rollback targets) and its ranks' acknowledgements of actions.
@@ -61,15 +61,6 @@ class GroupMonitor(RunMonitor):
     def _on_run_start(self, event: RunStartEvent, out: MonitorOutput) -> None:
         # (not the join's world size: this join is of the group's ranks)
         self.started, self.attempt = True, event.attempt
-
-    def _on_run_end(self, event: RunEndEvent, out: MonitorOutput) -> None:
-        # The group's ranks' detectors hear of it (what they held back goes out); the run's end is judged
-        # against its history by the run's monitor, not once per group.
-        self.ended_at = event.ts
-        for detectors in self.ranks.values():
-            for detector in detectors:
-                for finding in detector.update(event, event.ts):
-                    self._emit(finding, event.ts, event.event_id, out)
 
     def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
         # No checkpoint ledger and no rewind snapshots here: the run's monitor keeps the ledger (it decides

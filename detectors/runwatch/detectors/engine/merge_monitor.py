@@ -10,30 +10,29 @@ observed as a run that is not split observes them.
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Any
 
 import orjson
+from pydantic import TypeAdapter
 
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.group_join import GroupJoin
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.findings import Finding
 from runwatch.producer.wire.group_report import ReportBody
-from runwatch.producer.wire.schema import ActionAckEvent, TelemetryEvent, decode_event
+from runwatch.producer.wire.schema import ActionAckEvent, TelemetryEvent, WireFloat, decode_event
 
 _FINDING_FLOATS = ("value", "threshold", "score")
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_wire_float: TypeAdapter[float | None] = TypeAdapter(WireFloat | None)  # (the wire's "NaN" strings)
 
 
 def finding_from(fields: dict[str, Any]) -> Finding:
     """A group's finding as its report carried it (a NaN value travels as the string "NaN")."""
     known = {name: fields[name] for name in Finding.__dataclass_fields__ if name in fields}
     for name in _FINDING_FLOATS:
-        value = known.get(name)
-        if isinstance(value, str):
-            known[name] = _NONFINITE.get(value)
+        if isinstance(known.get(name), str):
+            known[name] = _wire_float.validate_python(known[name])
     return Finding(**known)
 
 
