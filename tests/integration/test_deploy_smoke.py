@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runwatch.local.broker import EmbeddedBroker, free_port
+from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer.wire import topics
 from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 from tests.action_keys import ActionKeys
@@ -246,11 +246,13 @@ def test_the_smoke_test_fails_on_a_manifest_command_line_that_cannot_start(broke
         Stack([remediator], broker.bootstrap, sandbox, keys).start()
 
 
-def test_runwatch_worker_from_an_empty_directory_becomes_ready(broker, sandbox):
+def test_runwatch_worker_from_an_empty_directory_becomes_ready(bare_broker, sandbox):
     """The issue's command line, runwatch worker --bootstrap HOST:PORT, with the keys issue 35 gave the
     workers: their action signing key (RUNWATCH_ACTION_SIGNING_KEY, once the shared RUNWATCH_ACTION_SECRET)
-    and their own state key (RUNWATCH_STATE_SECRET)."""
-    args = ["worker", "--bootstrap", broker.bootstrap]
+    and their own state key (RUNWATCH_STATE_SECRET). On a broker of its own: in the session broker's default
+    group it would take partitions from the session worker (a rebalance in the middle of other tests)."""
+    ensure_topics(bare_broker.bootstrap)
+    args = ["worker", "--bootstrap", bare_broker.bootstrap]
     port = 6066
     if not port_free(port):  # (the default; another process on this machine may hold it)
         port = free_port()

@@ -555,6 +555,30 @@ def test_the_same_attempt_starting_again_is_not_a_new_run(proc):
     assert monitor.policy.stopped
 
 
+def test_the_old_attempts_events_read_again_after_a_rebalance_are_not_judged_as_the_new_ones():
+    """A rebalance that leaves the worker its partition seeks back to the committed offset: the old attempt's
+    NaN streak, read again after the new attempt's run_start, must not give the new attempt a stop (the CI
+    failure of test_ranks_of_a_requeued_slurm_job_without_rank_sync_refuse_the_old_stop)."""
+    from runwatch.producer.wire.schema import RunStartEvent
+
+    proc = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL)
+    old = [RunStartEvent(run_id="rq", attempt="a1", ts=T0).to_json()]
+    old += [
+        StepEvent(run_id="rq", step=s, loss=math.nan, ts=T0 + timedelta(seconds=s)).to_json()
+        for s in range(6)
+    ]
+    first = [a for offset, raw in enumerate(old) for a in proc.process(raw, b"rq", 0, offset).actions]
+    assert [(a.kind, a.attempt) for a in first] == [("alert", "a1"), ("stop", "a1")]
+    start = RunStartEvent(run_id="rq", attempt="a2", ts=T0 + timedelta(minutes=5)).to_json()
+    assert proc.process(start, b"rq", 0, len(old)).actions == []
+    again = [a for offset, raw in enumerate(old) for a in proc.process(raw, b"rq", 0, offset).actions]
+    assert again == [] and proc.counters.replay_skipped == len(old)
+    assert proc.monitors["rq"].attempt == "a2" and proc.monitors["rq"].last_step is None
+    # the new attempt's own events are judged
+    late = StepEvent(run_id="rq", step=0, loss=math.nan, ts=T0 + timedelta(minutes=5, seconds=1)).to_json()
+    assert [a.kind for a in proc.process(late, b"rq", 0, len(old) + 1).actions] == ["alert"]
+
+
 # -- issue 23, case 4: runs that never end are let go -------------------------------------------------
 
 

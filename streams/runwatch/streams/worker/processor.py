@@ -126,7 +126,9 @@ class WorkerCounters:
     snapshot_failures: int = 0  # not written (state that does not pickle, or over the record limit)
     restored_runs: int = 0  # runs restored from a snapshot when their partition was assigned
     restore_failures: int = 0  # unreadable state records: those runs started fresh
-    replay_skipped: int = 0  # events read again that a restored snapshot already included
+    # events read again that a restored snapshot already included, or that this worker already judged (the
+    # consumer seeks back to the committed offset after a rebalance that left it the partition)
+    replay_skipped: int = 0
     repeats_withheld: int = (
         0  # anomalies and actions decided again that a predecessor had published (published.py)
     )
@@ -211,6 +213,9 @@ class TelemetryProcessor:
         # The telemetry topic's id (where the broker reports one), as the worker last checked it: the log
         # the offsets handled here belong to (a snapshot of another is not restored as it is)
         self.log_id: str | None = None
+        # run -> (partition, newest offset judged): a record at or below it is one read again, never judged
+        # twice (a new attempt's monitor must not take the old attempt's events for its own)
+        self._judged_to: dict[str, tuple[int, int]] = {}
         self._let_go: list[
             Anomaly
         ] = []  # findings of runs let go outside a request's result, sent with the next tick
@@ -249,6 +254,9 @@ class TelemetryProcessor:
         except SplitRunError as exc:
             self.counters.deadlettered += 1
             return ProcessResult(deadletter=self._deadletter(str(exc), raw, key, partition, offset))
+        if self._already_judged(run_id, partition, offset):
+            self.counters.replay_skipped += 1
+            return ProcessResult()
         if self.states is not None:
             if partition is not None:
                 self.load_partitions({partition})
@@ -333,6 +341,8 @@ class TelemetryProcessor:
             self._frontier[partition] = sent
         if partition is not None:
             self._partition[run_id] = partition
+            if offset is not None:
+                self._judged_to[run_id] = (partition, offset)
         result = self._result(out, monitor)
         if self._let_go:  # (runs evicted to make room for this one)
             result.anomalies[:0] = self._let_go
@@ -349,6 +359,10 @@ class TelemetryProcessor:
             self._forget(run_id, "ended")  # nobody else's steps to wait for
         return result
 
+    def _already_judged(self, run_id: str, partition: int | None, offset: int | None) -> bool:
+        judged = self._judged_to.get(run_id)
+        return judged is not None and offset is not None and judged[0] == partition and offset <= judged[1]
+
     def _forget(self, run_id: str, why: str) -> None:
         """Let the run go: it ``ended``, was ``reset`` (a detector error), ``moved`` to another worker,
         ``restarted`` under its id, was let go (``silent``, ``evicted``) or held a snapshot of a recreated
@@ -356,6 +370,8 @@ class TelemetryProcessor:
         self.monitors.pop(run_id, None)
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
+        if why != "restarted":  # (a new attempt follows at once, and the old one's events stay behind it)
+            self._judged_to.pop(run_id, None)
         self._published.forget(run_id)
         self._activity.forget(run_id)
         # (_tick_order drops it lazily)
@@ -537,6 +553,7 @@ class TelemetryProcessor:
         if log_id is not None:
             self.log_id = log_id
         self.counters.logs_recreated += len(partitions)
+        self._judged_to = {r: j for r, j in self._judged_to.items() if j[0] not in partitions}
         if self.states is None:
             return []
         stale = self.states.log_recreated(partitions)
