@@ -27,7 +27,8 @@ from runwatch.producer.actions.applied_ids import AppliedIds, default_state_path
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
-from runwatch.producer.publish.lr import LR_SCALE_KEY, scale_lr
+from runwatch.producer.publish.lr import LR_SCALE_KEY, restore_base_lr
+from runwatch.producer.publish.lr_hold import LRHold
 from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
 from runwatch.producer.wire.signing import ActionSigningKey, MissingKeyError, sign_action
@@ -116,6 +117,21 @@ def lrs(optimizer) -> list[float]:
     return [g["lr"] for g in optimizer.param_groups]
 
 
+def used_lrs(optimizer) -> list[float]:
+    """The LRs an update uses now, read inside a real ``optimizer.step()`` (after runwatch's hold)."""
+    seen: list[list[float]] = []
+    handle = optimizer.register_step_pre_hook(lambda o, _a, _k: seen.append([float(x) for x in lrs(o)]))
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            p.grad = None  # (no update: only the LR is read)
+    optimizer.step()
+    handle.remove()
+    for p, grad in zip([p for g in optimizer.param_groups for p in g["params"]], grads, strict=True):
+        p.grad = grad
+    return seen[0]
+
+
 def test_rollback_restores_then_scales_every_param_group(trained):
     model, optimizer, step, tmp = trained
     rw = RecordingPublisher()
@@ -130,7 +146,8 @@ def test_rollback_restores_then_scales_every_param_group(trained):
     [applied] = listener.poll(step=18)
     assert (applied.outcome, applied.to_step, applied.from_step) == ("applied", 10, 18)
     assert torch.equal(model.weight, good)
-    assert lrs(optimizer) == pytest.approx([0.05, 0.01])
+    assert used_lrs(optimizer) == pytest.approx([0.05, 0.01])
+    assert lrs(optimizer) == pytest.approx([0.1, 0.02])  # the loop's own LR: the scale is held in the step
     assert (applied.lr_scale, applied.lr_factor) == (0.5, 0.5)
     assert (
         applied.skip_steps == (11, 17) and applied.skips(11) and applied.skips(17) and not applied.skips(18)
@@ -145,20 +162,21 @@ def test_rollback_restores_then_scales_every_param_group(trained):
     )
     assert "x0.5" in ack.detail and "11..17" in ack.detail
 
-    # A checkpoint taken after the first rollback carries its scale; the second rollback (0.25 in
-    # all) halves it once more, and going back to the pre-rollback checkpoint gives the same LR.
+    # A checkpoint taken after the first rollback holds the run's own LR (the scale is held in the step,
+    # not written into it); the second rollback (0.25 in all) quarters it, and going back to the
+    # pre-rollback checkpoint gives the same LR.
     step()
     save_checkpoint(str(tmp / "c14.pt"), model, optimizer)
     rw.checkpoints.append(CheckpointRef(step=14, uri=str(tmp / "c14.pt")))
     deliver(listener, action("rollback", onset=20, step=22, params={"lr_scale": 0.25}))
     [second] = listener.poll(step=23)
-    assert second.to_step == 14 and second.lr_factor == 0.5 and second.skip_steps is None
-    assert lrs(optimizer) == pytest.approx([0.025, 0.005])
+    assert second.to_step == 14 and second.lr_factor == 0.25 and second.skip_steps is None
+    assert used_lrs(optimizer) == pytest.approx([0.025, 0.005])
     deliver(listener, action("rollback", onset=12, step=13, params={"lr_scale": 0.25}))
     [third] = listener.poll(step=24)
-    assert third.to_step == 10 and third.lr_factor == 0.25  # the step-10 state carried no scale
-    assert lrs(optimizer) == pytest.approx([0.025, 0.005])
-    assert all(g[LR_SCALE_KEY] == 0.25 for g in optimizer.param_groups)
+    assert third.to_step == 10 and third.lr_factor == 0.25
+    assert used_lrs(optimizer) == pytest.approx([0.025, 0.005])
+    assert LRHold.of(optimizer).scale == 0.25 and all(g[LR_SCALE_KEY] == 1.0 for g in optimizer.param_groups)
 
 
 def test_skip_window_follows_the_checkpoint_actually_restored(trained):
@@ -188,12 +206,15 @@ def test_lr_scale_without_an_optimizer_is_reported_not_applied(tmp_path):
     assert "no optimizer attached" in applied.detail
 
 
-def test_scale_lr_keeps_a_tensor_lr_a_tensor():
+def test_a_tensor_lr_stays_a_tensor():
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.Adam([p], lr=torch.tensor(0.01))
     lr = opt.param_groups[0]["lr"]
-    assert scale_lr(opt, 0.5) == 0.5
-    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.005)
+    lr.fill_(0.5)  # the fault, in the optimizer state
+    assert restore_base_lr(opt, 0.5, base=[0.01]) == pytest.approx(0.01)
+    LRHold.of(opt).hold(0.5)
+    assert used_lrs(opt) == pytest.approx([0.005])
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.01)
 
 
 def test_a_rank_that_registered_no_checkpoint_restores_the_target_and_acks_with_its_rank(trained):

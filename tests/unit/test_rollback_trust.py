@@ -16,7 +16,7 @@ from runwatch.detectors.engine.checkpoints import CheckpointLedger
 from runwatch.detectors.engine.monitor import RunMonitor
 from runwatch.detectors.engine.recovery import RecoveryCheck
 from runwatch.detectors.spike import SpikeDetector
-from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, scale_lr
+from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, restore_base_lr
 from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CheckpointEvent,
@@ -164,18 +164,21 @@ def test_after_a_failed_recovery_the_next_one_is_still_judged_past_the_fault():
 # -- the LR a rollback sets ---------------------------------------------------------------------
 
 
-def test_base_lrs_and_scale_lr_use_the_runs_own_lr():
+def test_base_lrs_and_restore_base_lr_use_the_runs_own_lr():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.02}])
     assert base_lrs(opt) == [0.1, 0.02] and base_lrs(None) is None
     for group in opt.param_groups:
         group["lr"] *= 50  # the fault, saved in the optimizer state
-    scale_lr(opt, 0.5, base=[0.1, 0.02])
-    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.05, 0.01])
-    assert all(g[LR_SCALE_KEY] == 0.5 for g in opt.param_groups)
-    assert base_lrs(opt) == pytest.approx([0.1, 0.02])  # the scale is not part of the run's own LR
-    scale_lr(opt, 0.25)  # no record: relative to the scale the state carries
-    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.025, 0.005])
+    assert restore_base_lr(opt, 0.5, base=[0.1, 0.02]) == pytest.approx(0.01)  # x1/50 x0.5 of the fault's
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.02])
+    assert all(g[LR_SCALE_KEY] == 1.0 for g in opt.param_groups)
+    # an optimizer state of an older runwatch, with its scale written into the LR: the base is without it
+    for group in opt.param_groups:
+        group["lr"], group[LR_SCALE_KEY] = group["lr"] * 0.5, 0.5
+    assert base_lrs(opt) == pytest.approx([0.1, 0.02])
+    restore_base_lr(opt, 0.25)  # no record: relative to the scale the state carries
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.02])
 
 
 # -- the monitor: checkpoints, acks and the recovery together -------------------------------------

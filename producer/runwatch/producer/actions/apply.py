@@ -1,16 +1,13 @@
 """Applying an action on this rank, and acknowledging it.
 
-- ``rollback`` restores a checkpoint (see :meth:`ActionApplier.choose_checkpoint`), then scales
-  the LR of every param group of the attached optimizer. The action's ``params.lr_scale`` is
-  cumulative, relative to the run's LR before any rollback; each param group carries the scale
-  already in its LR under ``runwatch_lr_scale`` (saved and restored with the optimizer's state),
-  so the group's LR at restore time is multiplied by ``lr_scale / carried``: restoring a
-  checkpoint taken before an earlier rollback (carried 1.0) and one taken after it (carried 0.5)
-  both end at ``lr_scale`` times the original LR. An LR scheduler that sets the LR from its own
-  ``base_lrs`` each step overrides this: scale those by ``applied.lr_factor`` too.
-  ``params.skip_steps`` (policy ``skip_data_window``) becomes ``applied.skip_steps``, the
-  inclusive step range from the restored checkpoint's step + 1 to the anomaly's step whose
-  batches the loop should not replay.
+- ``rollback`` restores a checkpoint (see :meth:`ActionApplier.choose_checkpoint`), puts the run's
+  own LR back (recorded with the checkpoint: the restored state's may be the fault) and holds the
+  action's ``params.lr_scale`` (cumulative, relative to the run's LR before any rollback) inside
+  every optimizer step (``publish/lr_hold.py``): a scheduler or a loop that sets its LR each step
+  does not undo it. After ``params.lr_restore_after_steps`` healthy steps the scale returns to 1
+  over ``params.lr_restore_over_steps``. ``params.skip_steps`` (policy ``skip_data_window``, on by
+  default) becomes ``applied.skip_steps``, the inclusive step range from the restored checkpoint's
+  step + 1 to the anomaly's step whose batches the loop does not replay.
 - ``pause`` blocks until a ``resume`` (or a ``stop``) arrives or ``pause_timeout_s`` (or
   ``params.timeout_s``) passes; the ack's detail says which. Actions that arrive meanwhile are
   applied after the pause, in order. With a heartbeat the pause is reported as the ``idle``
@@ -37,7 +34,8 @@ from typing import Any
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn
-from runwatch.producer.publish.lr import scale_lr
+from runwatch.producer.publish.lr import restore_base_lr
+from runwatch.producer.publish.lr_hold import LRHold
 from runwatch.producer.wire.action_kinds import Applies, applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
 
@@ -178,9 +176,20 @@ class ActionApplier:
                 # The run's own LR before the fault: recorded with the checkpoint (or at the start),
                 # not the LR in the restored optimizer state, which may be the fault itself.
                 base = ref.lr if ref.lr is not None else getattr(self.rw, "initial_lr", None)
-                lr_factor = scale_lr(self.optimizer, float(wanted), base)
+                lr_factor = restore_base_lr(self.optimizer, float(wanted), base)
                 lr_scale = float(wanted)
-                detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the run's LR before the fault)"
+                restore_after = action.params.get("lr_restore_after_steps")
+                LRHold.of(self.optimizer).hold(
+                    lr_scale,
+                    restore_after=int(restore_after) if restore_after is not None else None,
+                    restore_over=int(action.params.get("lr_restore_over_steps") or 100),
+                )
+                detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the run's LR before the fault"
+                detail += (
+                    f", held in every step until {int(restore_after)} healthy steps)"
+                    if restore_after is not None
+                    else ", held in every step)"
+                )
             except Exception as exc:  # noqa: BLE001 - any optimizer: the restore happened, so report
                 # it, and that the LR did not change
                 detail += f"; LR not scaled: {exc!r}"

@@ -71,10 +71,12 @@ from runwatch.producer.instrument.gradstats import (
     UpdateProbe,
     grad_norms,
 )
+from runwatch.producer.instrument.guard import GuardOptions, SkipReason, StepGuard
 from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.producer.instrument.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
 from runwatch.producer.instrument.step_packing import StepPacking
+from runwatch.producer.publish.lr_hold import LRHold
 from runwatch.producer.wire.schema import CategoryLoss
 
 if TYPE_CHECKING:
@@ -147,6 +149,7 @@ class Watcher:
         clock: Callable[[], float] | None = None,
         shard: ShardSpec | None = None,
         sync_timing: bool = True,
+        guard: bool | GuardOptions = True,
     ):
         _check_options(clip, external_clip, update_every, shard)
         self.rw = rw
@@ -193,10 +196,26 @@ class Watcher:
             on_wait_end=heartbeat.pop if heartbeat else None,
         )
         self._memory = _memory_source(memory, self.layout.device)
+        self.guard = self._step_guard(guard)
+        self._skip: SkipReason | None = None  # the guard's verdict on this step's update
+        # The rollback LR scale held in each update (publish/lr_hold.py): created before the watcher's
+        # own hooks, so that the LR the watcher reads in its pre-hook is the one the update uses.
+        self._lr_hold = LRHold.of(optimizer) if optimizer is not None else None
+        self._lr_scale = 1.0
         self._hook_handles: list[Any] = self._register_hooks(optimizer) if hooks else []
         if self.heartbeat and clock is None:
             self.heartbeat.start()
         self.clock.start()
+
+    def _step_guard(self, guard: bool | GuardOptions) -> StepGuard | None:
+        """The guard before each update (guard.py); none when turned off, or for a shard: its ranks
+        would judge different norms and skip different steps, and their weights would drift apart."""
+        if guard is False:
+            return None
+        if self.layout.sharded:
+            log.info("runwatch: the step guard is off for a sharded model (shard=): ranks see different norms")
+            return None
+        return StepGuard(guard if isinstance(guard, GuardOptions) else None)
 
     def _ddp_sync_timer(self, model: torch.nn.Module) -> DDPSyncTimer | None:
         """A timer of DDP's gradient sync, registered as ``model``'s comm hook; None unless ``model`` is
@@ -229,10 +248,48 @@ class Watcher:
 
     def _before_optimizer_step(self) -> None:
         self._lr = self._current_lr()  # a scheduler may step before end_step
+        if self._lr_hold is not None:
+            self._lr_scale = self._lr_hold.scale
         clip = self.clip if self.clip is not None else self.external_clip
         self._grad = grad_norms(self.layout, clip, apply_clip=self.clip is not None)
+        if self.guard is not None and self._grad is not None:
+            self._skip = self._judge(self._grad)
+            if self._skip is not None:
+                return  # (nothing to measure of an update that does not happen)
         if self.update_every and self.step % self.update_every == 0:
             self._probe.arm()
+
+    def _judge(self, grad: GradNorms) -> SkipReason | None:
+        """The guard's verdict on this step's gradient (one small read from the device: the norm and the
+        count of non-finite tensors). A skip with an optimizer takes its gradients away, so that its
+        ``step()`` leaves every parameter and its state as they were."""
+        import torch
+
+        assert self.guard is not None
+        norm, nonfinite = torch.cat([grad.figures[-1:], grad.nonfinite.to(grad.figures.dtype)]).tolist()
+        reason = self.guard.judge(norm, nonfinite)
+        if reason is None:
+            return None
+        if self.optimizer is not None:
+            for p in self.layout.params:
+                p.grad = None
+        if self._lr_hold is not None:
+            self._lr_hold.unhealthy()
+        if self.guard.in_a_row == 1 or self.guard.in_a_row % 100 == 0:
+            log.warning(
+                "runwatch: step %d: update skipped (%s gradient%s; %d in a row)",
+                self.step,
+                "non-finite" if reason == "nonfinite" else "outlier",
+                "" if reason == "nonfinite" else f" norm {norm:.4g} > {self.guard.limit or 0:.4g}",
+                self.guard.in_a_row,
+            )
+        return reason
+
+    def should_skip(self) -> bool:
+        """Whether the guard skipped this step's update (after :meth:`before_optimizer_step`). With an
+        optimizer the skip is done (its gradients are gone); a hand-written update (``optimizer=None``)
+        must not apply itself when this is True."""
+        return self._skip is not None
 
     def after_optimizer_step(self) -> None:
         """Right after ``optimizer.step()`` (or the hand-written update)."""
@@ -281,6 +338,13 @@ class Watcher:
         if step_lr is not None:
             lr = _lr_list(step_lr)
         fields: dict[str, Any] = {"lr": lr if lr is not None else self._current_lr()}
+        skip, self._skip = self._skip, None
+        if skip is not None:
+            fields["update_skipped"] = skip
+        if self._lr_scale != 1.0:
+            fields["lr_scale"] = self._lr_scale
+        if self._lr_hold is not None:
+            self._lr_scale = self._lr_hold.scale  # (the next step's, unless its pre-hook reads it first)
         if self._data_wrapped:  # otherwise the source is missing: absent, not zero
             fields["data_wait_s"] = data_wait
         if step_time is not None and step_time > 0:

@@ -184,6 +184,12 @@ class StepEvent(EventBase):
     # synchronise gradients with its peers), without the time spent waiting for slower peers.
     # What straggler detection compares; absent where it is not measured.
     compute_s: WireFloat | None = Field(default=None, ge=0)
+    # The trainer's step guard skipped this step's update before it landed (instrument/guard.py): its
+    # gradient was not finite, or its norm an outlier of the recent band. Absent: the update was applied.
+    update_skipped: Literal["nonfinite", "grad_spike"] | None = None
+    # A rollback's LR scale in force in this step's update (held in every step, then returned to 1:
+    # publish/lr_hold.py); absent at 1.
+    lr_scale: WireFloat | None = Field(default=None, gt=0, le=1)
 
 
 class EvalEvent(EventBase):
