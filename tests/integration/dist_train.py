@@ -20,6 +20,7 @@ Each rank writes ``result-R.json`` in ``--out``: its status, the actions it appl
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ from torch import nn
 from runwatch.producer import RunWatch
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
+from runwatch.producer.publish.lr_hold import LRHold
 
 STOP_EXIT_CODE = 3
 BASE_LR = 0.05
@@ -56,6 +58,7 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--stop-exit-after-s", type=float, default=2.0)
+    p.add_argument("--no-guard", action="store_true", help="rw.watch(guard=False)")
     return p.parse_args()
 
 
@@ -84,7 +87,7 @@ def main() -> int:
     shard = {n for i, n in enumerate(names) if i % args.world == args.rank} if args.shard else None
 
     rw = RunWatch(args.run_id, bootstrap=args.bootstrap, rank=args.rank, world_size=args.world, spool=False)
-    watch = rw.watch(ddp, optimizer, heartbeat_s=0.5, update_every=0, shard=shard)
+    watch = rw.watch(ddp, optimizer, heartbeat_s=0.5, update_every=0, shard=shard, guard=not args.no_guard)
     listener = ActionListener(
         rw,
         model,
@@ -101,10 +104,15 @@ def main() -> int:
     out = args.out / f"result-{args.rank}.json"
 
     def write() -> None:
-        result["lr"] = optimizer.param_groups[0]["lr"]
+        result["lr"] = optimizer.param_groups[0]["lr"] * LRHold.of(optimizer).scale  # (the LR an update uses)
+        result["weights"] = hashlib.sha256(
+            b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        ).hexdigest()
+        result["skipped_steps"] = skipped_steps
         out.write_text(json.dumps(result))
 
     step, batch_id, skip = 0, 0, None
+    skipped_steps: list[int] = []  # updates the step guard skipped
     try:
         while step < args.steps:
             applied_now = listener.poll(step)
@@ -151,6 +159,8 @@ def main() -> int:
                     torch.stack([torch.linalg.vector_norm(g) for g in grads])
                 ).item()
             optimizer.step()
+            if watch.should_skip():
+                skipped_steps.append(step)
             optimizer.zero_grad()
             watch.end_step(loss, step=step, samples=len(x))
             if args.rank == 0 and step > 0 and step % args.checkpoint_every == 0:

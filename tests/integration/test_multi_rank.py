@@ -69,6 +69,7 @@ CONFIG = {
     "policy": {
         "rules": [
             {"detector": "non_finite", "min_severity": "critical", "action": "rollback"},
+            # (a spike whose update the step guard skipped is info: the weights never saw it)
             {"detector": "grad_norm_spike", "min_severity": "warning", "action": "rollback"},
             {"detector": "*", "min_severity": "warning", "action": "alert"},
         ],
@@ -113,6 +114,7 @@ class Run:
         shard: bool = False,
         stop_exit_after_s: float = 20.0,
         step_sleep: float = 0.0,
+        guard: bool = True,
     ):
         self.run_id = f"dist-{uuid.uuid4().hex[:8]}"
         self.folder = folder
@@ -146,6 +148,8 @@ class Run:
             cmd += [arg for f in faults for arg in ("--fault", f)]
             if shard:
                 cmd.append("--shard")
+            if not guard:
+                cmd.append("--no-guard")
             log = open(folder / f"rank{rank}.log", "wb")
             # Two simulated nodes, {0, 1} and {2}, each with its own node-local folder: under rank sync only
             # LOCAL_RANK 0 of a node reads the action topic (rank 1 reads through its node's reader)
@@ -273,7 +277,8 @@ def test_a_killed_rank_is_found_dead_from_its_missing_heartbeats(run_factory):
 
 
 def test_a_grad_explosion_is_rolled_back_with_the_lr_scaled_and_the_run_finishes_healthy(run_factory):
-    run = run_factory("bad_batch:35", steps=60, step_sleep=0.1)
+    # (the step guard off: it would skip the exploding update itself, as the next test shows)
+    run = run_factory("bad_batch:35", steps=60, step_sleep=0.1, guard=False)
     codes = run.wait(180)
     assert codes == [0, 0, 0], run.logs()
     results = [run.result(r) for r in range(WORLD)]
@@ -297,8 +302,21 @@ def test_a_grad_explosion_is_rolled_back_with_the_lr_scaled_and_the_run_finishes
     assert recovered.params["rollback_action_id"] == rollback_action.action_id
 
 
+def test_every_rank_skips_the_same_exploding_update_and_the_replicas_stay_equal(run_factory):
+    """Issue 37: the step guard decides on each rank from the gradient DDP already averaged, so every
+    rank skips the same update; the replicas' weights stay bit-equal, and no rollback is needed."""
+    run = run_factory("bad_batch:35", steps=60, step_sleep=0.05)
+    codes = run.wait(180)
+    assert codes == [0, 0, 0], run.logs()
+    results = [run.result(r) for r in range(WORLD)]
+    assert [r["skipped_steps"] for r in results] == [[35]] * WORLD
+    assert len({r["weights"] for r in results}) == 1  # the replicas never drifted apart
+    assert all(r["status"] == "completed" for r in results)
+    assert all(r["applied"] == [] for r in results), results[0]["applied"]  # the spike is info: no action
+
+
 def test_a_fault_that_repeats_after_each_rollback_reaches_the_cap_and_stops(run_factory):
-    run = run_factory("bad_step:35", steps=200, step_sleep=0.1)
+    run = run_factory("bad_step:35", steps=200, step_sleep=0.1, guard=False)
     codes = run.wait(240)
     assert codes == [0, 0, 0], run.logs()  # stopped gracefully
     for rank in range(WORLD):

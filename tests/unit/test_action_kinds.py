@@ -75,7 +75,10 @@ def test_every_kind_is_issued_signed_applied_acknowledged_and_shown(kind, tmp_pa
         assert (ack.action_id, ack.action_kind, ack.outcome) == (action.action_id, kind, "applied")
         if spec.applies == "rollback":
             assert applied.to_step == 10 and ack.to_step == 10
-            assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+            used: list[float] = []  # the LR the next update uses (the scale is held inside each step)
+            optimizer.register_step_pre_hook(lambda o, _a, _k: used.append(o.param_groups[0]["lr"]))
+            optimizer.step()
+            assert used == pytest.approx([0.05]) and optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
         if spec.applies == "stop":
             assert rw.stopped_by == {"stop_action_id": action.action_id, "stop_cause": "stop"}
     finally:

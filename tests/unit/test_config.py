@@ -28,6 +28,7 @@ def test_defaults_without_a_file():
     # a divergence (critical spike), a non-finite value and a failed recovery roll back; the rest alerts
     assert rules == [
         ("non_finite", "critical", "rollback"),
+        ("skipped_updates", "critical", "rollback"),
         ("loss_spike", "critical", "rollback"),
         ("grad_norm_spike", "critical", "rollback"),
         ("not_recovered", "warning", "rollback"),
@@ -132,6 +133,7 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
     assert set(data) == {"detectors", "join", "runs", "policy", "limits", "baseline"}
     assert set(data["detectors"]) == {
         "non_finite",
+        "skipped_updates",
         "loss_spike",
         "grad_norm_spike",
         "module_grad_explosion",

@@ -348,11 +348,21 @@ def test_skip_window_from_the_checkpoint_to_the_anomaly():
     assert other.params["skip_steps"] == [21, 30]
 
 
-def test_no_skip_window_by_default():
-    decision = ActionPolicy(PolicyConfig()).decide(
-        _anomaly(), _at(0), checkpoint=CheckpointRef(step=4, uri="/c")
-    )
+def test_the_skip_window_is_on_by_default_and_can_be_turned_off():
+    """Issue 37: by default the data goes on forward after a rollback (a batch-tied fault is not replayed)."""
+    checkpoint = CheckpointRef(step=4, uri="/c")
+    assert ActionPolicy(PolicyConfig()).decide(_anomaly(step=12), _at(0), checkpoint).params[
+        "skip_steps"
+    ] == [5, 12]
+    decision = ActionPolicy(PolicyConfig(skip_data_window=False)).decide(_anomaly(), _at(0), checkpoint)
     assert "skip_steps" not in decision.params
+
+
+def test_a_rollback_says_when_its_lr_scale_returns():
+    decision = ActionPolicy(PolicyConfig()).decide(_anomaly(), _at(0), CheckpointRef(step=4, uri="/c"))
+    assert (decision.params["lr_restore_after_steps"], decision.params["lr_restore_over_steps"]) == (500, 100)
+    never = ActionPolicy(PolicyConfig(lr_restore_after_steps=None)).decide(_anomaly(), _at(0), GOOD)
+    assert "lr_restore_after_steps" not in never.params
 
 
 WARN = dict(detector="loss_spike", severity="warning")

@@ -42,6 +42,7 @@ from runwatch.detectors.hung_rank import HungRankConfig as HungRankConfig  # noq
 from runwatch.detectors.memory_growth import MemoryConfig as MemoryConfig  # noqa: E402
 from runwatch.detectors.module_grad import ModuleGradConfig as ModuleGradConfig  # noqa: E402
 from runwatch.detectors.nonfinite import NonFiniteConfig as NonFiniteConfig  # noqa: E402
+from runwatch.detectors.skipped_updates import SkippedUpdatesConfig as SkippedUpdatesConfig  # noqa: E402
 from runwatch.detectors.spike import SpikeConfig as SpikeConfig  # noqa: E402
 from runwatch.detectors.stall import StallConfig as StallConfig  # noqa: E402
 from runwatch.detectors.straggler import StragglerConfig as StragglerConfig  # noqa: E402
@@ -160,6 +161,8 @@ def default_rules() -> list[PolicyRule]:
     """Roll back what will not heal on its own; alert on the rest (docs/remediation.md says why)."""
     return [
         PolicyRule(detector="non_finite", min_severity="critical", action="rollback"),
+        # the trainer's guard skipped rollback_after updates in a row: it holds the run still, it cannot heal it
+        PolicyRule(detector="skipped_updates", min_severity="critical", action="rollback"),
         # critical: a divergence (the spike did not come back) or a huge spike; a transient one is a warning
         PolicyRule(detector="loss_spike", min_severity="critical", action="rollback"),
         PolicyRule(detector="grad_norm_spike", min_severity="critical", action="rollback"),
@@ -204,8 +207,17 @@ class PolicyConfig(Strict):
         description="each rollback multiplies the LR by this (cumulative: 0.5, 0.25, ...)",
     )
     skip_data_window: bool = Field(
-        default=False,
-        description="a rollback tells the trainer to skip the batches from the checkpoint to the anomaly",
+        default=True,
+        description="a rollback tells the trainer to skip the batches from the checkpoint to the anomaly "
+        "(the data goes on forward: a fault tied to a batch is not replayed)",
+    )
+    lr_restore_after_steps: int | None = Field(
+        default=500,
+        ge=1,
+        description="healthy steps after a rollback before its LR scale starts back to 1 (null: never)",
+    )
+    lr_restore_over_steps: int = Field(
+        default=100, ge=1, description="steps over which a rollback's LR scale returns to 1"
     )
     escalate_after_s: float = Field(
         default=600.0,

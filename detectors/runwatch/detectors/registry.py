@@ -83,6 +83,7 @@ POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers", "action_un
 
 BUILTIN_MODULES = (
     "runwatch.detectors.nonfinite",
+    "runwatch.detectors.skipped_updates",
     "runwatch.detectors.spike",
     "runwatch.detectors.module_grad",
     "runwatch.detectors.update_ratio",

@@ -18,6 +18,7 @@ alerts on the spike and rolls back only the divergence.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import datetime
 
 from pydantic import Field, model_validator
@@ -84,10 +85,16 @@ class SpikeDetector:
         self._cooldown = Cooldown()
         self._watch: _DivergenceWatch | None = None  # the latest spike, while its next steps are watched
 
-    def update(self, value: float | None, step: int, rank: int | None = None) -> Finding | None:
+    def update(
+        self, value: float | None, step: int, rank: int | None = None, skipped: bool = False
+    ) -> Finding | None:
+        """``skipped``: the trainer's guard skipped this step's update (the weights never saw it): a spike
+        is said at ``info`` (recorded, no alert, no rollback), neither learnt nor watched for a divergence."""
         if value is None or not math.isfinite(value) or value <= 0:
             return None  # non-finite values belong to the non-finite detector
         x = math.log(value)
+        if skipped:
+            return self._skipped_spike(x, value, step, rank)
         # (the watch after a spike is rare: no call on every other step)
         finding = self._follow_spike(x, step, rank) if self._watch is not None else None
         if finding is None and self.seen >= self.config.warmup and not self._cooldown.active(step):
@@ -101,6 +108,20 @@ class SpikeDetector:
         if finding is not None:
             self._cooldown.start(step, self.config.cooldown_steps)
         return finding
+
+    def _skipped_spike(self, x: float, value: float, step: int, rank: int | None) -> Finding | None:
+        if self.seen < self.config.warmup or self._cooldown.active(step):
+            return None
+        finding = self._score(x, value, step, rank)
+        if finding is None:
+            return None
+        self._cooldown.start(step, self.config.cooldown_steps)
+        return replace(
+            finding,
+            severity="info",
+            message=finding.message + "; the trainer's guard skipped its update",
+            evidence={**finding.evidence, "update_skipped": True},
+        )
 
     def _follow_spike(self, x: float, step: int, rank: int | None) -> Finding | None:
         """After a spike: a divergence finding once ``divergence_steps`` more values stayed high."""
@@ -201,7 +222,8 @@ class StepSpike(Detector):
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent):
             return []
-        finding = self._detector.update(getattr(event, self.metric), event.step, event.rank)
+        skipped = event.update_skipped is not None
+        finding = self._detector.update(getattr(event, self.metric), event.step, event.rank, skipped)
         return [finding] if finding is not None else []
 
 

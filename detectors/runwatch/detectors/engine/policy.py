@@ -207,7 +207,10 @@ class ActionPolicy:
             "lr_scale": self.config.lr_scale_on_rollback ** (self.rollbacks + 1),
             "lr_scale_per_rollback": self.config.lr_scale_on_rollback,
             "rollback_number": self.rollbacks + 1,
+            "lr_restore_over_steps": self.config.lr_restore_over_steps,
         }
+        if self.config.lr_restore_after_steps is not None:
+            params["lr_restore_after_steps"] = self.config.lr_restore_after_steps
         if self.config.skip_data_window and anomaly.step is not None and checkpoint.step < anomaly.step:
             params["skip_steps"] = [checkpoint.step + 1, anomaly.step]
         return params

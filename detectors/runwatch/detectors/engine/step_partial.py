@@ -52,6 +52,11 @@ def _add(a: float | None, b: float | None) -> float | None:
     return a + b
 
 
+def _skip_reason(a: str | None, b: str) -> str:
+    """A step whose update any rank's guard skipped is skipped (the non-finite reason first)."""
+    return "nonfinite" if "nonfinite" in (a, b) else b
+
+
 def _memory_figure(memory: MemoryStats | None) -> int | None:
     """Device memory where there is a device, else the host process's."""
     if memory is None:
@@ -76,6 +81,7 @@ def partial_of(
     st_best: float | None = None
     c_best: float | None = None
     nonfinite: int | None = None
+    skipped: str | None = None
     mem_max = mem_min = None
     mem_max_rank = mem_min_rank = None
     mem_max_stats: MemoryStats | None = None
@@ -133,6 +139,8 @@ def partial_of(
         tokens = _add(tokens, e.tokens_per_s)
         if e.nonfinite_grads is not None:
             nonfinite = e.nonfinite_grads + (nonfinite or 0)
+        if e.update_skipped is not None:
+            skipped = _skip_reason(skipped, e.update_skipped)
         figure = _memory_figure(e.memory)
         if figure is not None:
             if mem_max is None or figure > mem_max:
@@ -170,6 +178,7 @@ def partial_of(
         samples_sum=samples,
         tokens_sum=tokens,
         nonfinite_sum=nonfinite,
+        update_skipped=skipped,
         memory_max_bytes=mem_max,
         memory_max_rank=mem_max_rank,
         memory_max=mem_max_stats,
@@ -229,6 +238,11 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
     out["tokens_sum"] = _fold(_add, (p.tokens_sum for p in parts))
     nonfinite = [p.nonfinite_sum for p in parts if p.nonfinite_sum is not None]
     out["nonfinite_sum"] = sum(nonfinite) if nonfinite else None
+    skipped = None
+    for p in parts:
+        if p.update_skipped is not None:
+            skipped = _skip_reason(skipped, p.update_skipped)
+    out["update_skipped"] = skipped
     most = [p for p in parts if p.memory_max_bytes is not None]
     best = max(most, key=lambda p: p.memory_max_bytes or 0) if most else None
     out["memory_max_bytes"] = best.memory_max_bytes if best else None
@@ -304,6 +318,7 @@ def joined_fields(run_id: str, partial: StepPartial) -> dict[str, Any]:
         else None,
         "nonfinite_grads": partial.nonfinite_sum,
         "grad_sharded": sharded or None,
+        "update_skipped": partial.update_skipped,
     }
     if fields["param_norm"] and fields["update_norm"] is not None:
         fields["relative_update_norm"] = fields["update_norm"] / fields["param_norm"]

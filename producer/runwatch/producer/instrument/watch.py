@@ -213,7 +213,9 @@ class Watcher:
         if guard is False:
             return None
         if self.layout.sharded:
-            log.info("runwatch: the step guard is off for a sharded model (shard=): ranks see different norms")
+            log.info(
+                "runwatch: the step guard is off for a sharded model (shard=): ranks see different norms"
+            )
             return None
         return StepGuard(guard if isinstance(guard, GuardOptions) else None)
 

@@ -10,7 +10,7 @@ group.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -54,6 +54,7 @@ class StepPartial(WireModel):
     samples_sum: WireFloat | None = None
     tokens_sum: WireFloat | None = None
     nonfinite_sum: int | None = None
+    update_skipped: Literal["nonfinite", "grad_spike"] | None = None  # any rank's guard skipped the update
     memory_max_bytes: int | None = None
     memory_max_rank: int | None = None
     memory_max: MemoryStats | None = None  # the memory figures of the rank using the most
