@@ -36,7 +36,7 @@ from torch import nn
 from runwatch.producer import RunWatch
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
-from runwatch.producer.publish.lr_hold import LRHold
+from runwatch.producer.publish.lr_hold import held_scale
 
 STOP_EXIT_CODE = 3
 BASE_LR = 0.05
@@ -104,7 +104,7 @@ def main() -> int:
     out = args.out / f"result-{args.rank}.json"
 
     def write() -> None:
-        result["lr"] = optimizer.param_groups[0]["lr"] * LRHold.of(optimizer).scale  # (the LR an update uses)
+        result["lr"] = optimizer.param_groups[0]["lr"] * held_scale(optimizer)  # (the LR an update uses)
         result["weights"] = hashlib.sha256(
             b"".join(p.detach().numpy().tobytes() for p in model.parameters())
         ).hexdigest()

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from runwatch.producer import ActionListener, RunWatch, save_checkpoint
-from runwatch.producer.publish.lr_hold import LRHold
+from runwatch.producer.publish.lr_hold import held_scale
 
 BASE_LR = 0.1
 
@@ -149,7 +149,7 @@ def main() -> int:
                         "to_step": applied.to_step,
                         "detail": applied.detail,
                         "lr_scale": applied.lr_scale,
-                        "lr_after": optimizer.param_groups[0]["lr"] * LRHold.of(optimizer).scale,
+                        "lr_after": optimizer.param_groups[0]["lr"] * held_scale(optimizer),
                         "skip": applied.skip_steps,
                     }
                 )

@@ -12,6 +12,7 @@ import torch
 from kafka import KafkaProducer
 
 from runwatch.producer import ActionListener, RunWatch, save_checkpoint
+from runwatch.producer.publish.lr_hold import held_scale
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import Action, CheckpointRef, decode_event, utc_now
 from runwatch.producer.wire.signing import ActionSigningKey, sign_action
@@ -164,7 +165,8 @@ def test_rollback_scales_the_lr_and_pause_holds_until_resume(broker, tmp_path):
     applied = []
     eventually(lambda: applied.extend(listener.poll(step=11)) or applied, 30, "the rollback")
     assert (applied[0].outcome, applied[0].to_step, applied[0].skip_steps) == ("applied", 5, (6, 10))
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    # the run's own LR, with the rollback's scale held in every update (publish/lr_hold.py)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3) and held_scale(optimizer) == 0.5
 
     pause, resume = (
         make_action(run_id, "pause", keys.signing, onset=12),

@@ -28,7 +28,7 @@ from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.publish.lr import LR_SCALE_KEY, restore_base_lr
-from runwatch.producer.publish.lr_hold import LRHold
+from runwatch.producer.publish.lr_hold import LRHold, held_scale
 from runwatch.producer.publish.run_watch import RunWatch
 from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
 from runwatch.producer.wire.signing import ActionSigningKey, MissingKeyError, sign_action
@@ -176,7 +176,7 @@ def test_rollback_restores_then_scales_every_param_group(trained):
     [third] = listener.poll(step=24)
     assert third.to_step == 10 and third.lr_factor == 0.25
     assert used_lrs(optimizer) == pytest.approx([0.025, 0.005])
-    assert LRHold.of(optimizer).scale == 0.25 and all(g[LR_SCALE_KEY] == 1.0 for g in optimizer.param_groups)
+    assert held_scale(optimizer) == 0.25 and all(g[LR_SCALE_KEY] == 1.0 for g in optimizer.param_groups)
 
 
 def test_skip_window_follows_the_checkpoint_actually_restored(trained):
@@ -212,7 +212,9 @@ def test_a_tensor_lr_stays_a_tensor():
     lr = opt.param_groups[0]["lr"]
     lr.fill_(0.5)  # the fault, in the optimizer state
     assert restore_base_lr(opt, 0.5, base=[0.01]) == pytest.approx(0.01)
-    LRHold.of(opt).hold(0.5)
+    hold = LRHold.of(opt)
+    assert hold is not None
+    hold.hold(0.5)
     assert used_lrs(opt) == pytest.approx([0.005])
     assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.01)
 

@@ -117,6 +117,7 @@ def test_the_held_scale_survives_a_scheduler_and_returns_after_the_healthy_steps
     watch = Watcher(rw, model, optimizer, heartbeat_s=None, memory=False)
     optimizer.register_step_pre_hook(lambda o, _a, _k: used.append(o.param_groups[0]["lr"]))
     hold = LRHold.of(optimizer)
+    assert hold is not None
     schedule = []
     for step in range(60):
         if step == 10:
@@ -145,6 +146,7 @@ def test_a_skipped_update_starts_the_count_to_the_restore_again():
     rw = RecordingPublisher()
     watch = Watcher(rw, model, optimizer, heartbeat_s=None, memory=False)
     hold = LRHold.of(optimizer)
+    assert hold is not None
     hold.hold(0.5, restore_after=10, restore_over=1)
     for step in range(25):
         x = torch.randn(8, 4)
@@ -157,3 +159,47 @@ def test_a_skipped_update_starts_the_count_to_the_restore_again():
         if step == 17:
             assert hold.scale == 0.5  # 9 healthy steps since the skip
     assert hold.scale == 1.0 and hold.healthy_steps >= 10
+
+
+# -- the worker's side: a skipped update is said, not rolled back -----------------------------------
+
+
+def test_a_spike_whose_update_was_skipped_is_info_and_not_learnt():
+    from datetime import UTC, datetime
+
+    from runwatch.detectors.spike import SpikeConfig, StepSpike
+    from runwatch.producer.wire.schema import StepEvent
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    guarded, plain = (StepSpike("loss_spike", "loss", SpikeConfig()) for _ in range(2))
+    for s in range(40):
+        for detector in (guarded, plain):
+            assert (
+                detector.update(StepEvent(run_id="r", step=s, loss=1.0 + 0.01 * (s % 5), ts=now), now) == []
+            )
+    [said] = guarded.update(
+        StepEvent(run_id="r", step=40, loss=1e4, update_skipped="grad_spike", ts=now), now
+    )
+    [alarm] = plain.update(StepEvent(run_id="r", step=40, loss=1e4, ts=now), now)
+    assert (said.severity, said.evidence["update_skipped"]) == ("info", True) and alarm.severity == "critical"
+    # not learnt, and no divergence watched: the next steps (healthy) are quiet
+    assert all(
+        guarded.update(StepEvent(run_id="r", step=s, loss=1.0, ts=now), now) == [] for s in range(41, 60)
+    )
+
+
+def test_the_join_says_a_step_was_skipped_if_any_rank_skipped_it():
+    from datetime import UTC, datetime
+
+    from runwatch.detectors.engine.step_partial import joined_fields, merge, partial_of
+    from runwatch.producer.wire.schema import StepEvent
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    events = [
+        StepEvent(run_id="r", rank=r, step=3, loss=1.0, update_skipped=skip, ts=now)
+        for r, skip in enumerate([None, "grad_spike", "nonfinite", None])
+    ]
+    assert joined_fields("r", partial_of((0, 3), events, 4, []))["update_skipped"] == "nonfinite"
+    halves = [partial_of((0, 3), events[:2], 2, []), partial_of((0, 3), events[2:], 2, [])]
+    assert joined_fields("r", merge(halves, 4))["update_skipped"] == "nonfinite"
+    assert joined_fields("r", partial_of((0, 3), [events[0]], 1, []))["update_skipped"] is None

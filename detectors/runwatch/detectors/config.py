@@ -161,7 +161,7 @@ def default_rules() -> list[PolicyRule]:
     """Roll back what will not heal on its own; alert on the rest (docs/remediation.md says why)."""
     return [
         PolicyRule(detector="non_finite", min_severity="critical", action="rollback"),
-        # the trainer's guard skipped rollback_after updates in a row: it holds the run still, it cannot heal it
+        # the trainer's guard skipped rollback_after updates in a row: it holds the run, it cannot heal it
         PolicyRule(detector="skipped_updates", min_severity="critical", action="rollback"),
         # critical: a divergence (the spike did not come back) or a huge spike; a transient one is a warning
         PolicyRule(detector="loss_spike", min_severity="critical", action="rollback"),

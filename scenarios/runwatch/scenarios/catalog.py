@@ -42,10 +42,10 @@ CATALOG: tuple[Scenario, ...] = (
     Scenario("healthy", Healthy(), "regressor", "The demo's small regressor, no fault.", recorded=False),
     Scenario(
         "nan",
-        NonFinite("loss", float("nan")),
+        NonFinite("weights", float("nan")),
         "regressor",
-        "A log(0) in the loss at the fault step makes "
-        "it NaN and poisons the weights; the default policy rolls back.",
+        "A weight turns NaN at the fault step (a corrupt update no gradient shows, which the step "
+        "guard cannot skip): every later step is NaN; the default policy rolls back.",
         recorded=False,
     ),
     Scenario(

@@ -117,17 +117,22 @@ Healthy = FaultInjector
 
 @dataclass
 class NonFinite(FaultInjector):
-    """At the onset the loss (``where="loss"``: a ``log(0)`` term, NaN loss and NaN gradients) or the
-    embeddings (``where="embeddings"``: scaled by ``magnitude * 1e3`` to overflow) become non-finite."""
+    """At the onset the loss (``where="loss"``: a ``log(0)`` term, NaN loss and NaN gradients), the
+    embeddings (``where="embeddings"``: scaled by ``magnitude * 1e3`` to overflow) or a weight
+    (``where="weights"``: a corrupt update that no gradient shows, which the step guard cannot skip)
+    become non-finite."""
 
     kind: ClassVar[str] = "non_finite"
-    where: Literal["loss", "embeddings"]
+    where: Literal["loss", "embeddings", "weights"]
     magnitude: float
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "magnitude": self.magnitude}
 
     def forward(self, model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+        if self.where == "weights" and self.at_onset(step):
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = self.magnitude
         if self.where != "embeddings" or not self.at_onset(step):
             return cast(torch.Tensor, model(x))
         tt = cast(TinyTransformer, model)  # the embeddings are a TinyTransformer's

@@ -117,6 +117,9 @@ def _run(
         heartbeat_s=HEARTBEAT_S,
         clock=clock.seconds if clock.simulated else None,
         memory=memory,
+        # The corpus records faults as an unguarded trainer sees them (a sharded model, guard=False):
+        # the detectors are measured on the fault itself, not on what the step guard leaves of it.
+        guard=False,
     )
     clock.bind(watch.heartbeat)
     host = SaturatedHost.for_scenario(sc)  # None unless the run shares a saturated host (heartbeats say so)

@@ -18,6 +18,7 @@ from typing import Any
 
 from runwatch.producer.wire.group_report import SLOWEST_LISTED, StepPartial
 from runwatch.producer.wire.schema import RANKS_LISTED, CategoryLoss, JoinedStep, MemoryStats, StepEvent
+from runwatch.producer.wire.schema import UpdateSkipped as SkipReason
 
 NORMS = ("grad_norm", "grad_norm_clipped", "param_norm", "update_norm")
 _NAN = math.nan
@@ -52,7 +53,7 @@ def _add(a: float | None, b: float | None) -> float | None:
     return a + b
 
 
-def _skip_reason(a: str | None, b: str) -> str:
+def _skip_reason(a: SkipReason | None, b: SkipReason) -> SkipReason:
     """A step whose update any rank's guard skipped is skipped (the non-finite reason first)."""
     return "nonfinite" if "nonfinite" in (a, b) else b
 
@@ -81,7 +82,7 @@ def partial_of(
     st_best: float | None = None
     c_best: float | None = None
     nonfinite: int | None = None
-    skipped: str | None = None
+    skipped: SkipReason | None = None
     mem_max = mem_min = None
     mem_max_rank = mem_min_rank = None
     mem_max_stats: MemoryStats | None = None
@@ -238,7 +239,7 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
     out["tokens_sum"] = _fold(_add, (p.tokens_sum for p in parts))
     nonfinite = [p.nonfinite_sum for p in parts if p.nonfinite_sum is not None]
     out["nonfinite_sum"] = sum(nonfinite) if nonfinite else None
-    skipped = None
+    skipped: SkipReason | None = None
     for p in parts:
         if p.update_skipped is not None:
             skipped = _skip_reason(skipped, p.update_skipped)

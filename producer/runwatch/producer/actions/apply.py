@@ -34,7 +34,7 @@ from typing import Any
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn
-from runwatch.producer.publish.lr import restore_base_lr
+from runwatch.producer.publish.lr import restore_base_lr, scale_lr_once
 from runwatch.producer.publish.lr_hold import LRHold
 from runwatch.producer.wire.action_kinds import Applies, applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
@@ -176,20 +176,25 @@ class ActionApplier:
                 # The run's own LR before the fault: recorded with the checkpoint (or at the start),
                 # not the LR in the restored optimizer state, which may be the fault itself.
                 base = ref.lr if ref.lr is not None else getattr(self.rw, "initial_lr", None)
-                lr_factor = restore_base_lr(self.optimizer, float(wanted), base)
                 lr_scale = float(wanted)
+                lr_factor = restore_base_lr(self.optimizer, lr_scale, base)
                 restore_after = action.params.get("lr_restore_after_steps")
-                LRHold.of(self.optimizer).hold(
-                    lr_scale,
-                    restore_after=int(restore_after) if restore_after is not None else None,
-                    restore_over=int(action.params.get("lr_restore_over_steps") or 100),
-                )
+                hold = LRHold.of(self.optimizer)
                 detail += f"; LR x{lr_factor:g} (x{lr_scale:g} of the run's LR before the fault"
-                detail += (
-                    f", held in every step until {int(restore_after)} healthy steps)"
-                    if restore_after is not None
-                    else ", held in every step)"
-                )
+                if hold is None:  # (an optimizer without step hooks: written once, as a loop may undo)
+                    scale_lr_once(self.optimizer, lr_scale)
+                    detail += ", written into its LR once: the optimizer takes no step hooks)"
+                else:
+                    hold.hold(
+                        lr_scale,
+                        restore_after=int(restore_after) if restore_after is not None else None,
+                        restore_over=int(action.params.get("lr_restore_over_steps") or 100),
+                    )
+                    detail += (
+                        f", held in every step until {int(restore_after)} healthy steps)"
+                        if restore_after is not None
+                        else ", held in every step)"
+                    )
             except Exception as exc:  # noqa: BLE001 - any optimizer: the restore happened, so report
                 # it, and that the LR did not change
                 detail += f"; LR not scaled: {exc!r}"

@@ -21,9 +21,10 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
-SkipReason = Literal["nonfinite", "grad_spike"]
+from runwatch.producer.wire.schema import UpdateSkipped as SkipReason  # re-exported for the watcher
+
+__all__ = ["GuardOptions", "SkipReason", "StepGuard"]
 
 
 @dataclass(frozen=True)

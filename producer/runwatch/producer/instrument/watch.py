@@ -200,7 +200,7 @@ class Watcher:
         self._skip: SkipReason | None = None  # the guard's verdict on this step's update
         # The rollback LR scale held in each update (publish/lr_hold.py): created before the watcher's
         # own hooks, so that the LR the watcher reads in its pre-hook is the one the update uses.
-        self._lr_hold = LRHold.of(optimizer) if optimizer is not None else None
+        self._lr_hold = LRHold.of(optimizer) if optimizer is not None else None  # (None: no step hooks)
         self._lr_scale = 1.0
         self._hook_handles: list[Any] = self._register_hooks(optimizer) if hooks else []
         if self.heartbeat and clock is None:

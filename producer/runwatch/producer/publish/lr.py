@@ -59,3 +59,11 @@ def restore_base_lr(optimizer: Any, lr_scale: float, base: list[float] | None = 
         set_lr(group, target)
         group[LR_SCALE_KEY] = 1.0  # nothing written into the LR: the hold scales each update
     return factor
+
+
+def scale_lr_once(optimizer: Any, lr_scale: float) -> None:
+    """Write ``lr_scale`` into every param group's LR (marked under ``runwatch_lr_scale``, so its base is
+    still known): for an optimizer that takes no step hooks, where the hold cannot apply it."""
+    for group in optimizer.param_groups:
+        set_lr(group, lr_value(group["lr"]) * lr_scale)
+        group[LR_SCALE_KEY] = lr_scale

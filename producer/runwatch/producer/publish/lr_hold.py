@@ -45,11 +45,17 @@ class LRHold:
         ]
 
     @classmethod
-    def of(cls, optimizer: Any) -> LRHold:
-        """The hold of ``optimizer`` (created, and its hooks registered, at the first call)."""
-        hold = _HOLDS.get(optimizer)
+    def of(cls, optimizer: Any) -> LRHold | None:
+        """The hold of ``optimizer`` (created, and its hooks registered, at the first call); a framework's
+        wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is unwrapped to
+        the torch optimizer it steps. None for an optimizer that takes no step hooks (not a
+        ``torch.optim.Optimizer``): a rollback then writes its scale into the LR once."""
+        inner = _torch_optimizer(optimizer)
+        if inner is None:
+            return None
+        hold = _HOLDS.get(inner)
         if hold is None:
-            hold = _HOLDS[optimizer] = cls(optimizer)
+            hold = _HOLDS[inner] = cls(inner)
         return hold
 
     def hold(self, scale: float, restore_after: int | None = None, restore_over: int = 100) -> None:
@@ -123,3 +129,22 @@ class LRHold:
         for handle in self._handles:
             handle.remove()
         _HOLDS.pop(self.optimizer, None)
+
+
+def held_scale(optimizer: Any) -> float:
+    """The LR scale a rollback holds in ``optimizer``'s updates now (1.0: none)."""
+    inner = _torch_optimizer(optimizer)
+    hold = _HOLDS.get(inner) if inner is not None else None
+    return hold.scale if hold is not None else 1.0
+
+
+def _torch_optimizer(optimizer: Any) -> Any | None:
+    import torch
+
+    for _ in range(3):  # (a wrapper of a wrapper at most)
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if optimizer is None:
+            return None
+    return None

@@ -10,11 +10,11 @@ group.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
-from runwatch.producer.wire.schema import MemoryStats, WireFloat, WireModel, WireTime
+from runwatch.producer.wire.schema import MemoryStats, UpdateSkipped, WireFloat, WireModel, WireTime
 
 SLOWEST_LISTED = 4  # the slowest ranks a partial names, with their work time
 
@@ -54,7 +54,7 @@ class StepPartial(WireModel):
     samples_sum: WireFloat | None = None
     tokens_sum: WireFloat | None = None
     nonfinite_sum: int | None = None
-    update_skipped: Literal["nonfinite", "grad_spike"] | None = None  # any rank's guard skipped the update
+    update_skipped: UpdateSkipped | None = None  # any rank's guard skipped the update
     memory_max_bytes: int | None = None
     memory_max_rank: int | None = None
     memory_max: MemoryStats | None = None  # the memory figures of the rank using the most

@@ -155,6 +155,10 @@ class MemoryStats(WireModel):
     device_total: int | None = None  # CUDA device capacity: the limit allocated/reserved grow towards
 
 
+# Why the trainer's step guard skipped an update (StepEvent.update_skipped)
+UpdateSkipped = Literal["nonfinite", "grad_spike"]
+
+
 class StepEvent(EventBase):
     kind: Literal["step"] = "step"
     step: int = Field(ge=0)
@@ -186,7 +190,7 @@ class StepEvent(EventBase):
     compute_s: WireFloat | None = Field(default=None, ge=0)
     # The trainer's step guard skipped this step's update before it landed (instrument/guard.py): its
     # gradient was not finite, or its norm an outlier of the recent band. Absent: the update was applied.
-    update_skipped: Literal["nonfinite", "grad_spike"] | None = None
+    update_skipped: UpdateSkipped | None = None
     # A rollback's LR scale in force in this step's update (held in every step, then returned to 1:
     # publish/lr_hold.py); absent at 1.
     lr_scale: WireFloat | None = Field(default=None, gt=0, le=1)
