@@ -8,8 +8,9 @@ noise the robust spread (MAD) of its changes from one eval to the next, around t
 widens steadily as the training set is learnt is a trend, not noise). Once the typical gap is a *stable
 positive* one (at least ``min_gap`` and ``stable_noises`` noise units above zero), an eval is *closed*
 when the gap is down to ``1 - min_close`` of its typical level or below zero (inverted), by
-``z_threshold`` noise units, while the validation loss is at a new best (a gap that closes because the
-training loss rose, an LR restart or a loss rise, is not a leak). ``patience`` closed evals in a row make
+``z_threshold`` noise units, while the validation loss is at a new best and fell, since the last eval
+learnt, by at least half of the gap's fall (a gap that closes because the training loss rose, an LR restart, a loss rise, harder
+augmentation switched on, is not a leak). ``patience`` closed evals in a row make
 one finding naming the split; closed evals stay out of the history.
 """
 
@@ -57,6 +58,7 @@ class _Split:
     def __init__(self, window: int) -> None:
         self.gaps: deque[float] = deque(maxlen=window)
         self.best_val = math.inf
+        self.last_val: float | None = None  # log val loss at the last eval learnt into the history
         self.streak = 0
         self.since: int | None = None
         self.fired = False
@@ -95,13 +97,17 @@ class ValTrainGapDetector(Detector):
         split.best_val = min(split.best_val, val)
         if len(split.gaps) < cfg.min_evals:
             split.gaps.append(gap)
+            split.last_val = math.log(val)
             return []
         typical = statistics.median(split.gaps)
         noise = self._noise(split.gaps)
         stable = typical >= math.log1p(cfg.min_gap) and typical >= cfg.stable_noises * noise
         closed = gap <= typical * (1 - cfg.min_close) and typical - gap >= cfg.z_threshold * noise
-        if not (stable and closed and new_best):
+        # most of the closing is the validation loss falling, not the training loss rising
+        val_fell = split.last_val is not None and split.last_val - math.log(val) >= (typical - gap) / 2
+        if not (stable and closed and new_best and val_fell):
             split.gaps.append(gap)
+            split.last_val = math.log(val)
             split.streak, split.since, split.fired = 0, None, False
             return []
         if split.streak == 0:
