@@ -9,8 +9,8 @@ widens steadily as the training set is learnt is a trend, not noise). Once the t
 positive* one (at least ``min_gap`` and ``stable_noises`` noise units above zero), an eval is *closed*
 when the gap is down to ``1 - min_close`` of its typical level or below zero (inverted), by
 ``z_threshold`` noise units, while the validation loss is at a new best and fell, since the last eval
-learnt, by at least half of the gap's fall (a gap that closes because the training loss rose, an LR restart, a loss rise, harder
-augmentation switched on, is not a leak). ``patience`` closed evals in a row make
+learnt, by at least half of the gap's fall (a gap that closes because the training loss rose, an LR
+restart, a loss rise, harder augmentation switched on, is not a leak). ``patience`` closed evals in a row make
 one finding naming the split; closed evals stay out of the history.
 """
 
