@@ -8,7 +8,8 @@ time, the data wait, memory, one category, a NaN, modules frozen, the weights sh
 category's eval loss, the gap of a second eval split to the train loss; the validation loss worsens
 earlier, from step 100; at the end the steps stop while the heartbeats go on: a stall); a
 cross-rank detector on a seeded three-rank stream in lockstep (every rank's events, and each joined
-step's record from a real ``StepJoin``) where one rank becomes a straggler at step 200 and another hangs at the end,
+step's record from a real ``StepJoin``) where one rank becomes a straggler at step 200 and another
+hangs at the end,
 its peers waiting for it in the gradient synchronisation:
 
 - nothing during the warm-up (the first 20 steps);
