@@ -81,6 +81,14 @@ def test_delays_meet_the_targets(default_evaluation, corpus):
         if s.fault in ("loss_spike", "grad_norm_spike"):
             assert s.delay_steps <= 1, s
     assert results["throughput_halved_cnn"].delay_steps <= 30
+    # issue 37's shapes: each named within 60 steps of its onset
+    for name in (
+        "frozen_modules_mlp",
+        "weight_decay_x100_mlp",
+        "eval_category_shuffled_labels_mlp",
+        "val_leak_mlp",
+    ):
+        assert results[name].correct_detector and results[name].delay_steps <= 60, results[name]
     for name in ("stall_hang_train", "stall_dataload_hang"):
         steps = [e for e in corpus.events[name] if isinstance(e, StepEvent)]
         intervals = sorted(

@@ -148,4 +148,8 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
         "straggler",
         "hung_rank",
         "baseline_trajectory",
+        "frozen_modules",
+        "param_norm_drift",
+        "eval_category_divergence",
+        "val_train_gap",
     }

@@ -4,10 +4,12 @@
 Each detector is driven as the monitor drives its view: a rank or joined-view detector on one
 seeded single-rank stream that is healthy for 200 steps and then goes wrong in every way those
 detectors look for (a loss spike that stays, one module's gradient, the update size, the step
-time, the data wait, memory, one category, a NaN; the validation loss worsens earlier, from step
-100; at the end the steps stop while the heartbeats go on: a stall); a cross-rank detector on a
-seeded three-rank stream in lockstep (every rank's events, and each joined step's record from a
-real ``StepJoin``) where one rank becomes a straggler at step 200 and another hangs at the end,
+time, the data wait, memory, one category, a NaN, modules frozen, the weights shrinking, one
+category's eval loss, the gap of a second eval split to the train loss; the validation loss worsens
+earlier, from step 100; at the end the steps stop while the heartbeats go on: a stall); a
+cross-rank detector on a seeded three-rank stream in lockstep (every rank's events, and each joined
+step's record from a real ``StepJoin``) where one rank becomes a straggler at step 200 and another
+hangs at the end,
 its peers waiting for it in the gradient synchronisation:
 
 - nothing during the warm-up (the first 20 steps);
@@ -69,6 +71,7 @@ def stream(seed: int = 0) -> list:
         modules = {f"layer{i}": 0.3 * math.exp(rng.gauss(0, 0.05)) for i in range(4)}
         if bad:
             modules["layer2"] *= 40
+            modules["layer3"] = 0.0  # frozen
         t += timedelta(seconds=step_time)
         events.append(
             StepEvent(
@@ -79,7 +82,7 @@ def stream(seed: int = 0) -> list:
                 loss=math.nan if step == STEPS - 5 else loss,
                 grad_norm=math.sqrt(sum(v * v for v in modules.values())),
                 module_grad_norms=modules,
-                param_norm=50.0,
+                param_norm=50.0 * math.exp(-0.002 * max(0, step - ONSET)),  # weights shrinking
                 update_norm=0.05 * (30 if bad else 1) * noise,
                 relative_update_norm=1e-3 * (30 if bad else 1) * noise,
                 lr=[1e-3],
@@ -103,7 +106,18 @@ def stream(seed: int = 0) -> list:
             )
         if step % 20 == 19:
             val = 1.2 * (1 + 0.5 * max(0, step - 100) / 40)  # overfits from step 100
-            events.append(EvalEvent(run_id="conf", step=step, ts=t, event_id=f"e{step}", loss=val))
+            cats = {c: {"loss": val * (1 + 0.1 * i), "count": 64.0} for i, c in enumerate("abcd")}
+            if bad:
+                cats["d"]["loss"] *= 2  # one category's eval loss doubles
+            events.append(
+                EvalEvent(run_id="conf", step=step, ts=t, event_id=f"e{step}", loss=val, per_category=cats)
+            )
+            # a second split a stable 30% above the healthy train loss, falling; from ONSET it leaks into
+            # training: its loss falls 5x, under the train loss
+            test = 1.3 * 2.0 * math.exp(-step / 300) * (0.2 if bad else 1.0)
+            events.append(
+                EvalEvent(run_id="conf", step=step, ts=t, event_id=f"t{step}", split="test", loss=test)
+            )
     for beat in range(1, 25):  # the steps stop, the heartbeats go on: a stall
         ts = t + timedelta(seconds=1.25 * beat)
         events.append(
@@ -252,6 +266,10 @@ EXPECTED = {
     "memory_growth",
     "category_divergence",
     "val_vs_train",
+    "frozen_modules",
+    "param_norm_drift",
+    "eval_category_divergence",
+    "val_train_gap",
     "stall",
     "straggler",
     "hung_rank",
@@ -299,7 +317,9 @@ ACK = next(i for i, e in enumerate(REPLAYED) if e.event_id == "ack")
 STEP_INDEXED = [
     s
     for s in SPECS
-    if s.name in EXPECTED - {"val_vs_train", "non_finite"} and not s.episodic and s.view != "cross_rank"
+    if s.name in EXPECTED - {"val_vs_train", "non_finite", "eval_category_divergence", "val_train_gap"}
+    and not s.episodic
+    and s.view != "cross_rank"
 ]
 
 

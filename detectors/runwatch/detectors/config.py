@@ -37,17 +37,21 @@ from runwatch.detectors.baselines.compare import BaselineConfig as BaselineConfi
 from runwatch.detectors.category import CategoryConfig as CategoryConfig  # noqa: E402
 from runwatch.detectors.data_wait import DataWaitConfig as DataWaitConfig  # noqa: E402
 from runwatch.detectors.engine.recovery import RecoveryConfig as RecoveryConfig  # noqa: E402
+from runwatch.detectors.eval_category import EvalCategoryConfig as EvalCategoryConfig  # noqa: E402
+from runwatch.detectors.frozen_modules import FrozenModulesConfig as FrozenModulesConfig  # noqa: E402
 from runwatch.detectors.generalization import GeneralizationConfig as GeneralizationConfig  # noqa: E402
 from runwatch.detectors.hung_rank import HungRankConfig as HungRankConfig  # noqa: E402
 from runwatch.detectors.memory_growth import MemoryConfig as MemoryConfig  # noqa: E402
 from runwatch.detectors.module_grad import ModuleGradConfig as ModuleGradConfig  # noqa: E402
 from runwatch.detectors.nonfinite import NonFiniteConfig as NonFiniteConfig  # noqa: E402
+from runwatch.detectors.param_norm import ParamNormConfig as ParamNormConfig  # noqa: E402
 from runwatch.detectors.skipped_updates import SkippedUpdatesConfig as SkippedUpdatesConfig  # noqa: E402
 from runwatch.detectors.spike import SpikeConfig as SpikeConfig  # noqa: E402
 from runwatch.detectors.stall import StallConfig as StallConfig  # noqa: E402
 from runwatch.detectors.straggler import StragglerConfig as StragglerConfig  # noqa: E402
 from runwatch.detectors.throughput import ThroughputConfig as ThroughputConfig  # noqa: E402
 from runwatch.detectors.update_ratio import UpdateRatioConfig as UpdateRatioConfig  # noqa: E402
+from runwatch.detectors.val_train_gap import ValTrainGapConfig as ValTrainGapConfig  # noqa: E402
 
 
 def detectors_config_model() -> type[Strict]:

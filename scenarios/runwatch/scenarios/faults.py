@@ -447,3 +447,120 @@ class Stall(FaultInjector):
         self.run.mark_onset()
         advance(self.seconds)  # hung: the heartbeats go on, no step completes
         return "interrupted"
+
+
+@dataclass
+class FrozenModules(FaultInjector):
+    """At the onset the parameters of ``modules`` stop training (``requires_grad_(False)``, as a fine-tuning
+    script that freezes a backbone at the wrong step does): their gradients are gone, the Watcher reports
+    0.0 for them, the rest of the model trains on. ``unfreeze_at`` (a fraction of the run; healthy twins):
+    they are frozen from step 0 and unfrozen there instead (gradual unfreezing, by design)."""
+
+    kind: ClassVar[str] = "frozen_modules"
+    modules: tuple[str, ...]
+    unfreeze_at: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        module = self.modules[0] if self.unfreeze_at is None else None
+        return {**super().describe(), "module": module, "kind": "frozen" if module else None}
+
+    def _set(self, trainable: bool) -> None:
+        named = dict(self.run.model.named_modules())
+        for name in self.modules:
+            for p in named[name].parameters():
+                p.requires_grad_(trainable)
+
+    def start(self, run: FaultRun) -> None:
+        super().start(run)
+        if self.unfreeze_at is not None:
+            self._set(False)
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.unfreeze_at is not None:
+            if step == int(round(self.unfreeze_at * self.run.steps)):
+                self._set(True)
+        elif self.at_onset(step):
+            self._set(False)
+
+
+@dataclass
+class GradualUnfreezing(FrozenModules):
+    """Healthy: ``modules`` frozen from step 0 and unfrozen at ``unfreeze_at`` of the run, by design."""
+
+    kind: ClassVar[str] = "healthy"
+
+
+@dataclass
+class WeightDecayJump(FaultInjector):
+    """From the onset AdamW's weight decay is ``factor`` times the configured one (a config read in the
+    wrong units, a resumed optimizer state with another run's decay): the weights shrink step by step,
+    the loss rises slowly, no single step looks wrong."""
+
+    kind: ClassVar[str] = "param_norm_drift"
+    factor: float
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "kind": "falling" if self.factor > 1 else "rising",
+            "magnitude": self.factor,
+        }
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.at_onset(step):
+            for g in optimizer.param_groups:
+                g["weight_decay"] = g["weight_decay"] * self.factor
+
+
+@dataclass
+class CategoryLabelShuffle(FaultInjector):
+    """From the onset the training labels of ``category`` are shuffled (uniformly random classes: a join on
+    the wrong key for that source); the evaluation, on clean labels, sees that category's loss rise."""
+
+    kind: ClassVar[str] = "eval_category_divergence"
+    category: str
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "category": self.category}
+
+    def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
+        if not self.active(step):
+            return batch
+        assert task is not None
+        hit = batch.cat == task.names.index(self.category)
+        g = torch.Generator().manual_seed(step * 13 + 5)
+        shuffled = torch.randint(0, task.classes, batch.y.shape, generator=g)
+        return Batch(batch.x, torch.where(hit, shuffled, batch.y), batch.cat, batch.tokens)
+
+
+@dataclass
+class ValidationLeak(FaultInjector):
+    """From the onset a ``share`` of every training batch is drawn from the validation set (``val_size``
+    examples, the one the evals score): the model learns the validation examples and the validation loss
+    comes out better than it should, closing the gap to the training loss."""
+
+    kind: ClassVar[str] = "val_train_gap"
+    share: float = 0.5
+    val_size: int = 256
+    split: str = "val"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "leak", "magnitude": self.share}
+
+    def label_fields(self) -> dict[str, Any]:
+        return {**super().label_fields(), "split": self.split}
+
+    def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
+        if not self.active(step):
+            return batch
+        assert task is not None
+        if not hasattr(self, "_val"):
+            self._val = task.validation(self.val_size)
+        n = batch.x.shape[0]
+        k = int(round(self.share * n))
+        g = torch.Generator().manual_seed(step * 17 + 3)
+        idx = torch.randint(0, self._val.x.shape[0], (k,), generator=g)
+        x = torch.cat([self._val.x[idx], batch.x[k:]])
+        y = torch.cat([self._val.y[idx], batch.y[k:]])
+        cat = torch.cat([self._val.cat[idx], batch.cat[k:]])
+        return Batch(x, y, cat, batch.tokens)

@@ -30,7 +30,7 @@ from runwatch.producer.wire.schema import Anomaly, TelemetryEvent
 
 LABELS_FILE = "labels.json"
 # Which evidence key of a finding must equal which label field, where the label has it.
-MATCHED_ATTRIBUTES = ("module", "category", "kind", "phase")
+MATCHED_ATTRIBUTES = ("module", "category", "kind", "phase", "split")
 
 
 class ScenarioLabel(BaseModel):
@@ -45,6 +45,7 @@ class ScenarioLabel(BaseModel):
     category: str | None = None
     kind: str | None = None
     phase: str | None = None
+    split: str | None = None  # the eval split at fault (a validation leak)
     steps: int | None = None
 
     @property

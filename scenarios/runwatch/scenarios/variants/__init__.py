@@ -6,11 +6,14 @@ from __future__ import annotations
 from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.variants import (
     category,
+    frozen,
     generalization,
     learning_rate,
     loss_rise,
     memory,
     throughput,
+    val_leak,
+    weight_decay,
 )
 
 HARDER_VARIANTS: tuple[Scenario, ...] = (
@@ -20,4 +23,7 @@ HARDER_VARIANTS: tuple[Scenario, ...] = (
     *category.VARIANTS,
     *learning_rate.VARIANTS,
     *loss_rise.VARIANTS,
+    *frozen.VARIANTS,
+    *weight_decay.VARIANTS,
+    *val_leak.VARIANTS,
 )
