@@ -26,6 +26,8 @@ from runwatch.producer.wire.schema import UpdateSkipped as SkipReason  # re-expo
 
 __all__ = ["GuardOptions", "SkipReason", "StepGuard"]
 
+MEDIAN_EVERY = 10
+
 
 @dataclass(frozen=True)
 class GuardOptions:
@@ -55,7 +57,8 @@ class StepGuard:
     def __init__(self, options: GuardOptions | None = None):
         self.options = options or GuardOptions()
         self._norms: deque[float] = deque(maxlen=self.options.window)
-        self._median: float | None = None  # of _norms, recomputed when they change
+        self._median: float | None = None  # of _norms, recomputed every MEDIAN_EVERY accepted norms
+        self._stale = 0
         self._spikes_in_a_row = 0
         self.skipped: dict[SkipReason, int] = {"nonfinite": 0, "grad_spike": 0}
         self.in_a_row = 0  # updates skipped in a row, whatever the reason
@@ -71,7 +74,9 @@ class StepGuard:
         self._spikes_in_a_row = 0
         self.in_a_row = 0
         self._norms.append(grad_norm)
-        self._median = None
+        self._stale += 1
+        if self._stale >= MEDIAN_EVERY:  # (the band moves slowly: its median is not re-sorted every step)
+            self._median = None
         return None
 
     @property
@@ -80,7 +85,7 @@ class StepGuard:
         if len(self._norms) < self.options.warmup:
             return None
         if self._median is None:
-            self._median = statistics.median(self._norms)
+            self._median, self._stale = statistics.median(self._norms), 0
         return self._median * self.options.spike_ratio
 
     def _skip(self, reason: SkipReason) -> SkipReason:

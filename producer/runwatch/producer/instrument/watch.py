@@ -265,10 +265,8 @@ class Watcher:
         """The guard's verdict on this step's gradient (one small read from the device: the norm and the
         count of non-finite tensors). A skip with an optimizer takes its gradients away, so that its
         ``step()`` leaves every parameter and its state as they were."""
-        import torch
-
         assert self.guard is not None
-        norm, nonfinite = torch.cat([grad.figures[-1:], grad.nonfinite.to(grad.figures.dtype)]).tolist()
+        norm, nonfinite = grad.figures[-1].item(), grad.nonfinite.item()  # (on CUDA the first one syncs)
         reason = self.guard.judge(norm, nonfinite)
         if reason is None:
             return None
