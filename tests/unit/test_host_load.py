@@ -329,8 +329,9 @@ SAT = {"load1": 6.5, "process_cpu_frac": 0.4, "cpu_wait_frac": 0.6}
             "run",
             None,
         ),
-        # the host explains a part (x1.25) but leaves x1.6 unexplained: the run's, beyond min_change
-        (SAT, {"load1": 7.0, "process_cpu_frac": 0.32, "cpu_wait_frac": 0.68}, 2.0, "run", "cpu_wait"),
+        # the saturated host explains a part (x1.25) but leaves x1.6 unexplained: its cause is unknown, not
+        # the run's (issue 37: CPU wait on a saturated host was blamed on the run 7 times in 19)
+        (SAT, {"load1": 7.0, "process_cpu_frac": 0.32, "cpu_wait_frac": 0.68}, 2.0, "unknown", "cpu_wait"),
         # the hypervisor took half the CPUs
         ({"steal_frac": 0.0}, {"steal_frac": 0.5}, 1.9, "contention", "steal"),
         # only the load is known: the fair share of 2 CPUs at a load of 6.5, then 9.0
@@ -568,3 +569,17 @@ def test_the_worker_stamps_detected_at_with_its_clock_and_the_monitor_does_not()
     assert [a.model_dump_json(exclude={"detected_at"}) for a in online] == [
         a.model_dump_json(exclude={"detected_at"}) for a in offline
     ]  # (NaN values: compared as JSON)
+
+
+def test_a_saturated_host_that_explains_part_of_a_slowdown_leaves_its_cause_unknown_not_the_run():
+    """Issue 37: on a saturated host whose only evidence is CPU wait, not enough to explain all of the
+    slowdown, the cause is "unknown (host saturated)", never the run's."""
+    from runwatch.detectors.host_load import contention
+
+    before = {"load1": 4.0, "cpus": 2, "process_cpu_frac": 0.6, "cpu_wait_frac": 0.5}
+    now = {"load1": 4.2, "cpus": 2, "process_cpu_frac": 0.45, "cpu_wait_frac": 0.7}  # x1.33 of CPU lost
+    verdict = contention({"before": before, "now": now}, slowdown=2.0, tolerance=0.3)
+    assert verdict is not None and verdict["cause"] == "unknown" and verdict["saturated_now"]
+    calm = {"load1": 0.5, "cpus": 2, "process_cpu_frac": 0.95, "cpu_wait_frac": 0.02}
+    quiet = {"load1": 0.6, "cpus": 2, "process_cpu_frac": 0.5, "cpu_wait_frac": 0.03}  # it sleeps: its own
+    assert contention({"before": calm, "now": quiet}, slowdown=2.0, tolerance=0.3)["cause"] == "run"

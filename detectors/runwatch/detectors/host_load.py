@@ -83,6 +83,9 @@ SATURATED_STEAL = 0.1
 SATURATED_CPU_WAIT = 0.25
 LOST_TO_WAIT = 0.5  # of the CPU share this process lost, the part that must have gone to waiting for a CPU
 MIN_EXPLAINED = 0.5  # of a slowdown's rise, the part the host must explain for contention
+# On a saturated host, CPU time lost to waiting for a CPU or to steal (as a slowdown factor) from which a
+# slowdown the host does not fully explain is not blamed on the run: its cause is unknown (issue 37)
+MIN_LOST_TO_HOST = 1.1
 
 _SHARES = ("steal_frac", "process_cpu_frac", "cpu_wait_frac")
 
@@ -193,8 +196,9 @@ def explained_slowdown(before: dict[str, Any], now: dict[str, Any]) -> dict[str,
 
 def contention(evidence: dict[str, Any] | None, slowdown: float, tolerance: float) -> dict[str, Any] | None:
     """Whether the host explains a slowdown by ``slowdown`` (after over before), leaving less than
-    ``tolerance`` (relative) unexplained (module doc): ``{"cause": "contention" | "run", "explained",
-    "factors", "slowdown", "saturated_before", "saturated_now"}``; None with no comparable figures."""
+    ``tolerance`` (relative) unexplained (module doc): ``{"cause": "contention" | "unknown" | "run",
+    "explained", "factors", "slowdown", "saturated_before", "saturated_now"}``; None with no comparable
+    figures."""
     if not evidence or evidence.get("before") is None or evidence.get("now") is None:
         return None
     before, now = evidence["before"], evidence["now"]
@@ -203,8 +207,13 @@ def contention(evidence: dict[str, Any] | None, slowdown: float, tolerance: floa
     factors = explained_slowdown(before, now)
     explained = max(factors.values(), default=1.0)
     shared = explained - 1 >= MIN_EXPLAINED * (slowdown - 1) and slowdown / explained < 1 + tolerance
+    # On a saturated host where the run measurably lost CPU time to it (waiting for a CPU, or stolen) but
+    # not all of the slowdown is explained, the rest cannot be told apart from the host's noise: the cause
+    # is unknown, not the run (issue 37). A run whose CPU share did not drop is still the run's own.
+    lost = max((factors[k] for k in ("cpu_wait", "steal") if k in factors), default=1.0)
+    unknown = not shared and bool(saturated(now)) and lost >= MIN_LOST_TO_HOST
     return {
-        "cause": "contention" if shared else "run",
+        "cause": "contention" if shared else "unknown" if unknown else "run",
         "explained": explained,
         "factors": factors,
         "slowdown": slowdown,

@@ -39,6 +39,9 @@ share of the CPUs the load leaves it), and the finding says which in ``evidence[
 
 - ``"run"``: the host does not explain it (leaves more than ``min_change`` unexplained): the run's own
   slowdown, a warning, also on a saturated host;
+- ``"unknown"``: the host is saturated now and took some CPU time from the run (CPU wait, steal, load), but
+  not enough to explain all of the slowdown: a warning whose message begins "cause unknown (host
+  saturated): ", never blamed on the run (what is left may be the host's noise);
 - ``"contention"`` on a host that was not saturated before the onset (a neighbour arrived): a warning whose
   message begins "contention: ";
 - ``"contention"`` on a host saturated before and after the onset: severity ``info`` (no alarm; the default
@@ -302,6 +305,12 @@ class ThroughputDetector(HostLoadAttributed):
         explained = describe_contention(verdict, host) if verdict["factors"] else ""
         if verdict["cause"] == "run":
             return replace(finding, message=finding.message + explained, evidence=evidence)
+        if verdict["cause"] == "unknown":  # a slowdown still (a warning), but not the run's to answer for
+            return replace(
+                finding,
+                message="cause unknown (host saturated): " + finding.message + explained,
+                evidence=evidence,
+            )
         message = finding.message + explained
         if not (verdict["saturated_before"] and verdict["saturated_now"]):
             return replace(finding, message="contention: " + message, evidence=evidence)  # a neighbour came
