@@ -57,7 +57,8 @@ def test_a_swapped_optimizer_is_warned_once_and_marks_the_steps_from_then_on(cap
 
 def test_a_loop_that_zeroes_gradients_before_end_step_is_still_seen():
     steps = watched_loop(swap_at=20, zero_after=True)
-    assert [s.step for s in steps if s.instrumentation == MARK] == list(range(20 + NOT_STEPPING_STEPS - 1, 30))
+    marked = [s.step for s in steps if s.instrumentation == MARK]
+    assert marked == list(range(20 + NOT_STEPPING_STEPS - 1, 30))
 
 
 def test_watching_the_new_optimizer_clears_it(caplog):

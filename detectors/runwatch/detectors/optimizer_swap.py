@@ -50,16 +50,17 @@ class OptimizerSwapDetector(Detector):
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent):
             return []
-        if event.grad_norm is not None:
+        marked = event.instrumentation == MARK
+        if event.grad_norm is not None and not marked:
             self.with_grad += 1
             self.gap, self.gap_since, self.fired = 0, None, False
             return []
-        if self.gap == 0:
-            self.gap_since = event.step
-        self.gap += 1
+        if event.grad_norm is None:
+            if self.gap == 0:
+                self.gap_since = event.step
+            self.gap += 1
         if self.fired:
             return []
-        marked = event.instrumentation == MARK
         warmed = self.with_grad >= self.config.warmup
         if not (marked or (warmed and self.gap >= self.config.patience)):
             return []
