@@ -258,7 +258,7 @@ class Watcher:
         call per backward; none where this torch lacks post-accumulate-grad hooks."""
         for p in self.layout.params:
             if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                return [p.register_post_accumulate_grad_hook(self._mark_backward)]
+                return [p.register_post_accumulate_grad_hook(self._mark_backward)]  # type: ignore[no-untyped-call] # torch leaves it unannotated
         return []
 
     def _mark_backward(self, _param: Any) -> None:
