@@ -87,6 +87,7 @@ def test_delays_meet_the_targets(default_evaluation, corpus):
         "weight_decay_x100_mlp",
         "eval_category_shuffled_labels_mlp",
         "val_leak_mlp",
+        "optimizer_swap_mlp",
     ):
         assert results[name].correct_detector and results[name].delay_steps <= 60, results[name]
     for name in ("stall_hang_train", "stall_dataload_hang"):

@@ -134,6 +134,7 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
     assert set(data["detectors"]) == {
         "non_finite",
         "skipped_updates",
+        "optimizer_swap",
         "loss_spike",
         "grad_norm_spike",
         "module_grad_explosion",

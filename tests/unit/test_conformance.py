@@ -5,7 +5,8 @@ Each detector is driven as the monitor drives its view: a rank or joined-view de
 seeded single-rank stream that is healthy for 200 steps and then goes wrong in every way those
 detectors look for (a loss spike that stays, one module's gradient, the update size, the step
 time, the data wait, memory, one category, a NaN, modules frozen, the weights shrinking, one
-category's eval loss, the gap of a second eval split to the train loss; the validation loss worsens
+category's eval loss, the gap of a second eval split to the train loss, the producer's mark of an
+optimizer that no longer steps; the validation loss worsens
 earlier, from step 100; at the end the steps stop while the heartbeats go on: a stall); a
 cross-rank detector on a seeded three-rank stream in lockstep (every rank's events, and each joined
 step's record from a real ``StepJoin``) where one rank becomes a straggler at step 200 and another
@@ -83,6 +84,8 @@ def stream(seed: int = 0) -> list:
                 grad_norm=math.sqrt(sum(v * v for v in modules.values())),
                 module_grad_norms=modules,
                 param_norm=50.0 * math.exp(-0.002 * max(0, step - ONSET)),  # weights shrinking
+                # the producer says its optimizer no longer steps (replaced without rw.watch)
+                instrumentation="optimizer_not_stepping" if step >= ONSET + 2 else None,
                 update_norm=0.05 * (30 if bad else 1) * noise,
                 relative_update_norm=1e-3 * (30 if bad else 1) * noise,
                 lr=[1e-3],
@@ -270,6 +273,7 @@ EXPECTED = {
     "param_norm_drift",
     "eval_category_divergence",
     "val_train_gap",
+    "optimizer_swap",
     "stall",
     "straggler",
     "hung_rank",

@@ -44,6 +44,7 @@ from runwatch.detectors.hung_rank import HungRankConfig as HungRankConfig  # noq
 from runwatch.detectors.memory_growth import MemoryConfig as MemoryConfig  # noqa: E402
 from runwatch.detectors.module_grad import ModuleGradConfig as ModuleGradConfig  # noqa: E402
 from runwatch.detectors.nonfinite import NonFiniteConfig as NonFiniteConfig  # noqa: E402
+from runwatch.detectors.optimizer_swap import OptimizerSwapConfig as OptimizerSwapConfig  # noqa: E402
 from runwatch.detectors.param_norm import ParamNormConfig as ParamNormConfig  # noqa: E402
 from runwatch.detectors.skipped_updates import SkippedUpdatesConfig as SkippedUpdatesConfig  # noqa: E402
 from runwatch.detectors.spike import SpikeConfig as SpikeConfig  # noqa: E402

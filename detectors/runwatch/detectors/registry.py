@@ -84,6 +84,7 @@ POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers", "action_un
 BUILTIN_MODULES = (
     "runwatch.detectors.nonfinite",
     "runwatch.detectors.skipped_updates",
+    "runwatch.detectors.optimizer_swap",
     "runwatch.detectors.spike",
     "runwatch.detectors.module_grad",
     "runwatch.detectors.frozen_modules",

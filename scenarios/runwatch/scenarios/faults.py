@@ -77,6 +77,10 @@ class FaultInjector:
     def corrupt(self, task: Task | None, batch: Batch, step: int) -> Batch:
         return batch
 
+    def optimizer(self, step: int, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop steps from this step on (a fault may replace it)."""
+        return optimizer
+
     def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         pass
 
@@ -510,6 +514,27 @@ class WeightDecayJump(FaultInjector):
         if self.at_onset(step):
             for g in optimizer.param_groups:
                 g["weight_decay"] = g["weight_decay"] * self.factor
+
+
+@dataclass
+class OptimizerSwap(FaultInjector):
+    """At the onset the loop replaces its AdamW with a new one (same hyperparameters, the LR of the moment,
+    fresh state: a "reset the optimizer" step of a fine-tuning script) without calling ``rw.watch`` again.
+    Training goes on, unwatched: the watcher's hooks are on the old optimizer, whose LR the scheduler still
+    moves and the step events still report."""
+
+    kind: ClassVar[str] = "optimizer_swap"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": "optimizer_swap"}
+
+    def optimizer(self, step: int, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not self.at_onset(step):
+            return optimizer
+        group = optimizer.param_groups[0]
+        return torch.optim.AdamW(
+            self.run.model.parameters(), lr=float(group["lr"]), weight_decay=float(group["weight_decay"])
+        )
 
 
 @dataclass

@@ -105,7 +105,7 @@ def _run(
     onset = sc.onset_step(quick)
     task = make_task(sc)
     model = task.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.01)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(sc, s, n))
     memory = ScenarioMemory(model)
     swings = HostSwings.for_scenario(sc.extra)  # host RSS that comes and goes around evals and checkpoints
@@ -172,6 +172,7 @@ def _run(
     if clock.simulated:
         watch.heartbeat.beat()  # the first beat, before any step, as the thread would send it
     for step, batch in watch.data(loader()):
+        optimizer = fault.optimizer(step, optimizer)  # (a fault may replace it: rw.watch is not told)
         fault.before_step(step, optimizer)
         logits = fault.forward(model, batch.x, step)
         per_sample = task.per_sample_loss(logits, batch.y)

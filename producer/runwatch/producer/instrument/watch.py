@@ -93,6 +93,10 @@ OFF_STEP_PHASES = frozenset({"eval", "checkpoint", "idle"})
 MEMORY_INTERVAL_S = 0.1
 # CUDA: steps whose device-to-host copy may still be under way before end_step waits for the oldest.
 MAX_PENDING_COPIES = 4
+# Steps in a row with a backward but no step of the watched optimizer before step events say
+# ``instrumentation="optimizer_not_stepping"`` (issue 37): more than a GradScaler overflow skips (one
+# step, then the scale is lower), so that is not taken for an optimizer the loop replaced.
+NOT_STEPPING_STEPS = 3
 
 
 @dataclass
@@ -203,6 +207,13 @@ class Watcher:
         self._lr_hold = LRHold.of(optimizer) if optimizer is not None else None  # (None: no step hooks)
         self._lr_scale = 1.0
         self._hook_handles: list[Any] = self._register_hooks(optimizer) if hooks else []
+        # Whether the watched optimizer stepped (its pre-hook ran) and a backward reached the model since
+        # the last end_step, and how many steps in a row it did not step although there was a backward.
+        self._stepped = False
+        self._backward = False
+        self._not_stepping = 0
+        if self._hook_handles:
+            self._hook_handles.extend(self._backward_marker())
         if self.heartbeat and clock is None:
             self.heartbeat.start()
         self.clock.start()
@@ -241,6 +252,18 @@ class Watcher:
             optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_optimizer_step()),
         ]
 
+    def _backward_marker(self) -> list[Any]:
+        """A hook on the first trainable parameter that notes a backward reached the model: a loop that
+        zeroes the gradients (``set_to_none``) before ``end_step`` leaves none to see there. One Python
+        call per backward; none where this torch lacks post-accumulate-grad hooks."""
+        for p in self.layout.params:
+            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                return [p.register_post_accumulate_grad_hook(self._mark_backward)]  # type: ignore[no-untyped-call] # torch leaves it unannotated
+        return []
+
+    def _mark_backward(self, _param: Any) -> None:
+        self._backward = True
+
     # -- the three calls around a step ----------------------------------------------------
 
     def before_optimizer_step(self) -> None:
@@ -249,6 +272,7 @@ class Watcher:
             self._before_optimizer_step()
 
     def _before_optimizer_step(self) -> None:
+        self._stepped = True
         self._lr = self._current_lr()  # a scheduler may step before end_step
         if self._lr_hold is not None:
             self._lr_scale = self._lr_hold.scale
@@ -354,6 +378,8 @@ class Watcher:
             fields["memory"] = memory
         if self.layout.sharded:
             fields["grad_sharded"] = True
+        if self._optimizer_not_stepping(step):
+            fields["instrumentation"] = "optimizer_not_stepping"
 
         packing = StepPacking()
         pending = _PendingStep(
@@ -368,6 +394,34 @@ class Watcher:
             packing.add("category_loss", category_loss.packed())
 
         self._ship(pending)
+
+    def _optimizer_not_stepping(self, step: int) -> bool:
+        """Whether the optimizer given to ``rw.watch`` has not stepped for ``NOT_STEPPING_STEPS`` steps in a
+        row while the model had gradients: the loop most likely replaced it (a new optimizer has none of
+        the watcher's hooks, so gradient, weight and update figures are gone and the LR read is the old
+        one's). Warns once; the step events say so until the watched optimizer steps again. Only with the
+        watcher's own hooks (``hooks=False``: the caller or a framework drives the two calls)."""
+        stepped, backward = self._stepped, self._backward
+        self._stepped = self._backward = False
+        if not self._hook_handles:
+            return False
+        if stepped:
+            if self._not_stepping >= NOT_STEPPING_STEPS:
+                log.warning("runwatch: step %d: the watched optimizer steps again", step)
+            self._not_stepping = 0
+            return False
+        if not backward and not any(p.grad is not None for p in self.layout.params):
+            return self._not_stepping >= NOT_STEPPING_STEPS  # no backward this step: no new evidence
+        self._not_stepping += 1
+        if self._not_stepping == NOT_STEPPING_STEPS:
+            log.warning(
+                "runwatch: step %d: the optimizer given to rw.watch has not stepped for %d steps while the "
+                "model has gradients: a new optimizer? call rw.watch(model, new_optimizer) (step events "
+                "carry no gradient, weight or update figures, and the LR reported is the old optimizer's)",
+                step,
+                self._not_stepping,
+            )
+        return self._not_stepping >= NOT_STEPPING_STEPS
 
     def _add_rates(
         self, fields: dict[str, Any], step_time: float, samples: int | None, tokens: int | None

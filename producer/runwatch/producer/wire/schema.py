@@ -157,6 +157,8 @@ class MemoryStats(WireModel):
 
 # Why the trainer's step guard skipped an update (StepEvent.update_skipped)
 UpdateSkipped = Literal["nonfinite", "grad_spike"]
+# What is wrong with the producer's own instrumentation (StepEvent.instrumentation)
+Instrumentation = Literal["optimizer_not_stepping"]
 
 
 class StepEvent(EventBase):
@@ -194,6 +196,11 @@ class StepEvent(EventBase):
     # A rollback's LR scale in force in this step's update (held in every step, then returned to 1:
     # publish/lr_hold.py); absent at 1.
     lr_scale: WireFloat | None = Field(default=None, gt=0, le=1)
+    # The watcher's instrumentation has lost its hold on the run. ``optimizer_not_stepping``: the
+    # optimizer given to rw.watch has not stepped for 3+ steps in a row while the model had gradients
+    # (the loop most likely replaced it without calling rw.watch again): the step carries no gradient,
+    # weight or update figures, and its LR is the old optimizer's. Absent: instrumented as watched.
+    instrumentation: Instrumentation | None = None
 
 
 class EvalEvent(EventBase):

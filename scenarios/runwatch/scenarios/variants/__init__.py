@@ -11,6 +11,7 @@ from runwatch.scenarios.variants import (
     learning_rate,
     loss_rise,
     memory,
+    optimizer_swap,
     throughput,
     val_leak,
     weight_decay,
@@ -26,4 +27,5 @@ HARDER_VARIANTS: tuple[Scenario, ...] = (
     *frozen.VARIANTS,
     *weight_decay.VARIANTS,
     *val_leak.VARIANTS,
+    *optimizer_swap.VARIANTS,
 )
