@@ -277,6 +277,56 @@ def test_lightning_callback_matches_plain_loop(broker, plain, tmp_path):
     _check_framework_step_times(got)
 
 
+@needs_lightning
+def test_lightning_callback_guard_skips_a_nan_batch_before_it_lands(broker, tmp_path):
+    """Issue 37: the callback's step guard runs in on_before_optimizer_step, inside optimizer.step(closure):
+    a NaN batch's update is skipped there, the weights never hold a NaN, and the step event says so."""
+    import lightning.pytorch as pl
+
+    from runwatch.producer.integrations.lightning import RunWatchCallback
+
+    class TinyModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    x, y = _data(STEPS * ACCUMULATE * BATCH, seed=1)
+    nan_step = 12  # the callback numbers optimizer steps from 1: its batches are 22 and 23
+    x[(nan_step - 1) * ACCUMULATE * BATCH, 0] = float("nan")
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    run_id = f"lightning-guard-{uuid.uuid4().hex[:8]}"
+    rw = RunWatch(run_id, broker.bootstrap)
+    module = TinyModule()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RunWatchCallback(rw, heartbeat_s=HEARTBEAT_S)],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, train)
+    rw.close()
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    steps = [e for e in _read_run(broker.bootstrap, run_id) if e.kind == "step"]
+    assert [(s.step, s.update_skipped) for s in steps if s.update_skipped] == [(nan_step, "nonfinite")]
+    assert all(math.isfinite(s.loss) for s in steps if s.step != nan_step)
+
+
 @needs_hf
 def test_hf_callback_matches_plain_loop(broker, plain, tmp_path):
     from transformers import Trainer, TrainingArguments
