@@ -3,11 +3,13 @@ category's mean, computed on the device, carried through the cross-rank join and
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import math
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import torch
 
+from runwatch.detectors.category import CategoryConfig, CategoryDivergenceDetector
 from runwatch.detectors.engine.step_partial import joined_fields, merge, partial_of
 from runwatch.producer.instrument.categories import TAIL_QUANTILE, category_loss
 from runwatch.producer.wire.group_report import StepPartial
@@ -149,3 +151,71 @@ def test_a_rank_without_the_spread_leaves_the_category_without_it():
     joined = joined_fields("r", merged)["category_loss"]
     assert joined["a"].sumsq is None and joined["a"].count == 4
     assert joined["b"].tail_count is not None
+
+
+# -- the detector's spread test ---------------------------------------------------------------------------
+
+NAMES = ["en", "de", "fr", "pt"]
+SHARE = [0.5, 0.25, 0.17, 0.08]
+
+
+def spread_run(
+    fault: str | None, onset: int = 200, steps: int = 320, seed: int = 5, learn_until: int = 10**6
+) -> list[StepEvent]:
+    """A CNN-like run through the real ``category_loss``: three categories learn (their loss falls), 'pt'
+    stays near chance with a wide per-sample spread (gamma, CV 0.7). ``fault``: 'labels' (from ``onset``
+    a share of 'pt' growing to 21% over 100 steps scores like a wrong label, 3.5-4) or 'run' (every
+    category 1.3x from ``onset``, as an LR bump)."""
+    torch.manual_seed(seed)
+    gamma = torch.distributions.Gamma(torch.tensor(2.0), torch.tensor(2.0))
+    out = []
+    for step in range(steps):
+        cat = torch.multinomial(torch.tensor(SHARE), 64, replacement=True)
+        learnt = 0.3 + 1.5 * math.exp(-min(step, learn_until) / 120)
+        losses = torch.tensor([learnt, learnt * 1.1, learnt * 1.2, 1.7])[cat] * gamma.sample((64,))
+        if fault == "labels" and step >= onset:
+            share = 0.21 * min(1.0, (step - onset + 1) / 100)
+            wrong = (cat == 3) & (torch.rand(64) < share)
+            losses = torch.where(wrong, 3.5 + 0.5 * torch.rand(64), losses)
+        if fault == "run" and step >= onset:
+            losses = losses * 1.3
+        cats = category_loss(losses, cat, names=NAMES).resolve()
+        ts = T0 + timedelta(seconds=step)
+        out.append(StepEvent(run_id="r", step=step, ts=ts, loss=float(losses.mean()), category_loss=cats))
+    return out
+
+
+def findings(events: list[StepEvent], **config: object) -> list:
+    det = CategoryDivergenceDetector(CategoryConfig(**config))
+    return [f for e in events for f in det.update(e, e.ts)]
+
+
+def test_a_near_chance_category_whose_tail_grows_is_named():
+    run = spread_run("labels")
+    found = findings(run)
+    assert found, "not found"
+    f = found[0]
+    assert f.evidence["category"] == "pt" and "'pt'" in f.message
+    assert f.evidence["test"] == "spread" and f.severity == "warning"
+    assert f.step > 200 and f.evidence["onset_step"] >= 200
+    assert f.evidence["tail_share"] > f.evidence["typical_tail_share"]
+    assert f.evidence["cusum"] >= f.evidence["cusum_threshold"]
+    # without the spread on the wire (an older producer), or with the test off, the mean test alone
+    # does not find it: the wrong labels move the near-chance category's mean 1.2-1.4x
+    bare = [
+        e.model_copy(
+            update={
+                "category_loss": {
+                    k: CategoryLoss(mean=c.mean, count=c.count) for k, c in e.category_loss.items()
+                }
+            }
+        )
+        for e in run
+    ]
+    assert findings(bare) == []
+    assert findings(run, spread=False) == []
+
+
+def test_healthy_runs_with_a_near_chance_category_stay_quiet():
+    for seed in (5, 6, 7, 8, 9):
+        assert findings(spread_run(None, seed=seed)) == []
