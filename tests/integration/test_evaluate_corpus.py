@@ -88,6 +88,7 @@ def test_delays_meet_the_targets(default_evaluation, corpus):
         "eval_category_shuffled_labels_mlp",
         "val_leak_mlp",
         "optimizer_swap_mlp",
+        "category_near_chance_cnn",  # the spread test (sumsq, tail_count): 51 steps
     ):
         assert results[name].correct_detector and results[name].delay_steps <= 60, results[name]
     for name in ("stall_hang_train", "stall_dataload_hang"):

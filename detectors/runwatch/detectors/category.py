@@ -15,6 +15,20 @@ relative level reaches ``min_ratio``; ``patience`` such observations in a row ma
 history does not learn from a diverging observation (a slow divergence must not become the new
 normal), except when the other categories moved too: when the median of their ratios is up as
 well, the categories' balance moved as a whole and every category learns the new level.
+
+A second, slower test (issue 37, item 5) reads the category's spread where the step carries it
+(``CategoryLoss.sumsq`` and ``tail_count``): a category near chance loss whose wrong labels move its
+mean 1.2-1.4x, within the drift of its level relative to the others. Its samples are pooled into
+observations of ``spread_count``; each gives the category's own mean loss as a z against its own
+typical level (raised with the run's mean loss where that rose above its typical) in units of its
+typical per-sample spread (``sqrt(sumsq / count - mean**2)``, so the scale is the samples', not the
+drift of the observations). A CUSUM of that z less ``spread_allowance``
+adds up while the category is also up relative to the run's mean loss (``spread_min_ratio``) and the
+median of the other categories' latest z stays under 1 (a run-wide rise is not one category's); the
+finding needs the CUSUM at ``spread_threshold`` and the category's share of its samples above the
+batch's 90th percentile since the CUSUM started at a binomial z of ``spread_tail_z`` above its typical
+share (its samples crowd the batch's worst tenth). The typical levels (rolling medians of
+``spread_window`` observations) learn only while the CUSUM is near zero.
 """
 
 from __future__ import annotations
@@ -56,6 +70,30 @@ class CategoryConfig(Strict):
         description="samples pooled, across steps if need be, into one observation of a category",
     )
     cooldown_steps: int = Field(default=100, ge=0)
+    spread: bool = Field(
+        default=True, description="the second test, on the category's spread (sumsq, tail_count)"
+    )
+    spread_count: int = Field(
+        default=48, ge=8, description="samples pooled into one observation of the spread test"
+    )
+    spread_window: int = Field(
+        default=30, ge=8, description="observations of history for the spread test's typical levels"
+    )
+    spread_warmup: int = Field(default=10, ge=4, description="observations before the spread test judges")
+    spread_allowance: float = Field(
+        default=1.0, gt=0, description="z the spread test's CUSUM subtracts per observation"
+    )
+    spread_threshold: float = Field(
+        default=7.0, gt=0, description="the spread test's CUSUM of the category's own-level z"
+    )
+    spread_min_ratio: float = Field(
+        default=1.1,
+        ge=1.0,
+        description="the category's loss relative to the mean, over its typical, to add up",
+    )
+    spread_tail_z: float = Field(
+        default=2.0, gt=0, description="binomial z of the category's tail share over its typical share"
+    )
 
 
 NAME = "category_divergence"
@@ -64,6 +102,54 @@ MIN_SCALE = 0.02  # floor on the robust scale (log units): a nearly constant los
 # relative noise and hides a real divergence; losses are offset by this fraction of the run's
 # typical mean loss before the log.
 LOSS_FLOOR_FRACTION = 0.25
+# The spread test (module doc): its scale is at least this fraction of the category's level (a category
+# whose samples all score alike is not a hair trigger); the others' median z under this lets a category's
+# own-level evidence add up (above it, the run moved, not the category); a typical tail share is held
+# this far from 0 and 1 (a binomial z needs both sides).
+SPREAD_MIN_SIGMA = 0.05
+SPREAD_OTHERS_Z = 1.0
+SPREAD_MIN_SHARE = 0.02
+
+
+class _Spread:
+    """One category's state in the spread test."""
+
+    __slots__ = (
+        "cusum",
+        "last_z",
+        "level",
+        "onset_step",
+        "pool",
+        "relative",
+        "run_mean",
+        "seen",
+        "sigma",
+        "tail_count",
+        "tail_n",
+        "tail_share",
+    )
+
+    def __init__(self, window: int):
+        self.level = RollingQuantiles(window)  # the category's own mean loss per observation
+        self.sigma = RollingQuantiles(window)  # its per-sample standard deviation
+        self.relative = RollingQuantiles(window)  # log loss relative to the run's mean (offset by the floor)
+        self.tail_share = RollingQuantiles(window)  # its samples' share above the batch's 90th percentile
+        self.run_mean = RollingQuantiles(window)  # the run's mean loss over the same observations
+        self.seen = 0
+        self.pool = [0.0, 0.0, 0.0, 0.0, 0.0]  # count, sum, sum of squares, tail count, run mean x count
+        self.cusum = 0.0
+        self.last_z: float | None = None
+        self.onset_step: int | None = None
+        self.tail_n = 0  # samples and tail samples since the CUSUM left zero
+        self.tail_count = 0
+
+    def learn(self, mean: float, sigma: float, x: float, share: float, run_mean: float) -> None:
+        self.level.update(mean)
+        self.run_mean.update(run_mean)
+        self.sigma.update(sigma)
+        self.relative.update(x)
+        self.tail_share.update(share)
+        self.seen += 1
 
 
 class _Category:
@@ -128,6 +214,8 @@ class CategoryDivergenceDetector(Detector):
         # ratio = exp(x - median) reaches min_ratio only if x - median reaches about log(min_ratio); the
         # margin covers exp's rounding, so this prefilter never skips an observation that diverges.
         self._log_min_ratio = math.log(config.min_ratio) - 1e-9
+        self._spread: dict[str, _Spread] = {}
+        self._log_spread_ratio = math.log(config.spread_min_ratio)
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or not event.category_loss:
@@ -196,7 +284,137 @@ class CategoryDivergenceDetector(Detector):
                 continue
             cat.cooldown.start(event.step, cfg.cooldown_steps)
             found.append(self._finding(event, name, cat, x, pooled_mean, z, ratio, others_ratio, mean_ratio))
+        if cfg.spread and mean_loss is not None:
+            found.extend(self._spread_test(event, mean_loss, floor, {f.evidence["category"] for f in found}))
         return found
+
+    def _spread_test(
+        self, event: StepEvent, mean_loss: float, floor: float, named: set[str]
+    ) -> list[Finding]:
+        """The second test (module doc): a category's own level, in units of its per-sample spread, rising
+        with its share of the batch's tail."""
+        cfg = self.config
+        found: list[Finding] = []
+        spreads = self._spread
+        for name, loss in event.category_loss.items():
+            count, mean, sumsq, tail = loss.count, loss.mean, loss.sumsq, loss.tail_count
+            if (
+                sumsq is None
+                or tail is None
+                or count <= 0
+                or not (0.0 <= mean < math.inf and 0.0 <= sumsq < math.inf)
+            ):
+                continue
+            sp = spreads.get(name)
+            if sp is None:
+                sp = spreads[name] = _Spread(cfg.spread_window)
+            pool = sp.pool
+            pool[0] += count
+            pool[1] += mean * count
+            pool[2] += sumsq
+            pool[3] += tail
+            pool[4] += mean_loss * count
+            if pool[0] < cfg.spread_count:
+                continue
+            n, total, squares, tails, means = pool
+            sp.pool = [0.0, 0.0, 0.0, 0.0, 0.0]
+            m = total / n
+            sigma = math.sqrt(max(squares / n - m * m, 0.0))
+            pooled_mean = means / n
+            x = math.log(m + floor) - math.log(pooled_mean + floor)
+            share = tails / n
+            if sp.seen < cfg.spread_warmup:
+                sp.learn(m, sigma, x, share, pooled_mean)
+                continue
+            # the category's typical level, raised with the run's mean loss where that rose (a run-wide
+            # rise is not the category's; a falling run mean, the others learning, does not lower it)
+            typical_run = sp.run_mean.median()
+            level = sp.level.median() * max(1.0, pooled_mean / typical_run if typical_run > 0 else 1.0)
+            scale = max(sp.sigma.median(), SPREAD_MIN_SIGMA * level, 1e-12) / math.sqrt(n)
+            z = (m - level) / scale
+            sp.last_z = z
+            others = [o.last_z for k, o in spreads.items() if k != name and o.last_z is not None]
+            others_z = statistics.median(others) if others else math.inf
+            step_z = z - cfg.spread_allowance
+            if not (x - sp.relative.median() >= self._log_spread_ratio and others_z < SPREAD_OTHERS_Z):
+                step_z = min(step_z, 0.0)
+            had = sp.cusum
+            sp.cusum = max(0.0, had + step_z)
+            if sp.cusum > 0 and had == 0:
+                sp.onset_step, sp.tail_n, sp.tail_count = event.step, 0, 0
+            if sp.cusum > 0:
+                sp.tail_n += int(round(n))
+                sp.tail_count += int(round(tails))
+                typical_share = min(max(sp.tail_share.median(), SPREAD_MIN_SHARE), 1 - SPREAD_MIN_SHARE)
+                tail_share = sp.tail_count / sp.tail_n
+                tail_z = (tail_share - typical_share) / math.sqrt(
+                    typical_share * (1 - typical_share) / sp.tail_n
+                )
+                cat = self._categories.get(name)
+                if (
+                    sp.cusum >= cfg.spread_threshold
+                    and tail_z >= cfg.spread_tail_z
+                    and name not in named
+                    and cat is not None
+                    and not cat.cooldown.active(event.step)
+                ):
+                    cat.cooldown.start(event.step, cfg.cooldown_steps)
+                    found.append(
+                        self._spread_finding(
+                            event, name, sp, m, level, z, others_z, tail_share, typical_share, tail_z
+                        )
+                    )
+            if sp.cusum <= cfg.spread_allowance:
+                sp.learn(m, sigma, x, share, pooled_mean)
+        return found
+
+    def _spread_finding(
+        self,
+        event: StepEvent,
+        name: str,
+        sp: _Spread,
+        loss: float,
+        typical: float,
+        z: float,
+        others_z: float,
+        tail_share: float,
+        typical_share: float,
+        tail_z: float,
+    ) -> Finding:
+        cfg = self.config
+        sigma = sp.sigma.median()
+        return Finding(
+            detector=NAME,
+            metric=f"category_loss.{name}",
+            step=event.step,
+            rank=event.rank,
+            severity="warning",
+            message=(
+                f"category {name!r} loss creeping up: {loss:.4g} against its typical {typical:.4g} "
+                f"({z:.1f} standard errors of its per-sample spread {sigma:.3g}; evidence since step "
+                f"{sp.onset_step} adds up to {sp.cusum:.1f}), and {100 * tail_share:.0f}% of its samples are "
+                f"among the batch's worst tenth against a typical {100 * typical_share:.0f}% "
+                f"(z {tail_z:.1f}), "
+                f"while the other categories are at a median z of {others_z:.1f}"
+            ),
+            value=loss,
+            threshold=typical,
+            score=sp.cusum,
+            evidence={
+                "category": name,
+                "test": "spread",
+                "typical_loss": typical,
+                "sigma": sigma,
+                "robust_z": z,
+                "cusum": sp.cusum,
+                "cusum_threshold": cfg.spread_threshold,
+                "tail_share": tail_share,
+                "typical_tail_share": typical_share,
+                "tail_z": tail_z,
+                "others_median_z": others_z,
+                "onset_step": sp.onset_step,
+            },
+        )
 
     def _observe_mean(self, event: StepEvent) -> tuple[float | None, float | None, float]:
         """Learn the step's mean loss: ``(mean loss, its ratio to its typical level before this step, the

@@ -77,6 +77,8 @@ def partial_of(
     norms: dict[str, list[float]] = {}
     modules: dict[str, list[float]] = {}
     categories: dict[str, list[float]] = {}
+    spread: dict[str, list[float]] = {}  # [sum of sumsq, tail count] of the ranks that sent them
+    unspread: set[str] = set()  # categories some rank sent without their spread
     clip = wait = st_max = st_min = c_max = c_min = samples = tokens = None
     st_rank = c_rank = None
     st_best: float | None = None
@@ -121,6 +123,12 @@ def partial_of(
                 acc = categories.setdefault(name, [0.0, 0])
                 acc[0] += category.mean * category.count
                 acc[1] += category.count
+                if category.sumsq is None or category.tail_count is None:
+                    unspread.add(name)
+                else:
+                    sp = spread.setdefault(name, [0.0, 0])
+                    sp[0] += category.sumsq
+                    sp[1] += category.tail_count
         clip = _lo(clip, e.clip_ratio)
         wait = _hi(wait, e.data_wait_s)
         st = e.step_time_s
@@ -168,6 +176,7 @@ def partial_of(
         norms={name: (acc[0], acc[1]) for name, acc in norms.items()},
         modules={name: (acc[0], acc[1]) for name, acc in modules.items()},
         categories={name: (acc[0], int(acc[1])) for name, acc in categories.items()},
+        category_spread={name: (acc[0], int(acc[1])) for name, acc in spread.items() if name not in unspread},
         clip_ratio_min=clip,
         data_wait_max=wait,
         step_time_max=st_max,
@@ -229,6 +238,17 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
             had_c = categories.get(category, (0.0, 0))
             categories[category] = (had_c[0] + losses, had_c[1] + n)
     out["categories"] = categories
+    # a category's spread is known when every part that saw the category knew it
+    spreads: dict[str, tuple[float, int]] = {}
+    unspread: set[str] = set()
+    for p in parts:
+        for category in p.categories:
+            if category not in p.category_spread:
+                unspread.add(category)
+        for category, (squares, tail) in p.category_spread.items():
+            had_s = spreads.get(category, (0.0, 0))
+            spreads[category] = (had_s[0] + squares, had_s[1] + tail)
+    out["category_spread"] = {c: v for c, v in spreads.items() if c not in unspread}
     out["clip_ratio_min"] = _fold(_lo, (p.clip_ratio_min for p in parts))
     out["data_wait_max"] = _fold(_hi, (p.data_wait_max for p in parts))
     for figure in ("step_time", "compute"):
@@ -306,7 +326,7 @@ def joined_fields(run_id: str, partial: StepPartial) -> dict[str, Any]:
         "update_norm": norm(norms.get("update_norm")),
         "module_grad_norms": {name: norm(value) for name, value in partial.modules.items()},
         "category_loss": {
-            name: CategoryLoss.model_construct(mean=total / count, count=int(count))
+            name: _joined_category(total, count, partial.category_spread.get(name))
             for name, (total, count) in partial.categories.items()
             if count > 0
         },
@@ -363,4 +383,12 @@ def joined_record(
         tokens_per_s=partial.tokens_sum,
         late_events=late,
         duplicate_events=duplicates,
+    )
+
+
+def _joined_category(total: float, count: int, spread: tuple[float, int] | None) -> CategoryLoss:
+    if spread is None:
+        return CategoryLoss.model_construct(mean=total / count, count=int(count))
+    return CategoryLoss.model_construct(
+        mean=total / count, count=int(count), sumsq=spread[0], tail_count=int(spread[1])
     )

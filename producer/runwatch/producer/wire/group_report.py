@@ -43,6 +43,9 @@ class StepPartial(WireModel):
     norms: dict[str, tuple[WireFloat, WireFloat]] = Field(default_factory=dict)
     modules: dict[str, tuple[WireFloat, WireFloat]] = Field(default_factory=dict)  # the same per module
     categories: dict[str, tuple[WireFloat, int]] = Field(default_factory=dict)  # [sum of losses, count]
+    # per category whose every reporting rank sent its spread (CategoryLoss.sumsq, tail_count; issue 37):
+    # [sum of sumsq, sum of tail counts]; absent for a category any rank sent without it
+    category_spread: dict[str, tuple[WireFloat, int]] = Field(default_factory=dict)
     clip_ratio_min: WireFloat | None = None
     data_wait_max: WireFloat | None = None
     step_time_max: WireFloat | None = None

@@ -137,8 +137,15 @@ class RunStartEvent(EventBase):
 
 
 class CategoryLoss(WireModel):
+    """One category's loss in a step or eval. Optional spread (``category_loss`` fills both, issue 37):
+    ``sumsq``, the count times the category's weighted mean of squared per-sample losses (without
+    weights, their plain sum of squares: ``sumsq / count - mean**2`` is the variance, and sums merge
+    across ranks); ``tail_count``, its samples above the batch's 90th percentile of per-sample loss."""
+
     mean: WireFloat
     count: int = Field(ge=0)
+    sumsq: WireFloat | None = None
+    tail_count: int | None = Field(default=None, ge=0)
 
 
 class MemoryStats(WireModel):

@@ -1,9 +1,10 @@
 """Harder corpus variants: one category's training labels shuffled from some step, seen only in the
-evaluation's per-category loss (issue 37), and its healthy twin."""
+evaluation's per-category loss (issue 37), and its healthy twin; a category already near chance loss
+whose wrong labels move its mean little but its tail a lot (issue 37, item 5), and its healthy twin."""
 
 from __future__ import annotations
 
-from runwatch.scenarios.faults import CategoryLabelShuffle, Healthy
+from runwatch.scenarios.faults import CategoryDivergence, CategoryLabelShuffle, Healthy
 from runwatch.scenarios.scenario import Scenario
 
 VARIANTS: tuple[Scenario, ...] = (
@@ -33,5 +34,31 @@ VARIANTS: tuple[Scenario, ...] = (
         schedule="constant",
         lr=1e-3,
         benign=("per_category_eval_noise", "eval", "checkpoint"),
+    ),
+    Scenario(
+        "category_near_chance_cnn",
+        CategoryDivergence("pt", share=0.21),
+        "cnn",
+        "From the onset a growing share (up to 21% after 100 steps) of the images of source 'pt' (8% of "
+        "the data, the noisiest source: its loss sits near chance) carry wrong labels (a fixed "
+        "permutation): its mean moves 1.2-1.4x, within its own drift, but its samples crowd the batch's "
+        "worst tenth.",
+        steps=400,
+        onset=0.5,
+        seed=62,
+        step_time_s=0.3,
+        quick_steps=300,
+    ),
+    Scenario(
+        "healthy_categories_cnn",
+        Healthy(),
+        "cnn",
+        "The healthy twin of category_near_chance_cnn: the same CNN run with its noisy, near-chance "
+        "source 'pt' learning slower than the others and drifting against them, nothing injected.",
+        steps=400,
+        seed=62,
+        step_time_s=0.3,
+        quick_steps=300,
+        benign=("hard_category", "checkpoint", "eval"),
     ),
 )
