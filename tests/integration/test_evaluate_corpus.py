@@ -88,8 +88,11 @@ def test_delays_meet_the_targets(default_evaluation, corpus):
         "eval_category_shuffled_labels_mlp",
         "val_leak_mlp",
         "optimizer_swap_mlp",
+        "activation_growth_mlp",
     ):
         assert results[name].correct_detector and results[name].delay_steps <= 60, results[name]
+    # dead units: found at the first activation sample after the onset (activations_every = 5)
+    assert results["dead_units_mlp"].correct_detector and results["dead_units_mlp"].delay_steps <= 5
     for name in ("stall_hang_train", "stall_dataload_hang"):
         steps = [e for e in corpus.events[name] if isinstance(e, StepEvent)]
         intervals = sorted(

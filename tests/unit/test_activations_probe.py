@@ -11,7 +11,6 @@ from torch import nn
 
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.wire.schema import StepEvent, WireLimits, _check_step
-
 from tests.unit.test_instrumentation import RecordingPublisher
 
 

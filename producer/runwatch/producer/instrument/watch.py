@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from runwatch.producer.instrument.activations import ActivationProbe, activation_stats
 from runwatch.producer.instrument.categories import CategoryLossBatch
 from runwatch.producer.instrument.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
 from runwatch.producer.instrument.gradstats import (
@@ -75,7 +76,6 @@ from runwatch.producer.instrument.guard import GuardOptions, SkipReason, StepGua
 from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.producer.instrument.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
-from runwatch.producer.instrument.activations import ActivationProbe, activation_stats
 from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.publish.lr_hold import LRHold
 from runwatch.producer.wire.schema import CategoryLoss
