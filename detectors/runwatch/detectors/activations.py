@@ -7,8 +7,8 @@ negative, a bad init or an LR jump. Found at the first sampled step with it (wit
 ``activations_every`` steps of the onset). A module zero that often from the start (sparse by design) is
 never judged; one that comes back below ``dead_level`` re-arms.
 
-Growth: a module's output RMS at least ``growth`` (1.4x) its own level of ``lag`` samples earlier (the
-median of ``window`` samples ending there) for ``patience`` samples in a row, each above the one before:
+Growth: a module's output RMS (the median of its last 3 samples) at least ``growth`` (1.4x) its own level
+of ``lag`` samples earlier (the median of ``window`` samples ending there) for ``patience`` samples in a row:
 an output compounding step by step (a residual branch without a norm, a gain parameter running away),
 named long before it reaches the loss. Its level is learnt only after ``warmup`` samples (LR warm-up, the
 early growth of a fresh init), so growth is judged from ``warmup + window + lag`` samples on; a module
@@ -36,7 +36,7 @@ class ActivationsConfig(Strict):
     """Dead units and runaway output growth of one module, from the producer's activation samples."""
 
     enabled: bool = True
-    warmup: int = Field(default=20, ge=2, description="activation samples of a module before it is judged")
+    warmup: int = Field(default=30, ge=2, description="activation samples of a module before it is judged")
     dead_frac: float = Field(
         default=0.9, gt=0, le=1, description="fraction of exactly-zero outputs that makes a module dead"
     )
@@ -46,10 +46,11 @@ class ActivationsConfig(Strict):
     growth: float = Field(default=1.4, gt=1, description="output RMS over its own level of lag samples ago")
     window: int = Field(default=6, ge=1, description="samples whose median is a module's level")
     lag: int = Field(default=8, ge=1, description="samples between the level and the value compared with it")
-    patience: int = Field(default=2, ge=1, description="samples in a row above growth x level, each rising")
+    patience: int = Field(default=2, ge=1, description="samples in a row with the RMS above growth x level")
 
 
 NAME = "activations"
+RECENT = 3  # samples whose median is a module's current output RMS
 
 
 class _Module:
@@ -59,7 +60,7 @@ class _Module:
         self.samples = 0
         self.zero_fracs: deque[float] = deque(maxlen=keep)
         self.log_rms: deque[float] = deque(maxlen=keep)
-        self.rising = 0  # samples in a row above growth x level, each above the one before
+        self.rising = 0  # samples in a row whose recent RMS is above growth x level
         self.dead = False
         self.grown = False
 
@@ -122,27 +123,28 @@ class ActivationsDetector(Detector):
         if module.samples < c.warmup:
             return None  # the level is learnt after the warm-up only: early growth is training's
         history = module.log_rms
-        previous = history[-1] if history else None
         history.append(log_rms)
         if len(history) < self._keep:
             return None
-        level = statistics.median(list(history)[: c.window])
-        above = log_rms - level >= math.log(c.growth)
+        values = list(history)
+        level = statistics.median(values[: c.window])
+        now = statistics.median(values[-RECENT:])  # one noisy sample is not growth
+        above = now - level >= math.log(c.growth)
         if module.grown:
             if not above:
                 module.grown, module.rising = False, 0
             return None
-        module.rising = module.rising + 1 if above and previous is not None and log_rms > previous else 0
+        module.rising = module.rising + 1 if above else 0
         if module.rising < c.patience:
             return None
         module.grown = True
-        ratio = math.exp(log_rms - level)
+        ratio = math.exp(now - level)
         return self._finding(
             event,
             name,
             "growth",
-            f"module {name}: output RMS {math.exp(log_rms):.4g} is {ratio:.2f}x its level of {c.lag} samples "
-            f"earlier and rising for {c.patience} samples",
+            f"module {name}: output RMS {math.exp(now):.4g} (median of the last {RECENT} samples) is "
+            f"{ratio:.2f}x its level of {c.lag} samples earlier, for {c.patience} samples in a row",
             ratio,
             c.growth,
             {"rms": math.exp(log_rms), "level_rms": math.exp(level), "ratio": ratio},
