@@ -14,7 +14,8 @@ named long before it reaches the loss. Its level is learnt only after ``warmup``
 early growth of a fresh init), so growth is judged from ``warmup + window + lag`` samples on; a module
 fires once until its output falls back to its level.
 
-Rank view: each rank's outputs are its own (the cross-rank join does not carry them).
+Joined view: the cross-rank join gives per module the root mean square of the ranks' RMS and the largest
+zero fraction (a layer dead on one rank is dead), so a run gets one finding per module.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ register(
         name=NAME,
         config=ActivationsConfig,
         build=lambda d: ActivationsDetector(d.activations),
-        view="rank",
+        view="joined",
         knob="growth",
         summary="one module's dead units (outputs exactly 0) or runaway output growth, named",
     )

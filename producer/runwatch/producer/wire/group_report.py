@@ -43,6 +43,9 @@ class StepPartial(WireModel):
     norms: dict[str, tuple[WireFloat, WireFloat]] = Field(default_factory=dict)
     modules: dict[str, tuple[WireFloat, WireFloat]] = Field(default_factory=dict)  # the same per module
     categories: dict[str, tuple[WireFloat, int]] = Field(default_factory=dict)  # [sum of losses, count]
+    # per module of module_activations: [sum of rms squared, ranks, largest zero_frac]; joined as the
+    # root mean square of the ranks' rms and the largest zero fraction
+    activations: dict[str, tuple[WireFloat, int, WireFloat]] = Field(default_factory=dict)
     clip_ratio_min: WireFloat | None = None
     data_wait_max: WireFloat | None = None
     step_time_max: WireFloat | None = None
