@@ -133,6 +133,11 @@ class Watcher:
     ``shard``: the parameters this rank owns in a sharded model (see the module doc); with it,
     ``clip`` is refused. ``sync_timing``: time DDP's gradient sync when ``model`` is a
     ``DistributedDataParallel`` (registers a comm hook; see :mod:`runwatch.producer.instrument.ddp_timing`).
+
+    ``activations``: forward hooks on the model's leaf modules, armed every ``activations_every`` steps,
+    put each module's output RMS and zero fraction in ``module_activations``
+    (:mod:`runwatch.producer.instrument.activations`). Off by default: every step pays a Python call per
+    hooked module (docs/producer.md has the measured cost).
     """
 
     def __init__(
