@@ -111,3 +111,19 @@ def test_module_activations_are_bounded_like_module_grad_norms():
     assert "module_activations" in (_check_step(event, WireLimits(max_modules=4)) or "")
     assert _check_step(event, WireLimits(max_modules=5)) is None
     assert not math.isnan(event.module_activations["m0"].rms)
+
+
+def test_hooks_are_registered_only_for_sampled_steps():
+    torch.manual_seed(2)
+    model = Tiny()
+    pub = RecordingPublisher()
+    watch = Watcher(pub, model, None, heartbeat_s=None, memory=False, activations=True, activations_every=3)
+    hooked = []
+    for _ in range(7):
+        hooked.append(bool(model.encoder[1]._forward_hooks))  # before the step's forward
+        model(torch.randn(4, 8))
+        watch.end_step(1.0)
+    watch.close()
+    assert hooked == [True, False, False, True, False, False, True]
+    assert [bool(e.module_activations) for e in pub.steps] == hooked
+    assert not model.encoder[1]._forward_hooks
