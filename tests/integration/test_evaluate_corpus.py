@@ -89,8 +89,11 @@ def test_delays_meet_the_targets(default_evaluation, corpus):
         "val_leak_mlp",
         "optimizer_swap_mlp",
         "category_near_chance_cnn",  # the spread test (sumsq, tail_count): 51 steps
+        "activation_growth_mlp",
     ):
         assert results[name].correct_detector and results[name].delay_steps <= 60, results[name]
+    # dead units: found at the first activation sample after the onset (activations_every = 5)
+    assert results["dead_units_mlp"].correct_detector and results["dead_units_mlp"].delay_steps <= 5
     for name in ("stall_hang_train", "stall_dataload_hang"):
         steps = [e for e in corpus.events[name] if isinstance(e, StepEvent)]
         intervals = sorted(

@@ -150,6 +150,7 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
         "hung_rank",
         "baseline_trajectory",
         "frozen_modules",
+        "activations",
         "param_norm_drift",
         "eval_category_divergence",
         "val_train_gap",

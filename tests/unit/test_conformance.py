@@ -6,7 +6,7 @@ seeded single-rank stream that is healthy for 200 steps and then goes wrong in e
 detectors look for (a loss spike that stays, one module's gradient, the update size, the step
 time, the data wait, memory, one category, a NaN, modules frozen, the weights shrinking, one
 category's eval loss, the gap of a second eval split to the train loss, the producer's mark of an
-optimizer that no longer steps; the validation loss worsens
+optimizer that no longer steps, one module's units dead; the validation loss worsens
 earlier, from step 100; at the end the steps stop while the heartbeats go on: a stall); a
 cross-rank detector on a seeded three-rank stream in lockstep (every rank's events, and each joined
 step's record from a real ``StepJoin``) where one rank becomes a straggler at step 200 and another
@@ -83,6 +83,15 @@ def stream(seed: int = 0) -> list:
                 loss=math.nan if step == STEPS - 5 else loss,
                 grad_norm=math.sqrt(sum(v * v for v in modules.values())),
                 module_grad_norms=modules,
+                # every 5th step the producer's activation samples: act1's units die at the onset
+                module_activations=(
+                    {
+                        f"act{i}": {"rms": 0.5 * noise, "zero_frac": 0.95 if bad and i == 1 else 0.3}
+                        for i in range(3)
+                    }
+                    if step % 5 == 0
+                    else {}
+                ),
                 param_norm=50.0 * math.exp(-0.002 * max(0, step - ONSET)),  # weights shrinking
                 # the producer says its optimizer no longer steps (replaced without rw.watch)
                 instrumentation="optimizer_not_stepping" if step >= ONSET + 2 else None,
@@ -274,6 +283,7 @@ EXPECTED = {
     "eval_category_divergence",
     "val_train_gap",
     "optimizer_swap",
+    "activations",
     "stall",
     "straggler",
     "hung_rank",

@@ -47,6 +47,7 @@ def _event(rng: random.Random, rank: int, step: int, **extra: object) -> StepEve
         update_norm=rng.uniform(0.01, 0.1),
         module_grad_norms={"a": rng.uniform(0, 1), "b": rng.uniform(0, 1)},
         category_loss={"x": CategoryLoss(mean=rng.uniform(1, 2), count=rng.randint(1, 9))},
+        module_activations={"relu": {"rms": rng.uniform(0.5, 2), "zero_frac": rng.uniform(0.3, 0.6)}},
         step_time_s=rng.uniform(0.9, 1.1),
         compute_s=rng.uniform(0.5, 0.8),
         samples_per_s=rng.uniform(30, 40),
@@ -102,6 +103,14 @@ def test_merged_group_partials_make_the_joined_step_one_join_of_every_rank_makes
     for name in ("loss", "grad_norm", "param_norm", "update_norm", "step_time_s", "samples_per_s", "memory"):
         assert same(getattr(split.event, name), getattr(one.event, name)), name
     assert same(split.event.module_grad_norms, one.event.module_grad_norms)
+    # activations: the root mean square of the ranks' rms, the largest zero fraction
+    present = [e for e in events if e.rank not in absent]
+    for joined in (split.event, one.event):
+        relu = joined.module_activations["relu"]
+        assert relu.rms == pytest.approx(
+            math.sqrt(sum(e.module_activations["relu"].rms ** 2 for e in present) / len(present))
+        )
+        assert relu.zero_frac == max(e.module_activations["relu"].zero_frac for e in present)
     [(name, c)] = split.event.category_loss.items()
     [(name_one, c_one)] = one.event.category_loss.items()
     assert (name, c.count) == (name_one, c_one.count) and c.mean == pytest.approx(c_one.mean)

@@ -32,6 +32,7 @@ for _module in BUILTIN_MODULES + tuple(
     importlib.import_module(_module)
 
 # Re-exported from where they now live, for callers that import them from here.
+from runwatch.detectors.activations import ActivationsConfig as ActivationsConfig  # noqa: E402
 from runwatch.detectors.baseline_trajectory import BaselineTrajectoryConfig as BaselineTrajectoryConfig  # noqa: E402
 from runwatch.detectors.baselines.compare import BaselineConfig as BaselineConfig  # noqa: E402
 from runwatch.detectors.category import CategoryConfig as CategoryConfig  # noqa: E402

@@ -88,6 +88,7 @@ BUILTIN_MODULES = (
     "runwatch.detectors.spike",
     "runwatch.detectors.module_grad",
     "runwatch.detectors.frozen_modules",
+    "runwatch.detectors.activations",
     "runwatch.detectors.update_ratio",
     "runwatch.detectors.throughput",
     "runwatch.detectors.data_wait",

@@ -589,3 +589,51 @@ class ValidationLeak(FaultInjector):
         y = torch.cat([self._val.y[idx], batch.y[k:]])
         cat = torch.cat([self._val.cat[idx], batch.cat[k:]])
         return Batch(x, y, cat, batch.tokens)
+
+
+@dataclass
+class DeadUnits(FaultInjector):
+    """At the onset ``frac`` of ``layer``'s output units get a bias pushed far negative (a bad update, a
+    corrupted checkpoint shard): the activation module after it (``module``) outputs exactly 0 for them
+    from then on, and their gradient is 0, so they stay dead."""
+
+    kind: ClassVar[str] = "activations"
+    layer: str
+    module: str
+    frac: float = 0.9
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "module": self.module, "kind": "dead", "magnitude": self.frac}
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if not self.at_onset(step):
+            return
+        linear = dict(self.run.model.named_modules())[self.layer]
+        bias = cast(torch.Tensor, linear.bias)
+        units = torch.randperm(bias.numel(), generator=torch.Generator().manual_seed(self.run.seed))
+        with torch.no_grad():
+            bias[units[: math.ceil(self.frac * bias.numel())]] -= 1e3
+
+
+@dataclass
+class ActivationGrowth(FaultInjector):
+    """From the onset ``module``'s output is multiplied by ``factor`` once more every step (a gain running
+    away, a residual branch compounding): nothing in one step looks wrong."""
+
+    kind: ClassVar[str] = "activations"
+    module: str
+    factor: float = 1.01
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "module": self.module, "kind": "growth", "magnitude": self.factor}
+
+    def start(self, run: FaultRun) -> None:
+        super().start(run)
+        self._scale = 1.0
+        target = dict(run.model.named_modules())[self.module]
+        # prepend: the watcher's own hook (registered before) sees the scaled output, as the next layer does
+        target.register_forward_hook(lambda _m, _i, out: out * self._scale, prepend=True)
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.active(step):
+            self._scale = self.factor ** (step - cast(int, self.run.onset) + 1)

@@ -120,6 +120,7 @@ def _run(
         # The corpus records faults as an unguarded trainer sees them (a sharded model, guard=False):
         # the detectors are measured on the fault itself, not on what the step guard leaves of it.
         guard=False,
+        activations=True,  # every 5 steps (activations_every): the activations detector's samples
     )
     clock.bind(watch.heartbeat)
     host = SaturatedHost.for_scenario(sc)  # None unless the run shares a saturated host (heartbeats say so)

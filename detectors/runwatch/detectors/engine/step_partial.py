@@ -17,7 +17,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from runwatch.producer.wire.group_report import SLOWEST_LISTED, StepPartial
-from runwatch.producer.wire.schema import RANKS_LISTED, CategoryLoss, JoinedStep, MemoryStats, StepEvent
+from runwatch.producer.wire.schema import (
+    RANKS_LISTED,
+    ActivationStats,
+    CategoryLoss,
+    JoinedStep,
+    MemoryStats,
+    StepEvent,
+)
 from runwatch.producer.wire.schema import UpdateSkipped as SkipReason
 
 NORMS = ("grad_norm", "grad_norm_clipped", "param_norm", "update_norm")
@@ -79,6 +86,7 @@ def partial_of(
     categories: dict[str, list[float]] = {}
     spread: dict[str, list[float]] = {}  # [sum of sumsq, tail count] of the ranks that sent them
     unspread: set[str] = set()  # categories some rank sent without their spread
+    activations: dict[str, list[float]] = {}
     clip = wait = st_max = st_min = c_max = c_min = samples = tokens = None
     st_rank = c_rank = None
     st_best: float | None = None
@@ -118,6 +126,14 @@ def partial_of(
             else:
                 acc[0] += value * value
                 acc[1] = _hi(acc[1], value)  # type: ignore[assignment]
+        for name, stats in e.module_activations.items():
+            had = activations.get(name)
+            if had is None:
+                activations[name] = [stats.rms * stats.rms, 1, stats.zero_frac]
+            else:
+                had[0] += stats.rms * stats.rms
+                had[1] += 1
+                had[2] = _hi(had[2], stats.zero_frac)  # type: ignore[assignment]
         for name, category in e.category_loss.items():
             if category.count > 0:
                 acc = categories.setdefault(name, [0.0, 0])
@@ -177,6 +193,7 @@ def partial_of(
         modules={name: (acc[0], acc[1]) for name, acc in modules.items()},
         categories={name: (acc[0], int(acc[1])) for name, acc in categories.items()},
         category_spread={name: (acc[0], int(acc[1])) for name, acc in spread.items() if name not in unspread},
+        activations={name: (acc[0], int(acc[1]), acc[2]) for name, acc in activations.items()},
         clip_ratio_min=clip,
         data_wait_max=wait,
         step_time_max=st_max,
@@ -249,6 +266,15 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
             had_s = spreads.get(category, (0.0, 0))
             spreads[category] = (had_s[0] + squares, had_s[1] + tail)
     out["category_spread"] = {c: v for c, v in spreads.items() if c not in unspread}
+    activations: dict[str, tuple[float, int, float]] = {}
+    for p in parts:
+        for module, (squares, ranks, zeros) in p.activations.items():
+            had_a = activations.get(module)
+            if had_a is not None:
+                squares, ranks = had_a[0] + squares, had_a[1] + ranks
+                zeros = _hi(had_a[2], zeros)  # type: ignore[assignment] # (both present: a float)
+            activations[module] = (squares, ranks, zeros)
+    out["activations"] = activations
     out["clip_ratio_min"] = _fold(_lo, (p.clip_ratio_min for p in parts))
     out["data_wait_max"] = _fold(_hi, (p.data_wait_max for p in parts))
     for figure in ("step_time", "compute"):
@@ -325,6 +351,11 @@ def joined_fields(run_id: str, partial: StepPartial) -> dict[str, Any]:
         "param_norm": norm(norms.get("param_norm")),
         "update_norm": norm(norms.get("update_norm")),
         "module_grad_norms": {name: norm(value) for name, value in partial.modules.items()},
+        "module_activations": {
+            name: ActivationStats.model_construct(rms=math.sqrt(squares / ranks), zero_frac=zeros)
+            for name, (squares, ranks, zeros) in partial.activations.items()
+            if ranks > 0
+        },
         "category_loss": {
             name: _joined_category(total, count, partial.category_spread.get(name))
             for name, (total, count) in partial.categories.items()

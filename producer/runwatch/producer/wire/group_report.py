@@ -46,6 +46,9 @@ class StepPartial(WireModel):
     # per category whose every reporting rank sent its spread (CategoryLoss.sumsq, tail_count; issue 37):
     # [sum of sumsq, sum of tail counts]; absent for a category any rank sent without it
     category_spread: dict[str, tuple[WireFloat, int]] = Field(default_factory=dict)
+    # per module of module_activations: [sum of rms squared, ranks, largest zero_frac]; joined as the
+    # root mean square of the ranks' rms and the largest zero fraction
+    activations: dict[str, tuple[WireFloat, int, WireFloat]] = Field(default_factory=dict)
     clip_ratio_min: WireFloat | None = None
     data_wait_max: WireFloat | None = None
     step_time_max: WireFloat | None = None

@@ -148,6 +148,15 @@ class CategoryLoss(WireModel):
     tail_count: int | None = Field(default=None, ge=0)
 
 
+class ActivationStats(WireModel):
+    """One module's output on a sampled step (``rw.watch(..., activations=True)``, instrument/activations.py):
+    ``rms`` the root mean square of its entries, ``zero_frac`` the fraction exactly 0 (dead units, for a
+    ReLU-like output), over the step's training-mode forward calls."""
+
+    rms: WireFloat
+    zero_frac: WireFloat = Field(ge=0, le=1)
+
+
 class MemoryStats(WireModel):
     """Bytes. A source that is not available is absent, never zero."""
 
@@ -182,6 +191,10 @@ class StepEvent(EventBase):
     effective_lr_ratio: WireFloat | None = None
     module_grad_norms: dict[str, WireFloat] = Field(default_factory=dict)
     category_loss: dict[str, CategoryLoss] = Field(default_factory=dict)
+    # Per leaf module, on the steps the activation probe samples (every ``activations_every`` steps;
+    # absent on the others and when ``activations`` is off): its output's RMS and fraction of exact
+    # zeros. At most ``WireLimits.max_modules`` entries, like module_grad_norms.
+    module_activations: dict[str, ActivationStats] = Field(default_factory=dict)
     step_time_s: WireFloat | None = None
     data_wait_s: WireFloat | None = None
     samples_per_s: WireFloat | None = None
@@ -568,7 +581,9 @@ class WireLimits(BaseModel):
     max_depth: int = Field(default=32, ge=4, le=512, description="nesting of JSON objects and arrays")
     max_string_chars: int = Field(default=4096, ge=64, description="any one string (names, uris, ids)")
     max_id_chars: int = Field(default=256, ge=16, description="run_id and event_id")
-    max_modules: int = Field(default=10_000, ge=1, description="entries of module_grad_norms")
+    max_modules: int = Field(
+        default=10_000, ge=1, description="entries of module_grad_norms, of module_activations"
+    )
     max_categories: int = Field(default=1_000, ge=1, description="entries of category_loss / per_category")
     max_metrics: int = Field(
         default=1_000, ge=1, description="entries of lr, metrics, summary, tags, gpu_names"
@@ -643,7 +658,9 @@ def _longest_string(value: Any) -> int:
 
 # Known fields whose decoded shape is already fixed by the schema (flat maps of numbers): the
 # generic depth/string walk skips them, which keeps it off the hot path of a step event.
-_TYPED_FLAT = frozenset({"module_grad_norms", "category_loss", "memory", "lr", "metrics", "per_category"})
+_TYPED_FLAT = frozenset(
+    {"module_grad_norms", "module_activations", "category_loss", "memory", "lr", "metrics", "per_category"}
+)
 _STEP_FIELDS = frozenset(StepEvent.model_fields) - {"event_id", "run_id"}
 # A group report's body is signed JSON text, whose events are checked again when it is opened (the message
 # size bounds it)
@@ -792,6 +809,8 @@ def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
     modules, categories = event.module_grad_norms, event.category_loss
     if len(modules) > lim.max_modules:
         return f"module_grad_norms: {len(modules)} modules (limit {lim.max_modules})"
+    if len(event.module_activations) > lim.max_modules:
+        return f"module_activations: {len(event.module_activations)} modules (limit {lim.max_modules})"
     if len(categories) > lim.max_categories:
         return f"category_loss: {len(categories)} categories (limit {lim.max_categories})"
     if len(event.lr) > lim.max_metrics:

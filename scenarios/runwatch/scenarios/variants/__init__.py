@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.variants import (
+    activations,
     category,
     frozen,
     generalization,
@@ -28,4 +29,5 @@ HARDER_VARIANTS: tuple[Scenario, ...] = (
     *weight_decay.VARIANTS,
     *val_leak.VARIANTS,
     *optimizer_swap.VARIANTS,
+    *activations.VARIANTS,
 )
