@@ -4,10 +4,11 @@ watched by runwatch. Run it against `runwatch up` (in another shell):
     source .runwatch/env    # RUNWATCH_BOOTSTRAP and RUNWATCH_ACTION_PUBLIC_KEYS, as `runwatch up` printed
     python examples/quickstart.py
 
-At step 70 one batch is corrupted (a NaN in its inputs, as a bad record would): the loss goes NaN, the
-worker rolls the run back to the newest checkpoint confirmed good, at half the LR, and the loop goes
-on from there with the next batches. Then `runwatch runs`, `runwatch report quickstart-...` or the
-local page show what happened.
+At step 70 one batch is corrupted (a NaN in its inputs, as a bad record would): its loss and gradient
+are NaN, and `rw.watch`'s step guard skips that update before it lands, so the weights never hold a NaN;
+the worker sees the NaN step and alerts. (A NaN that persists, or got into the weights past the guard,
+is rolled back to the newest checkpoint confirmed good, at half the LR.) Then `runwatch runs`,
+`runwatch report quickstart-...` or the local page show what happened.
 """
 
 from __future__ import annotations

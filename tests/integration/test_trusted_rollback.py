@@ -155,8 +155,10 @@ def test_an_lr_bug_saved_in_a_checkpoint_is_rolled_back_to_the_previous_confirme
     ]
     assert action.target_checkpoint.step == 180 and action.target_checkpoint.lr == [pytest.approx(BASE_LR)]
     # the loss and grad norm of step 201 are the first computed with the bad weights (with this
-    # data the loss may only spike at 202, the grad norm at 201)
-    assert action.onset_step in (201, 202)
+    # data the loss may only spike at 202, the grad norm at 201); the step guard skips the exploding
+    # updates after the bad one (at most 3 in a row), and a spike of a skipped step is info: the critical
+    # finding may come from the steps after them
+    assert 201 <= action.onset_step <= 205
     cause = [a for a in run.anomalies(lambda got: bool(got)) if a.anomaly_id in action.anomaly_ids]
     # (the step guard skips the exploding updates after the bad one: 3 in a row are a rollback request too)
     assert cause[0].detector in ("loss_spike", "grad_norm_spike", "skipped_updates")

@@ -39,9 +39,10 @@ def test_everything_that_names_detectors_derives_from_the_registry():
         == registry.detector_for_fault()["memory_fragmentation"]
         == "memory_growth"
     )
+    # (skipped_updates reads what the trainer's guard did: the corpus records faults unguarded)
     assert set(registry.detector_for_fault().values()) == set(registry.names()) - set(
         registry.names("cross_rank")
-    )
+    ) - {"skipped_updates"}
 
 
 def test_the_documented_table_lists_every_detector():

@@ -83,6 +83,7 @@ register(
         config=SkippedUpdatesConfig,
         build=lambda d: SkippedUpdates(d.skipped_updates),
         view="rank",
+        faults=(),  # no corpus fault: the corpus records faults unguarded (scenarios/.../training.py)
         summary=(
             "updates the trainer's step guard skipped: info at the first, critical (a rollback request) "
             "after rollback_after in a row"
