@@ -94,27 +94,50 @@ class ScenarioMemory:
 
 
 class HostSwings:
-    """Host memory a CPU run takes around its evals and checkpoints and gives back, for the healthy
-    scenarios with RSS swings (``extra["rss_swing_mib"]``; without it every hook does nothing): anonymous
-    mappings really touched, so the measured host RSS moves by their size, and unmapped, so it really
-    comes back.
+    """Host memory a CPU run takes around its evals and checkpoints, for the healthy scenarios with RSS
+    swings (``extra["rss_swing_mib"]``, ``extra["rss_ratchet_mib"]``; without them every hook does
+    nothing): anonymous mappings really touched, so the measured host RSS moves by their size, and
+    unmapped where the memory is given back, so it really comes back.
 
-    After each eval ``mib`` MiB of eval buffers stay mapped for ``hold`` steps. A data cache of ``mib``
-    MiB is filled over the first ``refill`` steps, dropped at each checkpoint and refilled over the
-    ``refill`` steps after it: the RSS falls by ``mib`` and climbs back, steadily, to where it was.
+    After each eval ``eval_mib`` MiB (default ``mib``) of eval buffers stay mapped for ``hold`` steps. A
+    data cache of ``mib`` MiB is filled over the first ``refill`` steps, dropped at each checkpoint and
+    refilled over the ``refill`` steps after it: the RSS falls by ``mib`` and climbs back, steadily, to
+    where it was.
+
+    A ratchet (``ratchet_mib`` MiB at each of the first ``ratchet_evals`` evals): an eval whose batches
+    are larger than any before it raises the allocator's high-water mark, and the allocator keeps the
+    freed pages (glibc's heap is not trimmed), so the RSS steps up at that eval and stays up; once the
+    largest eval batch has been seen, later evals fit in the kept pages and the RSS plateaus. Modelled as
+    a mapping touched at the eval and never unmapped.
     """
 
     PAGE = 4096
 
-    def __init__(self, mib: int, hold: int = 12, refill: int = 20):
+    def __init__(
+        self,
+        mib: int,
+        hold: int = 12,
+        refill: int = 20,
+        eval_mib: int | None = None,
+        ratchet_mib: int = 0,
+        ratchet_evals: int = 0,
+    ):
         self.mib, self.hold, self.refill = mib, hold, refill
+        self.eval_mib = mib if eval_mib is None else eval_mib
+        self.ratchet_mib, self.ratchet_evals = ratchet_mib, ratchet_evals
         self._eval: list[tuple[int, mmap.mmap]] = []  # (step to release after, buffer)
         self._cache: list[mmap.mmap] = []
+        self._kept: list[mmap.mmap] = []  # the ratchet's pages: never given back
 
     @classmethod
     def for_scenario(cls, extra: dict[str, Any]) -> HostSwings:
         return cls(
-            extra.get("rss_swing_mib", 0), extra.get("rss_swing_hold", 12), extra.get("rss_swing_refill", 20)
+            extra.get("rss_swing_mib", 0),
+            extra.get("rss_swing_hold", 12),
+            extra.get("rss_swing_refill", 20),
+            extra.get("rss_swing_eval_mib"),
+            extra.get("rss_ratchet_mib", 0),
+            extra.get("rss_ratchet_evals", 0),
         )
 
     def _mapped(self, nbytes: int) -> mmap.mmap:
@@ -132,8 +155,10 @@ class HostSwings:
             self._cache.append(self._mapped(self.mib * (1 << 20) // self.refill))
 
     def after_eval(self, step: int) -> None:
-        if self.mib:
-            self._eval.append((step + self.hold, self._mapped(self.mib * (1 << 20))))
+        if self.eval_mib:
+            self._eval.append((step + self.hold, self._mapped(self.eval_mib * (1 << 20))))
+        if self.ratchet_mib and len(self._kept) < self.ratchet_evals:
+            self._kept.append(self._mapped(self.ratchet_mib * (1 << 20)))
 
     def at_checkpoint(self) -> None:
         for buffer in self._cache:

@@ -35,4 +35,29 @@ VARIANTS: tuple[Scenario, ...] = (
         extra={"rss_swing_mib": 150},
         benign=("rss_swing", "checkpoint", "eval", "lr_warmup_peak"),
     ),
+    Scenario(
+        "healthy_cpu_rss_ratchet_mlp",
+        Healthy(),
+        "mlp",
+        "Host RSS that ratchets up at the first evals, then plateaus, really mapped: evals every 25 steps "
+        "on batches larger than the training ones, so each of the first 5 raises the allocator's "
+        "high-water mark by 30 MiB and the allocator keeps the freed pages (the RSS steps up at the eval "
+        "and stays); a 150 MiB data cache, filled over the first 40 steps, dropped at every checkpoint "
+        "(every 90 steps) and refilled over the next 40 steps, so the refill after the first checkpoint, "
+        "with two of those evals in it, climbs back to 60 MiB above where it was. Nothing leaks: the "
+        "training steps themselves only refill the cache.",
+        seed=72,
+        steps=400,
+        quick_steps=200,
+        eval_every=25,
+        checkpoint_every=90,
+        extra={
+            "rss_swing_mib": 150,
+            "rss_swing_refill": 40,
+            "rss_swing_eval_mib": 0,
+            "rss_ratchet_mib": 30,
+            "rss_ratchet_evals": 5,
+        },
+        benign=("rss_ratchet", "checkpoint", "eval", "lr_warmup_peak"),
+    ),
 )
