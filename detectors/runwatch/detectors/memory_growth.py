@@ -18,6 +18,16 @@ compared with its own past, minimum against maximum, is what keeps host RSS that
 checkpoints quiet: memory an eval or a checkpoint takes and gives back, or a cache refilled after a
 checkpoint dropped it, never climbs past the level it had before; a leak does, and keeps climbing.
 
+What is tested is the memory of the *training steps*: a rise across a step that contained an eval or a
+checkpoint (an ``eval`` or ``checkpoint`` event, or a heartbeat in that phase, since the step before)
+is the phase's, not the training's, and is set aside: the series goes on from where it was, as if that
+step had not moved it (no CUSUM score, no higher level for a leak to beat, no growth in the fit). An
+eval whose larger batches raise the allocator's high-water mark (a ratchet that plateaus) or a
+checkpoint serialised into a buffer the allocator keeps is then not a leak, even where it lands in a
+cache's refill and lifts it past the level it had. A fall is counted wherever it happens (memory given
+back is never evidence of growth), and at most one step in ``min_steps`` is set aside, so a leak in the
+training steps keeps nearly all its growth however often the run evaluates.
+
 Series: CUDA ``allocated`` (leak; limit: ``device_total``), ``reserved - allocated``
 (fragmentation; limit: ``device_total``) and the host's ``host_rss`` (leak; limit:
 ``cgroup_limit``). On a CPU-only run ``host_rss`` is the only leak series.
@@ -43,7 +53,14 @@ from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
-from runwatch.producer.wire.schema import Severity, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import (
+    CheckpointEvent,
+    EvalEvent,
+    HeartbeatEvent,
+    Severity,
+    StepEvent,
+    TelemetryEvent,
+)
 
 
 class MemoryConfig(Strict):
@@ -100,6 +117,7 @@ _CLIP = 3.0  # one step's change counts at most this many scales: a single jump 
 _CAP = 2.0  # the CUSUM stops at this many thresholds, so it falls back soon after the growth stops
 _REL_FLOOR = 1e-4  # the scale is at least this fraction of the level (a flat series has a resolution too)
 _ABS_FLOOR_MIB = 512 / _MIB  # and at least the CUDA allocator's rounding, for a level near zero
+_PHASES = ("eval", "checkpoint")  # a heartbeat in one of these: the next step's memory rise is the phase's
 
 
 def _bytes(n: float) -> str:
@@ -166,16 +184,19 @@ class _Series:
         "episode",
         "episode_steps",
         "history",
+        "last_set_aside",
         "last_severity",
         "last_step",
         "level_to_beat",
         "levels",
         "onset",
         "seen",
+        "set_aside",
         "sorted_changes",
     )
 
     def __init__(self, window: int):
+        # The samples are the training steps' memory: the measured MiB less ``set_aside``.
         self.history: deque[tuple[int, float, float]] = deque(maxlen=window)  # (step, t, MiB), oldest first
         # The history's MiB alone: their max is taken each time the CUSUM leaves zero (often, on a noisy
         # series), and max() over plain floats costs a third of a generator over the tuples.
@@ -191,12 +212,19 @@ class _Series:
         self.episode_steps = 0
         self.last_severity = 0
         self.cooldown = Cooldown()
+        self.set_aside = 0.0  # MiB risen across eval and checkpoint steps: the phases', not the training's
+        self.last_set_aside: int | None = None  # the step whose rise was last set aside
+
+    @staticmethod
+    def _defaults() -> dict[str, Any]:
+        """Slots a snapshot from before them lacks."""
+        return {"set_aside": 0.0, "last_set_aside": None}
 
     def __setstate__(self, state: tuple[None, dict[str, Any]]) -> None:
         """A snapshot of ``__slots__`` (``(None, slots)``); one taken before ``levels`` existed gets
-        them from its history."""
+        them from its history, one from before the phases' rises were set aside sets none aside yet."""
         _, slots = state
-        for name, value in slots.items():
+        for name, value in {**self._defaults(), **slots}.items():
             setattr(self, name, value)
         if "levels" not in slots:
             self.levels = deque((v for _, _, v in self.history), maxlen=self.history.maxlen)
@@ -207,15 +235,21 @@ class _Series:
         median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2 if n else 0.0
         return max(median * MAD_TO_SIGMA, abs(level) * _REL_FLOOR, _ABS_FLOOR_MIB)
 
-    def observe(self, step: int, t: float, mib: float, cfg: MemoryConfig) -> bool:
-        """Take one sample; whether the series is in a growth episode now (the rest of the test is due)."""
+    def observe(self, step: int, t: float, measured: float, cfg: MemoryConfig, phase: bool = False) -> bool:
+        """Take one sample (``phase``: an eval or a checkpoint came since the last one); whether the
+        series is in a growth episode now (the rest of the test is due)."""
         levels = self.levels
+        mib = measured - self.set_aside
+        if phase and levels and mib > levels[-1] and self._may_set_aside(step, cfg):
+            self.set_aside += mib - levels[-1]  # the phase's rise: the training steps' memory is unchanged
+            self.last_set_aside = step
+            mib = levels[-1]
         if levels:
             change = mib - levels[-1]
             # A CUSUM at zero stays there on a change that is no rise (about half the changes of a noisy
             # series, every one of a flat one): the scale, the costliest part, is measured only if it counts.
             if self.seen >= cfg.min_points and (change > 0 or self.cusum > 0):
-                self._advance(step, change, mib, cfg)
+                self._advance(step, change, measured, cfg)  # (the scale's floor: of the measured level)
             self._remember_change(abs(change))
         if self.onset is not None:
             if len(self.episode) == self.episode.maxlen:  # the fit lets its oldest sample go
@@ -227,6 +261,10 @@ class _Series:
         self.seen += 1
         self.last_step = step
         return self.onset is not None
+
+    def _may_set_aside(self, step: int, cfg: MemoryConfig) -> bool:
+        """At most one step in ``min_steps``: a run that evaluates every step still has its growth seen."""
+        return self.last_set_aside is None or step - self.last_set_aside >= cfg.min_steps
 
     def _advance(self, step: int, change: float, mib: float, cfg: MemoryConfig) -> None:
         """The CUSUM's step for a ``change`` to ``mib``; the episode starts when it leaves zero and ends
@@ -274,8 +312,10 @@ class MemoryGrowthDetector(Detector):
         self.config = config
         self._t0: datetime | None = None
         self._series: dict[str, _Series] = {}
+        self._phase = False  # an eval or a checkpoint since the last memory sample
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.setdefault("_phase", False)  # (a snapshot from before the phases were seen)
         self.__dict__.update(state)
         if "_series" not in state:  # a snapshot from before the sequential test: its fits are dropped
             self.__dict__.pop("_trends", None)
@@ -289,9 +329,16 @@ class MemoryGrowthDetector(Detector):
         return series
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
-        if not isinstance(event, StepEvent) or event.memory is None:
+        if not isinstance(event, StepEvent):
+            if isinstance(event, EvalEvent | CheckpointEvent) or (
+                isinstance(event, HeartbeatEvent) and event.phase in _PHASES
+            ):
+                self._phase = True
+            return []
+        if event.memory is None:
             return []
         mem = event.memory
+        phase, self._phase = self._phase, False
         if self._t0 is None:
             self._t0 = event.ts
         t = (event.ts - self._t0).total_seconds()
@@ -299,14 +346,14 @@ class MemoryGrowthDetector(Detector):
         step = event.step
         # Each series is fed first, and judged (the costly part, with many arguments) only while it grows.
         if mem.allocated is not None:
-            if self._feed("allocated", mem.allocated, t, step):
+            if self._feed("allocated", mem.allocated, t, step, phase):
                 used = mem.reserved or mem.allocated
                 # (arguments: metric, value, event, used, limit, base, kind, found)
                 self._judge(
                     "allocated", mem.allocated, event, used, mem.device_total, mem.allocated, "leak", found
                 )
             if mem.reserved is not None and self._feed(
-                "fragmentation", mem.reserved - mem.allocated, t, step
+                "fragmentation", mem.reserved - mem.allocated, t, step, phase
             ):
                 self._judge(
                     "fragmentation",
@@ -318,12 +365,12 @@ class MemoryGrowthDetector(Detector):
                     "fragmentation",
                     found,
                 )
-        if mem.host_rss is not None and self._feed("host_rss", mem.host_rss, t, step):
+        if mem.host_rss is not None and self._feed("host_rss", mem.host_rss, t, step, phase):
             used = mem.cgroup_usage or mem.host_rss
             self._judge("host_rss", mem.host_rss, event, used, mem.cgroup_limit, mem.host_rss, "leak", found)
         return found
 
-    def _feed(self, metric: str, value: int, t: float, step: int) -> bool:
+    def _feed(self, metric: str, value: int, t: float, step: int, phase: bool) -> bool:
         """Feed one sample to its series; whether the series is growing (a finding's test is due)."""
         series = self._series.get(metric)
         if series is None:
@@ -331,7 +378,7 @@ class MemoryGrowthDetector(Detector):
         if step <= series.last_step:
             return False  # a replayed or rolled-back step: the series would fold back on itself
         cfg = self.config
-        return series.observe(step, t, value / _MIB, cfg) and series.growing(cfg)
+        return series.observe(step, t, value / _MIB, cfg, phase) and series.growing(cfg)
 
     def _judge(
         self,
@@ -449,7 +496,8 @@ class MemoryGrowthDetector(Detector):
                 "window_steps": steps,
                 "steps_growing": series.episode_steps,
                 "cusum": series.cusum,
-                "level_to_beat_bytes": series.level_to_beat * _MIB,
+                "level_to_beat_bytes": series.level_to_beat * _MIB,  # (of the training steps' memory)
+                "set_aside_bytes": series.set_aside * _MIB,  # risen across evals and checkpoints
                 "seconds_to_limit": seconds_to_limit,
                 "limit_bytes": limit,
                 "onset_step": series.onset,
