@@ -14,9 +14,14 @@ from click.testing import CliRunner
 from runwatch.cli.main import main
 from runwatch.detectors.config import RunwatchConfig, load_config
 from runwatch.detectors.offline.calibrate import calibrate
-from runwatch.detectors.offline.evaluate import Corpus, evaluate_dir
+from runwatch.detectors.offline.evaluate import (
+    Corpus,
+    ScenarioLabel,
+    evaluate_dir,
+    score_scenario,
+)
 from runwatch.detectors.offline.replay import ReplayError, read_events, replay, replay_file
-from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
+from runwatch.producer.wire.schema import Anomaly, HeartbeatEvent, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 STEPS = 300
@@ -194,3 +199,40 @@ def test_calibrate_warns_when_the_corpus_cannot_resolve_the_target(tmp_path):
     # 3 healthy runs of 300 steps: one alarm is already 11.1 per 10k steps
     assert "11.1 per 10k" in out.output
     assert "caution" in (tmp_path / "c.yaml").read_text().splitlines()[1]
+
+
+def _throughput_finding(step: int, cause: str | None) -> Anomaly:
+    evidence = {"onset_step": 150} if cause is None else {"onset_step": 150, "cause": cause}
+    return Anomaly(
+        anomaly_id=f"a{step}-{cause}",
+        run_id="r",
+        step=step,
+        detector="throughput_drift",
+        metric="step_time_s",
+        severity="warning",
+        message="step time rose",
+        evidence=evidence,
+        ts=T0 + timedelta(seconds=step),
+    )
+
+
+def test_evaluate_counts_a_throughput_finding_with_the_wrong_cause_as_a_miss():
+    """A label's ``cause`` (issue 37: on a saturated host "unknown", never the run) is matched against the
+    finding's ``evidence["cause"]``: the right detector blaming the wrong cause has not found the fault."""
+    label = ScenarioLabel(
+        name="noisy_neighbours",
+        fault="throughput_drift",
+        expected_detector="throughput_drift",
+        onset_step=150,
+        cause="unknown",
+    )
+    blamed = score_scenario(label, [_throughput_finding(171, "run")], STEPS)
+    assert blamed.detected and not blamed.correct_detector and blamed.found_by == ["throughput_drift"]
+    no_cause = score_scenario(label, [_throughput_finding(171, None)], STEPS)
+    assert not no_cause.correct_detector  # a finding that judged no cause does not meet the label either
+    found = score_scenario(
+        label, [_throughput_finding(165, "run"), _throughput_finding(171, "unknown")], STEPS
+    )
+    assert found.correct_detector and found.delay_steps == 21  # the first finding with the right cause
+    unlabelled = label.model_copy(update={"cause": None})
+    assert score_scenario(unlabelled, [_throughput_finding(165, "run")], STEPS).correct_detector

@@ -294,14 +294,20 @@ class LrRamp(FaultInjector):
 @dataclass
 class ThroughputDrift(FaultInjector):
     """From the onset steps take ``factor`` times as long, at once or (``ramp``) growing linearly to it by
-    the end of the run."""
+    the end of the run. ``cause``: the cause the finding must name (``evidence["cause"]``: ``run``,
+    ``unknown``, ``contention``), the label's where the run's heartbeats carry host load; None: any."""
 
     kind: ClassVar[str] = "throughput_drift"
     factor: float
     ramp: bool = False
+    cause: str | None = None
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "magnitude": self.factor}
+
+    def label_fields(self) -> dict[str, Any]:
+        cause = {} if self.cause is None else {"cause": self.cause}
+        return {**super().label_fields(), **cause}
 
     def compute_time(self, seconds: float, step: int) -> float:
         if not self.active(step):

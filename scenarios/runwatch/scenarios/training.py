@@ -186,6 +186,8 @@ def _run(
         memory.after_step(fault.retain(model, batch, logits, step))
         swings.after_step(step)
         compute = fault.compute_time(sc.step_time_s * timing.lognormvariate(0, sc.noise), step)
+        if host is not None and onset is not None and step >= onset:
+            host.arrive(clock.seconds())  # the other jobs that come at the onset, where the host has them
         clock.advance(compute if host is None else host.stretch(compute, clock.seconds()))
         fault.step_computed(step)
         cats = category_loss(per_sample.detach(), batch.cat, names=task.names)
@@ -305,7 +307,13 @@ class SaturatedHost:
     the CPUs, ``min(1, cpus / (others + 1))``: its compute takes 1 / share as long, times a log-normal
     jitter of sigma ``jitter`` (the scheduler's ups and downs). What its heartbeats carry is what the real
     sampler would measure there: the 1-minute load average, the CPU count, no steal, and over the period
-    this process's CPU share and, the rest of the time, its run-queue wait."""
+    this process's CPU share and, the rest of the time, its run-queue wait.
+
+    More jobs may arrive at the fault's onset (:meth:`arrive`, from the onset step's compute on):
+    ``others_after`` runnable tasks on average from then (the same waves), and ``slowdown_after``: the cache
+    and memory-bandwidth contention they bring, which slows the run's compute by that factor on top of its
+    smaller CPU share and which no CPU figure of its heartbeats shows. Without them (the default) the host
+    is the same from start to end, and its draws are those of a host without arrivals."""
 
     cpus: int = 2
     others: float = 5.5
@@ -313,6 +321,9 @@ class SaturatedHost:
     period_s: float = 90.0
     jitter: float = 0.2
     seed: int = 0
+    others_after: float | None = None
+    slowdown_after: float = 1.0
+    arrived_at: float | None = field(default=None, init=False)  # the simulated second they came
     _rng: random.Random = field(init=False, repr=False)
     _phases: tuple[float, float] = field(init=False, repr=False)
 
@@ -325,11 +336,21 @@ class SaturatedHost:
         options = sc.extra.get("saturated_host")
         return None if options is None else cls(**{"seed": sc.seed, **options})
 
+    def arrive(self, t: float) -> None:
+        """The onset: where the host has jobs that arrive (``others_after``, ``slowdown_after``), they come
+        at simulated second ``t`` (the first call; later ones change nothing)."""
+        if self.arrived_at is None and (self.others_after is not None or self.slowdown_after != 1.0):
+            self.arrived_at = t
+
+    def _arrived(self, t: float) -> bool:
+        return self.arrived_at is not None and t >= self.arrived_at
+
     def others_at(self, t: float) -> float:
         """Runnable tasks of the other jobs at simulated second ``t``."""
         slow = math.sin(2 * math.pi * t / self.period_s + self._phases[0])
         fast = math.sin(2 * math.pi * t / (self.period_s / 4.3) + self._phases[1]) / 3
-        return max(0.0, self.others + self.swing * (slow + fast))
+        level = self.others_after if self.others_after is not None and self._arrived(t) else self.others
+        return max(0.0, level + self.swing * (slow + fast))
 
     def share_at(self, t: float) -> float:
         """The CPU share the run's thread gets at ``t``."""
@@ -337,7 +358,8 @@ class SaturatedHost:
 
     def stretch(self, seconds: float, t: float) -> float:
         """How long ``seconds`` of compute take at ``t`` on this host."""
-        return seconds / self.share_at(t) * self._rng.lognormvariate(0, self.jitter)
+        contended = self.slowdown_after if self._arrived(t) else 1.0  # (memory bandwidth: no CPU figure)
+        return seconds * contended / self.share_at(t) * self._rng.lognormvariate(0, self.jitter)
 
     def mean_share(self, start: float, end: float) -> float:
         points = [start + (end - start) * (i + 0.5) / 10 for i in range(10)]

@@ -1,9 +1,9 @@
 """Offline evaluation of the detectors on a labelled corpus (``runwatch scenarios generate``).
 
 Per scenario: was the fault found, by the detector that should find it, naming the right
-module / category / kind where the label has one, how late (steps and seconds after the
-onset), and how many false alarms (any finding before the onset; any finding at all in a
-healthy run). Findings of severity ``info`` are not alarms.
+module / category / kind / phase / split / cause (``MATCHED_ATTRIBUTES``) where the label has one,
+how late (steps and seconds after the onset), and how many false alarms (any finding before the
+onset; any finding at all in a healthy run). Findings of severity ``info`` are not alarms.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from runwatch.producer.wire.schema import Anomaly, TelemetryEvent
 
 LABELS_FILE = "labels.json"
 # Which evidence key of a finding must equal which label field, where the label has it.
-MATCHED_ATTRIBUTES = ("module", "category", "kind", "phase", "split")
+MATCHED_ATTRIBUTES = ("module", "category", "kind", "phase", "split", "cause")
 
 
 class ScenarioLabel(BaseModel):
@@ -46,6 +46,7 @@ class ScenarioLabel(BaseModel):
     kind: str | None = None
     phase: str | None = None
     split: str | None = None  # the eval split at fault (a validation leak)
+    cause: str | None = None  # what a throughput finding must blame: run | unknown | contention
     steps: int | None = None
 
     @property
