@@ -12,7 +12,9 @@ with an ``ActionListener`` (synchronised across ranks). Faults, chosen by ``--fa
 - ``kill:R:STEP``: rank R SIGKILLs itself at STEP; the others wait, heartbeating, as ranks stuck
   in a collective do;
 - ``bad_batch:B``: the batch numbered B makes the gradients explode (skipping it cures the run);
-- ``bad_step:STEP``: every pass through STEP explodes (a rollback cannot cure it).
+- ``bad_step:STEP``: every pass through STEP explodes (a rollback cannot cure it);
+- ``rank_loss:R:BATCH:N:F``: rank R's loss (and so its gradients) is F times larger on the N batches from
+  BATCH (one rank's bad data; skipping the batches cures it).
 
 Each rank writes ``result-R.json`` in ``--out``: its status, the actions it applied, final LR.
 """
@@ -59,13 +61,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--stop-exit-after-s", type=float, default=2.0)
     p.add_argument("--no-guard", action="store_true", help="rw.watch(guard=False)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--noise", type=float, default=0.0, help="the targets' noise (a loss floor)")
     return p.parse_args()
 
 
-def batch(batch_id: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(batch_id: int, rank: int, size: int = 32, noise: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``noise``: the targets' own noise (a loss floor, as real data has; without it the loss goes to 0 and
+    the ranks' losses differ by orders of magnitude by chance)."""
     g = torch.Generator().manual_seed(1000 * batch_id + rank)
-    x = torch.randn(32, 16, generator=g)
-    return x, x[:, :4].sum(dim=1, keepdim=True)
+    x = torch.randn(size, 16, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True)
+    if noise:
+        y = y + noise * torch.randn(size, 1, generator=g)
+    return x, y
 
 
 def main() -> int:
@@ -138,7 +147,7 @@ def main() -> int:
                 break
             if skip is not None and skip[0] <= batch_id <= skip[1]:
                 batch_id = skip[1] + 1
-            x, y = batch(batch_id, args.rank)
+            x, y = batch(batch_id, args.rank, args.batch_size, args.noise)
             if "slow" in faults and args.rank == int(faults["slow"][0]):
                 time.sleep(float(faults["slow"][1]))
             if "hang" in faults and args.rank == int(faults["hang"][0]) and step == int(faults["hang"][1]):
@@ -151,6 +160,10 @@ def main() -> int:
                 "bad_step" in faults and step == int(faults["bad_step"][0])
             ):
                 loss = loss * 1e6  # the gradients explode
+            if "rank_loss" in faults and args.rank == int(faults["rank_loss"][0]):
+                first, count, factor = (float(v) for v in faults["rank_loss"][1:])
+                if first <= batch_id < first + count:
+                    loss = loss * factor
             loss.backward()
             time.sleep(args.step_sleep)
             if args.shard and args.rank == 0:

@@ -102,7 +102,7 @@ def dist_worker(broker, action_keys, tmp_path_factory):
 
 
 class Run:
-    """Three ranks of ``dist_train.py`` as child processes, killed by pid at the end."""
+    """``world`` (3) ranks of ``dist_train.py`` as child processes, killed by pid at the end."""
 
     def __init__(
         self,
@@ -115,21 +115,24 @@ class Run:
         stop_exit_after_s: float = 20.0,
         step_sleep: float = 0.0,
         guard: bool = True,
+        world: int = WORLD,
+        extra_args: tuple[str, ...] = (),
     ):
+        self.world = world
         self.run_id = f"dist-{uuid.uuid4().hex[:8]}"
         self.folder = folder
         self.bootstrap = broker.bootstrap
         port = free_port()
         env = {**__import__("os").environ, topics.PUBLIC_KEYS_ENV: public_keys}
         self.procs = []
-        for rank in range(WORLD):
+        for rank in range(world):
             cmd = [
                 sys.executable,
                 str(SCRIPT),
                 "--rank",
                 str(rank),
                 "--world",
-                str(WORLD),
+                str(world),
                 "--port",
                 str(port),
                 "--bootstrap",
@@ -146,6 +149,7 @@ class Run:
                 str(step_sleep),
             ]
             cmd += [arg for f in faults for arg in ("--fault", f)]
+            cmd += extra_args
             if shard:
                 cmd.append("--shard")
             if not guard:
@@ -182,7 +186,7 @@ class Run:
 
     def logs(self) -> str:
         return "\n".join(
-            f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD)
+            f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(self.world)
         )
 
     def anomalies(self, until, timeout: float = 60.0) -> list[Anomaly]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from datetime import datetime
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -28,7 +29,7 @@ from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import RankExtreme, StepEvent, TelemetryEvent
 
 
 class SpikeConfig(Strict):
@@ -212,19 +213,78 @@ class _DivergenceWatch:
 
 
 class StepSpike(Detector):
-    """The detector contract around :class:`SpikeDetector`, on one scalar field of step events."""
+    """The detector contract around :class:`SpikeDetector`, on one scalar field of step events.
+
+    On a joined step of several ranks (``rank_extremes``, issue 38) a second test judges the rank with the
+    largest figure against the other ranks: the ratio of its figure to theirs, scored by the same rule
+    against that ratio's own history (ranks on different data differ by a steady amount). A spike of one
+    rank is then found and named even where the joined mean hides it (one rank of 64 at 20x moves the mean
+    by 30%), a spike every rank shares leaves the ratio alone, and a finding of either test on a step is
+    one finding, naming the rank when the rank test made it."""
 
     def __init__(self, name: str, metric: str, config: SpikeConfig):
         self.name = name
         self.metric = metric
         self._detector = SpikeDetector(name, metric, config)
+        self._ranks: SpikeDetector | None = None  # made at the first joined step of several ranks
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent):
             return []
         skipped = event.update_skipped is not None
         finding = self._detector.update(getattr(event, self.metric), event.step, event.rank, skipped)
+        extreme = event.rank_extremes.get(self.metric) if event.rank_extremes else None
+        if extreme is not None and extreme.others > 0 and math.isfinite(extreme.value):
+            ranks = getattr(self, "_ranks", None)  # (None too in a snapshot from before issue 38)
+            if ranks is None:
+                ranks = self._ranks = SpikeDetector(self.name, self.metric, self._detector.config)
+            outlier = ranks.update(extreme.value / extreme.others, event.step, extreme.rank, skipped)
+            if outlier is not None:
+                finding = _one_rank(outlier, finding, extreme)
         return [finding] if finding is not None else []
+
+
+_SEVERITY = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _one_rank(outlier: Finding, joined: Finding | None, extreme: RankExtreme) -> Finding:
+    """The rank test's finding (its figures are ratios to the other ranks) as the step's one finding, in the
+    metric's own units, naming the rank; the more severe of it and the joined test's ``joined``."""
+    severity = outlier.severity
+    if joined is not None and _SEVERITY[joined.severity] > _SEVERITY[severity]:
+        severity = joined.severity
+    metric, rank, others = outlier.metric, extreme.rank, extreme.others
+    ratio = extreme.value / others
+    diverging = outlier.evidence.get("kind") == "divergence"
+    what = (
+        f"{metric} of rank {rank} did not come back after its spike at step {outlier.evidence['onset_step']}"
+        if diverging
+        else f"{metric} spiked on rank {rank}"
+    )
+    typical = outlier.evidence.get("rolling_median", outlier.evidence.get("pre_spike_median", 1.0))
+    evidence: dict[str, Any] = {
+        **outlier.evidence,
+        "kind": "rank_divergence" if diverging else "rank_spike",
+        "rank": rank,
+        "others": others,
+        "ranks": extreme.ranks,
+        "ratio_to_others": ratio,
+        "usual_ratio_to_others": typical,
+    }
+    if joined is not None:
+        evidence["joined"] = {"value": joined.value, "message": joined.message}
+    peers = "mean" if metric == "loss" else "root mean square"
+    return replace(
+        outlier,
+        severity=severity,
+        value=extreme.value,
+        threshold=None if outlier.threshold is None else outlier.threshold * others,
+        message=(
+            f"{what}: {extreme.value:.4g}, {ratio:.1f}x the other {extreme.ranks - 1} ranks' {peers} "
+            f"{others:.4g} (usually {typical:.2f}x; robust z {outlier.score:.1f})"
+        ),
+        evidence=evidence,
+    )
 
 
 register(

@@ -506,10 +506,15 @@ class RunMonitor:
         return True
 
     def _run_level(self, finding: Finding) -> Finding:
-        """A joined-view finding is about the run, not the rank whose figures the join started from."""
-        return (
-            replace(finding, rank=None) if self.join.world_size > 1 and finding.rank is not None else finding
-        )
+        """A joined-view finding is about the run, not the rank whose figures the join started from, unless
+        it names a rank it judged (a spike of one rank: ``evidence["rank"]``)."""
+        if (
+            self.join.world_size > 1
+            and finding.rank is not None
+            and finding.evidence.get("rank") != finding.rank
+        ):
+            return replace(finding, rank=None)
+        return finding
 
     def tick(self, now: datetime) -> MonitorOutput:
         """Time-based checks at ``now`` (a timer online, event time offline): steps whose join timed

@@ -23,6 +23,7 @@ from runwatch.producer.wire.schema import (
     CategoryLoss,
     JoinedStep,
     MemoryStats,
+    RankExtreme,
     StepEvent,
 )
 from runwatch.producer.wire.schema import UpdateSkipped as SkipReason
@@ -80,6 +81,10 @@ def partial_of(
     first = events[0]
     loss_sum = mfu_sum = None
     loss_n = mfu_n = 0
+    loss_max: float | None = None
+    loss_max_rank = grad_max_rank = None
+    grad_max: float | None = None
+    grad_n = 0
     sharded = True
     norms: dict[str, list[float]] = {}
     modules: dict[str, list[float]] = {}
@@ -105,6 +110,12 @@ def partial_of(
         if e.loss is not None:
             loss_sum = e.loss if loss_sum is None else loss_sum + e.loss
             loss_n += 1
+            if math.isfinite(e.loss) and (loss_max is None or e.loss > loss_max):
+                loss_max, loss_max_rank = e.loss, rank
+        if e.grad_norm is not None:
+            grad_n += 1
+            if math.isfinite(e.grad_norm) and (grad_max is None or e.grad_norm > grad_max):
+                grad_max, grad_max_rank = e.grad_norm, rank
         if e.mfu is not None:
             mfu_sum = e.mfu if mfu_sum is None else mfu_sum + e.mfu
             mfu_n += 1
@@ -186,6 +197,10 @@ def partial_of(
         lr=first.lr,
         loss_sum=loss_sum,
         loss_count=loss_n,
+        loss_max=loss_max,
+        loss_max_rank=loss_max_rank,
+        grad_norm_max_rank=grad_max_rank,
+        grad_norm_count=grad_n,
         mfu_sum=mfu_sum,
         mfu_count=mfu_n,
         sharded=sharded,
@@ -241,6 +256,11 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
     for total, count in (("loss_sum", "loss_count"), ("mfu_sum", "mfu_count")):
         out[total] = _fold(_add, (getattr(p, total) for p in parts))
         out[count] = sum(getattr(p, count) for p in parts)
+    out["grad_norm_count"] = sum(p.grad_norm_count for p in parts)
+    finite = [p for p in parts if p.loss_max is not None]
+    highest = max(finite, key=lambda p: p.loss_max or 0.0) if finite else None
+    out["loss_max"] = highest.loss_max if highest else None
+    out["loss_max_rank"] = highest.loss_max_rank if highest else None
     out["sharded"] = all(p.sharded for p in parts)
     for name in ("norms", "modules"):
         merged: dict[str, tuple[float, float]] = {}
@@ -249,6 +269,9 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
                 had = merged.get(key)
                 merged[key] = (squares, largest) if had is None else (had[0] + squares, _hi(had[1], largest))  # type: ignore[assignment]
         out[name] = merged
+    graded = [p for p in parts if p.grad_norm_max_rank is not None]
+    largest = max(graded, key=lambda p: p.norms["grad_norm"][1]) if graded else None
+    out["grad_norm_max_rank"] = largest.grad_norm_max_rank if largest else None
     categories: dict[str, tuple[float, int]] = {}
     for p in parts:
         for category, (losses, n) in p.categories.items():
@@ -379,7 +402,32 @@ def joined_fields(run_id: str, partial: StepPartial) -> dict[str, Any]:
         fields["effective_lr_ratio"] = fields["update_norm"] / clipped
     if partial.memory_max is not None:
         fields["memory"] = partial.memory_max
+    extremes = rank_extremes(partial)
+    if extremes:
+        fields["rank_extremes"] = extremes
     return fields
+
+
+def rank_extremes(partial: StepPartial) -> dict[str, RankExtreme]:
+    """The rank with the largest loss and the one with the largest gradient norm, each with the other
+    ranks' figure (the mean of their losses; the root mean square of their replicated gradient norms),
+    where at least two ranks sent finite ones. None for sharded norms: a shard's norm is not the rank's."""
+    out: dict[str, RankExtreme] = {}
+    n, total, top = partial.loss_count, partial.loss_sum, partial.loss_max
+    if n >= 2 and total is not None and top is not None and partial.loss_max_rank is not None:
+        others = (total - top) / (n - 1)
+        if math.isfinite(others):
+            out["loss"] = RankExtreme.model_construct(
+                rank=partial.loss_max_rank, value=top, others=others, ranks=n
+            )
+    norm = partial.norms.get("grad_norm")
+    n, rank = partial.grad_norm_count, partial.grad_norm_max_rank
+    if not partial.sharded and norm is not None and rank is not None and n >= 2 and math.isfinite(norm[0]):
+        rest = max(0.0, norm[0] - norm[1] * norm[1]) / (n - 1)
+        out["grad_norm"] = RankExtreme.model_construct(
+            rank=rank, value=norm[1], others=math.sqrt(rest), ranks=n
+        )
+    return out
 
 
 def joined_record(

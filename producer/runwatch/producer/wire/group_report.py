@@ -36,6 +36,12 @@ class StepPartial(WireModel):
     lr: list[WireFloat] = Field(default_factory=list)
     loss_sum: WireFloat | None = None
     loss_count: int = 0
+    # The largest finite loss and its rank; the largest finite grad_norm's rank and how many ranks sent a
+    # grad_norm (issue 38: one rank's spike is judged against the others, not averaged away)
+    loss_max: WireFloat | None = None
+    loss_max_rank: int | None = None
+    grad_norm_max_rank: int | None = None
+    grad_norm_count: int = 0
     mfu_sum: WireFloat | None = None
     mfu_count: int = 0
     sharded: bool = False  # every reporting rank's norms are of its shard

@@ -157,6 +157,18 @@ class ActivationStats(WireModel):
     zero_frac: WireFloat = Field(ge=0, le=1)
 
 
+class RankExtreme(WireModel):
+    """The rank with the largest figure of a joined step (issue 38): its ``rank``, its ``value`` and the
+    other ranks' ``others`` (the mean of their losses; the root mean square of their gradient norms), so a
+    spike of one rank is judged as that rank's, not averaged away in the joined mean. Set by the worker's
+    join on the joined step only; a rank's own step event has none."""
+
+    rank: int = Field(ge=0)
+    value: WireFloat
+    others: WireFloat
+    ranks: int = Field(ge=2, description="ranks whose figures the step combined")
+
+
 class MemoryStats(WireModel):
     """Bytes. A source that is not available is absent, never zero."""
 
@@ -221,6 +233,9 @@ class StepEvent(EventBase):
     # (the loop most likely replaced it without calling rw.watch again): the step carries no gradient,
     # weight or update figures, and its LR is the old optimizer's. Absent: instrumented as watched.
     instrumentation: Instrumentation | None = None
+    # The joined step's rank with the largest loss and gradient norm, against the other ranks (the
+    # worker's join sets it; a rank's own event has none): keyed by the metric, ``loss`` or ``grad_norm``.
+    rank_extremes: dict[str, RankExtreme] | None = None
 
 
 class EvalEvent(EventBase):
