@@ -13,6 +13,8 @@ with an ``ActionListener`` (synchronised across ranks). Faults, chosen by ``--fa
   in a collective do;
 - ``bad_batch:B``: the batch numbered B makes the gradients explode (skipping it cures the run);
 - ``bad_step:STEP``: every pass through STEP explodes (a rollback cannot cure it);
+- ``flip:R:STEP``: before the forward of STEP, rank R flips the lowest exponent bit of one element of its
+  first parameter (silent data corruption: the value halves or doubles, nothing goes non-finite);
 - ``rank_loss:R:BATCH:N:F``: rank R's loss (and so its gradients) is F times larger on the N batches from
   BATCH (one rank's bad data; skipping the batches cures it).
 
@@ -153,6 +155,10 @@ def main() -> int:
             if "hang" in faults and args.rank == int(faults["hang"][0]) and step == int(faults["hang"][1]):
                 write()
                 time.sleep(600)  # hung: no step, the heartbeat thread goes on
+            if "flip" in faults and args.rank == int(faults["flip"][0]) and step == int(faults["flip"][1]):
+                with torch.no_grad():
+                    bits = next(model.parameters()).view(-1)[:1].view(torch.int32)
+                    bits ^= 1 << 23  # the exponent's lowest bit
             if "kill" in faults and args.rank == int(faults["kill"][0]) and step == int(faults["kill"][1]):
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = nn.functional.mse_loss(ddp(x), y)

@@ -1,6 +1,8 @@
-"""Issue 38, item 2, with real parts: 4 ranks of real DDP training (gloo, CPU) against the real broker and a
-real worker on the default action rules. A 20x loss on rank 3 alone for 6 batches is found on that rank and
-named, and every rank applies the same rollback; the same run without it raises no spike at all."""
+"""Issue 38, items 2 and 3, with real parts: 4 ranks of real DDP training (gloo, CPU) against the real
+broker and a real worker on the default action rules. A 20x loss on rank 3 alone for 6 batches is found on
+that rank and named, and every rank applies the same rollback; one flipped exponent bit in rank 1's
+parameters is found at the next fingerprint and names rank 1; the same run without a fault raises
+neither."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ pytestmark = pytest.mark.integration
 
 WORLD = 4
 SPIKE_BATCH = 40
+FLIP_STEP = 120
+STEPS_HEALTHY = 160  # fingerprints at steps 0, 50, 100 and 150
 # Batches of 128 with noisy targets: each rank's loss has a floor and differs from its peers' by about 10%,
 # as ranks on real data do (the default 32 noiseless samples go to a loss near 0, where one rank's loss is
 # 15x its peers' by chance)
@@ -95,14 +99,33 @@ def test_a_20x_loss_on_one_rank_is_named_and_every_rank_applies_the_same_rollbac
     assert applied[0][0]["to_step"] < SPIKE_BATCH
 
 
-def test_the_same_run_without_the_spike_raises_no_spike(start_run):
-    run = start_run(steps=90)
-    codes = run.wait(180)
+def test_one_flipped_bit_on_rank_1_is_found_at_the_next_fingerprint_and_names_rank_1(start_run):
+    run = start_run(f"flip:1:{FLIP_STEP}", steps=170)
+    codes = run.wait(240)
+    assert codes == [0] * WORLD, run.logs()
+    anomalies = run.anomalies(lambda got: any(a.detector == "replica_divergence" for a in got))
+    (found,) = [a for a in anomalies if a.detector == "replica_divergence"]
+    # the digests every 50 steps: equal at step 100, rank 1's differs at 150, within 50 steps of the flip
+    assert found.step == 150 and found.rank == 1 and found.severity == "critical", found
+    assert found.evidence["ranks"] == [1] and found.evidence["agreeing"] == 3
+    assert found.evidence["last_agreed_step"] == 100 and found.onset_step == 101
+    assert "rank 1's parameters differ from the other 3 replicas'" in found.message
+    # the weights really differ on rank 1 alone
+    weights = [run.result(r)["weights"] for r in range(WORLD)]
+    assert weights[0] == weights[2] == weights[3] != weights[1]
+
+
+def test_the_same_run_without_a_fault_raises_no_spike_and_no_divergence(start_run):
+    run = start_run(steps=STEPS_HEALTHY)
+    codes = run.wait(240)
     assert codes == [0] * WORLD, run.logs()
     # every rank's last step is joined and judged once its joined record is out
-    joined = run.joined(lambda got: any(j.step == 89 for j in got))
-    assert max(j.step for j in joined) == 89
+    last = STEPS_HEALTHY - 1
+    joined = run.joined(lambda got: any(j.step == last for j in got))
+    assert max(j.step for j in joined) == last
     settle = time.monotonic() + 3.0  # what the worker published with its last steps
     anomalies = run.anomalies(lambda got: time.monotonic() >= settle, timeout=30)
-    assert _spikes(anomalies) == [], [(a.detector, a.rank, a.step, a.message) for a in anomalies]
+    unexpected = _spikes(anomalies) + [a for a in anomalies if a.detector == "replica_divergence"]
+    assert unexpected == [], [(a.detector, a.rank, a.step, a.message) for a in anomalies]
     assert all(run.result(r)["applied"] == [] for r in range(WORLD))
+    assert len({run.result(r)["weights"] for r in range(WORLD)}) == 1  # the replicas stayed equal

@@ -154,4 +154,5 @@ def test_defaults_yaml_is_valid_yaml_with_every_section():
         "param_norm_drift",
         "eval_category_divergence",
         "val_train_gap",
+        "replica_divergence",
     }

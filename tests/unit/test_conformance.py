@@ -43,9 +43,11 @@ from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CategoryLoss,
     CheckpointEvent,
+    DigestGroup,
     EvalEvent,
     HeartbeatEvent,
     MemoryStats,
+    ReplicaDigests,
     RunStartEvent,
     StepEvent,
 )
@@ -56,6 +58,17 @@ STEPS = 320
 SPECS = registry.specs()
 MiB = 1 << 20
 RANKS = 3  # the cross-rank stream's
+
+
+def _digests(bad: bool) -> ReplicaDigests:
+    if not bad:
+        return ReplicaDigests(groups=[DigestGroup(digest="a" * 32, count=4, ranks=[0, 1, 2, 3])])
+    return ReplicaDigests(
+        groups=[
+            DigestGroup(digest="a" * 32, count=3, ranks=[0, 1, 3]),
+            DigestGroup(digest="b" * 32, count=1, ranks=[2]),
+        ]
+    )
 
 
 def stream(seed: int = 0) -> list:
@@ -110,6 +123,8 @@ def stream(seed: int = 0) -> list:
                     "a": CategoryLoss(mean=loss, count=32),
                     "b": CategoryLoss(mean=loss * (1 + 0.05 * max(0, step - ONSET)), count=32),
                 },
+                # every 50th step the join's replica digests (4 replicas): rank 2's differ from the onset
+                replicas=_digests(bad) if step % 50 == 0 else None,
             )
         )
         if step % 5 == 0:
@@ -291,6 +306,7 @@ EXPECTED = {
     "stall",
     "straggler",
     "hung_rank",
+    "replica_divergence",
 }
 
 

@@ -47,6 +47,7 @@ from runwatch.detectors.module_grad import ModuleGradConfig as ModuleGradConfig 
 from runwatch.detectors.nonfinite import NonFiniteConfig as NonFiniteConfig  # noqa: E402
 from runwatch.detectors.optimizer_swap import OptimizerSwapConfig as OptimizerSwapConfig  # noqa: E402
 from runwatch.detectors.param_norm import ParamNormConfig as ParamNormConfig  # noqa: E402
+from runwatch.detectors.replica_divergence import ReplicaDivergenceConfig as ReplicaDivergenceConfig  # noqa: E402
 from runwatch.detectors.skipped_updates import SkippedUpdatesConfig as SkippedUpdatesConfig  # noqa: E402
 from runwatch.detectors.spike import SpikeConfig as SpikeConfig  # noqa: E402
 from runwatch.detectors.stall import StallConfig as StallConfig  # noqa: E402

@@ -102,6 +102,7 @@ BUILTIN_MODULES = (
     "runwatch.detectors.stall",
     "runwatch.detectors.straggler",
     "runwatch.detectors.hung_rank",
+    "runwatch.detectors.replica_divergence",
     "runwatch.detectors.baseline_trajectory",
 )
 

@@ -18,12 +18,16 @@ from typing import Any
 
 from runwatch.producer.wire.group_report import SLOWEST_LISTED, StepPartial
 from runwatch.producer.wire.schema import (
+    DIGEST_GROUPS,
+    DIGEST_RANKS_LISTED,
     RANKS_LISTED,
     ActivationStats,
     CategoryLoss,
+    DigestGroup,
     JoinedStep,
     MemoryStats,
     RankExtreme,
+    ReplicaDigests,
     StepEvent,
 )
 from runwatch.producer.wire.schema import UpdateSkipped as SkipReason
@@ -85,6 +89,7 @@ def partial_of(
     loss_max_rank = grad_max_rank = None
     grad_max: float | None = None
     grad_n = 0
+    digests: dict[str, list[Any]] = {}
     sharded = True
     norms: dict[str, list[float]] = {}
     modules: dict[str, list[float]] = {}
@@ -112,6 +117,11 @@ def partial_of(
             loss_n += 1
             if math.isfinite(e.loss) and (loss_max is None or e.loss > loss_max):
                 loss_max, loss_max_rank = e.loss, rank
+        if e.param_digest is not None:
+            group = digests.setdefault(e.param_digest, [0, []])
+            group[0] += 1
+            if len(group[1]) < DIGEST_RANKS_LISTED:
+                group[1].append(rank)
         if e.grad_norm is not None:
             grad_n += 1
             if math.isfinite(e.grad_norm) and (grad_max is None or e.grad_norm > grad_max):
@@ -201,6 +211,7 @@ def partial_of(
         loss_max_rank=loss_max_rank,
         grad_norm_max_rank=grad_max_rank,
         grad_norm_count=grad_n,
+        **_bounded_digests({d: (g[0], g[1]) for d, g in digests.items()}, 0),
         mfu_sum=mfu_sum,
         mfu_count=mfu_n,
         sharded=sharded,
@@ -257,6 +268,7 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
         out[total] = _fold(_add, (getattr(p, total) for p in parts))
         out[count] = sum(getattr(p, count) for p in parts)
     out["grad_norm_count"] = sum(p.grad_norm_count for p in parts)
+    out.update(_merged_digests(parts))
     finite = [p for p in parts if p.loss_max is not None]
     highest = max(finite, key=lambda p: p.loss_max or 0.0) if finite else None
     out["loss_max"] = highest.loss_max if highest else None
@@ -270,8 +282,8 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
                 merged[key] = (squares, largest) if had is None else (had[0] + squares, _hi(had[1], largest))  # type: ignore[assignment]
         out[name] = merged
     graded = [p for p in parts if p.grad_norm_max_rank is not None]
-    largest = max(graded, key=lambda p: p.norms["grad_norm"][1]) if graded else None
-    out["grad_norm_max_rank"] = largest.grad_norm_max_rank if largest else None
+    top_grad = max(graded, key=lambda p: p.norms["grad_norm"][1]) if graded else None
+    out["grad_norm_max_rank"] = top_grad.grad_norm_max_rank if top_grad else None
     categories: dict[str, tuple[float, int]] = {}
     for p in parts:
         for category, (losses, n) in p.categories.items():
@@ -325,6 +337,24 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
     slow = [(value, rank) for p in parts for rank, value in p.slowest]
     out["slowest"] = [(rank, value) for value, rank in heapq.nlargest(SLOWEST_LISTED, slow)]
     return StepPartial.model_construct(**out)
+
+
+def _merged_digests(parts: list[StepPartial]) -> dict[str, Any]:
+    """The union of the partials' digest groups, bounded as one partial's."""
+    groups: dict[str, tuple[int, list[int]]] = {}
+    for p in parts:
+        for digest, (count, named) in p.digests.items():
+            had = groups.get(digest)
+            groups[digest] = (count, named) if had is None else (had[0] + count, sorted(had[1] + named))
+    return _bounded_digests(groups, sum(p.digests_other for p in parts))
+
+
+def _bounded_digests(groups: dict[str, tuple[int, list[int]]], other: int) -> dict[str, Any]:
+    """The partial's ``digests`` (the DIGEST_GROUPS largest groups, each naming its lowest ranks) and
+    ``digests_other`` (the ranks of the groups left out, plus ``other``)."""
+    ordered = sorted(groups.items(), key=lambda item: (-item[1][0], item[0]))
+    kept = {d: (count, named[:DIGEST_RANKS_LISTED]) for d, (count, named) in ordered[:DIGEST_GROUPS]}
+    return {"digests": kept, "digests_other": other + sum(count for _, (count, _) in ordered[DIGEST_GROUPS:])}
 
 
 def _fold(combine: Any, values: Iterable[float | None]) -> float | None:
@@ -405,6 +435,14 @@ def joined_fields(run_id: str, partial: StepPartial) -> dict[str, Any]:
     extremes = rank_extremes(partial)
     if extremes:
         fields["rank_extremes"] = extremes
+    if partial.digests:
+        fields["replicas"] = ReplicaDigests.model_construct(
+            groups=[
+                DigestGroup.model_construct(digest=d, count=count, ranks=named)
+                for d, (count, named) in partial.digests.items()
+            ],
+            other=partial.digests_other,
+        )
     return fields
 
 

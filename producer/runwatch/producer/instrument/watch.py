@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 from runwatch.producer.instrument.activations import ActivationProbe, activation_stats
 from runwatch.producer.instrument.categories import CategoryLossBatch
 from runwatch.producer.instrument.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
+from runwatch.producer.instrument.fingerprint import DIGEST_VALUES, ReplicaFingerprint
 from runwatch.producer.instrument.gradstats import (
     GradNorms,
     ParamLayout,
@@ -134,6 +135,11 @@ class Watcher:
     ``clip`` is refused. ``sync_timing``: time DDP's gradient sync when ``model`` is a
     ``DistributedDataParallel`` (registers a comm hook; see :mod:`runwatch.producer.instrument.ddp_timing`).
 
+    ``replicas``: whether the ranks hold the same parameters (None: when ``model`` is a
+    ``DistributedDataParallel`` and not ``shard``); then every ``fingerprint_every`` steps (50; 0: never)
+    the step event carries ``param_digest``, an exact digest of the parameters' bits that the worker
+    compares across the replicas (:mod:`runwatch.producer.instrument.fingerprint`).
+
     ``activations``: forward hooks on the model's leaf modules, armed every ``activations_every`` steps,
     put each module's output RMS and zero fraction in ``module_activations``
     (:mod:`runwatch.producer.instrument.activations`). Off by default: on a small model its Python costs
@@ -163,6 +169,8 @@ class Watcher:
         guard: bool | GuardOptions = True,
         activations: bool = False,
         activations_every: int = 5,
+        replicas: bool | None = None,
+        fingerprint_every: int = 50,
     ):
         _check_options(clip, external_clip, update_every, shard)
         if activations_every < 1:
@@ -184,6 +192,12 @@ class Watcher:
         if self._activations is not None:
             self._activations.arm_for(first_step)
         self._cuda = self.layout.device.type == "cuda"
+        # Replicas' parameter digests (fingerprint.py): a DDP model's ranks hold the same parameters;
+        # ``replicas=True`` says so of another setup, False turns it off; a shard is not a replica.
+        replicated = (is_ddp(model) if replicas is None else replicas) and not self.layout.sharded
+        self._fingerprint = (
+            ReplicaFingerprint(list(model.parameters()), fingerprint_every) if replicated else None
+        )
         self._peak = peak_flops(self.layout.device, override=peak_flops_per_s)
         self._grad: GradNorms | None = None
         self._update: UpdateNorms | None = None
@@ -407,6 +421,9 @@ class Watcher:
         elif loss is not None:
             fields["loss"] = float(loss)
         self._pack_norms(pending, packing)
+        halves = self._fingerprint.values(step) if self._fingerprint is not None else None
+        if halves is not None:
+            packing.add("param_digest", halves, DIGEST_VALUES)
         if category_loss is not None:
             packing.add("category_loss", category_loss.packed())
         taken = self._activations.take() if self._activations is not None else None
@@ -673,6 +690,8 @@ class Watcher:
                     fields["relative_update_norm"] = update / param
                 if clipped_norm is not None and clipped_norm > 0 and math.isfinite(clipped_norm):
                     fields["effective_lr_ratio"] = update / clipped_norm
+        if "param_digest" in figures:
+            fields["param_digest"] = ReplicaFingerprint.digest(figures["param_digest"])
         if "activations" in figures:
             fields["module_activations"] = activation_stats(figures["activations"], p.activations)
         if p.categories is not None:

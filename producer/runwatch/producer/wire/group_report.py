@@ -42,6 +42,10 @@ class StepPartial(WireModel):
     loss_max_rank: int | None = None
     grad_norm_max_rank: int | None = None
     grad_norm_count: int = 0
+    # the ranks' param_digest by value: digest -> [ranks, the lowest DIGEST_RANKS_LISTED], at most
+    # DIGEST_GROUPS digests (the largest groups); ranks of the rest counted in digests_other
+    digests: dict[str, tuple[int, list[int]]] = Field(default_factory=dict)
+    digests_other: int = 0
     mfu_sum: WireFloat | None = None
     mfu_count: int = 0
     sharded: bool = False  # every reporting rank's norms are of its shard

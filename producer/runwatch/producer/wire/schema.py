@@ -169,6 +169,26 @@ class RankExtreme(WireModel):
     ranks: int = Field(ge=2, description="ranks whose figures the step combined")
 
 
+class DigestGroup(WireModel):
+    """The ranks of one joined step whose ``param_digest`` is ``digest``: how many, and the lowest few."""
+
+    digest: str
+    count: int = Field(ge=1)
+    ranks: list[int] = Field(default_factory=list)
+
+
+class ReplicaDigests(WireModel):
+    """A joined step's parameter digests by value, largest group first (at most ``DIGEST_GROUPS``; the
+    ranks of the rest are counted in ``other``)."""
+
+    groups: list[DigestGroup] = Field(default_factory=list)
+    other: int = Field(default=0, ge=0)
+
+
+DIGEST_GROUPS = 8  # the digest groups a joined step keeps
+DIGEST_RANKS_LISTED = 8  # and the ranks it names in each
+
+
 class MemoryStats(WireModel):
     """Bytes. A source that is not available is absent, never zero."""
 
@@ -236,6 +256,11 @@ class StepEvent(EventBase):
     # The joined step's rank with the largest loss and gradient norm, against the other ranks (the
     # worker's join sets it; a rank's own event has none): keyed by the metric, ``loss`` or ``grad_norm``.
     rank_extremes: dict[str, RankExtreme] | None = None
+    # An exact digest of this rank's parameters' bits (producer/runwatch/producer/instrument/fingerprint.py),
+    # every ``fingerprint_every`` steps on a data-parallel replica: replicas must agree (issue 38).
+    param_digest: str | None = Field(default=None, pattern=r"^[0-9a-f]{8,64}$")
+    # The joined step's replica digests, grouped (the worker's join sets it; a rank's own event has none)
+    replicas: ReplicaDigests | None = None
 
 
 class EvalEvent(EventBase):
