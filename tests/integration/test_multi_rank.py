@@ -115,21 +115,24 @@ class Run:
         stop_exit_after_s: float = 20.0,
         step_sleep: float = 0.0,
         guard: bool = True,
+        world: int = WORLD,
+        env: dict[str, str] | None = None,
     ):
         self.run_id = f"dist-{uuid.uuid4().hex[:8]}"
+        self.world = world
         self.folder = folder
         self.bootstrap = broker.bootstrap
         port = free_port()
-        env = {**__import__("os").environ, topics.PUBLIC_KEYS_ENV: public_keys}
+        env = {**__import__("os").environ, **(env or {}), topics.PUBLIC_KEYS_ENV: public_keys}
         self.procs = []
-        for rank in range(WORLD):
+        for rank in range(world):
             cmd = [
                 sys.executable,
                 str(SCRIPT),
                 "--rank",
                 str(rank),
                 "--world",
-                str(WORLD),
+                str(world),
                 "--port",
                 str(port),
                 "--bootstrap",
@@ -182,7 +185,7 @@ class Run:
 
     def logs(self) -> str:
         return "\n".join(
-            f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD)
+            f"--- rank {r}\n" + (self.folder / f"rank{r}.log").read_text()[-3000:] for r in range(self.world)
         )
 
     def anomalies(self, until, timeout: float = 60.0) -> list[Anomaly]:
