@@ -9,6 +9,8 @@ with an ``ActionListener`` (synchronised across ranks). Faults, chosen by ``--fa
 - ``slow:R:S``: rank R sleeps S seconds before each forward (a straggler);
 - ``long_checkpoint:STEP:S``: rank 0's checkpoint at STEP takes S seconds longer;
 - ``hang:R:STEP``: rank R stops before the forward of STEP and sleeps (its heartbeat goes on);
+- ``hang_before_allreduce:R:STEP``: every rank all-reduces its loss (for its log) after each update, and
+  rank R sleeps right before that collective at STEP, so its peers wait inside ``all_reduce``;
 - ``kill:R:STEP``: rank R SIGKILLs itself at STEP; the others wait, heartbeating, as ranks stuck
   in a collective do;
 - ``bad_batch:B``: the batch numbered B makes the gradients explode (skipping it cures the run);
@@ -181,6 +183,13 @@ def main() -> int:
             if watch.should_skip():
                 skipped_steps.append(step)
             optimizer.zero_grad()
+            if "hang_before_allreduce" in faults:
+                culprit, at = (int(v) for v in faults["hang_before_allreduce"])
+                logged = loss.detach().clone()
+                if args.rank == culprit and step == at:
+                    write()
+                    time.sleep(600)  # HANG-BEFORE-ALLREDUCE: the peers wait in the all_reduce below
+                dist.all_reduce(logged)
             watch.end_step(loss, step=step, samples=len(x))
             if args.rank == 0 and step > 0 and step % args.checkpoint_every == 0:
                 with watch.phase("checkpoint"):

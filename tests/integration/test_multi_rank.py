@@ -117,13 +117,15 @@ class Run:
         guard: bool = True,
         world: int = WORLD,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ):
         self.world = world
         self.run_id = f"dist-{uuid.uuid4().hex[:8]}"
+        self.world = world
         self.folder = folder
         self.bootstrap = broker.bootstrap
         port = free_port()
-        env = {**__import__("os").environ, topics.PUBLIC_KEYS_ENV: public_keys}
+        env = {**__import__("os").environ, **(env or {}), topics.PUBLIC_KEYS_ENV: public_keys}
         self.procs = []
         for rank in range(world):
             cmd = [

@@ -49,7 +49,10 @@ from runwatch.producer.wire.schema import (
     MemoryStats,
     ReplicaDigests,
     RunStartEvent,
+    StackEvidenceEvent,
+    StackFrame,
     StepEvent,
+    ThreadStack,
 )
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
@@ -202,7 +205,36 @@ def multi_rank_stream(seed: int = 0) -> list:
                     in_sync=rank != 1,
                 )
             )
+            if beat == 4:  # the stacks each rank's heartbeat thread sends once its step stopped (5 s)
+                events.append(hang_evidence(rank, t + timedelta(seconds=1.25 * beat), rank == 1))
     return events
+
+
+def hang_evidence(rank: int, ts, culprit: bool) -> StackEvidenceEvent:
+    inner = (
+        StackFrame(file="/app/train.py", line=151, function="train_step", code="time.sleep(600)")
+        if culprit
+        else StackFrame(
+            file="/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+            line=3252,
+            function="all_reduce",
+        )
+    )
+    main = ThreadStack(
+        name="MainThread",
+        thread_id=1,
+        training=True,
+        frames=[StackFrame(file="/app/train.py", line=210, function="<module>"), inner],
+    )
+    return StackEvidenceEvent(
+        run_id="conf",
+        rank=rank,
+        step=HANG,
+        ts=ts,
+        event_id=f"ev{rank}",
+        seconds_since_step=5.0,
+        threads=[main],
+    )
 
 
 # Detectors that read checkpoint events: memory_growth sets aside the memory a checkpoint's step rises by

@@ -20,7 +20,10 @@ from runwatch.producer.wire.schema import (
     RunEndEvent,
     RunStartEvent,
     SchemaError,
+    StackEvidenceEvent,
+    StackFrame,
     StepEvent,
+    ThreadStack,
     decode_action,
     decode_anomaly,
     decode_event,
@@ -73,6 +76,21 @@ def _examples():
         ),
         RunEndEvent(
             **common, status="failed", summary={"final_loss": 1.5, "steps": 100, "note": "x", "none": None}
+        ),
+        StackEvidenceEvent(
+            **common,
+            step=41,
+            seconds_since_step=5.5,
+            threads=[
+                ThreadStack(
+                    name="MainThread",
+                    thread_id=7,
+                    training=True,
+                    frames=[StackFrame(file="/app/train.py", line=12, function="main", code="time.sleep(9)")],
+                )
+            ],
+            flight_recorder='{"entries": []}',
+            flight_recorder_status="attached (_dump_fr_trace_json: gloo and NCCL)",
         ),
     ]
 

@@ -21,6 +21,12 @@ median is the run's pace there, pooled over every rank's step intervals; nothing
 stops beating is the stall detector's ``silent``: dead), and a rank is live while it was heard
 within the stall detector's silence timeout for it (``RunProgress.live``). One finding per rank per
 episode; progress re-arms it.
+
+Stacks (engine/evidence.py): where a rank sent its Python stacks since its step stopped, they say whether
+it waits for its peers where they can (its training thread inside ``torch.distributed``: it does; anywhere
+but there and autograd: it does not, whatever ``in_sync`` says), so a hang before an explicit collective is
+found as one in the gradient sync is. The finding carries every rank's stack summary (``evidence.stacks``,
+``evidence.waits_in``) and its message names the hung rank's frame and what its peers wait in.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import CrossRankDetector
+from runwatch.detectors.engine.evidence import stack_waits, stacks_evidence, waits_phrase
 from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
@@ -166,6 +173,8 @@ class HungRankDetector(CrossRankDetector):
         waited: float,
         allowed: float,
     ) -> Finding:
+        stacks = {r: p.stack for r, p in sorted(live.items())}
+        where = waits_phrase(rank, stacks)
         return Finding(
             detector=NAME,
             metric="step_progress",
@@ -175,6 +184,7 @@ class HungRankDetector(CrossRankDetector):
             message=(
                 f"rank {rank} is hung: no step completed for {waited:.0f} s since step {state.step} while "
                 f"its heartbeat continues, and {why} (phase {state.phase!r}; allowed {allowed:.0f} s)"
+                + (f": {where}" if where else "")
             ),
             value=waited,
             threshold=allowed,
@@ -188,6 +198,7 @@ class HungRankDetector(CrossRankDetector):
                 "median_step_interval_s": self.median_interval_s(),
                 "peer_steps": {str(r): s.step for r, s in sorted(live.items()) if r != rank},
                 "in_sync": state.in_sync,
+                **stacks_evidence(rank, stacks),
             },
         )
 
@@ -198,8 +209,9 @@ def _sync_waits(
     """step -> (how many live ranks there wait in the gradient sync, when the last of them began to wait)."""
     waits: dict[int, tuple[int, datetime]] = {}
     for r, s in live.items():
-        if s.in_sync is True:
-            since = s.in_sync_since or s.heartbeat_at or now
+        if waits_for_peers(s):
+            # (a stack shows where it waits, not since when: from its last progress at the earliest)
+            since = (s.in_sync_since if s.in_sync is True else s.progress_at) or s.heartbeat_at or now
             count, latest = waits.get(steps[r], (0, since))
             waits[steps[r]] = (count + 1, max(since, latest))
     return waits
@@ -215,13 +227,23 @@ def _peers_waiting_why(
 ) -> str | None:
     """Why ``rank`` is hung when every other live rank is at its step (``wait``: theirs, from
     :func:`_sync_waits`) and waits in the gradient sync while it does not; else None."""
-    if state.in_sync is True or wait is None or wait[0] != len(live) - 1:
+    if waits_for_peers(state) or wait is None or wait[0] != len(live) - 1:
         return None
     # ... and they have waited for longer than allowed (time they spent on their own work, e.g. a peer's
     # long checkpoint, is not a hang)
     if (now - wait[1]).total_seconds() <= allowed:
         return None
-    return f"ranks {sorted(r for r in live if r != rank)} wait for it in the gradient synchronisation"
+    peers = sorted(r for r in live if r != rank)
+    if all(stack_waits(live[r].stack) for r in peers):  # (their stacks are in torch.distributed)
+        return f"ranks {peers} wait for it in a collective"
+    return f"ranks {peers} wait for it in the gradient synchronisation"
+
+
+def waits_for_peers(state: RankProgress) -> bool:
+    """Whether a rank waits for its peers: its stack says so where it can (evidence.py), else its
+    heartbeat's ``in_sync``."""
+    verdict = stack_waits(state.stack)
+    return state.in_sync is True if verdict is None else verdict
 
 
 register(

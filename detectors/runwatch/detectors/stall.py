@@ -21,6 +21,9 @@ moves, silence when the rank is heard again.
 Detection delay: with ``tick`` called at least every ``d`` seconds (and on each heartbeat, which
 ``update`` checks too), a stall is found within ``factor`` (3) x the median step interval plus the
 phase allowance after it began, plus ``d``.
+
+Stacks: a stalled rank's finding carries the Python stacks it sent since its step stopped and its peers'
+(``evidence.stacks``, ``evidence.waits_in``: engine/evidence.py), and its message says where it waits.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from datetime import datetime
 from pydantic import Field
 
 from runwatch.detectors.base import Detector
+from runwatch.detectors.engine.evidence import stacks_evidence, waits_phrase
 from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
@@ -174,6 +178,10 @@ class StallDetector(Detector):
                 f"{median:.3g} s + {allowance:g} s for the phase)"
             )
             value, threshold, severity = since, allowed, "warning"
+        stacks = {r: p.stack for r, p in sorted(self.progress.ranks.items())} if kind == "stalled" else {}
+        where = waits_phrase(rank.rank, stacks)
+        if where:
+            message += f": {where}"
         return Finding(
             detector=NAME,
             metric="heartbeat" if kind == "silent" else "step_progress",
@@ -194,6 +202,7 @@ class StallDetector(Detector):
                 "phase_allowance_s": allowance,
                 "silent_after_s": silent_after,
                 "last_step": rank.step,
+                **stacks_evidence(rank.rank, stacks),
             },
         )
 

@@ -224,7 +224,10 @@ def out_of_bounds(table: str, columns: Sequence[str], row: Sequence[Any]) -> str
 
 def event_row(e: TelemetryEvent, raw: bytes | str | None = None) -> Row:
     """The telemetry row of ``e``; ``payload`` is ``raw`` (the bytes received, as UTF-8 text) when
-    given, else ``e`` re-serialised (for events made in process, never received)."""
+    given, else ``e`` re-serialised (for events made in process, never received, and for an evidence event
+    truncated to its bounds: what is stored is what the worker judged, never more)."""
+    if raw is not None and e.kind == "evidence" and e.truncated:
+        raw = None
     payload = _text(raw) if raw is not None else e.to_json().decode()
     return (
         e.event_id,

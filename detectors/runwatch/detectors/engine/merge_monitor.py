@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.group_join import GroupJoin
+from runwatch.detectors.engine.group_monitor import RUN_LEVEL_KINDS
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.findings import Finding
 from runwatch.producer.wire.group_report import ReportBody
@@ -55,7 +56,7 @@ class RunMergeMonitor(RunMonitor):
         for item in body.items:
             if item.event is not None:
                 event = decode_event(orjson.dumps(item.event))
-                if event.kind == "step" or event.kind == "heartbeat":
+                if event.kind not in RUN_LEVEL_KINDS:
                     continue  # (a group forwards none: nothing of a rank's own is judged here)
                 _extend(out, self.observe(event))
                 continue

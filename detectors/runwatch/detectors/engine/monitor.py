@@ -38,6 +38,7 @@ from runwatch.producer.wire.schema import (
     JoinedStep,
     RunEndEvent,
     RunStartEvent,
+    StackEvidenceEvent,
     StepEvent,
     TelemetryEvent,
 )
@@ -233,7 +234,10 @@ class RunMonitor:
         self.baseline.observe(event)
         if self.ended_at is not None and event.kind not in ("step", "run_end"):
             return out  # the run is over: nothing but its last steps' join is judged
-        getattr(self, _ROUTES[event.kind])(event, out)  # (by name: a subclass's handler, group_monitor.py)
+        route = _ROUTES.get(event.kind)
+        if route is None:
+            return out  # a kind this worker has no use for (a newer producer's): judged by none
+        getattr(self, route)(event, out)  # (by name: a subclass's handler, group_monitor.py)
         self._await_acks(out, event.ts)
         return out
 
@@ -321,6 +325,10 @@ class RunMonitor:
 
     def _on_heartbeat(self, event: HeartbeatEvent, out: MonitorOutput) -> None:
         self._to_rank(event, out)
+
+    def _on_evidence(self, event: StackEvidenceEvent, out: MonitorOutput) -> None:
+        """A rank's stacks: kept with its progress, for the hung-rank and stall findings (evidence.py)."""
+        self.progress.observe(event)
 
     def _on_checkpoint(self, event: CheckpointEvent, out: MonitorOutput) -> None:
         if event.ok and not self._sent_before_rollback(event):  # (a checkpoint of the fault is no target)
@@ -625,4 +633,5 @@ _ROUTES: dict[str, str] = {
     "checkpoint": "_on_checkpoint",
     "action_ack": "_on_action_ack",
     "run_end": "_on_run_end",
+    "evidence": "_on_evidence",
 }

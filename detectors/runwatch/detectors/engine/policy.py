@@ -41,8 +41,9 @@ from runwatch.producer.wire.action_kinds import ActionKind, PolicyActionKind
 from runwatch.producer.wire.schema import SEVERITY_RANK, Anomaly, CheckpointRef, Severity
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
-# Evidence an alert carries on in its params, for the remediator's notification.
-ALERT_EVIDENCE = ("baseline",)
+# Evidence an alert carries on in its params, for the remediator's notification: a baseline check's
+# outlier table; a hung or stalled rank's frame and its peers' (rank -> "file:line in function").
+ALERT_EVIDENCE = ("baseline", "waits_in")
 # Detectors that fire once per episode (a stall, a hung rank): what persists is escalated by tick().
 EPISODIC_DETECTORS = tuple(s.name for s in registry.specs() if s.episodic)
 

@@ -21,16 +21,21 @@ and that is no stall of the waiting ranks. So each rank may take the largest pha
 its live peers (heard from by heartbeat within their silence timeout), re-judged on every heartbeat
 and every tick; when that allowance drops (the peer's long phase ended), ``peer_released_at`` says
 when, and the ranks that waited count their own allowance from then.
+
+Stacks: a rank's ``evidence`` event (the Python stacks its heartbeat thread captured once its step stopped)
+is kept as ``stack``, a bounded summary (engine/evidence.py), until its step moves again; one about an
+earlier step than the rank's is stale and dropped.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from river import stats
 
-from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent, TelemetryEvent
+from runwatch.detectors.engine.evidence import summarize
+from runwatch.producer.wire.schema import HeartbeatEvent, StackEvidenceEvent, StepEvent, TelemetryEvent
 
 INTERVAL_WINDOW = 100  # step intervals in a rolling median
 
@@ -46,6 +51,10 @@ class Liveness(Protocol):
 
 class RankProgress:
     """One rank's progress and liveness (see the module doc)."""
+
+    # The latest stack evidence since the step last moved (engine/evidence.py's summary; a class default: a
+    # progress pickled before it reads None)
+    stack: dict[str, Any] | None = None
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -91,7 +100,14 @@ class RankProgress:
             return self._step_event(event)
         if isinstance(event, HeartbeatEvent):
             self._heartbeat(event)
+        elif isinstance(event, StackEvidenceEvent):
+            self._evidence(event)
         return None
+
+    def _evidence(self, event: StackEvidenceEvent) -> None:
+        if event.step is not None and self.step is not None and event.step < self.step:
+            return  # about a step the rank has moved on from
+        self.stack = summarize(event)
 
     def _step_event(self, event: StepEvent) -> float | None:
         previous = self._last_step_event
@@ -135,6 +151,7 @@ class RankProgress:
 
     def _progress(self, step: int, ts: datetime) -> None:
         self.step = step
+        self.stack = None  # (what it was doing while stuck is history)
         if self.progress_at is None or ts > self.progress_at:
             self.progress_at = ts
         self.moves += 1

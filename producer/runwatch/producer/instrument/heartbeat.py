@@ -15,6 +15,13 @@ the CPU count, the hypervisor's steal share and this process's CPU and run-queue
 the period since the previous beat, so that the worker can say whether a slowdown came with a
 busier host (a noisy neighbour) or not (a regression of the run's own). Standard library only,
 a few small /proc reads per beat; a figure this host does not offer is left out, never zero.
+
+Stacks (``stacks_after_s``, default 5 s): when the last completed step has not moved for that long while
+the rank is in the ``train`` or ``dataload`` phase, this thread captures the Python stack of every thread
+of the process (and PyTorch's flight recorder where it is on: instrument/stacks.py) and publishes it as
+one ``evidence`` event, once per stall: again only after the step has moved. The training thread pays
+nothing for it: :meth:`Heartbeat.set_step` stays one attribute store, and this thread looks at the step
+every ``stacks_after_s / 5`` seconds (at most every heartbeat period), noting when it changed.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ PHASES: tuple[str, ...] = ("train", "eval", "checkpoint", "dataload", "idle")
 # eval or a checkpoint save before the train phase's stall allowance runs out. (Not dataload,
 # which changes on every batch.)
 ANNOUNCED_PHASES = frozenset({"eval", "checkpoint", "idle"})
+
+
+# Phases in which a step that does not move is worth the stacks (not eval, checkpoint or idle: long by design)
+STACK_PHASES = frozenset({"train", "dataload"})
+DEFAULT_STACKS_AFTER_S = 5.0  # below the worker's hung_rank and stall allowances (10 s in train by default)
 
 
 MIN_PERIOD_S = 0.2  # a beat sooner than this after the last sample reuses its shares (too short to measure)
@@ -149,6 +161,9 @@ class Heartbeat:
     (a context manager) or :meth:`enter`. Phase changes belong to the training thread.
     ``in_sync``: a callable returning True/False/None, called on the heartbeat thread at each
     beat; its answer goes out as ``in_sync`` (left out when None).
+    ``stacks_after_s``: publish every thread's stack (``rw.evidence``) once the last completed step has not
+    moved for this many seconds in the train or dataload phase, once per stall (see the module doc); None
+    or 0: never. The training thread is the one that creates the heartbeat (``training_thread``: another).
     """
 
     def __init__(
@@ -160,9 +175,13 @@ class Heartbeat:
         initial_phase: str = "train",
         in_sync: Callable[[], bool | None] | None = None,
         host_load: bool | None = None,
+        stacks_after_s: float | None = DEFAULT_STACKS_AFTER_S,
+        training_thread: int | None = None,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        if stacks_after_s is not None and not stacks_after_s >= 0:
+            raise ValueError(f"stacks_after_s must be >= 0 (0 or None: off), got {stacks_after_s!r}")
         self.rw = rw
         self.interval_s = interval_s
         self._clock = clock
@@ -184,6 +203,14 @@ class Heartbeat:
             host_load = clock is time.monotonic
         self.host_load = HostLoadSampler() if host_load else None
         self._send_host_load: Callable[..., Any] | None | bool = False  # resolved at the first beat
+        # Stacks: the heartbeat thread's own notes (the training thread never touches them): the step it
+        # last saw and when it first saw it, and whether this stall's stacks were sent.
+        self.stacks_after_s = stacks_after_s or None
+        self.training_thread = threading.get_ident() if training_thread is None else training_thread
+        self._seen: tuple[int | None, float] = (None, clock())
+        self._seen_phase: tuple[str, float] = self._state  # (a phase left and resumed counts from then)
+        self._stacks_sent = False
+        self.stacks_published = 0
 
     # -- called from the training loop ------------------------------------------------------
 
@@ -259,6 +286,65 @@ class Heartbeat:
                 log.warning("runwatch: heartbeat failed (further failures are not logged): %r", exc)
             return False
 
+    def check_stacks(self) -> bool:
+        """Publish every thread's stack if the step has not moved for ``stacks_after_s`` (train or dataload
+        phase) and this stall's are not out yet; True when it published. The heartbeat thread calls it;
+        a caller that drives :meth:`beat` itself (a clock of its own) may too. Never raises."""
+        after = self.stacks_after_s
+        if after is None:
+            return False
+        step, now = self._step, self._clock()
+        phase, entered_at = self._state
+        if phase != self._seen_phase[0]:  # (an eval that ended: the train phase it resumes counts from now)
+            self._seen_phase = (phase, min(now, entered_at) if phase != "train" else now)
+        seen_step, seen_at = self._seen
+        if step != seen_step:  # progress (or the first step): a new episode
+            self._seen, self._stacks_sent = (step, now), False
+            return False
+        if step is None or self._stacks_sent or phase not in STACK_PHASES:
+            return False
+        if now - max(seen_at, self._seen_phase[1], entered_at) < after:
+            return False
+        self._stacks_sent = True
+        return self._publish_stacks(step, phase, now - seen_at)
+
+    def _publish_stacks(self, step: int, phase: str, since_s: float) -> bool:
+        send = getattr(self.rw, "evidence", None)
+        if send is None:
+            return False
+        try:
+            from runwatch.producer.instrument.stacks import capture_threads, flight_recorder_dump
+
+            me = threading.get_ident()  # (left out, unless the caller is the training thread itself)
+            threads, source = capture_threads(
+                self.training_thread, exclude=None if me == self.training_thread else me
+            )
+            recorder, status = flight_recorder_dump()
+            sent = bool(
+                send(
+                    step,
+                    reason="no_progress",
+                    phase=phase,
+                    seconds_since_step=max(0.0, since_s),
+                    threads=threads,
+                    source=source,
+                    flight_recorder=recorder,
+                    flight_recorder_status=status,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - evidence that fails is absent; the heartbeat goes on
+            if not self._warned:
+                self._warned = True
+                log.warning("runwatch: capturing stacks failed (further failures are not logged): %r", exc)
+            return False
+        self.stacks_published += sent
+        return sent
+
+    def _stack_poll_s(self) -> float:
+        """How often the heartbeat thread looks at the step for the stacks' sake."""
+        after = self.stacks_after_s
+        return self.interval_s if after is None else min(self.interval_s, max(0.1, after / 5))
+
     def _host_load_sender(self) -> Callable[..., Any] | None:
         """How a heartbeat with ``host_load`` is published through ``rw``: its ``heartbeat`` when that
         takes ``host_load`` (every runwatch publisher's does); else None (it goes out without it)."""
@@ -330,9 +416,18 @@ class Heartbeat:
             self._wake.set()
 
     def _run(self, stopping: threading.Event) -> None:
+        poll = self._stack_poll_s()
         while True:
             self.beat()
-            self._wake.wait(self.interval_s)
+            deadline = time.monotonic() + self.interval_s
+            while True:  # (looking at the step between beats, for the stacks)
+                left = deadline - time.monotonic()
+                woke = self._wake.wait(min(poll, left)) if left > 0 else False
+                if stopping.is_set():
+                    return
+                self.check_stacks()
+                if woke or time.monotonic() >= deadline:
+                    break
             self._wake.clear()
             if stopping.is_set():
                 return

@@ -74,7 +74,7 @@ from runwatch.producer.instrument.gradstats import (
     grad_norms,
 )
 from runwatch.producer.instrument.guard import GuardOptions, SkipReason, StepGuard
-from runwatch.producer.instrument.heartbeat import Heartbeat
+from runwatch.producer.instrument.heartbeat import DEFAULT_STACKS_AFTER_S, Heartbeat
 from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.producer.instrument.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
 from runwatch.producer.instrument.step_packing import StepPacking
@@ -144,6 +144,11 @@ class Watcher:
     put each module's output RMS and zero fraction in ``module_activations``
     (:mod:`runwatch.producer.instrument.activations`). Off by default: on a small model its Python costs
     a few percent of a step at every 5 steps (docs/producer.md has the measured cost).
+
+    ``stacks_after_s``: when the last step has not moved for this long (train or dataload phase), the
+    heartbeat thread publishes the Python stack of every thread once (an ``evidence`` event the worker
+    attaches to its ``hung_rank`` and ``stall`` findings; instrument/stacks.py). Nothing on the per-step
+    path; None or 0 turns it off.
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class Watcher:
         activations_every: int = 5,
         replicas: bool | None = None,
         fingerprint_every: int = 50,
+        stacks_after_s: float | None = DEFAULT_STACKS_AFTER_S,
     ):
         _check_options(clip, external_clip, update_every, shard)
         if activations_every < 1:
@@ -220,7 +226,11 @@ class Watcher:
         self._memory_at = -math.inf
         heartbeat: Heartbeat | None = None
         if heartbeat_s:
-            heartbeat = Heartbeat(rw, heartbeat_s, clock=clock) if clock else Heartbeat(rw, heartbeat_s)
+            heartbeat = (
+                Heartbeat(rw, heartbeat_s, clock=clock, stacks_after_s=stacks_after_s)
+                if clock
+                else Heartbeat(rw, heartbeat_s, stacks_after_s=stacks_after_s)
+            )
         self.heartbeat = heartbeat  # never replaced: the step clock's callbacks below hold it
         self.sync_timer = self._ddp_sync_timer(model) if sync_timing else None
         self.clock = StepClock(

@@ -43,7 +43,9 @@ from runwatch.producer.wire.schema import (
     HeartbeatEvent,
     RunEndEvent,
     RunStartEvent,
+    StackEvidenceEvent,
     StepEvent,
+    bound_evidence,
 )
 
 if TYPE_CHECKING:
@@ -299,6 +301,40 @@ class RunWatch:
             interval_s=interval_s,
             host_load=host_load,
         )
+
+    def evidence(
+        self,
+        step: int | None,
+        *,
+        threads: list[Any],
+        reason: str = "no_progress",
+        phase: str = "train",
+        seconds_since_step: float | None = None,
+        source: str = "current_frames",
+        flight_recorder: str | None = None,
+        flight_recorder_status: str | None = None,
+    ) -> bool:
+        """Publish what this rank is doing while its steps do not move: ``threads`` (``ThreadStack``s or
+        their fields), and PyTorch's flight recorder dump (``flight_recorder``, JSON text) with its status.
+        Bounded before it goes (``bound_evidence``: threads, frames, strings, bytes; what was cut is marked).
+        The heartbeat thread calls this (``stacks_after_s``)."""
+        try:
+            event = self._events.build(
+                StackEvidenceEvent,
+                step=step,
+                reason=reason,
+                phase=phase,
+                seconds_since_step=seconds_since_step,
+                source=source,
+                threads=threads,
+                flight_recorder=flight_recorder,
+                flight_recorder_status=flight_recorder_status,
+            )
+        except ValidationError as exc:
+            self.delivery.refuse("invalid")
+            log.warning("runwatch: dropped an invalid evidence event: %s", exc)
+            return False
+        return self.publish(bound_evidence(event))
 
     def checkpoint(
         self, step: int, path: str, ok: bool = True, lr: list[float] | None = None

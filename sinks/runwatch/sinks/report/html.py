@@ -111,6 +111,42 @@ def findings_table(data: ReportData) -> str:
     )
 
 
+def stacks_section(data: ReportData) -> str:
+    """The Python stacks that hung-rank and stall findings carry (evidence ``stacks``): per finding, each
+    rank's frame and its innermost frames, as escaped text in ``<pre>`` (never markup, never run); "" when no
+    finding has any."""
+    blocks = []
+    for a in data.anomalies:
+        evidence = a.get("evidence")
+        stacks = evidence.get("stacks") if isinstance(evidence, dict) else None
+        if not isinstance(stacks, dict) or not stacks:
+            continue
+        ranks = []
+        for rank, stack in stacks.items():
+            if not isinstance(stack, dict):
+                continue
+            frames = stack.get("frames")
+            lines = [str(f) for f in frames] if isinstance(frames, list) else []
+            if stack.get("frames_dropped"):
+                lines.insert(0, f"... {stack['frames_dropped']} outer frames not kept")
+            if stack.get("code"):
+                lines.append(f"    {stack['code']}")
+            recorder = stack.get("flight_recorder") or stack.get("flight_recorder_status")
+            if recorder:
+                lines.append(f"flight recorder: {recorder}")
+            ranks.append(
+                f"<details{' open' if str(rank) == str(a.get('rank')) else ''}><summary>rank {_e(rank)}"
+                f" ({_e(stack.get('thread'))}): waits in {_e(stack.get('waits_in'))}</summary>"
+                f'<pre class="stack">{_e(chr(10).join(lines))}</pre></details>'
+            )
+        if ranks:
+            blocks.append(
+                f'<div class="stacks"><h3>{_e(a["detector"])} · rank {_e(a["rank"])} · step '
+                f"{_e(a['step'])}</h3>{''.join(ranks)}</div>"
+            )
+    return "<h2>Stacks</h2>" + "".join(blocks) if blocks else ""
+
+
 def actions_table(data: ReportData) -> str:
     if not data.actions:
         return '<p class="note">No actions were taken.</p>'
@@ -202,6 +238,9 @@ th,td{border:1px solid #e3e3e3;padding:4px 8px;text-align:left;vertical-align:to
 .sev-critical,.verdict-OUTLIER,.verdict-INVALID,.act-rollback,.act-stop{color:#c00;font-weight:600}
 .sev-warning,.act-alert{color:#c60}
 #status{color:#c00;font-weight:600}
+.stacks h3{font-size:14px;margin:12px 0 4px}
+pre.stack{font-size:12px;background:#fff;border:1px solid #e3e3e3;padding:6px;overflow-x:auto;\
+margin:2px 0 8px}
 """
 
 LOADER = """
@@ -265,6 +304,7 @@ def render(data: ReportData, panels: list[Panel]) -> str:
 <div id="status"></div>
 {_facts(data)}
 <h2>Findings</h2>{findings_table(data)}
+{stacks_section(data)}
 <h2>Actions</h2>{actions_table(data)}
 <h2>Run</h2>{multi}<div class="grid">{_panel_divs(run_panels)}</div>
 <h2>Baselines</h2>{verdicts_table(data)}{band_note}<div class="grid">{_panel_divs(band_panels)}</div>

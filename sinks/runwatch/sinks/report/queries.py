@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from runwatch.sinks.rows import as_utc
 
 if TYPE_CHECKING:
@@ -122,13 +124,17 @@ class ReportReads:
             "score",
             "severity",
             "message",
+            "evidence",
         )
         rows = self.query(
             "SELECT " + ", ".join(columns) + " FROM {db}.anomalies FINAL WHERE run_id = %(r)s "
             "ORDER BY step, ts, detector",
             {"r": run_id},
         )
-        return [dict(zip(columns, row, strict=True)) for row in rows]
+        found = [dict(zip(columns, row, strict=True)) for row in rows]
+        for a in found:
+            a["evidence"] = _json_object(a["evidence"])
+        return found
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
         """One run's actions, in the order they were issued, with what the trainer answered (the newest
@@ -201,3 +207,12 @@ WHERE module IN ({_REPORT_TOP_MODULES}) AND norm IS NOT NULL AND isFinite(assume
 GROUP BY module, bucket
 ORDER BY module, bucket
 """
+
+
+def _json_object(text: Any) -> dict[str, Any]:
+    """A stored JSON object column as a dict ({} for anything else: the report shows what it can)."""
+    try:
+        value = orjson.loads(text) if isinstance(text, str | bytes) else text
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
