@@ -35,6 +35,7 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.cooldown",
         "runwatch.detectors.findings",
         "runwatch.detectors.host_load",
+        "runwatch.detectors.rank_outlier",
         "runwatch.detectors.rolling_quantile",
         "runwatch.detectors.engine.ack_watch",
         "runwatch.detectors.engine.checkpoints",
