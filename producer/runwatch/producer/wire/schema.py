@@ -22,6 +22,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StringConstraints,
     TypeAdapter,
     ValidationError,
     model_validator,
@@ -305,6 +306,57 @@ class HostLoad(WireModel):
     )
 
 
+GPU_REASONS_MAX = 16  # throttle reason names in one GpuHealth
+GPU_REASON_CHARS = 32
+
+
+class GpuHealth(WireModel):
+    """What NVML says of the rank's GPU at the heartbeat (producer/runwatch/producer/instrument/gpu_health.py;
+    the ``gpu`` extra, nvidia-ml-py): sampled at most once a second per device, on the heartbeat thread. A
+    figure the device does not report is absent, never zero. Fixed bounds: finite, within physical ranges;
+    at most ``GPU_REASONS_MAX`` throttle reason names of at most ``GPU_REASON_CHARS`` characters."""
+
+    device: int | None = Field(default=None, ge=0, le=1 << 16, description="the rank's CUDA device ordinal")
+    util_pct: float | None = Field(
+        default=None, ge=0, le=100, allow_inf_nan=False, description="GPU utilisation over NVML's last period"
+    )
+    mem_util_pct: float | None = Field(
+        default=None, ge=0, le=100, allow_inf_nan=False, description="memory controller utilisation"
+    )
+    sm_clock_mhz: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="current SM clock"
+    )
+    sm_clock_max_mhz: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="the SM clock's maximum"
+    )
+    throttle_reasons: list[
+        Annotated[str, StringConstraints(min_length=1, max_length=GPU_REASON_CHARS, pattern=r"^[a-z0-9_]+$")]
+    ] = Field(
+        default_factory=list,
+        max_length=GPU_REASONS_MAX,
+        description="why the clocks are held down now (NVML clock event reasons, decoded: sw_power_cap, "
+        "hw_slowdown, sw_thermal_slowdown, hw_thermal_slowdown, hw_power_brake, sync_boost, gpu_idle, ...)",
+    )
+    throttle_mask: int | None = Field(
+        default=None, ge=0, lt=1 << 64, description="NVML's clock event reason bitmask as read"
+    )
+    temperature_c: float | None = Field(
+        default=None, ge=-100, le=300, allow_inf_nan=False, description="GPU core temperature"
+    )
+    ecc_corrected: int | None = Field(
+        default=None, ge=0, lt=1 << 63, description="corrected memory errors since the driver loaded"
+    )
+    ecc_uncorrected: int | None = Field(
+        default=None, ge=0, lt=1 << 63, description="uncorrected memory errors since the driver loaded"
+    )
+    power_w: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="board power draw"
+    )
+    power_limit_w: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="the enforced power limit"
+    )
+
+
 class HeartbeatEvent(EventBase):
     kind: Literal["heartbeat"] = "heartbeat"
     step: int | None = None
@@ -320,6 +372,9 @@ class HeartbeatEvent(EventBase):
     # what a throughput or data-wait finding is compared against, to tell a noisy neighbour from a code
     # regression.
     host_load: HostLoad | None = None
+    # The rank's GPU as NVML reports it (the ``gpu`` extra): what a straggler, throughput or hung-rank finding
+    # says of the rank's clocks and throttling; absent without NVML, on a CPU model, or from older producers.
+    gpu: GpuHealth | None = None
 
 
 class StackFrame(WireModel):

@@ -34,6 +34,7 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.config",
         "runwatch.detectors.cooldown",
         "runwatch.detectors.findings",
+        "runwatch.detectors.gpu_health",
         "runwatch.detectors.host_load",
         "runwatch.detectors.rank_outlier",
         "runwatch.detectors.rolling_quantile",
