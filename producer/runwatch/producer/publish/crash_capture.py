@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 CRASH_DIR_ENV = "RUNWATCH_CRASH_DIR"  # set by `runwatch launch` for its child: where the last words go
 FAULTHANDLER_FILE = "faulthandler.txt"  # in $RUNWATCH_CRASH_DIR: a fatal signal's stacks
 REPORTED_FILE = "reported"  # in $RUNWATCH_CRASH_DIR: the process published its own crash event
+CLOSED_FILE = "closed"  # in $RUNWATCH_CRASH_DIR: its RunWatch closed the run, with this status
 DEFAULT_FLUSH_TIMEOUT_S = 2.0
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
@@ -249,6 +250,16 @@ class CrashCapture:
             except Exception:  # noqa: BLE001 - as above
                 log.debug("runwatch: closing after a crash failed", exc_info=True)
         return sent
+
+    def mark_closed(self, status: str) -> None:
+        """The run was closed (``run_end`` sent) with ``status``: a launcher reads ``stopped`` as an exit
+        the run's own stop explains (never a crash to restart)."""
+        if self.crash_dir is None:
+            return
+        try:
+            (self.crash_dir / CLOSED_FILE).write_text(status)
+        except OSError:
+            pass
 
     def _mark_reported(self) -> None:
         if self.crash_dir is None:

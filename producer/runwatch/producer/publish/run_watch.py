@@ -426,6 +426,8 @@ class RunWatch:
         if self.rank == 0 or self._leads_group:
             status, summary = end_status(status, summary, self.stopped_by)
             self.publish(self._events.build(RunEndEvent, status=status, summary=summary))
+        if self.crash_capture is not None:
+            self.crash_capture.mark_closed(status or ("stopped" if self.stopped_by else "completed"))
         self._closed = True
         self.delivery.close(timeout)
         atexit.unregister(self.close)
