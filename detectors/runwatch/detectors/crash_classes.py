@@ -55,8 +55,10 @@ def classify(
         return CrashVerdict("preemption", "preemption.sigterm", "signal 15", "SIGTERM: the scheduler took it")
     if exception_type is not None or _TRACEBACK in text:
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        line = next((ln for ln in reversed(lines) if exception_type and ln.startswith(exception_type)), None)
-        line = line or (lines[-1][:512] if lines else str(exception_type))
-        return CrashVerdict("user_code", "user_code.traceback", line, "a Python exception in the training code")
+        found = next((ln for ln in reversed(lines) if exception_type and ln.startswith(exception_type)), None)
+        line = found or (lines[-1][:512] if lines else str(exception_type))
+        return CrashVerdict(
+            "user_code", "user_code.traceback", line, "a Python exception in the training code"
+        )
     evidence = f"signal {signal}" if signal is not None else f"exit code {exit_code}"
     return CrashVerdict("unknown", "unknown", evidence, "no rule matched")
