@@ -119,7 +119,9 @@ def test_a_crash_is_classified_and_acted_on(broker, worker, tmp_path, death, cra
     assert action.params["crash_class"] == crash_class
     if kind == "restart":
         assert action.params["mode"] == mode
-        assert action.params["exclude_hosts"] == ([anomaly.evidence["host"]] if mode == "exclude_host" else [])
+        assert action.params["exclude_hosts"] == (
+            [anomaly.evidence["host"]] if mode == "exclude_host" else []
+        )
     if death == "segv":  # the faulthandler file's text went with the launcher's report
         crash = next(e for e in _crash_events(broker.bootstrap, anomaly.run_id) if e["source"] == "launcher")
         assert "Fatal Python error: Segmentation fault" in crash["log_tail"], crash
@@ -129,7 +131,9 @@ def _crash_events(bootstrap: str, run_id: str) -> list[dict]:
     import orjson
 
     records = read_topic(
-        bootstrap, topics.TELEMETRY, lambda rs: any(r.key == run_id.encode() and b'"crash"' in r.value for r in rs)
+        bootstrap,
+        topics.TELEMETRY,
+        lambda rs: any(r.key == run_id.encode() and b'"crash"' in r.value for r in rs),
     )
     events = [orjson.loads(r.value) for r in records if r.key == run_id.encode()]
     return [e for e in events if e["kind"] == "crash"]
@@ -143,7 +147,16 @@ def test_one_rank_killed_of_four_is_the_cause(broker, worker, tmp_path):
         for rank in range(world):
             argv = [str(HERE / "dist_train.py"), "--rank", str(rank), "--world", str(world)]
             argv += ["--port", str(port), "--bootstrap", broker.bootstrap, "--run-id", run_id]
-            argv += ["--out", str(tmp_path), "--steps", "400", "--step-sleep", "0.05", "--fault", f"kill:{victim}:15"]
+            argv += [
+                "--out",
+                str(tmp_path),
+                "--steps",
+                "400",
+                "--step-sleep",
+                "0.05",
+                "--fault",
+                f"kill:{victim}:15",
+            ]
             procs.append(launch(run_id, broker.bootstrap, argv, tmp_path / f"rank{rank}.log", rank, world))
         procs[victim][0].wait(timeout=180)
         anomaly, received, action = crash_cause(broker.bootstrap, run_id, timeout=60)

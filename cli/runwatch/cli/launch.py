@@ -16,7 +16,9 @@ from runwatch.cli.failure import CommandError
 @click.option("--rank", type=int, default=None, help="this process's rank (default $RANK, ..., else 0)")
 @click.option("--world-size", type=int, default=None, help="the run's ranks (default $WORLD_SIZE, ...)")
 @click.option("--bootstrap", envvar="RUNWATCH_BOOTSTRAP", default="127.0.0.1:9092", show_default=True)
-@click.option("--host", default=None, help="the host name to report (default $RUNWATCH_HOST, else this host's)")
+@click.option(
+    "--host", default=None, help="the host name to report (default $RUNWATCH_HOST, else this host's)"
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(
     run_id: str | None,

@@ -226,7 +226,9 @@ class CrashPolicyConfig(Strict):
 
         unknown = sorted(set(actions) - set(CRASH_CLASSES))
         if unknown:
-            raise ValueError(f"unknown crash class(es) {', '.join(unknown)}; known: {', '.join(CRASH_CLASSES)}")
+            raise ValueError(
+                f"unknown crash class(es) {', '.join(unknown)}; known: {', '.join(CRASH_CLASSES)}"
+            )
         return {**default_crash_actions(), **actions}
 
 

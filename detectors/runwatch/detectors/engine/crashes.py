@@ -26,7 +26,7 @@ from typing import Any
 from runwatch.detectors.config import CrashPolicyConfig
 from runwatch.detectors.crash_classes import CrashVerdict, classify
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.schema import CrashEvent
+from runwatch.producer.wire.schema import CrashEvent, Severity
 
 CRASH = "crash"  # the finding's detector name (registry.POLICY_FINDINGS)
 # A host name an action may carry: what the remediator's host rule accepts too (sinks/.../templates.py). A
@@ -177,7 +177,9 @@ class CrashWatch:
         mode = config.actions.get(crash_class, "as_was")
         times = history.count(crash_class, cause.step)
         base: dict[str, Any] = {"crash_class": crash_class, "rule": cause.verdict.rule, "rank": cause.rank}
-        where = f"rank {cause.rank} crashed at step {cause.step}: {crash_class} ({cause.verdict.evidence_line})"
+        where = (
+            f"rank {cause.rank} crashed at step {cause.step}: {crash_class} ({cause.verdict.evidence_line})"
+        )
         if policy_stopped or history.stopped:
             return CrashDecision(None, f"{where}; the run was stopped: not restarted", base)
         stop_why: str | None = None
@@ -186,7 +188,9 @@ class CrashWatch:
         if mode == "stop":
             stop_why = f"{crash_class}: a restart would crash again"
         elif times >= config.max_identical:
-            stop_why = f"the same crash ({crash_class} at step {cause.step}) {times} times: never restarted again"
+            stop_why = (
+                f"the same crash ({crash_class} at step {cause.step}) {times} times: never restarted again"
+            )
         elif history.restarts >= config.max_restarts:
             stop_why = f"{history.restarts} restarts already (max_restarts {config.max_restarts})"
         if stop_why is not None:
@@ -214,7 +218,7 @@ class CrashWatch:
 def cause_finding(settled: CrashSettled) -> Finding:
     cause = settled.cause
     v = cause.verdict
-    severity = "info" if v.crash_class == "preemption" else "critical"
+    severity: Severity = "info" if v.crash_class == "preemption" else "critical"
     peers = sorted(r.rank for r in settled.consequences)
     evidence = cause.evidence() | {"role": "cause", "consequences": peers[:64]}
     return Finding(
@@ -238,8 +242,8 @@ def consequence_finding(report: CrashReport, cause: CrashReport) -> Finding:
         rank=report.rank,
         severity="info",
         message=(
-            f"rank {report.rank} crashed after rank {cause.rank} ({cause.verdict.crash_class}): a consequence, "
-            f"not a cause ({v.crash_class}: {v.evidence_line[:160]})"
+            f"rank {report.rank} crashed after rank {cause.rank} ({cause.verdict.crash_class}): "
+            f"a consequence, not a cause ({v.crash_class}: {v.evidence_line[:160]})"
         ),
         evidence=report.evidence() | {"role": "consequence", "cause_rank": cause.rank},
     )
@@ -253,7 +257,10 @@ def thread_finding(report: CrashReport) -> Finding:
         step=report.step,
         rank=report.rank,
         severity="warning",
-        message=f"a thread of rank {report.rank} died: {v.crash_class} ({v.evidence_line[:200]}); the process goes on",
+        message=(
+            f"a thread of rank {report.rank} died: {v.crash_class} ({v.evidence_line[:200]}); "
+            "the process goes on"
+        ),
         evidence=report.evidence() | {"role": "thread"},
     )
 

@@ -639,7 +639,6 @@ class RunMonitor:
             ts=ts,
         )
 
-
     # -- crashes (issue 39) -----------------------------------------------------------------------------
 
     def _on_crash(self, event: CrashEvent, out: MonitorOutput) -> None:
@@ -657,7 +656,9 @@ class RunMonitor:
         if watch.settled is not None:
             if report.rank != watch.settled.rank:  # (the cause's own second word says nothing new)
                 watch.late += 1
-                self._emit_crash(consequence_finding(report, watch.settled), event.ts, event.event_id, out, None)
+                self._emit_crash(
+                    consequence_finding(report, watch.settled), event.ts, event.event_id, out, None
+                )
             return
         watch.add(report)
         self._settle_crashes(event.ts, out)

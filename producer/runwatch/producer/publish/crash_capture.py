@@ -53,7 +53,9 @@ _Handler = Callable[[int, FrameType | None], Any] | int | None
 class CrashPublisher(Protocol):
     """What the capture needs of a ``RunWatch``: its run, a way to publish, its last step, and a close."""
 
-    run_id: str
+    @property
+    def run_id(self) -> str: ...
+
     last_step: int | None
 
     def publish_crash(self, **fields: Any) -> bool: ...
@@ -131,7 +133,7 @@ class CrashCapture:
             return
         try:
             self.crash_dir.mkdir(parents=True, exist_ok=True)
-            self._fault_file = open(self.crash_dir / FAULTHANDLER_FILE, "w")  # noqa: SIM115 - open for the process's life
+            self._fault_file = open(self.crash_dir / FAULTHANDLER_FILE, "w")
             faulthandler.enable(self._fault_file, all_threads=True)
         except OSError as exc:
             log.warning("runwatch: faulthandler not enabled in %s: %s", self.crash_dir, exc)
@@ -239,7 +241,7 @@ class CrashCapture:
         rw = self.rw
         try:
             sent = rw.publish_crash(step=rw.last_step, host=host_name(), **fields)
-        except Exception:  # noqa: BLE001 - the last words must never raise over the process's own error
+        except Exception:
             log.debug("runwatch: the crash event could not be built", exc_info=True)
             return False
         if final:
@@ -247,7 +249,7 @@ class CrashCapture:
             self._mark_reported()
             try:
                 rw.close(timeout=self.flush_timeout_s, status=status, summary=summary)
-            except Exception:  # noqa: BLE001 - as above
+            except Exception:
                 log.debug("runwatch: closing after a crash failed", exc_info=True)
         return sent
 

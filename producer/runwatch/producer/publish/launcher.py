@@ -161,7 +161,7 @@ class Launcher:
         try:
             for sig in RELAYED_SIGNALS:
                 signal.signal(sig, self._relay)
-            self.child = child = subprocess.Popen(  # noqa: S603 - the user's own command, as given, no shell
+            self.child = child = subprocess.Popen(
                 self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
             threads = [

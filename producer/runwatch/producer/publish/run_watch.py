@@ -451,7 +451,9 @@ class RunWatch:
         status, summary = exit_status(exc_type, exc)
         if status == "failed" and exc is not None and self.crash_capture is not None:
             # the run's last words: the exception leaves the block (and the run) here, before any excepthook
-            self.crash_capture.report_exception(type(exc), exc, exc.__traceback__, source="exception", final=True)
+            self.crash_capture.report_exception(
+                type(exc), exc, exc.__traceback__, source="exception", final=True
+            )
         self.close(status=status, summary=summary)
 
     # -- inside ------------------------------------------------------------------------
