@@ -180,7 +180,7 @@ def default_rules() -> list[PolicyRule]:
 
 # -- crashes (issue 39) ---------------------------------------------------------------------------------
 # What a crash's class becomes: a restart without the failing host (exclude_host), a restart as it was
-# (as_was), a stop, or nothing but the finding (none). docs/crashes.md says why each.
+# (as_was), a stop, or nothing but the finding (none). docs/launch.md says why each.
 CrashAction = Literal["exclude_host", "as_was", "stop", "none"]
 
 
@@ -200,7 +200,7 @@ def default_crash_actions() -> dict[str, CrashAction]:
 
 
 class CrashPolicyConfig(Strict):
-    """What a crash becomes (docs/crashes.md)."""
+    """What a crash becomes (docs/launch.md#what-a-crash-becomes)."""
 
     actions: dict[str, CrashAction] = Field(
         default_factory=default_crash_actions, description="crash class -> exclude_host, as_was, stop, none"
