@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--held-runs", type=int, default=1000)
     ap.add_argument("--held-ranks", type=int, default=1)
     ap.add_argument("--warmup-steps", type=int, default=25)
+    ap.add_argument("--warmup-runs", type=int, default=5, help="measured first and left out (no scraper)")
     ap.add_argument("--timeout", type=float, default=10.0)
     args = ap.parse_args()
     keys = ActionSigningKey.generate()
@@ -120,6 +121,9 @@ def main() -> None:
                 time.sleep(0.5)
             scraper.start()
             index = 0
+            for _ in range(args.warmup_runs):  # (the held runs' first ticks and joins are behind us after)
+                one_run(broker.bootstrap, keys.public.text, index, args.warmup_steps, args.timeout)
+                index += 1
             for block in range(args.blocks):
                 mode = "scraped" if block % 4 in (1, 2) else "unscraped"  # ABBA ABBA ...
                 if mode == "scraped":
