@@ -20,6 +20,10 @@ with an ``ActionListener`` (synchronised across ranks). Faults, chosen by ``--fa
 - ``rank_loss:R:BATCH:N:F``: rank R's loss (and so its gradients) is F times larger on the N batches from
   BATCH (one rank's bad data; skipping the batches cures it).
 
+GPU health: with ``RUNWATCH_TEST_FAKE_NVML=R`` in the environment (read by this script only) every rank's
+heartbeats carry ``gpu`` from a fake NVML (tests/unit/fake_nvml.py), and rank R's reports its SM clock capped
+with the thermal throttle reason (there is no GPU here).
+
 Each rank writes ``result-R.json`` in ``--out``: its status, the actions it applied, final LR.
 """
 
@@ -81,6 +85,25 @@ def batch(batch_id: int, rank: int, size: int = 32, noise: float = 0.0) -> tuple
     return x, y
 
 
+def fake_gpu_health(rank: int) -> object:
+    """``rw.watch``'s ``gpu_health``: a sampler over a fake NVML where RUNWATCH_TEST_FAKE_NVML names the
+    throttled rank, else True (the default: none on this CPU model)."""
+    throttled = os.environ.get("RUNWATCH_TEST_FAKE_NVML")
+    if not throttled:
+        return True
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from fake_nvml import SW_THERMAL, FakeDevice, FakeNvml
+
+    from runwatch.producer.instrument.gpu_health import GpuHealthSampler
+
+    device = (
+        FakeDevice(sm_clock=1110, reasons=SW_THERMAL, temperature=91)
+        if rank == int(throttled)
+        else FakeDevice()
+    )
+    return GpuHealthSampler(0, cuda_device=0, nvml=FakeNvml({0: device}))
+
+
 def main() -> int:
     args = parse()
     faults = {kind: params for kind, *params in (f.split(":") for f in args.fault)}
@@ -100,7 +123,15 @@ def main() -> int:
     shard = {n for i, n in enumerate(names) if i % args.world == args.rank} if args.shard else None
 
     rw = RunWatch(args.run_id, bootstrap=args.bootstrap, rank=args.rank, world_size=args.world, spool=False)
-    watch = rw.watch(ddp, optimizer, heartbeat_s=0.5, update_every=0, shard=shard, guard=not args.no_guard)
+    watch = rw.watch(
+        ddp,
+        optimizer,
+        heartbeat_s=0.5,
+        update_every=0,
+        shard=shard,
+        guard=not args.no_guard,
+        gpu_health=fake_gpu_health(args.rank),
+    )
     listener = ActionListener(
         rw,
         model,

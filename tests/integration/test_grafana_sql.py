@@ -3,8 +3,9 @@ ClickHouse plugin expands them, runs against the embedded ClickHouse holding rea
 returns the columns its panel expects, with rows:
 
 - a `nan` demo run (the session's broker, a real worker, the sink): anomalies, actions, a rollback;
-- a 3-rank torch.distributed run (dist_train.py) with a straggler and a hung rank that the worker
-  stops, on a broker of its own (its worker runs a test config in its own group and must not re-read
+- a 3-rank torch.distributed run (dist_train.py) with a straggler (its fake NVML reporting a thermal
+  throttle) and a hung rank that the worker stops,
+  on a broker of its own (its worker runs a test config in its own group and must not re-read
   the session's topics), with a garbage message the worker dead-letters;
 - a job's history: the history corpus (47 real training runs at the commits of a real git repository,
   over six simulated weeks) moved to the last seven weeks (telemetry has a 90-day TTL), with their run
@@ -79,6 +80,7 @@ def dist_run(chdb_dsn, action_keys, tmp_path_factory) -> str:
                     "hang:1:30",
                     steps=400,
                     stop_exit_after_s=2.0,
+                    env={"RUNWATCH_TEST_FAKE_NVML": "2"},  # rank 2's (fake) GPU throttled: dist_train.py
                 )
                 try:
                     codes = run.wait(150)
@@ -260,6 +262,8 @@ def test_the_ranks_dashboard_names_the_straggler_and_the_hung_rank(stored, conte
     by_title = {p.title: p for p in RANKS_DASHBOARD.panels}
     stragglers = _run(sink, by_title["Straggler scores"].sql, context, variables)[1]
     assert {series for _, series, _ in stragglers} == {"rank 2"}
+    throttled = _run(sink, by_title["GPU throttle reasons"].sql, context, variables)[1]
+    assert {(r[1], r[2]) for r in throttled} == {(2, "sw_thermal_slowdown")}
     hung = _run(sink, by_title["Hung and dead ranks"].sql, context, variables)[1]
     assert [(r[2], r[3], r[4]) for r in hung if r[3] == "hung_rank"] == [(1, "hung_rank", "peers_waiting")]
 

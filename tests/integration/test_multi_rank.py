@@ -229,7 +229,10 @@ def run_factory(broker, action_keys, dist_worker, tmp_path):
 
 
 def test_joined_sharded_norms_a_straggler_and_a_long_checkpoint_that_is_no_stall(run_factory):
-    run = run_factory("slow:2:0.2", "long_checkpoint:20:6", steps=60, shard=True)
+    # (every rank's heartbeats carry a fake NVML's figures; rank 2's report a thermal throttle: dist_train.py)
+    run = run_factory(
+        "slow:2:0.2", "long_checkpoint:20:6", steps=60, shard=True, env={"RUNWATCH_TEST_FAKE_NVML": "2"}
+    )
     codes = run.wait(180)
     assert codes == [0, 0, 0], run.logs()
     full = {int(k): v for k, v in run.result(0)["full_grad_norms"].items()}
@@ -249,6 +252,10 @@ def test_joined_sharded_norms_a_straggler_and_a_long_checkpoint_that_is_no_stall
     stragglers = [a for a in anomalies if a.detector == "straggler"]
     assert {a.rank for a in stragglers} == {2}
     assert stragglers[0].evidence["timed"] == "compute_s"
+    gpu = stragglers[0].evidence["gpu"]  # the straggler's GPU health, from its heartbeats
+    assert gpu["rank"] == 2 and gpu["latest"]["throttle_reasons"] == ["sw_thermal_slowdown"]
+    assert "rank 2: thermal throttle since " in stragglers[0].message
+    assert "(SM clock 1110 of 1980 MHz" in stragglers[0].message
     # rank 0 saved for 6 s while ranks 1 and 2 waited for it: neither a stall nor a hang
     stalls = [a for a in anomalies if a.detector in ("stall", "hung_rank")]
     assert stalls == [], [(a.detector, a.rank, a.step, a.message, a.evidence) for a in stalls]

@@ -45,6 +45,7 @@ from runwatch.producer.wire.schema import (
     CheckpointEvent,
     DigestGroup,
     EvalEvent,
+    GpuHealth,
     HeartbeatEvent,
     MemoryStats,
     ReplicaDigests,
@@ -132,7 +133,9 @@ def stream(seed: int = 0) -> list:
         )
         if step % 5 == 0:
             events.append(
-                HeartbeatEvent(run_id="conf", step=step, ts=t, event_id=f"h{step}", interval_s=1.25)
+                HeartbeatEvent(
+                    run_id="conf", step=step, ts=t, event_id=f"h{step}", interval_s=1.25, gpu=gpu_health(0)
+                )
             )
         if step % 20 == 19:
             val = 1.2 * (1 + 0.5 * max(0, step - 100) / 40)  # overfits from step 100
@@ -157,6 +160,21 @@ def stream(seed: int = 0) -> list:
 
 
 HANG = 280  # the cross-rank stream's last step: then rank 1 hangs
+
+
+def gpu_health(rank: int, throttled: bool = False) -> GpuHealth:
+    """A heartbeat's NVML figures (the producer's ``gpu``): full clocks, or (``throttled``) a thermal throttle
+    capping the SM clock."""
+    return GpuHealth(
+        device=rank,
+        util_pct=97,
+        sm_clock_mhz=1110 if throttled else 1980,
+        sm_clock_max_mhz=1980,
+        throttle_reasons=["sw_thermal_slowdown"] if throttled else [],
+        temperature_c=88 if throttled else 65,
+        power_w=300.0,
+        power_limit_w=400.0,
+    )
 
 
 def multi_rank_stream(seed: int = 0) -> list:
@@ -190,6 +208,7 @@ def multi_rank_stream(seed: int = 0) -> list:
                         ts=t + timedelta(milliseconds=rank),
                         event_id=f"h{step}r{rank}",
                         interval_s=1.25,
+                        gpu=gpu_health(rank, throttled=rank == 2 and step >= ONSET),
                     )
                 )
     for beat in range(1, 25):
@@ -203,6 +222,7 @@ def multi_rank_stream(seed: int = 0) -> list:
                     event_id=f"hh{beat}r{rank}",
                     interval_s=1.25,
                     in_sync=rank != 1,
+                    gpu=gpu_health(rank, throttled=rank == 2),
                 )
             )
             if beat == 4:  # the stacks each rank's heartbeat thread sends once its step stopped (5 s)

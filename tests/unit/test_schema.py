@@ -14,6 +14,7 @@ from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CategoryLoss,
     CheckpointEvent,
+    CrashEvent,
     EvalEvent,
     HeartbeatEvent,
     MemoryStats,
@@ -91,6 +92,15 @@ def _examples():
             ],
             flight_recorder='{"entries": []}',
             flight_recorder_status="attached (_dump_fr_trace_json: gloo and NCCL)",
+        ),
+        CrashEvent(
+            **common,
+            step=12,
+            source="exception",
+            exception_type="ValueError",
+            message="bad batch",
+            traceback='Traceback (most recent call last):\n  File "t.py", line 1\nValueError: bad batch\n',
+            host="node-1",
         ),
     ]
 

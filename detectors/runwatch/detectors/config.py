@@ -178,6 +178,60 @@ def default_rules() -> list[PolicyRule]:
     ]
 
 
+# -- crashes (issue 39) ---------------------------------------------------------------------------------
+# What a crash's class becomes: a restart without the failing host (exclude_host), a restart as it was
+# (as_was), a stop, or nothing but the finding (none). docs/launch.md says why each.
+CrashAction = Literal["exclude_host", "as_was", "stop", "none"]
+
+
+def default_crash_actions() -> dict[str, CrashAction]:
+    return {
+        "collective_timeout": "exclude_host",  # a peer or the fabric failed: run elsewhere
+        "hardware": "exclude_host",  # Xid, ECC, a device lost: never on that host again
+        "segfault": "exclude_host",  # on a GPU node mostly a driver or a device; a repeat stops it
+        "oom_host": "exclude_host",  # a node whose memory others share, or leaks; a repeat stops it
+        "oom_device": "stop",  # the model does not fit its device: a restart OOMs again
+        "preemption": "as_was",  # the scheduler took the node: the run is fine
+        "dataloader": "as_was",  # a worker or a file system hiccup; a repeat stops it
+        "unknown": "as_was",  # nothing says it will happen again; a repeat stops it
+        "nonfinite_stop": "stop",  # the model diverged: a restart replays it
+        "user_code": "stop",  # a bug: a restart hits it again
+    }
+
+
+class CrashPolicyConfig(Strict):
+    """What a crash becomes (docs/launch.md#what-a-crash-becomes)."""
+
+    actions: dict[str, CrashAction] = Field(
+        default_factory=default_crash_actions, description="crash class -> exclude_host, as_was, stop, none"
+    )
+    settle_s: float = Field(
+        default=3.0,
+        ge=0,
+        description="in a run of several ranks, how long after its first crash the others' are gathered "
+        "before the cause is named (the earliest death) and acted on",
+    )
+    max_identical: int = Field(
+        default=2,
+        ge=1,
+        description="the same class at the same step this many times (over the run's attempts): stop, "
+        "never one more restart",
+    )
+    max_restarts: int = Field(default=10, ge=0, description="restarts of one run at most; then a stop")
+
+    @field_validator("actions")
+    @classmethod
+    def _known_classes(cls, actions: dict[str, CrashAction]) -> dict[str, CrashAction]:
+        from runwatch.detectors.crash_classes import CRASH_CLASSES
+
+        unknown = sorted(set(actions) - set(CRASH_CLASSES))
+        if unknown:
+            raise ValueError(
+                f"unknown crash class(es) {', '.join(unknown)}; known: {', '.join(CRASH_CLASSES)}"
+            )
+        return {**default_crash_actions(), **actions}
+
+
 class PolicyConfig(Strict):
     rules: list[PolicyRule] = Field(default_factory=default_rules, description="first matching rule wins")
     alert_only: bool = Field(
@@ -226,6 +280,7 @@ class PolicyConfig(Strict):
     lr_restore_over_steps: int = Field(
         default=100, ge=1, description="steps over which a rollback's LR scale returns to 1"
     )
+    crash: CrashPolicyConfig = CrashPolicyConfig()
     escalate_after_s: float = Field(
         default=600.0,
         ge=0,

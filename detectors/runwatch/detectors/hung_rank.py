@@ -27,6 +27,10 @@ it waits for its peers where they can (its training thread inside ``torch.distri
 but there and autograd: it does not, whatever ``in_sync`` says), so a hang before an explicit collective is
 found as one in the gradient sync is. The finding carries every rank's stack summary (``evidence.stacks``,
 ``evidence.waits_in``) and its message names the hung rank's frame and what its peers wait in.
+
+GPU health (gpu_health.py): where the hung rank's heartbeats carry ``gpu``, the finding carries its latest
+sample and the throttle reasons active with their since-times (``evidence.gpu``), and the message says so
+("rank 2: thermal throttle since 12:04:11 (SM clock 1110 of 1980 MHz)").
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.engine.evidence import stack_waits, stacks_evidence, waits_phrase
 from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.gpu_health import attach
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.stall import StallConfig
 from runwatch.producer.wire.schema import JoinedStep, RunEndEvent, TelemetryEvent
@@ -175,7 +180,7 @@ class HungRankDetector(CrossRankDetector):
     ) -> Finding:
         stacks = {r: p.stack for r, p in sorted(live.items())}
         where = waits_phrase(rank, stacks)
-        return Finding(
+        finding = Finding(
             detector=NAME,
             metric="step_progress",
             step=state.step,
@@ -201,6 +206,7 @@ class HungRankDetector(CrossRankDetector):
                 **stacks_evidence(rank, stacks),
             },
         )
+        return attach(finding, state.gpu.evidence(rank) if state.gpu is not None else None)
 
 
 def _sync_waits(

@@ -79,7 +79,14 @@ _REGISTRY: dict[str, DetectorSpec] = {}
 # a rollback that did (or did not) bring the run back, a run that ended outside its job's history
 # (baselines/gate.py), an action no rank acknowledged in time (engine/ack_watch.py), and a rank whose clock
 # is ahead of the worker's (engine/monitor.py, clock_seen).
-POLICY_FINDINGS = ("not_recovered", "recovered", "baseline_outliers", "action_unacknowledged", "clock_skew")
+POLICY_FINDINGS = (
+    "not_recovered",
+    "recovered",
+    "baseline_outliers",
+    "action_unacknowledged",
+    "clock_skew",
+    "crash",  # a rank crashed (issue 39: engine/crashes.py), classified; its action is the crash policy's
+)
 
 BUILTIN_MODULES = (
     "runwatch.detectors.nonfinite",

@@ -27,9 +27,10 @@ from pydantic import Field, model_validator
 from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.rank_outlier import RankOutlier, RankOutlierTest
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
-from runwatch.producer.wire.schema import RankExtreme, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import RankExtreme, Severity, StepEvent, TelemetryEvent
 
 
 class SpikeConfig(Strict):
@@ -216,17 +217,17 @@ class StepSpike(Detector):
     """The detector contract around :class:`SpikeDetector`, on one scalar field of step events.
 
     On a joined step of several ranks (``rank_extremes``, issue 38) a second test judges the rank with the
-    largest figure against the other ranks: the ratio of its figure to theirs, scored by the same rule
-    against that ratio's own history (ranks on different data differ by a steady amount). A spike of one
-    rank is then found and named even where the joined mean hides it (one rank of 64 at 20x moves the mean
-    by 30%), a spike every rank shares leaves the ratio alone, and a finding of either test on a step is
-    one finding, naming the rank when the rank test made it."""
+    largest figure against the other ranks (rank_outlier.py): the ratio of its figure to theirs, against
+    that ratio's own history (ranks on different data differ by a steady amount), on two steps in a row. A
+    spike of one rank is then found and named even where the joined mean hides it (one rank of 64 at 20x
+    moves the mean by 30%), a spike every rank shares leaves the ratio alone, and a step either test flags
+    is one finding, naming the rank when the rank test made it."""
 
     def __init__(self, name: str, metric: str, config: SpikeConfig):
         self.name = name
         self.metric = metric
         self._detector = SpikeDetector(name, metric, config)
-        self._ranks: SpikeDetector | None = None  # made at the first joined step of several ranks
+        self._ranks: RankOutlierTest | None = None  # made at the first joined step of several ranks
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent):
@@ -235,56 +236,79 @@ class StepSpike(Detector):
         finding = self._detector.update(getattr(event, self.metric), event.step, event.rank, skipped)
         extreme = event.rank_extremes.get(self.metric) if event.rank_extremes else None
         if extreme is not None and extreme.others > 0 and math.isfinite(extreme.value):
-            ranks = getattr(self, "_ranks", None)  # (None too in a snapshot from before issue 38)
-            if ranks is None:
-                ranks = self._ranks = SpikeDetector(self.name, self.metric, self._detector.config)
-            outlier = ranks.update(extreme.value / extreme.others, event.step, extreme.rank, skipped)
+            ratio = extreme.value / extreme.others
+            outlier = self._rank_test().update(ratio, event.step, extreme.rank)
             if outlier is not None:
-                finding = _one_rank(outlier, finding, extreme)
+                finding = self._one_rank(event.step, outlier, finding, extreme, skipped)
+            elif finding is not None and ratio >= self._detector.config.min_ratio:
+                # the joined step's spike, with the rank that stands out in it (not yet a verdict on the rank:
+                # that takes a second step)
+                finding = replace(
+                    finding,
+                    message=f"{finding.message}; largest on rank {extreme.rank}, {ratio:.1f}x the others'",
+                    evidence={
+                        **finding.evidence,
+                        "largest_rank": extreme.rank,
+                        "largest_ratio_to_others": ratio,
+                    },
+                )
         return [finding] if finding is not None else []
 
+    def _rank_test(self) -> RankOutlierTest:
+        test = getattr(self, "_ranks", None)  # (None too in a snapshot from before issue 38)
+        if test is None:
+            c = self._detector.config
+            test = self._ranks = RankOutlierTest(
+                c.window, c.warmup, c.z_threshold, c.min_ratio, c.min_scale, c.cooldown_steps
+            )
+        return test
 
-_SEVERITY = {"info": 0, "warning": 1, "critical": 2}
-
-
-def _one_rank(outlier: Finding, joined: Finding | None, extreme: RankExtreme) -> Finding:
-    """The rank test's finding (its figures are ratios to the other ranks) as the step's one finding, in the
-    metric's own units, naming the rank; the more severe of it and the joined test's ``joined``."""
-    severity = outlier.severity
-    if joined is not None and _SEVERITY[joined.severity] > _SEVERITY[severity]:
-        severity = joined.severity
-    metric, rank, others = outlier.metric, extreme.rank, extreme.others
-    ratio = extreme.value / others
-    diverging = outlier.evidence.get("kind") == "divergence"
-    what = (
-        f"{metric} of rank {rank} did not come back after its spike at step {outlier.evidence['onset_step']}"
-        if diverging
-        else f"{metric} spiked on rank {rank}"
-    )
-    typical = outlier.evidence.get("rolling_median", outlier.evidence.get("pre_spike_median", 1.0))
-    evidence: dict[str, Any] = {
-        **outlier.evidence,
-        "kind": "rank_divergence" if diverging else "rank_spike",
-        "rank": rank,
-        "others": others,
-        "ranks": extreme.ranks,
-        "ratio_to_others": ratio,
-        "usual_ratio_to_others": typical,
-    }
-    if joined is not None:
-        evidence["joined"] = {"value": joined.value, "message": joined.message}
-    peers = "mean" if metric == "loss" else "root mean square"
-    return replace(
-        outlier,
-        severity=severity,
-        value=extreme.value,
-        threshold=None if outlier.threshold is None else outlier.threshold * others,
-        message=(
-            f"{what}: {extreme.value:.4g}, {ratio:.1f}x the other {extreme.ranks - 1} ranks' {peers} "
-            f"{others:.4g} (usually {typical:.2f}x; robust z {outlier.score:.1f})"
-        ),
-        evidence=evidence,
-    )
+    def _one_rank(
+        self, step: int, outlier: RankOutlier, joined: Finding | None, extreme: RankExtreme, skipped: bool
+    ) -> Finding:
+        """The step's one finding, naming the rank: critical when every step of the streak was huge (or
+        the joined test's finding is); ``info`` when the guard skipped the update."""
+        c = self._detector.config
+        huge = all(z >= c.critical_z and r >= c.critical_ratio for z, r in outlier.scores)
+        severity: Severity = (
+            "critical" if huge or (joined is not None and joined.severity == "critical") else "warning"
+        )
+        if skipped:
+            severity = "info"
+        rank, others = outlier.rank, extreme.others
+        ratio = extreme.value / others
+        z = min(score for score, _ in outlier.scores)
+        evidence: dict[str, Any] = {
+            "kind": "rank_spike",
+            "rank": rank,
+            "onset_step": outlier.first_step,
+            "steps": len(outlier.scores),
+            "others": others,
+            "ranks": extreme.ranks,
+            "ratio_to_others": ratio,
+            "usual_ratio_to_others": outlier.usual,
+            "robust_scale_log": outlier.scale,
+        }
+        if joined is not None:
+            evidence["joined"] = {"value": joined.value, "message": joined.message}
+        peers = "mean" if self.metric == "loss" else "root mean square"
+        return Finding(
+            detector=self.name,
+            metric=self.metric,
+            step=step,
+            rank=rank,
+            severity=severity,
+            value=extreme.value,
+            threshold=others * outlier.usual * math.exp(c.z_threshold * outlier.scale),
+            score=z,
+            message=(
+                f"{self.metric} spiked on rank {rank} since step {outlier.first_step} ({len(outlier.scores)} "
+                f"steps): {extreme.value:.4g}, {ratio:.1f}x the other {extreme.ranks - 1} ranks' {peers} "
+                f"{others:.4g} (usually {outlier.usual:.2f}x; robust z {z:.1f})"
+                + ("; the trainer's guard skipped its update" if skipped else "")
+            ),
+            evidence=evidence,
+        )
 
 
 register(

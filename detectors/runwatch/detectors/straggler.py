@@ -11,20 +11,26 @@ the producer's DDP comm hook) where the rank reports it, else its step time (ran
 synchronise every step, where step time does differ). The ranks are compared on each joined step
 (its ``JoinedStep`` record, after every rank's step event). One finding per episode: a rank re-arms
 when its score has been back over the threshold for ``patience`` joined steps.
+
+GPU health (gpu_health.py): where the ranks' heartbeats carry ``gpu`` (NVML's figures), the finding carries
+the named rank's (``evidence["gpu"]``: its latest sample, the throttle reasons active and since when) and its
+message says so ("rank 2: thermal throttle since 12:04:11 (SM clock 1110 of 1980 MHz)").
 """
 
 from __future__ import annotations
 
 import math
 from datetime import datetime
+from typing import Any
 
 from pydantic import Field
 from river import stats
 
 from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.gpu_health import GpuHealthTracker, attach
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import JoinedStep, StepEvent, TelemetryEvent
+from runwatch.producer.wire.schema import HeartbeatEvent, JoinedStep, StepEvent, TelemetryEvent
 
 
 class StragglerConfig(Strict):
@@ -66,6 +72,9 @@ class StragglerDetector(CrossRankDetector):
     """Each rank's work times from its step events; the ranks are compared on each joined step."""
 
     name = NAME
+    # Each rank's GPU health from its heartbeats (None until one carries ``gpu``; a class default: a detector
+    # pickled before it reads None)
+    gpu: dict[int, GpuHealthTracker] | None = None
 
     def __init__(self, config: StragglerConfig):
         self.config = config
@@ -76,7 +85,19 @@ class StragglerDetector(CrossRankDetector):
             return self._compare(event.step)
         if isinstance(event, StepEvent):
             self._record(event)
+        elif isinstance(event, HeartbeatEvent) and event.gpu is not None:
+            trackers = self.gpu if self.gpu is not None else {}
+            self.gpu = trackers
+            tracker = trackers.get(event.rank)
+            if tracker is None:
+                tracker = trackers[event.rank] = GpuHealthTracker()
+            tracker.observe(event)
         return []
+
+    def gpu_evidence(self, rank: int) -> dict[str, Any] | None:
+        """``evidence["gpu"]`` for ``rank`` (gpu_health.py); None where its heartbeats carry none."""
+        tracker = self.gpu.get(rank) if self.gpu is not None else None
+        return tracker.evidence(rank) if tracker is not None else None
 
     def _record(self, event: StepEvent) -> None:
         value, metric = event.compute_s, "compute_s"
@@ -154,7 +175,7 @@ class StragglerDetector(CrossRankDetector):
                     },
                 )
             )
-        return findings
+        return [attach(f, self.gpu_evidence(f.rank)) if f.rank is not None else f for f in findings]
 
 
 register(

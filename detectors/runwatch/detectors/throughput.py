@@ -51,6 +51,11 @@ share of the CPUs the load leaves it), and the finding says which in ``evidence[
 
 Without host load on the heartbeats (an older producer, a simulated clock without a simulated host) a
 finding has no ``cause`` and stays a warning.
+
+**GPU health** (gpu_health.py): where the rank's heartbeats carry ``gpu`` (NVML's figures), the finding
+carries them as they are when it goes out (``evidence["gpu"]``: the latest sample, the throttle reasons
+active and since when) and its message says so ("rank 2: thermal throttle since 12:04:11 (SM clock 1110 of
+1980 MHz)"). Attribution only: it changes no verdict.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -66,10 +72,11 @@ from pydantic import Field, model_validator
 
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
+from runwatch.detectors.gpu_health import GpuHealthTracker, attach
 from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker, contention, describe_contention
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
-from runwatch.producer.wire.schema import StepEvent
+from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent, TelemetryEvent
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +160,7 @@ class ThroughputDetector(HostLoadAttributed):
     # (class defaults: a detector pickled before the CUSUM unpickles with none accumulated)
     _cusum = 0.0
     _rise_at: int | None = None  # where the CUSUM last left zero (counted in steps since the restart)
+    gpu: GpuHealthTracker | None = None  # the rank's GPU health, once a heartbeat carries ``gpu``
 
     def __init__(self, config: ThroughputConfig):
         self.config = config
@@ -294,8 +302,22 @@ class ThroughputDetector(HostLoadAttributed):
             },
         )
 
+    def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
+        if isinstance(event, HeartbeatEvent) and event.gpu is not None:
+            if self.gpu is None:
+                self.gpu = GpuHealthTracker()
+            self.gpu.observe(event)
+        return super().update(event, now)
+
     def attributed(self, finding: Finding) -> Finding:
-        """The finding, named as contention where the host explains the slowdown (module doc)."""
+        """The finding, named as contention where the host explains the slowdown, with the rank's GPU
+        health (module doc)."""
+        named = self._contention(finding)
+        if self.gpu is None or named.rank is None:
+            return named
+        return attach(named, self.gpu.evidence(named.rank))
+
+    def _contention(self, finding: Finding) -> Finding:
         host = finding.evidence.get("host_load")
         slowdown = finding.evidence["after_s"] / finding.evidence["before_s"]
         verdict = contention(host, slowdown, self.config.min_change)

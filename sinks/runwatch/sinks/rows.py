@@ -226,7 +226,7 @@ def event_row(e: TelemetryEvent, raw: bytes | str | None = None) -> Row:
     """The telemetry row of ``e``; ``payload`` is ``raw`` (the bytes received, as UTF-8 text) when
     given, else ``e`` re-serialised (for events made in process, never received, and for an evidence event
     truncated to its bounds: what is stored is what the worker judged, never more)."""
-    if raw is not None and e.kind == "evidence" and e.truncated:
+    if raw is not None and e.kind in ("evidence", "crash") and e.truncated:
         raw = None
     payload = _text(raw) if raw is not None else e.to_json().decode()
     return (

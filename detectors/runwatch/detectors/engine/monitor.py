@@ -21,7 +21,15 @@ from runwatch.detectors.baselines.summary import RunSummary
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.ack_watch import AckWatch
 from runwatch.detectors.engine.checkpoints import CheckpointLedger
-from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
+from runwatch.detectors.engine.crashes import (
+    CrashHistory,
+    CrashReport,
+    CrashWatch,
+    cause_finding,
+    consequence_finding,
+    thread_finding,
+)
+from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy, decision_id
 from runwatch.detectors.engine.progress import RunProgress
 from runwatch.detectors.engine.rank_join import Joined, StepJoin
 from runwatch.detectors.engine.recovery import RECOVERED, RecoveryCheck
@@ -33,6 +41,7 @@ from runwatch.producer.wire.schema import (
     Anomaly,
     CheckpointEvent,
     CheckpointRef,
+    CrashEvent,
     EvalEvent,
     HeartbeatEvent,
     JoinedStep,
@@ -144,6 +153,10 @@ class RunMonitor:
     # worker's clock; each rank is told once (a clock_skew finding).
     clock_ahead: dict[int, float] | None = None
     _clock_told: set[int] | None = None
+    # This attempt's crashes (issue 39: engine/crashes.py), and what the run's earlier attempts' left (the
+    # worker hands it on to a new attempt's monitor: ``take_crash_history``). None: no crash yet.
+    crashes: CrashWatch | None = None
+    crash_history: CrashHistory | None = None
 
     def __init__(self, run_id: str, config: RunwatchConfig):
         self.run_id = run_id
@@ -232,8 +245,8 @@ class RunMonitor:
             return out
         self.events_seen += 1
         self.baseline.observe(event)
-        if self.ended_at is not None and event.kind not in ("step", "run_end"):
-            return out  # the run is over: nothing but its last steps' join is judged
+        if self.ended_at is not None and event.kind not in ("step", "run_end", "crash"):
+            return out  # the run is over: nothing but its last steps' join (and its last words) is judged
         route = _ROUTES.get(event.kind)
         if route is None:
             return out  # a kind this worker has no use for (a newer producer's): judged by none
@@ -391,10 +404,12 @@ class RunMonitor:
                     self._emit(finding, event.ts, event.event_id, out)
 
     def finish(self) -> MonitorOutput:
-        """The run is let go: its steps still waiting for a rank are joined as they are."""
+        """The run is let go: its steps still waiting for a rank are joined as they are (and crashes still
+        being gathered are settled)."""
         out = MonitorOutput()
         for joined in self.join.flush():
             self._observe_joined(joined, out)
+        self._settle_crashes(None, out)
         return out
 
     def _observe_joined(self, joined: Joined, out: MonitorOutput) -> None:
@@ -530,6 +545,7 @@ class RunMonitor:
         out = MonitorOutput()
         for joined in self.join.expire(now):
             self._observe_joined(joined, out)
+        self._settle_crashes(now, out)
         if self.ended_at is not None:
             return out  # an ended run stalls, hangs and escalates no more
         self.progress.tick(now)
@@ -623,6 +639,95 @@ class RunMonitor:
             ts=ts,
         )
 
+    # -- crashes (issue 39) -----------------------------------------------------------------------------
+
+    def _on_crash(self, event: CrashEvent, out: MonitorOutput) -> None:
+        """A rank's last words: classified now; the cause named and acted on once the attempt's crashes are
+        gathered (engine/crashes.py). A thread that died is said at once and acted on by none."""
+        rank_progress = self.progress.ranks.get(event.rank)
+        step = rank_progress.step if rank_progress is not None and rank_progress.step is not None else None
+        report = CrashReport.of(event, step if step is not None else self.last_step)
+        if event.source == "thread_exception":
+            self._emit_crash(thread_finding(report), event.ts, f"{event.event_id}|thread", out, None)
+            return
+        watch = self.crashes
+        if watch is None:
+            watch = self.crashes = CrashWatch(self.config.policy.crash, self.crash_history)
+        if watch.settled is not None:
+            if report.rank != watch.settled.rank:  # (the cause's own second word says nothing new)
+                watch.late += 1
+                self._emit_crash(
+                    consequence_finding(report, watch.settled), event.ts, event.event_id, out, None
+                )
+            return
+        watch.add(report)
+        self._settle_crashes(event.ts, out)
+
+    def _settle_crashes(self, now: datetime | None, out: MonitorOutput) -> None:
+        """Name the cause once the crashes are gathered (``now`` None: at once), issue its action, and end
+        the attempt: a dead run stalls, hangs and escalates no more."""
+        watch = self.crashes
+        if watch is None or watch.settled is not None or not watch.pending:
+            return
+        if now is not None and not watch.due(now, self.join.world_size):
+            return
+        settled = watch.settle(policy_stopped=self.policy.stopped)
+        if settled is None:
+            return
+        cause = settled.cause
+        at = max(r.ts for r in [cause, *settled.consequences])
+        anomaly = self._emit_crash(cause_finding(settled), at, cause.event_id, out, settled.decision)
+        for report in settled.consequences:
+            self._emit_crash(consequence_finding(report, cause), at, report.event_id, out, None)
+        if anomaly is not None and settled.decision.kind == "stop":
+            self.policy.stopped = True
+        if self.ended_at is None:
+            self.ended_at = at
+
+    def _emit_crash(
+        self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput, decision: Any
+    ) -> Anomaly | None:
+        """A crash finding, and the crash policy's action (never the rules': a crash is not a detector's
+        figure to alert on, its action is the class's)."""
+        anomaly = self._to_anomaly(finding, ts, cause)
+        out.anomalies.append(anomaly)
+        self.baseline.add_anomaly(anomaly)
+        if decision is not None and decision.kind is not None:
+            out.decisions.append(
+                ActionDecision(
+                    action_id=decision_id(self.run_id, decision.kind, [anomaly.anomaly_id]),
+                    run_id=self.run_id,
+                    kind=decision.kind,
+                    reason=decision.reason,
+                    anomaly_ids=[anomaly.anomaly_id],
+                    step=anomaly.step,
+                    params=dict(decision.params),
+                )
+            )
+        return anomaly
+
+    def crash_ledger(self) -> CrashHistory | None:
+        """What this run's crashes (and a stop) leave for its next attempt (None: nothing)."""
+        history = self.crashes.history if self.crashes is not None else self.crash_history
+        if history is None and not self.policy.stopped:
+            return None
+        history = history if history is not None else CrashHistory()
+        history.stopped = history.stopped or self.policy.stopped
+        return history
+
+    def take_crash_history(self, history: CrashHistory | None, *, new_attempt: bool) -> None:
+        """A fresh monitor of the run takes on what its crashes left: the identical crashes and restarts
+        count on. A ``new_attempt`` (a run_start: restarted, or started again by someone) starts unstopped;
+        anything else is the same attempt's last words after the worker let it go, and a stopped run stays
+        stopped (its exit after the stop is never restarted)."""
+        if history is None:
+            return
+        if new_attempt:
+            history.stopped = False
+        self.crash_history = history
+        if history.stopped:
+            self.policy.stopped = True
+
 
 # kind -> the monitor's handler of an event of that kind
 _ROUTES: dict[str, str] = {
@@ -634,4 +739,5 @@ _ROUTES: dict[str, str] = {
     "action_ack": "_on_action_ack",
     "run_end": "_on_run_end",
     "evidence": "_on_evidence",
+    "crash": "_on_crash",
 }

@@ -25,6 +25,10 @@ when, and the ranks that waited count their own allowance from then.
 Stacks: a rank's ``evidence`` event (the Python stacks its heartbeat thread captured once its step stopped)
 is kept as ``stack``, a bounded summary (engine/evidence.py), until its step moves again; one about an
 earlier step than the rank's is stale and dropped.
+
+GPU health: a rank whose heartbeats carry ``gpu`` (NVML's figures) keeps them in ``gpu``, a
+``GpuHealthTracker`` (gpu_health.py: the latest sample and since when each throttle reason is active), for
+the ``hung_rank`` finding's evidence.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Protocol
 from river import stats
 
 from runwatch.detectors.engine.evidence import summarize
+from runwatch.detectors.gpu_health import GpuHealthTracker
 from runwatch.producer.wire.schema import HeartbeatEvent, StackEvidenceEvent, StepEvent, TelemetryEvent
 
 INTERVAL_WINDOW = 100  # step intervals in a rolling median
@@ -55,6 +60,8 @@ class RankProgress:
     # The latest stack evidence since the step last moved (engine/evidence.py's summary; a class default: a
     # progress pickled before it reads None)
     stack: dict[str, Any] | None = None
+    # Its GPU health, once a heartbeat carries ``gpu`` (gpu_health.py; a class default likewise)
+    gpu: GpuHealthTracker | None = None
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -128,6 +135,10 @@ class RankProgress:
 
     def _heartbeat(self, event: HeartbeatEvent) -> None:
         self.heartbeats += 1
+        if event.gpu is not None:
+            if self.gpu is None:
+                self.gpu = GpuHealthTracker()
+            self.gpu.observe(event)
         if self.first_heartbeat_at is None:
             self.first_heartbeat_at = event.ts
         if event.phase != self.phase:  # staying in a phase keeps its start

@@ -16,6 +16,10 @@ the period since the previous beat, so that the worker can say whether a slowdow
 busier host (a noisy neighbour) or not (a regression of the run's own). Standard library only,
 a few small /proc reads per beat; a figure this host does not offer is left out, never zero.
 
+GPU health (``gpu_health``, instrument/gpu_health.py): with a sampler (the watcher makes one for a CUDA
+model where nvidia-ml-py is installed) each heartbeat also carries ``gpu``, NVML's figures for the rank's
+device, sampled on this thread at most once a second; the training thread makes no NVML call.
+
 Stacks (``stacks_after_s``, default 5 s): when the last completed step has not moved for that long while
 the rank is in the ``train`` or ``dataload`` phase, this thread captures the Python stack of every thread
 of the process (and PyTorch's flight recorder where it is on: instrument/stacks.py) and publishes it as
@@ -164,6 +168,9 @@ class Heartbeat:
     ``stacks_after_s``: publish every thread's stack (``rw.evidence``) once the last completed step has not
     moved for this many seconds in the train or dataload phase, once per stall (see the module doc); None
     or 0: never. The training thread is the one that creates the heartbeat (``training_thread``: another).
+    ``gpu_health``: an object whose ``sample()`` gives the heartbeat's ``gpu`` (a
+    :class:`~runwatch.producer.instrument.gpu_health.GpuHealthSampler`), called on the heartbeat thread at
+    each beat and closed (``close()``, where it has one) when the thread ends; None: no ``gpu``.
     """
 
     def __init__(
@@ -177,6 +184,7 @@ class Heartbeat:
         host_load: bool | None = None,
         stacks_after_s: float | None = DEFAULT_STACKS_AFTER_S,
         training_thread: int | None = None,
+        gpu_health: Any = None,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
@@ -202,7 +210,8 @@ class Heartbeat:
         if host_load is None:
             host_load = clock is time.monotonic
         self.host_load = HostLoadSampler() if host_load else None
-        self._send_host_load: Callable[..., Any] | None | bool = False  # resolved at the first beat
+        self.gpu_health = gpu_health
+        self._takes: frozenset[str] | None = None  # the optional fields rw.heartbeat takes (first beat)
         # Stacks: the heartbeat thread's own notes (the training thread never touches them): the step it
         # last saw and when it first saw it, and whether this stall's stacks were sent.
         self.stacks_after_s = stacks_after_s or None
@@ -269,16 +278,17 @@ class Heartbeat:
         step, phase, seconds = self.current
         in_sync = self._in_sync()
         host_load = self.host_load.sample() if self.host_load is not None else None
+        gpu = self._gpu()
         try:
             fields: dict[str, Any] = {"interval_s": self.interval_s}
             if in_sync is not None:  # (left out when not measured)
                 fields["in_sync"] = in_sync
-            if host_load is not None:
-                send = self._host_load_sender()
-                if send is not None:
-                    return bool(
-                        send(step=step, phase=phase, time_in_phase_s=seconds, host_load=host_load, **fields)
-                    )
+            if host_load is not None or gpu is not None:
+                takes = self._optional_fields()
+                if host_load is not None and "host_load" in takes:
+                    fields["host_load"] = host_load
+                if gpu is not None and "gpu" in takes:
+                    fields["gpu"] = gpu
             return bool(self.rw.heartbeat(step, phase, seconds, **fields))
         except Exception as exc:  # noqa: BLE001 - the publisher should not raise; if it does, keep beating
             if not self._warned:
@@ -345,21 +355,30 @@ class Heartbeat:
         after = self.stacks_after_s
         return self.interval_s if after is None else min(self.interval_s, max(0.1, after / 5))
 
-    def _host_load_sender(self) -> Callable[..., Any] | None:
-        """How a heartbeat with ``host_load`` is published through ``rw``: its ``heartbeat`` when that
-        takes ``host_load`` (every runwatch publisher's does); else None (it goes out without it)."""
-        if self._send_host_load is False:
-            self._send_host_load = None
+    def _gpu(self) -> dict[str, Any] | None:
+        sampler = self.gpu_health
+        if sampler is None:
+            return None
+        try:
+            figures = sampler.sample()
+        except Exception as exc:  # noqa: BLE001 - a measurement that fails is absent
+            if not self._warned:
+                self._warned = True
+                log.warning("runwatch: GPU health failed (further failures are not logged): %r", exc)
+            return None
+        return figures if isinstance(figures, dict) and figures else None
+
+    def _optional_fields(self) -> frozenset[str]:
+        """Which of ``host_load`` and ``gpu`` ``rw.heartbeat`` takes (every runwatch publisher's takes both;
+        a field it does not take goes out without it)."""
+        if self._takes is None:
             heartbeat = getattr(self.rw, "heartbeat", None)
             try:
-                takes = heartbeat is not None and "host_load" in inspect.signature(heartbeat).parameters
+                params = inspect.signature(heartbeat).parameters if heartbeat is not None else {}
             except (TypeError, ValueError):
-                takes = False
-            if takes and heartbeat is not None:  # (takes implies it; says so to the type checker)
-                self._send_host_load = lambda step, phase, time_in_phase_s, **kw: heartbeat(
-                    step, phase, time_in_phase_s, **kw
-                )
-        return self._send_host_load  # type: ignore[return-value]
+                params = {}
+            self._takes = frozenset(p for p in ("host_load", "gpu") if p in params)
+        return self._takes
 
     def _in_sync(self) -> bool | None:
         if self._waiting:
@@ -416,6 +435,17 @@ class Heartbeat:
             self._wake.set()
 
     def _run(self, stopping: threading.Event) -> None:
+        try:
+            self._beat_until(stopping)
+        finally:
+            close = getattr(self.gpu_health, "close", None)
+            if close is not None:  # (NVML is released on the thread that used it)
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - nothing to do about a release that fails
+                    pass
+
+    def _beat_until(self, stopping: threading.Event) -> None:
         poll = self._stack_poll_s()
         while True:
             self.beat()

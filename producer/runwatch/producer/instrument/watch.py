@@ -149,6 +149,12 @@ class Watcher:
     heartbeat thread publishes the Python stack of every thread once (an ``evidence`` event the worker
     attaches to its ``hung_rank`` and ``stall`` findings; instrument/stacks.py). Nothing on the per-step
     path; None or 0 turns it off.
+
+    ``gpu_health``: True (the default) gives the heartbeats of a CUDA model ``gpu``, NVML's figures for its
+    device, where nvidia-ml-py is installed (the ``gpu`` extra;
+    :mod:`runwatch.producer.instrument.gpu_health`), sampled on the heartbeat thread at most once a
+    second; none on a CPU model or with a ``clock`` of the caller's. False: never.
+    An object with ``sample()`` (a ``GpuHealthSampler`` given its ``nvml``): that.
     """
 
     def __init__(
@@ -177,6 +183,7 @@ class Watcher:
         replicas: bool | None = None,
         fingerprint_every: int = 50,
         stacks_after_s: float | None = DEFAULT_STACKS_AFTER_S,
+        gpu_health: bool | Any = True,
     ):
         _check_options(clip, external_clip, update_every, shard)
         if activations_every < 1:
@@ -226,10 +233,11 @@ class Watcher:
         self._memory_at = -math.inf
         heartbeat: Heartbeat | None = None
         if heartbeat_s:
+            gpu = _gpu_source(gpu_health, self.layout.device, simulated=clock is not None)
             heartbeat = (
-                Heartbeat(rw, heartbeat_s, clock=clock, stacks_after_s=stacks_after_s)
+                Heartbeat(rw, heartbeat_s, clock=clock, stacks_after_s=stacks_after_s, gpu_health=gpu)
                 if clock
-                else Heartbeat(rw, heartbeat_s, stacks_after_s=stacks_after_s)
+                else Heartbeat(rw, heartbeat_s, stacks_after_s=stacks_after_s, gpu_health=gpu)
             )
         self.heartbeat = heartbeat  # never replaced: the step clock's callbacks below hold it
         self.sync_timer = self._ddp_sync_timer(model) if sync_timing else None
@@ -761,6 +769,28 @@ def _memory_source(memory: bool | Any, device: torch.device) -> Any:
     if isinstance(memory, bool):
         return MemorySampler(device) if memory else None
     return memory
+
+
+def _gpu_source(gpu_health: bool | Any, device: torch.device, simulated: bool) -> Any:
+    """``Watcher``'s ``gpu_health`` option as the sampler the heartbeat calls: True a
+    :class:`~runwatch.producer.instrument.gpu_health.GpuHealthSampler` of a CUDA ``device`` (its index, else
+    the current device: what LOCAL_RANK's ``torch.cuda.set_device`` chose) on the wall clock, else None;
+    False None; anything else itself. Makes no NVML call (the sampler's first ``sample`` does, on the
+    heartbeat thread)."""
+    if not isinstance(gpu_health, bool):
+        return gpu_health
+    if not gpu_health or simulated or device.type != "cuda":
+        return None
+    from runwatch.producer.instrument.gpu_health import GpuHealthSampler, nvml_device_for
+
+    try:
+        import torch
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return GpuHealthSampler(nvml_device_for(index), cuda_device=index)
+    except Exception as exc:  # noqa: BLE001 - no GPU health is no reason to fail the watch
+        log.warning("runwatch: no GPU health for %s: %r", device, exc)
+        return None
 
 
 def _lr_list(lr: float | Sequence[float] | None) -> list[float] | None:

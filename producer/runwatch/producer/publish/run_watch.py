@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
+from runwatch.producer.publish.crash_capture import CrashCapture
 from runwatch.producer.publish.delivery import Delivery, PublisherStats
 from runwatch.producer.publish.events import RunEvents
 from runwatch.producer.publish.kafka_delivery import (
@@ -38,6 +39,7 @@ from runwatch.producer.wire.schema import (
     ActionAckEvent,
     CheckpointEvent,
     CheckpointRef,
+    CrashEvent,
     EvalEvent,
     EventBase,
     HeartbeatEvent,
@@ -45,6 +47,7 @@ from runwatch.producer.wire.schema import (
     RunStartEvent,
     StackEvidenceEvent,
     StepEvent,
+    bound_crash,
     bound_evidence,
 )
 
@@ -139,6 +142,11 @@ class RunWatch:
     attempt, watched as a fresh run, and its listener refuses actions issued for another attempt. Give
     every rank the same value (``RUNWATCH_ATTEMPT`` set by the launcher, new for each launch) for every
     rank's listener to check it; without it, rank 0 decides for the others when they apply in step.
+
+    ``capture_crashes`` (default on): the process's last words are published as a ``crash`` event
+    (an uncaught exception, SIGTERM; a fatal signal's stacks for ``runwatch launch`` to report:
+    :mod:`~runwatch.producer.publish.crash_capture`, docs/launch.md). The hooks found are chained, never
+    replaced, and put back at :meth:`close`.
     """
 
     def __init__(
@@ -170,6 +178,7 @@ class RunWatch:
         attempt: str | None = None,
         batch_interval_s: float = DEFAULT_BATCH_INTERVAL_S,
         group_size: int | None = None,
+        capture_crashes: bool = True,
     ):
         if rank is None or world_size is None:
             detected_rank, detected_world = detect_rank_world()
@@ -217,7 +226,9 @@ class RunWatch:
         self._watchers: list[Watcher] = []  # made by watch(), closed by close()
         self._warned_invalid = False
         self._closed = False
+        self.last_step: int | None = None  # the last step published: what a crash event names
         atexit.register(self.close, timeout=2.0)
+        self.crash_capture: CrashCapture | None = CrashCapture(self).install() if capture_crashes else None
         if rank == 0:
             # What the run is (code, machine, versions, config) is collected here, once, so every
             # run in ClickHouse can be compared with its baseline; ``run_start`` overrides any of it.
@@ -274,7 +285,19 @@ class RunWatch:
         return self.delivery.deliver(event)
 
     def step(self, step: int, **fields: Any) -> bool:
+        self.last_step = step
         return self._build_and_publish(StepEvent, step=step, **fields)
+
+    def publish_crash(self, **fields: Any) -> bool:
+        """Publish a ``crash`` event (``CrashEvent`` fields), bounded (``bound_crash``); the crash capture
+        calls it, and so may a framework that catches the error itself."""
+        try:
+            event = bound_crash(self._events.build(CrashEvent, **fields))
+        except ValidationError as exc:
+            self.delivery.refuse("invalid")
+            log.warning("runwatch: dropped an invalid crash event: %s", exc)
+            return False
+        return self.publish(event)
 
     def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
         return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
@@ -287,11 +310,13 @@ class RunWatch:
         in_sync: bool | None = None,
         interval_s: float | None = None,
         host_load: dict[str, Any] | None = None,
+        gpu: dict[str, Any] | None = None,
     ) -> bool:
         """``in_sync``: this rank has done its part of the current step and waits for its peers
         (True), is still working on it (False), or it is not measured (None: left out).
         ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
-        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it)."""
+        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it).
+        ``gpu``: the rank's GPU as NVML reports it (``GpuHealth`` fields; instrument/gpu_health.py)."""
         return self._build_and_publish(
             HeartbeatEvent,
             step=step,
@@ -300,6 +325,7 @@ class RunWatch:
             in_sync=in_sync,
             interval_s=interval_s,
             host_load=host_load,
+            gpu=gpu,
         )
 
     def evidence(
@@ -403,9 +429,13 @@ class RunWatch:
         if self.rank == 0 or self._leads_group:
             status, summary = end_status(status, summary, self.stopped_by)
             self.publish(self._events.build(RunEndEvent, status=status, summary=summary))
+        if self.crash_capture is not None:
+            self.crash_capture.mark_closed(status or ("stopped" if self.stopped_by else "completed"))
         self._closed = True
         self.delivery.close(timeout)
         atexit.unregister(self.close)
+        if self.crash_capture is not None:
+            self.crash_capture.uninstall()
         return self.stats
 
     def delivered_offsets(self) -> dict[int, int]:
@@ -422,6 +452,11 @@ class RunWatch:
         stop action, ``failed`` when the body raised (type and message in the summary) or
         ``interrupted`` on Ctrl-C. The exception is not swallowed."""
         status, summary = exit_status(exc_type, exc)
+        if status == "failed" and exc is not None and self.crash_capture is not None:
+            # the run's last words: the exception leaves the block (and the run) here, before any excepthook
+            self.crash_capture.report_exception(
+                type(exc), exc, exc.__traceback__, source="exception", final=True
+            )
         self.close(status=status, summary=summary)
 
     # -- inside ------------------------------------------------------------------------

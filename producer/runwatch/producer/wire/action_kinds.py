@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-ActionKind = Literal["alert", "pause", "resume", "rollback", "stop", "recovered"]
+ActionKind = Literal["alert", "pause", "resume", "rollback", "stop", "recovered", "restart"]
 PolicyActionKind = Literal["alert", "pause", "rollback", "stop"]  # the kinds a policy rule may name
 
 # How the trainer's listener applies a kind (producer/runwatch/producer/actions/apply.py
@@ -99,6 +99,22 @@ ACTION_KINDS: dict[str, ActionKindSpec] = {
             summary=(
                 "says a rollback worked: the replayed run is back to its loss before the fault (sent by the "
                 "worker's recovery check, never by a rule); the trainer only acknowledges it"
+            ),
+        ),
+        # -- issue 39: a crashed run restarted by the remediator -------------------------------------------
+        ActionKindSpec(
+            name="restart",
+            order=3,
+            policy_rule=False,
+            applies="note",
+            ends_pause=False,
+            color="#8c564b",
+            chat_color="danger",
+            summary=(
+                "restarts a crashed run, as it was or without the failing host (`params.mode`, "
+                "`params.exclude_hosts`, `params.crash_class`): sent by the worker's crash policy, never by "
+                "a rule, and done by the remediator (`scontrol requeue`, `kubectl delete pod`); a trainer "
+                "still running only acknowledges it"
             ),
         ),
     )

@@ -22,6 +22,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StringConstraints,
     TypeAdapter,
     ValidationError,
     model_validator,
@@ -305,6 +306,57 @@ class HostLoad(WireModel):
     )
 
 
+GPU_REASONS_MAX = 16  # throttle reason names in one GpuHealth
+GPU_REASON_CHARS = 32
+
+
+class GpuHealth(WireModel):
+    """What NVML says of the rank's GPU at the heartbeat (producer/runwatch/producer/instrument/gpu_health.py;
+    the ``gpu`` extra, nvidia-ml-py): sampled at most once a second per device, on the heartbeat thread. A
+    figure the device does not report is absent, never zero. Fixed bounds: finite, within physical ranges;
+    at most ``GPU_REASONS_MAX`` throttle reason names of at most ``GPU_REASON_CHARS`` characters."""
+
+    device: int | None = Field(default=None, ge=0, le=1 << 16, description="the rank's CUDA device ordinal")
+    util_pct: float | None = Field(
+        default=None, ge=0, le=100, allow_inf_nan=False, description="GPU utilisation over NVML's last period"
+    )
+    mem_util_pct: float | None = Field(
+        default=None, ge=0, le=100, allow_inf_nan=False, description="memory controller utilisation"
+    )
+    sm_clock_mhz: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="current SM clock"
+    )
+    sm_clock_max_mhz: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="the SM clock's maximum"
+    )
+    throttle_reasons: list[
+        Annotated[str, StringConstraints(min_length=1, max_length=GPU_REASON_CHARS, pattern=r"^[a-z0-9_]+$")]
+    ] = Field(
+        default_factory=list,
+        max_length=GPU_REASONS_MAX,
+        description="why the clocks are held down now (NVML clock event reasons, decoded: sw_power_cap, "
+        "hw_slowdown, sw_thermal_slowdown, hw_thermal_slowdown, hw_power_brake, sync_boost, gpu_idle, ...)",
+    )
+    throttle_mask: int | None = Field(
+        default=None, ge=0, lt=1 << 64, description="NVML's clock event reason bitmask as read"
+    )
+    temperature_c: float | None = Field(
+        default=None, ge=-100, le=300, allow_inf_nan=False, description="GPU core temperature"
+    )
+    ecc_corrected: int | None = Field(
+        default=None, ge=0, lt=1 << 63, description="corrected memory errors since the driver loaded"
+    )
+    ecc_uncorrected: int | None = Field(
+        default=None, ge=0, lt=1 << 63, description="uncorrected memory errors since the driver loaded"
+    )
+    power_w: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="board power draw"
+    )
+    power_limit_w: float | None = Field(
+        default=None, ge=0, le=100_000, allow_inf_nan=False, description="the enforced power limit"
+    )
+
+
 class HeartbeatEvent(EventBase):
     kind: Literal["heartbeat"] = "heartbeat"
     step: int | None = None
@@ -320,6 +372,9 @@ class HeartbeatEvent(EventBase):
     # what a throughput or data-wait finding is compared against, to tell a noisy neighbour from a code
     # regression.
     host_load: HostLoad | None = None
+    # The rank's GPU as NVML reports it (the ``gpu`` extra): what a straggler, throughput or hung-rank finding
+    # says of the rank's clocks and throttling; absent without NVML, on a CPU model, or from older producers.
+    gpu: GpuHealth | None = None
 
 
 class StackFrame(WireModel):
@@ -379,6 +434,69 @@ class StackEvidenceEvent(EventBase):
     flight_recorder_status: str | None = None
 
 
+# -- crash (issue 39) ----------------------------------------------------------------------------------
+CrashSource = Literal["exception", "thread_exception", "signal", "fatal_signal", "launcher"]
+# A crash report's strings, in characters: the traceback and the log tail keep their end (the last lines
+# say what killed it), the rest their head; what is cut is marked and ``truncated`` set, never refused.
+CRASH_TEXT_CHARS = 16_384  # traceback, log_tail
+CRASH_MESSAGE_CHARS = 4096
+CRASH_NAME_CHARS = 256  # exception_type, host
+
+
+class CrashEvent(EventBase):
+    """A rank's last words (``kind`` ``crash``): facts, never a class (a trainer is untrusted; the worker
+    classifies them, detectors/runwatch/detectors/crash_classes.py). ``source``: who said it: the process's
+    ``sys.excepthook`` (``exception``) or ``threading.excepthook`` (``thread_exception``), its SIGTERM
+    handler (``signal``), or ``runwatch launch``, the supervisor that saw it die (``launcher``: the exit
+    code or the signal, the faulthandler file of a fatal signal, the tail of its output). ``step``: the last
+    completed step. Bounded by ``bound_crash``."""
+
+    kind: Literal["crash"] = "crash"
+    step: int | None = Field(default=None, ge=0)
+    source: CrashSource = "exception"
+    exception_type: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    signal: int | None = Field(default=None, ge=1, le=128)
+    exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31)
+    host: str | None = None
+    log_tail: str | None = None
+    truncated: bool = False
+
+
+def clip_keep_end(text: str, limit: int, what: str) -> str:
+    """``text`` within ``limit`` characters, its end kept and the cut marked at its start."""
+    if len(text) <= limit:
+        return text
+    mark = f"[{what} truncated: the first {{}} of {len(text)} characters cut]\n"
+    cut = len(text) - (limit - len(mark) - 12)
+    return mark.format(cut) + text[cut:]
+
+
+def clip_keep_head(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + _ELLIPSIS
+
+
+def bound_crash(event: CrashEvent) -> CrashEvent:
+    """``event`` within the crash bounds (``CRASH_*_CHARS``), what was cut marked (``truncated``) and only
+    its known fields kept when it was cut; ``event`` itself when nothing needs cutting."""
+    update: dict[str, Any] = {}
+    for name in ("traceback", "log_tail"):
+        value = getattr(event, name)
+        if value is not None and len(value) > CRASH_TEXT_CHARS:
+            update[name] = clip_keep_end(value, CRASH_TEXT_CHARS, name)
+    for name, limit in (("message", CRASH_MESSAGE_CHARS), ("exception_type", CRASH_NAME_CHARS)):
+        value = getattr(event, name)
+        if value is not None and len(value) > limit:
+            update[name] = clip_keep_head(value, limit)
+    if event.host is not None and len(event.host) > CRASH_NAME_CHARS:
+        update["host"] = clip_keep_head(event.host, CRASH_NAME_CHARS)
+    if not update:
+        return event
+    known = {name: getattr(event, name) for name in CrashEvent.model_fields}
+    return CrashEvent.model_construct(**{**known, **update, "truncated": True})
+
+
 class CheckpointEvent(EventBase):
     kind: Literal["checkpoint"] = "checkpoint"
     step: int = Field(ge=0)
@@ -427,6 +545,7 @@ TelemetryEvent = Annotated[
     | ActionAckEvent
     | RunEndEvent
     | StackEvidenceEvent
+    | CrashEvent
     | GroupReport,
     Field(discriminator="kind"),
 ]
@@ -439,6 +558,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "action_ack",
     "run_end",
     "evidence",
+    "crash",
 )
 _telemetry_adapter: TypeAdapter[TelemetryEvent] = TypeAdapter(TelemetryEvent)
 
@@ -770,6 +890,8 @@ _TYPED_FLAT = frozenset(
 _STEP_FIELDS = frozenset(StepEvent.model_fields) - {"event_id", "run_id"}
 # An evidence event's own fields are bounded by truncation (bound_evidence), not refused by the walk
 _EVIDENCE_FIELDS = frozenset(StackEvidenceEvent.model_fields) - {"event_id", "run_id"}
+# A crash event's own strings are bounded by truncation (bound_crash), not refused by the walk
+_CRASH_FIELDS = _TYPED_FLAT | (frozenset(CrashEvent.model_fields) - {"event_id", "run_id"})
 # A group report's body is signed JSON text, whose events are checked again when it is opened (the message
 # size bounds it)
 _REPORT_FIELDS = _TYPED_FLAT | {"body"}
@@ -863,6 +985,8 @@ def _check_extras(event: Any, data: dict[str, Any], lim: WireLimits) -> str | No
         if event.kind == "group_report"
         else _EVIDENCE_FIELDS
         if event.kind == "evidence"
+        else _CRASH_FIELDS
+        if event.kind == "crash"
         else _TYPED_FLAT
     )
     for key in data.keys() - skip:
@@ -1182,6 +1306,8 @@ def decode_event(
         raise SchemaError(_describe(exc)) from None
     if isinstance(event, StackEvidenceEvent):
         event = bound_evidence(event, limits)  # (over its bounds: truncated with a mark, never refused)
+    elif isinstance(event, CrashEvent):
+        event = bound_crash(event)  # (the same: a crash report is cut, never refused for its size alone)
     problem = _check_limits(event, data, received_at, limits)
     if problem:
         raise SchemaError(f"limits: {problem}")

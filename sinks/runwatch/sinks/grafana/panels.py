@@ -630,6 +630,41 @@ RANK_HUNG = PanelSpec(
     "while the others wait), with the time waited and its limit.",
     width=24,
 )
+# Heartbeats with NVML's figures (the producer's `gpu` extra): payload.gpu (wire GpuHealth)
+GPU_ROWS = (
+    f"FROM {{db}}.telemetry FINAL WHERE {RUN} AND kind = 'heartbeat' AND {RANKS}\n"
+    "  AND JSONHas(payload, 'gpu') AND $__timeFilter(ts)"
+)
+RANK_GPU = PanelSpec(
+    "GPU health per rank",
+    "timeseries",
+    f"SELECT ts AS time, {SERIES},\n"
+    f"       {_payload('gpu.sm_clock_mhz')} AS sm_clock_mhz,\n"
+    f"       {_payload('gpu.temperature_c')} AS temperature_c\n"
+    f"{GPU_ROWS}\nORDER BY time",
+    ("time", "series", "sm_clock_mhz", "temperature_c"),
+    "Each rank's SM clock (MHz) and GPU temperature (°C) as NVML reported them with its heartbeats (at "
+    "most one sample a second; needs nvidia-ml-py on the ranks, the `gpu` extra): a throttled rank's "
+    "clock drops below its peers'.",
+    cannot_show="figures of ranks without nvidia-ml-py or a GPU (their heartbeats carry none)",
+)
+RANK_GPU_THROTTLE = PanelSpec(
+    "GPU throttle reasons",
+    "table",
+    "SELECT min(ts) AS time, rank, arrayStringConcat(JSONExtract(payload, 'gpu', 'throttle_reasons', "
+    "'Array(String)'), ', ') AS reasons,\n"
+    f"       min({_payload('gpu.sm_clock_mhz')}) AS min_sm_clock_mhz,\n"
+    f"       max({_payload('gpu.sm_clock_max_mhz')}) AS sm_clock_max_mhz,\n"
+    f"       max({_payload('gpu.temperature_c')}) AS max_temperature_c, count() AS heartbeats\n"
+    f"{GPU_ROWS}\n"
+    "  AND length(JSONExtract(payload, 'gpu', 'throttle_reasons', 'Array(String)')) > 0\n"
+    "GROUP BY rank, reasons ORDER BY time",
+    ("time", "rank", "reasons", "min_sm_clock_mhz", "sm_clock_max_mhz", "max_temperature_c", "heartbeats"),
+    "Why NVML held each rank's clocks down (sw_power_cap, hw_slowdown, sw/hw_thermal_slowdown, "
+    "hw_power_brake, ...): from when, the lowest SM clock and the hottest temperature meanwhile, over how "
+    "many heartbeats.",
+    width=24,
+)
 RANK_JOIN = PanelSpec(
     "Incomplete steps",
     "table",
@@ -645,12 +680,13 @@ RANKS_DASHBOARD = DashboardSpec(
     "runwatch-ranks",
     "runwatch / Ranks",
     "One multi-rank run rank by rank: step and compute time, "
-    "stragglers, heartbeats, phases, hung and dead ranks.",
+    "stragglers, heartbeats, phases, hung and dead ranks, GPU clocks and throttling.",
     "now-24h",
     (BASELINE_KEY, RUN_VAR, RANK_VAR),
     (
         ("Time per rank", (RANK_STEP_TIME, RANK_COMPUTE, RANK_GAP, RANK_SLOWEST, RANK_STRAGGLER)),
         ("Liveness", (RANK_HEARTBEATS, RANK_HEARTBEAT_STEP, RANK_PHASES, RANK_HUNG, RANK_JOIN)),
+        ("GPU health", (RANK_GPU, RANK_GPU_THROTTLE)),
     ),
     (ANOMALY_MARKS, *ACTION_MARKS),
 )

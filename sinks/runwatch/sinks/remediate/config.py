@@ -23,8 +23,8 @@ from runwatch.detectors.configfile import Strict, load_yaml_model
 from runwatch.producer.wire.action_kinds import ActionKind
 from runwatch.sinks.remediate.templates import (
     ALLOWED_FIELDS,
+    DECLARED_FIELDS,
     DEFAULT_FIELD_RULES,
-    RUN_FIELDS,
     FieldRule,
     argv_fields,
     check_argv_template,
@@ -66,7 +66,7 @@ class CommandTemplate(Strict):
 
     def declared_fields(self) -> list[str]:
         """The self-declared fields (``RUN_FIELDS``) this command's argv uses."""
-        return [name for name in argv_fields(self.argv) if name in RUN_FIELDS]
+        return [name for name in argv_fields(self.argv) if name in DECLARED_FIELDS]
 
 
 class Rule(Strict):
@@ -97,7 +97,7 @@ class Target(Strict):
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     def values(self) -> dict[str, str | None]:
-        return {name: getattr(self, name) for name in RUN_FIELDS}
+        return {name: getattr(self, name) for name in ("job_id", "host", "pod")}
 
 
 class TargetsMapping(RootModel[dict[str, Target]]):

@@ -33,7 +33,9 @@ class Execution:
     kind: str
     target: str  # command | webhook
     target_key: str
-    status: str  # ok | failed | refused | unverified | timeout
+    status: (
+        str  # ok | failed | refused | unverified | timeout | skipped (a restart with no host to leave out)
+    )
     argv: list[str] = field(default_factory=list)
     url: str = ""
     exit_code: int | None = None  # a command's exit status; a webhook's HTTP status

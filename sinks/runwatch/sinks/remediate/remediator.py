@@ -38,7 +38,8 @@ from runwatch.sinks.remediate.notifications import post_webhook, slack_payload
 from runwatch.sinks.remediate.record import Execution, tail
 from runwatch.sinks.remediate.runner import run_command, run_verify, verify_problem
 from runwatch.sinks.remediate.templates import (
-    RUN_FIELDS,
+    DECLARED_FIELDS,
+    HOST_FIELDS,
     FieldRule,
     RefusedValue,
     argv_fields,
@@ -146,6 +147,17 @@ class Remediator:
         )
         started = utc_now()
         rules = self.config.field_rules()
+        hosts = [name for name in argv_fields(command.argv) if name in HOST_FIELDS]
+        if hosts and all(values.get(name) == "" for name in hosts):
+            # (issue 39) a restart as it was: the command that leaves hosts out has none to leave out
+            return Execution(
+                **base,
+                status="skipped",
+                argv=list(command.argv),
+                output="not run: the restart leaves no host out",
+                started_at=started,
+                finished_at=utc_now(),
+            )
         try:
             argv = fill_argv(command.argv, values, rules)
         except RefusedValue as exc:
@@ -205,7 +217,7 @@ class Remediator:
         if not mapped:
             # A verify command that echoes its target would "verify" a run named like the target.
             for name in argv_fields(verify.argv):
-                if name in RUN_FIELDS and values.get(name) == action.run_id:
+                if name in DECLARED_FIELDS and values.get(name) == action.run_id:
                     return "unverified", (
                         f"not run: the run id equals its own declared {{{name}}}, so verify "
                         f"`{shown}` cannot tell them apart; map the run in `targets`"

@@ -28,7 +28,14 @@ if TYPE_CHECKING:
 ACTION_FIELDS = ("run_id", "action_id", "kind", "step", "onset_step", "target_step")
 # Self-declared by the trainer (its run_start) unless the platform's targets mapping gives them.
 RUN_FIELDS = ("job_id", "host", "pod")
-ALLOWED_FIELDS = ACTION_FIELDS + RUN_FIELDS
+# A restart's (issue 39): the crash's class, the restart's mode, and the hosts to leave out, as one
+# comma-separated argument (`sbatch --exclude=`, Slurm's `ExcNodeList=`: options of the run's own job) and
+# the first of them alone (`kubectl cordon`: the cluster's node, so a self-declared target that the
+# command's verify must check, as a job id is). Each host passes the `host` rule, or the value is refused.
+RESTART_FIELDS = ("crash_class", "restart_mode", "exclude_hosts", "exclude_host")
+HOST_FIELDS = ("exclude_hosts", "exclude_host")  # empty for a restart as it was: their commands are skipped
+DECLARED_FIELDS = RUN_FIELDS + ("exclude_host",)
+ALLOWED_FIELDS = ACTION_FIELDS + RUN_FIELDS + RESTART_FIELDS
 MAX_VALUE_LENGTH = 256  # no filled-in value is longer, whatever its pattern says
 
 # Full-match patterns per field (Python regexes, ASCII classes); the config's `fields` replace them.
@@ -42,6 +49,10 @@ DEFAULT_FIELD_PATTERNS: dict[str, str] = {
     "step": r"^[0-9]{1,19}$",
     "onset_step": r"^[0-9]{1,19}$",
     "target_step": r"^[0-9]{1,19}$",
+    "crash_class": r"^[a-z_]{1,32}$",
+    "restart_mode": r"^(exclude_host|as_was)$",
+    "exclude_hosts": r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}(,[A-Za-z0-9][A-Za-z0-9.-]{0,252})*$",
+    "exclude_host": r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$",
 }
 
 Hazard = Literal["leading_dash", "absolute_path", "url", "at_sign", "dot_dot", "whitespace"]
@@ -219,5 +230,43 @@ def placeholder_values(
             values[name] = (
                 str(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
             )
+    values.update(restart_values(action, rules=None, target=target))
     values.update(fixed)
     return values
+
+
+def excluded_hosts(action: Action, rules: Mapping[str, FieldRule] | None = None) -> list[str] | None:
+    """The hosts a restart leaves out (``params.exclude_hosts``), each checked by the ``host`` rule; None
+    when any of them is not a host name (a forged one: the whole list is refused, never a part of it)."""
+    hosts = action.params.get("exclude_hosts") or []
+    if not isinstance(hosts, list):
+        return None
+    rule = (rules or DEFAULT_FIELD_RULES).get("host") or DEFAULT_FIELD_RULES["host"]
+    out: list[str] = []
+    for host in hosts:
+        if not isinstance(host, str) or rule.reason(host) is not None:
+            return None
+        if host not in out:
+            out.append(host)
+    return out
+
+
+def restart_values(
+    action: Action, rules: Mapping[str, FieldRule] | None = None, target: Target | None = None
+) -> dict[str, str | None]:
+    """A restart's placeholders (``RESTART_FIELDS``); None where unknown or refused. With the platform's
+    ``target`` naming the run's host, ``exclude_host`` must be that host."""
+    if action.kind != "restart":
+        return dict.fromkeys(RESTART_FIELDS)
+    params = action.params
+    crash_class, mode = params.get("crash_class"), params.get("mode")
+    hosts = excluded_hosts(action, rules)
+    first = hosts[0] if hosts else None
+    if first is not None and target is not None and target.host is not None and first != target.host:
+        first = None
+    return {
+        "crash_class": crash_class if isinstance(crash_class, str) else None,
+        "restart_mode": mode if isinstance(mode, str) else None,
+        "exclude_hosts": ",".join(hosts) if hosts else ("" if hosts == [] else None),
+        "exclude_host": first if hosts else ("" if hosts == [] else None),
+    }

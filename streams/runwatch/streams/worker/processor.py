@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
+from runwatch.detectors.engine.crashes import CrashHistory
 from runwatch.detectors.engine.group_monitor import GroupMonitor
 from runwatch.detectors.engine.merge_monitor import RunMergeMonitor
 from runwatch.detectors.engine.monitor import RunLedger
@@ -153,6 +154,7 @@ EVICTION_LOG_EVERY_S = 10.0  # runs evicted past runs.max_runs are logged as one
 # A tick judges runs until this much wall time has passed, then leaves the rest to the next tick
 # (round robin), so that one slow run cannot freeze the other runs' timers.
 TICK_BUDGET_S = 0.1
+MAX_CRASH_HISTORIES = 4096  # runs let go whose crashes a worker remembers for their next attempt
 
 
 class TelemetryProcessor:
@@ -195,6 +197,9 @@ class TelemetryProcessor:
         self._tick_order: deque[str] = deque()  # runs in the order the next tick judges them
         # After run_end a multi-rank run is kept this long for its other ranks' last steps.
         self._linger = timedelta(seconds=config.join.timeout_s)
+        # Runs let go, by id: what their crashes left (engine/crashes.py), for their next attempt's monitor.
+        # In memory only: a worker restart forgets it (docs/limitations.md).
+        self._crash_histories: OrderedDict[str, CrashHistory] = OrderedDict()
         self.counters = WorkerCounters()
         # run -> rank -> its last step's event time, for the metrics (step_times.py); forgotten with the run
         self.step_times = StepTimes()
@@ -312,6 +317,9 @@ class TelemetryProcessor:
             self._make_room(1)
             monitor = self.monitors[run_id] = new_monitor(event, self.config, body)
             self._tick_order.append(run_id)
+            history = self._crash_histories.pop(run_id, None)  # (issue 39: its earlier attempts' crashes)
+            if history is not None:
+                monitor.take_crash_history(history, new_attempt=isinstance(event, RunStartEvent))
             if self._ledgers:
                 self._resume_ledger(monitor, event)
         if (
@@ -375,7 +383,7 @@ class TelemetryProcessor:
         """Let the run go: it ``ended``, was ``reset`` (a detector error), ``moved`` to another worker,
         ``restarted`` under its id, was let go (``silent``, ``evicted``) or held a snapshot of a recreated
         log (``stale``). What its snapshot becomes follows (run_states.py)."""
-        self.monitors.pop(run_id, None)
+        self._keep_crash_history(run_id, self.monitors.pop(run_id, None))
         self.step_times.forget(run_id)
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
@@ -426,6 +434,16 @@ class TelemetryProcessor:
             self._let_go.append(self._lifecycle(run_id, "evicted", message, value=float(held), evidence=why))
 
     # -- what runs let go keep -------------------------------------------------------------------
+
+    def _keep_crash_history(self, run_id: str, monitor: RunMonitor | None) -> None:
+        ledger = getattr(monitor, "crash_ledger", None)
+        history = ledger() if ledger is not None else None
+        if history is None:
+            return
+        self._crash_histories.pop(run_id, None)
+        self._crash_histories[run_id] = history
+        while len(self._crash_histories) > MAX_CRASH_HISTORIES:
+            self._crash_histories.popitem(last=False)
 
     def _keep_ledger(self, run_id: str, ledger: RunLedger, partition: int | None, at: datetime) -> None:
         """Keep ``ledger`` for the run's return, within ``runs.max_ledgers`` (the oldest goes first)."""
