@@ -565,6 +565,8 @@ def start_services(stack: Stack, compose: Compose, figures: dict[str, Any]) -> S
     command = compose.command("worker")
     web_port_at = command.index("--web-port") + 1
     compose_port = command[web_port_at]
+    # (host networking: each worker its own metrics port too)
+    metrics_port_at = command.index("--metrics-port") + 1 if "--metrics-port" in command else None
     replicas = int(compose.services["worker"].get("deploy", {}).get("replicas", 1))
     if replicas < 2:
         raise Failed(f"compose.yaml runs {replicas} worker(s): the takeover needs two")
@@ -572,6 +574,8 @@ def start_services(stack: Stack, compose: Compose, figures: dict[str, Any]) -> S
     for i in range(1, replicas + 1):
         web_port = free_port()
         command[web_port_at] = str(web_port)
+        if metrics_port_at is not None:
+            command[metrics_port_at] = str(free_port())
         started = time.monotonic()
         name = stack.start(
             f"worker-{i}", IMAGE, command, compose.env("worker", bootstrap), compose.mounts("worker")

@@ -181,6 +181,10 @@ def localize(service: Service, kafka_address: str, stand_ins: StandIns) -> tuple
             args += [arg, str(web_port)]
             next(it)
             continue
+        if arg == "--metrics-port":  # (every service shares this host's ports: each its own)
+            args += [arg, str(stand_ins.free_port())]
+            next(it)
+            continue
         arg = arg.replace(kafka_address, stand_ins.bootstrap)
         for container_path, host in service.mounts.items():
             if arg == container_path or arg.startswith(container_path + "/"):

@@ -154,6 +154,9 @@ def test_compose_runwatch_commands_parse(compose, name, monkeypatch):
         )
         assert ctx.params["web_port"] == 6066
         assert "6066/livez" in " ".join(service["healthcheck"]["test"])
+        # Prometheus scrapes each worker container on the network (docs/operations.md#metrics)
+        assert ctx.params["metrics_port"] == 9464 and ctx.params["web_host"] == "0.0.0.0"
+        assert str(ctx.params["metrics_port"]) in service["expose"]
     if name in ("sink", "migrate"):
         assert ctx.params["dsn"].endswith("@clickhouse:8123")
     if name == "remediator":
@@ -417,6 +420,13 @@ def test_k8s_runwatch_commands_parse(kustomization, monkeypatch):
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert all(ports[p["port"]] == port for p in probes)
             assert {p["path"] for p in probes} == {"/livez", "/readyz"}
+            # the metrics port is the container's and the one the scrape annotations name
+            assert ports["metrics"] == ctx.params["metrics_port"] == 9464
+            pod = next(
+                doc for _, doc in base_resources(kustomization) if doc["metadata"]["name"] == deployment
+            )["spec"]["template"]["metadata"]["annotations"]
+            assert pod["prometheus.io/scrape"] == "true"
+            assert int(pod["prometheus.io/port"]) == ctx.params["metrics_port"]
             assert ctx.params["baseline_dsn"], "the workers load baselines from ClickHouse"
     assert seen == {"worker", "sink", "remediate", "migrate"}
 

@@ -24,7 +24,7 @@ TRAINING_SIDE = (
     "runwatch.producer.actions.listener",
     "torch",
 )
-WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb")
+WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb", "prometheus_client")
 
 
 def loaded_after(statement: str) -> set[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,6 +12,9 @@ from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra, require, require_engine
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
 from runwatch.producer.wire import topics
+
+if TYPE_CHECKING:
+    from runwatch.streams.worker.metrics_server import MetricsServer
 
 
 @click.command(cls=NeedsExtra, extras=["worker"])
@@ -27,7 +31,17 @@ from runwatch.producer.wire import topics
     "--web-host",
     default="127.0.0.1",
     show_default=True,
-    help="address the health endpoint listens on (0.0.0.0 for probes from outside the host or pod)",
+    help="address the health and metrics endpoints listen on (0.0.0.0 for probes and scrapes from "
+    "outside the host or pod)",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=0,
+    envvar="RUNWATCH_METRICS_PORT",
+    show_default=True,
+    help="Prometheus metrics port (GET /metrics on --web-host; docs/operations.md lists the metrics); "
+    "0 turns it off",
 )
 @click.option(
     "--detector-timeout",
@@ -97,6 +111,7 @@ def worker(
     config_path: str | None,
     web_port: int,
     web_host: str,
+    metrics_port: int,
     detector_timeout: float,
     delivery_timeout: float,
     ready_file: Path | None,
@@ -128,6 +143,7 @@ def worker(
                 f"the health endpoint cannot listen on {web_host}:{web_port}: {exc.strerror} "
                 "(another worker there? give each its own --web-port, or 0 for none)"
             ) from None
+    metrics = _metrics_server(web_host, metrics_port) if metrics_port else None
     config = cli_config(config_path)
     from runwatch.cli.startup import writable_dir
 
@@ -175,10 +191,27 @@ def worker(
         partitions=partitions,
         health_server=server,
         data_dir=data_dir,
+        metrics_server=metrics,
     )
     click.echo(f"runwatch worker: group {group} on {bootstrap}; Faust's files in {data_dir.resolve()}")
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
     run_worker(app, loglevel=loglevel)
+
+
+def _metrics_server(host: str, port: int) -> MetricsServer:
+    try:
+        from runwatch.streams.worker.metrics_server import MetricsServer
+    except ImportError as exc:  # (prometheus_client: the worker extra has it; an older install may not)
+        raise CommandError(
+            f"runwatch worker --metrics-port needs prometheus_client ({exc}): pip install 'runwatch[worker]'"
+        ) from None
+    try:
+        return MetricsServer(host, port)
+    except OSError as exc:
+        raise CommandError(
+            f"the metrics endpoint cannot listen on {host}:{port}: {exc.strerror} "
+            "(another worker there? give each its own --metrics-port, or 0 for none)"
+        ) from None
 
 
 def _check_topics(bootstrap: str, state: bool) -> int:

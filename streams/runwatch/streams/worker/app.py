@@ -45,11 +45,14 @@ from runwatch.streams.worker.run_budget import BudgetLimits, RunBudget, ShedRepo
 if TYPE_CHECKING:
     from faust.types import TP, RecordMetadata, StreamT
 
+    from runwatch.streams.worker.metrics_server import MetricsServer
+
     # What the pipeline's two queues hold, per request: its events (None: the timer's), its reply to
-    # come (then its records' deliveries and whether it is a checkpoint), the future it resolves.
+    # come (then its records' deliveries, whether it is a checkpoint and its findings' event times), the
+    # future it resolves.
     _Inflight: TypeAlias = tuple[list[Any] | None, Awaitable[Reply], asyncio.Future[bool] | None]
     _Delivered: TypeAlias = tuple[
-        list[Any] | None, list[Awaitable[RecordMetadata]], bool, asyncio.Future[bool] | None
+        list[Any] | None, list[Awaitable[RecordMetadata]], bool, asyncio.Future[bool] | None, list[float]
     ]
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,7 @@ def write_ready_file(ready_file: Path, assigned: Iterable[TP]) -> None:
     ready_file.write_text(",".join(sorted(f"{tp.topic}:{tp.partition}" for tp in assigned)))
 
 
+STEP_TIMES_EVERY_S = 1.0  # with metrics on, a tick asks for the runs' last step times at most this often
 MAX_BATCHES_AWAITING_DELIVERY = 64  # batches whose records are sent, waiting for the broker's acknowledgement
 DELIVERY_TIMEOUT_S = 60.0  # the producer retries within this; a record still undelivered fails the worker
 
@@ -138,6 +142,7 @@ def create_app(
     health_server: HealthServer | None = None,
     data_dir: Path | None = None,
     state_secret: bytes | None = None,
+    metrics_server: MetricsServer | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
@@ -151,7 +156,8 @@ def create_app(
     (streams/runwatch/streams/state/run_states.py); on by default, signed with ``state_secret``, the workers'
     state key (None: ``$RUNWATCH_STATE_SECRET``; none there raises ``MissingStateSecretError``: the action
     secret is never used for it, streams/runwatch/streams/state/snapshot.py). ``partitions``: the telemetry
-    topic's partition count, against which each record's partition is checked."""
+    topic's partition count, against which each record's partition is checked. ``metrics_server``: the
+    Prometheus endpoint (metrics_server.py) this worker's figures are served on (None: no metrics)."""
     worker = DetectWorker(
         bootstrap,
         config,
@@ -168,6 +174,7 @@ def create_app(
         health_server=health_server,
         data_dir=data_dir,
         state_secret=state_secret,
+        metrics_server=metrics_server,
     )
     return worker.app, worker.detectors
 
@@ -195,6 +202,7 @@ class DetectWorker:
         health_server: HealthServer | None,
         data_dir: Path | None,
         state_secret: bytes | None,
+        metrics_server: MetricsServer | None = None,
     ):
         state = state or StateOptions()
         if state.enabled:  # (before anything starts: a missing or reused key is one error, at once)
@@ -250,6 +258,10 @@ class DetectWorker:
         self.health_server = health_server
         if health_server is not None:
             health_server.health = self.health
+        self.metrics_server = metrics_server
+        self.steps_asked_at = float("-inf")
+        if metrics_server is not None:
+            metrics_server.collector.health = self.health
         self._register()
 
     def _register(self) -> None:
@@ -267,7 +279,7 @@ class DetectWorker:
             self.report_shed
         )  # (what was shed since the last report is said before stopping)
         app.timer(30.0, name=f"{__name__}.report_counters")(self.report_counters)
-        if self.health_server is not None:
+        if self.health_server is not None or self.metrics_server is not None:
             app.on_before_shutdown.connect(self.stop_health)  # type: ignore[arg-type]
         app.on_before_shutdown.connect(self.stop_detectors)  # type: ignore[arg-type]
 
@@ -438,7 +450,7 @@ class DetectWorker:
         # its successor.
         held: list[list[Any]] = []
         while True:
-            batch, futures, checkpoint, done = await delivered.get()
+            batch, futures, checkpoint, done, finding_times = await delivered.get()
             try:
                 await asyncio.wait_for(asyncio.gather(*futures), self.delivery_timeout_s)
             except Exception as exc:  # noqa: BLE001 - fail() fails the worker and raises it again
@@ -447,6 +459,8 @@ class DetectWorker:
                 await self.fail(
                     f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc
                 )
+            if finding_times:  # (published: the detection latency of each, once per finding)
+                self.health.latency.observe_since(finding_times, time.time())
             if batch:
                 held.append(batch)
             if checkpoint:
@@ -468,7 +482,8 @@ class DetectWorker:
                 answer = await reply
             except DetectorProcessError as exc:
                 await self.fail(str(exc).splitlines()[0], exc)
-            await delivered.put((batch, await self.send(answer.records), answer.checkpoint, done))
+            futures = await self.send(answer.records)
+            await delivered.put((batch, futures, answer.checkpoint, done, answer.finding_times))
 
     async def detect(self, stream: Any) -> None:  # a faust.Stream (its StreamT type has no noack_take)
         """The agent: telemetry in batches to the detector process."""
@@ -548,7 +563,12 @@ class DetectWorker:
         # whose partition this worker is behind on. During a rebalance the tick asks for a checkpoint
         # at once: the revoke waits for every event's ack.
         if self.inflight is not None:
-            await self.submit("tick", (bool(self.app.rebalancing), self.behind()), None)
+            # the runs' last step times, for the metrics: at most once a second
+            now = time.monotonic()
+            want_steps = self.metrics_server is not None and now - self.steps_asked_at >= STEP_TIMES_EVERY_S
+            if want_steps:
+                self.steps_asked_at = now
+            await self.submit("tick", (bool(self.app.rebalancing), self.behind(), want_steps), None)
 
     async def report_shed(self) -> None:
         # Events shed over a run's budget (run_budget.py): a dead letter per run and partition, so that
@@ -557,7 +577,9 @@ class DetectWorker:
         report = budget.take_shed()
         if not report.events:
             return
-        await self.send(shed_letters(report, budget.limits))
+        letters = shed_letters(report, budget.limits)
+        await self.send(letters)
+        self.health.shed_letters += len(letters)
         if time.monotonic() - self.shed_logged_at >= 10.0:
             self.shed_logged_at = time.monotonic()
             log.warning(
@@ -586,9 +608,12 @@ class DetectWorker:
         )
 
     async def stop_health(self, sender: Any, **kwargs: Any) -> None:
-        if self.health.failure is not None or self.health_server is None:
+        if self.health.failure is not None:
             return  # a failing worker keeps saying why until the process ends
-        self.health_server.close()
+        if self.health_server is not None:
+            self.health_server.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
     async def stop_detectors(self, sender: Any, **kwargs: Any) -> None:
         self.detectors.close()

@@ -64,6 +64,11 @@ class Reply:
     # Every event handled before this reply is in a snapshot once its records are delivered (run_states.py):
     # only then may those events be acknowledged.
     checkpoint: bool = True
+    # The event time (seconds since the epoch) of each finding among ``records``: the worker observes its
+    # detection latency once they are delivered (metrics_server.py)
+    finding_times: list[float] = field(default_factory=list)
+    # run id -> rank -> its last step's event time (step_times.py): on a tick that asked for them
+    step_times: dict[str, dict[int, float]] | None = None
 
 
 RawEvent = tuple[
@@ -146,10 +151,18 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
                 or result.reports
             ):
                 reply.records.extend(outgoing(result, key))
-    # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind)
+                reply.finding_times.extend(a.ts.timestamp() for a in result.anomalies)
+    # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind[; whether the
+    # runs' last step times are wanted: the worker's metrics])
     elif kind == "tick":
-        rebalancing, behind = payload if isinstance(payload, tuple) else (bool(payload), ())
-        reply.records = outgoing(processor.tick(behind=frozenset(behind)))
+        rebalancing, behind, want_steps = (
+            (*payload, False)[:3] if isinstance(payload, tuple) else (bool(payload), (), False)
+        )
+        result = processor.tick(behind=frozenset(behind))
+        reply.records = outgoing(result)
+        reply.finding_times = [a.ts.timestamp() for a in result.anomalies]
+        if want_steps:
+            reply.step_times = processor.step_times.export()
         let_go = sum(processor.counters.runs_let_go.values())
         if let_go > _released["let_go"] and time.monotonic() - _released["at"] >= RELEASE_EVERY_S:
             _released.update(let_go=let_go, at=time.monotonic())
@@ -293,6 +306,8 @@ class DetectorProcess:
         self._failure: DetectorProcessError | None = None
         self._closing = False
         self.counters = WorkerCounters()  # as of the latest reply
+        # run id -> rank -> last step's event time, as of the latest tick that asked (the metrics)
+        self.step_times: dict[str, dict[int, float]] = {}
         # One malloc arena in the child (glibc reads this when a process starts): the replies its queue
         # thread pickles otherwise fill arenas of their own, which keep their pages after runs are let go
         # (a flood of 10,000 runs: +62 MiB left after they went, against +75 to +85 MiB with glibc's default).
@@ -417,6 +432,8 @@ class DetectorProcess:
     def _resolve(self, reply: Reply) -> None:
         def resolve() -> None:
             self.counters = reply.counters
+            if reply.step_times is not None:
+                self.step_times = reply.step_times
             self._last_reply = time.monotonic()
             self._sent_at.popleft()
             future = self._pending.popleft()

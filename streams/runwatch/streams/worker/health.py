@@ -25,6 +25,7 @@ from typing import Any
 from faust.sensors import Sensor
 
 from runwatch.streams.worker.detector_process import DetectorProcess
+from runwatch.streams.worker.latency_histogram import LatencyHistogram
 from runwatch.streams.worker.run_budget import RunBudget
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class WorkerHealth:
         self.last_ack: float | None = None
         self.events_submitted = 0  # telemetry events handed to the detector process
         self.publish_failures = 0  # publish attempts that failed (each retried before the worker fails)
+        self.shed_letters = 0  # dead letters published for events shed over their runs' budget
+        self.latency = LatencyHistogram()  # detection latency, once per finding delivered (metrics)
         # telemetry partitions assigned whose runs are being restored (None: none); set at the assignment
         self.restoring: list[int] | None = None
         self.log_id: object = None  # the telemetry topic's id as last read (log_identity.py)
@@ -114,6 +117,7 @@ class WorkerHealth:
             "counters": {
                 **asdict(counters),
                 "actions": dict(counters.actions),
+                "findings": {f"{d}/{s}": n for (d, s), n in counters.findings.items()},
                 "runs_let_go": dict(counters.runs_let_go),
                 "events_shed": self.budget.shed_total if self.budget is not None else 0,
                 "events_shed_new_runs": self.budget.shed_new_runs if self.budget is not None else 0,

@@ -35,6 +35,7 @@ from runwatch.producer.wire.schema import (
     JoinedStep,
     RunStartEvent,
     SchemaError,
+    StepEvent,
     TelemetryEvent,
     action_expiry,
     check_record_key,
@@ -68,6 +69,7 @@ from runwatch.streams.worker.split_runs import (
     signed_reports,
     state_key,
 )
+from runwatch.streams.worker.step_times import StepTimes
 
 if TYPE_CHECKING:
     from runwatch.streams.state.reader import StateReader
@@ -141,6 +143,8 @@ class WorkerCounters:
     # again from their beginning, their runs' old-log offsets forgotten
     logs_recreated: int = 0
     stale_snapshots: int = 0  # snapshots of an old log (a recreated topic): dropped, their ledgers kept
+    # findings published, by (detector, severity): the worker's metrics (metrics_server.py)
+    findings: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 _Published = TypeVar("_Published", Anomaly, Action)
@@ -197,6 +201,8 @@ class TelemetryProcessor:
         # In memory only: a worker restart forgets it (docs/limitations.md).
         self._crash_histories: OrderedDict[str, CrashHistory] = OrderedDict()
         self.counters = WorkerCounters()
+        # run -> rank -> its last step's event time, for the metrics (step_times.py); forgotten with the run
+        self.step_times = StepTimes()
         options = state or StateOptions()
         self._reader = state_reader if options.enabled else None
         if self._reader is not None:
@@ -328,6 +334,8 @@ class TelemetryProcessor:
             )
         else:
             out = monitor.observe(event)
+            if isinstance(event, StepEvent):
+                self.step_times.seen(run_id, event.rank, event.ts)
         if clock_ahead_s is not None or monitor.clock_ahead:
             rank = getattr(event, "rank", None) or 0
             said = monitor.clock_seen(rank, clock_ahead_s, event.ts, getattr(event, "step", None))
@@ -376,6 +384,7 @@ class TelemetryProcessor:
         ``restarted`` under its id, was let go (``silent``, ``evicted``) or held a snapshot of a recreated
         log (``stale``). What its snapshot becomes follows (run_states.py)."""
         self._keep_crash_history(run_id, self.monitors.pop(run_id, None))
+        self.step_times.forget(run_id)
         self._last_seen.pop(run_id, None)
         self._partition.pop(run_id, None)
         if why != "restarted":  # (a new attempt follows at once, and the old one's events stay behind it)
@@ -892,6 +901,7 @@ class TelemetryProcessor:
             result.reports += signed_reports(monitor, out.report, self._clock(), self._signing_key)
         self.counters.anomalies += len(result.anomalies)
         for anomaly in result.anomalies:
+            self.counters.findings[(anomaly.detector, anomaly.severity)] += 1
             log.info(
                 "anomaly run=%s step=%s %s: %s",
                 anomaly.run_id,
