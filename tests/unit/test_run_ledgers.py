@@ -257,3 +257,36 @@ def test_without_topic_ids_a_restored_run_fed_nothing_before_its_log_was_found_r
     successor.offset = 0
     _healthy_run(successor, "r", steps=3, first=201, start=False)
     assert _nan_streak(successor, "r", 204) == [("alert", "None"), ("rollback", "/ckpt/1.pt")]
+
+
+# -- issue 39: a crash's history outlives the worker ---------------------------------------------------
+
+
+def _segfault(worker: Worker, run_id: str, step: int, host: str) -> list[str]:
+    """A rank's launcher reports a SIGSEGV at ``step``; the action kinds issued."""
+    from runwatch.producer.wire.schema import CrashEvent
+
+    ts = T0 + timedelta(seconds=step, milliseconds=500)
+    crash = CrashEvent(run_id=run_id, ts=ts, source="launcher", signal=11, host=host, step=step)
+    result = worker.send(crash)
+    return [a.kind for a in result.actions]
+
+
+def _restored(store: Store, config: RunwatchConfig) -> Worker:
+    """A worker started after the last one died: it restores the partition from the state records."""
+    return Worker(config, store)  # (it takes partition 0 over: restored from the records)
+
+
+def test_the_same_crash_twice_is_not_restarted_a_third_time_across_a_worker_restart():
+    store = Store()
+    first = Worker(_config(), store)
+    _healthy_run(first, "crashy", steps=10)
+    assert _segfault(first, "crashy", 10, "n1") == ["restart"]
+    from runwatch.producer.wire.schema import RunEndEvent
+
+    first.send(RunEndEvent(run_id="crashy", ts=T0 + timedelta(seconds=11), status="failed"))
+    first.checkpoint()  # the ended run's marker carries what its crashes left
+    # the worker dies; the next attempt meets a fresh one, which read the marker
+    second = _restored(store, _config())
+    second.send(RunStartEvent(run_id="crashy", ts=T0 + timedelta(seconds=60), attempt="a2"))
+    assert _segfault(second, "crashy", 10, "n2") == ["stop"]

@@ -132,7 +132,12 @@ def run_snapshots(name: str) -> list[bytes]:
     and at checkpoints), fed as JSON bytes as the worker reads them."""
     if name == "band":
         return _band_snapshots()
-    events = {"one_rank": EVENTS, "three_ranks": MULTI_RANK, "rollback_replayed": REPLAYED}[name]
+    events = {
+        "one_rank": EVENTS,
+        "three_ranks": MULTI_RANK,
+        "rollback_replayed": REPLAYED,
+        "crashed": _crashed(),
+    }[name]
     store = _Store()
     proc = _processor(store)
     proc.keep_partitions({0})
@@ -171,7 +176,21 @@ def _band_snapshots() -> list[bytes]:
     return bodies + _bodies(proc.take_snapshots(force_checkpoint=True)[0])
 
 
-RUNS = ["one_rank", "three_ranks", "rollback_replayed", "band"]
+def _crashed() -> list:
+    """A run whose data thread dies (the monitor holds the crash watch while the run goes on), then whose
+    launcher reports a SIGSEGV (the cause: a restart, and the ended run's marker carries the history)."""
+    from runwatch.producer.wire.schema import CrashEvent
+
+    events = list(EVENTS[:120])
+    ts = events[-1].ts
+    thread = CrashEvent(
+        run_id="conf", ts=ts, source="thread_exception", exception_type="ValueError", message="bad row"
+    )
+    segv = CrashEvent(run_id="conf", ts=ts + timedelta(seconds=1), source="launcher", signal=11, host="n1")
+    return events[:60] + [thread] + events[60:] + [segv]
+
+
+RUNS = ["one_rank", "three_ranks", "rollback_replayed", "band", "crashed"]
 
 
 def all_real_snapshots() -> Iterator[tuple[str, bytes]]:

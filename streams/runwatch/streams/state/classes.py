@@ -40,6 +40,8 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.rolling_quantile",
         "runwatch.detectors.engine.ack_watch",
         "runwatch.detectors.engine.checkpoints",
+        "runwatch.detectors.engine.crashes",
+        "runwatch.detectors.engine.evidence",
         "runwatch.detectors.engine.group_join",
         "runwatch.detectors.engine.group_monitor",
         "runwatch.detectors.engine.merge_monitor",

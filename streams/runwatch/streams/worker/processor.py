@@ -438,8 +438,10 @@ class TelemetryProcessor:
     def _keep_crash_history(self, run_id: str, monitor: RunMonitor | None) -> None:
         ledger = getattr(monitor, "crash_ledger", None)
         history = ledger() if ledger is not None else None
-        if history is None:
-            return
+        if history is not None:
+            self._remember_crash_history(run_id, history)
+
+    def _remember_crash_history(self, run_id: str, history: CrashHistory) -> None:
         self._crash_histories.pop(run_id, None)
         self._crash_histories[run_id] = history
         while len(self._crash_histories) > MAX_CRASH_HISTORIES:
@@ -646,6 +648,9 @@ class TelemetryProcessor:
                     continue
                 if header.ended_at is not None:
                     self.states.restored_marker(run_id, header.partition, header.ended_at)
+                    history = decode_body(body)  # (what its crashes left, for its next attempt; or None)
+                    if isinstance(history, CrashHistory):
+                        self._remember_crash_history(run_id, history)
                     continue
                 state = decode_body(body)
                 if not isinstance(state, RunState) or not isinstance(state.monitor, RunMonitor):
@@ -781,7 +786,8 @@ class TelemetryProcessor:
             self.counters.snapshots += 1
             self.counters.snapshot_bytes += len(value)
         for run_id, partition, ended_at in due.markers:
-            records.append(self._eventless_record(run_id, partition, now, None, ended_at=ended_at))
+            history = self._crash_histories.get(run_id)  # (a restarted worker must still know its crashes)
+            records.append(self._eventless_record(run_id, partition, now, history, ended_at=ended_at))
         for run_id, partition in due.ledgers:
             kept = self._ledgers.get(run_id)
             if kept is None:
