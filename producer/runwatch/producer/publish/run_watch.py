@@ -287,11 +287,13 @@ class RunWatch:
         in_sync: bool | None = None,
         interval_s: float | None = None,
         host_load: dict[str, Any] | None = None,
+        host: str | None = None,
     ) -> bool:
         """``in_sync``: this rank has done its part of the current step and waits for its peers
         (True), is still working on it (False), or it is not measured (None: left out).
         ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
-        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it)."""
+        ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it).
+        ``host``: the rank's host name (the heartbeat thread sends it on its first beat)."""
         return self._build_and_publish(
             HeartbeatEvent,
             step=step,
@@ -300,6 +302,7 @@ class RunWatch:
             in_sync=in_sync,
             interval_s=interval_s,
             host_load=host_load,
+            host=host,
         )
 
     def evidence(
