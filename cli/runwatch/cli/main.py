@@ -1,6 +1,6 @@
 """The ``runwatch`` command line: up, runs, broker, worker, sink, remediate, migrate, demo, scenarios,
-config, replay, evaluate, calibrate, ingest, baseline, hosts, report, grafana, keys, simulate; each command group
-in its own module, imported lazily inside the command (the CLI starts fast)."""
+config, replay, evaluate, calibrate, ingest, baseline, hosts, report, grafana, keys, simulate; each command
+group in its own module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
 
