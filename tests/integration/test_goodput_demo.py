@@ -68,3 +68,9 @@ def test_the_categories_add_up_to_the_wall_time(stalled_nan_run, chdb_dsn):
     assert stalled_nan_run["goodput"]["seconds"] == pytest.approx(seconds, abs=0.01)
     summary = sink.baselines.summary(run_id)
     assert summary is not None and summary.metrics["goodput_pct"] == pytest.approx(100 * goodput.goodput)
+    # the report shows it
+    from runwatch.sinks.report import build_report
+
+    html, _ = build_report(sink, run_id)
+    assert "<h2>Goodput</h2>" in html and f"goodput <b>{100 * goodput.goodput:.1f}%</b>" in html
+    assert "rollback lost" in html and "stall" in html

@@ -165,3 +165,14 @@ def test_runwatch_hosts_prints_them(stores, chdb_dsn):
     assert out["hosts"][0]["run_ids"] == [run_ids[i] for i in sorted((*STRAGGLER_RUNS, CRASH_RUN))]
     text = CliRunner().invoke(cli, args)
     assert text.exit_code == 0 and LEMON in text.output and run_ids[CRASH_RUN] in text.output
+
+
+def test_the_report_of_a_run_of_the_job_names_them(stores):
+    from runwatch.sinks.report import build_report
+
+    sink, run_ids = stores["faulty"]
+    html, _ = build_report(sink, run_ids[-1])
+    assert f"Hosts that keep failing (job {JOB})" in html and f"<td>{LEMON}</td>" in html
+    clean, clean_ids = stores["clean"]
+    html, _ = build_report(clean, clean_ids[-1])
+    assert f"No host of job {JOB} keeps failing." in html
