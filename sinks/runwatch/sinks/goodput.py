@@ -21,7 +21,7 @@ per-step work in ClickHouse (one row per attempt comes back); the few sums per a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -194,7 +194,7 @@ def compute_goodput(sink: ClickHouseSink, run_id: str) -> Goodput | None:
     return combine(run_id, attempts, steps)
 
 
-def combine(run_id: str, attempts: Sequence[Sequence[Any]], steps: dict[int, Sequence[Any]]) -> Goodput:
+def combine(run_id: str, attempts: Sequence[Sequence[Any]], steps: Mapping[int, Sequence[Any]]) -> Goodput:
     """The run's goodput from the queries' rows: ``attempts`` (attempt, first, last), ``steps`` by attempt
     (as ``_STEPS_SQL`` selects them). Pure."""
     total = {name: 0.0 for name in CATEGORIES}
