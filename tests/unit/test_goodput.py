@@ -110,3 +110,19 @@ def test_a_job_on_one_host_and_a_run_wide_finding_name_nothing():
 def test_crashes_count_even_when_several_hosts_crashed_in_one_run():
     rows = [("j", f"r{i}", T, "crash", "bad") for i in range(3)] + [("j", "r0", T, "crash", "other")]
     assert count_lemons(rows, {"j": 4}, 3) == [LemonHost("bad", ["r0", "r1", "r2"], findings=0, crashes=3)]
+
+
+def test_the_demo_says_where_the_wall_time_went():
+    from runwatch.demo.console import closing_lines
+
+    seconds = {"productive": 3.2, "rollback_lost": 0.86, "stall": 14.0, "checkpoint": 0.03, "data_wait": 0.0}
+    report = {
+        "rollbacks": [],
+        "steps": 160,
+        "steps_completed": 160,
+        "steps_executed": 170,
+        "stopped": False,
+        "report": None,
+        "goodput": {"wall_s": 26.6, "goodput": 0.12, "seconds": seconds},
+    }
+    assert "goodput 12.0% of 26.6s wall time; lost: rollback lost 0.9s, stall 14.0s" in closing_lines(report)
