@@ -82,6 +82,7 @@ RUN_HERE: dict[str, tuple[str, ...]] = {
     "runwatch sink --dsn 'http://runwatch:password@clickhouse:8123'": ("public bootstrap", "service"),
     "runwatch remediate --bootstrap B --config R": ("public", "service"),
     "runwatch demo": ("clean", "exits"),
+    "runwatch demo --scenario nan --steps 160 --stall-step 40 --stall-s 14": ("clean", "exits"),
     "runwatch demo --scenario nan --bootstrap \"$RUNWATCH_BOOTSTRAP\" --dsn 'http://' --no-worker": (
         "public bootstrap",
         "exits",

@@ -310,3 +310,16 @@ def test_the_outlier_table_gives_the_verdicts_of_baseline_check(stored, context)
             and low == pytest.approx(c.low)
             and high == pytest.approx(c.high)
         )
+
+
+def test_the_goodput_panel_is_the_stored_goodput_of_the_nan_run(stored, context):
+    from runwatch.sinks.goodput import stored_goodput
+    from runwatch.sinks.grafana.panels import RUN_GOODPUT
+
+    sink, runs = stored
+    goodput = stored_goodput(sink, runs["nan"])
+    assert goodput is not None and goodput.rollback_lost_s > 0
+    _, rows = _run(sink, RUN_GOODPUT.sql, context, {"run": runs["nan"]})
+    shown = {category: seconds for category, seconds, _ in rows}
+    assert shown == pytest.approx(goodput.seconds())
+    assert sum(share for _, _, share in rows) == pytest.approx(100.0, abs=0.01)

@@ -238,3 +238,23 @@ def test_an_eval_or_checkpoint_is_announced_at_once_not_at_the_next_interval():
         assert rw.beats == ["train", "eval", "train"]
     finally:
         hb.stop()
+
+
+def test_the_first_beat_says_the_host_the_others_do_not(clock, monkeypatch):
+    """Issue 39: a finding naming a rank is mapped to its machine by the host its first heartbeat said."""
+    monkeypatch.setattr(heartbeat_module.socket, "gethostname", lambda: "node-17")
+    sent: list[dict] = []
+
+    class Publisher:
+        def heartbeat(self, step, phase="train", time_in_phase_s=0.0, interval_s=None, host=None):
+            sent.append({"step": step, "host": host})
+            return True
+
+    hb = Heartbeat(Publisher(), clock=clock)
+    hb.beat()
+    hb.beat()
+    assert [s["host"] for s in sent] == ["node-17", None]
+    # a publisher whose heartbeat takes no host gets none, and keeps beating
+    rw = RecordingRunWatch()
+    Heartbeat(rw, clock=clock).beat()
+    assert len(rw.calls) == 1

@@ -341,6 +341,13 @@ def test_eval_time_is_left_out_of_the_step_time_and_lr_is_the_one_the_step_used(
     # the eval and the checkpoint (0.2 s each) are in no step's time: each step is its 0.01 s of work
     assert [e.step_time_s for e in rw.steps] == pytest.approx([0.01] * 4)
     assert all(e.data_wait_s is None for e in rw.steps)  # no wrapped loader: absent, not zero
+    # ... and each step says the off-step time before it by phase (what goodput counts as evals and saves)
+    assert [e.off_step_s for e in rw.steps] == [
+        None,
+        {"eval": pytest.approx(0.2)},
+        None,
+        {"checkpoint": pytest.approx(0.2)},
+    ]
 
 
 def test_a_failure_inside_runwatch_is_counted_not_raised_into_training(caplog):

@@ -56,6 +56,18 @@ def _outage_window(
     help="cut every client off the (embedded) broker between these fractions of the run's steps, "
     "e.g. 0.33:0.66; the trainer spools to disk and replays",
 )
+@click.option(
+    "--stall-step",
+    type=click.IntRange(min=1),
+    help="hang this step in the train phase for --stall-s seconds (the small demo model only)",
+)
+@click.option(
+    "--stall-s",
+    type=click.FloatRange(min=0),
+    default=15.0,
+    show_default=True,
+    help="how long --stall-step hangs (the stall detector's train allowance is 10 s)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the summary")
 def demo(
     scenario: str,
@@ -67,6 +79,8 @@ def demo(
     no_worker: bool,
     step_interval: float,
     broker_outage: tuple[float, float] | None,
+    stall_step: int | None,
+    stall_s: float,
     as_json: bool,
 ) -> None:
     """Train a small model with a fault injected and watch runwatch catch it."""
@@ -94,6 +108,8 @@ def demo(
         start_worker=not no_worker,
         step_interval_s=step_interval,
         broker_outage=broker_outage,
+        stall_step=stall_step,
+        stall_s=stall_s,
     )
     console = DemoConsole(quiet=as_json, steps=steps)
     try:

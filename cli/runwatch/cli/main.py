@@ -1,6 +1,6 @@
 """The ``runwatch`` command line: up, runs, broker, worker, sink, remediate, migrate, demo, scenarios,
-config, replay, evaluate, calibrate, ingest, baseline, report, grafana, keys, simulate, launch; each command
-group in its own module, imported lazily inside the command (the CLI starts fast)."""
+config, replay, evaluate, calibrate, ingest, baseline, hosts, report, grafana, keys, simulate, launch; each
+command group in its own module, imported lazily inside the command (the CLI starts fast)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from runwatch.cli import (
     config,
     demo,
     grafana,
+    hosts,
     ingest,
     keys,
     launch,
@@ -55,6 +56,7 @@ for command in (
     offline.calibrate,
     ingest.ingest,
     baseline.baseline,
+    hosts.hosts,
     report.report,
     grafana.grafana,
     migrate.migrate,

@@ -81,6 +81,17 @@ def closing_lines(report: dict[str, Any]) -> list[str]:
             lines.append(
                 f"at step {a['step']} the run was back at its loss before the fault: the rollback worked"
             )
+    goodput = report.get("goodput")
+    if goodput and goodput.get("goodput") is not None:
+        lost = ", ".join(
+            f"{name.replace('_', ' ')} {seconds:.1f}s"
+            for name, seconds in goodput["seconds"].items()
+            if name != "productive" and seconds >= 0.05
+        )
+        lines.append(
+            f"goodput {goodput['goodput']:.1%} of {goodput['wall_s']:.1f}s wall time"
+            + (f"; lost: {lost}" if lost else "")
+        )
     again = report["steps_executed"] - report["steps_completed"]
     end = "was stopped" if report["stopped"] else "completed"
     lines.append(

@@ -66,6 +66,9 @@ class DemoOptions:
     # (start, end) as fractions of the run's steps: the broker is unreachable for every client
     # (trainer, worker, sink) in between. Needs the embedded broker.
     broker_outage: tuple[float, float] | None = None
+    # A stall of stall_s seconds in the train phase at this step (the demo model only; None: none)
+    stall_step: int | None = None
+    stall_s: float = 15.0
 
 
 def outage_steps(window: tuple[float, float], steps: int) -> tuple[int, int]:
@@ -267,6 +270,8 @@ def _train_scenario(
         fault_step=fault_step,
         step_interval_s=opts.step_interval_s,
         checkpoint_dir=STATE_DIR / "checkpoints",
+        stall_step=opts.stall_step,
+        stall_s=opts.stall_s,
     )
     return train(cfg, rw, listener, on_step=step_hook, on_action=on_action), fault_step
 
@@ -323,6 +328,24 @@ def _write_report(sink: ClickHouseSink, run_id: str, log: Callable[[str], None])
     except Exception as exc:  # noqa: BLE001 - the run and its results stand without the report
         log(f"the report could not be written: {type(exc).__name__}: {exc}")
     return report_path
+
+
+def _final_goodput(sink: ClickHouseSink, run_id: str, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """The run summarised once more now that everything is stored (the sink summarised it at its
+    run_end, perhaps before its last findings arrived), and its goodput (docs/goodput.md) as the
+    report's ``goodput``: wall time, goodput and each category's seconds; None when it failed."""
+    from runwatch.sinks.goodput import stored_goodput
+    from runwatch.sinks.summaries import summarize_stored_run
+
+    try:
+        summarize_stored_run(sink, run_id, "running")
+        found = stored_goodput(sink, run_id)
+    except Exception as exc:  # noqa: BLE001 - the run and its results stand without it
+        log(f"the goodput could not be computed: {type(exc).__name__}: {exc}")
+        return None
+    if found is None:
+        return None
+    return {"wall_s": found.wall_s, "goodput": found.goodput, "seconds": found.seconds()}
 
 
 def _spool_summary(rw: RunWatch, stats: PublisherStats) -> dict[str, Any]:
@@ -404,6 +427,7 @@ def run_demo(
         _wait_until_stored(rw, worker, bootstrap, sink_consumer, opts.timeout_s)
         stop_sink()
 
+        goodput = _final_goodput(sink, run_id, log)
         counts = sink.runs.counts(run_id)
         anomalies = sink.runs.anomalies(run_id)
         actions = sink.runs.actions(run_id)
@@ -440,5 +464,6 @@ def run_demo(
         "events_dropped": stats.dropped,
         "spool": _spool_summary(rw, stats),
         "broker_outage": _outage_summary(outage),
+        "goodput": goodput,
         "wall_time_s": round(time.monotonic() - started, 2),
     }

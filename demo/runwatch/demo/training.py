@@ -37,6 +37,10 @@ class TrainingConfig:
     clip: float = 1.0
     seed: int = 0
     checkpoint_dir: Path = Path(".runwatch/checkpoints")
+    # A stall: the first time this step is reached, it hangs for stall_s in the train phase (heartbeats go
+    # on, the step does not move), as a slow collective or a stuck file system would (issue 39's goodput demo)
+    stall_step: int | None = None
+    stall_s: float = 15.0
 
 
 def default_fault_step(steps: int) -> int:
@@ -110,6 +114,7 @@ def _train(
     after_fault.start(FaultRun(onset=None, steps=cfg.steps, model=model, seed=cfg.seed))
     result = TrainingResult()
     fired = False
+    stalled = False
     checkpoint(0)
     step = 0
     while step < cfg.steps:
@@ -126,6 +131,9 @@ def _train(
         # (torch leaves Tensor.backward unannotated)
         injector.backward_loss(loss, per_sample, batch, step).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
+        if step == cfg.stall_step and not stalled:
+            stalled = True
+            time.sleep(cfg.stall_s)
         loss_value = float(loss.detach())
         result.step_executed(loss_value)
         # two data categories (by the sign of the first feature), to show per-category loss

@@ -248,6 +248,39 @@ MIGRATIONS: tuple[Migration, ...] = (
             "DEFAULT length(ranks_missing) AFTER reported_count",
         ),
     ),
+    Migration(
+        9,
+        "goodput",
+        (
+            # One row per run (issue 39, sinks/runwatch/sinks/goodput.py, docs/goodput.md): its wall time and
+            # where it went, in seconds; the categories partition the wall time. Rewritten when the run is
+            # summarised again (the newest row by `computed_at` stands).
+            """
+            CREATE TABLE IF NOT EXISTS {db}.goodput (
+                run_id String,
+                attempts UInt32,
+                steps UInt64,
+                steps_lost UInt64,
+                started_at DateTime64(3, 'UTC'),
+                ended_at DateTime64(3, 'UTC'),
+                wall_s Float64,
+                productive_s Float64,
+                rollback_lost_s Float64,
+                stall_s Float64,
+                checkpoint_s Float64,
+                data_wait_s Float64,
+                restart_gap_s Float64,
+                startup_s Float64,
+                eval_s Float64,
+                other_s Float64,
+                goodput Nullable(Float64),
+                computed_at DateTime64(3, 'UTC') DEFAULT now64(3)
+            )
+            ENGINE = ReplacingMergeTree(computed_at)
+            ORDER BY run_id
+            """,
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from runwatch.detectors.baselines.compare import GOODPUT_METRIC
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary, Status
 from runwatch.producer.wire.schema import TelemetryEvent
 from runwatch.sinks.clickhouse import ClickHouseSink
@@ -63,8 +64,27 @@ def summarize_run(
         if anomaly.detector not in SUMMARY_DETECTORS:
             summarizer.add_anomaly(anomaly)
     summary = summarizer.summary(status_if_not_ended)
+    _add_goodput(sink, summary)
     sink.writer.write_summaries([summary])
     return summary
+
+
+def _add_goodput(sink: ClickHouseSink, summary: RunSummary) -> None:
+    """Compute and store the run's goodput (issue 39) and put it in its summary as ``goodput_pct`` (what
+    ``runwatch baseline check`` compares). A run whose telemetry is not stored (an ingest of a recording
+    past the table's retention) has none; a failure here is logged and never costs the summary."""
+    from runwatch.sinks.goodput import compute_goodput, write_goodput
+
+    try:
+        goodput = compute_goodput(sink, summary.run_id)
+        if goodput is None:
+            return
+        write_goodput(sink, goodput)
+    except Exception as exc:  # noqa: BLE001 - the summary stands without it
+        log.warning("runwatch sink: the goodput of run %s could not be computed (%r)", summary.run_id, exc)
+        return
+    if goodput.goodput is not None:
+        summary.metrics[GOODPUT_METRIC] = 100.0 * goodput.goodput
 
 
 class SummaryUpkeep:

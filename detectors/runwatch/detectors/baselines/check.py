@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel, Field, computed_field
 
 from runwatch.detectors.baselines.compare import (
+    GOODPUT_METRIC,
     BaselineConfig,
     MetricComparison,
     compare_run,
@@ -136,6 +137,8 @@ class BaselineReport(BaseModel):
 
 def _outside(value: float | None, comparison: MetricComparison, config: BaselineConfig) -> bool:
     """Whether a history run's ``value`` would itself be an OUTLIER against ``comparison``'s band."""
+    if comparison.metric == GOODPUT_METRIC:  # judged in points: below the band's low end
+        return value is None or comparison.low is None or not value >= comparison.low
     spec = metric_spec(comparison.metric)
     if spec is None or value is None or not is_valid(value, spec) or comparison.median is None:
         return True  # no evidence it was normal

@@ -9,6 +9,11 @@ minimum relative change, so run-to-run noise in a very steady history never alar
 missing, not finite or a sentinel (an MFU of -1) is ``INVALID``; fewer than ``min_runs`` valid
 history values is ``insufficient_history``. Each comparison reports the history's spread (robust
 sigma / median), so tolerances can come from the distributions rather than guesswork.
+
+Goodput (``goodput_pct``, issue 39: productive step time over wall time, in percent; the sink computes it)
+is judged in points rather than in sigmas: an ``OUTLIER`` when it is more than ``goodput_points`` below
+the history's median, whatever the history's spread (a run that lost a tenth of its time is worse however
+noisy the others were).
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ PREFIXED: dict[str, MetricSpec] = {
 }
 
 
+GOODPUT_METRIC = "goodput_pct"  # the summary's goodput, in percent (sinks/runwatch/sinks/goodput.py)
+
+
 def metric_spec(name: str) -> MetricSpec | None:
     """The spec of a summary metric, or None for a name runwatch does not judge."""
     spec = METRICS.get(name)
@@ -88,6 +96,13 @@ class BaselineConfig(Strict):
     min_change: dict[str, float] = Field(
         default_factory=dict,
         description="per-metric minimum relative change that can be an outlier (overrides the built-in ones)",
+    )
+    goodput_points: float = Field(
+        default=5.0,
+        gt=0,
+        le=100,
+        description="goodput (productive time over wall time, %) more than this many points below the "
+        "history's median is an OUTLIER",
     )
 
 
@@ -178,11 +193,47 @@ def compare_run(
     in the summary's order; metrics runwatch does not judge are left out."""
     out = []
     for metric, value in summary.items():
+        if metric == GOODPUT_METRIC:
+            out.append(compare_goodput(value, (h.get(metric) for h in history), config))
+            continue
         spec = metric_spec(metric)
         if spec is None:
             continue
         out.append(compare_metric(metric, value, (h.get(metric) for h in history), spec, config))
     return out
+
+
+def compare_goodput(
+    value: float | None, history: Iterable[float | None], config: BaselineConfig
+) -> MetricComparison:
+    """A run's goodput (%) against its history's: ``OUTLIER`` when more than ``config.goodput_points``
+    below the median. The band is [median - points, 100]."""
+    past = [v for v in history if v is not None and math.isfinite(v) and 0 <= v <= 100]
+    n = len(past)
+    metric = GOODPUT_METRIC
+    if value is None or not math.isfinite(value) or not 0 <= value <= 100:
+        reason = "missing" if value is None else f"{value:g} is not a percentage"
+        return MetricComparison(metric, value, "INVALID", n, reason=reason)
+    if n < config.min_runs:
+        return MetricComparison(
+            metric,
+            value,
+            "insufficient_history",
+            n,
+            reason=f"{n} valid run(s) in the history, {config.min_runs} needed",
+        )
+    median = statistics.median(past)
+    sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in past)
+    low = median - config.goodput_points
+    change = (value - median) / median if median > 0 else None
+    spread = sigma / median if median > 0 else None
+    if value < low:
+        reason = (
+            f"{median - value:.1f} points below the history's median {median:.1f}% "
+            f"(more than {config.goodput_points:g} counts)"
+        )
+        return MetricComparison(metric, value, "OUTLIER", n, median, low, 100.0, spread, change, reason)
+    return MetricComparison(metric, value, "normal", n, median, low, 100.0, spread, change)
 
 
 def outliers(comparisons: Iterable[MetricComparison]) -> list[MetricComparison]:

@@ -35,6 +35,7 @@ import glob
 import inspect
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -152,6 +153,23 @@ class HostLoadSampler:
         return out
 
 
+def _host_name() -> str | None:
+    try:
+        name = socket.gethostname()
+    except OSError:
+        return None
+    return name[:255] or None
+
+
+def _takes(rw: Any, name: str) -> bool:
+    """Whether ``rw.heartbeat`` takes the keyword ``name`` (every runwatch publisher's takes host)."""
+    heartbeat = getattr(rw, "heartbeat", None)
+    try:
+        return heartbeat is not None and name in inspect.signature(heartbeat).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _checked(phase: str) -> str:
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES)}")
@@ -212,6 +230,9 @@ class Heartbeat:
         self.host_load = HostLoadSampler() if host_load else None
         self.gpu_health = gpu_health
         self._takes: frozenset[str] | None = None  # the optional fields rw.heartbeat takes (first beat)
+        # The first heartbeat says the rank's host (issue 39: findings naming a rank are mapped to its
+        # machine); None once sent, or where the publisher's heartbeat takes no host.
+        self._host: str | None = _host_name() if _takes(rw, "host") else None
         # Stacks: the heartbeat thread's own notes (the training thread never touches them): the step it
         # last saw and when it first saw it, and whether this stall's stacks were sent.
         self.stacks_after_s = stacks_after_s or None
@@ -283,6 +304,8 @@ class Heartbeat:
             fields: dict[str, Any] = {"interval_s": self.interval_s}
             if in_sync is not None:  # (left out when not measured)
                 fields["in_sync"] = in_sync
+            if self._host is not None:
+                fields["host"], self._host = self._host, None
             if host_load is not None or gpu is not None:
                 takes = self._optional_fields()
                 if host_load is not None and "host_load" in takes:

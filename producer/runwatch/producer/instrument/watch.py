@@ -225,6 +225,9 @@ class Watcher:
         self._off_step_depth = 0
         self._off_step_s = 0.0  # off-step time since the last end_step
         self._off_spans: list[tuple[float, float]] = []  # the same stretches as (start, end), for compute_s
+        # The same time by phase (the outermost off-step phase of a stretch), published as off_step_s
+        self._off_phase: str = "idle"
+        self._off_by_phase: dict[str, float] = {}
         self._set_phase_name = "train"
         self._clock = clock or time.perf_counter
         # On the wall clock memory is sampled at most every MEMORY_INTERVAL_S (a fast loop's steps share
@@ -407,6 +410,7 @@ class Watcher:
         if step_time is not None:
             step_time -= self._take_off_step_time()
         off_spans, self._off_spans = self._off_spans, []
+        off_by_phase, self._off_by_phase = self._off_by_phase, {}
         lr, self._lr = self._lr, None
         if step_lr is not None:
             lr = _lr_list(step_lr)
@@ -420,6 +424,8 @@ class Watcher:
             self._lr_scale = self._lr_hold.scale  # (the next step's, unless its pre-hook reads it first)
         if self._data_wrapped:  # otherwise the source is missing: absent, not zero
             fields["data_wait_s"] = data_wait
+        if off_by_phase and step_time is not None:  # (the time step_time_s left out, for goodput)
+            fields["off_step_s"] = off_by_phase
         if step_time is not None and step_time > 0:
             self._add_rates(fields, step_time, samples, tokens)
         memory = self._memory.sample() if self._memory and self._memory_due() else None
@@ -556,7 +562,7 @@ class Watcher:
             self.heartbeat.push(name)
         off_step = name in OFF_STEP_PHASES
         if off_step:
-            self._begin_off_step()
+            self._begin_off_step(name)
         try:
             yield
         finally:
@@ -574,7 +580,7 @@ class Watcher:
             self.heartbeat.enter(name)
         was_off, now_off = self._set_phase_name in OFF_STEP_PHASES, name in OFF_STEP_PHASES
         if now_off and not was_off:
-            self._begin_off_step()
+            self._begin_off_step(name)
         elif was_off and not now_off:
             self._end_off_step()
         self._set_phase_name = name
@@ -625,26 +631,29 @@ class Watcher:
                     exc_info=True,
                 )
 
-    def _begin_off_step(self) -> None:
+    def _begin_off_step(self, phase: str) -> None:
         self._off_step_depth += 1
         if self._off_step_depth == 1:
             self._off_step_since = self._clock()
+            self._off_phase = phase
+
+    def _count_off(self, start: float, end: float) -> None:
+        self._off_step_s += end - start
+        self._off_spans.append((start, end))
+        self._off_by_phase[self._off_phase] = self._off_by_phase.get(self._off_phase, 0.0) + (end - start)
 
     def _end_off_step(self) -> None:
         self._off_step_depth = max(0, self._off_step_depth - 1)
         if self._off_step_depth == 0 and self._off_step_since is not None:
-            now = self._clock()
-            self._off_step_s += now - self._off_step_since
-            self._off_spans.append((self._off_step_since, now))
+            self._count_off(self._off_step_since, self._clock())
             self._off_step_since = None
 
     def _take_off_step_time(self) -> float:
-        taken, self._off_step_s = self._off_step_s, 0.0
         if self._off_step_since is not None:  # still inside one: count up to now, restart from now
             now = self._clock()
-            taken += now - self._off_step_since
-            self._off_spans.append((self._off_step_since, now))
+            self._count_off(self._off_step_since, now)
             self._off_step_since = now
+        taken, self._off_step_s = self._off_step_s, 0.0
         return taken
 
     # -- the single device-to-host copy ---------------------------------------------------

@@ -311,12 +311,14 @@ class RunWatch:
         interval_s: float | None = None,
         host_load: dict[str, Any] | None = None,
         gpu: dict[str, Any] | None = None,
+        host: str | None = None,
     ) -> bool:
         """``in_sync``: this rank has done its part of the current step and waits for its peers
         (True), is still working on it (False), or it is not measured (None: left out).
         ``interval_s``: the period of the heartbeats (the worker's silence timeout follows it).
         ``host_load``: how busy the host was (``HostLoad`` fields; the heartbeat thread samples it).
-        ``gpu``: the rank's GPU as NVML reports it (``GpuHealth`` fields; instrument/gpu_health.py)."""
+        ``gpu``: the rank's GPU as NVML reports it (``GpuHealth`` fields; instrument/gpu_health.py).
+        ``host``: the rank's host name (the heartbeat thread sends it on its first beat)."""
         return self._build_and_publish(
             HeartbeatEvent,
             step=step,
@@ -326,6 +328,7 @@ class RunWatch:
             interval_s=interval_s,
             host_load=host_load,
             gpu=gpu,
+            host=host,
         )
 
     def evidence(

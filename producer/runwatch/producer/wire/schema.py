@@ -262,6 +262,9 @@ class StepEvent(EventBase):
     param_digest: str | None = Field(default=None, pattern=r"^[0-9a-f]{8,64}$")
     # The joined step's replica digests, grouped (the worker's join sets it; a rank's own event has none)
     replicas: ReplicaDigests | None = None
+    # Seconds of each off-step phase (eval, checkpoint, idle) since the previous step, which step_time_s
+    # leaves out (issue 39: what goodput counts as checkpoint saves and evals). Absent: none, or not measured.
+    off_step_s: dict[Phase, WireFloat] | None = None
 
 
 class EvalEvent(EventBase):
@@ -375,6 +378,9 @@ class HeartbeatEvent(EventBase):
     # The rank's GPU as NVML reports it (the ``gpu`` extra): what a straggler, throughput or hung-rank finding
     # says of the rank's clocks and throttling; absent without NVML, on a CPU model, or from older producers.
     gpu: GpuHealth | None = None
+    # The rank's host name, on its first heartbeat (issue 39): what maps a finding naming a rank to the
+    # machine it ran on (only rank 0's run_start says its host otherwise). Absent on the others.
+    host: str | None = Field(default=None, min_length=1, max_length=255)
 
 
 class StackFrame(WireModel):
@@ -1059,6 +1065,10 @@ def _check_step(event: StepEvent, lim: WireLimits) -> str | None:
     )
     if problem:
         return problem
+    for phase, seconds in (event.off_step_s or {}).items():
+        problem = _out_of_range(f"off_step_s.{phase}", seconds, lim.max_duration_s)
+        if problem:
+            return problem
     if event.memory is not None:
         for name, value in event.memory.__dict__.items():
             if type(value) is int and not 0 <= value <= lim.max_memory_bytes:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from runwatch.detectors.baselines.compare import METRICS, PREFIXED, BaselineConfig, MetricSpec
 from runwatch.producer.wire.action_kinds import ACTION_KINDS, POLICY_KINDS
+from runwatch.sinks.goodput import CATEGORIES as GOODPUT_CATEGORIES
 
 PanelKind = Literal["timeseries", "table", "stat", "heatmap", "state_timeline", "bar_chart"]
 TIME_SERIES_KINDS = frozenset({"timeseries", "heatmap", "state_timeline"})
@@ -513,6 +514,24 @@ RUN_ACTIONS = PanelSpec(
     width=24,
 )
 
+# Goodput (issue 39, sinks/runwatch/sinks/goodput.py): the run's wall time by where it went, from the
+# goodput table the sink writes when it summarises the run.
+RUN_GOODPUT = PanelSpec(
+    "Goodput",
+    "table",
+    "SELECT category, seconds, 100 * seconds / wall_s AS share_pct FROM (\n"
+    f"  SELECT [{', '.join(repr(c) for c in GOODPUT_CATEGORIES)}] AS categories,\n"
+    f"         [{', '.join(f'{c}_s' for c in GOODPUT_CATEGORIES)}] AS values, wall_s\n"
+    f"  FROM {{db}}.goodput FINAL WHERE {RUN}\n"
+    ") ARRAY JOIN categories AS category, values AS seconds WHERE wall_s > 0",
+    ("category", "seconds", "share_pct"),
+    "Where the run's wall time went (docs/goodput.md): productive step time (goodput is its share), then "
+    "the time lost to steps a rollback undid, stalls and hangs, checkpoint saves, data waits, restart gaps, "
+    "startup, evals and the rest. Written when the sink summarises the run.",
+    width=24,
+    height=6,
+)
+
 RUN_DASHBOARD = DashboardSpec(
     "runwatch-run",
     "runwatch / Run",
@@ -539,6 +558,7 @@ RUN_DASHBOARD = DashboardSpec(
         ("Runtime", (RUN_STEP_TIME, RUN_THROUGHPUT, RUN_MFU, RUN_DATA_WAIT, RUN_MEMORY)),
         ("Evaluation", (RUN_EVAL,)),
         ("Findings and actions", (RUN_FINDINGS, RUN_ACTIONS)),
+        ("Goodput", (RUN_GOODPUT,)),
     ),
     (ANOMALY_MARKS, *ACTION_MARKS, ROLLBACK_MARKS),
 )

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from runwatch.detectors.baselines.compare import BaselineConfig
     from runwatch.detectors.baselines.summary import RunSummary
     from runwatch.sinks.clickhouse import ClickHouseSink
+    from runwatch.sinks.goodput import Goodput
+    from runwatch.sinks.hosts import LemonHost
 
 TOP_MODULES = 8  # module lines in the "top modules" panel
 HEATMAP_MODULES = 40
@@ -48,6 +50,10 @@ class ReportData:
     baseline_note: str = ""  # why there is no verdict or band, said plainly
     generated_at: datetime | None = None
     notes: list[str] = field(default_factory=list)
+    # Issue 39: where the run's wall time went, and the hosts of its job that keep failing
+    goodput: Goodput | None = None
+    job: str | None = None
+    lemon_hosts: list[LemonHost] = field(default_factory=list)
 
 
 def _json(text: str | None) -> dict[str, Any] | None:
@@ -121,6 +127,27 @@ def _baseline(
     return report, band, note
 
 
+def _goodput_and_hosts(
+    sink: ClickHouseSink, run_id: str, job: str | None, notes: list[str]
+) -> tuple[Goodput | None, list[LemonHost]]:
+    """The run's goodput (computed now from what is stored: a report only reads) and its job's lemon
+    hosts; what cannot be read is said in ``notes``, never fatal to the report."""
+    from runwatch.sinks.goodput import compute_goodput
+    from runwatch.sinks.hosts import lemon_hosts
+
+    goodput, hosts = None, []
+    try:
+        goodput = compute_goodput(sink, run_id)
+    except Exception as exc:  # noqa: BLE001 - the report stands without it
+        notes.append(f"the goodput could not be computed: {type(exc).__name__}")
+    if job:
+        try:
+            hosts = lemon_hosts(sink, job=job)
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"the job's failing hosts could not be read: {type(exc).__name__}")
+    return goodput, hosts
+
+
 def collect(
     sink: ClickHouseSink, run_id: str, config: BaselineConfig | None = None, now: datetime | None = None
 ) -> ReportData:
@@ -135,10 +162,14 @@ def collect(
     last_step = max((int(s["step"]) for s in steps if s["step"] is not None), default=0)
     bucket = max(1, -(-last_step // HEATMAP_COLUMNS))
     baseline, band, note = _baseline(sink, run_id, config)
+    run_start = _json(info["run_start"]) or {}
+    job = run_start.get("job_id") or None
+    notes: list[str] = []
+    goodput, hosts = _goodput_and_hosts(sink, run_id, job, notes)
     return ReportData(
         run_id=run_id,
         info=info,
-        run_start=_json(info["run_start"]) or {},
+        run_start=run_start,
         run_end=_json(info["run_end"]),
         steps=steps,
         rank_step_times=sink.report.rank_step_times(run_id) if info["ranks"] > 1 else [],
@@ -152,4 +183,8 @@ def collect(
         band=band,
         baseline_note=note,
         generated_at=as_utc(now) if now else None,
+        notes=notes,
+        goodput=goodput,
+        job=job,
+        lemon_hosts=hosts,
     )

@@ -111,6 +111,65 @@ def findings_table(data: ReportData) -> str:
     )
 
 
+def goodput_section(data: ReportData) -> str:
+    """Where the run's wall time went (docs/goodput.md): a stacked bar and a table of each category's
+    seconds and share; then the job's hosts that keep failing."""
+    from runwatch.sinks.goodput import CATEGORIES
+
+    g = data.goodput
+    if g is None or g.wall_s <= 0:
+        body = '<p class="note">No goodput: no steps or no time stored for this run.</p>'
+    else:
+        seconds = g.seconds()
+        colours = dict(zip(CATEGORIES, GOODPUT_COLOURS, strict=True))
+        bar = "".join(
+            f'<span class="gp-{_e(name)}" title="{_e(name)} {v:.1f}s" style="display:inline-block;'
+            f'height:14px;width:{100 * v / g.wall_s:.3f}%;background:{colours[name]}"></span>'
+            for name, v in seconds.items()
+            if v > 0
+        )
+        rows = [
+            [_e(name.replace("_", " ")), f"{v:.2f}", f"{100 * v / g.wall_s:.1f}%"]
+            for name, v in seconds.items()
+        ]
+        rows.append(["wall time", f"{g.wall_s:.2f}", "100%"])
+        body = (
+            f"<p>goodput <b>{100 * (g.goodput or 0):.1f}%</b>: productive step time over wall time "
+            f"({g.attempts} attempt(s), {g.steps} steps of rank 0, {g.steps_lost} undone by a rollback)</p>"
+            f'<div class="goodput-bar" style="width:100%;background:#eee">{bar}</div>'
+            + _table(["time", "seconds", "share"], rows, "goodput")
+        )
+    if data.job:
+        if data.lemon_hosts:
+            hosts = _table(
+                ["host", "runs", "findings", "crashes", "run ids"],
+                [
+                    [_e(h.host), _e(len(h.run_ids)), _e(h.findings), _e(h.crashes), _e(", ".join(h.run_ids))]
+                    for h in data.lemon_hosts
+                ],
+                "lemon-hosts",
+            )
+        else:
+            hosts = f'<p class="note">No host of job {_e(data.job)} keeps failing.</p>'
+        body += f"<h3>Hosts that keep failing (job {_e(data.job)})</h3>{hosts}"
+    body += "".join(f'<p class="note">{_e(n)}</p>' for n in data.notes)
+    return "<h2>Goodput</h2>" + body
+
+
+# productive, then the lost categories (goodput.CATEGORIES' order)
+GOODPUT_COLOURS = (
+    "#2ca02c",
+    "#d62728",
+    "#ff7f0e",
+    "#1f77b4",
+    "#9467bd",
+    "#8c564b",
+    "#7f7f7f",
+    "#17becf",
+    "#bcbd22",
+)
+
+
 def stacks_section(data: ReportData) -> str:
     """The Python stacks that hung-rank and stall findings carry (evidence ``stacks``): per finding, each
     rank's frame and its innermost frames, as escaped text in ``<pre>`` (never markup, never run); "" when no
@@ -306,6 +365,7 @@ def render(data: ReportData, panels: list[Panel]) -> str:
 <h2>Findings</h2>{findings_table(data)}
 {stacks_section(data)}
 <h2>Actions</h2>{actions_table(data)}
+{goodput_section(data)}
 <h2>Run</h2>{multi}<div class="grid">{_panel_divs(run_panels)}</div>
 <h2>Baselines</h2>{verdicts_table(data)}{band_note}<div class="grid">{_panel_divs(band_panels)}</div>
 <script id="plotly-js-gzip" type="application/octet-stream">{plotly_js_gzip_b64()}</script>
