@@ -243,7 +243,7 @@ def _restart(**params) -> bytes:
     return sign_action(action, WORKERS).to_json()
 
 
-def _slurm(tmp_path: Path, owner: str = "run-1"):
+def _slurm(tmp_path: Path, owner: str = "run-1", excluded=None):
     script = tmp_path / "verify.py"
     script.write_text(f"print({owner!r})\n")
     config = RemediationConfig.model_validate(
@@ -262,7 +262,11 @@ def _slurm(tmp_path: Path, owner: str = "run-1"):
     )
     calls: list[list[str]] = []
     rem = Remediator(
-        config, PUBLIC, runner=lambda argv, t: calls.append(argv) or ("ok", 0, ""), now=lambda: NOW
+        config,
+        PUBLIC,
+        runner=lambda argv, t: calls.append(argv) or ("ok", 0, ""),
+        now=lambda: NOW,
+        excluded=excluded,
     )
     return rem, calls
 
@@ -275,6 +279,35 @@ def test_a_restart_without_a_host_renders_slurm_argument_lists(tmp_path):
         ["scontrol", "update", "JobId=777", "ExcNodeList=node-7,node-9"],
         ["scontrol", "requeue", "777"],
     ]
+
+
+def test_a_restart_without_its_host_also_leaves_out_the_hosts_its_history_names(tmp_path):
+    # (the consumer's ``excluded`` is hosts.exclude_list: the action's hosts, then the job's lemon hosts)
+    seen = []
+
+    def history(action, meta):
+        seen.append(action.params["exclude_hosts"])
+        return [*action.params["exclude_hosts"], "node-4"]
+
+    rem, calls = _slurm(tmp_path, excluded=history)
+    rem.handle(_restart(mode="exclude_host", exclude_hosts=["node-7"]))
+    assert seen == [["node-7"]]
+    assert calls[0] == ["scontrol", "update", "JobId=777", "ExcNodeList=node-7,node-4"]
+
+
+def test_a_forged_host_from_the_history_refuses_the_list_and_unreadable_history_is_no_help(tmp_path):
+    rem, calls = _slurm(tmp_path, excluded=lambda a, m: ["node-7", "-rf;reboot"])
+    rem.handle(_restart(mode="exclude_host", exclude_hosts=["node-7"]))
+    # the exclusion is refused whole (as for a forged host in the action), nothing forged reaches an argv
+    assert not any(c[:2] == ["scontrol", "update"] for c in calls)
+    assert not any("reboot" in arg for c in calls for arg in c)
+
+    def broken(action, meta):
+        raise RuntimeError("the store is away")
+
+    rem, calls = _slurm(tmp_path, excluded=broken)
+    rem.handle(_restart(mode="exclude_host", exclude_hosts=["node-7"]))
+    assert calls[0] == ["scontrol", "update", "JobId=777", "ExcNodeList=node-7"]
 
 
 def test_a_restart_as_it_was_skips_the_exclusion(tmp_path):

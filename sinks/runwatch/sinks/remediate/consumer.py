@@ -16,7 +16,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from runwatch.producer.wire import topics
+from runwatch.producer.wire.schema import Action
 from runwatch.producer.wire.signing import ActionPublicKeys
+from runwatch.sinks.hosts import exclude_list
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.remediate.config import RemediationConfig
 from runwatch.sinks.remediate.notifications import post_webhook
@@ -62,7 +64,16 @@ class RemediateConsumer:
             runner=runner,
             poster=poster,
             verifier=verifier,
+            excluded=self._excluded,
         )
+
+    def _excluded(self, action: Action, meta: Mapping[str, Any]) -> list[str]:
+        """The restart's own hosts, then its job's hosts that keep failing (none when the job is unknown)."""
+        own = [h for h in action.params.get("exclude_hosts") or [] if isinstance(h, str)]
+        job = meta.get("job_id") or self._lookup_run(action.run_id).get("job_id")
+        if not isinstance(job, str) or not job:
+            return own
+        return exclude_list(self.store.sink, job, own)
 
     def _lookup_run(self, run_id: str) -> Mapping[str, Any]:
         if run_id not in self._meta:

@@ -65,7 +65,9 @@ class Remediator:
 
     ``record`` stores one execution (and must not return before it is stored);
     ``lookup_run`` gives a run's ``run_start`` fields; ``done`` is what is already recorded,
-    as (action_id, target_key) pairs; ``runner`` runs a command, ``verifier`` a verify command."""
+    as (action_id, target_key) pairs; ``runner`` runs a command, ``verifier`` a verify command;
+    ``excluded`` gives the hosts a restart without its host leaves out, from the action's and the run's
+    job's history (the hosts that keep failing: sinks/runwatch/sinks/hosts.py; by default the action's)."""
 
     def __init__(
         self,
@@ -79,8 +81,10 @@ class Remediator:
         poster: Callable[[str, dict[str, Any], float], tuple[str, int | None, str]] = post_webhook,
         verifier: Callable[[list[str], float], tuple[str, int | None, str, str]] = run_verify,
         now: Callable[[], datetime] = utc_now,
+        excluded: Callable[[Action, Mapping[str, Any]], list[str]] | None = None,
     ):
         self.config = config
+        self._excluded = excluded
         self._record = record
         self._lookup_run = lookup_run
         self._runner = runner
@@ -127,6 +131,7 @@ class Remediator:
             mapped = target is not None
             # The platform's mapping, when it has the run, replaces what the run says about itself.
             meta = {} if mapped else (self._lookup_run(action.run_id) or {})
+            action = self._with_history(action, meta)
             values = placeholder_values(action, meta, self.config.vars, target)
         done: list[Execution] = []
         for command in commands:
@@ -134,6 +139,18 @@ class Remediator:
         for hook in hooks:
             done.append(self._finish(action, self._post(action, hook, done)))
         return done
+
+    def _with_history(self, action: Action, meta: Mapping[str, Any]) -> Action:
+        """A restart without its host also leaves out the hosts its job's history names (the action's own
+        first); its hosts are checked like the action's (templates.excluded_hosts), whoever named them."""
+        if self._excluded is None or action.kind != "restart" or action.params.get("mode") != "exclude_host":
+            return action
+        try:
+            hosts = self._excluded(action, meta)
+        except Exception as exc:  # noqa: BLE001 - the history is a help: the restart goes on without it
+            log.warning("remediate: the hosts of %s's history could not be read: %s", action.run_id, exc)
+            return action
+        return action.model_copy(update={"params": {**action.params, "exclude_hosts": hosts}})
 
     def _run(
         self, action: Action, command: CommandTemplate, values: Mapping[str, str | None], mapped: bool
