@@ -164,10 +164,13 @@ def test_a_torch_loop_that_raises_inside_a_runwatch_with_block_ends_failed(tmp_p
                 loss.backward()
                 optimizer.step()
                 watch.end_step(loss)
-    assert rw.stats.spooled_at_close == 4  # run_start, two steps, run_end
+    assert rw.stats.spooled_at_close == 5  # run_start, two steps, the crash's facts, run_end
     with DiskSpool(spool_dir) as spool:
         events = [decode_event(r) for r in spool.peek(100)[1]]
-    assert [e.kind for e in events] == ["run_start", "step", "step", "run_end"]
+    assert [e.kind for e in events] == ["run_start", "step", "step", "crash", "run_end"]
+    crash = events[3]  # (issue 39: the loop's last words, for the worker to classify)
+    assert crash.exception_type == "ValueError" and crash.message == "bad batch at step 2"
+    assert crash.step == 1
     assert events[-1].status == "failed"
     assert events[-1].summary == {"error_type": "ValueError", "error": "bad batch at step 2"}
 

@@ -151,7 +151,7 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
                 or result.reports
             ):
                 reply.records.extend(outgoing(result, key))
-                reply.finding_times.extend(a.ts.timestamp() for a in result.anomalies)
+                reply.finding_times.extend(_latency_starts(result))
     # payload: (rebalancing: a checkpoint now, so the revoke is quick; partitions behind[; whether the
     # runs' last step times are wanted: the worker's metrics])
     elif kind == "tick":
@@ -160,7 +160,7 @@ def handle(processor: TelemetryProcessor, kind: str, payload: Any) -> Reply:
         )
         result = processor.tick(behind=frozenset(behind))
         reply.records = outgoing(result)
-        reply.finding_times = [a.ts.timestamp() for a in result.anomalies]
+        reply.finding_times = _latency_starts(result)
         if want_steps:
             reply.step_times = processor.step_times.export()
         let_go = sum(processor.counters.runs_let_go.values())
@@ -466,3 +466,13 @@ class DetectorProcess:
             loop.call_soon_threadsafe(fn)
         except RuntimeError:
             pass  # the loop closed meanwhile: nobody is waiting any more
+
+
+def _latency_starts(result: ProcessResult) -> list[float]:
+    """Where each finding's detection latency starts: the arrival of the record it came of, or for a
+    tick's, the moment the worker produced it (``detected_at``; its event time may be hours old)."""
+    out = []
+    for a in result.anomalies:
+        start = result.received_at or a.detected_at or a.ts
+        out.append(start.timestamp())
+    return out

@@ -113,6 +113,10 @@ class ProcessResult:
     joined: list[JoinedStep] = field(default_factory=list)  # multi-rank runs' joined steps
     errors: list[DeadLetter] = field(default_factory=list)  # detector_error records (a run's state was reset)
     reports: list[GroupReport] = field(default_factory=list)  # a split run's groups' (split_runs.py)
+    # When the record these findings came of reached the broker (its record time, as the worker judged it):
+    # where the metrics' detection latency starts (an event time may be hours old: a backlog, a replay, a
+    # simulated clock). None: a tick's.
+    received_at: datetime | None = None
 
 
 @dataclass
@@ -276,7 +280,9 @@ class TelemetryProcessor:
                 return ProcessResult()
         self.counters.processed += 1
         try:
-            return self._observe(event, received, partition, offset, ahead_s, run_id, body)
+            result = self._observe(event, received, partition, offset, ahead_s, run_id, body)
+            result.received_at = received
+            return result
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             return self._reset_run(run_id, exc, raw, key, partition, offset)
 
