@@ -115,17 +115,16 @@ def test_the_families_exported_are_the_ones_the_collector_yields():
     assert yielded == {name: kind for name, kind, *_ in FAMILIES}
 
 
-def test_the_endpoint_is_resolved_as_opentelemetry_documents():
+def test_only_the_option_turns_the_export_on():
     resolve = worker_cli.otlp_metrics_endpoint
     assert resolve(None, {}) is None  # (off by default)
     assert resolve("http://c:4318", {}) == "http://c:4318/v1/metrics"
     assert resolve("http://c:4318/", {}) == "http://c:4318/v1/metrics"
     assert resolve("http://c:4318/v1/metrics", {}) == "http://c:4318/v1/metrics"
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318"}
-    assert resolve(None, env) == "http://base:4318/v1/metrics"
-    env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"] = "http://m:9000/custom"  # (the signal's own: as is)
-    assert resolve(None, env) == "http://m:9000/custom"
-    assert resolve("http://opt:4318", env) == "http://opt:4318/v1/metrics"  # (the option wins)
+    # a cluster's OTEL_* variables, meant for its instrumented programs, do not turn a worker's export on
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "x"}
+    assert resolve(None, env) is None
+    assert resolve("http://opt:4318", env) == "http://opt:4318/v1/metrics"
 
 
 def test_the_option_without_the_extra_is_one_line_naming_it(monkeypatch):

@@ -50,9 +50,10 @@ if TYPE_CHECKING:
 @click.option(
     "--otlp-endpoint",
     metavar="URL",
+    envvar="RUNWATCH_OTLP_ENDPOINT",
     help="push the same metrics over OTLP/HTTP to this OpenTelemetry endpoint (e.g. http://collector:4318; "
-    "/v1/metrics is appended); unset: $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (as is), else "
-    "$OTEL_EXPORTER_OTLP_ENDPOINT; none of them: no export (the default). Needs the 'otlp' extra",
+    "/v1/metrics is appended); unset: no export (the default; an $OTEL_EXPORTER_OTLP_ENDPOINT meant for "
+    "other programs does not turn it on). Needs the 'otlp' extra",
 )
 @click.option(
     "--otlp-interval-s",
@@ -242,17 +243,13 @@ METRICS_PATH = "/v1/metrics"
 
 
 def otlp_metrics_endpoint(option: str | None, environ: Mapping[str, str]) -> str | None:
-    """The full URL metrics are pushed to, as OpenTelemetry's exporters resolve it: the option (a base
-    URL, like ``OTEL_EXPORTER_OTLP_ENDPOINT``), else ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` taken as is,
-    else ``OTEL_EXPORTER_OTLP_ENDPOINT`` with ``/v1/metrics`` appended; None: no export. A base that
-    already ends in ``/v1/metrics`` is kept as given."""
-    if option:
-        return _with_metrics_path(option)
-    if environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
-        return environ["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"]
-    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return _with_metrics_path(environ["OTEL_EXPORTER_OTLP_ENDPOINT"])
-    return None
+    """The full URL metrics are pushed to: the option's (a base URL, like ``OTEL_EXPORTER_OTLP_ENDPOINT``;
+    ``/v1/metrics`` appended unless it ends so); None: no export. Only the option (or
+    ``RUNWATCH_OTLP_ENDPOINT``) turns the export on: a cluster that sets ``OTEL_EXPORTER_OTLP_ENDPOINT`` for
+    its instrumented programs must not make a worker without the extra refuse to start. (``environ`` is
+    kept for the SDK's other ``OTEL_EXPORTER_OTLP_*`` settings, which it reads itself.)"""
+    del environ
+    return _with_metrics_path(option) if option else None
 
 
 def _with_metrics_path(base: str) -> str:
