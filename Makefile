@@ -27,7 +27,7 @@ $(STAMP): $(DEMO_STAMP)
 	# grafana-client's niquests needs urllib3-future; built from source with URLLIB3_NO_OVERRIDE=1 it sits beside
 	# urllib3 instead of overwriting it (its wheel replaces urllib3 environment-wide, under clickhouse-connect).
 	URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install --quiet --no-binary urllib3-future "urllib3-future>=2.12,<3" urllib3
-	$(PY) -m pip install --quiet -e ".[torch,embedded,dev,lightning,hf,grafana,server]"
+	$(PY) -m pip install --quiet -e ".[torch,embedded,dev,lightning,hf,grafana,server,otlp]"
 	touch $(STAMP)
 
 # Non-Python clients for tests/integration/test_non_python_client.py, which runs the examples of

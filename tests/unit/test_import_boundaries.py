@@ -24,7 +24,7 @@ TRAINING_SIDE = (
     "runwatch.producer.actions.listener",
     "torch",
 )
-WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb", "prometheus_client")
+WORKER_SIDE = ("faust", "river", "clickhouse_connect", "chdb", "prometheus_client", "opentelemetry")
 
 
 def loaded_after(statement: str) -> set[str]:
@@ -69,6 +69,14 @@ def test_the_remediator_takes_the_listeners_inbox_and_nothing_else_of_it():
 )
 def test_producer_never_loads_the_worker_or_the_sink(statement):
     assert offenders(loaded_after(statement), WORKER_SIDE) == []
+
+
+def test_the_worker_loads_opentelemetry_only_for_its_otlp_option():
+    # (the `otlp` extra is optional: a worker without --otlp-endpoint never imports it)
+    loaded = loaded_after(
+        "import runwatch.cli.worker, runwatch.streams.worker.app, runwatch.streams.worker.metrics_server"
+    )
+    assert offenders(loaded, ("opentelemetry",)) == []
 
 
 def test_detectors_never_load_kafka_or_torch():

@@ -39,6 +39,7 @@ MODULE_EXTRAS = {
     "chdb": "embedded",
     "torch": "torch",
     "pynvml": "gpu",
+    "opentelemetry": "otlp",
 }
 
 

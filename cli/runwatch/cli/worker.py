@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
+from runwatch.cli import extras
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra, require, require_engine
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
@@ -15,6 +18,7 @@ from runwatch.producer.wire import topics
 
 if TYPE_CHECKING:
     from runwatch.streams.worker.metrics_server import MetricsServer
+    from runwatch.streams.worker.otlp_export import OtlpExporter
 
 
 @click.command(cls=NeedsExtra, extras=["worker"])
@@ -42,6 +46,21 @@ if TYPE_CHECKING:
     show_default=True,
     help="Prometheus metrics port (GET /metrics on --web-host; docs/operations.md lists the metrics); "
     "0 turns it off",
+)
+@click.option(
+    "--otlp-endpoint",
+    metavar="URL",
+    envvar="RUNWATCH_OTLP_ENDPOINT",
+    help="push the same metrics over OTLP/HTTP to this OpenTelemetry endpoint (e.g. http://collector:4318; "
+    "/v1/metrics is appended); unset: no export (the default; an $OTEL_EXPORTER_OTLP_ENDPOINT meant for "
+    "other programs does not turn it on). Needs the 'otlp' extra",
+)
+@click.option(
+    "--otlp-interval-s",
+    type=click.FloatRange(min=0.1),
+    default=15.0,
+    show_default=True,
+    help="seconds between OTLP exports",
 )
 @click.option(
     "--detector-timeout",
@@ -112,6 +131,8 @@ def worker(
     web_port: int,
     web_host: str,
     metrics_port: int,
+    otlp_endpoint: str | None,
+    otlp_interval_s: float,
     detector_timeout: float,
     delivery_timeout: float,
     ready_file: Path | None,
@@ -144,6 +165,8 @@ def worker(
                 "(another worker there? give each its own --web-port, or 0 for none)"
             ) from None
     metrics = _metrics_server(web_host, metrics_port) if metrics_port else None
+    endpoint = otlp_metrics_endpoint(otlp_endpoint, os.environ)
+    otlp = _otlp_exporter(endpoint, otlp_interval_s) if endpoint else None
     config = cli_config(config_path)
     from runwatch.cli.startup import writable_dir
 
@@ -192,6 +215,7 @@ def worker(
         health_server=server,
         data_dir=data_dir,
         metrics_server=metrics,
+        otlp_exporter=otlp,
     )
     click.echo(f"runwatch worker: group {group} on {bootstrap}; Faust's files in {data_dir.resolve()}")
     sys.argv = [sys.argv[0]]  # Faust's Worker parses argv; ours are already consumed
@@ -212,6 +236,40 @@ def _metrics_server(host: str, port: int) -> MetricsServer:
             f"the metrics endpoint cannot listen on {host}:{port}: {exc.strerror} "
             "(another worker there? give each its own --metrics-port, or 0 for none)"
         ) from None
+
+
+OTLP_OPTION = "runwatch worker --otlp-endpoint"
+METRICS_PATH = "/v1/metrics"
+
+
+def otlp_metrics_endpoint(option: str | None, environ: Mapping[str, str]) -> str | None:
+    """The full URL metrics are pushed to: the option's (a base URL, like ``OTEL_EXPORTER_OTLP_ENDPOINT``;
+    ``/v1/metrics`` appended unless it ends so); None: no export. Only the option (or
+    ``RUNWATCH_OTLP_ENDPOINT``) turns the export on: a cluster that sets ``OTEL_EXPORTER_OTLP_ENDPOINT`` for
+    its instrumented programs must not make a worker without the extra refuse to start. (``environ`` is
+    kept for the SDK's other ``OTEL_EXPORTER_OTLP_*`` settings, which it reads itself.)"""
+    del environ
+    return _with_metrics_path(option) if option else None
+
+
+def _with_metrics_path(base: str) -> str:
+    base = base.rstrip("/")
+    return base if base.endswith(METRICS_PATH) else base + METRICS_PATH
+
+
+def _otlp_exporter(endpoint: str, interval_s: float) -> OtlpExporter:
+    # (the extra per the installed metadata first; then the import, for an install older than it)
+    line = extras.check(OTLP_OPTION, ["otlp"])
+    if line is not None:
+        raise CommandError(line)
+    try:
+        from runwatch.streams.worker.otlp_export import OtlpExporter
+    except ImportError as exc:
+        raise CommandError(
+            extras.for_missing_module(OTLP_OPTION, exc.name or "", ["otlp"])
+            or f"{OTLP_OPTION} cannot import {exc.name} ({exc}): pip install 'runwatch[otlp]'"
+        ) from None
+    return OtlpExporter(endpoint, interval_s)
 
 
 def _check_topics(bootstrap: str, state: bool) -> int:

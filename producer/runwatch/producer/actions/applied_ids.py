@@ -16,9 +16,12 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runwatch.producer.publish.kafka_delivery import default_spool_dir
+
+if TYPE_CHECKING:
+    from runwatch.producer.publish.publisher import ActionPublisher
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +29,11 @@ STATE_SUFFIX = ".actions"
 STATE_MAX_IDS = 10_000  # applied action ids kept in the state file (the newest)
 
 
-def default_state_path(rw: Any) -> Path:
+def default_state_path(rw: ActionPublisher) -> Path:
     """Where a listener keeps the ids of the actions it applied: beside the rank's spool directory
     (``rw.spool_path``, else :func:`~runwatch.producer.publish.kafka_delivery.default_spool_dir`), with
     ``.actions`` appended to its name."""
-    spool = getattr(rw, "spool_path", None)
+    spool = rw.spool_path
     base = Path(spool) if spool is not None else default_spool_dir(rw.run_id, rw.rank)
     return base.with_name(base.name + STATE_SUFFIX)
 

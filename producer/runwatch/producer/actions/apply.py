@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
@@ -38,6 +38,9 @@ from runwatch.producer.publish.lr import restore_base_lr, scale_lr_once
 from runwatch.producer.publish.lr_hold import LRHold
 from runwatch.producer.wire.action_kinds import Applies, applies
 from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
+
+if TYPE_CHECKING:
+    from runwatch.producer.publish.publisher import ActionPublisher
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class ActionApplier:
 
     def __init__(
         self,
-        rw: Any,
+        rw: ActionPublisher,
         arrivals: Arrivals,
         applied_ids: AppliedIds,
         ignored: Counter[str],
@@ -100,7 +103,7 @@ class ActionApplier:
 
     def _apply(self, action: Action, step: int | None, check_expiry: bool) -> AppliedAction | None:
         # (it may have waited in the queue; judged on the issuing worker's clock: Action.issuer_now)
-        if check_expiry and action.is_expired(action.issuer_now(utc_now(), getattr(self.rw, "rank", 0) or 0)):
+        if check_expiry and action.is_expired(action.issuer_now(utc_now(), self.rw.rank)):
             self._ignored["expired"] += 1
             return None
         handler = self._HANDLERS[applies(action.kind)]  # one per way of applying (wire/action_kinds.py)
@@ -123,8 +126,7 @@ class ActionApplier:
     def _stop(self, action: Action, step: int | None) -> AppliedAction:
         """Handed to the training loop, which decides what a stop means for it."""
         result = self._note(action, step)
-        if hasattr(self.rw, "note_stop"):
-            self.rw.note_stop(action)  # run_end then says "stopped", with this action's id and cause
+        self.rw.note_stop(action)  # run_end then says "stopped", with this action's id and cause
         return result
 
     def record(self, result: AppliedAction, step: int | None) -> AppliedAction:
@@ -175,7 +177,7 @@ class ActionApplier:
             try:
                 # The run's own LR before the fault: recorded with the checkpoint (or at the start),
                 # not the LR in the restored optimizer state, which may be the fault itself.
-                base = ref.lr if ref.lr is not None else getattr(self.rw, "initial_lr", None)
+                base = ref.lr if ref.lr is not None else self.rw.initial_lr
                 lr_scale = float(wanted)
                 lr_factor = restore_base_lr(self.optimizer, lr_scale, base)
                 restore_after = action.params.get("lr_restore_after_steps")

@@ -45,7 +45,7 @@ from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, de
 from runwatch.producer.wire.signing import ActionPublicKeys, MissingKeyError, resolve_public_keys
 
 if TYPE_CHECKING:
-    from runwatch.producer.publish.run_watch import RunWatch
+    from runwatch.producer.publish.publisher import ActionPublisher
 
 
 log = logging.getLogger(__name__)
@@ -66,17 +66,17 @@ def _signer(action: Action | None) -> str:
     return f"names key {parts[1]!r}" if len(parts) == 3 else "is not an ed25519:<key id>:<signature>"
 
 
-def _publishes_to_kafka(rw: Any) -> bool:
+def _publishes_to_kafka(rw: ActionPublisher) -> bool:
     """Whether ``rw`` sends to a Kafka broker (its actions come back from the same one)."""
     from runwatch.producer.publish.kafka_delivery import KafkaDelivery
 
-    return isinstance(getattr(rw, "delivery", None), KafkaDelivery)
+    return isinstance(rw.delivery, KafkaDelivery)
 
 
 class ActionListener:
     def __init__(
         self,
-        rw: RunWatch,
+        rw: ActionPublisher,
         model: Any = None,
         optimizer: Any = None,
         *,
@@ -138,7 +138,7 @@ class ActionListener:
             consume = _publishes_to_kafka(rw)
         if restore is None and model is not None:
             restore = torch_restore(model, optimizer)
-        if optimizer is not None and hasattr(rw, "track_lr"):
+        if optimizer is not None:
             rw.track_lr(optimizer)  # checkpoints record the LR a rollback scales
         if state_path is True:
             state_path = None
@@ -150,11 +150,11 @@ class ActionListener:
         self._inbox = ActionInbox(
             keys if keys is not None else _no_keys(),
             run_id=rw.run_id,
-            attempt=getattr(rw, "attempt", None),
+            attempt=rw.attempt,
             clock_skew=clock_skew,
             not_before=started_at,
             handled=self._handled_before,
-            rank=getattr(rw, "rank", 0) or 0,
+            rank=rw.rank,
         )
         self.ignored = self._inbox.ignored
         self._arrivals = Arrivals(self.applied_ids, self.ignored)
@@ -205,7 +205,7 @@ class ActionListener:
         before the model; ``heartbeat`` (``watch.heartbeat``) reports a pause as idle."""
         self._applier.restore = restore or torch_restore(model, optimizer)
         self._applier.optimizer = optimizer
-        if optimizer is not None and hasattr(self.rw, "track_lr"):
+        if optimizer is not None:
             self.rw.track_lr(optimizer)
         if heartbeat is not None:
             self._applier.heartbeat = self._sync.heartbeat = heartbeat

@@ -40,7 +40,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runwatch.producer.publish.publisher import HeartbeatPublisher
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +164,7 @@ def _host_name() -> str | None:
     return name[:255] or None
 
 
-def _takes(rw: Any, name: str) -> bool:
+def _takes(rw: HeartbeatPublisher, name: str) -> bool:
     """Whether ``rw.heartbeat`` takes the keyword ``name`` (every runwatch publisher's takes host)."""
     heartbeat = getattr(rw, "heartbeat", None)
     try:
@@ -193,7 +196,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        rw: Any,
+        rw: HeartbeatPublisher,
         interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         *,

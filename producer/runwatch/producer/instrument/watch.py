@@ -84,7 +84,7 @@ from runwatch.producer.wire.schema import CategoryLoss
 if TYPE_CHECKING:
     import torch
 
-    from runwatch.producer.publish.run_watch import RunWatch
+    from runwatch.producer.publish.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Watcher:
 
     def __init__(
         self,
-        rw: RunWatch,
+        rw: Publisher,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,

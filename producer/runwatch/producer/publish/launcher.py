@@ -6,7 +6,7 @@ SIGUSR2) to it, copies its stdout and stderr through while keeping a bounded tai
 a signal or with a non-zero exit code without having said so itself (no ``reported`` file, no closed run in
 its crash folder), publishes a ``crash`` event with source ``launcher``: the exit code or the signal, the
 faulthandler text of a fatal signal, the kernel's OOM kill where the cgroup counts one, and the output's
-tail. The event's ``ts`` is when the child died (``died_at`` too). It exits as the child did (128 + the
+tail. The event's ``ts`` is when the child died. It exits as the child did (128 + the
 signal for a signal). Nothing of the child's output is run or parsed beyond being text.
 """
 
@@ -223,7 +223,6 @@ class Launcher:
                 source="launcher",
                 host=self.host,
                 log_tail=text or None,
-                died_at=died_at.isoformat(),
                 **death_facts(returncode, self.relayed_term),
             )
         )

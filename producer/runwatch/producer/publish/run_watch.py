@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from runwatch.producer.publish.crash_capture import CrashCapture
 from runwatch.producer.publish.delivery import Delivery, PublisherStats
-from runwatch.producer.publish.events import RunEvents
+from runwatch.producer.publish.events import RunEvents, declared_fields, unknown_field_error
 from runwatch.producer.publish.kafka_delivery import (
     DEFAULT_BATCH_INTERVAL_S,
     DEFAULT_SPOOL_MAX_BYTES,
@@ -116,8 +116,9 @@ class RunWatch:
     environment says. Rank 0 publishes ``run_start`` with metadata collected on the spot
     (git sha and dirty flag, host, versions, GPUs, the ``config`` and its hash, ``seed``,
     ``dataset_version``, ``tags``, ``baseline_key``, ``job_id``); ``collect_metadata=False``
-    skips the collection, and ``run_start`` overrides any field. ``clock`` stamps every event's
-    ``ts`` (default: now, UTC).
+    skips the collection, and ``run_start`` overrides any field (``RunStartEvent``'s: another name raises
+    ``UnknownFieldError``, as in every method here; a field of your own goes in ``extra={...}``, there and in
+    :meth:`step`, :meth:`eval` and :meth:`ack`). ``clock`` stamps every event's ``ts`` (default: now, UTC).
 
     Events the broker does not take go to a disk spool under ``spool_dir`` (default
     :func:`default_spool_dir`; ``spool=False`` turns it off, and then they are dropped),
@@ -180,6 +181,11 @@ class RunWatch:
         group_size: int | None = None,
         capture_crashes: bool = True,
     ):
+        if run_start:  # (refused before anything is started: a typo here is the caller's to fix)
+            declared = declared_fields(RunStartEvent) | {"extra"}
+            unknown = [name for name in run_start if name not in declared]
+            if unknown:
+                raise unknown_field_error(RunStartEvent, unknown)
         if rank is None or world_size is None:
             detected_rank, detected_world = detect_rank_world()
             rank = detected_rank if rank is None else rank
@@ -284,23 +290,36 @@ class RunWatch:
             return False
         return self.delivery.deliver(event)
 
-    def step(self, step: int, **fields: Any) -> bool:
+    def step(self, step: int, *, extra: Mapping[str, Any] | None = None, **fields: Any) -> bool:
+        """Publish step ``step``: ``fields`` are ``StepEvent``'s (``loss=``, ``grad_norm=``...; another name
+        raises ``UnknownFieldError`` with the nearest ones), ``extra`` figures of your own, kept as they are.
+        A field of the wrong type is dropped with a warning, never raised (``stats.dropped``)."""
         self.last_step = step
-        return self._build_and_publish(StepEvent, step=step, **fields)
+        return self._build_and_publish(StepEvent, extra, step=step, **fields)
 
-    def publish_crash(self, **fields: Any) -> bool:
+    def publish_crash(self, *, extra: Mapping[str, Any] | None = None, **fields: Any) -> bool:
         """Publish a ``crash`` event (``CrashEvent`` fields), bounded (``bound_crash``); the crash capture
         calls it, and so may a framework that catches the error itself."""
         try:
-            event = bound_crash(self._events.build(CrashEvent, **fields))
+            event = bound_crash(self._events.build(CrashEvent, extra, **fields))
         except ValidationError as exc:
             self.delivery.refuse("invalid")
             log.warning("runwatch: dropped an invalid crash event: %s", exc)
             return False
         return self.publish(event)
 
-    def eval(self, step: int, split: str = "val", loss: float | None = None, **fields: Any) -> bool:
-        return self._build_and_publish(EvalEvent, step=step, split=split, loss=loss, **fields)
+    def eval(
+        self,
+        step: int,
+        split: str = "val",
+        loss: float | None = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """Publish an eval of step ``step``: ``fields`` are ``EvalEvent``'s (``metrics=``, ``per_category=``),
+        ``extra`` fields of your own."""
+        return self._build_and_publish(EvalEvent, extra, step=step, split=split, loss=loss, **fields)
 
     def heartbeat(
         self,
@@ -321,6 +340,7 @@ class RunWatch:
         ``host``: the rank's host name (the heartbeat thread sends it on its first beat)."""
         return self._build_and_publish(
             HeartbeatEvent,
+            None,
             step=step,
             phase=phase,
             time_in_phase_s=time_in_phase_s,
@@ -390,8 +410,8 @@ class RunWatch:
         if self.initial_lr is None:
             self.initial_lr = base_lrs(optimizer)
 
-    def ack(self, **fields: Any) -> bool:
-        return self._build_and_publish(ActionAckEvent, **fields)
+    def ack(self, *, extra: Mapping[str, Any] | None = None, **fields: Any) -> bool:
+        return self._build_and_publish(ActionAckEvent, extra, **fields)
 
     def watch(self, model: Any, optimizer: Any = None, **options: Any) -> Watcher:
         """Instrument ``model`` and ``optimizer``: see :class:`runwatch.producer.instrument.watch.Watcher`.
@@ -464,11 +484,14 @@ class RunWatch:
 
     # -- inside ------------------------------------------------------------------------
 
-    def _build_and_publish(self, model: type[EventBase], **fields: Any) -> bool:
-        # A bad argument is the caller's bug, but it must not crash hours of training:
-        # count it, warn once, carry on.
+    def _build_and_publish(
+        self, model: type[EventBase], extra: Mapping[str, Any] | None, **fields: Any
+    ) -> bool:
+        # A bad value is the caller's bug, but it must not crash hours of training: count it, warn once,
+        # carry on. A field name the model does not declare (UnknownFieldError, a TypeError) is raised: a
+        # typo that would otherwise be published as an extra field forever, fixed once at the first step.
         try:
-            event = self._events.build(model, **fields)
+            event = self._events.build(model, extra, **fields)
         except ValidationError as exc:
             self.delivery.refuse("invalid")
             if not self._warned_invalid:

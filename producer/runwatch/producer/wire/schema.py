@@ -446,7 +446,7 @@ CrashSource = Literal["exception", "thread_exception", "signal", "fatal_signal",
 # say what killed it), the rest their head; what is cut is marked and ``truncated`` set, never refused.
 CRASH_TEXT_CHARS = 16_384  # traceback, log_tail
 CRASH_MESSAGE_CHARS = 4096
-CRASH_NAME_CHARS = 256  # exception_type, host
+CRASH_NAME_CHARS = 256  # exception_type, host, thread
 
 
 class CrashEvent(EventBase):
@@ -467,6 +467,8 @@ class CrashEvent(EventBase):
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31)
     host: str | None = None
     log_tail: str | None = None
+    # The thread whose exception it was (``thread_exception``: ``threading.excepthook``'s thread name)
+    thread: str | None = None
     truncated: bool = False
 
 
@@ -495,8 +497,10 @@ def bound_crash(event: CrashEvent) -> CrashEvent:
         value = getattr(event, name)
         if value is not None and len(value) > limit:
             update[name] = clip_keep_head(value, limit)
-    if event.host is not None and len(event.host) > CRASH_NAME_CHARS:
-        update["host"] = clip_keep_head(event.host, CRASH_NAME_CHARS)
+    for name in ("host", "thread"):
+        value = getattr(event, name)
+        if value is not None and len(value) > CRASH_NAME_CHARS:
+            update[name] = clip_keep_head(value, CRASH_NAME_CHARS)
     if not update:
         return event
     known = {name: getattr(event, name) for name in CrashEvent.model_fields}

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from faust.types import TP, RecordMetadata, StreamT
 
     from runwatch.streams.worker.metrics_server import MetricsServer
+    from runwatch.streams.worker.otlp_export import OtlpExporter
 
     # What the pipeline's two queues hold, per request: its events (None: the timer's), its reply to
     # come (then its records' deliveries, whether it is a checkpoint and its findings' event times), the
@@ -143,6 +144,7 @@ def create_app(
     data_dir: Path | None = None,
     state_secret: bytes | None = None,
     metrics_server: MetricsServer | None = None,
+    otlp_exporter: OtlpExporter | None = None,
 ) -> tuple[faust.App, DetectorProcess]:
     """The worker: a Faust agent that batches telemetry to the detector process and publishes what
     comes back. Events are acknowledged (their offsets committed) only once their results are
@@ -157,7 +159,8 @@ def create_app(
     state key (None: ``$RUNWATCH_STATE_SECRET``; none there raises ``MissingStateSecretError``: the action
     secret is never used for it, streams/runwatch/streams/state/snapshot.py). ``partitions``: the telemetry
     topic's partition count, against which each record's partition is checked. ``metrics_server``: the
-    Prometheus endpoint (metrics_server.py) this worker's figures are served on (None: no metrics)."""
+    Prometheus endpoint (metrics_server.py) this worker's figures are served on (None: no metrics);
+    ``otlp_exporter``: the same figures pushed over OTLP (otlp_export.py; None: none)."""
     worker = DetectWorker(
         bootstrap,
         config,
@@ -175,6 +178,7 @@ def create_app(
         data_dir=data_dir,
         state_secret=state_secret,
         metrics_server=metrics_server,
+        otlp_exporter=otlp_exporter,
     )
     return worker.app, worker.detectors
 
@@ -203,6 +207,7 @@ class DetectWorker:
         data_dir: Path | None,
         state_secret: bytes | None,
         metrics_server: MetricsServer | None = None,
+        otlp_exporter: OtlpExporter | None = None,
     ):
         state = state or StateOptions()
         if state.enabled:  # (before anything starts: a missing or reused key is one error, at once)
@@ -262,6 +267,10 @@ class DetectWorker:
         self.steps_asked_at = float("-inf")
         if metrics_server is not None:
             metrics_server.collector.health = self.health
+        self.otlp_exporter = otlp_exporter
+        if otlp_exporter is not None:
+            otlp_exporter.watch(self.health)
+        self.metrics_on = metrics_server is not None or otlp_exporter is not None
         self._register()
 
     def _register(self) -> None:
@@ -279,7 +288,7 @@ class DetectWorker:
             self.report_shed
         )  # (what was shed since the last report is said before stopping)
         app.timer(30.0, name=f"{__name__}.report_counters")(self.report_counters)
-        if self.health_server is not None or self.metrics_server is not None:
+        if self.health_server is not None or self.metrics_on:
             app.on_before_shutdown.connect(self.stop_health)  # type: ignore[arg-type]
         app.on_before_shutdown.connect(self.stop_detectors)  # type: ignore[arg-type]
 
@@ -565,7 +574,7 @@ class DetectWorker:
         if self.inflight is not None:
             # the runs' last step times, for the metrics: at most once a second
             now = time.monotonic()
-            want_steps = self.metrics_server is not None and now - self.steps_asked_at >= STEP_TIMES_EVERY_S
+            want_steps = self.metrics_on and now - self.steps_asked_at >= STEP_TIMES_EVERY_S
             if want_steps:
                 self.steps_asked_at = now
             await self.submit("tick", (bool(self.app.rebalancing), self.behind(), want_steps), None)
@@ -614,6 +623,8 @@ class DetectWorker:
             self.health_server.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.otlp_exporter is not None:
+            self.otlp_exporter.close()  # (a last export: this worker's final counts)
 
     async def stop_detectors(self, sender: Any, **kwargs: Any) -> None:
         self.detectors.close()

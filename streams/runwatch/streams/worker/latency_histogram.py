@@ -2,13 +2,14 @@
 (its step's, or the tick's) to the broker's acknowledgement of the finding's record, as
 tests/benchmarks/bench_latency.py measures the path end to end. Observed by the event loop once per
 finding; read by the metrics endpoint's thread at scrape time (metrics_server.py) without a lock: a scrape
-may see one observation's count before its sum, never a torn number (the GIL).
+may see one observation's count before its sum, never a torn number (the GIL). ``listeners`` are handed
+each observation too (the OTLP exporter's SDK histogram, otlp_export.py).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # Seconds: the pipeline's own latency is tens of milliseconds; findings judged late (a backlog read after
 # a restart, a slow broker) reach minutes.
@@ -20,11 +21,14 @@ class LatencyHistogram:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # per bucket (not cumulative); the last: over every bound
         self.sum = 0.0
+        self.listeners: list[Callable[[float], None]] = []  # (added before the worker runs)
 
     def observe(self, seconds: float) -> None:
         seconds = max(0.0, seconds)  # (an event time a little ahead of the worker's clock)
         self.counts[bisect.bisect_left(self.bounds, seconds)] += 1  # (the first bound >= seconds: ``le``)
         self.sum += seconds
+        for listener in self.listeners:
+            listener(seconds)
 
     def observe_since(self, event_times: Iterable[float], now: float) -> None:
         for ts in event_times:
