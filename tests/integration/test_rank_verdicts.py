@@ -91,12 +91,14 @@ def test_a_20x_loss_on_one_rank_is_named_and_every_rank_applies_the_same_rollbac
     assert "rank 3" in first.message
     actions = run.actions(lambda got: any(a.kind == "rollback" for a in got))
     rollbacks = [a for a in actions if a.kind == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0].anomaly_ids == [first.anomaly_id], [a.reason for a in actions]
+    # (the skip window ends at the finding's step: batches of the fault after it may be met again after the
+    # rollback, and rolled back again)
+    assert rollbacks and rollbacks[0].anomaly_ids == [first.anomaly_id], [a.reason for a in actions]
     assert "rank 3" in rollbacks[0].reason
     applied = [[a for a in run.result(r)["applied"] if a["kind"] == "rollback"] for r in range(WORLD)]
-    assert all(len(a) == 1 and a[0]["outcome"] == "applied" for a in applied), applied
-    # the same rollback at the same step to the same checkpoint on every rank
-    assert len({(a[0]["at"], a[0]["to_step"]) for a in applied}) == 1, applied
+    assert all(a and a[0]["outcome"] == "applied" for a in applied), applied
+    # the same rollbacks at the same steps to the same checkpoints on every rank
+    assert len({tuple((x["at"], x["to_step"]) for x in a) for a in applied}) == 1, applied
     assert applied[0][0]["to_step"] < SPIKE_BATCH
 
 

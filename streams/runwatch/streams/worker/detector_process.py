@@ -473,6 +473,14 @@ def _latency_starts(result: ProcessResult) -> list[float]:
     tick's, the moment the worker produced it (``detected_at``; its event time may be hours old)."""
     out = []
     for a in result.anomalies:
-        start = result.received_at or a.detected_at or a.ts
+        made = a.detected_at or a.ts
+        start = result.received_at
+        # a record time more than PLAUSIBLE_LATENCY before the finding is a producer's own clock (a
+        # simulated run stamps its records with it) or a backlog: then the worker's part, from the finding
+        if start is None or (made - start).total_seconds() > PLAUSIBLE_LATENCY_S:
+            start = made
         out.append(start.timestamp())
     return out
+
+
+PLAUSIBLE_LATENCY_S = 300.0  # the histogram's largest bucket
