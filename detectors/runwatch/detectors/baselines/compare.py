@@ -143,13 +143,7 @@ def compare_metric(
     if value is None or not is_valid(value, spec):
         return MetricComparison(metric, value, "INVALID", n, reason=_invalid_reason(value, spec))
     if n < config.min_runs:
-        return MetricComparison(
-            metric,
-            value,
-            "insufficient_history",
-            n,
-            reason=f"{n} valid run(s) in the history, {config.min_runs} needed",
-        )
+        return _insufficient(metric, value, n, config)
     median = statistics.median(past)
     sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in past)
     half = config.band_sigmas * sigma
@@ -215,13 +209,7 @@ def compare_goodput(
         reason = "missing" if value is None else f"{value:g} is not a percentage"
         return MetricComparison(metric, value, "INVALID", n, reason=reason)
     if n < config.min_runs:
-        return MetricComparison(
-            metric,
-            value,
-            "insufficient_history",
-            n,
-            reason=f"{n} valid run(s) in the history, {config.min_runs} needed",
-        )
+        return _insufficient(metric, value, n, config)
     median = statistics.median(past)
     sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in past)
     low = median - config.goodput_points
@@ -238,3 +226,14 @@ def compare_goodput(
 
 def outliers(comparisons: Iterable[MetricComparison]) -> list[MetricComparison]:
     return [c for c in comparisons if c.verdict == "OUTLIER"]
+
+
+def _insufficient(metric: str, value: float | None, n: int, config: BaselineConfig) -> MetricComparison:
+    """The verdict on a metric whose history holds fewer than ``config.min_runs`` valid runs."""
+    return MetricComparison(
+        metric,
+        value,
+        "insufficient_history",
+        n,
+        reason=f"{n} valid run(s) in the history, {config.min_runs} needed",
+    )
