@@ -59,11 +59,12 @@ def series(samples: dict[str, list[tuple[dict[str, str], float]]], run_id: str) 
 
 
 @pytest.fixture
-def metrics_worker(broker, action_keys, tmp_path) -> Iterator[tuple[WorkerProcess, int]]:
+def metrics_worker(own_broker, action_keys, tmp_path) -> Iterator[tuple[WorkerProcess, int]]:
     port = free_port()
-    # (a group of its own: it sees every run, whatever other workers of the session hold)
+    # (a broker of its own: the latency histogram then holds only this test's findings, not the backlog of
+    # earlier tests that a late-joining worker reads, whose latency is real but minutes long)
     w = WorkerProcess(
-        broker.bootstrap,
+        own_broker.bootstrap,
         action_keys.signing,
         tmp_path / "worker.log",
         group=f"metrics-{uuid.uuid4().hex[:6]}",
@@ -76,14 +77,14 @@ def metrics_worker(broker, action_keys, tmp_path) -> Iterator[tuple[WorkerProces
         w.stop()
 
 
-def test_the_stall_rule_fires_on_the_stalled_rank_only(broker, metrics_worker):
+def test_the_stall_rule_fires_on_the_stalled_rank_only(own_broker, metrics_worker):
     worker, port = metrics_worker
     tag = uuid.uuid4().hex[:6]
     stalled_run, healthy_run, ended_run = f"stalled-{tag}", f"healthy-{tag}", f"ended-{tag}"
     # The stalled run: two ranks; rank 1's steps stopped 90 s ago, rank 0 steps on, both send heartbeats.
-    ranks = [RunWatch(stalled_run, broker.bootstrap, rank=r, world_size=2, spool=False) for r in (0, 1)]
-    healthy = RunWatch(healthy_run, broker.bootstrap, spool=False)
-    ended = RunWatch(ended_run, broker.bootstrap, spool=False)
+    ranks = [RunWatch(stalled_run, own_broker.bootstrap, rank=r, world_size=2, spool=False) for r in (0, 1)]
+    healthy = RunWatch(healthy_run, own_broker.bootstrap, spool=False)
+    ended = RunWatch(ended_run, own_broker.bootstrap, spool=False)
     try:
         long_ago = datetime.now(UTC) - timedelta(seconds=90)
         for step in range(5):

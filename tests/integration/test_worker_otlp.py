@@ -29,16 +29,18 @@ def receiver() -> Iterator[OtlpReceiver]:
         r.close()
 
 
-def test_a_worker_pushes_its_metrics_over_otlp(broker, action_keys, tmp_path, receiver):
+def test_a_worker_pushes_its_metrics_over_otlp(own_broker, action_keys, tmp_path, receiver):
+    # (a broker of its own: the latency histogram then holds only this test's finding, not the minutes-old
+    # backlog of earlier tests that a late-joining worker reads)
     w = WorkerProcess(
-        broker.bootstrap,
+        own_broker.bootstrap,
         action_keys.signing,
         tmp_path / "worker.log",
-        group=f"otlp-{uuid.uuid4().hex[:6]}",  # (its own group: it holds every run)
+        group=f"otlp-{uuid.uuid4().hex[:6]}",
         extra_args=("--otlp-endpoint", receiver.url, "--otlp-interval-s", "0.5"),
     )
     run_id = f"otlp-{uuid.uuid4().hex[:6]}"
-    rw = RunWatch(run_id, broker.bootstrap, spool=False)
+    rw = RunWatch(run_id, own_broker.bootstrap, spool=False)
     try:
         w.wait_ready(90)
         for step in range(12):  # (a NaN: a finding, whose detection latency the histogram records)
