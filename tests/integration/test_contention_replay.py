@@ -1,6 +1,6 @@
 """Contention named, not blamed (issue 27), on a real recording: a short CPU-bound torch training run recorded
 to JSONL through ``runwatch.producer`` while two CPU-hog processes share the machine from start to end, its
-heartbeats carrying the host's load. Replayed offline it raises no throughput regression: at most a
+heartbeats carrying the host's load (the hogs pinned to the trainer's CPU). Replayed offline it raises no throughput regression: at most a
 contention finding (``info``) that carries its evidence. The same recording with a real slowdown of the
 run's own added from mid-way (every later step's time doubled, the events after it moved accordingly, the
 heartbeats' host figures as they were) is found as a ``throughput_drift`` warning, the run's own.
@@ -10,6 +10,7 @@ The machine is shared (2 cores, other tests and workers): the hogs saturate it, 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -46,11 +47,19 @@ MIN_AFTER = 100  # steps the slowdown lasts, at least
 def recording(tmp_path_factory) -> Path:
     """The healthy run, recorded while HOGS busy processes run beside it (killed by pid at the end)."""
     path = tmp_path_factory.mktemp("contention-replay") / "run.jsonl"
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
+    # The trainer and the hogs share one CPU: contention by time-slicing, which the heartbeats measure (the
+    # run-queue wait). Left to the scheduler, a hog on the trainer's SMT sibling makes each step's own CPU
+    # work dearer, which no /proc figure shows (a CI run once saw +43% for 65 steps: "the run's own").
+    cpu = min(os.sched_getaffinity(0))
+    pin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", pin + "while True: pass"]) for _ in range(HOGS)]
+    allowed = os.sched_getaffinity(0)
     try:
+        os.sched_setaffinity(0, {cpu})  # (this thread; the recorder's threads inherit it)
         time.sleep(1.0)  # the hogs are running before the first step
         record(path)
     finally:
+        os.sched_setaffinity(0, allowed)
         for hog in hogs:
             hog.kill()
         for hog in hogs:
