@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from runwatch.producer.wire.schema import Action
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
-from runwatch.producer.wire.topics import PUBLIC_KEYS_ENV, SIGNING_KEY_ENV
+from runwatch.contract.schema import Action
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey
+from runwatch.contract.topics import PUBLIC_KEYS_ENV, SIGNING_KEY_ENV
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 import yaml
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from runwatch.contract import topics
+from runwatch.contract.schema import CheckpointEvent, RunStartEvent, StepEvent, decode_action
+from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import CheckpointEvent, RunStartEvent, StepEvent, decode_action
-from runwatch.producer.wire.signing import ActionSigningKey
 
 _STEP_MARK = 987_654_321  # replaced by each flood event's step in its JSON
 

@@ -46,8 +46,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from runwatch.producer.wire.signing import ActionSigningKey
-from runwatch.producer.wire.topics import PUBLIC_KEYS_ENV, SIGNING_KEY_ENV, key_partition
+from runwatch.contract.signing import ActionSigningKey
+from runwatch.contract.topics import PUBLIC_KEYS_ENV, SIGNING_KEY_ENV, key_partition
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
+from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
 
 if TYPE_CHECKING:
     from tests.integration.service_process import Sandbox

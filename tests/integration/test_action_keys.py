@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 import runwatch
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey
 from runwatch.producer import ActionListener, MemoryDelivery, RunWatch
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.remediate.config import load_remediation_config
 from runwatch.sinks.remediate.consumer import RemediateConsumer

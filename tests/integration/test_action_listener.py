@@ -11,11 +11,11 @@ import pytest
 import torch
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, CheckpointRef, decode_event, utc_now
+from runwatch.contract.signing import ActionSigningKey, sign_action
 from runwatch.producer import ActionListener, RunWatch, save_checkpoint
 from runwatch.producer.publish.lr_hold import held_scale
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, CheckpointRef, decode_event, utc_now
-from runwatch.producer.wire.signing import ActionSigningKey, sign_action
 from tests.action_keys import ActionKeys
 
 from .conftest import eventually, read_topic

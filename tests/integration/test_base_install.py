@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract import topics
 from runwatch.producer import decode_event
-from runwatch.producer.wire import topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 import yaml
 
+from runwatch.contract import topics
 from runwatch.producer import RunWatch
 from runwatch.producer.publish.recorder import JsonlRecorder
-from runwatch.producer.wire import topics
 from runwatch.scenarios.threads import one_torch_thread
 from tests.action_keys import ActionKeys
 

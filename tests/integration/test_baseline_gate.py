@@ -270,8 +270,8 @@ def test_the_sink_consumer_summarises_a_run_when_its_run_end_is_stored(broker, c
 
     from kafka import KafkaProducer
 
+    from runwatch.contract import topics
     from runwatch.detectors.offline.replay import read_events
-    from runwatch.producer.wire import topics
     from runwatch.sinks import SinkConsumer
 
     from .conftest import eventually

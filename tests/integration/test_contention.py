@@ -20,10 +20,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Anomaly, decode_anomaly
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer import RunWatch
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Anomaly, decode_anomaly
 from runwatch.scenarios.threads import one_torch_thread
 
 from .conftest import cpu_bound_mlp, read_topic, worker_with_config

@@ -1,6 +1,6 @@
 """Contention named, not blamed (issue 27), on a real recording: a short CPU-bound torch training run recorded
-to JSONL through ``runwatch.producer`` while two CPU-hog processes share the machine from start to end, its
-heartbeats carrying the host's load (the hogs pinned to the trainer's CPU). Replayed offline it raises no throughput regression: at most a
+to JSONL through ``runwatch.producer`` while two CPU-hog processes share its CPU from start to end (pinned to
+it), its heartbeats carrying the host's load. Replayed offline it raises no throughput regression: at most a
 contention finding (``info``) that carries its evidence. The same recording with a real slowdown of the
 run's own added from mid-way (every later step's time doubled, the events after it moved accordingly, the
 heartbeats' host figures as they were) is found as a ``throughput_drift`` warning, the run's own.
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runwatch.contract.schema import Anomaly, HeartbeatEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.offline.replay import read_events, replay
 from runwatch.producer import JsonlRecorder
-from runwatch.producer.wire.schema import Anomaly, HeartbeatEvent, StepEvent, TelemetryEvent
 from runwatch.scenarios.threads import one_torch_thread
 
 from .conftest import cpu_bound_mlp

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly
 from runwatch.local.broker import free_port
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly
 
 from .conftest import read_topic
 

@@ -9,9 +9,9 @@ import orjson
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import DeadLetter, decode_anomaly
 from runwatch.producer import StepEvent
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import DeadLetter, decode_anomaly
 
 from .conftest import read_topic
 

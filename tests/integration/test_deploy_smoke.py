@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.producer.wire import topics
 from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 from tests.action_keys import ActionKeys
 from tests.integration.deploy_manifests import (

@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import decode_anomaly
 from runwatch.producer import RunWatch
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import decode_anomaly
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION
 

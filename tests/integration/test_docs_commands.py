@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract import topics
 from runwatch.local.broker import free_port
-from runwatch.producer.wire import topics
 from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 from tests.action_keys import ActionKeys
 from tests.integration.service_process import Sandbox, ServiceProcess, port_free

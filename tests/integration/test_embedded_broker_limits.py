@@ -13,8 +13,8 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
+from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.producer.wire import topics
 
 pytestmark = pytest.mark.integration
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from runwatch.contract.schema import EvalEvent, HeartbeatEvent, StepEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine import monitor
@@ -14,7 +15,6 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.offline.evaluate import Corpus, corpus_bands, evaluate_corpus
 from runwatch.detectors.offline.replay import replay
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
-from runwatch.producer.wire.schema import EvalEvent, HeartbeatEvent, StepEvent
 from runwatch.scenarios.corpus import generate
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from kafka import KafkaProducer
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import (
+from runwatch.contract import topics
+from runwatch.contract.schema import (
     CheckpointEvent,
     RunStartEvent,
     StepEvent,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import CLOCK_AHEAD_PARAM, decode_action, decode_anomaly
+from runwatch.contract import topics
+from runwatch.contract.schema import CLOCK_AHEAD_PARAM, decode_action, decode_anomaly
 
 from .conftest import read_topic
 

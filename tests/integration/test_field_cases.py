@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, StepEvent, decode_action
+from runwatch.contract.signing import sign_action
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, StepEvent, decode_action
-from runwatch.producer.wire.signing import sign_action
 
 from .conftest import eventually, read_topic
 from .test_poison_cases import (
@@ -103,7 +103,7 @@ def test_case7_records_without_a_key_or_on_the_wrong_partition_are_deadlettered(
 
 
 def _deadletters_without_key(bootstrap: str) -> list:
-    from runwatch.producer.wire.schema import DeadLetter
+    from runwatch.contract.schema import DeadLetter
 
     records = read_topic(bootstrap, topics.DEADLETTER, lambda rs: any(r.key is None for r in rs))
     return [DeadLetter.model_validate_json(r.value) for r in records if r.key is None]

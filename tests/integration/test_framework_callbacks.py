@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from runwatch.contract import topics
 from runwatch.producer import RunWatch, decode_event
-from runwatch.producer.wire import topics
 from tests.integration.conftest import read_topic
 
 torch = pytest.importorskip("torch")

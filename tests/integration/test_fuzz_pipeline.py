@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import DeadLetter, decode_action, decode_anomaly
 from runwatch.detectors.offline.replay import read_events, replay
 from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import DeadLetter, decode_action, decode_anomaly
 from runwatch.scenarios.corpus import generate
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 

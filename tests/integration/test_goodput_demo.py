@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.goodput import LOST, compute_goodput, stored_goodput
 

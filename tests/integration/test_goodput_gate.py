@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from runwatch.cli.main import main
-from runwatch.producer.wire.schema import RunEndEvent, RunStartEvent, StepEvent
+from runwatch.contract.schema import RunEndEvent, RunStartEvent, StepEvent
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.summaries import summarize_stored_run
 

@@ -23,13 +23,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.action_kinds import ACTION_KINDS
 from runwatch.detectors.baselines.check import check_run
 from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.baselines.summary import RunSummarizer
 from runwatch.detectors.offline.replay import read_events
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.action_kinds import ACTION_KINDS
 from runwatch.scenarios.history import generate as generate_history
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.grafana.dashboards import DATABASE

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import StackEvidenceEvent, decode_event
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import StackEvidenceEvent, decode_event
 
 from .conftest import read_topic, worker_with_config
 from .test_multi_rank import SCRIPT, Run

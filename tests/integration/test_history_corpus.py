@@ -14,10 +14,10 @@ import yaml
 from click.testing import CliRunner
 
 from runwatch.cli.main import main as cli
+from runwatch.contract.schema import RunStartEvent, StepEvent
 from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.offline.history_eval import HistoryCorpus, evaluate_history, propose_tolerances
 from runwatch.detectors.offline.replay import read_events
-from runwatch.producer.wire.schema import RunStartEvent, StepEvent
 
 pytestmark = pytest.mark.integration
 

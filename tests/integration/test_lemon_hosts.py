@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from runwatch.cli.main import main as cli
+from runwatch.contract.schema import Anomaly, HeartbeatEvent, RunStartEvent, StepEvent
 from runwatch.producer.instrument.heartbeat import Heartbeat
-from runwatch.producer.wire.schema import Anomaly, HeartbeatEvent, RunStartEvent, StepEvent
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.hosts import LemonHost, exclude_list, lemon_hosts
 

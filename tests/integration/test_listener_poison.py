@@ -18,11 +18,11 @@ import pytest
 import torch
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, decode_event, utc_now
+from runwatch.contract.signing import ActionSigningKey, sign_action
 from runwatch.producer import ActionListener, RunWatch
 from runwatch.producer.actions.applied_ids import default_state_path
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, decode_event, utc_now
-from runwatch.producer.wire.signing import ActionSigningKey, sign_action
 
 from .conftest import eventually, read_topic
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly, JoinedStep
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly, JoinedStep
 
 from .conftest import read_topic, worker_with_config
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+from runwatch.contract import topics
+from runwatch.contract.schema import decode_event
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.producer import ActionListener, RunWatch
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import decode_event
 from tests.action_keys import UNIT
 
 from .conftest import read_topic

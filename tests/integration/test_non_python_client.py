@@ -24,8 +24,8 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import REQUIRED_FIELDS, decode_anomaly, decode_event
+from runwatch.contract import topics
+from runwatch.contract.schema import REQUIRED_FIELDS, decode_anomaly, decode_event
 
 from .conftest import read_topic
 

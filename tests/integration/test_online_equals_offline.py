@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import decode_anomaly
 from runwatch.detectors.offline.replay import read_events, replay
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import decode_anomaly
 from runwatch.scenarios.corpus import generate
 from tests.integration.conftest import read_topic
 

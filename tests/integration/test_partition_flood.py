@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import DeadLetter
+from runwatch.contract import topics
+from runwatch.contract.schema import DeadLetter
 from tests.flood_scenario import run_flood
 
 from .conftest import read_topic

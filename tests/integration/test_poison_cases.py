@@ -26,10 +26,8 @@ import pytest
 from kafka import KafkaProducer
 from kafka.partitioner.default import murmur2
 
-from runwatch.local.broker import committed_offset
-from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import (
+from runwatch.contract import topics
+from runwatch.contract.schema import (
     CheckpointEvent,
     DeadLetter,
     HeartbeatEvent,
@@ -40,6 +38,8 @@ from runwatch.producer.wire.schema import (
     decode_action,
     decode_anomaly,
 )
+from runwatch.local.broker import committed_offset
+from runwatch.local.worker_process import WorkerProcess
 from tests.action_keys import UNIT
 
 from .conftest import eventually, read_topic

@@ -19,11 +19,11 @@ from datetime import UTC, datetime
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Anomaly, RunStartEvent, StepEvent, decode_event
 from runwatch.detectors import RunMonitor, RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Anomaly, RunStartEvent, StepEvent, decode_event
 
 from .conftest import read_topic
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import ActionSigningKey, sign_action
 from runwatch.producer import RunStartEvent
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import ActionSigningKey, sign_action
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.remediate.config import load_remediation_config
 from runwatch.sinks.remediate.consumer import RemediateConsumer

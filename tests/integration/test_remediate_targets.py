@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey, sign_action
 from runwatch.producer import RunStartEvent
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey, sign_action
 from runwatch.sinks import ClickHouseSink
 from runwatch.sinks.remediate.config import load_remediation_config
 from runwatch.sinks.remediate.consumer import RemediateConsumer

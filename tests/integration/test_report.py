@@ -148,7 +148,7 @@ def test_report_command_on_the_demo_data(nan_demo):
 
 
 def _run_events(run_id: str, start: datetime, step_time: float, ranks: int = 2, steps: int = 60) -> list:
-    from runwatch.producer.wire.schema import MemoryStats, RunEndEvent, RunStartEvent, StepEvent
+    from runwatch.contract.schema import MemoryStats, RunEndEvent, RunStartEvent, StepEvent
 
     events: list = [
         RunStartEvent(

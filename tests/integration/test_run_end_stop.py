@@ -12,10 +12,10 @@ from datetime import timedelta
 import pytest
 import torch
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, decode_event, utc_now
+from runwatch.contract.signing import sign_action
 from runwatch.producer import ActionListener, RunWatch
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, decode_event, utc_now
-from runwatch.producer.wire.signing import sign_action
 from tests.action_keys import PUBLIC, WORKERS
 
 from .conftest import publish_actions, read_topic

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import RunStartEvent, StepEvent
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import RunStartEvent, StepEvent
 
 from .conftest import eventually
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from runwatch.cli.main import main
-from runwatch.producer.wire.schema import decode_event
+from runwatch.contract.schema import decode_event
 from runwatch.scenarios.catalog import DETECTOR_FOR, FAULT_TYPES
 
 pytestmark = pytest.mark.integration

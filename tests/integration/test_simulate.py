@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import decode_anomaly
+from runwatch.contract import topics
+from runwatch.contract.schema import decode_anomaly
 
 from .conftest import read_topic
 

@@ -9,9 +9,9 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer import StepEvent
-from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.migrations import LATEST_VERSION
 
@@ -69,7 +69,7 @@ def _store_twice_delivered_run(broker: EmbeddedBroker, chdb_dsn: str) -> None:
 def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
     from datetime import UTC, datetime
 
-    from runwatch.producer.wire.schema import JoinedStep
+    from runwatch.contract.schema import JoinedStep
 
     sink = ClickHouseSink(chdb_dsn)
     try:
@@ -108,7 +108,7 @@ def test_joined_steps_are_stored_once_per_run_generation_and_step(chdb_dsn):
 def test_an_anomaly_keeps_its_onset_step_and_the_report_shows_it(chdb_dsn):
     from datetime import UTC, datetime
 
-    from runwatch.producer.wire.schema import Anomaly
+    from runwatch.contract.schema import Anomaly
 
     sink = ClickHouseSink(chdb_dsn)
     try:

@@ -21,10 +21,10 @@ import orjson
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Anomaly, DeadLetter, JoinedStep, decode_anomaly, decode_event
 from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics
 from runwatch.producer import StepEvent
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Anomaly, DeadLetter, JoinedStep, decode_anomaly, decode_event
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.rows import COLUMN_BOUNDS, INT64, UINT32
 

@@ -16,9 +16,9 @@ import clickhouse_connect
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer import StepEvent
-from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 
 from .conftest import eventually

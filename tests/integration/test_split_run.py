@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import JoinedStep, decode_action, decode_anomaly
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import JoinedStep, decode_action, decode_anomaly
 
 from .conftest import eventually, read_topic, read_topic_for
 
@@ -91,9 +91,9 @@ def test_a_split_runs_rank_publishes_to_its_groups_partition(broker):
     (the worker refuses a record elsewhere)."""
     from kafka.partitioner.default import murmur2
 
+    from runwatch.contract.schema import decode_event
+    from runwatch.contract.topics import key_partition
     from runwatch.producer import RunWatch
-    from runwatch.producer.wire.schema import decode_event
-    from runwatch.producer.wire.topics import key_partition
 
     def murmur_partition(key: bytes) -> int:
         return (murmur2(key) & 0x7FFFFFFF) % topics.DEFAULT_PARTITIONS

@@ -13,10 +13,10 @@ import uuid
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import JoinedStep, decode_action, decode_anomaly
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import JoinedStep, decode_action, decode_anomaly
 
 from .conftest import eventually, read_topic, read_topic_for
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from runwatch.contract import topics
 from runwatch.demo.run import DemoOptions, run_demo
 from runwatch.local.broker import free_port
 from runwatch.producer import RunWatch, StepEvent
 from runwatch.producer.publish.spool import DiskSpool
-from runwatch.producer.wire import topics
 from runwatch.sinks import ClickHouseSink
 
 from .conftest import read_topic

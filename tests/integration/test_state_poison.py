@@ -15,11 +15,11 @@ from datetime import timedelta
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Anomaly, RunStartEvent, StepEvent, utc_now
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Anomaly, RunStartEvent, StepEvent, utc_now
 from runwatch.streams.state.snapshot import STATE_SECRET_ENV, SnapshotHeader, config_digest, encode_snapshot
 
 from .conftest import eventually, read_topic

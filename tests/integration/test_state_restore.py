@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import StepEvent
 from runwatch.streams.state.reader import StateReader
 from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import StateRecord, TelemetryProcessor

@@ -18,10 +18,10 @@ import time
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly
 
 from .conftest import read_topic
 from .test_trusted_rollback import Training
@@ -121,8 +121,8 @@ def test_a_stopped_worker_checkpoints_and_commits_what_it_read(tmp_path, action_
     committed only behind a checkpoint, and Faust waits for every acknowledgement before it stops.)"""
     from kafka import KafkaProducer
 
+    from runwatch.contract.schema import StepEvent
     from runwatch.local.broker import committed_offset
-    from runwatch.producer.wire.schema import StepEvent
 
     with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
         ensure_topics(broker.bootstrap)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly, RunEndEvent
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly, RunEndEvent
 
 from .conftest import read_topic
 

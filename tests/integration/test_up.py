@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey
 from runwatch.local.broker import free_port
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
 from tests.action_keys import forgeries, trainer_materials
 from tests.integration.chromium import Browser
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
+from runwatch.contract import topics
+from runwatch.contract.schema import CheckpointEvent, StepEvent, decode_action
 from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import CheckpointEvent, StepEvent, decode_action
 
 from .conftest import eventually, read_topic
 

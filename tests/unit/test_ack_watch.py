@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import ActionAckEvent, CheckpointEvent, StepEvent
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.wire.schema import ActionAckEvent, CheckpointEvent, StepEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

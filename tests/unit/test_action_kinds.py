@@ -1,4 +1,4 @@
-"""Every action kind, declared once in ``producer/runwatch/producer/wire/action_kinds.py``, runs the whole
+"""Every action kind, declared once in ``contract/runwatch/contract/action_kinds.py``, runs the whole
 way: a policy rule may name exactly the kinds the table says; each kind is issued (an ``Action``), signed,
 accepted by the trainer's listener, applied by the handler the table names, acknowledged with an
 ``action_ack``, and shown in the report and the notifications in the table's colours, with a Grafana
@@ -16,15 +16,15 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from runwatch.contract.action_kinds import ACTION_KINDS, POLICY_KINDS, ActionKindSpec
+from runwatch.contract.schema import Action, CheckpointRef, utc_now
+from runwatch.contract.signing import sign_action
 from runwatch.detectors.config import PolicyRule
 from runwatch.producer import MemoryDelivery
 from runwatch.producer.actions.apply import ActionApplier
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.wire.action_kinds import ACTION_KINDS, POLICY_KINDS, ActionKindSpec
-from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
-from runwatch.producer.wire.signing import sign_action
 from runwatch.sinks.grafana.panels import RUN_DASHBOARD
 from runwatch.sinks.remediate.notifications import slack_payload
 from runwatch.sinks.report.panels import layout, mark_actions

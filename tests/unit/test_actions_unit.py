@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runwatch.contract.schema import Action, CheckpointRef, utc_now
+from runwatch.contract.signing import ActionSigningKey, MissingKeyError, sign_action
 from runwatch.producer import MemoryDelivery
 from runwatch.producer.actions.applied_ids import AppliedIds, default_state_path
 from runwatch.producer.actions.checkpoints import save_checkpoint
@@ -30,8 +32,6 @@ from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.publish.lr import LR_SCALE_KEY, restore_base_lr
 from runwatch.producer.publish.lr_hold import LRHold, held_scale
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.wire.schema import Action, CheckpointRef, utc_now
-from runwatch.producer.wire.signing import ActionSigningKey, MissingKeyError, sign_action
 from tests.action_keys import PUBLIC, WORKERS
 
 PUBLIC_KEYS = PUBLIC.text  # what a trainer holds: $RUNWATCH_ACTION_PUBLIC_KEYS

@@ -6,8 +6,8 @@ import math
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors.activations import ActivationsConfig, ActivationsDetector
-from runwatch.producer.wire.schema import StepEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

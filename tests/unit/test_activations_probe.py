@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from runwatch.contract.schema import StepEvent, WireLimits, _check_step
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.wire.schema import StepEvent, WireLimits, _check_step
 from tests.unit.test_instrumentation import RecordingPublisher
 
 

@@ -32,9 +32,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runwatch.contract.schema import StepEvent
 from runwatch.producer.instrument.gradstats import ROOT_MODULE
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.wire.schema import StepEvent
 from runwatch.scenarios.tasks import TinyAudioNet  # the corpus's bad_init_audio model
 from runwatch.scenarios.threads import one_torch_thread
 from tests.unit.test_instrumentation import RecordingPublisher

@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import Action, RunEndEvent, RunStartEvent, StepEvent
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.wire.schema import Action, RunEndEvent, RunStartEvent, StepEvent
 from runwatch.sinks.remediate.notifications import slack_payload
 
 T0 = datetime(2026, 10, 1, tzinfo=UTC)

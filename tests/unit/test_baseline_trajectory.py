@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
+from runwatch.contract.schema import EvalEvent, MemoryStats, StepEvent
 from runwatch.detectors.baseline_trajectory import (
     BaselineTrajectoryConfig,
     BaselineTrajectoryDetector,
@@ -27,7 +28,6 @@ from runwatch.detectors.baselines.band import (
 )
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.wire.schema import EvalEvent, MemoryStats, StepEvent
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
 STEPS = 120

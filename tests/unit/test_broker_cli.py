@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from runwatch.cli.main import main
+from runwatch.contract import topics
 from runwatch.local import broker as broker_module
-from runwatch.producer.wire import topics
 
 
 @pytest.fixture

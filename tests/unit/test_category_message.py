@@ -7,8 +7,8 @@ import math
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import CategoryLoss, StepEvent
 from runwatch.detectors.category import CategoryConfig, CategoryDivergenceDetector
-from runwatch.producer.wire.schema import CategoryLoss, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 BASE = {"web": 2.0, "code": 1.6, "math": 2.4, "wiki": 1.8}

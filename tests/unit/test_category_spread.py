@@ -9,11 +9,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import torch
 
+from runwatch.contract.group_report import StepPartial
+from runwatch.contract.schema import CategoryLoss, StepEvent
 from runwatch.detectors.category import CategoryConfig, CategoryDivergenceDetector
 from runwatch.detectors.engine.step_partial import joined_fields, merge, partial_of
 from runwatch.producer.instrument.categories import TAIL_QUANTILE, category_loss
-from runwatch.producer.wire.group_report import StepPartial
-from runwatch.producer.wire.schema import CategoryLoss, StepEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

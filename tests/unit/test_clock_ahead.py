@@ -9,15 +9,15 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.actions.inbox import ActionInbox
-from runwatch.producer.wire.schema import (
+from runwatch.contract.inbox import ActionInbox
+from runwatch.contract.schema import (
     CLOCK_AHEAD_PARAM,
     CheckpointEvent,
     StepEvent,
     decode_received,
 )
-from runwatch.producer.wire.signing import ActionSigningKey
+from runwatch.contract.signing import ActionSigningKey
+from runwatch.detectors.config import RunwatchConfig
 from runwatch.streams.worker.processor import TelemetryProcessor
 from tests.action_keys import PUBLIC, SEED
 

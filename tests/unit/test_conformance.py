@@ -35,11 +35,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors import registry
-from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.detectors.engine.rank_join import StepJoin
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     ActionAckEvent,
     CategoryLoss,
     CheckpointEvent,
@@ -55,6 +51,10 @@ from runwatch.producer.wire.schema import (
     StepEvent,
     ThreadStack,
 )
+from runwatch.detectors import registry
+from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.rank_join import StepJoin
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 ONSET = 200

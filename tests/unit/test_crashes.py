@@ -14,11 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from runwatch.detectors import RunMonitor, RunwatchConfig
-from runwatch.detectors.engine.crashes import valid_host
-from runwatch.producer.publish.crash_capture import CLOSED_FILE, REPORTED_FILE, CrashCapture
-from runwatch.producer.publish.launcher import OutputTail, death_facts
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     CRASH_TEXT_CHARS,
     Action,
     CrashEvent,
@@ -27,7 +23,11 @@ from runwatch.producer.wire.schema import (
     StepEvent,
     decode_event,
 )
-from runwatch.producer.wire.signing import sign_action
+from runwatch.contract.signing import sign_action
+from runwatch.detectors import RunMonitor, RunwatchConfig
+from runwatch.detectors.engine.crashes import valid_host
+from runwatch.producer.publish.crash_capture import CLOSED_FILE, REPORTED_FILE, CrashCapture
+from runwatch.producer.publish.launcher import OutputTail, death_facts
 from runwatch.sinks.remediate.config import RemediationConfig
 from runwatch.sinks.remediate.remediator import Remediator
 from tests.action_keys import PUBLIC, WORKERS
@@ -216,7 +216,7 @@ def test_the_earliest_death_is_the_cause_and_the_peers_are_consequences():
 
 def test_a_crash_after_run_end_is_still_judged():
     m = _monitor(world=2)
-    from runwatch.producer.wire.schema import RunEndEvent
+    from runwatch.contract.schema import RunEndEvent
 
     m.observe(RunEndEvent(run_id="r", ts=T0, status="failed"))
     m.observe(_crash(rank=1, at=0.5, source="launcher", signal=11, host="n1"))

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from runwatch.contract.schema import HeartbeatEvent, StepEvent
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
 
 pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
 

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from runwatch.cli.main import main as cli
+from runwatch.contract import topics
 from runwatch.detectors import load_config
-from runwatch.producer.wire import topics
 from runwatch.sinks.remediate.config import load_remediation_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly, CheckpointEvent, StepEvent
+from runwatch.contract.signing import verify_action
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly, CheckpointEvent, StepEvent
-from runwatch.producer.wire.signing import verify_action
 from runwatch.streams.worker.detector_process import DetectorProcess, DetectorProcessError, handle
 from runwatch.streams.worker.processor import TelemetryProcessor
 from tests.action_keys import PUBLIC, SEED

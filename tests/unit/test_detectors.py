@@ -11,10 +11,10 @@ import pickle
 import numpy as np
 import pytest
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors.config import NonFiniteConfig, SpikeConfig
 from runwatch.detectors.nonfinite import NonFiniteDetector
 from runwatch.detectors.spike import SpikeDetector
-from runwatch.producer.wire.schema import StepEvent
 
 # -- NonFiniteDetector ----------------------------------------------------------------------------
 

@@ -7,11 +7,11 @@ import math
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import EvalEvent, StepEvent
 from runwatch.detectors.eval_category import EvalCategoryConfig, EvalCategoryDetector
 from runwatch.detectors.frozen_modules import FrozenModulesConfig, FrozenModulesDetector
 from runwatch.detectors.param_norm import ParamNormConfig, ParamNormDetector
 from runwatch.detectors.val_train_gap import ValTrainGapConfig, ValTrainGapDetector
-from runwatch.producer.wire.schema import EvalEvent, StepEvent
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -14,13 +14,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract.schema import CategoryLoss, EvalEvent, HeartbeatEvent, MemoryStats, StepEvent
 from runwatch.detectors.category import CategoryDivergenceDetector
 from runwatch.detectors.config import CategoryConfig, GeneralizationConfig, MemoryConfig, StallConfig
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.generalization import ValVsTrainDetector
 from runwatch.detectors.memory_growth import MemoryGrowthDetector
 from runwatch.detectors.stall import StallDetector
-from runwatch.producer.wire.schema import CategoryLoss, EvalEvent, HeartbeatEvent, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 GiB = 1 << 30

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
+from runwatch.contract.schema import HeartbeatEvent, StepEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import DataWaitConfig, ModuleGradConfig, ThroughputConfig, UpdateRatioConfig
 from runwatch.detectors.data_wait import DataWaitDetector
@@ -23,7 +24,6 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.module_grad import ModuleGradDetector
 from runwatch.detectors.throughput import ThroughputDetector
 from runwatch.detectors.update_ratio import UpdateRatioDetector
-from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
 

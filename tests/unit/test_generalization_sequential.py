@@ -9,9 +9,9 @@ import pickle
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import EvalEvent, StepEvent
 from runwatch.detectors.config import GeneralizationConfig
 from runwatch.detectors.generalization import ValVsTrainDetector, _Split, third_diff_noise
-from runwatch.producer.wire.schema import EvalEvent, StepEvent
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 EVERY = 25

@@ -9,12 +9,12 @@ import pickle
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import GpuHealth, HeartbeatEvent, RunStartEvent, StepEvent
 from runwatch.detectors import RunMonitor, RunwatchConfig
 from runwatch.detectors.config import ThroughputConfig
 from runwatch.detectors.gpu_health import GpuHealthTracker, describe
 from runwatch.detectors.throughput import ThroughputDetector
 from runwatch.producer.instrument.gpu_health import GpuHealthSampler
-from runwatch.producer.wire.schema import GpuHealth, HeartbeatEvent, RunStartEvent, StepEvent
 from tests.unit.fake_nvml import SW_THERMAL, FakeDevice, FakeNvml
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -11,6 +11,7 @@ import time
 import torch
 from torch import nn
 
+from runwatch.contract.schema import GpuHealth, HeartbeatEvent
 from runwatch.producer.instrument.gpu_health import (
     THROTTLE_REASONS,
     GpuHealthSampler,
@@ -20,7 +21,6 @@ from runwatch.producer.instrument.gpu_health import (
 )
 from runwatch.producer.instrument.heartbeat import Heartbeat
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.wire.schema import GpuHealth, HeartbeatEvent
 from tests.unit.fake_nvml import HW_THERMAL, SW_POWER_CAP, SW_THERMAL, FakeDevice, FakeNvml
 
 

@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from runwatch.cli.main import main as cli
-from runwatch.producer.wire.action_kinds import ACTION_KINDS
+from runwatch.contract.action_kinds import ACTION_KINDS
 from runwatch.sinks.grafana.dashboards import DATASOURCE_UID, PLUGIN_ID, all_dashboards
 from runwatch.sinks.grafana.generate import stale_files
 from runwatch.sinks.grafana.macros import MacroError, QueryContext, expand, sqlstring

@@ -17,11 +17,7 @@ from io import BytesIO
 import orjson
 import pytest
 
-from runwatch.detectors import RunMonitor, RunwatchConfig
-from runwatch.detectors.engine import evidence as worker_evidence
-from runwatch.producer.instrument import stacks
-from runwatch.producer.instrument.heartbeat import Heartbeat
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     DEFAULT_LIMITS,
     HeartbeatEvent,
     RunStartEvent,
@@ -34,6 +30,10 @@ from runwatch.producer.wire.schema import (
     bound_evidence,
     decode_event,
 )
+from runwatch.detectors import RunMonitor, RunwatchConfig
+from runwatch.detectors.engine import evidence as worker_evidence
+from runwatch.producer.instrument import stacks
+from runwatch.producer.instrument.heartbeat import Heartbeat
 
 # -- the capture rule -------------------------------------------------------------------------------
 

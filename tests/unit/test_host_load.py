@@ -14,6 +14,15 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
+from runwatch.contract.schema import (
+    Anomaly,
+    HeartbeatEvent,
+    HostLoad,
+    SchemaError,
+    StepEvent,
+    decode_anomaly,
+    decode_event,
+)
 from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.config import DataWaitConfig, ThroughputConfig
 from runwatch.detectors.data_wait import DataWaitDetector
@@ -31,15 +40,6 @@ from runwatch.producer import MemoryDelivery
 from runwatch.producer.instrument import heartbeat as heartbeat_module
 from runwatch.producer.instrument.heartbeat import Heartbeat, HostLoadSampler
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.wire.schema import (
-    Anomaly,
-    HeartbeatEvent,
-    HostLoad,
-    SchemaError,
-    StepEvent,
-    decode_anomaly,
-    decode_event,
-)
 from runwatch.streams.worker.processor import TelemetryProcessor
 from tests.action_keys import SEED
 
@@ -505,8 +505,8 @@ def test_a_held_finding_goes_out_without_a_verdict_when_no_heartbeat_comes():
 
 
 def test_the_run_end_releases_held_findings():
+    from runwatch.contract.schema import RunEndEvent, RunStartEvent
     from runwatch.detectors.engine.monitor import RunMonitor
-    from runwatch.producer.wire.schema import RunEndEvent, RunStartEvent
 
     monitor = RunMonitor("r", RunwatchConfig())
     anomalies = monitor.observe(RunStartEvent(run_id="r", ts=_ts(-1))).anomalies

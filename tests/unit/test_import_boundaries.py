@@ -53,10 +53,13 @@ def test_detectors_and_sinks_never_load_the_training_side(statement):
     assert offenders(loaded_after(statement), TRAINING_SIDE) == []
 
 
-def test_the_remediator_takes_the_listeners_inbox_and_nothing_else_of_it():
-    loaded = loaded_after("from runwatch.sinks.remediate.consumer import RemediateConsumer")
-    actions = sorted(m for m in loaded if m.startswith("runwatch.producer.actions"))
-    assert actions == ["runwatch.producer.actions", "runwatch.producer.actions.inbox"]
+def test_the_remediator_and_the_sink_load_nothing_of_the_producer():
+    # (the inbox that verifies actions is the contract's: issue 41)
+    loaded = loaded_after(
+        "from runwatch.sinks.remediate.consumer import RemediateConsumer; import runwatch.sinks.consumer"
+    )
+    assert "runwatch.contract.inbox" in loaded
+    assert sorted(m for m in loaded if m.startswith("runwatch.producer")) == []
 
 
 @pytest.mark.parametrize(
@@ -86,19 +89,22 @@ def test_detectors_never_load_kafka_or_torch():
 @pytest.mark.parametrize(
     "statement",
     [
-        "import runwatch.producer.wire",
-        "from runwatch.producer.wire import schema, signing, topics",
-        "from runwatch.producer.wire.schema import StepEvent",  # the old path, a re-export
+        "import runwatch.contract",
+        "from runwatch.contract import schema, signing, topics",
+        "from runwatch.contract.schema import StepEvent",
+        "from runwatch.contract.inbox import ActionInbox",
     ],
 )
 def test_the_wire_contract_imports_alone(statement):
-    assert offenders(loaded_after(statement), TRAINING_SIDE + WORKER_SIDE + ("kafka",)) == []
+    loaded = loaded_after(statement)
+    assert offenders(loaded, TRAINING_SIDE + WORKER_SIDE + ("kafka",)) == []
+    assert offenders(loaded, ("runwatch.producer",)) == []  # its own room: nothing of the producer
 
 
 def test_producer_names_resolve_lazily_to_the_same_objects():
     import runwatch.producer as producer
+    from runwatch.contract.schema import StepEvent
     from runwatch.producer.publish.run_watch import RunWatch
-    from runwatch.producer.wire.schema import StepEvent
 
     assert producer.RunWatch is RunWatch and producer.StepEvent is StepEvent
     assert all(getattr(producer, name) is not None for name in producer.__all__)
@@ -172,7 +178,7 @@ def test_runwatch_worker_help_runs_without_torch():
 
 
 def test_commands_that_train_nothing_run_without_torch(tmp_path: Path):
-    from runwatch.producer.wire.schema import StepEvent
+    from runwatch.contract.schema import StepEvent
 
     recording = tmp_path / "nan.jsonl"
     events = [
@@ -225,11 +231,13 @@ def test_commands_that_train_say_which_extra_to_install(command, tmp_path: Path)
     assert not (tmp_path / command[-1]).exists()
 
 
-# One import path per module (issue 25): the wire contract is ``runwatch.producer.wire`` and the framework
-# callbacks ``runwatch.producer.integrations``; the shims that gave them second paths are gone.
+# One import path per module (issue 25): the wire contract is ``runwatch.contract`` (issue 41) and the
+# framework callbacks ``runwatch.producer.integrations``; the shims that gave them second paths are gone.
 # The command line, the local stack, the demo and the scenario corpus have rooms of their own (runwatch.cli,
 # .local, .demo, .scenarios), and the loose top-level modules went where they are used.
 REMOVED_PATHS = (
+    "runwatch.producer.wire",
+    "runwatch.producer.actions.inbox",
     "runwatch.producer.schema",
     "runwatch.producer.topics",
     "runwatch.producer.signing",
@@ -271,9 +279,9 @@ def test_nothing_in_the_tree_names_a_removed_path():
     import re
 
     removed = re.compile(
-        r"runwatch\.producer\.(schema|topics|signing|hf|lightning)\b"
+        r"runwatch\.producer\.(wire|schema|topics|signing|hf|lightning|actions\.inbox)\b"
         r"|runwatch\.streams\.(cli|local|demo|scenarios)\b|runwatch\.(configfile|logsafe|extras|gitlog|reach)\b"
-        r"|^\s*from runwatch\.producer import [^\n]*\b(schema|topics|signing)\b"
+        r"|^\s*from runwatch\.producer import [^\n]*\b(wire|schema|topics|signing)\b"
         r"|^\s*from runwatch import",
         re.M,
     )

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from runwatch.contract.schema import StepEvent
 from runwatch.producer.instrument.categories import category_loss
 from runwatch.producer.instrument.gradstats import ROOT_MODULE, ParamLayout, grad_norms
 from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.instrument.watch import Watcher
-from runwatch.producer.wire.schema import StepEvent
 from runwatch.scenarios.clocks import SimulatedClock
 
 REL = 1e-5

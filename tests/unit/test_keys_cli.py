@@ -11,8 +11,8 @@ from datetime import timedelta
 from click.testing import CliRunner
 
 from runwatch.cli.main import main
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import resolve_public_keys, resolve_signing_key
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import resolve_public_keys, resolve_signing_key
 
 
 def _run(*args: str, env: dict[str, str] | None = None):

@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_actions_unit import PUBLIC_KEYS, RecordingPublisher, action, deliver
 
+from runwatch.contract.schema import Action, CheckpointRef
 from runwatch.producer.actions.checkpoints import save_checkpoint
 from runwatch.producer.actions.listener import ActionListener
 from runwatch.producer.instrument.heartbeat import Heartbeat
-from runwatch.producer.wire.schema import Action, CheckpointRef
 
 pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
 

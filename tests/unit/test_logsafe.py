@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 
-from runwatch.producer.wire import logsafe
+from runwatch.contract import logsafe
 
 
 def test_control_characters_in_a_runwatch_log_argument_are_escaped():

@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors import registry
 from runwatch.detectors.config import PolicyConfig, RunwatchConfig
 from runwatch.detectors.engine.policy import ActionPolicy
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.loss_rise import LossRiseConfig, LossRiseDetector, theil_sen
-from runwatch.producer.wire.schema import StepEvent
 from runwatch.scenarios.faults import FaultRun, LrRamp
 from runwatch.scenarios.variants import loss_rise as variants
 

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors.update_ratio import UpdateRatioConfig, UpdateRatioDetector
-from runwatch.producer.wire.schema import StepEvent
 
 T0 = datetime(2025, 1, 6, 9, 0, tzinfo=UTC)
 RATIO = 1e-3  # the relative update norm of a healthy step at LR 1e-3 (it scales with the LR)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runwatch.contract.schema import Action, decode_event, utc_now
+from runwatch.contract.signing import sign_action
 from runwatch.producer import ActionListener, JsonlRecorder, save_checkpoint
-from runwatch.producer.wire.schema import Action, decode_event, utc_now
-from runwatch.producer.wire.signing import sign_action
 from tests.action_keys import PUBLIC, WORKERS
 
 LR = 0.1

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runwatch.contract.schema import MemoryStats, StepEvent
 from runwatch.producer.instrument.memory import MemorySampler, find_cgroup_memory_files
-from runwatch.producer.wire.schema import MemoryStats, StepEvent
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MiB = 1 << 20

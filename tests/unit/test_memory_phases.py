@@ -15,10 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors.findings import Finding
-from runwatch.detectors.memory_growth import MemoryConfig, MemoryGrowthDetector, _Series
-from runwatch.producer.instrument.memory import MemorySampler
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     CheckpointEvent,
     EvalEvent,
     HeartbeatEvent,
@@ -26,6 +23,9 @@ from runwatch.producer.wire.schema import (
     StepEvent,
     TelemetryEvent,
 )
+from runwatch.detectors.findings import Finding
+from runwatch.detectors.memory_growth import MemoryConfig, MemoryGrowthDetector, _Series
+from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.scenarios.memory import HostSwings
 
 T0 = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)

@@ -15,10 +15,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract.schema import MemoryStats, StepEvent
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.memory_growth import MemoryConfig, MemoryGrowthDetector, _Series
 from runwatch.producer.instrument.memory import MemorySampler
-from runwatch.producer.wire.schema import MemoryStats, StepEvent
 from runwatch.scenarios.memory import HostSwings
 
 T0 = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runwatch.contract.schema import RunStartEvent
 from runwatch.producer.publish import metadata
 from runwatch.producer.publish.metadata import (
     collect_run_start,
@@ -22,7 +23,6 @@ from runwatch.producer.publish.metadata import (
     parse_nvidia_driver_version,
     to_jsonable,
 )
-from runwatch.producer.wire.schema import RunStartEvent
 
 LAUNCHER_VARS = (
     "RANK",

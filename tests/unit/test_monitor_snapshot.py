@@ -12,10 +12,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract.schema import Anomaly, StepEvent
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine import monitor as monitor_module
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.wire.schema import Anomaly, StepEvent
 
 T0 = datetime(2026, 11, 27, tzinfo=UTC)
 

@@ -12,6 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from runwatch.cli.main import main
+from runwatch.contract.schema import Anomaly, HeartbeatEvent, StepEvent
 from runwatch.detectors.config import RunwatchConfig, load_config
 from runwatch.detectors.offline.calibrate import calibrate
 from runwatch.detectors.offline.evaluate import (
@@ -21,7 +22,6 @@ from runwatch.detectors.offline.evaluate import (
     score_scenario,
 )
 from runwatch.detectors.offline.replay import ReplayError, read_events, replay, replay_file
-from runwatch.producer.wire.schema import Anomaly, HeartbeatEvent, StepEvent
 
 T0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
 STEPS = 300

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import runwatch.producer
-from runwatch.producer.wire.schema import decode_event
+from runwatch.contract.schema import decode_event
 
 pytestmark = pytest.mark.integration  # starts processes (issue 25: not in `make test-fast`)
 

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 import torch
 from torch import nn
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors.optimizer_swap import OptimizerSwapConfig, OptimizerSwapDetector
 from runwatch.producer.instrument.watch import NOT_STEPPING_STEPS, Watcher
-from runwatch.producer.wire.schema import StepEvent
 from tests.unit.test_instrumentation import RecordingPublisher, make
 
 MARK = "optimizer_not_stepping"

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 
+from runwatch.contract.schema import EvalEvent, StepEvent
 from runwatch.detectors.config import GeneralizationConfig
 from runwatch.detectors.generalization import (
     FEW_DIFFERENCE_QUANTILES,
@@ -19,7 +20,6 @@ from runwatch.detectors.generalization import (
     _Split,
     noise_quantile,
 )
-from runwatch.producer.wire.schema import EvalEvent, StepEvent
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 EVERY = 25

@@ -8,16 +8,16 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from runwatch.detectors.config import PolicyConfig, PolicyRule, RunwatchConfig
-from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.detectors.engine.policy import ActionPolicy
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     ActionAckEvent,
     Anomaly,
     CheckpointEvent,
     CheckpointRef,
     StepEvent,
 )
+from runwatch.detectors.config import PolicyConfig, PolicyRule, RunwatchConfig
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.policy import ActionPolicy
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 GOOD = CheckpointRef(step=3, uri="/c/3")  # a confirmed-good checkpoint the caller names as the target
@@ -460,7 +460,7 @@ def test_persisting_stall_escalates_on_tick_unless_the_rank_progresses():
 def test_a_stall_that_persists_escalates_to_stop_through_the_monitor_ticks():
     from datetime import UTC, datetime, timedelta
 
-    from runwatch.producer.wire.schema import HeartbeatEvent
+    from runwatch.contract.schema import HeartbeatEvent
 
     t0 = datetime(2026, 11, 21, 9, 0, tzinfo=UTC)
     config = RunwatchConfig.model_validate({"policy": {"escalate_after_s": 120}})

@@ -12,10 +12,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract.schema import CheckpointEvent, CheckpointRef, RunEndEvent, StepEvent
+from runwatch.contract.signing import ActionSigningKey, verify_action
+from runwatch.contract.topics import TELEMETRY
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire.schema import CheckpointEvent, CheckpointRef, RunEndEvent, StepEvent
-from runwatch.producer.wire.signing import ActionSigningKey, verify_action
-from runwatch.producer.wire.topics import TELEMETRY
 from runwatch.streams.worker.processor import TelemetryProcessor
 from tests.action_keys import PUBLIC, SEED
 
@@ -267,7 +267,7 @@ def test_a_rebalance_drops_only_the_runs_of_partitions_this_worker_lost(proc):
 
 
 def test_multi_rank_steps_come_out_joined(proc):
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     proc.process(RunStartEvent(run_id="dist", world_size=2, ts=T0).to_json(), key=b"dist")
     first = proc.process(
@@ -284,7 +284,7 @@ def test_multi_rank_steps_come_out_joined(proc):
 
 
 def test_actions_carry_the_runs_job_id_for_remediation(proc):
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     proc.process(
         RunStartEvent(
@@ -406,7 +406,7 @@ def test_a_rank_whose_last_steps_come_after_run_end_is_still_joined(proc):
     """run_end (rank 0) can overtake another rank's last steps on the partition: the run is kept for a
     join timeout, so they are joined; then it is let go, and a step still missing a rank is joined as
     partial, not dropped."""
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     def ev(e) -> bytes:
         return e.to_json()
@@ -438,7 +438,7 @@ def test_a_rank_whose_last_steps_come_after_run_end_is_still_joined(proc):
 
 
 def test_a_run_started_again_under_its_id_right_after_run_end_gets_a_fresh_monitor(proc):
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     proc.process(RunStartEvent(run_id="run-1", world_size=2, ts=T0).to_json(), key=b"run-1")
     proc.process(RunEndEvent(run_id="run-1", ts=T0 + timedelta(seconds=1)).to_json(), key=b"run-1")
@@ -523,7 +523,7 @@ def test_run_ids_of_the_documented_characters_are_accepted(proc, run_id):
 
 
 def _nan_attempt(proc, attempt: str | None, start: datetime) -> list:
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     actions = proc.process(RunStartEvent(run_id="rq", attempt=attempt, ts=start).to_json(), key=b"rq").actions
     for s in range(6):  # no checkpoint: the NaN streak ends in a stop
@@ -545,7 +545,7 @@ def test_a_new_attempt_without_run_end_is_watched_fresh_and_its_actions_name_it(
 
 
 def test_the_same_attempt_starting_again_is_not_a_new_run(proc):
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     assert [a.kind for a in _nan_attempt(proc, "a1", T0)] == ["alert", "stop"]
     monitor = proc.monitors["rq"]
@@ -559,7 +559,7 @@ def test_the_old_attempts_events_read_again_after_a_rebalance_are_not_judged_as_
     """A rebalance that leaves the worker its partition seeks back to the committed offset: the old attempt's
     NaN streak, read again after the new attempt's run_start, must not give the new attempt a stop (the CI
     failure of test_ranks_of_a_requeued_slurm_job_without_rank_sync_refuse_the_old_stop)."""
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     proc = TelemetryProcessor(RunwatchConfig(), SECRET, clock=lambda: WALL)
     old = [RunStartEvent(run_id="rq", attempt="a1", ts=T0).to_json()]

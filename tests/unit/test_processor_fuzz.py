@@ -14,8 +14,8 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runwatch.contract import topics
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire import topics
 from runwatch.streams.worker.processor import TelemetryProcessor
 from tests.action_keys import SEED
 

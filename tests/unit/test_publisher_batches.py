@@ -14,8 +14,8 @@ import pytest
 from kafka.future import Future
 from kafka.producer.future import RecordMetadata
 
+from runwatch.contract.schema import HeartbeatEvent
 from runwatch.producer.publish.kafka_delivery import KafkaDelivery
-from runwatch.producer.wire.schema import HeartbeatEvent
 
 
 class _RecordingClient:

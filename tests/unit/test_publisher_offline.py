@@ -12,9 +12,9 @@ import pytest
 from kafka.future import Future
 from kafka.producer.future import RecordMetadata
 
+from runwatch.contract.schema import HeartbeatEvent
 from runwatch.producer.publish.kafka_delivery import KafkaDelivery
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.wire.schema import HeartbeatEvent
 
 NO_BROKER = "127.0.0.1:1"
 

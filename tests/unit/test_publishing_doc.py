@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from runwatch.producer.wire.schema import REQUIRED_FIELDS, decode_event
+from runwatch.contract.schema import REQUIRED_FIELDS, decode_event
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "publishing-without-python.md"
 BLOCKS = {

@@ -8,12 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors import RunMonitor, RunwatchConfig
-from runwatch.detectors.config import HungRankConfig, StallConfig, StragglerConfig
-from runwatch.detectors.engine.rank_join import StepJoin
-from runwatch.detectors.hung_rank import HungRankDetector
-from runwatch.detectors.straggler import StragglerDetector
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     CategoryLoss,
     HeartbeatEvent,
     JoinedStep,
@@ -21,6 +16,11 @@ from runwatch.producer.wire.schema import (
     RunStartEvent,
     StepEvent,
 )
+from runwatch.detectors import RunMonitor, RunwatchConfig
+from runwatch.detectors.config import HungRankConfig, StallConfig, StragglerConfig
+from runwatch.detectors.engine.rank_join import StepJoin
+from runwatch.detectors.hung_rank import HungRankDetector
+from runwatch.detectors.straggler import StragglerDetector
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 RUN = "run-join"

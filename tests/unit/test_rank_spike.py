@@ -7,9 +7,9 @@ import pickle
 import random
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import CheckpointEvent, RunStartEvent, StepEvent
 from runwatch.detectors import RunMonitor, RunwatchConfig
 from runwatch.detectors.engine.step_partial import merge, partial_of, rank_extremes
-from runwatch.producer.wire.schema import CheckpointEvent, RunStartEvent, StepEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 RUN = "run-rank-spike"

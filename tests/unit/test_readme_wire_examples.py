@@ -9,7 +9,7 @@ import math
 import re
 from pathlib import Path
 
-from runwatch.producer.wire.schema import EVENT_KINDS, decode_event
+from runwatch.contract.schema import EVENT_KINDS, decode_event
 
 CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 WIRE_DOC = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
@@ -42,7 +42,7 @@ def test_documented_configuration_block_is_the_defaults():
 
 
 def test_every_limit_is_documented_with_its_default():
-    from runwatch.producer.wire.schema import WireLimits
+    from runwatch.contract.schema import WireLimits
 
     text = WIRE_DOC.read_text()
     table = text[text.index("| limit | default | what it bounds |") :]

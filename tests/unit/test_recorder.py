@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 import torch
 from torch import nn
 
+from runwatch.contract.schema import decode_event
 from runwatch.producer.instrument.watch import Watcher
 from runwatch.producer.publish.recorder import JsonlRecorder
-from runwatch.producer.wire.schema import decode_event
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -65,7 +65,7 @@ from datetime import UTC, datetime, timedelta
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import DETECTORS, RunMonitor
 from runwatch.detectors.offline.replay import replay_file
-from runwatch.producer.wire.schema import StepEvent
+from runwatch.contract.schema import StepEvent
 
 config = RunwatchConfig.model_validate({
     "detectors": {"toy_loss_ceiling": {"ceiling": 5.0}},

@@ -14,10 +14,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from runwatch.contract.schema import Action, CheckpointRef
+from runwatch.contract.signing import ActionSigningKey, sign_action
+from runwatch.contract.topics import LEGACY_SECRET_ENV, SIGNING_KEY_ENV
 from runwatch.detectors.configfile import ConfigError
-from runwatch.producer.wire.schema import Action, CheckpointRef
-from runwatch.producer.wire.signing import ActionSigningKey, sign_action
-from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, SIGNING_KEY_ENV
 from runwatch.sinks.remediate.config import RemediationConfig, Target, load_remediation_config
 from runwatch.sinks.remediate.notifications import slack_payload
 from runwatch.sinks.remediate.remediator import Remediator

@@ -11,19 +11,19 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import torch
 
-from runwatch.detectors.config import ConfigError, RecoveryConfig, RunwatchConfig, SpikeConfig
-from runwatch.detectors.engine.checkpoints import CheckpointLedger
-from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.detectors.engine.recovery import RecoveryCheck
-from runwatch.detectors.spike import SpikeDetector
-from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, restore_base_lr
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     ActionAckEvent,
     CheckpointEvent,
     CheckpointRef,
     RunStartEvent,
     StepEvent,
 )
+from runwatch.detectors.config import ConfigError, RecoveryConfig, RunwatchConfig, SpikeConfig
+from runwatch.detectors.engine.checkpoints import CheckpointLedger
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.recovery import RecoveryCheck
+from runwatch.detectors.spike import SpikeDetector
+from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, restore_base_lr
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 

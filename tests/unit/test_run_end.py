@@ -11,10 +11,10 @@ from datetime import timedelta
 import pytest
 import torch
 
+from runwatch.contract.schema import Action, decode_event, utc_now
+from runwatch.contract.signing import sign_action
 from runwatch.producer import ActionListener, JsonlRecorder, RunWatch
 from runwatch.producer.publish.spool import DiskSpool
-from runwatch.producer.wire.schema import Action, decode_event, utc_now
-from runwatch.producer.wire.signing import sign_action
 from tests.action_keys import PUBLIC, WORKERS
 
 NO_BROKER = "127.0.0.1:1"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+from runwatch.contract.schema import CheckpointEvent, RunStartEvent, StepEvent
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire.schema import CheckpointEvent, RunStartEvent, StepEvent
 from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.state.snapshot import decode_body, decode_header
 from runwatch.streams.worker.processor import ProcessResult, TelemetryProcessor
@@ -264,7 +264,7 @@ def test_without_topic_ids_a_restored_run_fed_nothing_before_its_log_was_found_r
 
 def _segfault(worker: Worker, run_id: str, step: int, host: str) -> list[str]:
     """A rank's launcher reports a SIGSEGV at ``step``; the action kinds issued."""
-    from runwatch.producer.wire.schema import CrashEvent
+    from runwatch.contract.schema import CrashEvent
 
     ts = T0 + timedelta(seconds=step, milliseconds=500)
     crash = CrashEvent(run_id=run_id, ts=ts, source="launcher", signal=11, host=host, step=step)
@@ -282,7 +282,7 @@ def test_the_same_crash_twice_is_not_restarted_a_third_time_across_a_worker_rest
     first = Worker(_config(), store)
     _healthy_run(first, "crashy", steps=10)
     assert _segfault(first, "crashy", 10, "n1") == ["restart"]
-    from runwatch.producer.wire.schema import RunEndEvent
+    from runwatch.contract.schema import RunEndEvent
 
     first.send(RunEndEvent(run_id="crashy", ts=T0 + timedelta(seconds=11), status="failed"))
     first.checkpoint()  # the ended run's marker carries what its crashes left

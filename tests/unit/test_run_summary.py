@@ -9,9 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors.baselines.compare import BaselineConfig, compare_run, outliers
-from runwatch.detectors.baselines.summary import RunSummarizer, hardware_fingerprint
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     ActionAckEvent,
     Anomaly,
     CategoryLoss,
@@ -21,6 +19,8 @@ from runwatch.producer.wire.schema import (
     RunStartEvent,
     StepEvent,
 )
+from runwatch.detectors.baselines.compare import BaselineConfig, compare_run, outliers
+from runwatch.detectors.baselines.summary import RunSummarizer, hardware_fingerprint
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 

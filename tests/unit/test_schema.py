@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     EVENT_KINDS,
     ActionAckEvent,
     CategoryLoss,
@@ -331,7 +331,7 @@ def test_null_values_oversized_messages_and_a_wrong_key_are_refused():
 
 
 def test_limits_are_configurable():
-    from runwatch.producer.wire.schema import WireLimits
+    from runwatch.contract.schema import WireLimits
 
     raw = _strict(rank=20_000)
     assert "rank" in _refusal(raw)

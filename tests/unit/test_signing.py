@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.producer.wire.schema import Action, CheckpointRef, decode_action
-from runwatch.producer.wire.signing import (
+from runwatch.contract.schema import Action, CheckpointRef, decode_action
+from runwatch.contract.signing import (
     ActionPublicKey,
     ActionPublicKeys,
     ActionSigningKey,
@@ -22,7 +22,7 @@ from runwatch.producer.wire.signing import (
     sign_action,
     verify_action,
 )
-from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV, SIGNING_KEY_ENV
+from runwatch.contract.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV, SIGNING_KEY_ENV
 
 WORKERS = ActionSigningKey.from_seed(bytes(range(32)))  # the workers' key
 PUBLIC = ActionPublicKeys([WORKERS.public])  # what trainers, the sink and the remediator hold

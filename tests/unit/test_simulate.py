@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from runwatch.contract.schema import decode_event
 from runwatch.local.simulate import Fault, SyntheticRun, parse_fault
-from runwatch.producer.wire.schema import decode_event
 
 T = datetime(2026, 11, 29, 8, 0, tzinfo=UTC)
 

@@ -10,9 +10,9 @@ import uuid
 from datetime import timedelta
 from types import SimpleNamespace
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey
 from runwatch.sinks.consumer import SinkConsumer
 from tests.action_keys import PUBLIC, WORKERS
 

@@ -10,12 +10,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.engine.group_join import GroupJoin
-from runwatch.detectors.engine.rank_join import StepJoin
-from runwatch.producer.wire.group_report import ReportBody
-from runwatch.producer.wire.groups import group_key, group_ranks, parse_key, record_key
-from runwatch.producer.wire.schema import (
+from runwatch.contract.group_report import ReportBody
+from runwatch.contract.groups import group_key, group_ranks, parse_key, record_key
+from runwatch.contract.schema import (
     CategoryLoss,
     CheckpointEvent,
     GroupReport,
@@ -26,7 +23,10 @@ from runwatch.producer.wire.schema import (
     StepEvent,
     decode_event,
 )
-from runwatch.producer.wire.signing import ActionSigningKey
+from runwatch.contract.signing import ActionSigningKey
+from runwatch.detectors.config import RunwatchConfig
+from runwatch.detectors.engine.group_join import GroupJoin
+from runwatch.detectors.engine.rank_join import StepJoin
 from runwatch.streams.worker.processor import TelemetryProcessor
 from tests.action_keys import SEED
 
@@ -257,7 +257,7 @@ def test_forged_and_disagreeing_events_are_dead_lettered_and_the_run_goes_on():
 
 
 def test_a_runs_groups_fill_the_partitions_in_turn():
-    from runwatch.producer.wire.topics import group_partition, key_partition
+    from runwatch.contract.topics import group_partition, key_partition
 
     for run_id in ("run-a", "run-b", "x" * 200):
         first = key_partition(run_id.encode(), 8)

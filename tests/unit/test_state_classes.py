@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire.schema import StepEvent
 from runwatch.streams.state.classes import (
     RefusedName,
     StateUnpickler,
@@ -157,9 +157,9 @@ def _band_snapshots() -> list[bytes]:
     sys.path.insert(0, str(Path(__file__).parent))
     from test_baseline_trajectory import BAND, run  # a band of five seeded runs of one job
 
+    from runwatch.contract.schema import RunStartEvent
     from runwatch.detectors.baseline_trajectory import hand_band
     from runwatch.detectors.baselines.summary import RunSummarizer
-    from runwatch.producer.wire.schema import RunStartEvent
 
     events = run(9, run_id="live")
     store = _Store()
@@ -179,7 +179,7 @@ def _band_snapshots() -> list[bytes]:
 def _crashed() -> list:
     """A run whose data thread dies (the monitor holds the crash watch while the run goes on), then whose
     launcher reports a SIGSEGV (the cause: a restart, and the ended run's marker carries the history)."""
-    from runwatch.producer.wire.schema import CrashEvent
+    from runwatch.contract.schema import CrashEvent
 
     events = list(EVENTS[:120])
     ts = events[-1].ts
@@ -265,7 +265,7 @@ class RunsCode:
 
 
 def _header(run_id: str = "r", partition: int = 0) -> SnapshotHeader:
-    from runwatch.producer.wire.schema import utc_now
+    from runwatch.contract.schema import utc_now
 
     return SnapshotHeader(
         run_id=run_id,

@@ -12,15 +12,15 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import (
+from runwatch.contract import topics
+from runwatch.contract.schema import (
     ActionAckEvent,
     CheckpointEvent,
     RunEndEvent,
     RunStartEvent,
     StepEvent,
 )
+from runwatch.detectors.config import RunwatchConfig
 from runwatch.streams.state.run_states import RunStates, StateOptions
 from runwatch.streams.state.snapshot import (
     SnapshotError,
@@ -553,7 +553,7 @@ def test_a_restored_run_keeps_its_baseline_band_and_the_history_its_end_is_judge
 def test_a_slow_read_of_what_was_published_is_logged_and_what_was_read_is_used(caplog):
     """The published tail is read inside the reply the worker waits for: past its budget it gives up
     with a warning instead of failing the worker, keeping what it read by then."""
-    from runwatch.producer.wire.schema import Anomaly
+    from runwatch.contract.schema import Anomaly
     from runwatch.streams.state.published import read_published
     from runwatch.streams.state.reader import StateReadError
 

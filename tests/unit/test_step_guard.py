@@ -167,8 +167,8 @@ def test_a_skipped_update_starts_the_count_to_the_restore_again():
 def test_a_spike_whose_update_was_skipped_is_info_and_not_learnt():
     from datetime import UTC, datetime
 
+    from runwatch.contract.schema import StepEvent
     from runwatch.detectors.spike import SpikeConfig, StepSpike
-    from runwatch.producer.wire.schema import StepEvent
 
     now = datetime(2026, 1, 1, tzinfo=UTC)
     guarded, plain = (StepSpike("loss_spike", "loss", SpikeConfig()) for _ in range(2))
@@ -191,8 +191,8 @@ def test_a_spike_whose_update_was_skipped_is_info_and_not_learnt():
 def test_the_join_says_a_step_was_skipped_if_any_rank_skipped_it():
     from datetime import UTC, datetime
 
+    from runwatch.contract.schema import StepEvent
     from runwatch.detectors.engine.step_partial import joined_fields, merge, partial_of
-    from runwatch.producer.wire.schema import StepEvent
 
     now = datetime(2026, 1, 1, tzinfo=UTC)
     events = [

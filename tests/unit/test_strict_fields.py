@@ -10,10 +10,7 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from runwatch.producer.publish.delivery import MemoryDelivery
-from runwatch.producer.publish.events import RunEvents, UnknownFieldError
-from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     ActionAckEvent,
     CheckpointEvent,
     CrashEvent,
@@ -25,6 +22,9 @@ from runwatch.producer.wire.schema import (
     StepEvent,
     decode_event,
 )
+from runwatch.producer.publish.delivery import MemoryDelivery
+from runwatch.producer.publish.events import RunEvents, UnknownFieldError
+from runwatch.producer.publish.run_watch import RunWatch
 
 
 def memory_rw(rank: int = 1) -> RunWatch:

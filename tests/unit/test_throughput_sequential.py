@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from runwatch.contract.schema import HeartbeatEvent, HostLoad, RunEndEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.throughput import (
     MAX_LEVEL_SE,
@@ -24,7 +25,6 @@ from runwatch.detectors.throughput import (
     ThroughputDetector,
     onset_of_rise,
 )
-from runwatch.producer.wire.schema import HeartbeatEvent, HostLoad, RunEndEvent, StepEvent, TelemetryEvent
 
 T0 = datetime(2026, 5, 1, tzinfo=UTC)
 HEARTBEAT_EVERY = 5  # steps

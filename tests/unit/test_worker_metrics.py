@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from runwatch.contract.schema import RunEndEvent, StepEvent
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.producer.wire.schema import RunEndEvent, StepEvent
 from runwatch.streams.worker.detector_process import handle
 from runwatch.streams.worker.latency_histogram import LatencyHistogram
 from runwatch.streams.worker.metrics_server import MetricsServer

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import orjson
 
-from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
+from runwatch.contract.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
 
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.summary import RunSummary

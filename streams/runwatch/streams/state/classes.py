@@ -55,8 +55,8 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.baselines.compare",
         "runwatch.detectors.baselines.gate",
         "runwatch.detectors.baselines.summary",
-        "runwatch.producer.wire.schema",
-        "runwatch.producer.wire.group_report",
+        "runwatch.contract.schema",
+        "runwatch.contract.group_report",
     }
 )
 

@@ -28,7 +28,7 @@ from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.utils.functional import consecutive_numbers
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 from runwatch.streams.worker.run_budget import RunBudget
 
 FETCH_MAX_WAIT_MS = int(os.environ.get("RUNWATCH_FETCH_MAX_WAIT_MS", "50"))

@@ -33,8 +33,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from runwatch.producer.wire.schema import Action
-from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV, SIGNING_KEY_ENV
+from runwatch.contract.schema import Action
+from runwatch.contract.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV, SIGNING_KEY_ENV
 
 SCHEME = "ed25519"
 _PREFIX = SCHEME + ":"

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from runwatch.producer.wire.schema import MemoryStats, UpdateSkipped, WireFloat, WireModel, WireTime
+from runwatch.contract.schema import MemoryStats, UpdateSkipped, WireFloat, WireModel, WireTime
 
 SLOWEST_LISTED = 4  # the slowest ranks a partial names, with their work time
 

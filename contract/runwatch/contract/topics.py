@@ -30,11 +30,11 @@ ALL_GROUPS = (DETECT_GROUP, SINK_GROUP, REMEDIATE_GROUP)
 
 BOOTSTRAP_ENV = "RUNWATCH_BOOTSTRAP"
 # Actions are signed by the workers with their private key and verified with its public key(s) by everyone
-# else (producer/runwatch/producer/wire/signing.py, docs/security.md).
+# else (contract/runwatch/contract/signing.py, docs/security.md).
 SIGNING_KEY_ENV = "RUNWATCH_ACTION_SIGNING_KEY"  # the workers only: the PEM private key, or its file's path
 PUBLIC_KEYS_ENV = "RUNWATCH_ACTION_PUBLIC_KEYS"  # trainers, sink, remediator: public keys, comma-separated
 LEGACY_SECRET_ENV = "RUNWATCH_ACTION_SECRET"  # the old shared HMAC secret: read by nothing, named in errors
-GROUP_SIZE_ENV = "RUNWATCH_GROUP_SIZE"  # ranks per group of a split run (RunWatch; wire/groups.py)
+GROUP_SIZE_ENV = "RUNWATCH_GROUP_SIZE"  # ranks per group of a split run (RunWatch; contract/groups.py)
 ATTEMPT_ENV = "RUNWATCH_ATTEMPT"  # this launch's attempt of the run, the same on every rank (RunWatch)
 
 # Pinned so that constructors never probe the broker (kafka-python 3.x returns at
@@ -55,7 +55,7 @@ def key_partition(key: bytes, partitions: int) -> int:
     Java client's and kafka-python's default partitioner (docs/publishing-without-python.md). A run's
     events are all on this one partition; the worker refuses a record found elsewhere.
 
-    A split run's group key ``<run id>#<group>`` (wire/groups.py) is placed from its run's: the partition
+    A split run's group key ``<run id>#<group>`` (contract/groups.py) is placed from its run's: the partition
     after the run id's by ``group`` (mod ``partitions``), so that a run's groups fill the partitions in
     turn, as evenly as they divide, rather than wherever their hashes fall. A client's default partitioner
     does not know this rule: a split run's records are sent to this partition explicitly

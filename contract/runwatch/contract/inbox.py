@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from runwatch.producer.wire.schema import Action, SchemaError, decode_action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys
+from runwatch.contract.schema import Action, SchemaError, decode_action, utc_now
+from runwatch.contract.signing import ActionPublicKeys
 
 log = logging.getLogger(__name__)
 
