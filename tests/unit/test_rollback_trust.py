@@ -6,6 +6,7 @@ guards. The whole loop on real training is in tests/integration/test_trusted_rol
 from __future__ import annotations
 
 import math
+import pickle
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -347,6 +348,58 @@ def test_a_ranks_steps_from_before_the_rollback_arriving_after_another_ranks_ack
     # once every rank has acknowledged, the policy is free again: a new fault rolls back
     run.steps(range(3), range(60, 64), _exploded(60), generation=1)
     assert len(run.rollbacks()) == 2 and run.rollbacks()[1].target_checkpoint.step < 60
+
+
+def _pickled_before_the_settlement_object(monitor: RunMonitor) -> bytes:
+    """``monitor`` pickled as the code before ``RollbackSettlement`` pickled it: the settlement as four
+    attributes of the monitor's own (the ranks yet to acknowledge a frozenset, as in older ones still)."""
+    state = dict(vars(monitor))
+    settlement = state.pop("settlement")
+    state["_rewound_for"], state["_settling"] = settlement.rewound_for, settlement.settling
+    state["_before_rollback"] = frozenset(settlement.waiting)
+    state["_stale_through"] = settlement.stale_through
+    as_before = RunMonitor.__new__(RunMonitor)
+    as_before.__dict__.update(state)
+    return pickle.dumps(as_before)
+
+
+def test_a_monitor_pickled_mid_settlement_before_the_settlement_object_settles_the_same():
+    runs = [_ThreeRanks(), _ThreeRanks()]
+    for run in runs:
+        run.steps(range(3), range(0, 35))
+        run.steps([0], range(35, 38), _exploded(35))
+        run.steps([1, 2], [35], _exploded(35))
+        run.ack(0, run.rollbacks()[0].action_id, 30)
+    old = _pickled_before_the_settlement_object(runs[1].monitor)
+    assert b"RollbackSettlement" not in old  # (the old layout indeed)
+    runs[1].monitor = pickle.loads(old)
+    assert runs[1].monitor.settlement == runs[0].monitor.settlement
+    assert runs[1].monitor.settlement.waiting == {1, 2}
+    for run in runs:
+        judged_before = len(run.anomaly_steps)
+        run.steps([1, 2], [36, 37], _exploded(35))
+        assert run.anomaly_steps[judged_before:] == []  # still held out of the rewound detectors
+        for rank in (1, 2):
+            run.ack(rank, run.rollbacks()[0].action_id, 30)
+        run.steps(range(3), range(31, 60), generation=1)
+        run.steps(range(3), range(60, 64), _exploded(60), generation=1)
+    assert runs[1].decisions == runs[0].decisions and len(runs[0].rollbacks()) == 2
+    assert runs[1].anomaly_steps == runs[0].anomaly_steps
+
+
+def test_a_decision_names_the_attempt_and_the_job_its_action_is_for():
+    monitor = RunMonitor("r", RunwatchConfig())
+    start = RunStartEvent(run_id="r", attempt="a2", job_id="81234", host="node7", tags={"pod": "p0"}, ts=T0)
+    monitor.observe(start)
+    decisions = [
+        d
+        for s in range(40)
+        for d in monitor.observe(
+            StepEvent(run_id="r", step=s, loss=math.nan if s >= 30 else 1.0, ts=T0 + timedelta(seconds=s))
+        ).decisions
+    ]
+    assert decisions and {d.attempt for d in decisions} == {"a2"}
+    assert all(d.job == {"job_id": "81234", "host": "node7", "pod": "p0"} for d in decisions)
 
 
 def test_a_rank_that_never_acknowledges_holds_the_next_rollback_only_until_the_action_expires():

@@ -21,11 +21,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from runwatch.contract.schema import CrashEvent, Severity
+from runwatch.contract.action_kinds import ActionKind
+from runwatch.contract.schema import Anomaly, CrashEvent, Severity
 from runwatch.detectors.config import CrashPolicyConfig
 from runwatch.detectors.crash_classes import CrashVerdict, classify
+from runwatch.detectors.engine.policy import ActionDecision, decision_id
 from runwatch.detectors.findings import Finding
 
 CRASH = "crash"  # the finding's detector name (registry.POLICY_FINDINGS)
@@ -213,6 +215,25 @@ class CrashWatch:
         }
         how = f"restart without {host}" if exclude else "restart as it was"
         return CrashDecision("restart", f"{where}; {how}{note}", params)
+
+
+def crash_action(
+    decision: CrashDecision, anomaly: Anomaly, attempt: str | None, job: dict[str, str]
+) -> ActionDecision | None:
+    """The crash policy's action for the cause's ``anomaly`` (None: none), for ``attempt`` and ``job``."""
+    if decision.kind is None:
+        return None
+    return ActionDecision(
+        action_id=decision_id(anomaly.run_id, decision.kind, [anomaly.anomaly_id]),
+        run_id=anomaly.run_id,
+        kind=cast(ActionKind, decision.kind),
+        reason=decision.reason,
+        anomaly_ids=[anomaly.anomaly_id],
+        step=anomaly.step,
+        params=dict(decision.params),
+        attempt=attempt,
+        job=dict(job),
+    )
 
 
 def cause_finding(settled: CrashSettled) -> Finding:

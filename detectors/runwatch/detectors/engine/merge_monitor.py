@@ -82,11 +82,12 @@ class RunMergeMonitor(RunMonitor):
         return
 
     def _rollback_acknowledged(self, ack: ActionAckEvent) -> None:
-        first = self._rewound_for != ack.action_id
+        settlement = self.settlement
+        first = settlement.rewound_for != ack.action_id
         super()._rollback_acknowledged(ack)
-        if first and self._rewound_for == ack.action_id and self._stale_through is None:
+        if first and settlement.rewound_for == ack.action_id and settlement.stale_through is None:
             # no rank's steps are joined here: the steps merged so far came before the rollback
-            self._stale_through = self.groups._emitted
+            settlement.stale_through = self.groups._emitted
 
     def tick(self, now: datetime) -> MonitorOutput:
         out = MonitorOutput()

@@ -7,9 +7,8 @@ only time), so the same code can replay a recorded stream offline. Its state pic
 from __future__ import annotations
 
 import math
-import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypedDict, cast
@@ -30,35 +29,41 @@ from runwatch.contract.schema import (
     StepEvent,
     TelemetryEvent,
 )
-from runwatch.detectors import registry
 from runwatch.detectors.base import CrossRankDetector, Detector
 from runwatch.detectors.baselines.gate import RunEndBaselineCheck
 from runwatch.detectors.baselines.summary import RunSummary
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.ack_watch import AckWatch
+from runwatch.detectors.engine.anomalies import anomaly_of
 from runwatch.detectors.engine.checkpoints import CheckpointLedger
+from runwatch.detectors.engine.clock_skew import MAX_CLOCK_RANKS, clock_skew_finding
 from runwatch.detectors.engine.crashes import (
+    CrashDecision,
     CrashHistory,
     CrashReport,
     CrashWatch,
     cause_finding,
     consequence_finding,
+    crash_action,
     thread_finding,
 )
-from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy, decision_id
+from runwatch.detectors.engine.detector_views import (
+    CROSS_RANK_VIEW,
+    DETECTORS,
+    JOINED_VIEW,
+    RANK_VIEW,
+    build_detectors,
+)
+from runwatch.detectors.engine.policy import EPISODIC_DETECTORS, ActionDecision, ActionPolicy
 from runwatch.detectors.engine.progress import RunProgress
 from runwatch.detectors.engine.rank_join import Joined, StepJoin
 from runwatch.detectors.engine.recovery import RECOVERED, RecoveryCheck
 from runwatch.detectors.engine.rewind import DetectorSnapshots
+from runwatch.detectors.engine.settlement import RollbackSettlement
 from runwatch.detectors.findings import Finding
-
-_ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
-
 
 RECENT_EVENT_IDS = 4096  # event ids remembered per run, to drop a redelivered event
 ISSUED_ONSETS = 1024  # alert-level findings remembered per run by onset, so a replay does not repeat them
-CLOCK_SKEW = "clock_skew"  # the finding about a rank whose clock is ahead of the worker's (clock_seen)
-MAX_CLOCK_RANKS = 64  # ranks whose clock offsets a run's actions carry at most
 LOSS_HISTORY = 1024  # joined steps' losses kept per run: a rollback's recovery is judged against them
 # These bounded memories are ordered dicts, not plain ones: dropping a plain dict's oldest key with
 # next(iter(d)) walks over every slot its earlier deletions left empty (hundreds, until the dict is next
@@ -103,31 +108,6 @@ class _RewindState(TypedDict):
     ranks: dict[int, dict[int, Detector]]
 
 
-def _builder(spec: registry.DetectorSpec) -> Callable[[RunwatchConfig, RunProgress], Detector]:
-    return lambda config, progress: spec.make(config.detectors, progress)
-
-
-# Every detector the monitor drives, by name (the registry's order), and which view each reads. The
-# model's health is one for the whole run, so it is judged on the joined step (one finding, not one
-# per rank); the machine's (throughput, data, memory, liveness, a NaN on one rank) is each rank's
-# own. In a single-rank run both views are its rank. Cross-rank detectors (straggler, hung rank)
-# compare ranks: every rank's events, then each joined step's record, in runs of more than one rank.
-DETECTORS: dict[str, Callable[[RunwatchConfig, RunProgress], Detector]] = {
-    s.name: _builder(s) for s in registry.specs()
-}
-JOINED_VIEW = frozenset(registry.names("joined"))
-CROSS_RANK_VIEW = frozenset(registry.names("cross_rank"))
-RANK_VIEW = frozenset(DETECTORS) - JOINED_VIEW - CROSS_RANK_VIEW
-
-
-def build_detectors(config: RunwatchConfig, names: frozenset[str], progress: RunProgress) -> list[Detector]:
-    return [
-        make(config, progress)
-        for name, make in DETECTORS.items()
-        if name in names and getattr(config.detectors, name).enabled
-    ]
-
-
 class RunMonitor:
     """All detector and policy state of one run. ``observe`` each event in order; ``tick`` on a timer."""
 
@@ -135,13 +115,6 @@ class RunMonitor:
     # before they existed reads them as unknown).
     started: bool = False
     attempt: str | None = None
-    # A rollback is settled once every rank has acknowledged it. Until then a rank that has not is still
-    # sending steps from before it (ranks publish independently, so one rank's acknowledgement can arrive
-    # before another's last faulty steps): those steps, and the joined steps up to the first acknowledging
-    # rank's newest, are kept out of the rewound detectors.
-    _settling: str | None = None  # the applied rollback not every rank has acknowledged yet
-    _before_rollback: set[int] | frozenset[int] = frozenset()  # ranks yet to acknowledge it
-    _stale_through: tuple[int, int] | None = None  # joined steps up to this (generation, step) came before it
     # (detector, metric, rank, severity, onset) of the findings issued that the policy does not act on:
     # the replay after a rollback finds the same onset again (the same slow steps, the same drift), and
     # says nothing new. None until the first (a class default: a monitor pickled before it reads None).
@@ -177,9 +150,8 @@ class RunMonitor:
         self.recovery: RecoveryCheck | None = None  # the latest rollback's, until it is judged
         # The step-indexed detectors' state at each checkpoint a rollback may target (rewind.py).
         self.snapshots: DetectorSnapshots[_RewindState] = DetectorSnapshots()
-        self._rewound_for: str | None = (
-            None  # the rollback whose ack rewound the detectors (one per rollback)
-        )
+        # The applied rollback until every rank has acknowledged it (settlement.py).
+        self.settlement = RollbackSettlement()
         self.events_seen = 0
         self.last_step: int | None = None
         self._recent_ids: OrderedDict[str, None] = OrderedDict()  # the oldest is dropped first
@@ -195,7 +167,16 @@ class RunMonitor:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A monitor pickled when its bounded memories were plain dicts gets them as ordered dicts (in the
-        same order: a plain dict keeps its insertion order too)."""
+        same order: a plain dict keeps its insertion order too); one pickled when the rollback's settlement
+        was four attributes of its own gets them as its ``RollbackSettlement``."""
+        if "settlement" not in state:
+            state = dict(state)
+            state["settlement"] = RollbackSettlement(
+                rewound_for=state.pop("_rewound_for", None),
+                settling=state.pop("_settling", None),
+                waiting=set(state.pop("_before_rollback", ())),
+                stale_through=state.pop("_stale_through", None),
+            )
         self.__dict__.update(state)
         if not isinstance(self.losses, OrderedDict):  # (one from now has them so already: no copies)
             self._recent_ids = OrderedDict(self._recent_ids)
@@ -273,24 +254,14 @@ class RunMonitor:
         if rank in told:
             return out
         told.add(rank)
-        finding = Finding(
-            detector=CLOCK_SKEW,
-            metric="clock",
-            step=step,
-            rank=rank,
-            severity="warning",
-            value=round(ahead_s, 1),
-            threshold=self.config.limits.max_future_s,
-            message=(
-                f"rank {rank}'s clock is {ahead_s:.0f} s ahead of the worker's (more than the "
-                f"{self.config.limits.max_future_s:.0f} s a record may be ahead): its event times are moved "
-                "back by that much and its actions say so; put the host's clock right (NTP)"
-            ),
-            evidence={"ahead_s": round(ahead_s, 1)},
-        )
+        finding = clock_skew_finding(rank, ahead_s, step, self.config.limits.max_future_s)
         self._emit(finding, ts, f"clock|{rank}", out)
         self._await_acks(out, ts)
         return out
+
+    def _addressed(self, decision: ActionDecision) -> ActionDecision:
+        """``decision`` (the policy's) with whom its action is for: the run's attempt and job."""
+        return replace(decision, attempt=self.attempt, job=dict(self.job))
 
     def _await_acks(self, out: MonitorOutput, at: datetime) -> None:
         """Every action issued now waits for a rank's acknowledgement (``tick`` judges the overdue)."""
@@ -325,7 +296,7 @@ class RunMonitor:
         self.last_step = event.step
         self.policy.observe_progress(event.rank)  # a stall episode of this rank has cleared
         # (the guard spares the hot path a call per step while no rollback is settling)
-        stale = self._settling is not None and self._sent_before_rollback(event)
+        stale = self.settlement.settling is not None and self._sent_before_rollback(event)
         self._to_rank(event, out, stale=stale)
         for joined in self.join.add(event):
             self._observe_joined(joined, out)
@@ -416,7 +387,8 @@ class RunMonitor:
         event = joined.event
         if joined.record is not None:
             out.joined.append(joined.record)
-        if self._stale_through is not None and (joined.generation, event.step) <= self._stale_through:
+        stale_through = self.settlement.stale_through
+        if stale_through is not None and (joined.generation, event.step) <= stale_through:
             return  # completed after the rollback it came before: the rewound detectors must not judge it
         self._judge_joined(joined, out)
         if event.loss is not None:
@@ -464,7 +436,7 @@ class RunMonitor:
                     # the trainer hears that the rollback worked, as it heard of the rollback
                     decision = self.policy.recovered(anomaly)
                     if decision is not None:
-                        out.decisions.append(decision)
+                        out.decisions.append(self._addressed(decision))
             if self.recovery is not None and self.recovery.done:
                 self.recovery = None
 
@@ -494,37 +466,22 @@ class RunMonitor:
         check = self.recovery
         if ack.outcome == "applied" and ack.to_step is not None:
             self.checkpoints.rolled_back(ack.to_step)
-            if self._rewound_for != ack.action_id:  # every rank acks: rewind once, at the first
-                self._rewound_for = ack.action_id
+            if self.settlement.applied(ack.action_id, ack.rank, self.join):
                 self._rewind(ack.to_step)
-                self._settling = ack.action_id
-                self._before_rollback = self.join.expected()
-                # Every step up to the acknowledging rank's newest came before the rollback; what follows is
-                # the replay (a step counter that goes back starts a new generation, one that does not
-                # goes on past it).
-                self._stale_through = self.join.last_key(ack.rank)
             if check is not None and check.action_id == ack.action_id and check.to_step is None:
                 check.arm(ack.to_step)
         elif check is not None and check.action_id == ack.action_id and check.to_step is None:
             self.recovery = None  # the rollback did not happen: nothing to verify
-        if self._settling == ack.action_id:
-            waiting = self._before_rollback
-            if isinstance(waiting, frozenset):  # (a monitor pickled when it was one)
-                waiting = self._before_rollback = set(waiting)
-            waiting.discard(ack.rank)  # (in place: a copy per ack is the world squared at 16,384 ranks)
-            if not waiting:
-                self._settling = None
-                self.policy.acknowledge(ack.action_id)
-        else:
-            self.policy.acknowledge(ack.action_id)  # not applied anywhere: nothing is in flight
+        if self.settlement.acknowledged(ack.action_id, ack.rank):
+            self.policy.acknowledge(ack.action_id)
 
     def _sent_before_rollback(self, event: StepEvent | CheckpointEvent) -> bool:
         """Whether ``event`` comes from a rank that has not acknowledged the rollback the detectors were
         rewound for (its steps were sent before the rollback took effect)."""
-        if self._settling is None or event.rank not in self._before_rollback:
+        if not self.settlement.waits_for(event.rank):
             return False
         if not self.policy.rollback_pending(event.ts):  # never acknowledged by every rank: expired
-            self._settling, self._before_rollback = None, frozenset()
+            self.settlement.expire()
             return False
         return True
 
@@ -556,7 +513,8 @@ class RunMonitor:
                     # Keyed by what the finding is about (one per stall episode), not by the tick's
                     # time, so online and offline ticks give the same anomaly id.
                     self._emit(finding, now, f"tick|{finding.step}|{finding.evidence.get('kind')}", out)
-        out.decisions.extend(self.policy.tick(now))  # a stall that persists past its alert escalates
+        # a stall that persists past its alert escalates
+        out.decisions.extend(self._addressed(d) for d in self.policy.tick(now))
         self._await_acks(out, now)
         # Last, and not awaited: the alert about an unanswered action would go unanswered too, and be
         # said again every ack_timeout_s.
@@ -596,7 +554,7 @@ class RunMonitor:
         if self._said_before(finding):
             out.repeated.append(finding)
             return None
-        anomaly = self._to_anomaly(finding, ts, cause)
+        anomaly = anomaly_of(self.run_id, finding, ts, cause)
         out.anomalies.append(anomaly)
         self.baseline.add_anomaly(anomaly)
         onset = anomaly.onset_step if anomaly.onset_step is not None else anomaly.step
@@ -605,7 +563,7 @@ class RunMonitor:
         decision = self.policy.decide(anomaly, ts, self.checkpoints.target(onset))
         if decision is None:
             return anomaly
-        out.decisions.append(decision)
+        out.decisions.append(self._addressed(decision))
         if decision.kind == "rollback" and self.config.policy.recovery.enabled and onset is not None:
             healthy = {
                 s: loss for s, loss in self.losses.items() if s < onset and math.isfinite(loss) and loss > 0
@@ -618,26 +576,6 @@ class RunMonitor:
                 anomaly.evidence.get("fault_onset_step"),
             )
         return anomaly
-
-    def _to_anomaly(self, finding: Finding, ts: datetime, cause: str) -> Anomaly:
-        # Deterministic id: the same event re-processed gives the same anomaly (idempotent sinks).
-        key = f"{self.run_id}|{finding.detector}|{finding.metric}|{finding.rank}|{cause}"
-        return Anomaly(
-            anomaly_id=uuid.uuid5(_ANOMALY_NAMESPACE, key).hex,
-            run_id=self.run_id,
-            step=finding.step,
-            onset_step=finding.onset_step,
-            rank=finding.rank,
-            detector=finding.detector,
-            metric=finding.metric,
-            value=finding.value,
-            threshold=finding.threshold,
-            score=finding.score,
-            severity=finding.severity,
-            message=finding.message,
-            evidence=finding.evidence,
-            ts=ts,
-        )
 
     # -- crashes (issue 39) -----------------------------------------------------------------------------
 
@@ -685,25 +623,16 @@ class RunMonitor:
             self.ended_at = at
 
     def _emit_crash(
-        self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput, decision: Any
+        self, finding: Finding, ts: datetime, cause: str, out: MonitorOutput, decision: CrashDecision | None
     ) -> Anomaly | None:
         """A crash finding, and the crash policy's action (never the rules': a crash is not a detector's
         figure to alert on, its action is the class's)."""
-        anomaly = self._to_anomaly(finding, ts, cause)
+        anomaly = anomaly_of(self.run_id, finding, ts, cause)
         out.anomalies.append(anomaly)
         self.baseline.add_anomaly(anomaly)
-        if decision is not None and decision.kind is not None:
-            out.decisions.append(
-                ActionDecision(
-                    action_id=decision_id(self.run_id, decision.kind, [anomaly.anomaly_id]),
-                    run_id=self.run_id,
-                    kind=decision.kind,
-                    reason=decision.reason,
-                    anomaly_ids=[anomaly.anomaly_id],
-                    step=anomaly.step,
-                    params=dict(decision.params),
-                )
-            )
+        action = crash_action(decision, anomaly, self.attempt, self.job) if decision is not None else None
+        if action is not None:
+            out.decisions.append(action)
         return anomaly
 
     def crash_ledger(self) -> CrashHistory | None:

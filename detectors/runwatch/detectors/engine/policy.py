@@ -61,6 +61,11 @@ class ActionDecision:
     onset_step: int | None = None
     target_checkpoint: CheckpointRef | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    # Whom the action is for, as the run's monitor knows it from the run_start (``RunMonitor._addressed``):
+    # the attempt the action names, and the job (job_id, host, pod) that joins its params, so that a
+    # remediator's `scancel {job_id}` needs no lookup. The policy, which knows neither, leaves them empty.
+    attempt: str | None = None
+    job: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -51,6 +51,7 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.engine.rank_join",
         "runwatch.detectors.engine.recovery",
         "runwatch.detectors.engine.rewind",
+        "runwatch.detectors.engine.settlement",
         "runwatch.detectors.baselines.band",
         "runwatch.detectors.baselines.compare",
         "runwatch.detectors.baselines.gate",

@@ -953,22 +953,19 @@ class TelemetryProcessor:
             onset_step=decision.onset_step,
             target_checkpoint=decision.target_checkpoint,
             params=self._with_job(decision),
-            attempt=self._attempt(decision.run_id),
+            attempt=decision.attempt,
             issued_at=issued,
             expires_at=action_expiry(issued, self.config.policy.action_ttl_s),
         )
         return self._signing_key.sign(action)
 
-    def _attempt(self, run_id: str) -> str | None:
-        monitor = self.monitors.get(run_id)
-        return monitor.attempt if monitor is not None else None
-
     def _with_job(self, decision: ActionDecision) -> dict[str, Any]:
-        """The run's job_id, host and pod (from its run_start) join the action's params, signed with it, and
-        the offsets of the ranks whose clocks are ahead of the worker's (``Action.issuer_now``)."""
-        monitor = self.monitors.get(decision.run_id)
-        job = monitor.job if monitor is not None else {}
+        """The run's job_id, host and pod (from its run_start, which the decision carries) join the action's
+        params, signed with it, and the offsets of the ranks whose clocks are ahead of the worker's
+        (``Action.issuer_now``)."""
+        job = decision.job
         params = {**job, **decision.params} if job else decision.params
+        monitor = self.monitors.get(decision.run_id)
         if monitor is not None and monitor.clock_ahead:  # (ranks whose clock is fast: RunMonitor.clock_seen)
             params = {**params, CLOCK_AHEAD_PARAM: {str(r): s for r, s in monitor.clock_ahead.items()}}
         return params
