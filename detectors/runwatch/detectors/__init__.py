@@ -7,7 +7,8 @@ Nothing here touches Kafka, ClickHouse, the network or the clock: callers pass e
 from runwatch.detectors import registry
 from runwatch.detectors.base import Detector
 from runwatch.detectors.config import ConfigError, RunwatchConfig, load_config
-from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.output import MonitorOutput
 from runwatch.detectors.engine.policy import ActionDecision, ActionPolicy
 from runwatch.detectors.findings import Finding
 

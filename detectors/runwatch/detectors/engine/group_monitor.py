@@ -20,7 +20,8 @@ from runwatch.contract.group_report import ReportItem
 from runwatch.contract.groups import group_ranks
 from runwatch.contract.schema import Anomaly, CheckpointEvent, RunStartEvent, TelemetryEvent
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.output import MonitorOutput
 from runwatch.detectors.engine.rank_join import Joined
 from runwatch.detectors.engine.step_partial import partial_of
 from runwatch.detectors.findings import Finding

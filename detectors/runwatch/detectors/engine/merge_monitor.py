@@ -21,7 +21,8 @@ from runwatch.contract.schema import ActionAckEvent, TelemetryEvent, WireFloat, 
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.group_join import GroupJoin
 from runwatch.detectors.engine.group_monitor import RUN_LEVEL_KINDS
-from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.output import MonitorOutput
 from runwatch.detectors.findings import Finding
 
 _FINDING_FLOATS = ("value", "threshold", "score")

@@ -16,7 +16,8 @@ from runwatch.contract.schema import Anomaly, SchemaError, StepEvent, TelemetryE
 from runwatch.detectors.baseline_trajectory import hand_band
 from runwatch.detectors.baselines.band import BaselineBand
 from runwatch.detectors.config import RunwatchConfig
-from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
+from runwatch.detectors.engine.monitor import RunMonitor
+from runwatch.detectors.engine.output import MonitorOutput
 from runwatch.detectors.engine.policy import ActionDecision
 
 TICK_EVERY_S = 0.25  # the worker's timer period (streams/runwatch/streams/worker/app.py), on event time
