@@ -23,7 +23,7 @@ from runwatch.detectors.config import ConfigError, RecoveryConfig, RunwatchConfi
 from runwatch.detectors.engine.checkpoints import CheckpointLedger
 from runwatch.detectors.engine.monitor import RunMonitor
 from runwatch.detectors.engine.recovery import RecoveryCheck
-from runwatch.detectors.spike import SpikeDetector
+from runwatch.detectors.spike import SpikeTest
 from runwatch.producer.publish.lr import LR_SCALE_KEY, base_lrs, restore_base_lr
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
@@ -88,11 +88,11 @@ def _series(values, detector):
 
 def test_a_transient_spike_is_one_warning_and_a_divergence_a_critical_finding_naming_its_onset():
     base = [1.0 + 0.02 * math.sin(i) for i in range(60)]
-    transient = _series(base + [4.0] + base[:10], SpikeDetector("loss_spike", "loss", SpikeConfig()))
+    transient = _series(base + [4.0] + base[:10], SpikeTest("loss_spike", "loss", SpikeConfig()))
     assert [(s, f.severity, f.evidence["kind"]) for s, f in transient] == [(60, "warning", "spike")]
 
     diverging = _series(
-        base + [4.0, 3.0, 2.5, 3.5, 2.8, 3.2, 3.0], SpikeDetector("loss_spike", "loss", SpikeConfig())
+        base + [4.0, 3.0, 2.5, 3.5, 2.8, 3.2, 3.0], SpikeTest("loss_spike", "loss", SpikeConfig())
     )
     assert [(s, f.severity, f.evidence["kind"]) for s, f in diverging] == [
         (60, "warning", "spike"),
@@ -104,10 +104,10 @@ def test_a_transient_spike_is_one_warning_and_a_divergence_a_critical_finding_na
 
 def test_a_huge_spike_is_critical_at_once_and_a_replay_from_before_it_cancels_the_watch():
     base = [1.0 + 0.02 * math.sin(i) for i in range(60)]
-    huge = _series(base + [40.0], SpikeDetector("loss_spike", "loss", SpikeConfig()))
+    huge = _series(base + [40.0], SpikeTest("loss_spike", "loss", SpikeConfig()))
     assert [(s, f.severity) for s, f in huge] == [(60, "critical")]
 
-    detector = SpikeDetector("loss_spike", "loss", SpikeConfig())
+    detector = SpikeTest("loss_spike", "loss", SpikeConfig())
     for s, v in enumerate(base + [4.0, 3.0]):
         detector.update(v, s)
     # a rollback to step 50: the replayed steps are healthy and nothing is said about the old spike

@@ -28,7 +28,7 @@ import pickle
 import sys
 import zlib
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from runwatch.contract.schema import StepEvent
 from runwatch.detectors import registry
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.streams.state.classes import (
+    RENAMED,
     RefusedName,
     StateUnpickler,
     is_admitted,
@@ -345,6 +346,29 @@ def test_names_outside_a_run_s_state_are_refused_before_anything_is_imported(mod
             StateUnpickler(io.BytesIO(data)).load()
     assert not is_admitted(module, name)
     assert (module in sys.modules) == was_imported
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_a_snapshot_naming_a_class_by_its_old_name_restores_it_as_the_class_it_became(old):
+    """A detector's state pickled when its core had another name (issue 41 renamed ``NonFiniteDetector``
+    and ``SpikeDetector``) reads as the class it became, with the same state."""
+    module, old_name = old
+    now = datetime(2026, 12, 7, tzinfo=UTC)
+    spec = {"runwatch.detectors.nonfinite": "non_finite", "runwatch.detectors.spike": "loss_spike"}[module]
+    detector = registry.spec(spec).make(RunwatchConfig().detectors, None)
+    for step in range(30):
+        detector.update(StepEvent(run_id="r", step=step, loss=2.0 + 0.01 * (step % 3)), now)
+    new_name = RENAMED[old]
+    data = pickle.dumps(detector, protocol=3)  # (text GLOBALs: the old name is written in place of the new)
+    assert f"\n{new_name}\n".encode() in data
+    data = data.replace(f"\n{new_name}\n".encode(), f"\n{old_name}\n".encode())
+    assert (module, old_name) in referenced_globals(data)
+    restored = StateUnpickler(io.BytesIO(data)).load()
+    assert type(restored._detector).__name__ == new_name
+    assert vars(restored._detector).keys() == vars(detector._detector).keys()
+    for step in range(30, 40):
+        event = StepEvent(run_id="r", step=step, loss=float("nan") if step == 35 else 2.0)
+        assert restored.update(event, now) == detector.update(event, now)
 
 
 def test_a_refused_record_is_counted_logged_where_it_is_and_its_run_starts_fresh(tmp_path, caplog):

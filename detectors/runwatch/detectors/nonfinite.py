@@ -27,7 +27,7 @@ class NonFiniteConfig(Strict):
 NAME = "non_finite"
 
 
-class NonFiniteDetector:
+class NonFiniteStreak:
     """The streak of non-finite steps, the core of :class:`NonFinite` (the registered detector); not a
     :class:`~runwatch.detectors.base.Detector` itself."""
 
@@ -79,12 +79,12 @@ class NonFiniteDetector:
 
 
 class NonFinite(Detector):
-    """The detector contract around :class:`NonFiniteDetector` (step events only)."""
+    """The detector contract around :class:`NonFiniteStreak` (step events only)."""
 
     name = NAME
 
     def __init__(self, config: NonFiniteConfig):
-        self._detector = NonFiniteDetector(config)
+        self._detector = NonFiniteStreak(config)
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent):

@@ -74,7 +74,7 @@ class SpikeConfig(Strict):
         return self
 
 
-class SpikeDetector:
+class SpikeTest:
     """One metric's spike test, the core that :class:`StepSpike` (the registered detector) runs per
     metric; not a :class:`~runwatch.detectors.base.Detector` itself."""
 
@@ -214,7 +214,7 @@ class _DivergenceWatch:
 
 
 class StepSpike(Detector):
-    """The detector contract around :class:`SpikeDetector`, on one scalar field of step events.
+    """The detector contract around :class:`SpikeTest`, on one scalar field of step events.
 
     On a joined step of several ranks (``rank_extremes``, issue 38) a second test judges the rank with the
     largest figure against the other ranks (rank_outlier.py): the ratio of its figure to theirs, against
@@ -226,7 +226,7 @@ class StepSpike(Detector):
     def __init__(self, name: str, metric: str, config: SpikeConfig):
         self.name = name
         self.metric = metric
-        self._detector = SpikeDetector(name, metric, config)
+        self._detector = SpikeTest(name, metric, config)
         self._ranks: RankOutlierTest | None = None  # made at the first joined step of several ranks
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:

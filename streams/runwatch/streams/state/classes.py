@@ -14,7 +14,8 @@ What is admitted:
   dotted path (``module.os.system``);
 - **others' pieces**, by exact (module, name) (``FOREIGN``): the river quantiles the detectors hold,
   numpy's array and scalar reconstruction and its dtype, ``datetime``'s types, a few ``collections``
-  containers and harmless builtin constructors.
+  containers and harmless builtin constructors;
+- **old names** of runwatch's classes (``RENAMED``): read as the admitted class each became.
 
 ``tests/unit/test_state_classes.py`` pickles real runs' states (every registered detector, the monitor
 through the worker's processor, a baseline band) and checks with ``referenced_globals`` that every name
@@ -93,6 +94,15 @@ def own_modules() -> frozenset[str]:
     return frozenset(found)
 
 
+# Classes renamed since a snapshot may have been taken, (module, old name) -> the name there now: a
+# snapshot that names the old one reads as the class it became (a worker upgraded while runs are held
+# restores its predecessor's snapshots).
+RENAMED: dict[tuple[str, str], str] = {
+    ("runwatch.detectors.nonfinite", "NonFiniteDetector"): "NonFiniteStreak",
+    ("runwatch.detectors.spike", "SpikeDetector"): "SpikeTest",
+}
+
+
 class RefusedName(pickle.UnpicklingError):
     """A state record names something a run's state is not made of."""
 
@@ -104,6 +114,8 @@ def resolve(module: str, name: str) -> object:
     """The object a snapshot's (``module``, ``name``) stands for, if admitted; else ``RefusedName``,
     raised before ``module`` is imported."""
     key = (module, name)
+    if key in RENAMED:
+        return resolve(module, RENAMED[key])
     found = _resolved.get(key)
     if found is not None:
         return found
