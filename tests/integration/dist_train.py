@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -102,6 +103,39 @@ def fake_gpu_health(rank: int) -> object:
         else FakeDevice()
     )
     return GpuHealthSampler(0, cuda_device=0, nvml=FakeNvml({0: device}))
+
+
+def before_forward(
+    faults: dict[str, list[str]], rank: int, step: int, model: nn.Module, write: Callable[[], None]
+) -> None:
+    """The faults that strike ``rank`` before its forward pass at ``step``: slow, hung, a flipped weight
+    bit, killed."""
+    if "slow" in faults and rank == int(faults["slow"][0]):
+        time.sleep(float(faults["slow"][1]))
+    if "hang" in faults and rank == int(faults["hang"][0]) and step == int(faults["hang"][1]):
+        write()
+        time.sleep(600)  # hung: no step, the heartbeat thread goes on
+    if "flip" in faults and rank == int(faults["flip"][0]) and step == int(faults["flip"][1]):
+        with torch.no_grad():
+            bits = next(model.parameters()).view(-1)[:1].view(torch.int32)
+            bits ^= 1 << 23  # the exponent's lowest bit
+    if "kill" in faults and rank == int(faults["kill"][0]) and step == int(faults["kill"][1]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def faulty_loss(
+    faults: dict[str, list[str]], rank: int, step: int, batch_id: int, loss: torch.Tensor
+) -> torch.Tensor:
+    """``loss`` as the faults make it: exploded on a bad batch or step, scaled on one rank's batches."""
+    if ("bad_batch" in faults and batch_id == int(faults["bad_batch"][0])) or (
+        "bad_step" in faults and step == int(faults["bad_step"][0])
+    ):
+        loss = loss * 1e6  # the gradients explode
+    if "rank_loss" in faults and rank == int(faults["rank_loss"][0]):
+        first, count, factor = (float(v) for v in faults["rank_loss"][1:])
+        if first <= batch_id < first + count:
+            loss = loss * factor
+    return loss
 
 
 def main() -> int:
@@ -183,26 +217,8 @@ def main() -> int:
             if skip is not None and skip[0] <= batch_id <= skip[1]:
                 batch_id = skip[1] + 1
             x, y = batch(batch_id, args.rank, args.batch_size, args.noise)
-            if "slow" in faults and args.rank == int(faults["slow"][0]):
-                time.sleep(float(faults["slow"][1]))
-            if "hang" in faults and args.rank == int(faults["hang"][0]) and step == int(faults["hang"][1]):
-                write()
-                time.sleep(600)  # hung: no step, the heartbeat thread goes on
-            if "flip" in faults and args.rank == int(faults["flip"][0]) and step == int(faults["flip"][1]):
-                with torch.no_grad():
-                    bits = next(model.parameters()).view(-1)[:1].view(torch.int32)
-                    bits ^= 1 << 23  # the exponent's lowest bit
-            if "kill" in faults and args.rank == int(faults["kill"][0]) and step == int(faults["kill"][1]):
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            if ("bad_batch" in faults and batch_id == int(faults["bad_batch"][0])) or (
-                "bad_step" in faults and step == int(faults["bad_step"][0])
-            ):
-                loss = loss * 1e6  # the gradients explode
-            if "rank_loss" in faults and args.rank == int(faults["rank_loss"][0]):
-                first, count, factor = (float(v) for v in faults["rank_loss"][1:])
-                if first <= batch_id < first + count:
-                    loss = loss * factor
+            before_forward(faults, args.rank, step, model, write)
+            loss = faulty_loss(faults, args.rank, step, batch_id, nn.functional.mse_loss(ddp(x), y))
             loss.backward()
             time.sleep(args.step_sleep)
             if args.shard and args.rank == 0:
@@ -240,10 +256,8 @@ def main() -> int:
     watch.close()
     listener.close()
     rw.close(status=result["status"] if result["status"] != "failed" else "failed")
-    result["published"], result["drop_reasons"] = (
-        rw.stats.published,
-        rw.stats.drop_reasons,
-    )  # for a failure's message
+    # for a failure's message
+    result["published"], result["drop_reasons"] = rw.stats.published, rw.stats.drop_reasons
     write()
     return 0
 

@@ -38,7 +38,7 @@ from torch import nn
 from runwatch.producer import category_loss
 from runwatch.producer.instrument.heartbeat import HostLoadSampler
 from runwatch.scenarios.clocks import HEARTBEAT_S
-from runwatch.scenarios.faults import FaultRun
+from runwatch.scenarios.faults import FaultInjector, FaultRun
 from runwatch.scenarios.live import TrainingResult
 from runwatch.scenarios.memory import HostSwings, ScenarioMemory
 from runwatch.scenarios.scenario import Scenario
@@ -153,18 +153,11 @@ def _run(
     best_val: tuple[float, int, datetime] | None = None
     next_step = 0  # a rollback moves it back
 
-    def wait_for(step: int) -> float:
-        wait = fault.data_wait(step, sc.data_wait_s * timing.lognormvariate(0, 0.3), timing)
-        hiccup = sc.extra.get("hiccup_every")
-        if hiccup and step > 0 and step % hiccup == 0:
-            wait += 2.0 + 2.0 * timing.random()
-        return wait
-
     def loader() -> Iterator[tuple[int, Batch]]:
         nonlocal next_step
         while next_step < n:
             step, next_step = next_step, next_step + 1
-            clock.advance(wait_for(step))
+            clock.advance(_data_wait(sc, fault, timing, step))
             size = sc.batch * (sc.extra.get("batch_increase", 1) if step >= n // 2 else 1)
             batch = task.make_batch(_data_step(sc, step), size=size, length=fault.batch_length(step))
             yield step, fault.corrupt(task, batch, step)
@@ -237,6 +230,16 @@ def _run(
         out.onset_step, out.onset_ts, out.notes["best_val_loss"] = found_later
     out.notes["simulated_s"] = round(clock.seconds(), 1) if clock.simulated else None
     return out
+
+
+def _data_wait(sc: Scenario, fault: FaultInjector, timing: random.Random, step: int) -> float:
+    """How long ``step``'s batch keeps the loop waiting: the scenario's data wait as ``fault`` makes it, and
+    now and then a hiccup (``hiccup_every``)."""
+    wait = fault.data_wait(step, sc.data_wait_s * timing.lognormvariate(0, 0.3), timing)
+    hiccup = sc.extra.get("hiccup_every")
+    if hiccup and step > 0 and step % hiccup == 0:
+        wait += 2.0 + 2.0 * timing.random()
+    return wait
 
 
 class _MemoryCheckpoints:

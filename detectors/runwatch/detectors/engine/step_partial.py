@@ -89,14 +89,7 @@ def partial_of(
     loss_max_rank = grad_max_rank = None
     grad_max: float | None = None
     grad_n = 0
-    digests: dict[str, list[Any]] = {}
     sharded = True
-    norms: dict[str, list[float]] = {}
-    modules: dict[str, list[float]] = {}
-    categories: dict[str, list[float]] = {}
-    spread: dict[str, list[float]] = {}  # [sum of sumsq, tail count] of the ranks that sent them
-    unspread: set[str] = set()  # categories some rank sent without their spread
-    activations: dict[str, list[float]] = {}
     clip = wait = st_max = st_min = c_max = c_min = samples = tokens = None
     st_rank = c_rank = None
     st_best: float | None = None
@@ -117,11 +110,6 @@ def partial_of(
             loss_n += 1
             if math.isfinite(e.loss) and (loss_max is None or e.loss > loss_max):
                 loss_max, loss_max_rank = e.loss, rank
-        if e.param_digest is not None:
-            group = digests.setdefault(e.param_digest, [0, []])
-            group[0] += 1
-            if len(group[1]) < DIGEST_RANKS_LISTED:
-                group[1].append(rank)
         if e.grad_norm is not None:
             grad_n += 1
             if math.isfinite(e.grad_norm) and (grad_max is None or e.grad_norm > grad_max):
@@ -131,6 +119,92 @@ def partial_of(
             mfu_n += 1
         if not e.grad_sharded:
             sharded = False
+        clip = _lo(clip, e.clip_ratio)
+        wait = _hi(wait, e.data_wait_s)
+        st = e.step_time_s
+        if st is not None:
+            if st_best is None or st > st_best:  # (the rank of the largest comparable figure)
+                st_best, st_rank = st, rank
+            st_max, st_min = _hi(st_max, st), _lo(st_min, st)
+        c = e.compute_s
+        if c is not None:
+            if c_best is None or c > c_best:
+                c_best, c_rank = c, rank
+            c_max, c_min = _hi(c_max, c), _lo(c_min, c)
+        mine = c if c is not None else st
+        if mine is not None and mine == mine:
+            work.append((mine, rank))
+        samples = _add(samples, e.samples_per_s)
+        tokens = _add(tokens, e.tokens_per_s)
+        if e.nonfinite_grads is not None:
+            nonfinite = e.nonfinite_grads + (nonfinite or 0)
+        if e.update_skipped is not None:
+            skipped = _skip_reason(skipped, e.update_skipped)
+        figure = _memory_figure(e.memory)
+        if figure is not None:
+            if mem_max is None or figure > mem_max:
+                mem_max, mem_max_rank, mem_max_stats = figure, rank, e.memory
+            if mem_min is None or figure < mem_min:
+                mem_min, mem_min_rank = figure, rank
+    slowest = heapq.nlargest(SLOWEST_LISTED, work)
+    return StepPartial.model_construct(
+        **_named_sums(events),
+        generation=key[0],
+        step=key[1],
+        ts=ts,
+        expected=expected,
+        reported=len(events),
+        missing_count=len(missing),
+        missing_first=missing[:RANKS_LISTED],
+        reported_first=[e.rank for e in events[:RANKS_LISTED]],
+        first_rank=first.rank,
+        lr=first.lr,
+        loss_sum=loss_sum,
+        loss_count=loss_n,
+        loss_max=loss_max,
+        loss_max_rank=loss_max_rank,
+        grad_norm_max_rank=grad_max_rank,
+        grad_norm_count=grad_n,
+        mfu_sum=mfu_sum,
+        mfu_count=mfu_n,
+        sharded=sharded,
+        clip_ratio_min=clip,
+        data_wait_max=wait,
+        step_time_max=st_max,
+        step_time_max_rank=st_rank,
+        step_time_min=st_min,
+        compute_max=c_max,
+        compute_max_rank=c_rank,
+        compute_min=c_min,
+        samples_sum=samples,
+        tokens_sum=tokens,
+        nonfinite_sum=nonfinite,
+        update_skipped=skipped,
+        memory_max_bytes=mem_max,
+        memory_max_rank=mem_max_rank,
+        memory_max=mem_max_stats,
+        memory_min_bytes=mem_min,
+        memory_min_rank=mem_min_rank,
+        slowest=[(rank, value) for value, rank in slowest],
+    )
+
+
+def _named_sums(events: list[StepEvent]) -> dict[str, Any]:
+    """The partial's figures kept by name (replica digests, norms, modules' norms and activations, category
+    losses and their spread), summed over ``events`` in rank order."""
+    digests: dict[str, list[Any]] = {}
+    norms: dict[str, list[float]] = {}
+    modules: dict[str, list[float]] = {}
+    categories: dict[str, list[float]] = {}
+    spread: dict[str, list[float]] = {}  # [sum of sumsq, tail count] of the ranks that sent them
+    unspread: set[str] = set()  # categories some rank sent without their spread
+    activations: dict[str, list[float]] = {}
+    for e in events:
+        if e.param_digest is not None:
+            group = digests.setdefault(e.param_digest, [0, []])
+            group[0] += 1
+            if len(group[1]) < DIGEST_RANKS_LISTED:
+                group[1].append(e.rank)
         for name in NORMS:
             value = getattr(e, name)
             if value is not None:
@@ -166,79 +240,16 @@ def partial_of(
                     sp = spread.setdefault(name, [0.0, 0])
                     sp[0] += category.sumsq
                     sp[1] += category.tail_count
-        clip = _lo(clip, e.clip_ratio)
-        wait = _hi(wait, e.data_wait_s)
-        st = e.step_time_s
-        if st is not None:
-            if st_best is None or st > st_best:  # (the rank of the largest comparable figure)
-                st_best, st_rank = st, rank
-            st_max, st_min = _hi(st_max, st), _lo(st_min, st)
-        c = e.compute_s
-        if c is not None:
-            if c_best is None or c > c_best:
-                c_best, c_rank = c, rank
-            c_max, c_min = _hi(c_max, c), _lo(c_min, c)
-        mine = c if c is not None else st
-        if mine is not None and mine == mine:
-            work.append((mine, rank))
-        samples = _add(samples, e.samples_per_s)
-        tokens = _add(tokens, e.tokens_per_s)
-        if e.nonfinite_grads is not None:
-            nonfinite = e.nonfinite_grads + (nonfinite or 0)
-        if e.update_skipped is not None:
-            skipped = _skip_reason(skipped, e.update_skipped)
-        figure = _memory_figure(e.memory)
-        if figure is not None:
-            if mem_max is None or figure > mem_max:
-                mem_max, mem_max_rank, mem_max_stats = figure, rank, e.memory
-            if mem_min is None or figure < mem_min:
-                mem_min, mem_min_rank = figure, rank
-    slowest = heapq.nlargest(SLOWEST_LISTED, work)
-    return StepPartial.model_construct(
-        generation=key[0],
-        step=key[1],
-        ts=ts,
-        expected=expected,
-        reported=len(events),
-        missing_count=len(missing),
-        missing_first=missing[:RANKS_LISTED],
-        reported_first=[e.rank for e in events[:RANKS_LISTED]],
-        first_rank=first.rank,
-        lr=first.lr,
-        loss_sum=loss_sum,
-        loss_count=loss_n,
-        loss_max=loss_max,
-        loss_max_rank=loss_max_rank,
-        grad_norm_max_rank=grad_max_rank,
-        grad_norm_count=grad_n,
+    return {
         **_bounded_digests({d: (g[0], g[1]) for d, g in digests.items()}, 0),
-        mfu_sum=mfu_sum,
-        mfu_count=mfu_n,
-        sharded=sharded,
-        norms={name: (acc[0], acc[1]) for name, acc in norms.items()},
-        modules={name: (acc[0], acc[1]) for name, acc in modules.items()},
-        categories={name: (acc[0], int(acc[1])) for name, acc in categories.items()},
-        category_spread={name: (acc[0], int(acc[1])) for name, acc in spread.items() if name not in unspread},
-        activations={name: (acc[0], int(acc[1]), acc[2]) for name, acc in activations.items()},
-        clip_ratio_min=clip,
-        data_wait_max=wait,
-        step_time_max=st_max,
-        step_time_max_rank=st_rank,
-        step_time_min=st_min,
-        compute_max=c_max,
-        compute_max_rank=c_rank,
-        compute_min=c_min,
-        samples_sum=samples,
-        tokens_sum=tokens,
-        nonfinite_sum=nonfinite,
-        update_skipped=skipped,
-        memory_max_bytes=mem_max,
-        memory_max_rank=mem_max_rank,
-        memory_max=mem_max_stats,
-        memory_min_bytes=mem_min,
-        memory_min_rank=mem_min_rank,
-        slowest=[(rank, value) for value, rank in slowest],
-    )
+        "norms": {name: (acc[0], acc[1]) for name, acc in norms.items()},
+        "modules": {name: (acc[0], acc[1]) for name, acc in modules.items()},
+        "categories": {name: (acc[0], int(acc[1])) for name, acc in categories.items()},
+        "category_spread": {
+            name: (acc[0], int(acc[1])) for name, acc in spread.items() if name not in unspread
+        },
+        "activations": {name: (acc[0], int(acc[1]), acc[2]) for name, acc in activations.items()},
+    }
 
 
 def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[range] = ()) -> StepPartial:
@@ -284,23 +295,7 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
     graded = [p for p in parts if p.grad_norm_max_rank is not None]
     top_grad = max(graded, key=lambda p: p.norms["grad_norm"][1]) if graded else None
     out["grad_norm_max_rank"] = top_grad.grad_norm_max_rank if top_grad else None
-    categories: dict[str, tuple[float, int]] = {}
-    for p in parts:
-        for category, (losses, n) in p.categories.items():
-            had_c = categories.get(category, (0.0, 0))
-            categories[category] = (had_c[0] + losses, had_c[1] + n)
-    out["categories"] = categories
-    # a category's spread is known when every part that saw the category knew it
-    spreads: dict[str, tuple[float, int]] = {}
-    unspread: set[str] = set()
-    for p in parts:
-        for category in p.categories:
-            if category not in p.category_spread:
-                unspread.add(category)
-        for category, (squares, tail) in p.category_spread.items():
-            had_s = spreads.get(category, (0.0, 0))
-            spreads[category] = (had_s[0] + squares, had_s[1] + tail)
-    out["category_spread"] = {c: v for c, v in spreads.items() if c not in unspread}
+    out["categories"], out["category_spread"] = _merged_categories(parts)
     activations: dict[str, tuple[float, int, float]] = {}
     for p in parts:
         for module, (squares, ranks, zeros) in p.activations.items():
@@ -337,6 +332,28 @@ def merge(partials: list[StepPartial], expected: int, missing_groups: Iterable[r
     slow = [(value, rank) for p in parts for rank, value in p.slowest]
     out["slowest"] = [(rank, value) for value, rank in heapq.nlargest(SLOWEST_LISTED, slow)]
     return StepPartial.model_construct(**out)
+
+
+def _merged_categories(
+    parts: list[StepPartial],
+) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[float, int]]]:
+    """The partials' category losses summed, and the spreads of those every part that saw them knew."""
+    categories: dict[str, tuple[float, int]] = {}
+    for p in parts:
+        for category, (losses, n) in p.categories.items():
+            had_c = categories.get(category, (0.0, 0))
+            categories[category] = (had_c[0] + losses, had_c[1] + n)
+    # a category's spread is known when every part that saw the category knew it
+    spreads: dict[str, tuple[float, int]] = {}
+    unspread: set[str] = set()
+    for p in parts:
+        for category in p.categories:
+            if category not in p.category_spread:
+                unspread.add(category)
+        for category, (squares, tail) in p.category_spread.items():
+            had_s = spreads.get(category, (0.0, 0))
+            spreads[category] = (had_s[0] + squares, had_s[1] + tail)
+    return categories, {c: v for c, v in spreads.items() if c not in unspread}
 
 
 def _merged_digests(parts: list[StepPartial]) -> dict[str, Any]:
