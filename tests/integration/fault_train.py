@@ -198,9 +198,8 @@ def main() -> int:
                     group["lr"] = group["lr"] * 50  # the bug: applied in this step's update
             if kind == "lr_spike_repeat" and step == fault_step:
                 for group in optimizer.param_groups:
-                    group["lr"] = (
-                        BASE_LR * 1000
-                    )  # a schedule bug: whatever the LR was, 1000x the base from here
+                    # a schedule bug: whatever the LR was, 1000x the base from here
+                    group["lr"] = BASE_LR * 1000
             result["schedule_lrs"][step] = optimizer.param_groups[0]["lr"]
             optimizer.step()
             optimizer.zero_grad()

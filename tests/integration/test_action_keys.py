@@ -140,9 +140,8 @@ def test_a_stop_forged_with_everything_a_trainer_holds_is_refused_by_every_verif
         assert [a.kind for a in applied] == ["alert", "rollback"]
         eventually(lambda: listener.ignored["bad_signature"] == len(forged), 30, "the forged stops refused")
         assert listener.poll(step=101) == []
-        assert (
-            listener.verification_warned
-        )  # (said once: a forger's stop looks like a wrong key to a trainer)
+        # (said once: a forger's stop looks like a wrong key to a trainer)
+        assert listener.verification_warned
         # the remediator: it ran the worker's two, never the stop
         eventually(
             lambda: marker.exists() and len(marker.read_text().splitlines()) >= 2, 60, "the remediations"

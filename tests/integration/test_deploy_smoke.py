@@ -43,9 +43,8 @@ from tests.integration.service_process import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TRAINER = Path(__file__).with_name("fault_train.py")
-READY_TIMEOUT_S = (
-    120  # on two busy cores a worker's start (Faust, the detector process, a group join) is ~15 s
-)
+# on two busy cores a worker's start (Faust, the detector process, a group join) is ~15 s
+READY_TIMEOUT_S = 120
 # What compose.yaml requires of deploy/.env (deploy/.env.example names them).
 COMPOSE_ENV = {
     "RUNWATCH_CLICKHOUSE_PASSWORD": "smoke-test",

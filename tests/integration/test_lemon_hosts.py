@@ -135,9 +135,8 @@ def test_the_lemon_host_is_named_with_its_runs(stores):
 def test_the_clean_history_names_no_host(stores):
     sink, _ = stores["clean"]
     assert lemon_hosts(sink, job=JOB, window_days=30, min_runs=3) == []
-    assert (
-        lemon_hosts(sink, job=None, window_days=30, min_runs=1) == []
-    )  # (the run-wide stalls count for none)
+    # (the run-wide stalls count for none)
+    assert lemon_hosts(sink, job=None, window_days=30, min_runs=1) == []
 
 
 def test_a_job_on_one_host_names_nothing(chdb_dsn):

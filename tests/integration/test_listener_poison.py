@@ -164,9 +164,8 @@ def test_an_action_for_another_run_is_counted_as_other_run(broker, action_keys, 
     _model, _optimizer, start = trainer
     run_id = f"poison-ours-{uuid.uuid4().hex[:8]}"
     _rw, listener = start(run_id, state_path=False)
-    theirs = make_action(
-        f"poison-theirs-{uuid.uuid4().hex[:8]}", "stop", action_keys.signing
-    )  # validly signed, not ours
+    # validly signed, not ours
+    theirs = make_action(f"poison-theirs-{uuid.uuid4().hex[:8]}", "stop", action_keys.signing)
     marker = make_action(run_id, "alert", action_keys.signing)
     # Keyed by our run, so it shares our partition and is judged before the marker.
     send(broker.bootstrap, theirs, marker, key=run_id)

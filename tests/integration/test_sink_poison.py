@@ -324,9 +324,8 @@ def test_poison_messages_never_wedge_the_sink(broker, chdb_dsn):
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=topics.KAFKA_API_VERSION)
     stored: dict[str, list[bytes]] = {topics.TELEMETRY: [], topics.ANOMALIES: [], topics.JOINED: []}
     letters: set[tuple[str, int, int]] = set()  # (topic, partition, offset) the sink must dead-letter
-    skipped = (
-        0  # poison refused at decoding (after issue 11's stricter validation): the worker's to dead-letter
-    )
+    # poison refused at decoding (after issue 11's stricter validation): the worker's to dead-letter
+    skipped = 0
     last: dict[tuple[str, int], int] = {}
 
     def send(messages: list[tuple[str, bytes, str]]) -> None:

@@ -254,9 +254,8 @@ def test_an_lr_x100_without_lr_in_the_events_is_found_from_the_measured_updates(
     def lr_bug(i: int, lr: float, ratio: float) -> tuple[float, float]:
         return (lr * 100, ratio * 100) if i >= 3000 else (lr, ratio)
 
-    events = (
-        e.model_copy(update={"lr": []}) for e in update_stream(1, constant_lr, fault=lr_bug)
-    )  # a producer that does not report the LR
+    # a producer that does not report the LR
+    events = (e.model_copy(update={"lr": []}) for e in update_stream(1, constant_lr, fault=lr_bug))
     first = run(UpdateRatioDetector(UpdateRatioConfig()), events)[0]
     assert first.metric == "relative_update_norm" and first.evidence["direction"] == "too_large"
     assert first.step == 3020  # patience 3: the third observation (every 10 steps) after the jump
@@ -434,9 +433,10 @@ def test_loader_turning_into_the_bottleneck_is_found_with_onset():
 
 
 def test_gradual_growth_of_the_data_wait_is_caught():
+    # +0.1 s after 200 steps
     found = run(
         DataWaitDetector(DataWaitConfig()), data_stream(1, extra_wait=lambda i: 0.0005 * max(0, i - 1000))
-    )  # +0.1 s after 200 steps
+    )
     assert found
     assert 1000 < found[0].step < 1200
     assert found[0].evidence["baseline_share"] < 0.1

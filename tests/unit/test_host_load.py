@@ -236,11 +236,8 @@ def _tracker(
         ({"steal_frac": 0.01}, {"steal_frac": 0.08}, []),
         ({"cpu_wait_frac": 0.02}, {"cpu_wait_frac": 0.9}, ["cpu_wait"]),
         ({"cpu_wait_frac": 0.3}, {"cpu_wait_frac": 0.5}, []),  # +0.2: below the rise
-        (
-            {"load1": 1.0, "process_cpu_frac": 1.9},
-            {"load1": 1.0, "process_cpu_frac": 0.4},
-            [],
-        ),  # own share: no say
+        # own share: no say
+        ({"load1": 1.0, "process_cpu_frac": 1.9}, {"load1": 1.0, "process_cpu_frac": 0.4}, []),
     ],
 )
 def test_busier_rule(before, after, reasons):
@@ -297,10 +294,8 @@ def test_messages():
     [
         ({"load1": 6.5, "cpus": 2}, True),  # 3.2 per CPU
         ({"load1": 1.5, "cpus": 2}, False),
-        (
-            {"load1": 1.0, "cpus": 2, "cpu_wait_frac": 0.4},
-            True,
-        ),  # this process waits for a CPU 40% of the time
+        # this process waits for a CPU 40% of the time
+        ({"load1": 1.0, "cpus": 2, "cpu_wait_frac": 0.4}, True),
         ({"load1": 1.0, "cpus": 2, "steal_frac": 0.15}, True),
         ({"load1": 2.2, "cpus": 2, "cpu_wait_frac": 0.14}, False),  # 1.1 per CPU, but the run barely waits
         ({"process_cpu_frac": 0.9}, None),  # nothing of the rule known

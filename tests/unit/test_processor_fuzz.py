@@ -135,10 +135,8 @@ def test_no_message_or_record_metadata_makes_the_processor_raise_or_a_detector_f
         value, key, partition, record_ts = _record(i, kind, run_id, ago, mutations)
         result = proc.process(value, key=key, partition=partition, offset=i, timestamp=record_ts)
         if result.deadletter is not None:
-            assert result.deadletter.reason and mutations, (
-                value,
-                result.deadletter.reason,
-            )  # never a valid one
+            # never a valid one
+            assert result.deadletter.reason and mutations, (value, result.deadletter.reason)
         else:
             handled += 1
         if tick:

@@ -345,9 +345,8 @@ def test_a_run_restarted_whole_after_it_was_split_is_watched_whole():
     for rank in range(8):
         run.send(_raw(rank, step=0), record_key("big", rank, 4))
     assert type(run.proc.monitors["big"]).__name__ == "RunMergeMonitor"
-    run.send(
-        _raw(0, step=1, group_size=None, world=None), b"big"
-    )  # (a whole run's step: refused while split)
+    # (a whole run's step: refused while split)
+    run.send(_raw(0, step=1, group_size=None, world=None), b"big")
     assert "is split by rank group" in run.letters[-1]
     # the job comes back with fewer ranks, not split: its run_start starts it whole
     start = RunStartEvent(run_id="big", world_size=2, ts=T0 + timedelta(seconds=5), attempt="a2")

@@ -357,10 +357,8 @@ def test_results_are_the_same_whichever_processor_holds_the_run_and_however_ofte
         assert {k: v[:1] for k, v in actions.items()} == {k: v[:1] for k, v in want_actions.items()}, cuts
         # an action is issued once: it is snapshotted with the state that decided it
         assert all(len(copies) == 1 for copies in actions.values()), cuts
-        assert restored >= 2 * len(cuts), (
-            cuts,
-            restored,
-        )  # (each successor restored the runs, not rebuilt them)
+        # (each successor restored the runs, not rebuilt them)
+        assert restored >= 2 * len(cuts), (cuts, restored)
 
 
 def test_a_successor_does_not_issue_again_what_its_predecessor_published_after_its_last_snapshot():

@@ -142,9 +142,8 @@ class BaselineTrajectoryDetector(Detector):
         self._start = np.zeros(1, dtype=np.int64)  # where the current streak began
         self._fired = np.zeros(1, dtype=bool)  # the current episode has had its finding
         self._any_streak = False
-        self._order: tuple[str, ...] | None = (
-            None  # module names of the last step event, whose rows are cached
-        )
+        # module names of the last step event, whose rows are cached
+        self._order: tuple[str, ...] | None = None
         self._rows = np.zeros(0, dtype=np.intp)  # rows of the step fields, then of those modules
 
     # -- the band ------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from runwatch.contract.action_kinds import PolicyActionKind
 from runwatch.contract.schema import Severity, WireLimits
-from runwatch.detectors.configfile import (
-    ConfigError as ConfigError,  # re-exported: callers catch it from here
-)
+
+# re-exported: callers catch it from here
+from runwatch.detectors.configfile import ConfigError as ConfigError
 from runwatch.detectors.configfile import load_yaml_model
 from runwatch.detectors.registry import BUILTIN_MODULES, Strict, known_finding_names, specs
 

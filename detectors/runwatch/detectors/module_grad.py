@@ -56,9 +56,8 @@ class ModuleGradConfig(Strict):
 
 NAME = "module_grad_explosion"
 MIN_SCALE_LOG = 0.05  # floor on the robust scale in log units: a very flat module is not a hair trigger
-REFRESH_EVERY = (
-    20  # events between quantile refreshes; the history excludes suspects, so staleness is harmless
-)
+# events between quantile refreshes; the history excludes suspects, so staleness is harmless
+REFRESH_EVERY = 20
 
 
 def _grow_snapshot(

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from runwatch.detectors.configfile import (
-    Strict as Strict,  # re-exported: every detector config derives from it
-)
+# re-exported: every detector config derives from it
+from runwatch.detectors.configfile import Strict as Strict
 
 if TYPE_CHECKING:
     from pydantic import BaseModel

@@ -79,9 +79,8 @@ class RankProgress:
         # time_in_phase_s before the heartbeat that first reported it; a resumed train phase at that
         # heartbeat. None while the rank is in the train phase it started in.
         self.phase_since: datetime | None = None
-        self.in_sync: bool | None = (
-            None  # waits in the gradient synchronisation (latest heartbeat, this step)
-        )
+        # waits in the gradient synchronisation (latest heartbeat, this step)
+        self.in_sync: bool | None = None
         self.in_sync_since: datetime | None = None  # the heartbeat that first said so, this step
         self.peer_allowance_s = 0.0  # the largest phase allowance among its live peers
         self.peer_released_at: datetime | None = None  # when that allowance last dropped

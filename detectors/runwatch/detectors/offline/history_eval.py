@@ -161,9 +161,8 @@ class RegressionResult:
     in_flight: bool = False
     in_flight_status: str | None = None  # found / not found / pending (no in-flight detector to replay)
     in_flight_finding: str | None = None
-    later_runs_flagged: int = (
-        0  # the other runs at the regressing commit with an outlier on a labelled metric
-    )
+    # the other runs at the regressing commit with an outlier on a labelled metric
+    later_runs_flagged: int = 0
     later_runs: int = 0
 
 
