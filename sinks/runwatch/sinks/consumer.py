@@ -39,7 +39,8 @@ from runwatch.contract.schema import (
     utc_now,
 )
 from runwatch.contract.signing import ActionPublicKeys
-from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
+from runwatch.sinks.clickhouse import ClickHouseSink
+from runwatch.sinks.connection import ClickHouseUnavailable
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.rows import storable_time
 from runwatch.sinks.summaries import SummaryUpkeep
