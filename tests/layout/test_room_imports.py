@@ -104,3 +104,15 @@ def test_an_allowed_import_is_not_caught(tmp_path):
         "from runwatch.contract.schema import Anomaly\nfrom runwatch.sinks import rows\n"
     )
     assert forbidden_imports(tmp_path, {"sinks": {"contract"}}) == []
+
+
+def test_every_test_file_sits_under_the_room_it_tests():
+    # (tests/<room>/ for a source room, or docs/, layout/, deploy/ for the docs, the house and the deployment)
+    rooms = set(allowed_imports(TABLE.read_text())) | {"docs", "layout", "deploy", "benchmarks"}
+    tests = ROOT / "tests"
+    misplaced = [
+        str(path.relative_to(tests))
+        for path in sorted(tests.rglob("test_*.py"))
+        if path.relative_to(tests).parts[0] not in rooms
+    ]
+    assert misplaced == []
