@@ -16,7 +16,7 @@ What is admitted:
   numpy's array and scalar reconstruction and its dtype, ``datetime``'s types, a few ``collections``
   containers and harmless builtin constructors.
 
-``tests/unit/test_state_classes.py`` pickles real runs' states (every registered detector, the monitor
+``tests/streams/test_state_classes.py`` pickles real runs' states (every registered detector, the monitor
 through the worker's processor, a baseline band) and checks with ``referenced_globals`` that every name
 they reference is admitted: a detector that starts holding something new fails that test, not a restore.
 """
