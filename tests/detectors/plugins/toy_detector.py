@@ -11,7 +11,7 @@ from pydantic import Field
 from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
-from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.detectors.registry import DetectorSpec, Strict
 
 NAME = "toy_loss_ceiling"
 
@@ -44,13 +44,12 @@ class ToyLossCeiling(Detector):
         ]
 
 
-register(
-    DetectorSpec(
-        name=NAME,
-        config=ToyConfig,
-        build=lambda d: ToyLossCeiling(d.toy_loss_ceiling),
-        view="rank",
-        knob="ceiling",
-        summary="a loss above a fixed ceiling (a test's toy)",
-    )
+# runwatch registers it when it loads the entry point (pyproject.toml: runwatch.detectors)
+SPEC = DetectorSpec(
+    name=NAME,
+    config=ToyConfig,
+    build=lambda d: ToyLossCeiling(d.toy_loss_ceiling),
+    view="rank",
+    knob="ceiling",
+    summary="a loss above a fixed ceiling (a test's toy)",
 )
