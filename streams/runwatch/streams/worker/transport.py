@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 # even when records arrive meanwhile, so the wait is what a quiet run's record waits for: short while
 # telemetry has been arriving lately (ACTIVE_FOR_S), longer when the worker is idle (fewer empty fetches).
 FETCH_MAX_WAIT_MS = int(os.environ.get("RUNWATCH_FETCH_MAX_WAIT_MS", "50"))
-ACTIVE_FETCH_MAX_WAIT_MS = int(os.environ.get("RUNWATCH_ACTIVE_FETCH_MAX_WAIT_MS", "5"))
+# (at least 1 ms: aiokafka fetching with no wait from Tansu stalled records for seconds)
+ACTIVE_FETCH_MAX_WAIT_MS = max(1, int(os.environ.get("RUNWATCH_ACTIVE_FETCH_MAX_WAIT_MS", "5")))
 ACTIVE_FOR_S = 10.0
 SCHEME = "runwatch"
 
