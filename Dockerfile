@@ -13,6 +13,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 # Only what the wheel is built from (.dockerignore keeps the rest of the tree out of the context).
 COPY pyproject.toml README.md ./
+COPY contract/ contract/
 COPY producer/ producer/
 COPY detectors/ detectors/
 COPY streams/ streams/

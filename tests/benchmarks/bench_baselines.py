@@ -116,7 +116,7 @@ def bench_check(n: int, repeats: int) -> dict:
 
 
 def step_stream(run_id: str, start: datetime, steps: int, modules: int, seed: int) -> list:
-    from runwatch.producer.wire.schema import MemoryStats, StepEvent
+    from runwatch.contract.schema import MemoryStats, StepEvent
 
     rng = random.Random(seed)
     names = [f"layers.{i}" for i in range(modules)]

@@ -17,9 +17,9 @@ import statistics
 import time
 from datetime import UTC, datetime, timedelta
 
+from runwatch.contract.schema import CategoryLoss, MemoryStats, StepEvent
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import DETECTORS, RunMonitor
-from runwatch.producer.wire.schema import CategoryLoss, MemoryStats, StepEvent
 
 T0 = datetime(2026, 11, 21, tzinfo=UTC)
 

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer import ActionListener, RunWatch
-from runwatch.producer.wire.signing import ActionSigningKey
 
 
 def one_run(bootstrap: str, public_keys: str, index: int, warmup_steps: int, timeout: float) -> float | None:

@@ -24,11 +24,11 @@ import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
+from runwatch.contract import topics
+from runwatch.contract.schema import StepEvent
+from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 from runwatch.local.worker_process import WorkerProcess
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import StepEvent
-from runwatch.producer.wire.signing import ActionSigningKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_latency import one_run  # (the same measurement, run by run)

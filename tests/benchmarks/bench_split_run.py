@@ -58,7 +58,7 @@ class Cluster:
         self.report_bytes: list[int] = []
 
     def owner(self, key: bytes) -> int:
-        from runwatch.producer.wire.topics import key_partition
+        from runwatch.contract.topics import key_partition
 
         return key_partition(key, PARTITIONS) % WORKERS
 

@@ -41,10 +41,10 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
 from runwatch.detectors import RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
 from runwatch.streams.state.published import READ_BUDGET_S, TAIL_RECORDS, read_published
 from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import TelemetryProcessor
@@ -161,7 +161,7 @@ def snapshot_size() -> dict:
                 "bytes": len(record.value or b""),
                 "ms_to_take": round(took * 1e3, 2),
             }
-    from runwatch.producer.wire.schema import RunStartEvent
+    from runwatch.contract.schema import RunStartEvent
 
     for world in (8, 32):  # a multi-rank run: per-rank detectors and the join grow with its ranks
         proc = TelemetryProcessor(

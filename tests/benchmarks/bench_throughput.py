@@ -28,9 +28,9 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from runwatch.contract import topics
+from runwatch.contract.schema import CategoryLoss, MemoryStats, StepEvent
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import CategoryLoss, MemoryStats, StepEvent
 
 
 class FinishClock:

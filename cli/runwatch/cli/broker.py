@@ -7,7 +7,7 @@ import click
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import require
 from runwatch.cli.signals import wait_for_signal
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 
 @click.command()

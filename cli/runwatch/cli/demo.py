@@ -10,7 +10,7 @@ from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import cli_config, require_torch
 from runwatch.cli.output import print_json
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 
 def _outage_window(

@@ -10,7 +10,7 @@ import click
 from runwatch.cli.failure import EXIT_VERDICT, fail
 from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.output import print_json
-from runwatch.producer.wire.logsafe import redacted
+from runwatch.contract.logsafe import redacted
 
 DEFAULT_DATASOURCE_URL = "native://runwatch_reader@clickhouse:9000/runwatch"
 

@@ -13,7 +13,7 @@ from runwatch.cli.failure import DSN_HELP, fail
 from runwatch.cli.needs import NeedsExtra
 
 if TYPE_CHECKING:
-    from runwatch.producer.wire.schema import TelemetryEvent
+    from runwatch.contract.schema import TelemetryEvent
 
 WRITE_CHUNK = 5000  # events per insert
 TELEMETRY_TTL_DAYS = 90  # the telemetry table's TTL (sinks/runwatch/sinks/migrations.py)

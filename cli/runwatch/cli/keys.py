@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from runwatch.cli.failure import CommandError
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 DEFAULT_KEY_FILE = Path("action-signing-key.pem")
 
@@ -24,8 +24,8 @@ def keys() -> None:
 def _new_key_file(out: Path) -> str:
     """A new key pair, the private key written to ``out`` (mode 0600, never over an existing file); the
     public key's text."""
+    from runwatch.contract.signing import ActionSigningKey
     from runwatch.local.secret import write_private_file
-    from runwatch.producer.wire.signing import ActionSigningKey
 
     key = ActionSigningKey.generate()
     try:
@@ -70,7 +70,7 @@ def generate(out: Path) -> None:
 def rotate(out: Path, keep: str | None) -> None:
     """Start a rotation: a new key pair (private key to --out) and print the public keys of the rotation,
     the new one first and the ones in use after it."""
-    from runwatch.producer.wire.signing import ActionPublicKeys, MissingKeyError, resolve_public_keys
+    from runwatch.contract.signing import ActionPublicKeys, MissingKeyError, resolve_public_keys
 
     try:
         kept = resolve_public_keys(keep or "")  # (before a key file is written)
@@ -93,7 +93,7 @@ def rotate(out: Path, keep: str | None) -> None:
 def public(keys_given: tuple[str, ...]) -> None:
     """Print the value of RUNWATCH_ACTION_PUBLIC_KEYS for the given keys, each a private key file or
     public key(s) (comma-separated); none: the public key of $RUNWATCH_ACTION_SIGNING_KEY."""
-    from runwatch.producer.wire.signing import (
+    from runwatch.contract.signing import (
         ActionPublicKey,
         ActionPublicKeys,
         MissingKeyError,

@@ -30,7 +30,7 @@ from runwatch.cli import (
     worker,
 )
 from runwatch.cli.needs import RunwatchGroup
-from runwatch.producer.wire import logsafe
+from runwatch.contract import logsafe
 
 
 @click.group(cls=RunwatchGroup)

@@ -30,7 +30,7 @@ def migrate(dsn: str | None, wait_s: float) -> None:
     from clickhouse_connect.driver.exceptions import OperationalError
 
     from runwatch.cli.startup import check_dsn
-    from runwatch.producer.wire.logsafe import redacted
+    from runwatch.contract.logsafe import redacted
     from runwatch.sinks import ClickHouseSink, default_dsn
 
     check_dsn(dsn or default_dsn(), create=True, default=dsn is None)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from runwatch.cli.failure import CommandError
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 if TYPE_CHECKING:
     from runwatch.detectors import RunwatchConfig

@@ -46,7 +46,7 @@ def kafka_partition_counts(
 ) -> dict[str, int | None]:
     """How many partitions each topic of ``names`` has on the broker at ``bootstrap`` (None: it does not
     exist); ``Unreachable`` if the broker does not answer within ``timeout_s``."""
-    from runwatch.producer.wire import topics
+    from runwatch.contract import topics
 
     def probe() -> dict[str, int | None]:
         from kafka import KafkaConsumer

@@ -12,7 +12,7 @@ from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import BOOTSTRAP_HELP, ready_file_option
 from runwatch.cli.repeats import quiet_repeats
 from runwatch.cli.signals import run_until_signalled
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 
 @click.command(cls=NeedsExtra, extras=["remediate"])
@@ -34,8 +34,8 @@ from runwatch.producer.wire import topics
 def remediate(bootstrap: str, config_path: str, dsn: str | None, ready_file: Path | None) -> None:
     """Run command templates and post to webhooks for signed actions (group runwatch-remediate)."""
     from runwatch.cli.startup import open_store, require_topics, writable_dir
+    from runwatch.contract.signing import MissingKeyError, resolve_public_keys
     from runwatch.detectors.configfile import ConfigError
-    from runwatch.producer.wire.signing import MissingKeyError, resolve_public_keys
     from runwatch.sinks.remediate.config import load_remediation_config
     from runwatch.sinks.remediate.consumer import RemediateConsumer
     from runwatch.sinks.remediate.record import RemediationStore

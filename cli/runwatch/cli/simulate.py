@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 import click
 
 from runwatch.cli.failure import CommandError
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.groups import DEFAULT_GROUP_SIZE, MAX_GROUP_SIZE
-from runwatch.producer.wire.schema import DEFAULT_LIMITS
+from runwatch.contract import topics
+from runwatch.contract.groups import DEFAULT_GROUP_SIZE, MAX_GROUP_SIZE
+from runwatch.contract.schema import DEFAULT_LIMITS
 
 PROGRESS_EVERY_S = 5.0
 

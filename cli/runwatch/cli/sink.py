@@ -12,7 +12,7 @@ from runwatch.cli.needs import NeedsExtra
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
 from runwatch.cli.repeats import quiet_repeats
 from runwatch.cli.signals import run_until_signalled
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 
 @click.command(cls=NeedsExtra, extras=["sink"])
@@ -55,8 +55,8 @@ def sink(
     """Store telemetry, anomalies, actions and dead letters in ClickHouse (group runwatch-sink), and
     write each run's summary (run_summaries) when it ends or dies."""
     from runwatch.cli.startup import open_store, require_topics
-    from runwatch.producer.wire.logsafe import redacted
-    from runwatch.producer.wire.signing import MissingKeyError, resolve_public_keys
+    from runwatch.contract.logsafe import redacted
+    from runwatch.contract.signing import MissingKeyError, resolve_public_keys
     from runwatch.sinks import SinkConsumer
 
     config = cli_config(config_path)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import current_command, require_engine
 from runwatch.cli.reach import CONNECT_TIMEOUT_S, Unreachable, call_within, kafka_partition_counts
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.logsafe import redacted
+from runwatch.contract import topics
+from runwatch.contract.logsafe import redacted
 
 if TYPE_CHECKING:
     from runwatch.sinks.clickhouse import ClickHouseSink

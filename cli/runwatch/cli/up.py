@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 from runwatch.cli.failure import EXIT_VERDICT, CommandError
 from runwatch.cli.needs import NeedsExtra
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 
 @click.command(cls=NeedsExtra, extras=["server", "embedded"])
@@ -60,9 +60,9 @@ def up(
     the rest."""
     import logging
 
+    from runwatch.contract.signing import MissingKeyError
     from runwatch.local.stack import LocalStack, StackOptions
     from runwatch.local.state_lock import StateFolderHeld
-    from runwatch.producer.wire.signing import MissingKeyError
 
     # The parts log to files; here only what goes wrong (the client libraries' retry chatter included).
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -14,7 +14,7 @@ from runwatch.cli import extras
 from runwatch.cli.failure import CommandError
 from runwatch.cli.needs import NeedsExtra, require, require_engine
 from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 if TYPE_CHECKING:
     from runwatch.streams.worker.metrics_server import MetricsServer
@@ -151,7 +151,7 @@ def worker(
         require_engine("runwatch worker --baseline-dsn", baseline_dsn)
     from pydantic import ValidationError
 
-    from runwatch.producer.wire.signing import MissingKeyError, resolve_signing_key
+    from runwatch.contract.signing import MissingKeyError, resolve_signing_key
     from runwatch.streams.state.run_states import StateOptions
     from runwatch.streams.worker.health_server import HealthServer
 

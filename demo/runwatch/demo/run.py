@@ -19,19 +19,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runwatch.demo.training import TrainingConfig, default_fault_step, train
-from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
-from runwatch.local.netcut import NetCut
-from runwatch.local.worker_process import WorkerProcess, wait_until
-from runwatch.producer import ActionListener, AppliedAction, RunWatch
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.signing import (
+from runwatch.contract import topics
+from runwatch.contract.signing import (
     ActionPublicKeys,
     ActionSigningKey,
     MissingKeyError,
     resolve_public_keys,
     resolve_signing_key,
 )
+from runwatch.demo.training import TrainingConfig, default_fault_step, train
+from runwatch.local.broker import EmbeddedBroker, committed_offset, ensure_topics, free_port
+from runwatch.local.netcut import NetCut
+from runwatch.local.worker_process import WorkerProcess, wait_until
+from runwatch.producer import ActionListener, AppliedAction, RunWatch
 from runwatch.scenarios.catalog import SCENARIOS
 from runwatch.scenarios.clocks import SimulatedClock
 from runwatch.scenarios.live import TrainingResult

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from runwatch.contract.schema import JoinedStep, TelemetryEvent
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.schema import JoinedStep, TelemetryEvent
 
 
 class Detector:

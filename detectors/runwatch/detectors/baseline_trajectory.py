@@ -33,11 +33,11 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
+from runwatch.contract.schema import EvalEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.baselines.band import EVAL_PREFIX, MEMORY_FIELDS, MODULE_PREFIX, BaselineBand
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import EvalEvent, StepEvent, TelemetryEvent
 
 
 class BaselineTrajectoryConfig(Strict):

@@ -39,12 +39,12 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class CategoryConfig(Strict):

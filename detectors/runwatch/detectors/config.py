@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import Field, create_model, field_validator, model_validator
 
+from runwatch.contract.action_kinds import PolicyActionKind
+from runwatch.contract.schema import Severity, WireLimits
 from runwatch.detectors.configfile import (
     ConfigError as ConfigError,  # re-exported: callers catch it from here
 )
 from runwatch.detectors.configfile import load_yaml_model
 from runwatch.detectors.registry import BUILTIN_MODULES, Strict, known_finding_names, specs
-from runwatch.producer.wire.action_kinds import PolicyActionKind
-from runwatch.producer.wire.schema import Severity, WireLimits
 
 # The built-in detectors register themselves on import; their config sections are defined beside them.
 # More detector modules (your own) are named in $RUNWATCH_DETECTOR_MODULES, comma-separated: they are

@@ -24,11 +24,11 @@ from collections import deque
 
 from pydantic import Field
 
+from runwatch.contract.schema import StepEvent
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import StepEvent
 
 
 class DataWaitConfig(Strict):

@@ -22,11 +22,11 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import EvalEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
-from runwatch.producer.wire.schema import EvalEvent, TelemetryEvent
 
 
 class EvalCategoryConfig(Strict):

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from runwatch.producer.wire.schema import Severity
+from runwatch.contract.schema import Severity
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import EvalEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import EvalEvent, StepEvent, TelemetryEvent
 
 
 class GeneralizationConfig(Strict):

@@ -23,8 +23,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
+from runwatch.contract.schema import HeartbeatEvent, TelemetryEvent
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.schema import HeartbeatEvent, TelemetryEvent
 
 HISTORY = 32  # samples remembered per rank (their time, SM clock, temperature)
 # Reasons that do not slow a busy GPU down: it is idle, or runs the clocks it was set to run

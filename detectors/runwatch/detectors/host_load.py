@@ -63,9 +63,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from runwatch.contract.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.schema import HeartbeatEvent, RunEndEvent, StepEvent, TelemetryEvent
 
 HISTORY = 256  # heartbeats remembered per rank
 BASELINE_SAMPLES = 12  # the "before" median's samples: the last ones before the onset

@@ -39,6 +39,7 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import JoinedStep, RunEndEvent, TelemetryEvent
 from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.engine.evidence import stack_waits, stacks_evidence, waits_phrase
 from runwatch.detectors.engine.progress import RankProgress, RunProgress
@@ -46,7 +47,6 @@ from runwatch.detectors.findings import Finding
 from runwatch.detectors.gpu_health import attach
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.stall import StallConfig
-from runwatch.producer.wire.schema import JoinedStep, RunEndEvent, TelemetryEvent
 
 
 class HungRankConfig(Strict):

@@ -31,12 +31,12 @@ from itertools import pairwise
 
 from pydantic import Field, model_validator
 
+from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
 from runwatch.detectors.update_ratio import largest_lr
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class LossRiseConfig(Strict):

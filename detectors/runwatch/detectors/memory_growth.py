@@ -48,12 +48,7 @@ from typing import Any, cast
 
 from pydantic import Field, model_validator
 
-from runwatch.detectors.base import Detector
-from runwatch.detectors.cooldown import Cooldown
-from runwatch.detectors.findings import Finding
-from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     CheckpointEvent,
     EvalEvent,
     HeartbeatEvent,
@@ -61,6 +56,11 @@ from runwatch.producer.wire.schema import (
     StepEvent,
     TelemetryEvent,
 )
+from runwatch.detectors.base import Detector
+from runwatch.detectors.cooldown import Cooldown
+from runwatch.detectors.findings import Finding
+from runwatch.detectors.registry import DetectorSpec, Strict, register
+from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
 
 
 class MemoryConfig(Strict):

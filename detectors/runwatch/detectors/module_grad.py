@@ -27,11 +27,11 @@ from datetime import datetime
 import numpy as np
 from pydantic import Field
 
+from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class ModuleGradConfig(Strict):

@@ -11,10 +11,10 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding, is_finite
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class NonFiniteConfig(Strict):

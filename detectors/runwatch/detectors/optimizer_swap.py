@@ -16,10 +16,10 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 NAME = "optimizer_swap"
 MARK = "optimizer_not_stepping"

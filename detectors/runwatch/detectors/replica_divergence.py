@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from runwatch.contract.schema import DigestGroup, StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import DigestGroup, StepEvent, TelemetryEvent
 
 
 class ReplicaDivergenceConfig(Strict):

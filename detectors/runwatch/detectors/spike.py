@@ -24,13 +24,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from runwatch.contract.schema import RankExtreme, Severity, StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.rank_outlier import RankOutlier, RankOutlierTest
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
-from runwatch.producer.wire.schema import RankExtreme, Severity, StepEvent, TelemetryEvent
 
 
 class SpikeConfig(Strict):

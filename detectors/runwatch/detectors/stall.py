@@ -32,12 +32,12 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import HeartbeatEvent, RunEndEvent, Severity, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.engine.evidence import stacks_evidence, waits_phrase
 from runwatch.detectors.engine.progress import RankProgress, RunProgress
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import HeartbeatEvent, RunEndEvent, Severity, TelemetryEvent
 
 
 class StallConfig(Strict):

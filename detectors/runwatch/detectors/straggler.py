@@ -26,11 +26,11 @@ from typing import Any
 from pydantic import Field
 from river import stats
 
+from runwatch.contract.schema import HeartbeatEvent, JoinedStep, StepEvent, TelemetryEvent
 from runwatch.detectors.base import CrossRankDetector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.gpu_health import GpuHealthTracker, attach
 from runwatch.detectors.registry import DetectorSpec, Strict, register
-from runwatch.producer.wire.schema import HeartbeatEvent, JoinedStep, StepEvent, TelemetryEvent
 
 
 class StragglerConfig(Strict):

@@ -70,13 +70,13 @@ from typing import Any
 import numpy as np
 from pydantic import Field, model_validator
 
+from runwatch.contract.schema import HeartbeatEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.gpu_health import GpuHealthTracker, attach
 from runwatch.detectors.host_load import HostLoadAttributed, HostLoadTracker, contention, describe_contention
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import IQR_TO_SIGMA, RollingQuantiles
-from runwatch.producer.wire.schema import HeartbeatEvent, StepEvent, TelemetryEvent
 
 log = logging.getLogger(__name__)
 

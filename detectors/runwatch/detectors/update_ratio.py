@@ -34,12 +34,12 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.cooldown import Cooldown
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import RollingQuantiles
-from runwatch.producer.wire.schema import StepEvent, TelemetryEvent
 
 
 class UpdateRatioConfig(Strict):

@@ -23,11 +23,11 @@ from datetime import datetime
 
 from pydantic import Field
 
+from runwatch.contract.schema import EvalEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.base import Detector
 from runwatch.detectors.findings import Finding
 from runwatch.detectors.registry import DetectorSpec, Strict, register
 from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
-from runwatch.producer.wire.schema import EvalEvent, StepEvent, TelemetryEvent
 
 
 class ValTrainGapConfig(Strict):

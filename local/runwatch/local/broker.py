@@ -15,8 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from runwatch.contract import topics
 from runwatch.local.children import die_with_parent
-from runwatch.producer.wire import topics
 
 log = logging.getLogger(__name__)
 

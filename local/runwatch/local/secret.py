@@ -15,8 +15,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.signing import (
+from runwatch.contract import topics
+from runwatch.contract.signing import (
     ActionPublicKeys,
     ActionSigningKey,
     MissingKeyError,

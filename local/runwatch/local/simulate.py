@@ -27,7 +27,7 @@ from typing import Literal, get_args
 
 import orjson
 
-from runwatch.producer.wire.groups import DEFAULT_GROUP_SIZE, is_split, record_key
+from runwatch.contract.groups import DEFAULT_GROUP_SIZE, is_split, record_key
 
 FaultKind = Literal["hang", "slow", "nan", "spike", "memory"]
 _BASE_ALLOCATED = 10 * 2**30  # bytes a rank's tensors hold before any memory fault
@@ -69,7 +69,7 @@ class SyntheticRun:
     faults: list[Fault] = field(default_factory=list)
     seed: int = 0
     attempt: str = "sim"
-    group_size: int = DEFAULT_GROUP_SIZE  # a run of more ranks is split by rank group (wire/groups.py)
+    group_size: int = DEFAULT_GROUP_SIZE  # a run of more ranks is split by rank group (contract/groups.py)
 
     def __post_init__(self) -> None:
         split = is_split(self.ranks, self.group_size)

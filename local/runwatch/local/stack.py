@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.secret import StackActionKeys, stack_action_keys, stack_state_secret
 from runwatch.local.state_lock import hold
 from runwatch.local.worker_process import WorkerProcess, wait_until
-from runwatch.producer.wire import topics
 
 if TYPE_CHECKING:
+    from runwatch.contract.signing import ActionPublicKeys
     from runwatch.detectors.config import RunwatchConfig
-    from runwatch.producer.wire.signing import ActionPublicKeys
     from runwatch.sinks.clickhouse import ClickHouseSink
     from runwatch.sinks.consumer import SinkConsumer
     from runwatch.sinks.page import PageServer

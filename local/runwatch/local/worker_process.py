@@ -14,10 +14,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from runwatch.contract import topics
+from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.broker import free_port
 from runwatch.local.children import die_with_parent as ending_with_parent
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.signing import ActionSigningKey
 from runwatch.streams.state.snapshot import STATE_SECRET_ENV
 
 

@@ -2,7 +2,7 @@
 recorder), torch instrumentation and the action listener.
 
 Never imports Faust, river or ClickHouse; torch only lazily, where it is used. The names below
-load their modules on first use, so the wire contract (``runwatch.producer.wire``) imports alone.
+load their modules on first use; the wire contract is a room of its own (``runwatch.contract``).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Lazy (PEP 562): importing ``runwatch.producer.wire`` (or any submodule) runs this file, and the
-# wire contract must not load the publisher, the watcher, the action listener or torch.
+# Lazy (PEP 562): importing any submodule runs this file, and a light one (the checkpoints helper, the
+# integrations' glue) must not load the publisher, the watcher, the action listener or torch.
 _EXPORTS = {
     "ActionListener": "actions.listener",
     "AppliedAction": "actions.apply",
@@ -23,32 +23,23 @@ _EXPORTS = {
     "MemoryDelivery": "publish.delivery",
     "RunWatch": "publish.run_watch",
     "JsonlRecorder": "publish.recorder",
-    "Action": "wire.schema",
-    "ActionAckEvent": "wire.schema",
-    "Anomaly": "wire.schema",
-    "CheckpointEvent": "wire.schema",
-    "CheckpointRef": "wire.schema",
-    "EvalEvent": "wire.schema",
-    "HeartbeatEvent": "wire.schema",
-    "RunEndEvent": "wire.schema",
-    "RunStartEvent": "wire.schema",
-    "SchemaError": "wire.schema",
-    "StepEvent": "wire.schema",
-    "decode_event": "wire.schema",
+    "Action": "runwatch.contract.schema",
+    "ActionAckEvent": "runwatch.contract.schema",
+    "Anomaly": "runwatch.contract.schema",
+    "CheckpointEvent": "runwatch.contract.schema",
+    "CheckpointRef": "runwatch.contract.schema",
+    "EvalEvent": "runwatch.contract.schema",
+    "HeartbeatEvent": "runwatch.contract.schema",
+    "RunEndEvent": "runwatch.contract.schema",
+    "RunStartEvent": "runwatch.contract.schema",
+    "SchemaError": "runwatch.contract.schema",
+    "StepEvent": "runwatch.contract.schema",
+    "decode_event": "runwatch.contract.schema",
     "Watcher": "instrument.watch",
 }
 
 if TYPE_CHECKING:
-    from runwatch.producer.actions.apply import AppliedAction
-    from runwatch.producer.actions.checkpoints import save_checkpoint
-    from runwatch.producer.actions.listener import ActionListener
-    from runwatch.producer.instrument.categories import CategoryLossBatch, category_loss
-    from runwatch.producer.instrument.heartbeat import Heartbeat
-    from runwatch.producer.instrument.watch import Watcher
-    from runwatch.producer.publish.delivery import MemoryDelivery, PublisherStats
-    from runwatch.producer.publish.recorder import JsonlRecorder
-    from runwatch.producer.publish.run_watch import RunWatch
-    from runwatch.producer.wire.schema import (
+    from runwatch.contract.schema import (
         Action,
         ActionAckEvent,
         Anomaly,
@@ -62,13 +53,27 @@ if TYPE_CHECKING:
         StepEvent,
         decode_event,
     )
+    from runwatch.producer.actions.apply import AppliedAction
+    from runwatch.producer.actions.checkpoints import save_checkpoint
+    from runwatch.producer.actions.listener import ActionListener
+    from runwatch.producer.instrument.categories import CategoryLossBatch, category_loss
+    from runwatch.producer.instrument.heartbeat import Heartbeat
+    from runwatch.producer.instrument.watch import Watcher
+    from runwatch.producer.publish.delivery import MemoryDelivery, PublisherStats
+    from runwatch.producer.publish.recorder import JsonlRecorder
+    from runwatch.producer.publish.run_watch import RunWatch
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:  # AttributeError lets ``from runwatch.producer import wire`` find the subpackage
+    if module is None:  # AttributeError lets ``from runwatch.producer import actions`` find the subpackage
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(
+        importlib.import_module(
+            module if "." in module and module.startswith("runwatch.") else f"{__name__}.{module}"
+        ),
+        name,
+    )
     globals()[name] = value
     return value
 

@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from runwatch.contract.schema import MemoryStats
 from runwatch.producer.instrument.runtime import transformer_flops_per_step
 from runwatch.producer.publish.recorder import JsonlRecorder
-from runwatch.producer.wire.schema import MemoryStats
 from runwatch.scenarios.faults import FaultInjector, FaultRun
 from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.tasks import AudioTask, Batch, Task

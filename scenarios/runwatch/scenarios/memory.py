@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from runwatch.contract.schema import MemoryStats
 from runwatch.producer.instrument.memory import MemorySampler
-from runwatch.producer.wire.schema import MemoryStats
 
 
 class CachingAllocatorModel:

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from runwatch.producer.actions.inbox import ActionInbox
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import (
+from runwatch.contract import topics
+from runwatch.contract.inbox import ActionInbox
+from runwatch.contract.schema import (
     DEFAULT_LIMITS,
     DeadLetter,
     JoinedStep,
@@ -38,7 +38,7 @@ from runwatch.producer.wire.schema import (
     decode_received,
     utc_now,
 )
-from runwatch.producer.wire.signing import ActionPublicKeys
+from runwatch.contract.signing import ActionPublicKeys
 from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.rows import storable_time

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from runwatch.producer.wire.schema import Anomaly
+from runwatch.contract.schema import Anomaly
 from runwatch.sinks.rows import REMEDIATION_COLUMNS, as_utc
 
 if TYPE_CHECKING:
-    from runwatch.producer.wire.schema import TelemetryEvent
+    from runwatch.contract.schema import TelemetryEvent
     from runwatch.sinks.clickhouse import ClickHouseSink
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class RunReads:
         and the step events of the other ranks (what ``RunSummarizer`` uses: rank 0's steps for the
         step figures, every rank's memory maxima; other ranks' heartbeats and acks add nothing to
         it). A payload that no longer decodes is skipped with a warning."""
-        from runwatch.producer.wire.schema import SchemaError, decode_event
+        from runwatch.contract.schema import SchemaError, decode_event
 
         rows = self.query(
             "SELECT payload FROM {db}.telemetry FINAL WHERE run_id = %(r)s AND (rank = 0 OR kind = 'step') "

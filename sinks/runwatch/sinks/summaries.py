@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from runwatch.contract.schema import TelemetryEvent
 from runwatch.detectors.baselines.compare import GOODPUT_METRIC
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary, Status
-from runwatch.producer.wire.schema import TelemetryEvent
 from runwatch.sinks.clickhouse import ClickHouseSink
 
 if TYPE_CHECKING:

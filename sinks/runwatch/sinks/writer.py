@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from runwatch.producer.wire.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
+from runwatch.contract.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
 from runwatch.sinks.rows import (
     ACTION_COLUMNS,
     ANOMALY_COLUMNS,

@@ -29,10 +29,10 @@ from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
+from runwatch.contract.schema import EvalEvent, RunEndEvent, RunStartEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.baselines.check import select_history
 from runwatch.detectors.baselines.compare import BaselineConfig
 from runwatch.detectors.baselines.summary import NEW_BASELINE_TAG, fingerprint_id, hardware_fingerprint
-from runwatch.producer.wire.schema import EvalEvent, RunEndEvent, RunStartEvent, StepEvent, TelemetryEvent
 
 DEFAULT_QUANTILES = (0.1, 0.5, 0.9)
 MODULE_PREFIX = "module_grad_norm/"

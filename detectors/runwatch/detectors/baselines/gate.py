@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from runwatch.contract.schema import Anomaly, RunEndEvent, TelemetryEvent
 from runwatch.detectors.baselines.check import check_run
 from runwatch.detectors.baselines.compare import BaselineConfig, MetricComparison
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.schema import Anomaly, RunEndEvent, TelemetryEvent
 
 NAME = "baseline_outliers"
 

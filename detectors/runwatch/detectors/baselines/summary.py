@@ -35,7 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from river import stats
 
-from runwatch.producer.wire.schema import (
+from runwatch.contract.schema import (
     ActionAckEvent,
     Anomaly,
     CategoryLoss,

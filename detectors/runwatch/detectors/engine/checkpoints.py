@@ -19,7 +19,7 @@ Pure and picklable: the monitor feeds it joined steps, checkpoints, findings and
 
 from __future__ import annotations
 
-from runwatch.producer.wire.schema import CheckpointRef
+from runwatch.contract.schema import CheckpointRef
 
 
 class CheckpointLedger:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from runwatch.contract.schema import CrashEvent, Severity
 from runwatch.detectors.config import CrashPolicyConfig
 from runwatch.detectors.crash_classes import CrashVerdict, classify
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.schema import CrashEvent, Severity
 
 CRASH = "crash"  # the finding's detector name (registry.POLICY_FINDINGS)
 # A host name an action may carry: what the remediator's host rule accepts too (sinks/.../templates.py). A

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from runwatch.producer.wire.schema import StackEvidenceEvent, ThreadStack
+from runwatch.contract.schema import StackEvidenceEvent, ThreadStack
 
 KEPT_FRAMES = 24  # of a rank's training thread, the innermost, in its progress and in a finding
 PEER_FRAMES = 8  # of a peer's, in a finding about another rank

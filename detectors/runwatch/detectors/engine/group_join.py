@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from runwatch.contract.group_report import StepPartial
+from runwatch.contract.groups import group_ranks, groups_in
 from runwatch.detectors.engine.rank_join import Joined, joined_from
 from runwatch.detectors.engine.step_partial import merge
-from runwatch.producer.wire.group_report import StepPartial
-from runwatch.producer.wire.groups import group_ranks, groups_in
 
 Key = tuple[int, int]  # (generation, step)
 

@@ -16,14 +16,14 @@ from datetime import datetime
 
 import orjson
 
+from runwatch.contract.group_report import ReportItem
+from runwatch.contract.groups import group_ranks
+from runwatch.contract.schema import Anomaly, CheckpointEvent, RunStartEvent, TelemetryEvent
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.engine.rank_join import Joined
 from runwatch.detectors.engine.step_partial import partial_of
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.group_report import ReportItem
-from runwatch.producer.wire.groups import group_ranks
-from runwatch.producer.wire.schema import Anomaly, CheckpointEvent, RunStartEvent, TelemetryEvent
 
 # The kinds the run's own monitor needs: what the run is (rank 0's run_start and run_end), its evaluations,
 # its checkpoints (rollback targets) and its ranks' acknowledgements of actions.

@@ -16,13 +16,13 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
+from runwatch.contract.group_report import ReportBody
+from runwatch.contract.schema import ActionAckEvent, TelemetryEvent, WireFloat, decode_event
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.group_join import GroupJoin
 from runwatch.detectors.engine.group_monitor import RUN_LEVEL_KINDS
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.group_report import ReportBody
-from runwatch.producer.wire.schema import ActionAckEvent, TelemetryEvent, WireFloat, decode_event
 
 _FINDING_FLOATS = ("value", "threshold", "score")
 _wire_float: TypeAdapter[float | None] = TypeAdapter(WireFloat | None)  # (the wire's "NaN" strings)

@@ -14,6 +14,22 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypedDict, cast
 
+from runwatch.contract.group_report import ReportItem
+from runwatch.contract.schema import (
+    ActionAckEvent,
+    Anomaly,
+    CheckpointEvent,
+    CheckpointRef,
+    CrashEvent,
+    EvalEvent,
+    HeartbeatEvent,
+    JoinedStep,
+    RunEndEvent,
+    RunStartEvent,
+    StackEvidenceEvent,
+    StepEvent,
+    TelemetryEvent,
+)
 from runwatch.detectors import registry
 from runwatch.detectors.base import CrossRankDetector, Detector
 from runwatch.detectors.baselines.gate import RunEndBaselineCheck
@@ -35,22 +51,6 @@ from runwatch.detectors.engine.rank_join import Joined, StepJoin
 from runwatch.detectors.engine.recovery import RECOVERED, RecoveryCheck
 from runwatch.detectors.engine.rewind import DetectorSnapshots
 from runwatch.detectors.findings import Finding
-from runwatch.producer.wire.group_report import ReportItem
-from runwatch.producer.wire.schema import (
-    ActionAckEvent,
-    Anomaly,
-    CheckpointEvent,
-    CheckpointRef,
-    CrashEvent,
-    EvalEvent,
-    HeartbeatEvent,
-    JoinedStep,
-    RunEndEvent,
-    RunStartEvent,
-    StackEvidenceEvent,
-    StepEvent,
-    TelemetryEvent,
-)
 
 _ANOMALY_NAMESPACE = uuid.UUID("0b8f3c4e-2a71-4d3e-8f5a-7c9e1d2b6a40")
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from runwatch.contract.action_kinds import ActionKind, PolicyActionKind
+from runwatch.contract.schema import SEVERITY_RANK, Anomaly, CheckpointRef, Severity
 from runwatch.detectors import registry
 from runwatch.detectors.config import PolicyConfig
-from runwatch.producer.wire.action_kinds import ActionKind, PolicyActionKind
-from runwatch.producer.wire.schema import SEVERITY_RANK, Anomaly, CheckpointRef, Severity
 
 _ID_NAMESPACE = uuid.UUID("6f1d0a52-4c5e-4b8e-9d0c-2b7a1e3f9a10")
 # Evidence an alert carries on in its params, for the remediator's notification: a baseline check's

@@ -38,9 +38,9 @@ from typing import Any, Protocol
 
 from river import stats
 
+from runwatch.contract.schema import HeartbeatEvent, StackEvidenceEvent, StepEvent, TelemetryEvent
 from runwatch.detectors.engine.evidence import summarize
 from runwatch.detectors.gpu_health import GpuHealthTracker
-from runwatch.producer.wire.schema import HeartbeatEvent, StackEvidenceEvent, StepEvent, TelemetryEvent
 
 INTERVAL_WINDOW = 100  # step intervals in a rolling median
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
+from runwatch.contract.group_report import StepPartial
+from runwatch.contract.schema import JoinedStep, StepEvent
 from runwatch.detectors.engine.step_partial import joined_fields, joined_record, partial_of
-from runwatch.producer.wire.group_report import StepPartial
-from runwatch.producer.wire.schema import JoinedStep, StepEvent
 
 Key = tuple[int, int]  # (generation, step)
 

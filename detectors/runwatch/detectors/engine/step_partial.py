@@ -16,8 +16,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from runwatch.producer.wire.group_report import SLOWEST_LISTED, StepPartial
-from runwatch.producer.wire.schema import (
+from runwatch.contract.group_report import SLOWEST_LISTED, StepPartial
+from runwatch.contract.schema import (
     DIGEST_GROUPS,
     DIGEST_RANKS_LISTED,
     RANKS_LISTED,
@@ -30,7 +30,7 @@ from runwatch.producer.wire.schema import (
     ReplicaDigests,
     StepEvent,
 )
-from runwatch.producer.wire.schema import UpdateSkipped as SkipReason
+from runwatch.contract.schema import UpdateSkipped as SkipReason
 
 NORMS = ("grad_norm", "grad_norm_clipped", "param_norm", "update_norm")
 _NAN = math.nan

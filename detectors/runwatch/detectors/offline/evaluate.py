@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from runwatch.contract.schema import Anomaly, TelemetryEvent
 from runwatch.detectors.baselines.band import (
     BaselineBand,
     band_from_runs,
@@ -26,7 +27,6 @@ from runwatch.detectors.baselines.band import (
 )
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.offline.replay import ReplayError, read_events, replay
-from runwatch.producer.wire.schema import Anomaly, TelemetryEvent
 
 LABELS_FILE = "labels.json"
 # Which evidence key of a finding must equal which label field, where the label has it.

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from runwatch.contract.schema import TelemetryEvent
 from runwatch.detectors.baselines.changepoints import LevelChange, baseline_segments, scan_history
 from runwatch.detectors.baselines.check import BaselineReport, check_run
 from runwatch.detectors.baselines.compare import (
@@ -41,7 +42,6 @@ from runwatch.detectors.baselines.compare import (
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.offline.replay import ReplayError, read_events
 from runwatch.detectors.rolling_quantile import MAD_TO_SIGMA
-from runwatch.producer.wire.schema import TelemetryEvent
 
 LABELS_FILE = "labels.json"
 HISTORY_KIND = "history"

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from runwatch.contract.schema import Anomaly, SchemaError, StepEvent, TelemetryEvent, decode_event
 from runwatch.detectors.baseline_trajectory import hand_band
 from runwatch.detectors.baselines.band import BaselineBand
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.engine.policy import ActionDecision
-from runwatch.producer.wire.schema import Anomaly, SchemaError, StepEvent, TelemetryEvent, decode_event
 
 TICK_EVERY_S = 0.25  # the worker's timer period (streams/runwatch/streams/worker/app.py), on event time
 MAX_TICKS_PER_GAP = 400_000  # a recording with a days-long gap must not tick forever

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runwatch.contract.action_kinds import Applies, applies
+from runwatch.contract.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn
 from runwatch.producer.publish.lr import restore_base_lr, scale_lr_once
 from runwatch.producer.publish.lr_hold import LRHold
-from runwatch.producer.wire.action_kinds import Applies, applies
-from runwatch.producer.wire.schema import Action, CheckpointRef, newest_checkpoint_before, utc_now
 
 if TYPE_CHECKING:
     from runwatch.producer.publish.publisher import ActionPublisher
@@ -106,7 +106,7 @@ class ActionApplier:
         if check_expiry and action.is_expired(action.issuer_now(utc_now(), self.rw.rank)):
             self._ignored["expired"] += 1
             return None
-        handler = self._HANDLERS[applies(action.kind)]  # one per way of applying (wire/action_kinds.py)
+        handler = self._HANDLERS[applies(action.kind)]  # one per way of applying (contract/action_kinds.py)
         return self.record(handler(self, action, step), step)
 
     def _note(self, action: Action, step: int | None) -> AppliedAction:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import queue
 from collections import Counter
 
+from runwatch.contract.action_kinds import PAUSE_ENDERS, applies
+from runwatch.contract.schema import Action
 from runwatch.producer.actions.applied_ids import AppliedIds
-from runwatch.producer.wire.action_kinds import PAUSE_ENDERS, applies
-from runwatch.producer.wire.schema import Action
 
 
 class Arrivals:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runwatch.producer.wire.schema import CheckpointRef
+from runwatch.contract.schema import CheckpointRef
 
 RestoreFn = Callable[[CheckpointRef], None]
 

@@ -1,7 +1,7 @@
 """``ActionListener``: the trainer's side of the action topic.
 
 A daemon thread (:mod:`~runwatch.producer.actions.reader`) consumes ``runwatch.actions``; its
-:mod:`~runwatch.producer.actions.inbox` keeps only actions that are addressed to this run, signed
+:mod:`~runwatch.contract.inbox` keeps only actions that are addressed to this run, signed
 by the workers' key (verified with their public key: ``$RUNWATCH_ACTION_PUBLIC_KEYS``; a trainer holds
 no key that can sign), issued for this attempt of the run (when both name one: ``RunWatch.attempt``),
 unexpired, issued neither before the listener started nor in the future (both with a clock-skew
@@ -30,19 +30,19 @@ import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from runwatch.contract import topics
+from runwatch.contract.action_kinds import applies
+from runwatch.contract.inbox import DEFAULT_CLOCK_SKEW, ActionInbox
+from runwatch.contract.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
+from runwatch.contract.signing import ActionPublicKeys, MissingKeyError, resolve_public_keys
 from runwatch.producer.actions.applied_ids import STATE_MAX_IDS, AppliedIds, default_state_path
 from runwatch.producer.actions.apply import ActionApplier, AppliedAction
 from runwatch.producer.actions.arrivals import Arrivals
 from runwatch.producer.actions.checkpoints import RestoreFn, torch_restore
-from runwatch.producer.actions.inbox import DEFAULT_CLOCK_SKEW, ActionInbox
 from runwatch.producer.actions.rank_sync import RankSync, sync_group
 from runwatch.producer.actions.reader import ActionReader
 from runwatch.producer.actions.stop_relay import StopRelay
 from runwatch.producer.actions.watchdog import StopWatchdog
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.action_kinds import applies
-from runwatch.producer.wire.schema import Action, CheckpointRef, SchemaError, decode_action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys, MissingKeyError, resolve_public_keys
 
 if TYPE_CHECKING:
     from runwatch.producer.publish.publisher import ActionPublisher
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 def _no_keys() -> ActionPublicKeys:
     """Keys that verify nothing (a listener without public keys refuses every action): one made here, its
     private half dropped at once."""
-    from runwatch.producer.wire.signing import ActionSigningKey
+    from runwatch.contract.signing import ActionSigningKey
 
     return ActionPublicKeys([ActionSigningKey.generate().public])
 

@@ -33,10 +33,10 @@ import time
 from collections import Counter
 from typing import Any
 
+from runwatch.contract.action_kinds import applies
+from runwatch.contract.schema import Action, utc_now
 from runwatch.producer.actions.applied_ids import AppliedIds
 from runwatch.producer.actions.arrivals import Arrivals
-from runwatch.producer.wire.action_kinds import applies
-from runwatch.producer.wire.schema import Action, utc_now
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 log = logging.getLogger(__name__)
 

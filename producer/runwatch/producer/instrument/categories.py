@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runwatch.producer.wire.schema import CategoryLoss
+from runwatch.contract.schema import CategoryLoss
 
 if TYPE_CHECKING:
     import torch

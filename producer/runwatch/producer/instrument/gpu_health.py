@@ -236,7 +236,7 @@ class GpuHealthSampler:
         _put(out, "power_limit_w", _milli(self._query(nvml, "nvmlDeviceGetEnforcedPowerLimit")), 0, 100_000)
         if len(out) <= ("device" in out):
             return None  # (nothing measured)
-        from runwatch.producer.wire.schema import GpuHealth
+        from runwatch.contract.schema import GpuHealth
 
         GpuHealth(**out)  # within the wire's bounds, or (raising) none at all: never a dropped heartbeat
         return out

@@ -22,7 +22,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from runwatch.producer.wire.schema import UpdateSkipped as SkipReason  # re-exported for the watcher
+from runwatch.contract.schema import UpdateSkipped as SkipReason  # re-exported for the watcher
 
 __all__ = ["GuardOptions", "SkipReason", "StepGuard"]
 

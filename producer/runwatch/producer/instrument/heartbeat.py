@@ -150,7 +150,7 @@ class HostLoadSampler:
         out.update(self._shares)
         if not out:
             return None
-        from runwatch.producer.wire.schema import HostLoad
+        from runwatch.contract.schema import HostLoad
 
         HostLoad(**out)  # within the wire's bounds, or (raising) none at all: never a dropped heartbeat
         return out

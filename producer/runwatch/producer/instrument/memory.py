@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runwatch.producer.wire.schema import MemoryStats
+from runwatch.contract.schema import MemoryStats
 
 # cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value (it depends on the page
 # size); anything beyond 1 EiB is no real limit either.

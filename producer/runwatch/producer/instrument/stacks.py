@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from runwatch.producer.wire.schema import DEFAULT_LIMITS, StackFrame, ThreadStack, clip_flight_recorder
+from runwatch.contract.schema import DEFAULT_LIMITS, StackFrame, ThreadStack, clip_flight_recorder
 
 # The deepest a stack is walked: frames beyond (the outermost of a runaway recursion) are counted, not read
 MAX_WALK = 10_000

@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from runwatch.contract.schema import CategoryLoss
 from runwatch.producer.instrument.activations import ActivationProbe, activation_stats
 from runwatch.producer.instrument.categories import CategoryLossBatch
 from runwatch.producer.instrument.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
@@ -79,7 +80,6 @@ from runwatch.producer.instrument.memory import MemorySampler
 from runwatch.producer.instrument.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
 from runwatch.producer.instrument.step_packing import StepPacking
 from runwatch.producer.publish.lr_hold import LRHold
-from runwatch.producer.wire.schema import CategoryLoss
 
 if TYPE_CHECKING:
     import torch

@@ -36,8 +36,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, Protocol
 
+from runwatch.contract.schema import CrashEvent, bound_crash
 from runwatch.producer.publish.run_end import truncate
-from runwatch.producer.wire.schema import CrashEvent, bound_crash
 
 log = logging.getLogger(__name__)
 

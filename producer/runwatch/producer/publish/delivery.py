@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runwatch.producer.wire.schema import EventBase
+from runwatch.contract.schema import EventBase
 
 
 @dataclass

@@ -7,7 +7,7 @@ Building is strict where decoding is not: a keyword that is no field of the even
 :class:`UnknownFieldError` at once, naming the nearest fields (``grad_nrom`` is a typo in training code, and
 would otherwise travel as an extra field all the way to ClickHouse). A field of the run's own goes in
 ``extra={...}``. The wire models still keep unknown fields when they decode another client's events
-(``extra="allow"``, wire/schema.py).
+(``extra="allow"``, contract/schema.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
-from runwatch.producer.wire.schema import EventBase, run_id_problem
+from runwatch.contract.schema import EventBase, run_id_problem
 
 E = TypeVar("E", bound=EventBase)
 
@@ -73,7 +73,7 @@ class RunEvents:
         clock: Callable[[], datetime] | None = None,
         split: tuple[int, int] | None = None,
     ):
-        """``split``: (group size, world size) of a run split by rank group (wire/groups.py), which every
+        """``split``: (group size, world size) of a run split by rank group (contract/groups.py), which every
         event then says; None: the run is one group."""
         require_run_id(run_id)
         self.run_id = run_id

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runwatch.contract import topics
+from runwatch.contract.schema import EventBase
 from runwatch.producer.publish.delivery import PublisherStats
 from runwatch.producer.publish.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import EventBase
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from runwatch.contract import groups, topics
+from runwatch.contract.schema import CrashEvent, bound_crash
 from runwatch.producer.publish.crash_capture import (
     CLOSED_FILE,
     CRASH_DIR_ENV,
@@ -34,8 +36,6 @@ from runwatch.producer.publish.crash_capture import (
     host_name,
 )
 from runwatch.producer.publish.events import RunEvents
-from runwatch.producer.wire import groups, topics
-from runwatch.producer.wire.schema import CrashEvent, bound_crash
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from runwatch.contract.schema import Action, CheckpointRef
 from runwatch.producer.publish.delivery import Delivery
-from runwatch.producer.wire.schema import Action, CheckpointRef
 
 
 class HeartbeatPublisher(Protocol):

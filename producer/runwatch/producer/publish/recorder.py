@@ -16,10 +16,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from runwatch.contract.schema import EventBase
 from runwatch.producer.publish.delivery import PublisherStats
 from runwatch.producer.publish.events import require_run_id
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.producer.wire.schema import EventBase
 
 
 class JsonlDelivery:

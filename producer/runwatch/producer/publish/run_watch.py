@@ -21,21 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from runwatch.producer.publish.crash_capture import CrashCapture
-from runwatch.producer.publish.delivery import Delivery, PublisherStats
-from runwatch.producer.publish.events import RunEvents, declared_fields, unknown_field_error
-from runwatch.producer.publish.kafka_delivery import (
-    DEFAULT_BATCH_INTERVAL_S,
-    DEFAULT_SPOOL_MAX_BYTES,
-    KafkaDelivery,
-    default_spool_dir,
-)
-from runwatch.producer.publish.lr import base_lrs
-from runwatch.producer.publish.metadata import detect_rank_world, run_start_fields
-from runwatch.producer.publish.run_end import end_status, exit_status, stop_record
-from runwatch.producer.publish.spool import Overflow
-from runwatch.producer.wire import groups, topics
-from runwatch.producer.wire.schema import (
+from runwatch.contract import groups, topics
+from runwatch.contract.schema import (
     ActionAckEvent,
     CheckpointEvent,
     CheckpointRef,
@@ -50,6 +37,19 @@ from runwatch.producer.wire.schema import (
     bound_crash,
     bound_evidence,
 )
+from runwatch.producer.publish.crash_capture import CrashCapture
+from runwatch.producer.publish.delivery import Delivery, PublisherStats
+from runwatch.producer.publish.events import RunEvents, declared_fields, unknown_field_error
+from runwatch.producer.publish.kafka_delivery import (
+    DEFAULT_BATCH_INTERVAL_S,
+    DEFAULT_SPOOL_MAX_BYTES,
+    KafkaDelivery,
+    default_spool_dir,
+)
+from runwatch.producer.publish.lr import base_lrs
+from runwatch.producer.publish.metadata import detect_rank_world, run_start_fields
+from runwatch.producer.publish.run_end import end_status, exit_status, stop_record
+from runwatch.producer.publish.spool import Overflow
 
 if TYPE_CHECKING:
     from runwatch.producer.instrument.watch import Watcher
@@ -253,7 +253,7 @@ class RunWatch:
             self.publish(self._events.build(RunStartEvent, **{**found, **(run_start or {})}))
         elif self._leads_group:
             # The first rank of each rank group of a split run says when the run starts and ends too (only
-            # the attempt and the world): its group's worker never sees rank 0's (wire/groups.py)
+            # the attempt and the world): its group's worker never sees rank 0's (contract/groups.py)
             fields: dict[str, Any] = {"world_size": world_size}
             if self.attempt is not None:
                 fields["attempt"] = self.attempt

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runwatch.contract.action_kinds import ACTION_KINDS, POLICY_KINDS
 from runwatch.detectors.baselines.compare import METRICS, PREFIXED, BaselineConfig, MetricSpec
-from runwatch.producer.wire.action_kinds import ACTION_KINDS, POLICY_KINDS
 from runwatch.sinks.goodput import CATEGORIES as GOODPUT_CATEGORIES
 
 PanelKind = Literal["timeseries", "table", "stat", "heatmap", "state_timeline", "bar_chart"]
@@ -187,7 +187,7 @@ ANOMALY_MARKS = AnnotationSpec(
     "red",
 )
 # One per action kind, in the kind's colour (the report's too:
-# producer/runwatch/producer/wire/action_kinds.py).
+# contract/runwatch/contract/action_kinds.py).
 ACTION_MARKS = tuple(
     AnnotationSpec(
         f"Actions: {name}",
@@ -291,7 +291,7 @@ FLEET_ANOMALIES = PanelSpec(
     ("time", "run_id", "anomalies"),
     "Findings per interval and run, by the time of the step they are about.",
 )
-# The action kinds by how drastic they are (producer/runwatch/producer/wire/action_kinds.py), for
+# The action kinds by how drastic they are (contract/runwatch/contract/action_kinds.py), for
 # ClickHouse's transform().
 _KIND_ORDER = (
     f"transform(kind, [{', '.join(repr(k) for k in ACTION_KINDS)}], "

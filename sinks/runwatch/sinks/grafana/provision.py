@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runwatch.producer.wire.logsafe import redacted
+from runwatch.contract.logsafe import redacted
 
 DATASOURCE_TYPE = "grafana-clickhouse-datasource"
 DEFAULT_DATASOURCE_UID = "runwatch-clickhouse"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from runwatch.producer.wire.action_kinds import ACTION_KINDS
+from runwatch.contract.action_kinds import ACTION_KINDS
 
 REFRESH_MS = 2000
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import orjson
 from pydantic import Field, PrivateAttr, RootModel, field_validator, model_validator
 
+from runwatch.contract.action_kinds import ActionKind
 from runwatch.detectors.configfile import Strict, load_yaml_model
-from runwatch.producer.wire.action_kinds import ActionKind
 from runwatch.sinks.remediate.templates import (
     ALLOWED_FIELDS,
     DECLARED_FIELDS,

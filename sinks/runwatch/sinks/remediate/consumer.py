@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action
-from runwatch.producer.wire.signing import ActionPublicKeys
+from runwatch.contract import topics
+from runwatch.contract.schema import Action
+from runwatch.contract.signing import ActionPublicKeys
 from runwatch.sinks.hosts import exclude_list
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.remediate.config import RemediationConfig

@@ -11,9 +11,9 @@ from typing import Any
 
 import orjson
 
-from runwatch.producer.wire.action_kinds import ACTION_KINDS
-from runwatch.producer.wire.logsafe import escape_control
-from runwatch.producer.wire.schema import Action
+from runwatch.contract.action_kinds import ACTION_KINDS
+from runwatch.contract.logsafe import escape_control
+from runwatch.contract.schema import Action
 from runwatch.sinks.remediate.record import OUTPUT_LIMIT, Execution, tail
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from runwatch.producer.wire.schema import utc_now
+from runwatch.contract.schema import utc_now
 
 if TYPE_CHECKING:
     from runwatch.sinks.clickhouse import ClickHouseSink

@@ -1,6 +1,6 @@
 """The remediator's core: what one delivered action needs, and doing it.
 
-For every action the shared :class:`~runwatch.producer.actions.inbox.ActionInbox` admits (it
+For every action the shared :class:`~runwatch.contract.inbox.ActionInbox` admits (it
 decodes, checks the workers' Ed25519 signature with their public keys and the expiry, and refuses an
 action whose every planned (action, target) pair is recorded already), it runs the command templates
 of the rules that match the action's kind, as argument lists without a shell, and posts
@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, TypedDict
 
-from runwatch.producer.actions.inbox import ActionInbox, Verdict
-from runwatch.producer.wire.schema import Action, utc_now
-from runwatch.producer.wire.signing import ActionPublicKeys
+from runwatch.contract.inbox import ActionInbox, Verdict
+from runwatch.contract.schema import Action, utc_now
+from runwatch.contract.signing import ActionPublicKeys
 from runwatch.sinks.remediate.config import CommandTemplate, RemediationConfig, VerifyCommand, Webhook
 from runwatch.sinks.remediate.notifications import post_webhook, slack_payload
 from runwatch.sinks.remediate.record import Execution, tail

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 from runwatch.sinks.remediate.record import tail
 
 # No key of runwatch's reaches a command: the remediator holds none that signs, but an environment shared

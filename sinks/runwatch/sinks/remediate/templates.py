@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from runwatch.producer.wire.schema import Action
+from runwatch.contract.schema import Action
 
 if TYPE_CHECKING:
     from runwatch.sinks.remediate.config import Target

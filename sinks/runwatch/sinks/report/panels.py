@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from runwatch.producer.wire.action_kinds import ACTION_KINDS
+from runwatch.contract.action_kinds import ACTION_KINDS
 from runwatch.sinks.report.data import ReportData
 
 MAX_POINTS = 2000  # per trace: a long run is thinned (each bucket's extremes kept), so the file stays small

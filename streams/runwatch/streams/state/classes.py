@@ -16,7 +16,7 @@ What is admitted:
   numpy's array and scalar reconstruction and its dtype, ``datetime``'s types, a few ``collections``
   containers and harmless builtin constructors.
 
-``tests/unit/test_state_classes.py`` pickles real runs' states (every registered detector, the monitor
+``tests/streams/test_state_classes.py`` pickles real runs' states (every registered detector, the monitor
 through the worker's processor, a baseline band) and checks with ``referenced_globals`` that every name
 they reference is admitted: a detector that starts holding something new fails that test, not a restore.
 """
@@ -55,8 +55,8 @@ OWN_MODULES = frozenset(
         "runwatch.detectors.baselines.compare",
         "runwatch.detectors.baselines.gate",
         "runwatch.detectors.baselines.summary",
-        "runwatch.producer.wire.schema",
-        "runwatch.producer.wire.group_report",
+        "runwatch.contract.schema",
+        "runwatch.contract.group_report",
     }
 )
 

@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, TypeAlias
 
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import Action, Anomaly
+from runwatch.contract import topics
+from runwatch.contract.schema import Action, Anomaly
 from runwatch.streams.state.reader import StateReadError
 
 if TYPE_CHECKING:

@@ -44,8 +44,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runwatch.producer.wire.signing import MissingKeyError
-from runwatch.producer.wire.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV
+from runwatch.contract.signing import MissingKeyError
+from runwatch.contract.topics import LEGACY_SECRET_ENV, PUBLIC_KEYS_ENV
 from runwatch.streams.state.classes import StateUnpickler
 
 MAGIC = b"RWS1"

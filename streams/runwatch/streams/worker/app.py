@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import faust
 
+from runwatch.contract import topics
+from runwatch.contract.schema import DeadLetter
 from runwatch.detectors import RunwatchConfig
 from runwatch.detectors.offline.replay import TICK_EVERY_S
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.schema import DeadLetter
 from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.state.snapshot import resolve_state_secret
 from runwatch.streams.worker import transport

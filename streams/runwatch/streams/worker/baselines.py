@@ -27,13 +27,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from runwatch.contract.schema import RunStartEvent
 from runwatch.detectors.baseline_trajectory import hand_band
 from runwatch.detectors.baselines.band import BaselineBand, declares_new_baseline, run_fingerprint
 from runwatch.detectors.baselines.check import select_history
 from runwatch.detectors.baselines.summary import RunSummarizer, RunSummary
 from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import RunMonitor
-from runwatch.producer.wire.schema import RunStartEvent
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from runwatch.contract import logsafe, topics
 from runwatch.detectors import RunwatchConfig
-from runwatch.producer.wire import logsafe, topics
 from runwatch.streams.state.run_states import StateOptions
 from runwatch.streams.worker.processor import ProcessResult, StateRecord, TelemetryProcessor, WorkerCounters
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
-from runwatch.detectors.engine.crashes import CrashHistory
-from runwatch.detectors.engine.group_monitor import GroupMonitor
-from runwatch.detectors.engine.merge_monitor import RunMergeMonitor
-from runwatch.detectors.engine.monitor import RunLedger
-from runwatch.detectors.engine.policy import ActionDecision
-from runwatch.producer.wire import topics
-from runwatch.producer.wire.group_report import ReportBody
-from runwatch.producer.wire.groups import parse_key
-from runwatch.producer.wire.schema import (
+from runwatch.contract import topics
+from runwatch.contract.group_report import ReportBody
+from runwatch.contract.groups import parse_key
+from runwatch.contract.schema import (
     CLOCK_AHEAD_PARAM,
     Action,
     Anomaly,
@@ -42,7 +36,13 @@ from runwatch.producer.wire.schema import (
     decode_received,
     utc_now,
 )
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey
+from runwatch.detectors import MonitorOutput, RunMonitor, RunwatchConfig
+from runwatch.detectors.engine.crashes import CrashHistory
+from runwatch.detectors.engine.group_monitor import GroupMonitor
+from runwatch.detectors.engine.merge_monitor import RunMergeMonitor
+from runwatch.detectors.engine.monitor import RunLedger
+from runwatch.detectors.engine.policy import ActionDecision
 from runwatch.streams.state.published import Published, read_published
 from runwatch.streams.state.restore_progress import RestoreProgress
 from runwatch.streams.state.run_states import RunStates, StateOptions

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timedelta
 from itertools import islice
 
-from runwatch.producer.wire.schema import Anomaly
+from runwatch.contract.schema import Anomaly
 
 LIFECYCLE = "run_lifecycle"  # the detector name of these findings
 _NAMESPACE = uuid.UUID("5f0c2a8e-93d1-4c2b-b7a4-1e6d0f3a9c55")

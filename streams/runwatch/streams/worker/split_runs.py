@@ -1,4 +1,4 @@
-"""The worker's side of a run split by rank group (issue 36; wire/groups.py): which monitor an event
+"""The worker's side of a run split by rank group (issue 36; contract/groups.py): which monitor an event
 goes to, what is refused, and the signed reports a group's monitor sends to its run's.
 
 An event of a split run's rank (it says ``group_size``) goes to the monitor of its group, keyed
@@ -14,13 +14,13 @@ from datetime import datetime
 
 from pydantic import ValidationError
 
+from runwatch.contract import groups
+from runwatch.contract.group_report import ReportBody, ReportItem
+from runwatch.contract.schema import GroupReport, RunStartEvent, TelemetryEvent
+from runwatch.contract.signing import ActionPublicKeys, ActionSigningKey
 from runwatch.detectors import RunMonitor, RunwatchConfig
 from runwatch.detectors.engine.group_monitor import GroupMonitor
 from runwatch.detectors.engine.merge_monitor import RunMergeMonitor
-from runwatch.producer.wire import groups
-from runwatch.producer.wire.group_report import ReportBody, ReportItem
-from runwatch.producer.wire.schema import GroupReport, RunStartEvent, TelemetryEvent
-from runwatch.producer.wire.signing import ActionPublicKeys, ActionSigningKey
 
 
 class SplitRunError(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from datetime import datetime
 
-from runwatch.producer.wire.groups import parse_key
+from runwatch.contract.groups import parse_key
 
 MAX_RANKS_PER_RUN = 64
 

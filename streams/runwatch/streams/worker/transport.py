@@ -39,7 +39,7 @@ from faust.transport.drivers import TRANSPORTS
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.utils.functional import consecutive_numbers
 
-from runwatch.producer.wire import topics
+from runwatch.contract import topics
 from runwatch.streams.worker.run_budget import RunBudget
 
 log = logging.getLogger(__name__)
