@@ -29,6 +29,7 @@ from runwatch.streams.worker.detector_process import (
     DetectorProcess,
     DetectorProcessError,
     Outgoing,
+    RawEvent,
     Reply,
 )
 from runwatch.streams.worker.health import CommitSensor, WorkerHealth
@@ -48,21 +49,21 @@ if TYPE_CHECKING:
     from runwatch.streams.worker.metrics_server import MetricsServer
     from runwatch.streams.worker.otlp_export import OtlpExporter
 
-    # What the pipeline's two queues hold, per request: its events (None: the timer's), its reply to
-    # come (then its records' deliveries, whether it is a checkpoint and its findings' event times), the
-    # future it resolves.
-    _Inflight: TypeAlias = tuple[list[Any] | None, Awaitable[Reply], asyncio.Future[bool] | None]
+    # What the pipeline's two queues hold, per request: the offsets of its events (None: the timer's),
+    # its reply to come (then its records' deliveries, whether it is a checkpoint and its findings' event
+    # times), the future it resolves.
+    _Events: TypeAlias = list[transport.Settlement]
+    _Inflight: TypeAlias = tuple[_Events | None, Awaitable[Reply], asyncio.Future[bool] | None]
     _Delivered: TypeAlias = tuple[
-        list[Any] | None, list[Awaitable[RecordMetadata]], bool, asyncio.Future[bool] | None, list[float]
+        _Events | None, list[Awaitable[RecordMetadata]], bool, asyncio.Future[bool] | None, list[float]
     ]
 
 log = logging.getLogger(__name__)
 
 DETECT_GROUP = topics.DETECT_GROUP
-# Events go to the detector process in batches: up to this many, or what arrived within this wait
-# (the wait adds at most that much to detection latency; a backlog fills batches at once).
+# Events go to the detector process as they were fetched, in requests of up to this many: a backlog fills
+# them at once, and a quiet run's event goes alone, with no wait for others (transport.py takes them).
 BATCH_MAX_EVENTS = 500
-BATCH_WAIT_S = 0.01
 MAX_BATCHES_IN_FLIGHT = (
     6  # batches sent to the detector process and not yet answered (a few, so it never idles)
 )
@@ -81,6 +82,10 @@ class RunwatchApp(faust.App):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.before_stop: list[Callable[[], Awaitable[None]]] = []
+        # Set by the worker: the telemetry records as fetched go to it, not to Faust's streams, and a revoke
+        # waits until what it took is settled (transport.py)
+        self.take_telemetry: Callable[[list[transport.Taken]], Awaitable[None]] | None = None
+        self.telemetry_settled: Callable[[], bool] | None = None
 
     async def on_stop(self) -> None:
         for hook in self.before_stop:
@@ -251,6 +256,12 @@ class DetectWorker:
         self.submitted: dict[
             int, int
         ] = {}  # telemetry partition -> the newest offset handed to the detector process
+        # telemetry events taken from the consumer (transport.py) and not settled yet (acknowledged, or
+        # dropped unsent): a revoke waits for none to be left
+        self.unsettled = 0
+        self.pipeline_ready = asyncio.Event()  # (the agent has started the pipeline: take hands events on)
+        app.take_telemetry = self.take
+        app.telemetry_settled = lambda: self.unsettled == 0
         # -- offsets that belong to the log they came from (log_identity.py)
         self.topic_ids = TopicIds(bootstrap)
         self.watch = LogWatch()
@@ -452,30 +463,32 @@ class DetectWorker:
 
     # -- the pipeline --------------------------------------------------------------------------------
 
-    async def acknowledge(self, stream: StreamT[Any], delivered: asyncio.Queue[_Delivered]) -> None:
+    async def acknowledge(self, delivered: asyncio.Queue[_Delivered]) -> None:
         # A batch's events are acknowledged (so their offsets may be committed) only once the broker has
         # acknowledged every record they produced, and a checkpoint after them. The producer retries
         # transient errors itself; what still fails fails the worker, and the events are read again by
         # its successor.
-        held: list[list[Any]] = []
+        held: list[transport.Settlement] = []
+        consumer = self.telemetry_consumer()
         while True:
             batch, futures, checkpoint, done, finding_times = await delivered.get()
             try:
-                await asyncio.wait_for(asyncio.gather(*futures), self.delivery_timeout_s)
+                if futures:
+                    await asyncio.wait_for(asyncio.gather(*futures), self.delivery_timeout_s)
             except Exception as exc:  # noqa: BLE001 - fail() fails the worker and raises it again
                 self.health.publish_failures += 1
-                what = f"results of {len(batch)} events" if batch else "timer findings and snapshots"
+                events = sum(len(s.offsets) for s in batch or ())
+                what = f"results of {events} events" if batch else "timer findings and snapshots"
                 await self.fail(
                     f"{what} were not delivered: {exc!r}; the events they cover stay uncommitted", exc
                 )
             if finding_times:  # (published: the detection latency of each, once per finding)
                 self.health.latency.observe_since(finding_times, time.time())
             if batch:
-                held.append(batch)
+                held.extend(batch)
             if checkpoint:
-                for events in held:
-                    for event in events:
-                        await stream.ack(event)
+                consumer.settle(held)
+                self.unsettled -= sum(len(s.offsets) for s in held)
                 held.clear()
                 self.health.last_ack = time.monotonic()
             if done is not None and not done.done():
@@ -494,38 +507,69 @@ class DetectWorker:
             futures = await self.send(answer.records)
             await delivered.put((batch, futures, answer.checkpoint, done, answer.finding_times))
 
-    async def detect(self, stream: Any) -> None:  # a faust.Stream (its StreamT type has no noack_take)
-        """The agent: telemetry in batches to the detector process."""
+    async def detect(self, stream: StreamT[Any]) -> None:
+        """The agent: subscribes the app to telemetry and runs the pipeline to the detector process, which
+        ``take`` feeds with the records as the consumer fetches them (Faust's streams never see them)."""
         inflight: asyncio.Queue[_Inflight] = asyncio.Queue(maxsize=MAX_BATCHES_IN_FLIGHT)
         delivered: asyncio.Queue[_Delivered] = asyncio.Queue(maxsize=MAX_BATCHES_AWAITING_DELIVERY)
         completer = asyncio.ensure_future(self.complete(inflight, delivered))
-        acknowledger = asyncio.ensure_future(self.acknowledge(stream, delivered))
-        await asyncio.get_running_loop().run_in_executor(None, self.detectors.wait_ready)
-        self.inflight = inflight
-        self.telemetry_consumer().commit_guard = self.guard_commit
-        self.telemetry_consumer().run_budget = self.budget
-        submitted, health = self.submitted, self.health
+        acknowledger = asyncio.ensure_future(self.acknowledge(delivered))
         try:
-            async for events in stream.noack_take(BATCH_MAX_EVENTS, within=BATCH_WAIT_S):
-                # (an event of a log found recreated while it waited here was settled: start_over)
-                batch = [e for e in events if not e.message.acked]
-                if not batch:
-                    continue
-                raw = [
-                    (e.value, e.key, e.message.partition, e.message.offset, e.message.timestamp)
-                    for e in batch
-                ]
-                for _value, _key, partition, offset, _ts in raw:
-                    submitted[partition] = offset  # (the newest: after a seek back, lower than before)
-                await self.submit("events", raw, batch)
-                health.events_submitted += len(raw)
-                for task in (completer, acknowledger):
-                    if task.done():
-                        task.result()  # the detector process or publishing failed: crash with its error
+            await asyncio.get_running_loop().run_in_executor(None, self.detectors.wait_ready)
+            self.inflight = inflight
+            self.telemetry_consumer().commit_guard = self.guard_commit
+            self.telemetry_consumer().run_budget = self.budget
+            self.pipeline_ready.set()
+            finished, _ = await asyncio.wait((completer, acknowledger), return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                task.result()  # the detector process or publishing failed: crash with its error
         finally:
+            self.pipeline_ready.clear()
             self.inflight = None
             completer.cancel()
             acknowledger.cancel()
+
+    async def take(self, taken: list[transport.Taken]) -> None:
+        """Telemetry records as fetched (transport.py), to the detector process in requests of at most
+        ``BATCH_MAX_EVENTS``, in offset order per partition. Called by the consumer's fetch loop, which waits
+        for it: a full pipeline holds the next fetch back. Records of a log found recreated meanwhile
+        (start_over) are dropped unsent."""
+        items = [(t.tp, t.epoch, record) for t in taken for record in t.records]
+        self.unsettled += len(items)  # (counted at once: a revoke from now on waits for them)
+        sent = 0
+        try:
+            if not self.pipeline_ready.is_set():
+                await self.pipeline_ready.wait()
+            consumer = self.telemetry_consumer()
+            submitted, health = self.submitted, self.health
+            for start in range(0, len(items), BATCH_MAX_EVENTS):
+                chunk = items[start : start + BATCH_MAX_EVENTS]
+                raw: list[RawEvent] = []
+                offsets: dict[tuple[Any, int], list[int]] = {}
+                for tp, epoch, record in chunk:
+                    if consumer.epoch(tp) != epoch:
+                        continue  # (its log was recreated while this waited: read again from its start)
+                    timestamp = record.timestamp
+                    raw.append(
+                        (
+                            record.value,
+                            record.key,
+                            record.partition,
+                            record.offset,
+                            None if timestamp is None else timestamp / 1000.0,
+                        )
+                    )
+                    offsets.setdefault((tp, epoch), []).append(record.offset)
+                    submitted[record.partition] = record.offset  # (the newest: after a seek back, lower)
+                dropped = len(chunk) - len(raw)
+                if raw:
+                    settlements = [transport.Settlement(tp, e, o) for (tp, e), o in offsets.items()]
+                    await self.submit("events", raw, settlements)
+                    health.events_submitted += len(raw)
+                sent += len(chunk)
+                self.unsettled -= dropped
+        finally:
+            self.unsettled -= len(items) - sent  # (not sent: cancelled, or the pipeline stopped)
 
     async def keep_owned_runs(self, sender: Any, assigned: set[TP], **kwargs: Any) -> None:
         """Partitions assigned: the detector process keeps their runs and restores those new to it."""
