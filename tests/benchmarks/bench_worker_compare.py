@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "streams", "sinks", "cli", "local", "demo", "scenarios")
+ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
 
 
 def run(tree: Path, bench: str, args: list[str], pythonpath: str) -> dict:

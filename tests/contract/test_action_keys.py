@@ -28,14 +28,14 @@ from runwatch.sinks.remediate.consumer import RemediateConsumer
 from runwatch.sinks.remediate.record import RemediationStore
 from tests.conftest import eventually, publish_actions
 from tests.sinks.test_sink_poison import _sink_letters
-from tests.streams.test_poison_cases import (
+from tests.support.action_keys import ActionKeys, forgeries, trainer_materials
+from tests.worker.test_poison_cases import (
     assert_fault_found,
     new_run,
     producer,  # noqa: F401 - a fixture
     publish_fault_run,
     unharmed,  # noqa: F401 - a fixture
 )
-from tests.support.action_keys import ActionKeys, forgeries, trainer_materials
 
 pytestmark = pytest.mark.integration
 

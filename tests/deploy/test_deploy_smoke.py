@@ -22,7 +22,7 @@ import yaml
 
 from runwatch.contract import topics
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.streams.state.snapshot import STATE_SECRET_ENV
+from runwatch.worker.state.snapshot import STATE_SECRET_ENV
 from tests.support.action_keys import ActionKeys
 from tests.support.deploy_manifests import (
     DEPLOY,

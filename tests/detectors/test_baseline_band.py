@@ -141,8 +141,8 @@ def test_the_worker_loads_the_band_at_run_start_and_the_bad_init_is_named(stored
     fed as raw telemetry, gets a baseline_trajectory anomaly naming the owner; a run of an unknown
     job says once why it is not compared."""
     from runwatch.detectors.config import RunwatchConfig
-    from runwatch.streams.worker.baselines import BaselineLoader
-    from runwatch.streams.worker.processor import TelemetryProcessor
+    from runwatch.worker.baselines import BaselineLoader
+    from runwatch.worker.processor import TelemetryProcessor
     from tests.support.action_keys import SEED
 
     sink, runs = stored

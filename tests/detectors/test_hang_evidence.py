@@ -435,7 +435,7 @@ def test_a_stack_line_that_reads_as_markup_is_text_in_the_finding_and_the_report
 
 
 def test_the_stacks_in_a_run_s_state_pickle_and_load_through_the_state_unpickler():
-    from runwatch.streams.state.classes import StateUnpickler
+    from runwatch.worker.state.classes import StateUnpickler
 
     monitor, _ = hung_run()
     data = pickle.dumps(monitor)

@@ -40,7 +40,7 @@ from runwatch.producer import MemoryDelivery
 from runwatch.producer.instrument import heartbeat as heartbeat_module
 from runwatch.producer.instrument.heartbeat import Heartbeat, HostLoadSampler
 from runwatch.producer.publish.run_watch import RunWatch
-from runwatch.streams.worker.processor import TelemetryProcessor
+from runwatch.worker.processor import TelemetryProcessor
 from tests.support.action_keys import SEED
 
 T0 = datetime(2026, 5, 1, tzinfo=UTC)

@@ -1,7 +1,7 @@
 """A rollback you can trust, piece by piece: which checkpoints are confirmed good and which one a
 rollback restores; a spike that recovers versus one that diverges; the recovery check after a
 rollback; the LR a rollback sets (the run's own, recorded with the checkpoint); the config's
-guards. The whole loop on real training is in tests/streams/test_trusted_rollback.py."""
+guards. The whole loop on real training is in tests/worker/test_trusted_rollback.py."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import pytest
 
 from runwatch.contract import topics
 from runwatch.local.broker import free_port
-from runwatch.streams.state.snapshot import STATE_SECRET_ENV
+from runwatch.worker.state.snapshot import STATE_SECRET_ENV
 from tests.support.action_keys import ActionKeys
 from tests.support.service_process import Sandbox, ServiceProcess, port_free
 

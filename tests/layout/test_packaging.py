@@ -46,7 +46,7 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(tmp_path):
     # its .pth files, so the editable install of the source tree cannot shadow the wheel.
     env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"])
     code = (
-        "import runwatch, runwatch.producer, runwatch.detectors, runwatch.streams, runwatch.sinks;"
+        "import runwatch, runwatch.producer, runwatch.detectors, runwatch.worker, runwatch.sinks;"
         "import runwatch.cli, runwatch.sinks.clickhouse, runwatch.detectors.spike;"
         "import runwatch.detectors.baselines.check, runwatch.sinks.grafana.panels, runwatch.sinks.report;"
         "print(runwatch.producer.__file__)"

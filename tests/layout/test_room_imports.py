@@ -75,14 +75,14 @@ def test_every_room_imports_only_what_the_table_allows():
 def test_the_contract_and_the_detectors_may_import_no_training_side():
     allowed = allowed_imports(TABLE.read_text())
     assert allowed["contract"] == set()
-    assert "producer" not in allowed["detectors"] | allowed["sinks"] | allowed["streams"]
+    assert "producer" not in allowed["detectors"] | allowed["sinks"] | allowed["worker"]
 
 
 @pytest.mark.parametrize(
     "planted",
     [
         "from runwatch.producer.publish.run_watch import RunWatch\n",
-        "import runwatch.streams.worker.app\n",
+        "import runwatch.worker.app\n",
         "def later():\n    from runwatch.producer import RunWatch\n",  # a lazy import counts too
         "from runwatch import sinks\n",
     ],

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from tests.streams.test_trusted_rollback import BASE_LR, train  # noqa: F401 - the fixture
+from tests.worker.test_trusted_rollback import BASE_LR, train  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.integration
 

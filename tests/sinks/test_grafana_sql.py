@@ -46,8 +46,8 @@ from runwatch.sinks.grafana.panels import (
     RUN_DASHBOARD,
 )
 from tests.conftest import eventually, worker_with_config
-from tests.streams.test_multi_rank import CONFIG as DIST_CONFIG
-from tests.streams.test_multi_rank import STOP_EXIT_CODE, WORLD, Run
+from tests.worker.test_multi_rank import CONFIG as DIST_CONFIG
+from tests.worker.test_multi_rank import STOP_EXIT_CODE, WORLD, Run
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Issue 35, item 8: one run floods its partition while another run on the same partition (the victim)
 hits a NaN streak. How long after the victim's NaN does its rollback reach the action topic?
 
-Shared by tests/streams/test_partition_flood.py (that the victim is rolled back and the flood is shed
+Shared by tests/worker/test_partition_flood.py (that the victim is rolled back and the flood is shed
 and reported) and tests/benchmarks/bench_flood.py (the delay, with the budget on and off). Real parts:
 the embedded Tansu broker, a ``runwatch worker`` process, kafka-python clients.
 """

@@ -134,7 +134,7 @@ class RunsConfig(Strict):
         ge=0,
         description="events one run may send per second, as the worker sees its partition's log grow; "
         "beyond it (and its burst) they are shed, never judged, and reported, so that one run's flood "
-        "cannot starve the other runs of its partition (streams/runwatch/streams/worker/run_budget.py). "
+        "cannot starve the other runs of its partition (worker/runwatch/worker/run_budget.py). "
         "A backlog already in the log when the worker reads it is never shed. 0: no budget",
     )
     budget_burst_events: int = Field(
