@@ -108,7 +108,7 @@ class EventBase(WireModel):
     run_id: str = Field(min_length=1)
     rank: int = Field(default=0, ge=0)
     ts: WireTime = Field(default_factory=utc_now)
-    # A run split by rank group (contract/groups.py, issue 36): every event of its ranks says the group size and
+    # A run split by rank group (groups.py, issue 36): every event of its ranks says the group size and
     # the world size, and is keyed ``<run id>#<rank // group_size>``. Absent: the run is one group, keyed by
     # its run id (every producer before the split).
     group_size: int | None = Field(default=None, ge=1, le=groups.MAX_GROUP_SIZE)
@@ -729,7 +729,7 @@ class DeadLetter(WireModel):
     on its topic whatever was sent. ``stage`` says who refused it: ``decode`` (the worker's
     validation), ``detector`` (an error while a detector handled a valid event: ``detector_error``)
     ``sink`` (a row ClickHouse refused) or ``budget`` (a summary of a run's events shed over its
-    budget by the worker, streams/runwatch/streams/worker/run_budget.py: no value, ``size`` 0)."""
+    budget by the worker, worker/runwatch/worker/run_budget.py: no value, ``size`` 0)."""
 
     reason: str
     source_topic: str
