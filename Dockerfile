@@ -16,7 +16,7 @@ COPY pyproject.toml README.md ./
 COPY contract/ contract/
 COPY producer/ producer/
 COPY detectors/ detectors/
-COPY streams/ streams/
+COPY worker/ worker/
 COPY sinks/ sinks/
 COPY cli/ cli/
 COPY local/ local/

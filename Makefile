@@ -30,7 +30,7 @@ $(STAMP): $(DEMO_STAMP)
 	$(PY) -m pip install --quiet -e ".[torch,embedded,dev,lightning,hf,grafana,server,otlp]"
 	touch $(STAMP)
 
-# Non-Python clients for tests/integration/test_non_python_client.py, which runs the examples of
+# Non-Python clients for tests/contract/test_non_python_client.py, which runs the examples of
 # docs/publishing-without-python.md: Node.js with kafkajs (pinned; it has no dependencies) and
 # Debian's kcat. Installed with apt-get when missing and we are root; otherwise a message says what
 # to install (the test fails in CI, skips elsewhere).
@@ -57,7 +57,7 @@ $(CLIENTS_STAMP):
 	  echo "runwatch: no npm, so no kafkajs: the non-Python client test cannot run" >&2; \
 	fi
 
-# Headless Chromium for tests/integration/test_report.py, which opens `runwatch report`'s HTML in a real
+# Headless Chromium for tests/sinks/test_report.py, which opens `runwatch report`'s HTML in a real
 # browser: Debian's chromium, installed with apt-get when missing and we are root; otherwise a message.
 browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { $(call apt_install,chromium); }

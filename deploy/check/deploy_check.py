@@ -12,7 +12,7 @@ services run as containers (Podman, as root, host networking), with a real train
    count, each with its own --web-port: host networking shares the host's ports), the sink and the
    remediator (stand-ins, an embedded store inside the container), config mounted at /etc/runwatch as
    compose mounts it, each as the image's non-root user. Each is waited for until ready.
-5. A NaN run from the host's venv (tests/integration/fault_train.py through deploy/check/timed_train.py) must
+5. A NaN run from the host's venv (tests/support/fault_train.py through deploy/check/timed_train.py) must
    get its rollback. Then the takeover: a second, longer NaN run on a partition of the worker that held the
    first starts, that worker is killed (SIGKILL) at the run's step 200, and the survivor must hold every
    partition, restore the run from its snapshot and send the rollback for the NaN that comes after the kill.

@@ -1,4 +1,4 @@
-"""tests/integration/fault_train.py, unchanged, with two clocks added for `make deploy-check`: when the NaN
+"""tests/support/fault_train.py, unchanged, with two clocks added for `make deploy-check`: when the NaN
 batch is made (``--fault nan:S``) and when the trainer applies a rollback (the step boundary where its
 ActionListener hands it over). Same arguments as fault_train.py; besides its result.json, ``--out`` gets
 timings.json: ``{"nan_at": epoch s, "rollbacks": [{"at": epoch s, "step": S, "to_step": T}, ...]}``."""
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:
-    spec = importlib.util.spec_from_file_location("fault_train", REPO / "tests/integration/fault_train.py")
+    spec = importlib.util.spec_from_file_location("fault_train", REPO / "tests/support/fault_train.py")
     assert spec is not None and spec.loader is not None
     trainer: Any = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trainer)

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "streams", "sinks", "cli", "local", "demo", "scenarios")
+ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
 BENCH = Path("tests/benchmarks/bench_detectors.py")
 
 

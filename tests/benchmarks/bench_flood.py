@@ -17,11 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (tests.flood_scenario, run as a script)
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2])
+)  # (tests.support.flood_scenario, run as a script)
 
 from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
-from tests.flood_scenario import run_flood
+from tests.support.flood_scenario import run_flood
 
 CONFIGS = {"budget_on": {}, "budget_off": {"runs": {"budget_events_per_s": 0}}}
 

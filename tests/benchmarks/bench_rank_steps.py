@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "streams", "sinks", "cli", "local", "demo", "scenarios")
+ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
 WORLDS = ((64, 202), (1_024, 14), (4_096, 6), (16_384, 4))  # (ranks, steps): at least 40,000 rank-steps
 
 
@@ -59,7 +59,7 @@ def step_events(run_id: str, world: int, step: int, ts: datetime, rng: random.Ra
 
 def measure() -> dict[int, float]:
     from runwatch.detectors import RunwatchConfig
-    from runwatch.streams.worker.processor import TelemetryProcessor
+    from runwatch.worker.processor import TelemetryProcessor
 
     out = {}
     for world, steps in WORLDS:

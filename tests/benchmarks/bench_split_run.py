@@ -44,7 +44,7 @@ class Cluster:
 
     def __init__(self) -> None:
         from runwatch.detectors import RunwatchConfig
-        from runwatch.streams.worker.processor import TelemetryProcessor
+        from runwatch.worker.processor import TelemetryProcessor
 
         self.now = datetime.now(UTC) - timedelta(hours=2)
         clock: Callable[[], datetime] = lambda: self.now  # noqa: E731 - the simulated wall clock
@@ -114,7 +114,7 @@ def play(cluster: Cluster, run: Any, steps: range, heartbeats: bool = True, tick
 
 
 def snapshot_bytes(monitor: Any) -> int:
-    from runwatch.streams.worker.processor import RunState
+    from runwatch.worker.processor import RunState
 
     return len(zlib.compress(pickle.dumps(RunState(monitor, None), protocol=pickle.HIGHEST_PROTOCOL), 1))
 

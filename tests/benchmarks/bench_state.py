@@ -45,9 +45,9 @@ from runwatch.contract import topics
 from runwatch.contract.schema import Action, Anomaly, CategoryLoss, MemoryStats, StepEvent
 from runwatch.detectors import RunwatchConfig
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
-from runwatch.streams.state.published import READ_BUDGET_S, TAIL_RECORDS, read_published
-from runwatch.streams.state.run_states import StateOptions
-from runwatch.streams.worker.processor import TelemetryProcessor
+from runwatch.worker.processor import TelemetryProcessor
+from runwatch.worker.state.published import READ_BUDGET_S, TAIL_RECORDS, read_published
+from runwatch.worker.state.run_states import StateOptions
 
 SECRET = secrets.token_bytes(32)
 STATE_SECRET = secrets.token_bytes(32)  # the workers' state key (never the action secret)
@@ -206,7 +206,7 @@ def held_memory(runs: int, steps: int) -> dict:
     """Resident memory of a processor holding ``runs`` single-rank runs of ``steps`` events each (the
     bench's step events: 20 modules, 8 categories), then after they went silent and were let go. Run in a
     process of its own (``--memory``) so that the figures are that process's alone."""
-    from runwatch.streams.worker.detector_process import release_memory
+    from runwatch.worker.detector_process import release_memory
 
     config = RunwatchConfig.model_validate({"runs": {"silence_retention_s": 60, "max_runs": runs + 1}})
     proc = TelemetryProcessor(config, SECRET)
@@ -256,7 +256,7 @@ def held_memory_in_child(runs: int, steps: int) -> dict:
 def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
     from kafka import KafkaProducer
 
-    from runwatch.streams.state.reader import StateReader
+    from runwatch.worker.state.reader import StateReader
 
     builder = TelemetryProcessor(
         RunwatchConfig(),
@@ -317,7 +317,7 @@ def decode_cost(values: list[bytes], rounds: int = 5) -> dict:
     import pickle
     import zlib
 
-    from runwatch.streams.state.snapshot import decode_body, decode_header
+    from runwatch.worker.state.snapshot import decode_body, decode_header
 
     bodies = [decode_header(v, STATE_SECRET)[1] for v in values]
     took: dict[str, list[float]] = {"plain_pickle": [], "state_unpickler": []}
@@ -347,7 +347,7 @@ def tail_read(bootstrap: str, restored_runs: int = 1000, other_runs: int = 10_00
     anomalies and actions per partition, keyed by runs restored here and by other runs."""
     from kafka import KafkaProducer
 
-    from runwatch.streams.state.reader import StateReader
+    from runwatch.worker.state.reader import StateReader
 
     rng = random.Random(3)
     now = datetime.now(UTC)
@@ -411,7 +411,7 @@ def worker_process(bootstrap: str, group: str, state: str, out: str, ready: str)
 
     from faust.worker import Worker
 
-    from runwatch.streams.worker.app import create_app
+    from runwatch.worker.app import create_app
 
     app, detectors = create_app(
         bootstrap,

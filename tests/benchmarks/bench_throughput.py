@@ -61,7 +61,7 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
     from faust.worker import Worker
 
     from runwatch.detectors import RunwatchConfig
-    from runwatch.streams.worker.app import create_app, faust_app
+    from runwatch.worker.app import create_app, faust_app
 
     clock = FinishClock({int(p): end for p, end in json.loads(ends_json).items()}, Path(out))
     group = f"runwatch-bench-{role}-{secrets.token_hex(4)}"  # a fresh group reads from the start

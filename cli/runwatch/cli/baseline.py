@@ -86,7 +86,7 @@ def _print_change_points(baseline_key: str, runs: int, rows: list[dict[str, Any]
 
 def _baseline_report(run_id: str, dsn: str | None, config: BaselineConfig) -> BaselineReport:
     """The run's verdict: through the local page when a stack owns the store, else from the store."""
-    from runwatch.cli.failure import open_sink
+    from runwatch.cli.startup import open_sink
     from runwatch.detectors.baselines.check import BaselineReport
     from runwatch.sinks.clickhouse import default_dsn
     from runwatch.sinks.page import PageError, find_page
@@ -213,7 +213,7 @@ def scan(
     """List the change points of each metric over a job's history (E-divisive means), each with the
     first run and commit at the new level. Runs on other hardware and before a declared new
     baseline are separate histories."""
-    from runwatch.cli.failure import open_sink
+    from runwatch.cli.startup import open_sink
     from runwatch.detectors.baselines.changepoints import scan_history
 
     repo = _repo(git_repo)

@@ -1,4 +1,4 @@
-"""How every command fails, and opening the sink with a clear error when ClickHouse cannot be reached.
+"""How every command fails: one line on stderr and an exit code, never a traceback.
 
 One convention for exit codes (docs/operations.md#exit-codes):
 
@@ -12,12 +12,9 @@ One convention for exit codes (docs/operations.md#exit-codes):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import click
-
-if TYPE_CHECKING:
-    from runwatch.sinks.clickhouse import ClickHouseSink
 
 EXIT_VERDICT = 1
 EXIT_ERROR = 2
@@ -37,11 +34,3 @@ def fail(message: str) -> NoReturn:
     """Stop the command with ``error: message`` on stderr and exit 2 (a gate's "could not judge", never 0
     or 1)."""
     raise CommandError(message)
-
-
-def open_sink(dsn: str | None) -> ClickHouseSink:
-    """The ClickHouse sink at ``dsn`` (default: the sink's) for a command that reads it, migrated; exits 2
-    saying why when there is nothing stored there, or it cannot be opened or reached."""
-    from runwatch.cli.startup import open_store  # (startup raises this module's error)
-
-    return open_store(dsn, create=False)

@@ -28,7 +28,7 @@ def hosts(job: str | None, dsn: str | None, window_days: float, min_runs: int, a
     """The hosts that findings about one of their ranks (straggler, hung rank, stall, non-finite, replica
     divergence) or crashes point at in at least --min-runs runs of the job: the candidates to leave out of
     the next restart. A job that ran on one host names none."""
-    from runwatch.cli.failure import open_sink
+    from runwatch.cli.startup import open_sink
     from runwatch.sinks.hosts import lemon_hosts
 
     sink = open_sink(dsn)

@@ -97,8 +97,9 @@ def _embedded_store(command: click.Command, args: list[str]) -> bool:
 
 class RunwatchGroup(click.Group):
     """The ``runwatch`` group: a ModuleNotFoundError of a module an extra brings, raised while a command
-    runs, becomes the one line naming that extra (exit 2) instead of a traceback; a usage error is one
-    line too (``error: ... (see runwatch x --help)``, exit 2), not click's usage block."""
+    runs, becomes the one line naming that extra (exit 2) instead of a traceback, and so does a detector
+    plugin that cannot be loaded; a usage error is one line too (``error: ... (see runwatch x --help)``,
+    exit 2), not click's usage block."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         run: Any = super().main  # (click overloads main on standalone_mode's literal value)
@@ -121,6 +122,14 @@ class RunwatchGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except RuntimeError as exc:
+            # an installed detector plugin that cannot be loaded (detectors/runwatch/detectors/plugins.py):
+            # its one line names the plugin and its package. Looked up, not imported: a command that never
+            # loaded the detectors cannot have raised it.
+            plugins = sys.modules.get("runwatch.detectors.plugins")
+            if plugins is None or not isinstance(exc, plugins.DetectorPluginError):
+                raise
+            raise CommandError(str(exc)) from None
         except ImportError as exc:
             module = _missing_module(exc)
             if module is None:

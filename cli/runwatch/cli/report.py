@@ -31,8 +31,8 @@ def report(run_id: str, dsn: str | None, out: Path | None, config_path: str | No
     network), anomalies and actions marked on the curves, the findings and the baseline verdicts.
 
     Exits 2 when the run is unknown or ClickHouse cannot be read."""
-    from runwatch.cli.failure import open_sink
     from runwatch.cli.options import cli_config
+    from runwatch.cli.startup import open_sink
     from runwatch.sinks.clickhouse import default_dsn
     from runwatch.sinks.page import PageError, find_page
     from runwatch.sinks.report import UnknownRun, default_out, write_report

@@ -15,7 +15,7 @@ from runwatch.cli.output import print_json
 
 def read_runs(dsn: str | None) -> list[dict[str, Any]]:
     """The runs list as JSON rows: from a live page serving ``dsn``'s store, else from the store."""
-    from runwatch.cli.failure import open_sink
+    from runwatch.cli.startup import open_sink
     from runwatch.sinks.clickhouse import default_dsn
     from runwatch.sinks.page import PageError, find_page
 

@@ -97,6 +97,12 @@ def open_store(dsn: str | None, *, create: bool = True) -> ClickHouseSink:
         ) from None
 
 
+def open_sink(dsn: str | None) -> ClickHouseSink:
+    """The ClickHouse sink at ``dsn`` (default: the sink's) for a command that reads it, migrated; exits 2
+    saying why when there is nothing stored there, or it cannot be opened or reached."""
+    return open_store(dsn, create=False)
+
+
 def check_dsn(dsn: str, create: bool, default: bool = False) -> None:
     """Exit 2 with one line when ``dsn`` is not a ClickHouse DSN, or names an embedded store that cannot
     be (``create``) or is not there."""

@@ -17,8 +17,8 @@ from runwatch.cli.options import BOOTSTRAP_HELP, cli_config, ready_file_option
 from runwatch.contract import topics
 
 if TYPE_CHECKING:
-    from runwatch.streams.worker.metrics_server import MetricsServer
-    from runwatch.streams.worker.otlp_export import OtlpExporter
+    from runwatch.worker.metrics_server import MetricsServer
+    from runwatch.worker.otlp_export import OtlpExporter
 
 
 @click.command(cls=NeedsExtra, extras=["worker"])
@@ -152,8 +152,8 @@ def worker(
     from pydantic import ValidationError
 
     from runwatch.contract.signing import MissingKeyError, resolve_signing_key
-    from runwatch.streams.state.run_states import StateOptions
-    from runwatch.streams.worker.health_server import HealthServer
+    from runwatch.worker.health_server import HealthServer
+    from runwatch.worker.state.run_states import StateOptions
 
     server = None
     if web_port:  # first: a supervisor's probe is answered from the first second (live, starting)
@@ -172,7 +172,7 @@ def worker(
 
     # (Faust makes only the last level, and fails late)
     writable_dir(data_dir, "give --data-dir a folder this user can write")
-    from runwatch.streams.state.snapshot import resolve_state_secret
+    from runwatch.worker.state.snapshot import resolve_state_secret
 
     try:
         # (the workers' private key: only they sign actions; trainers hold its public key)
@@ -197,7 +197,7 @@ def worker(
     partitions = _check_topics(bootstrap, state.enabled)
     if server is not None:
         server.starting.phase = "starting Faust and the detector process"
-    from runwatch.streams.worker.app import create_app, run_worker
+    from runwatch.worker.app import create_app, run_worker
 
     app, _ = create_app(
         bootstrap,
@@ -224,7 +224,7 @@ def worker(
 
 def _metrics_server(host: str, port: int) -> MetricsServer:
     try:
-        from runwatch.streams.worker.metrics_server import MetricsServer
+        from runwatch.worker.metrics_server import MetricsServer
     except ImportError as exc:  # (prometheus_client: the worker extra has it; an older install may not)
         raise CommandError(
             f"runwatch worker --metrics-port needs prometheus_client ({exc}): pip install 'runwatch[worker]'"
@@ -263,7 +263,7 @@ def _otlp_exporter(endpoint: str, interval_s: float) -> OtlpExporter:
     if line is not None:
         raise CommandError(line)
     try:
-        from runwatch.streams.worker.otlp_export import OtlpExporter
+        from runwatch.worker.otlp_export import OtlpExporter
     except ImportError as exc:
         raise CommandError(
             extras.for_missing_module(OTLP_OPTION, exc.name or "", ["otlp"])

@@ -4,7 +4,7 @@ this table (the policy, the trainer's listener, the report, the notifications, G
 Adding a kind: its row here and its name in ``ActionKind`` (and ``PolicyActionKind`` if a policy rule
 may name it; both checked against the table on import), a trainer-side handler in
 ``producer/runwatch/producer/actions/apply.py`` if it is applied in a new way (keyed by ``applies``), and its
-row in docs/wire-format.md's table (checked by tests/unit/test_action_kinds.py, which also runs every kind
+row in docs/wire-format.md's table (checked by tests/contract/test_action_kinds.py, which also runs every kind
 through issue, sign, apply, acknowledge and report).
 """
 

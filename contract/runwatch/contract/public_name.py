@@ -2,7 +2,7 @@
 ``messages``, ``limits`` or ``decoding`` defines them.
 
 A run's state is pickled, and pickle names a class by its ``__module__``; the state's unpickler admits a
-class only where it says it lives (streams/runwatch/streams/state/classes.py admits
+class only where it says it lives (worker/runwatch/worker/state/classes.py admits
 ``runwatch.contract.schema``). Snapshots written before the contract was split into modules name its
 classes there, and so do the ones written since: a worker of either side restores the other's.
 """

@@ -11,7 +11,7 @@ ACTIONS = "runwatch.actions"
 DEADLETTER = "runwatch.deadletter"
 JOINED = "runwatch.joined"  # per-step cross-rank joins, for ClickHouse/Grafana
 ALL_TOPICS = (TELEMETRY, ANOMALIES, ACTIONS, DEADLETTER, JOINED)  # what the sink stores
-# The workers' per-run state snapshots (streams/runwatch/streams/state/snapshot.py): compacted, keyed by
+# The workers' per-run state snapshots (worker/runwatch/worker/state/snapshot.py): compacted, keyed by
 # run id, and partitioned as TELEMETRY is (a run's snapshot goes to the partition number its telemetry
 # comes from).
 STATE = "runwatch.state"

@@ -39,7 +39,7 @@ from runwatch.scenarios.scenario import Scenario
 from runwatch.scenarios.training import run_scenario
 from runwatch.sinks import ClickHouseSink, SinkConsumer
 from runwatch.sinks.report import write_report
-from runwatch.streams.worker.app import DETECT_GROUP
+from runwatch.worker.app import DETECT_GROUP
 
 if TYPE_CHECKING:
     from runwatch.producer import PublisherStats

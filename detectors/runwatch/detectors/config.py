@@ -7,7 +7,6 @@ unknown keys are rejected so that a typo does not silently fall back to a defaul
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -20,16 +19,16 @@ from runwatch.detectors.configfile import (
     ConfigError as ConfigError,  # re-exported: callers catch it from here
 )
 from runwatch.detectors.configfile import load_yaml_model
+from runwatch.detectors.plugins import load_plugins
 from runwatch.detectors.registry import BUILTIN_MODULES, Strict, known_finding_names, specs
 
 # The built-in detectors register themselves on import; their config sections are defined beside them.
-# More detector modules (your own) are named in $RUNWATCH_DETECTOR_MODULES, comma-separated: they are
-# imported here, before the config model is built from the registry (docs/detectors.md).
-DETECTOR_MODULES_ENV = "RUNWATCH_DETECTOR_MODULES"
-for _module in BUILTIN_MODULES + tuple(
-    m.strip() for m in os.environ.get(DETECTOR_MODULES_ENV, "").split(",") if m.strip()
-):
+# Installed packages add theirs through the entry-point group `runwatch.detectors` (plugins.py), loaded
+# here too: the config model is built from the registry, so every detector is in it first
+# (docs/detectors.md).
+for _module in BUILTIN_MODULES:
     importlib.import_module(_module)
+load_plugins()
 
 # Re-exported from where they now live, for callers that import them from here.
 from runwatch.detectors.activations import ActivationsConfig as ActivationsConfig  # noqa: E402
@@ -135,7 +134,7 @@ class RunsConfig(Strict):
         ge=0,
         description="events one run may send per second, as the worker sees its partition's log grow; "
         "beyond it (and its burst) they are shed, never judged, and reported, so that one run's flood "
-        "cannot starve the other runs of its partition (streams/runwatch/streams/worker/run_budget.py). "
+        "cannot starve the other runs of its partition (worker/runwatch/worker/run_budget.py). "
         "A backlog already in the log when the worker reads it is never shed. 0: no budget",
     )
     budget_burst_events: int = Field(

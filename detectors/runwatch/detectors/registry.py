@@ -15,7 +15,8 @@ Views:
   record (``base.CrossRankDetector``).
 
 This module imports no detector: each detector module calls :func:`register` at import, and
-``config`` imports the built-in ones (:data:`BUILTIN_MODULES`).
+``config`` imports the built-in ones (:data:`BUILTIN_MODULES`), then the installed plugins' (the
+entry-point group ``runwatch.detectors``: detectors/runwatch/detectors/plugins.py).
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def register(spec: DetectorSpec) -> DetectorSpec:
         raise ValueError(f"detector {spec.name}: knob {spec.knob!r} is not a field of {spec.config.__name__}")
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def registered() -> dict[str, DetectorSpec]:
+    """Name -> spec of every registered detector (a copy)."""
+    return dict(_REGISTRY)
 
 
 def specs() -> list[DetectorSpec]:

@@ -23,7 +23,7 @@ from runwatch.contract.signing import (
     resolve_public_keys,
     resolve_signing_key,
 )
-from runwatch.streams.state.snapshot import STATE_SECRET_ENV, resolve_state_secret
+from runwatch.worker.state.snapshot import STATE_SECRET_ENV, resolve_state_secret
 
 SIGNING_KEY_FILE = "action-signing-key.pem"
 STATE_SECRET_FILE = "state-secret"

@@ -18,7 +18,7 @@ from runwatch.contract import topics
 from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.broker import free_port
 from runwatch.local.children import die_with_parent as ending_with_parent
-from runwatch.streams.state.snapshot import STATE_SECRET_ENV
+from runwatch.worker.state.snapshot import STATE_SECRET_ENV
 
 
 @cache

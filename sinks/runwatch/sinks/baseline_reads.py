@@ -12,11 +12,11 @@ from runwatch.sinks.rows import SUMMARY_COLUMNS, as_utc, summary_from_row
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.band import BaselineBand
     from runwatch.detectors.baselines.summary import RunSummary
-    from runwatch.sinks.clickhouse import ClickHouseSink
+    from runwatch.sinks.connection import Connection
 
 
 class BaselineReads:
-    def __init__(self, sink: ClickHouseSink):
+    def __init__(self, sink: Connection):
         self.query = sink.query
 
     def _summaries(

@@ -1,7 +1,8 @@
 """``ClickHouseSink``: the connection to ClickHouse and its schema, with the sink's parts on it: ``writer``
 (sinks/runwatch/sinks/writer.py), ``runs`` (sinks/runwatch/sinks/run_reads.py), ``baselines``
-(sinks/runwatch/sinks/baseline_reads.py) and ``report`` (sinks/runwatch/sinks/report/queries.py). The rows
-themselves are sinks/runwatch/sinks/rows.py's.
+(sinks/runwatch/sinks/baseline_reads.py) and ``report`` (sinks/runwatch/sinks/report/queries.py), each of
+which takes it as a ``Connection`` (sinks/runwatch/sinks/connection.py, a leaf: the parts never import this
+module). The rows themselves are sinks/runwatch/sinks/rows.py's.
 
 One code path for the embedded engine (``chdb:///path``) and a server
 (``http(s)://user:pass@host:8123``): clickhouse-connect picks the transport from the DSN.
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
 
 DEFAULT_DSN_PATH = Path(".runwatch") / "clickhouse"
 TABLES = ("telemetry", "anomalies", "actions", "deadletter", "joined_steps", "run_summaries")
-
-
-class ClickHouseUnavailable(Exception):  # a state, not a bug
-    """ClickHouse cannot be reached (connection refused, timeout, client closed): retry later."""
 
 
 def default_dsn() -> str:

@@ -1,4 +1,5 @@
-"""The sink's consumer loop: its own consumer group, batches by size and time.
+"""The ClickHouse sink on Kafka (``SinkConsumer``, a ``Sink``: sinks/runwatch/sinks/base.py): its own
+consumer group, batches by size and time.
 
 Offsets are committed only after a batch is in ClickHouse, so a crash or a
 ClickHouse outage re-delivers rather than loses; the tables deduplicate on ids.
@@ -21,6 +22,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -39,7 +41,9 @@ from runwatch.contract.schema import (
     utc_now,
 )
 from runwatch.contract.signing import ActionPublicKeys
-from runwatch.sinks.clickhouse import ClickHouseSink, ClickHouseUnavailable
+from runwatch.sinks.base import Partition, Record, Sink, first_offsets
+from runwatch.sinks.clickhouse import ClickHouseSink
+from runwatch.sinks.connection import ClickHouseUnavailable
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.rows import storable_time
 from runwatch.sinks.summaries import SummaryUpkeep
@@ -77,7 +81,12 @@ class SinkStats:
     last_empty_poll: float = 0.0  # monotonic time of the last poll that returned nothing
 
 
-class SinkConsumer:
+class SinkConsumer(Sink):
+    """Stores every runwatch topic in ClickHouse; ``write_batch`` returns once a batch is stored and its
+    dead letters published (see the module docstring)."""
+
+    label = "runwatch sink"
+
     def __init__(
         self,
         sink: ClickHouseSink,
@@ -109,6 +118,7 @@ class SinkConsumer:
         whose every action fails verification is logged as such (the keys are not the workers').
         ``partitions``: the telemetry topic's partition count; a record on another partition than its key's
         is not stored (the worker dead-letters it)."""
+        super().__init__()
         self.partitions = partitions
         self.limits = limits
         self._actions = ActionInbox(public_keys, remember=False) if public_keys is not None else None
@@ -124,8 +134,6 @@ class SinkConsumer:
         self.stats = SinkStats()
         self.positions: dict[tuple[str, int], int] = {}  # next offset after what is stored
         self._lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.assigned = threading.Event()
         self._given_producer = deadletter_producer
         self._producer: Any = deadletter_producer
         self.summaries = (
@@ -250,12 +258,12 @@ class SinkConsumer:
                 )
         return letters
 
-    def _publish(self, letters: list[tuple[Any, DeadLetter]]) -> dict[tuple[str, int], int]:
+    def _publish(self, letters: list[tuple[Any, DeadLetter]]) -> dict[Partition, int]:
         """Publish the dead letters and wait for them; returns, per (topic, partition), the first
         offset whose dead letter could not be published (nothing is committed from there on)."""
-        failed: dict[tuple[str, int], int] = {}
+        unpublished: list[Record] = []
         if not letters:
-            return failed
+            return {}
         sent = []
         for r, letter in letters:
             try:
@@ -289,14 +297,13 @@ class SinkConsumer:
                 r.offset,
                 error,
             )
-            key = (r.topic, r.partition)
-            failed[key] = min(failed.get(key, r.offset), r.offset)
-        return failed
+            unpublished.append(r)
+        return first_offsets(unpublished)
 
-    def _act(self, pending: list[Any]) -> dict[tuple[str, int], int]:
+    def write_batch(self, pending: Sequence[Record]) -> dict[Partition, int]:
         """Store ``pending`` and publish its dead letters; returns, per (topic, partition), the
         first offset whose dead letter could not be published (``ConsumeLoop`` rewinds it)."""
-        batch, refused = self._decode_batch(pending)
+        batch, refused = self._decode_batch(list(pending))
         letters = retry_durably(
             lambda: self._deadletters(refused + self._write(batch)),
             stopping=self.stopping,
@@ -322,17 +329,17 @@ class SinkConsumer:
             delay,
         )
 
-    def _committed(self, upto: dict[tuple[str, int], int]) -> None:
+    def committed(self, upto: Mapping[Partition, int]) -> None:
         with self._lock:
             for key, offset in upto.items():
                 if offset > self.positions.get(key, 0):
                     self.positions[key] = offset
         self.stats.batches += 1
 
-    def _commit_failed(self, _exc: Exception) -> None:
+    def commit_failed(self, exc: Exception) -> None:
         self.stats.commit_errors += 1
 
-    def _empty_poll(self) -> None:
+    def idle(self) -> None:
         self.stats.last_empty_poll = time.monotonic()
         if self.summaries is not None:
             self.summaries.tick()
@@ -367,16 +374,10 @@ class SinkConsumer:
         if self._given_producer is None:
             self._producer = self._make_producer()
         loop = ConsumeLoop(
-            self._act,
-            stopping=self.stopping,
-            assigned=self.assigned,
+            self,
             batch_size=self.batch_size,
             batch_interval_s=self.batch_interval_s,
             commit_timeout_ms=self.commit_timeout_ms,
-            label="runwatch sink",
-            on_commit_error=self._commit_failed,
-            on_committed=self._committed,
-            on_empty_poll=self._empty_poll,
         )
         try:
             loop.run(consumer)  # closes the consumer

@@ -1,12 +1,12 @@
-"""The one "consume, act durably, commit" loop of the ClickHouse sink and the remediator.
+"""The one "consume, write durably, commit" loop of the ClickHouse sink and the remediator.
 
 ``ConsumeLoop`` polls a Kafka consumer (auto-commit off), gathers records into a batch (by
-size and time), hands the batch to ``act``, which returns only once the records are durable,
-and then commits their offsets. ``act`` returns, per (topic, partition), the first offset it
-could *not* make durable: that partition is rewound to it and nothing is committed past it,
-and the loop pauses (with backoff) before reading it again. Stops when ``stopping`` is set,
-after flushing (``drain=True``) or dropping (``drain=False``, re-delivered to the next owner)
-what is pending. ``retry_durably`` is the shared "keep trying to store it until stopped".
+size and time), hands the batch to its ``Sink`` (sinks/runwatch/sinks/base.py), whose ``write_batch``
+returns only once the records are durable, and then commits their offsets. ``write_batch`` returns, per
+(topic, partition), the first offset it could *not* make durable: that partition is rewound to it and
+nothing is committed past it, and the loop pauses (with backoff) before reading it again. Stops when the
+sink's ``stopping`` is set, after flushing (``drain=True``) or dropping (``drain=False``, re-delivered to
+the next owner) what is pending. ``retry_durably`` is the shared "keep trying to store it until stopped".
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from runwatch.contract import topics
+from runwatch.sinks.base import Partition, Sink
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-Partition = tuple[str, int]
 
 
 def make_consumer(
@@ -76,40 +75,27 @@ def retry_durably(
 
 
 class ConsumeLoop:
-    """Poll, ``act`` on a batch until it is durable, commit; see the module docstring.
+    """Poll, have ``sink`` write a batch until it is durable, commit; see the module docstring.
 
-    ``act(records)`` returns the first offset not made durable per partition (empty:
-    all of it). ``on_committed(upto)`` gets the offsets just committed (attempted: a failed commit
-    is carried by the next one), ``on_commit_error(exc)`` counts a failed commit,
-    ``on_empty_poll()`` is called after each poll that returned nothing. ``commit_timeout_ms``
-    ``None`` waits for the commit as long as it takes."""
+    ``commit_timeout_ms`` ``None`` waits for the commit as long as it takes."""
 
     def __init__(
         self,
-        act: Callable[[list[Any]], Mapping[Partition, int]],
+        sink: Sink,
         *,
-        stopping: threading.Event,
-        assigned: threading.Event,
         batch_size: int,
         batch_interval_s: float = 0.0,
         drain: bool = True,
         commit_timeout_ms: int | None = None,
-        label: str,
-        on_commit_error: Callable[[Exception], None] = lambda _exc: None,
-        on_committed: Callable[[dict[Partition, int]], None] = lambda _upto: None,
-        on_empty_poll: Callable[[], None] = lambda: None,
     ):
-        self.act = act
-        self.stopping = stopping
-        self.assigned = assigned
+        self.sink = sink
+        self.stopping = sink.stopping
+        self.assigned = sink.assigned
+        self.label = sink.label
         self.batch_size = batch_size
         self.batch_interval_s = batch_interval_s
         self.drain = drain
         self.commit_timeout_ms = commit_timeout_ms
-        self.label = label
-        self.on_commit_error = on_commit_error
-        self.on_committed = on_committed
-        self.on_empty_poll = on_empty_poll
         self.rewind_delay = 0.5  # pause before re-reading what could not be made durable
 
     def run(self, consumer: Any) -> None:
@@ -126,7 +112,7 @@ class ConsumeLoop:
                     self.assigned.set()
                 got = [r for records in polled.values() for r in records]
                 if not got:
-                    self.on_empty_poll()
+                    self.sink.idle()
                 pending.extend(got)
                 due = time.monotonic() - started >= self.batch_interval_s
                 if pending and (len(pending) >= self.batch_size or due or stopping):
@@ -143,9 +129,9 @@ class ConsumeLoop:
             consumer.close()
 
     def flush(self, consumer: Any, pending: list[Any]) -> bool:
-        """Act on ``pending``, commit what is durable. Returns False when a partition was rewound
+        """Write ``pending``, commit what is durable. Returns False when a partition was rewound
         (after a pause, growing while it keeps happening)."""
-        failed = self.act(pending)
+        failed = self.sink.write_batch(pending)
         self.commit(consumer, pending, failed)
         if failed:
             self.stopping.wait(self.rewind_delay)  # the rewound messages come again after a pause
@@ -177,6 +163,6 @@ class ConsumeLoop:
         except Exception as exc:  # noqa: BLE001 - broker unreachable or group rebalanced: what was acted
             # on is durable, and the next commit covers these offsets too; at worst they are re-delivered
             # and deduplicated
-            self.on_commit_error(exc)
+            self.sink.commit_failed(exc)
             log.warning("%s: offset commit failed (%r); carrying on", self.label, exc)
-        self.on_committed(upto)
+        self.sink.committed(upto)

@@ -111,7 +111,7 @@ UINT64 = IntRange("UInt64", 0, 2**64 - 1)
 # Steps and byte counts are Int64, ranks, world sizes and generations UInt32. A value outside is
 # refused by the sink before it reaches ClickHouse (the row is dead-lettered, the others stored);
 # the worker's validation refuses telemetry well inside these at the edge (producer.schema.WireLimits).
-# tests/integration/test_sink_poison.py checks this table against the migrated schema.
+# tests/sinks/test_sink_poison.py checks this table against the migrated schema.
 COLUMN_BOUNDS: dict[str, dict[str, IntRange]] = {
     "telemetry": {"rank": UINT32, "step": INT64},
     "anomalies": {"step": INT64, "onset_step": INT64, "rank": UINT32},

@@ -15,13 +15,13 @@ from runwatch.sinks.rows import REMEDIATION_COLUMNS, as_utc
 
 if TYPE_CHECKING:
     from runwatch.contract.schema import TelemetryEvent
-    from runwatch.sinks.clickhouse import ClickHouseSink
+    from runwatch.sinks.connection import Connection
 
 log = logging.getLogger(__name__)
 
 
 class RunReads:
-    def __init__(self, sink: ClickHouseSink):
+    def __init__(self, sink: Connection):
         self.query = sink.query
 
     def counts(self, run_id: str) -> dict[str, int]:

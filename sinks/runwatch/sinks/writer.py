@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from runwatch.contract.schema import Action, Anomaly, DeadLetter, JoinedStep, TelemetryEvent
+from runwatch.sinks.connection import ClickHouseUnavailable, Connection
 from runwatch.sinks.rows import (
     ACTION_COLUMNS,
     ANOMALY_COLUMNS,
@@ -44,7 +45,6 @@ from runwatch.sinks.rows import (
 
 if TYPE_CHECKING:
     from runwatch.detectors.baselines.summary import RunSummary
-    from runwatch.sinks.clickhouse import ClickHouseSink
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def is_store_error(error: BaseException) -> bool:
 class SinkWriter:
     """Writes to ``sink``'s tables (``sink.writer``)."""
 
-    def __init__(self, sink: ClickHouseSink):
+    def __init__(self, sink: Connection):
         self.sink = sink
 
     def _insert(self, table: str, rows: list[Row], columns: Sequence[str]) -> int:
@@ -178,7 +178,7 @@ class SinkWriter:
         reason, when its row cannot be built (a value cannot be serialised, an integer is outside
         its column's range: ``COLUMN_BOUNDS``) or ClickHouse refuses it (found by splitting the
         batch). Items with the same key share one row (the tables deduplicate on it anyway) and its
-        verdict. Raises ``runwatch.sinks.clickhouse.ClickHouseUnavailable`` if ClickHouse cannot be reached;
+        verdict. Raises ``runwatch.sinks.connection.ClickHouseUnavailable`` if ClickHouse cannot be reached;
         rows already stored by then are stored again, harmlessly, when the caller retries.
         """
         spec = _TABLE_SPECS[table]
@@ -247,8 +247,6 @@ class SinkWriter:
             codes.add(None if isinstance(error, _CLIENT_ROW_ERRORS) else error_code(error))
         if len(rows) > 1 and len(refused) == len(rows) and len(codes) == 1 and None not in codes:
             # one server error that every single row hits is the store's, not theirs
-            from runwatch.sinks.clickhouse import ClickHouseUnavailable
-
             raise ClickHouseUnavailable(f"every row of {table} refused: {refused[0][1]}")
         for _, reason in refused:
             log.warning("runwatch sink: ClickHouse refused a row of %s: %s", table, reason)
@@ -273,6 +271,4 @@ class SinkWriter:
         if isinstance(error, _CLIENT_ROW_ERRORS):
             return  # raised before anything was sent: says nothing about the connection
         if is_store_error(error) or not self.sink.reachable():
-            from runwatch.sinks.clickhouse import ClickHouseUnavailable
-
             raise ClickHouseUnavailable(f"{type(error).__name__}: {first_line(str(error))}") from error

@@ -97,7 +97,7 @@ class EventBase(WireModel):
     run_id: str = Field(min_length=1)
     rank: int = Field(default=0, ge=0)
     ts: WireTime = Field(default_factory=utc_now)
-    # A run split by rank group (contract/groups.py, issue 36): every event of its ranks says the group size
+    # A run split by rank group (groups.py, issue 36): every event of its ranks says the group size
     # and the world size, and is keyed ``<run id>#<rank // group_size>``. Absent: the run is one group, keyed
     # by its run id (every producer before the split).
     group_size: int | None = Field(default=None, ge=1, le=groups.MAX_GROUP_SIZE)

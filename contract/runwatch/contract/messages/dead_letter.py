@@ -20,7 +20,7 @@ class DeadLetter(WireModel):
     on its topic whatever was sent. ``stage`` says who refused it: ``decode`` (the worker's
     validation), ``detector`` (an error while a detector handled a valid event: ``detector_error``)
     ``sink`` (a row ClickHouse refused) or ``budget`` (a summary of a run's events shed over its
-    budget by the worker, streams/runwatch/streams/worker/run_budget.py: no value, ``size`` 0)."""
+    budget by the worker, worker/runwatch/worker/run_budget.py: no value, ``size`` 0)."""
 
     reason: str
     source_topic: str

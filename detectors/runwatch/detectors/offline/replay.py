@@ -19,7 +19,7 @@ from runwatch.detectors.config import RunwatchConfig
 from runwatch.detectors.engine.monitor import MonitorOutput, RunMonitor
 from runwatch.detectors.engine.policy import ActionDecision
 
-TICK_EVERY_S = 0.25  # the worker's timer period (streams/runwatch/streams/worker/app.py), on event time
+TICK_EVERY_S = 0.25  # the worker's timer period (worker/runwatch/worker/app.py), on event time
 MAX_TICKS_PER_GAP = 400_000  # a recording with a days-long gap must not tick forever
 
 

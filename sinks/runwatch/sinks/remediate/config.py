@@ -1,6 +1,7 @@
 """The remediation config (``runwatch remediate --config``): rules (action kinds -> argv command
 templates, each optionally behind a ``verify`` command), webhooks, fixed ``vars``, per-field
-patterns (``fields``) and the platform's ``targets`` mapping (inline or ``targets_file``).
+patterns (``fields``) and the platform's ``targets`` mapping (inline or ``targets_file``: its entries are
+sinks/runwatch/sinks/remediate/targets.py's).
 
 Loading refuses a config that could run something unintended: an unknown placeholder, a program
 that is a placeholder, an unsafe ``vars`` value, or a command aimed at a target the trainer
@@ -17,10 +18,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from pydantic import Field, PrivateAttr, RootModel, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from runwatch.contract.action_kinds import ActionKind
 from runwatch.detectors.configfile import Strict, load_yaml_model
+from runwatch.sinks.remediate.targets import Target, TargetsFile
 from runwatch.sinks.remediate.templates import (
     ALLOWED_FIELDS,
     DECLARED_FIELDS,
@@ -82,60 +84,6 @@ class Rule(Strict):
             if command.verify is None and self.verify is not None:
                 command.verify = self.verify
         return self
-
-
-class Target(Strict):
-    """Where a run really runs, as the platform knows it."""
-
-    job_id: str | None = None
-    host: str | None = None
-    pod: str | None = None
-
-    @field_validator("job_id", "host", "pod", mode="before")
-    @classmethod
-    def _number_as_text(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-    def values(self) -> dict[str, str | None]:
-        return {name: getattr(self, name) for name in ("job_id", "host", "pod")}
-
-
-class TargetsMapping(RootModel[dict[str, Target]]):
-    """A targets file: a YAML mapping of run id -> {job_id, host, pod}."""
-
-
-def read_targets_file(path: Path) -> dict[str, Target]:
-    """The targets file's entries; raises ``ConfigError`` (a ``ValueError``) saying what is wrong."""
-    return load_yaml_model(path, TargetsMapping, "targets file").root
-
-
-class TargetsFile:
-    """The platform's mapping file, re-read when its modification time or size changes; if a
-    re-read fails (a half-written file), the last good contents stay in use."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.entries = read_targets_file(path)  # raises: a config pointing at a bad file is refused
-        self._stamp = self._stat()
-
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
-    def get(self, run_id: str) -> Target | None:
-        stamp = self._stat()
-        if stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                self.entries = read_targets_file(self.path)
-            except ValueError as exc:
-                log.warning(
-                    "remediate: targets file re-read failed (%s); keeping its last good contents", exc
-                )
-        return self.entries.get(run_id)
 
 
 class Webhook(Strict):

@@ -1,23 +1,23 @@
-"""``RemediateConsumer``: the remediator on the action topic.
+"""``RemediateConsumer``: the remediator on the action topic, a ``Sink`` (sinks/runwatch/sinks/base.py).
 
-Consumes ``runwatch.actions`` in group ``runwatch-remediate`` on the shared consume, act durably,
-commit loop (:mod:`runwatch.sinks.loop`): each record goes to the :class:`Remediator` (through the
-shared action inbox), which returns once what it did is recorded in ClickHouse ``remediations``;
-Kafka offsets are committed only after that. A ClickHouse that is down is retried until it
-answers (it ran, so keep trying to say so). Run metadata (``run_start``) is looked up once per
-run, when an action needs it.
+Consumes ``runwatch.actions`` in group ``runwatch-remediate`` on the shared consume, write durably,
+commit loop (:mod:`runwatch.sinks.loop`): each record of a batch goes to the :class:`Remediator`
+(through the shared action inbox), which returns once what it did is recorded in ClickHouse
+``remediations``, so ``write_batch`` returns with all of the batch durable; Kafka offsets are committed
+only after that. A ClickHouse that is down is retried until it answers (it ran, so keep trying to say
+so). Run metadata (``run_start``) is looked up once per run, when an action needs it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runwatch.contract import topics
 from runwatch.contract.schema import Action
 from runwatch.contract.signing import ActionPublicKeys
+from runwatch.sinks.base import Partition, Record, Sink
 from runwatch.sinks.hosts import exclude_list
 from runwatch.sinks.loop import ConsumeLoop, make_consumer, retry_durably
 from runwatch.sinks.remediate.config import RemediationConfig
@@ -29,9 +29,11 @@ from runwatch.sinks.remediate.runner import run_command, run_verify
 log = logging.getLogger(__name__)
 
 
-class RemediateConsumer:
+class RemediateConsumer(Sink):
     """Consumes ``runwatch.actions`` in group ``runwatch-remediate`` until ``stopping`` is set;
     commits offsets only after what a batch needed is performed and recorded."""
+
+    label = "remediate"
 
     def __init__(
         self,
@@ -46,12 +48,11 @@ class RemediateConsumer:
         poster: Callable[[str, dict[str, Any], float], tuple[str, int | None, str]] = post_webhook,
         verifier: Callable[[list[str], float], tuple[str, int | None, str, str]] = run_verify,
     ):
+        super().__init__()
         self.store = store
         self.bootstrap = bootstrap
         self.group_id = group_id
         self.session_timeout_ms = session_timeout_ms
-        self.stopping = threading.Event()
-        self.assigned = threading.Event()
         self.write_errors = 0
         self.commit_errors = 0
         self._meta: dict[str, Mapping[str, Any]] = {}
@@ -101,12 +102,14 @@ class RemediateConsumer:
         self.write_errors += 1
         log.warning("remediate: recording failed (%s); retrying in %.1fs", exc, delay)
 
-    def _act(self, records: list[Any]) -> dict[tuple[str, int], int]:
+    def write_batch(self, records: Sequence[Record]) -> dict[Partition, int]:
+        """Every record handled and recorded: all of the batch is durable (a recording that keeps failing
+        is retried until stopped, then raised: nothing is committed past it)."""
         for record in records:
             self.remediator.handle(record.value)  # returns once its executions are recorded
         return {}
 
-    def _commit_failed(self, _exc: Exception) -> None:
+    def commit_failed(self, exc: Exception) -> None:
         self.commit_errors += 1  # recorded already; a re-delivery finds it done
 
     def run(self) -> None:
@@ -118,12 +121,4 @@ class RemediateConsumer:
             client_id="runwatch-remediate",
             fetch_max_wait_ms=100,
         )
-        ConsumeLoop(
-            self._act,
-            stopping=self.stopping,
-            assigned=self.assigned,
-            batch_size=100,
-            drain=False,
-            label="remediate",
-            on_commit_error=self._commit_failed,
-        ).run(consumer)
+        ConsumeLoop(self, batch_size=100, drain=False).run(consumer)

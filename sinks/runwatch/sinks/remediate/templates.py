@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from runwatch.contract.schema import Action
 
 if TYPE_CHECKING:
-    from runwatch.sinks.remediate.config import Target
+    from runwatch.sinks.remediate.targets import Target
 
 ACTION_FIELDS = ("run_id", "action_id", "kind", "step", "onset_step", "target_step")
 # Self-declared by the trainer (its run_start) unless the platform's targets mapping gives them.

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from runwatch.detectors.baselines.compare import BaselineConfig
     from runwatch.sinks.clickhouse import ClickHouseSink
 
-MAX_BYTES = 5_000_000  # the budget a report is held to (tests/integration/test_report.py)
+MAX_BYTES = 5_000_000  # the budget a report is held to (tests/sinks/test_report.py)
 
 __all__ = [
     "MAX_BYTES",

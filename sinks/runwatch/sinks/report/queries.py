@@ -9,15 +9,16 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from runwatch.sinks.rows import as_utc
+from runwatch.sinks.run_reads import RunReads
 
 if TYPE_CHECKING:
-    from runwatch.sinks.clickhouse import ClickHouseSink
+    from runwatch.sinks.connection import Connection
 
 
 class ReportReads:
-    def __init__(self, sink: ClickHouseSink):
+    def __init__(self, sink: Connection):
         self.query = sink.query
-        self._sink = sink
+        self._runs = RunReads(sink)  # (stateless: the same reads as ``sink.runs``)
 
     def run_info(self, run_id: str) -> dict[str, Any] | None:
         """What is stored of one run: event count, first and last event time, ranks, last step, and the
@@ -41,7 +42,7 @@ class ReportReads:
             "last_ts": as_utc(last),
             "ranks": int(ranks),
             "last_step": None if last_step is None else int(last_step),
-            "run_start": self._sink.runs.start_payload(run_id),
+            "run_start": self._runs.start_payload(run_id),
             "run_end": end[0][0] if end else None,
         }
 

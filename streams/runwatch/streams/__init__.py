@@ -1,1 +1,0 @@
-"""The Faust worker, the `runwatch` command line, the local stack, the demo and the scenario corpus."""

@@ -1,1 +1,0 @@
-"""The detection worker: the Faust app, its transport, the detector process and its health endpoint."""
