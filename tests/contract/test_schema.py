@@ -336,3 +336,66 @@ def test_limits_are_configurable():
     raw = _strict(rank=20_000)
     assert "rank" in _refusal(raw)
     assert decode_event(raw, received_at=RECEIVED, limits=WireLimits(max_world_size=100_000)).rank == 20_000
+
+
+# -- ranges declared on the fields (``Within``), kinds read from the union -----------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, fields, says",
+    [
+        ("step", {"mfu": 101.0}, "mfu: 101.0 is above the limit 100"),
+        ("step", {"compute_s": 1e9}, "compute_s"),
+        ("step", {"tokens_per_s": 1e13}, "tokens_per_s"),
+        ("step", {"off_step_s": {"eval": "NaN"}}, "off_step_s.eval: must be finite"),
+        ("heartbeat", {"time_in_phase_s": 1e9}, "time_in_phase_s"),
+        ("evidence", {"seconds_since_step": "Infinity"}, "seconds_since_step"),
+        ("checkpoint", {"uri": "s3://c", "lr": [0.1, "NaN"]}, "lr: must be finite"),
+    ],
+)
+def test_every_declared_range_is_enforced(kind, fields, says):
+    extra = {} if kind == "step" else {"step": 3 if kind in ("checkpoint", "evidence") else ..., "loss": ...}
+    assert says in _refusal(_strict(kind=kind, **{**extra, **fields}))
+
+
+def test_a_field_that_declares_a_range_is_checked_without_a_list_to_update():
+    from typing import Annotated
+
+    from runwatch.contract.limit_checks import bounded_fields
+    from runwatch.contract.limits import Within
+    from runwatch.contract.schema import WireFloat
+
+    class NewerStep(StepEvent):
+        warmup_s: Annotated[WireFloat | None, Within("max_duration_s")] = None
+
+    names = [name for name, _ in bounded_fields(NewerStep)]
+    assert names[-1] == "warmup_s"
+    assert {"step_time_s", "data_wait_s", "compute_s", "samples_per_s", "mfu", "off_step_s"} <= set(names)
+
+    class Misspelt(StepEvent):
+        warmup_s: Annotated[WireFloat | None, Within("max_duraton_s")] = None
+
+    with pytest.raises(TypeError, match="max_duraton_s"):
+        bounded_fields(Misspelt)
+
+
+def test_the_event_kinds_are_the_union_s_and_the_group_report_is_the_workers_own():
+    from typing import get_args
+
+    from runwatch.contract.schema import EVENT_MODELS, TelemetryEvent
+
+    union = get_args(get_args(TelemetryEvent)[0])
+    assert EVENT_KINDS == tuple(model.model_fields["kind"].default for model in EVENT_MODELS)
+    assert {m.model_fields["kind"].default for m in union} - set(EVENT_KINDS) == {"group_report"}
+
+
+def test_the_contract_s_classes_keep_the_one_module_name_snapshots_use():
+    import pickle
+
+    from runwatch.contract.schema import WireLimits
+
+    assert (
+        StackFrame.__module__ == StepEvent.__module__ == WireLimits.__module__ == "runwatch.contract.schema"
+    )
+    frame = StackFrame(file="t.py", line=1, function="main")
+    assert b"runwatch.contract.schema" in pickle.dumps(frame) and pickle.loads(pickle.dumps(frame)) == frame

@@ -57,3 +57,22 @@ def test_every_limit_is_documented_with_its_default():
             assert value == int(base) ** int(exp), name
         else:
             assert float(documented) == value, name
+
+
+def test_every_field_that_declares_a_limit_is_named_in_its_row():
+    from runwatch.contract.limit_checks import bounded_fields
+    from runwatch.contract.schema import EVENT_MODELS
+
+    text = WIRE_DOC.read_text()
+    table = text[text.index("| limit | default | what it bounds |") :]
+    table = table[: table.index("\n\n")]
+    bounds = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", table, flags=re.M))
+    declared = [
+        (bound.limit, name)
+        for model in EVENT_MODELS
+        for name, bound in bounded_fields(model)
+        if isinstance(bound.limit, str)
+    ]
+    assert declared
+    for limit, name in declared:
+        assert f"`{name}`" in bounds[limit], (limit, name)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from runwatch.contract.schema import StepEvent, WireLimits, _check_step
+from runwatch.contract.limit_checks import _check_step
+from runwatch.contract.schema import StepEvent, WireLimits
 from runwatch.producer.instrument.watch import Watcher
 from tests.producer.test_instrumentation import RecordingPublisher
 

@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import runwatch.contract.schema as schema
+import runwatch.contract.messages.base as schema  # where utc_now is defined (its globals)
 
 AHEAD = timedelta(seconds=float(os.environ["FAST_CLOCK_AHEAD_S"]))
 schema._test_clock_ahead = AHEAD  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runwatch.scenarios.faults import FaultInjector
+from runwatch.scenarios.injectors.base import FaultInjector
 
 
 @dataclass(frozen=True)

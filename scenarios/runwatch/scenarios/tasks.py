@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from runwatch.scenarios.scenario import Scenario
 
 CATEGORIES = ("en", "de", "fr", "es", "it", "pt", "nl", "sv")
 CATEGORY_SHARE = (0.25, 0.2, 0.15, 0.12, 0.1, 0.08, 0.06, 0.04)
@@ -238,7 +236,21 @@ class AudioTask(Task):
         return Batch(frames.clamp(-80, 0), labels, labels)
 
 
-def make_task(sc: Scenario) -> Task:
+class TaskShape(Protocol):
+    """What ``make_task`` reads of a scenario (``scenario.Scenario`` has it): the tasks know nothing else of
+    scenarios, which hold the fault injectors that corrupt the tasks' batches."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def extra(self) -> Mapping[str, Any]: ...
+
+
+def make_task(sc: TaskShape) -> Task:
     torch.manual_seed(sc.seed)
     if sc.model == "mlp":
         return MLPTask(

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from runwatch.sinks.report.data import ReportData
-from runwatch.sinks.report.panels import Panel, finite
+from runwatch.sinks.report.figures import Panel, finite
 
 
 @lru_cache(maxsize=1)
