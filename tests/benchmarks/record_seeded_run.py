@@ -65,13 +65,60 @@ def _loss(model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
     return loss
 
 
-def run_with_optimizer(path: Path) -> None:
+class _FileClient:
+    """kafka-python's ``KafkaProducer`` as ``KafkaDelivery`` uses it: each record's value is appended to a
+    file (one JSON line, as the JSONL recorder writes) and acknowledged at once."""
+
+    def __init__(self, path: Path):
+        self._file = path.open("wb")
+        self._offset = 0
+
+    def partitions_for(self, topic: str) -> set[int]:
+        return {0}
+
+    def send(self, topic: str, key: Any = None, value: Any = None, timestamp_ms: Any = None, **_: Any) -> Any:
+        from kafka.future import Future
+        from kafka.producer.future import RecordMetadata
+
+        self._file.write(value + b"\n")
+        self._offset += 1
+        future = Future()
+        return future.success(
+            RecordMetadata(topic, 0, None, self._offset, timestamp_ms, None, 0, len(value), -1)
+        )
+
+    def flush(self, timeout: Any = None) -> None:
+        self._file.flush()
+
+    def close(self, timeout: Any = None) -> None:
+        self._file.close()
+
+
+def _kafka_recorder(path: Path, run_id: str) -> Any:
+    """A ``RunWatch`` whose Kafka delivery (its publisher thread, batches and all) hands records to a
+    :class:`_FileClient`: what the default path publishes, with no broker."""
+    from runwatch.producer import RunWatch
+    from runwatch.producer.publish.kafka_delivery import KafkaDelivery
+
+    class FileDelivery(KafkaDelivery):
+        def _make_producer(self) -> Any:
+            return _FileClient(path)
+
+    delivery = FileDelivery(run_id, 0, "127.0.0.1:1", spool_path=None)
+    return RunWatch(run_id, "127.0.0.1:1", delivery=delivery, clock=_ts_clock(), collect_metadata=False)
+
+
+def run_with_optimizer(path: Path, through_kafka: bool = False) -> None:
     """The hooks path: ``clip=``, the guard, update norms every 3 steps, activations, replica digests,
     an eval and a checkpoint phase, samples and tokens."""
     model = _model(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    rec = JsonlRecorder(path, "seeded-opt", clock=_ts_clock(), collect_metadata=False)
+    rec: Any = (
+        _kafka_recorder(path, "seeded-opt")
+        if through_kafka
+        else JsonlRecorder(path, "seeded-opt", clock=_ts_clock(), collect_metadata=False)
+    )
     watch = rec.watch(
         model,
         opt,
@@ -137,7 +184,12 @@ def run_unguarded(path: Path) -> None:
     rec.close()
 
 
-RUNS = {"optimizer": run_with_optimizer, "by_hand": run_by_hand, "unguarded": run_unguarded}
+RUNS = {
+    "optimizer": run_with_optimizer,
+    "optimizer_kafka": lambda path: run_with_optimizer(path, through_kafka=True),
+    "by_hand": run_by_hand,
+    "unguarded": run_unguarded,
+}
 
 
 def record(out: Path) -> dict[str, Path]:
@@ -169,7 +221,9 @@ def differences(a: list[dict[str, Any]], b: list[dict[str, Any]], limit: int = 5
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         for key in sorted(set(x) | set(y)):
             if x.get(key, "<absent>") != y.get(key, "<absent>") and not _both_nan(x.get(key), y.get(key)):
-                out.append(f"event {i} ({x.get('kind')} {x.get('step')}): {key}: {x.get(key)!r} != {y.get(key)!r}")
+                out.append(
+                    f"event {i} ({x.get('kind')} {x.get('step')}): {key}: {x.get(key)!r} != {y.get(key)!r}"
+                )
                 if len(out) >= limit:
                     return out
     return out

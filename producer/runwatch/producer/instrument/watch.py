@@ -113,7 +113,9 @@ class _PendingStep:
     host: torch.Tensor | None = None  # filled by the copy
     ready: Any = None  # a CUDA event when the copy is asynchronous
     clipped: bool = False
-    grad: HostGradNorms | None = None  # the gradient figures when they are host numbers already (not in the copy)
+    grad: HostGradNorms | None = (
+        None  # the gradient figures when they are host numbers already (not in the copy)
+    )
     categories: CategoryLossBatch | None = None
     sync: SyncRound | None = None  # DDP: the step's sync marks, for compute_s
     off_step: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of off-step stretches
@@ -192,6 +194,11 @@ class Watcher:
         if activations_every < 1:
             raise ValueError(f"activations_every must be >= 1, got {activations_every}")
         self.rw = rw
+        # Step events through rw.queue_step where rw has it (validated off the training thread), else rw.step
+        queue_step = getattr(rw, "queue_step", None)
+        self._queue_step: Callable[[int, dict[str, Any]], Any] = queue_step or (
+            lambda step, fields: rw.step(step, **fields)
+        )
         self.model = model
         self.optimizer = optimizer
         self.lr = _lr_list(lr)
@@ -344,6 +351,8 @@ class Watcher:
         count of non-finite tensors). A skip with an optimizer takes its gradients away, so that its
         ``step()`` leaves every parameter and its state as they were."""
         assert self.guard is not None
+        norm: float
+        nonfinite: float
         if isinstance(grad, HostGradNorms):
             norm, nonfinite = grad.total, grad.nonfinite
         else:
@@ -708,7 +717,9 @@ class Watcher:
             self._host_buffers.give_back(p.host, p.ready)
         figures = p.packing.unpack(values)
         if p.grad is not None:
-            figures.update(grad=p.grad.figures, clip_coef=[p.grad.clip_coef], nonfinite_grads=[p.grad.nonfinite])
+            figures.update(
+                grad=p.grad.figures, clip_coef=[p.grad.clip_coef], nonfinite_grads=[p.grad.nonfinite]
+            )
         fields = p.fields
         if "loss" in figures:
             fields["loss"] = figures["loss"][0]
@@ -743,7 +754,7 @@ class Watcher:
             compute = self.sync_timer.compute_s(p.sync, p.off_step)
             if compute is not None:
                 fields["compute_s"] = compute
-        self.rw.step(p.step, **fields)
+        self._queue_step(p.step, fields)
 
 
 class _HostBuffers:

@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from runwatch.producer.publish.delivery import PublisherStats
+from runwatch.producer.publish.events import PendingEvent
 from runwatch.producer.publish.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
 from runwatch.producer.wire import topics
 from runwatch.producer.wire.schema import EventBase
@@ -134,7 +137,8 @@ class KafkaDelivery:
         self._key = key if key is not None else run_id.encode()  # (a split run's rank: its group's key)
         # A deque (append and popleft are atomic) and a wake-up flag: the drain thread takes everything
         # queued at each wake, so a burst of events goes out as one batch.
-        self._queue: deque[EventBase] = deque()
+        self._queue: deque[EventBase | PendingEvent] = deque()  # (a PendingEvent is validated when taken)
+        self._warned_invalid = False
         self._wake = threading.Event()
         self._queue_size = queue_size
         self._batch_interval_s = batch_interval_s
@@ -157,7 +161,9 @@ class KafkaDelivery:
         self._backoff = _PROBE_BACKOFF_S[0]
         self._next_probe = 0.0
         self._seq = 0
-        self._partition_cache: dict[frozenset[int], int] = {}  # the key's partition, by the topic's partitions
+        self._partition_cache: dict[
+            frozenset[int], int
+        ] = {}  # the key's partition, by the topic's partitions
         self._delivery_timeout_s = delivery_timeout_ms / 1000
         self._producer_config = dict(
             bootstrap_servers=self.bootstrap,
@@ -196,8 +202,42 @@ class KafkaDelivery:
             self.stats.queued += 1
         return True
 
+    def deliver_later(self, pending: PendingEvent) -> bool:
+        """Queue one event to be validated by the publisher thread (``RunWatch.queue_step``); never blocks.
+        Returns False if it was dropped (queue full); one that does not validate is counted ``invalid``."""
+        if len(self._queue) >= self._queue_size:
+            self._count_drop("queue_full", after_queue=False)
+            return False
+        self._queue.append(pending)
+        if not self._wake.is_set():
+            self._wake.set()
+        with self._lock:
+            self.stats.queued += 1
+        return True
+
     def refuse(self, reason: str) -> None:
         self._count_drop(reason, after_queue=False)
+
+    def _built(self, item: EventBase | PendingEvent) -> EventBase | None:
+        """A queued event as the event it is: a pending one validated here (None, and counted ``invalid``,
+        when it does not validate: a bad value must not end the run, nor this thread)."""
+        if not isinstance(item, PendingEvent):
+            return item
+        try:
+            return item.build()
+        except ValidationError as exc:
+            self._count_drop("invalid")
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning(
+                    "runwatch: dropped an invalid %s event (further ones are only counted): %s",
+                    item.model.__name__,
+                    exc,
+                )
+            return None
+
+    def _pop(self) -> EventBase | None:
+        return self._built(self._queue.popleft())
 
     def close(self, timeout: float) -> None:
         """Deliver what is queued or spooled within ``timeout``, then stop. Every event offered (or
@@ -386,7 +426,9 @@ class KafkaDelivery:
             return
         seq = self._track(value)
         try:
-            future = producer.send(self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms, **placed)
+            future = producer.send(
+                self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms, **placed
+            )
         except Exception as exc:  # noqa: BLE001 - e.g. KafkaTimeoutError when no broker answers
             # within max_block_ms
             self._on_failed(seq, exc)
@@ -412,7 +454,9 @@ class KafkaDelivery:
         for _ in range(_APPEND_PER_TURN):
             if not self._queue:
                 break
-            self._spool_event(self._queue.popleft())
+            event = self._pop()
+            if event is not None:
+                self._spool_event(event)
         spool = self._spool
         if self._replay is not None:
             if not self._replay.done():  # a probe of a dead broker may take delivery_timeout_ms
@@ -460,8 +504,9 @@ class KafkaDelivery:
             else:
                 self._wake.wait(timeout)
         self._wake.clear()
-        queued = self._queue
-        return [queued.popleft() for _ in range(len(queued))]
+        queued, built = self._queue, self._built
+        events = [built(queued.popleft()) for _ in range(len(queued))]
+        return [e for e in events if e is not None]
 
     def _start_replay(self, producer: Any) -> None:
         # While the broker is down, probe with the oldest record alone.
@@ -476,9 +521,7 @@ class KafkaDelivery:
             records, send_error = [], True
         for value in records:
             try:
-                futures.append(
-                    producer.send(self.topic, key=self._key, value=value, **placed)
-                )
+                futures.append(producer.send(self.topic, key=self._key, value=value, **placed))
             except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms, or a record too large
                 log.debug("runwatch: replay send failed: %r", exc)
                 if _rejected(exc):
@@ -633,7 +676,9 @@ class KafkaDelivery:
                     self._inflight.clear()
                 self._absorb_failures()
                 while self._queue:
-                    self._spool_event(self._queue.popleft())
+                    event = self._pop()
+                    if event is not None:
+                        self._spool_event(event)
         except Exception:
             log.exception("runwatch: could not spool what was left at close")
         spool = self._spool
@@ -661,7 +706,8 @@ def keyed_partition(key: bytes, partitions: set[int] | frozenset[int]) -> int:
     from kafka.partitioner.default import murmur2
 
     ordered = sorted(partitions)
-    return ordered[(murmur2(key) & 0x7FFFFFFF) % len(ordered)]
+    index: int = (murmur2(key) & 0x7FFFFFFF) % len(ordered)
+    return ordered[index]
 
 
 def _serialised(events: list[EventBase]) -> list[tuple[bytes, int | None]]:

@@ -297,6 +297,24 @@ class RunWatch:
         self.last_step = step
         return self._build_and_publish(StepEvent, extra, step=step, **fields)
 
+    def queue_step(self, step: int, fields: dict[str, Any]) -> bool:
+        """:meth:`step` for runwatch's own instrumentation (the watcher's step events), with less of its cost
+        in the training loop: ``fields`` (taken over) are checked by name now (``UnknownFieldError``) and
+        validated by a delivery that has a thread of its own (Kafka's) there, in its batch; a value that
+        does not validate is dropped and counted as ``invalid`` there. Returns False only when the event
+        was dropped at once (closed, queue full)."""
+        self.last_step = step
+        deliver_later = getattr(self.delivery, "deliver_later", None)
+        if deliver_later is None:
+            return self._build_and_publish(StepEvent, None, step=step, **fields)
+        fields["step"] = step
+        pending = self._events.pending(StepEvent, fields)
+        if self._closed:
+            self.delivery.refuse("closed")
+            return False
+        ok: bool = deliver_later(pending)
+        return ok
+
     def publish_crash(self, *, extra: Mapping[str, Any] | None = None, **fields: Any) -> bool:
         """Publish a ``crash`` event (``CrashEvent`` fields), bounded (``bound_crash``); the crash capture
         calls it, and so may a framework that catches the error itself."""
