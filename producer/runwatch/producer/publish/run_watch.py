@@ -26,6 +26,7 @@ from runwatch.producer.publish.delivery import Delivery, PublisherStats
 from runwatch.producer.publish.events import RunEvents, declared_fields, unknown_field_error
 from runwatch.producer.publish.kafka_delivery import (
     DEFAULT_BATCH_INTERVAL_S,
+    DEFAULT_LINGER_MS,
     DEFAULT_SPOOL_MAX_BYTES,
     KafkaDelivery,
     default_spool_dir,
@@ -159,7 +160,7 @@ class RunWatch:
         world_size: int | None = None,
         queue_size: int = 10_000,
         max_block_ms: int = 100,
-        linger_ms: int = 5,
+        linger_ms: int = DEFAULT_LINGER_MS,
         delivery_timeout_ms: int = 3000,
         topic: str = topics.TELEMETRY,
         run_start: dict[str, Any] | None = None,
