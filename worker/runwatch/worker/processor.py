@@ -136,9 +136,8 @@ class WorkerCounters:
     # events read again that a restored snapshot already included, or that this worker already judged (the
     # consumer seeks back to the committed offset after a rebalance that left it the partition)
     replay_skipped: int = 0
-    repeats_withheld: int = (
-        0  # anomalies and actions decided again that a predecessor had published (published.py)
-    )
+    # anomalies and actions decided again that a predecessor had published (published.py)
+    repeats_withheld: int = 0
     # runs let go without run_end, by why (silent, evicted)
     runs_let_go: Counter[str] = field(default_factory=Counter)
     ledgers: int = 0  # checkpoint ledgers of runs let go held now (runs.ledger_retention_s)
@@ -185,9 +184,8 @@ class TelemetryProcessor:
         checked)."""
         self.config = config
         self.partitions = partitions
-        self.baselines = (
-            baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
-        )
+        # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
+        self.baselines = baselines
         self._secret = secret
         self._signing_key = ActionSigningKey.from_seed(secret)  # (ValueError: not a 32-byte seed)
         self._report_keys = ActionPublicKeys([self._signing_key.public])  # a split run's groups' reports

@@ -113,9 +113,8 @@ class _PendingStep:
     host: torch.Tensor | None = None  # filled by the copy
     ready: Any = None  # a CUDA event when the copy is asynchronous
     clipped: bool = False
-    grad: HostGradNorms | None = (
-        None  # the gradient figures when they are host numbers already (not in the copy)
-    )
+    # the gradient figures when they are host numbers already (not in the copy)
+    grad: HostGradNorms | None = None
     categories: CategoryLossBatch | None = None
     sync: SyncRound | None = None  # DDP: the step's sync marks, for compute_s
     off_step: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of off-step stretches

@@ -198,9 +198,8 @@ class RunWatch:
         self._leads_group = split is not None and rank % self.group_size == 0  # (rank 0's group too)
         self.attempt = resolve_attempt(attempt, rank)
         self.bootstrap = bootstrap or topics.bootstrap_from_env("127.0.0.1:9092")
-        self.spool_path: Path | None = (
-            None  # the Kafka delivery's disk spool (None: off, or another delivery)
-        )
+        # the Kafka delivery's disk spool (None: off, or another delivery)
+        self.spool_path: Path | None = None
         if delivery is None:
             if spool:
                 self.spool_path = (
@@ -223,9 +222,8 @@ class RunWatch:
             )
         self.delivery = delivery
         self.checkpoints: list[CheckpointRef] = []
-        self.stopped_by: dict[str, str] | None = (
-            None  # the applied stop action's id and cause (see note_stop)
-        )
+        # the applied stop action's id and cause (see note_stop)
+        self.stopped_by: dict[str, str] | None = None
         # Whose param groups' LR a checkpoint records (watch()'s optimizer, or an ActionListener's), and
         # the LR it had when first seen: what a rollback scales (publish/lr.py).
         self.lr_optimizer: Any = None
