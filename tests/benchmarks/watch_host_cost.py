@@ -11,7 +11,10 @@ what is timed is host work: Python, op dispatch, the publisher's encoding and se
 - ``tensor_ops`` / ``clip_ops``: aten operations runwatch's calls issue per step (a step that measures
   update norms, and one that does not), against ``clip_grad_norm_``'s.
 
-Used by ``bench_watch_overhead.py --host``.
+Used by ``bench_watch_overhead.py --host`` and ``watch_host_cost_compare.py``; on its own it prints one
+``measure`` as JSON (``--bootstrap``: a broker's; default an embedded one started here)::
+
+    .venv/bin/python tests/benchmarks/watch_host_cost.py [--bootstrap HOST:PORT] [--steps 1000]
 """
 
 from __future__ import annotations
@@ -50,13 +53,20 @@ def tiny_model(seed: int = 0) -> nn.Module:
 
 
 def _thread_cpu_s(threads: list[threading.Thread]) -> float:
-    total = 0.0
+    return sum(_threads_cpu_s(threads).values())
+
+
+def _threads_cpu_s(threads: list[threading.Thread]) -> dict[str, float]:
+    """CPU seconds of each thread by its role (the name less the run's own prefix)."""
+    out: dict[str, float] = {}
     for t in threads:
         try:
-            total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
         except (OSError, TypeError, ProcessLookupError):
-            pass  # the thread ended
-    return total
+            continue  # the thread ended
+        role = t.name.rsplit("-r0-", 1)[-1]
+        out[role] = out.get(role, 0.0) + cpu
+    return out
 
 
 def _time_calls(watch: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
@@ -129,11 +139,11 @@ def measure(bootstrap: str, steps: int = 2000, update_every: int = 10) -> dict[s
         clip_times: list[float] = []
         warmup = 50
         threads: list[threading.Thread] = []
-        cpu0 = 0.0
+        cpu0: dict[str, float] = {}
         for i in range(warmup + steps):
             if i == warmup:
                 threads = [t for t in threading.enumerate() if t not in before]
-                cpu0 = _thread_cpu_s(threads)
+                cpu0 = _threads_cpu_s(threads)
             loss = model(x).square().mean()
             loss.backward()
             opt.step()
@@ -150,22 +160,46 @@ def measure(bootstrap: str, steps: int = 2000, update_every: int = 10) -> dict[s
         stats = rw.stats
         while time.monotonic() < deadline and stats.published + stats.spooled + stats.dropped < stats.queued:
             time.sleep(0.05)
-        cpu1 = _thread_cpu_s(threads)
+        cpu1 = _threads_cpu_s(threads)
         stats = rw.close(timeout=30)
     per_call = {name: statistics.fmean(t[warmup:]) * 1e6 for name, t in calls.items() if len(t) > warmup}
     # means over all steps: the update steps' extra cost is spread over them
     calls_us = sum(per_call.values())
     clip_us = statistics.fmean(clip_times[warmup:]) * 1e6
-    background = (cpu1 - cpu0) / steps * 1e6
+    by_thread = {role: (cpu1[role] - cpu0.get(role, 0.0)) / steps * 1e6 for role in cpu1}
+    background = sum(by_thread.values())
     return {
         "steps": steps,
         "calls_us": round(calls_us, 1),
         "per_call_us": {name: round(v, 1) for name, v in per_call.items()},
         "clip_us": round(clip_us, 1),
         "background_cpu_us": round(background, 1),
+        "background_by_thread_us": {role: round(v, 1) for role, v in sorted(by_thread.items())},
         "host_us": round(calls_us - clip_us + background, 1),
         "threads": sorted(t.name for t in threads),
         "published": stats.published,
         "spooled": stats.spooled,
         "dropped": stats.dropped,
     }
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="runwatch's host time per step on the 150-tensor model (JSON)")
+    ap.add_argument("--bootstrap", help="a broker's bootstrap address (default: an embedded broker)")
+    ap.add_argument("--steps", type=int, default=2000)
+    args = ap.parse_args()
+    if args.bootstrap:
+        print(json.dumps(measure(args.bootstrap, steps=args.steps)))
+        return
+    from runwatch.local.broker import EmbeddedBroker, ensure_topics
+
+    with EmbeddedBroker() as broker:
+        ensure_topics(broker.bootstrap)
+        print(json.dumps(measure(broker.bootstrap, steps=args.steps)))
+
+
+if __name__ == "__main__":
+    main()

@@ -295,8 +295,8 @@ def test_pause_times_out_and_a_stop_ends_it_too():
 CHILD = textwrap.dedent("""
     import sys, time, uuid
     from datetime import timedelta
-    sys.path.insert(0, {tests!r})
-    from unit.test_actions_unit import RecordingPublisher, action, deliver
+    sys.path.insert(0, {repo!r})
+    from tests.producer.test_actions_unit import RecordingPublisher, action, deliver
     from runwatch.producer.actions.listener import ActionListener
 
     listener = ActionListener(RecordingPublisher(), public_keys={public_keys!r}, consume=False,
@@ -313,7 +313,7 @@ CHILD = textwrap.dedent("""
 @pytest.mark.integration  # starts a process
 @pytest.mark.parametrize("mode", ["hang", "graceful"])
 def test_stop_watchdog_hard_exits_a_process_that_does_not_exit(mode):
-    code = CHILD.format(tests=str(REPO / "tests"), public_keys=PUBLIC_KEYS)
+    code = CHILD.format(repo=str(REPO), public_keys=PUBLIC_KEYS)
     started = time.monotonic()
     child = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=30)
     elapsed = time.monotonic() - started

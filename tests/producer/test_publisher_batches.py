@@ -28,7 +28,7 @@ class _RecordingClient:
     def partitions_for(self, topic):
         return {0}
 
-    def send(self, topic, key=None, value=None, timestamp_ms=None):
+    def send(self, topic, key=None, value=None, timestamp_ms=None, partition=None):
         with self._lock:
             self.sent.append(time.monotonic())
             offset = len(self.sent) - 1

@@ -123,7 +123,7 @@ def test_stats_stay_final_after_close():
         def partitions_for(self, topic):
             return {0}
 
-        def send(self, topic, key=None, value=None, timestamp_ms=None):
+        def send(self, topic, key=None, value=None, timestamp_ms=None, partition=None):
             futures.append(Future())
             return futures[-1]
 

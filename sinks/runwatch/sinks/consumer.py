@@ -71,9 +71,8 @@ class SinkStats:
     skipped: Counter[str] = field(default_factory=Counter)
     # messages refused by ClickHouse or unserialisable, by topic
     deadlettered: Counter[str] = field(default_factory=Counter)
-    deadletter_errors: int = (
-        0  # of those, dead letters that could not be published: their offsets were not committed
-    )
+    # of those, dead letters that could not be published: their offsets were not committed
+    deadletter_errors: int = 0
     batches: int = 0
     # writes that failed because ClickHouse was unreachable or could store nothing (the batch was retried)
     write_errors: int = 0

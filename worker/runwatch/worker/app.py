@@ -64,9 +64,8 @@ DETECT_GROUP = topics.DETECT_GROUP
 # Events go to the detector process as they were fetched, in requests of up to this many: a backlog fills
 # them at once, and a quiet run's event goes alone, with no wait for others (transport.py takes them).
 BATCH_MAX_EVENTS = 500
-MAX_BATCHES_IN_FLIGHT = (
-    6  # batches sent to the detector process and not yet answered (a few, so it never idles)
-)
+# batches sent to the detector process and not yet answered (a few, so it never idles)
+MAX_BATCHES_IN_FLIGHT = 6
 
 
 def faust_broker_url(bootstrap: str) -> str:

@@ -13,6 +13,7 @@ covers that shard, and the shards' norms combine into the model's by sum of squa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -59,6 +60,25 @@ class GradNorms:
     @property
     def modules(self) -> torch.Tensor:
         return self.figures[:-1]
+
+
+@dataclass
+class HostGradNorms:
+    """One step's gradient figures as host numbers, for a layout whose tensors are in host memory (reading
+    them costs no device sync): what :class:`GradNorms` holds, already read, so the step event needs no copy.
+
+    ``figures``: per-module norms before clipping, then the global norm; ``clip_coef``: the factor the
+    gradients were (or would be) multiplied by, <= 1; ``nonfinite``: how many parameter tensors have a
+    gradient holding a NaN or Inf.
+    """
+
+    figures: list[float]
+    clip_coef: float
+    nonfinite: int
+
+    @property
+    def total(self) -> float:
+        return self.figures[-1]
 
 
 @dataclass
@@ -132,6 +152,8 @@ class ParamLayout:
         self.owner_index = torch.tensor(owners, dtype=torch.long, device=self.device)
         self.n_params = n_params
         self.groups = _by_device_dtype(self.params)
+        # Every tensor in host memory: the step's figures are read at once (host_grad_norms), no copy needed
+        self.on_host = all(self.params[idx[0]].device.type == "cpu" for idx in self.groups)
         self._sum_matrix = _sum_matrix(owners, len(self.module_names), self.device)
 
     def grads(self) -> tuple[list[torch.Tensor], list[int] | None]:
@@ -179,6 +201,21 @@ class ParamLayout:
         for idx in self.groups if which is None else _by_device_dtype(tensors):
             part = [tensors[i] for i in idx] if len(idx) != len(tensors) else tensors
             torch._foreach_mul_(part, coef.to(part[0].device, part[0].dtype).view(()))
+
+    def scale_host_(self, tensors: list[torch.Tensor], coef: float, which: list[int] | None) -> None:
+        """:meth:`scale_` by a host number: float32 and float64 tensors take it as a scalar (the kernel
+        rounds it to their dtype, as ``scale_``'s cast does); lower precisions a tensor of their dtype, as
+        ``scale_`` gives them."""
+        import torch
+
+        for idx in self.groups if which is None else _by_device_dtype(tensors):
+            part = [tensors[i] for i in idx] if len(idx) != len(tensors) else tensors
+            dtype = part[0].dtype
+            if dtype in (torch.float32, torch.float64):
+                torch._foreach_mul_(part, coef)
+            else:
+                factor = torch.tensor(coef, dtype=torch.float64).to(part[0].device, dtype)
+                torch._foreach_mul_(part, factor)
 
 
 def _sum_matrix(owners: list[int], n_modules: int, device: torch.device) -> torch.Tensor | None:
@@ -247,6 +284,35 @@ def grad_norms(
             if apply_clip:
                 layout.scale_(grads, clip_coef, which)
     return GradNorms(figures=figures, clip_coef=clip_coef, nonfinite=nonfinite)
+
+
+def host_grad_norms(
+    layout: ParamLayout, max_norm: float | None = None, apply_clip: bool = True
+) -> HostGradNorms | None:
+    """:func:`grad_norms` for a layout in host memory (``layout.on_host``), with the same figures to the
+    last bit and fewer operations: the norms are read as soon as they are computed (on the host that is no
+    sync), so the clip factor is worked out in Python floats (the same IEEE double operations, in the same
+    order, as the tensor expression), the non-finite count is taken only when the global norm is not finite
+    (a finite sum of squares has no NaN or Inf term), and gradients are multiplied only when the factor is
+    below 1 (a multiplication by 1 leaves every value as it is). Returns None when no parameter has a
+    gradient."""
+    import torch
+
+    grads, which = layout.grads()
+    if not grads:
+        return None
+    with torch.no_grad():
+        per_tensor = layout.per_tensor_norms(grads, which)
+        figures = layout.module_sums(per_tensor.double().square(), which).sqrt_().tolist()
+        total = figures[-1]
+        nonfinite = 0 if math.isfinite(total) else int(torch.mul(per_tensor, 0).ne_(0).sum().item())
+        if max_norm is None:
+            return HostGradNorms(figures, 1.0, nonfinite)
+        coef = (1.0 / (total + CLIP_EPS)) * max_norm  # (figures[-1:] + CLIP_EPS).reciprocal_().mul_(max_norm)
+        coef = 1.0 if coef > 1.0 else coef  # .clamp_max_(1.0), which keeps a NaN
+        if apply_clip and not coef == 1.0:
+            layout.scale_host_(grads, coef, which)
+    return HostGradNorms(figures, coef, nonfinite)
 
 
 class UpdateProbe:

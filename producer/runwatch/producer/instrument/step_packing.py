@@ -33,17 +33,20 @@ class StepPacking:
         self._pieces.append(values)
 
     def pack(self, device: torch.device) -> torch.Tensor | None:
-        """All segments as one float64 tensor on ``device`` (None when nothing was added): one ``cat``,
-        which promotes the pieces' dtypes."""
+        """All segments as one float64 tensor on ``device`` (None when nothing was added): one ``cat``.
+        Pieces of other dtypes are converted into the float64 result as they are copied (``out=``), each
+        exactly: a ``cat`` of its own would promote to the widest piece's dtype first, and an int64 digest
+        half next to float32 figures would be rounded to float32 on the way."""
         import torch
 
         if not self._pieces:
             return None
         pieces = [p if p.device == device else p.to(device) for p in self._pieces]
-        with torch.no_grad():
-            packed = torch.cat(pieces)
         self._pieces = []  # the device tensors are not needed once packed
-        return packed if packed.dtype == torch.float64 else packed.double()
+        with torch.no_grad():
+            if all(p.dtype == torch.float64 for p in pieces):
+                return torch.cat(pieces)
+            return torch.cat(pieces, out=torch.empty(self._size, dtype=torch.float64, device=device))
 
     def unpack(self, values: Sequence[float]) -> dict[str, Sequence[float]]:
         """The host copy of :meth:`pack`'s tensor, split back into its named segments."""

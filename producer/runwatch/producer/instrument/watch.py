@@ -68,11 +68,13 @@ from runwatch.producer.instrument.ddp_timing import DDPSyncTimer, SyncRound, is_
 from runwatch.producer.instrument.fingerprint import DIGEST_VALUES, ReplicaFingerprint
 from runwatch.producer.instrument.gradstats import (
     GradNorms,
+    HostGradNorms,
     ParamLayout,
     ShardSpec,
     UpdateNorms,
     UpdateProbe,
     grad_norms,
+    host_grad_norms,
 )
 from runwatch.producer.instrument.guard import GuardOptions, SkipReason, StepGuard
 from runwatch.producer.instrument.heartbeat import DEFAULT_STACKS_AFTER_S, Heartbeat
@@ -111,6 +113,8 @@ class _PendingStep:
     host: torch.Tensor | None = None  # filled by the copy
     ready: Any = None  # a CUDA event when the copy is asynchronous
     clipped: bool = False
+    # the gradient figures when they are host numbers already (not in the copy)
+    grad: HostGradNorms | None = None
     categories: CategoryLossBatch | None = None
     sync: SyncRound | None = None  # DDP: the step's sync marks, for compute_s
     off_step: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of off-step stretches
@@ -189,6 +193,11 @@ class Watcher:
         if activations_every < 1:
             raise ValueError(f"activations_every must be >= 1, got {activations_every}")
         self.rw = rw
+        # Step events through rw.queue_step where rw has it (validated off the training thread), else rw.step
+        queue_step = getattr(rw, "queue_step", None)
+        self._queue_step: Callable[[int, dict[str, Any]], Any] = queue_step or (
+            lambda step, fields: rw.step(step, **fields)
+        )
         self.model = model
         self.optimizer = optimizer
         self.lr = _lr_list(lr)
@@ -212,7 +221,7 @@ class Watcher:
             ReplicaFingerprint(list(model.parameters()), fingerprint_every) if replicated else None
         )
         self._peak = peak_flops(self.layout.device, override=peak_flops_per_s)
-        self._grad: GradNorms | None = None
+        self._grad: GradNorms | HostGradNorms | None = None
         self._update: UpdateNorms | None = None
         self._pending: deque[_PendingStep] = deque()  # steps whose figures are on their way to the host
         self._host_buffers = _HostBuffers()
@@ -327,7 +336,8 @@ class Watcher:
         if self._lr_hold is not None:
             self._lr_scale = self._lr_hold.scale
         clip = self.clip if self.clip is not None else self.external_clip
-        self._grad = grad_norms(self.layout, clip, apply_clip=self.clip is not None)
+        norms = host_grad_norms if self.layout.on_host else grad_norms
+        self._grad = norms(self.layout, clip, apply_clip=self.clip is not None)
         if self.guard is not None and self._grad is not None:
             self._skip = self._judge(self._grad)
             if self._skip is not None:
@@ -335,12 +345,17 @@ class Watcher:
         if self.update_every and self.step % self.update_every == 0:
             self._probe.arm()
 
-    def _judge(self, grad: GradNorms) -> SkipReason | None:
+    def _judge(self, grad: GradNorms | HostGradNorms) -> SkipReason | None:
         """The guard's verdict on this step's gradient (one small read from the device: the norm and the
         count of non-finite tensors). A skip with an optimizer takes its gradients away, so that its
         ``step()`` leaves every parameter and its state as they were."""
         assert self.guard is not None
-        norm, nonfinite = grad.figures[-1].item(), grad.nonfinite.item()  # (on CUDA the first one syncs)
+        norm: float
+        nonfinite: float
+        if isinstance(grad, HostGradNorms):
+            norm, nonfinite = grad.total, grad.nonfinite
+        else:
+            norm, nonfinite = grad.figures[-1].item(), grad.nonfinite.item()  # (on CUDA the first one syncs)
         reason = self.guard.judge(norm, nonfinite)
         if reason is None:
             return None
@@ -441,7 +456,10 @@ class Watcher:
             step=step, fields=fields, packing=packing, categories=category_loss, sync=sync, off_step=off_spans
         )
         if isinstance(loss, torch.Tensor):
-            packing.add("loss", loss.detach().reshape(-1)[:1], 1)
+            if self.layout.on_host and loss.device.type == "cpu" and loss.numel() == 1:
+                fields["loss"] = float(loss.item())  # (in host memory: read at once, as the copy would)
+            else:
+                packing.add("loss", loss.detach().reshape(-1)[:1], 1)
         elif loss is not None:
             fields["loss"] = float(loss)
         self._pack_norms(pending, packing)
@@ -515,10 +533,13 @@ class Watcher:
                 and not self.layout.sharded
                 and not read_late
             )
-            n_modules = len(self.layout.module_names)
-            packing.add("grad", grad.figures, n_modules + 1)  # per-module norms, then the global norm
-            packing.add("clip_coef", grad.clip_coef, 1)
-            packing.add("nonfinite_grads", grad.nonfinite, 1)
+            if isinstance(grad, HostGradNorms):
+                pending.grad = grad
+            else:
+                n_modules = len(self.layout.module_names)
+                packing.add("grad", grad.figures, n_modules + 1)  # per-module norms, then the global norm
+                packing.add("clip_coef", grad.clip_coef, 1)
+                packing.add("nonfinite_grads", grad.nonfinite, 1)
         update, self._update = self._update, None
         if update is not None:
             packing.add("update", update.norms, 2)
@@ -535,7 +556,7 @@ class Watcher:
             return [float(g["lr"]) for g in self.optimizer.param_groups]
         return list(self.lr or [])
 
-    def _grads_at_end_step(self) -> GradNorms | None:
+    def _grads_at_end_step(self) -> GradNorms | HostGradNorms | None:
         """No optimizer and no ``before_optimizer_step`` this step: the norms of the gradients still
         there (after the update, so nothing is clipped)."""
         if self.clip is not None and not self._warned_no_clip:
@@ -545,7 +566,8 @@ class Watcher:
                 "before the update",
                 self.clip,
             )
-        return grad_norms(self.layout, self.external_clip, apply_clip=False)
+        norms = host_grad_norms if self.layout.on_host else grad_norms
+        return norms(self.layout, self.external_clip, apply_clip=False)
 
     # -- helpers for the rest of the loop ----------------------------------------------------
 
@@ -693,6 +715,10 @@ class Watcher:
         if p.ready is not None:
             self._host_buffers.give_back(p.host, p.ready)
         figures = p.packing.unpack(values)
+        if p.grad is not None:
+            figures.update(
+                grad=p.grad.figures, clip_coef=[p.grad.clip_coef], nonfinite_grads=[p.grad.nonfinite]
+            )
         fields = p.fields
         if "loss" in figures:
             fields["loss"] = figures["loss"][0]
@@ -727,7 +753,7 @@ class Watcher:
             compute = self.sync_timer.compute_s(p.sync, p.off_step)
             if compute is not None:
                 fields["compute_s"] = compute
-        self.rw.step(p.step, **fields)
+        self._queue_step(p.step, fields)
 
 
 class _HostBuffers:

@@ -23,22 +23,19 @@ class PublisherStats:
     """
 
     queued: int = 0
-    published: int = (
-        0  # distinct events acknowledged by the broker (replayed ones included); JSONL: lines written
-    )
+    # distinct events acknowledged by the broker (replayed ones included); JSONL: lines written
+    published: int = 0
     dropped: int = 0  # never reached the broker and are not in the spool; by reason in drop_reasons
     drop_reasons: dict[str, int] = field(default_factory=dict)
     spooled: int = 0  # events written to the disk spool because the broker did not take them
     replayed: int = 0  # events sent from the spool and acknowledged (also counted in published)
-    spool_dropped: int = (
-        0  # refused (drop_newest) or evicted (drop_oldest) by the spool's bound; in dropped too
-    )
+    # refused (drop_newest) or evicted (drop_oldest) by the spool's bound; in dropped too
+    spool_dropped: int = 0
     spool_recovered: int = 0  # events found in the spool at start, left there by an earlier process
     spooled_at_close: int = 0  # still in the spool after close(): not lost, the next RunWatch replays them
     spool_bytes: int = 0  # live bytes in the spool now
-    duplicates_sent: int = (
-        0  # acknowledged events that stayed spooled (an earlier one failed) and are sent again
-    )
+    # acknowledged events that stayed spooled (an earlier one failed) and are sent again
+    duplicates_sent: int = 0
 
 
 class Delivery(Protocol):

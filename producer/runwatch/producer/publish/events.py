@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
-from runwatch.contract.schema import EventBase, run_id_problem
+from runwatch.contract.schema import EventBase, run_id_problem, utc_now
 
 E = TypeVar("E", bound=EventBase)
 
@@ -61,6 +61,23 @@ def unknown_field_error(model: type[EventBase], unknown: set[str] | list[str]) -
     )
 
 
+class PendingEvent:
+    """An event checked by name but not yet validated: its model and its fields (``run_id``, ``rank`` and
+    ``ts`` stamped). A delivery with a thread of its own validates it there (:meth:`build`), in a batch,
+    rather than in the training loop; a value that does not validate is then dropped and counted as
+    ``invalid`` there, as ``RunWatch`` counts it when it builds the event itself."""
+
+    __slots__ = ("fields", "model")
+
+    def __init__(self, model: type[EventBase], fields: dict[str, Any]):
+        self.model = model
+        self.fields = fields
+
+    def build(self) -> EventBase:
+        """The event; raises pydantic's ``ValidationError`` for a field that does not validate."""
+        return self.model(**self.fields)
+
+
 class RunEvents:
     """Builds one rank's events: ``run_id`` and ``rank`` filled in, ``ts`` from ``clock`` (default:
     now, UTC) unless given. A keyword the model does not declare raises :class:`UnknownFieldError`; a field
@@ -95,6 +112,20 @@ class RunEvents:
         if self.split is not None:
             fields["group_size"], fields["world_size"] = self.split
         return model(run_id=self.run_id, rank=self.rank, **fields)
+
+    def pending(self, model: type[EventBase], fields: dict[str, Any]) -> PendingEvent:
+        """``build`` without the validation (``fields``, declared ones only, are taken over): names are
+        checked now (``UnknownFieldError``), ``ts`` is stamped now (the event's time is when it happened, not
+        when it is validated), values are validated by :meth:`PendingEvent.build`."""
+        declared = _DECLARED.get(model) or declared_fields(model)
+        if not declared.issuperset(fields):
+            raise unknown_field_error(model, [name for name in fields if name not in declared])
+        if "ts" not in fields:
+            fields["ts"] = self.clock() if self.clock is not None else utc_now()
+        if self.split is not None:
+            fields["group_size"], fields["world_size"] = self.split
+        fields["run_id"], fields["rank"] = self.run_id, self.rank
+        return PendingEvent(model, fields)
 
 
 def _check_extra(model: type[EventBase], extra: Mapping[str, Any], declared: frozenset[str]) -> None:

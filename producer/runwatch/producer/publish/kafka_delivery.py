@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from runwatch.contract import topics
 from runwatch.contract.schema import EventBase
 from runwatch.producer.publish.delivery import PublisherStats
+from runwatch.producer.publish.events import PendingEvent
 from runwatch.producer.publish.spool import HEADER_BYTES, OVERFLOW_POLICIES, DiskSpool, Overflow
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,15 @@ DRAIN_INTERVAL_S = 0.1
 # Events go out in batches at most this often (each produce request costs kafka-python's sender about
 # 1.5 ms of Python under the GIL, whatever it holds); the first event after a quieter spell goes at once.
 DEFAULT_BATCH_INTERVAL_S = 0.1
+# The client's record batch per partition (kafka-python's ``batch_size``; its default is 16 KiB, about ten
+# step events): one batch of the publisher's is then one produce request, not one per ten events, and the
+# client's sender thread spends its ~1 ms of Python per request once per batch. Well under the 1 MB a
+# broker takes by default (``message.max.bytes``), so a full batch is never refused for its size.
+RECORD_BATCH_BYTES = 256 * 1024
+# The client's own wait for more records before it sends (kafka-python's ``linger_ms``): none, since this
+# publisher hands it a whole batch at once. A linger on top delayed every batch by it and, measured on a
+# loaded 2-core VM (docs/profiles/trainer.md), split a batch into two produce requests as often as not.
+DEFAULT_LINGER_MS = 0
 
 
 @dataclass
@@ -106,7 +118,7 @@ class KafkaDelivery:
         topic: str = topics.TELEMETRY,
         queue_size: int = 10_000,
         max_block_ms: int = 100,
-        linger_ms: int = 5,
+        linger_ms: int = DEFAULT_LINGER_MS,
         delivery_timeout_ms: int = 3000,
         spool_path: Path | None = None,
         spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
@@ -129,7 +141,8 @@ class KafkaDelivery:
         self._key = key if key is not None else run_id.encode()  # (a split run's rank: its group's key)
         # A deque (append and popleft are atomic) and a wake-up flag: the drain thread takes everything
         # queued at each wake, so a burst of events goes out as one batch.
-        self._queue: deque[EventBase] = deque()
+        self._queue: deque[EventBase | PendingEvent] = deque()  # (a PendingEvent is validated when taken)
+        self._warned_invalid = False
         self._wake = threading.Event()
         self._queue_size = queue_size
         self._batch_interval_s = batch_interval_s
@@ -152,12 +165,16 @@ class KafkaDelivery:
         self._backoff = _PROBE_BACKOFF_S[0]
         self._next_probe = 0.0
         self._seq = 0
+        self._partition_cache: dict[
+            frozenset[int], int
+        ] = {}  # the key's partition, by the topic's partitions
         self._delivery_timeout_s = delivery_timeout_ms / 1000
         self._producer_config = dict(
             bootstrap_servers=self.bootstrap,
             api_version=topics.KAFKA_API_VERSION,
             max_block_ms=max_block_ms,
             linger_ms=linger_ms,
+            batch_size=RECORD_BATCH_BYTES,
             acks=1,
             # One request in flight per connection: a retried batch can never land behind a later
             # one, so each rank's events arrive in the order sent (the join and rank 0's run_start,
@@ -189,8 +206,42 @@ class KafkaDelivery:
             self.stats.queued += 1
         return True
 
+    def deliver_later(self, pending: PendingEvent) -> bool:
+        """Queue one event to be validated by the publisher thread (``RunWatch.queue_step``); never blocks.
+        Returns False if it was dropped (queue full); one that does not validate is counted ``invalid``."""
+        if len(self._queue) >= self._queue_size:
+            self._count_drop("queue_full", after_queue=False)
+            return False
+        self._queue.append(pending)
+        if not self._wake.is_set():
+            self._wake.set()
+        with self._lock:
+            self.stats.queued += 1
+        return True
+
     def refuse(self, reason: str) -> None:
         self._count_drop(reason, after_queue=False)
+
+    def _built(self, item: EventBase | PendingEvent) -> EventBase | None:
+        """A queued event as the event it is: a pending one validated here (None, and counted ``invalid``,
+        when it does not validate: a bad value must not end the run, nor this thread)."""
+        if not isinstance(item, PendingEvent):
+            return item
+        try:
+            return item.build()
+        except ValidationError as exc:
+            self._count_drop("invalid")
+            if not self._warned_invalid:
+                self._warned_invalid = True
+                log.warning(
+                    "runwatch: dropped an invalid %s event (further ones are only counted): %s",
+                    item.model.__name__,
+                    exc,
+                )
+            return None
+
+    def _pop(self) -> EventBase | None:
+        return self._built(self._queue.popleft())
 
     def close(self, timeout: float) -> None:
         """Deliver what is queued or spooled within ``timeout``, then stop. Every event offered (or
@@ -329,35 +380,58 @@ class KafkaDelivery:
         """Send ``events`` in order. Stop at the first failure (the broker is not taking events: the rest go
         back to the front of the queue, which spooling mode then takes) or at close()'s deadline (then
         _shutdown spools them), so a broker that is down costs one ``max_block_ms`` per batch, not one
-        per event (a batch of 200 would hold close() for 40 s and lose the events it could not spool)."""
-        for i, event in enumerate(events):
+        per event (a batch of 200 would hold close() for 40 s and lose the events it could not spool).
+
+        The batch is serialised first, in one pass, and then handed to the client in a tight loop, so that
+        its records go out in one produce request (serialising between sends let the client send a few
+        records at a time)."""
+        values = _serialised(events)
+        try:
+            placed = self._placed(producer)
+        except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms: the first event fails as
+            # its send would have (the rest go back to the queue for spooling mode), one wait per batch
+            self._queue.extendleft(reversed(events[1:]))
+            self._send_failed(values[0][0], exc)
+            return
+        for i, (value, timestamp_ms) in enumerate(values):
             with self._lock:
                 failed = bool(self._failed)
             if failed or (self._closing.is_set() and time.monotonic() >= self._close_deadline):
                 self._queue.extendleft(reversed(events[i:]))
                 return
-            self._send_direct(producer, event.to_json(), _timestamp_ms(event))
+            self._send_direct(producer, value, timestamp_ms, placed)
 
     def _placed(self, producer: Any) -> dict[str, int]:
-        """``send``'s partition argument: a split run's group key goes to its group's partition
-        (``topics.key_partition``), which the client's murmur2 partitioner does not know; every other key
-        is left to the client (no argument)."""
-        if b"#" not in self._key or producer is None:
+        """``send``'s partition argument, worked out once per batch rather than by the client per record: a
+        split run's group key goes to its group's partition (``topics.key_partition``), which the client's
+        murmur2 partitioner does not know; any other key to the partition that partitioner would pick
+        (``keyed_partition``, the same murmur2 of the same key). Empty (the client picks) until the
+        client has the topic's partitions, or without a client. Raises what the client raises when it gets
+        no metadata within ``max_block_ms``."""
+        if producer is None:
             return {}
         partitions = producer.partitions_for(self.topic)  # (the client's cached metadata once it has it)
-        partition = topics.group_partition(self._key, len(partitions)) if partitions else None
+        if not partitions:
+            return {}
+        if b"#" in self._key:
+            partition = topics.group_partition(self._key, len(partitions))
+        else:
+            partition = self._partition_cache.get(frozenset(partitions))
+            if partition is None:
+                partition = keyed_partition(self._key, partitions)
+                self._partition_cache = {frozenset(partitions): partition}
         return {} if partition is None else {"partition": partition}
 
-    def _send_direct(self, producer: Any, value: bytes, timestamp_ms: int | None = None) -> None:
-        self._seq += 1
-        seq = self._seq
-        with self._lock:
-            self._inflight[seq] = value
+    def _send_direct(
+        self, producer: Any, value: bytes, timestamp_ms: int | None, placed: dict[str, int]
+    ) -> None:
+        if producer is None:
+            self._send_failed(value, RuntimeError("no Kafka producer"))
+            return
+        seq = self._track(value)
         try:
-            if producer is None:
-                raise RuntimeError("no Kafka producer")
             future = producer.send(
-                self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms, **self._placed(producer)
+                self.topic, key=self._key, value=value, timestamp_ms=timestamp_ms, **placed
             )
         except Exception as exc:  # noqa: BLE001 - e.g. KafkaTimeoutError when no broker answers
             # within max_block_ms
@@ -366,13 +440,27 @@ class KafkaDelivery:
         future.add_callback(self._on_sent, seq)
         future.add_errback(self._on_failed, seq)
 
+    def _track(self, value: bytes) -> int:
+        """A direct send's sequence number, its value held until the broker acknowledges it (or it fails)."""
+        self._seq += 1
+        seq = self._seq
+        with self._lock:
+            self._inflight[seq] = value
+        return seq
+
+    def _send_failed(self, value: bytes, exc: BaseException) -> None:
+        """A direct send that failed before reaching the client: booked as the client's failures are."""
+        self._on_failed(self._track(value), exc)
+
     def _spool_turn(self, producer: Any, closing: bool) -> bool:
         """One turn of spooling mode; True when a closing publisher has nothing left to do."""
         self._absorb_failures()
         for _ in range(_APPEND_PER_TURN):
             if not self._queue:
                 break
-            self._spool_event(self._queue.popleft())
+            event = self._pop()
+            if event is not None:
+                self._spool_event(event)
         spool = self._spool
         if self._replay is not None:
             if not self._replay.done():  # a probe of a dead broker may take delivery_timeout_ms
@@ -420,8 +508,9 @@ class KafkaDelivery:
             else:
                 self._wake.wait(timeout)
         self._wake.clear()
-        queued = self._queue
-        return [queued.popleft() for _ in range(len(queued))]
+        queued, built = self._queue, self._built
+        events = [built(queued.popleft()) for _ in range(len(queued))]
+        return [e for e in events if e is not None]
 
     def _start_replay(self, producer: Any) -> None:
         # While the broker is down, probe with the oldest record alone.
@@ -429,11 +518,14 @@ class KafkaDelivery:
         first, records = self._spool.peek(1 if self._broker_down else _REPLAY_RECORDS, _REPLAY_BYTES)
         futures: list[Any] = []
         send_error = False
+        try:
+            placed = self._placed(producer)
+        except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms
+            log.debug("runwatch: replay send failed: %r", exc)
+            records, send_error = [], True
         for value in records:
             try:
-                futures.append(
-                    producer.send(self.topic, key=self._key, value=value, **self._placed(producer))
-                )
+                futures.append(producer.send(self.topic, key=self._key, value=value, **placed))
             except Exception as exc:  # noqa: BLE001 - no metadata within max_block_ms, or a record too large
                 log.debug("runwatch: replay send failed: %r", exc)
                 if _rejected(exc):
@@ -588,7 +680,9 @@ class KafkaDelivery:
                     self._inflight.clear()
                 self._absorb_failures()
                 while self._queue:
-                    self._spool_event(self._queue.popleft())
+                    event = self._pop()
+                    if event is not None:
+                        self._spool_event(event)
         except Exception:
             log.exception("runwatch: could not spool what was left at close")
         spool = self._spool
@@ -608,6 +702,21 @@ class KafkaDelivery:
                 len(spool),
                 self.spool_path,
             )
+
+
+def keyed_partition(key: bytes, partitions: set[int] | frozenset[int]) -> int:
+    """The partition kafka-python's default partitioner gives ``key`` among ``partitions`` (the Java client's
+    murmur2, as every Kafka client keys records): what ``send`` picks per record, computed once."""
+    from kafka.partitioner.default import murmur2
+
+    ordered = sorted(partitions)
+    index: int = (murmur2(key) & 0x7FFFFFFF) % len(ordered)
+    return ordered[index]
+
+
+def _serialised(events: list[EventBase]) -> list[tuple[bytes, int | None]]:
+    """Each event's record value and timestamp, the whole batch in one pass."""
+    return [(event.to_json(), _timestamp_ms(event)) for event in events]
 
 
 def _timestamp_ms(event: EventBase) -> int | None:

@@ -33,9 +33,8 @@ class Execution:
     kind: str
     target: str  # command | webhook
     target_key: str
-    status: (
-        str  # ok | failed | refused | unverified | timeout | skipped (a restart with no host to leave out)
-    )
+    # ok | failed | refused | unverified | timeout | skipped (a restart with no host to leave out)
+    status: str
     argv: list[str] = field(default_factory=list)
     url: str = ""
     exit_code: int | None = None  # a command's exit status; a webhook's HTTP status

@@ -73,9 +73,8 @@ class HeldRuns:
         checked)."""
         self.config = config
         self.partitions = partitions
-        self.baselines = (
-            baselines  # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
-        )
+        # a run's history and band, handed to its monitor at run_start (worker/baselines.py)
+        self.baselines = baselines
         self._secret = secret
         self._signing_key = ActionSigningKey.from_seed(secret)  # (ValueError: not a 32-byte seed)
         self._report_keys = ActionPublicKeys([self._signing_key.public])  # a split run's groups' reports

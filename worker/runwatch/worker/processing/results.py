@@ -66,9 +66,8 @@ class WorkerCounters:
     # events read again that a restored snapshot already included, or that this worker already judged (the
     # consumer seeks back to the committed offset after a rebalance that left it the partition)
     replay_skipped: int = 0
-    repeats_withheld: int = (
-        0  # anomalies and actions decided again that a predecessor had published (published.py)
-    )
+    # anomalies and actions decided again that a predecessor had published (published.py)
+    repeats_withheld: int = 0
     # runs let go without run_end, by why (silent, evicted)
     runs_let_go: Counter[str] = field(default_factory=Counter)
     ledgers: int = 0  # checkpoint ledgers of runs let go held now (runs.ledger_retention_s)

@@ -35,9 +35,8 @@ from runwatch.contract import topics
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = (
-    25.0  # nothing read for this long: the read fails (and with it the worker: a successor retries)
-)
+# nothing read for this long: the read fails (and with it the worker: a successor retries)
+DEFAULT_TIMEOUT_S = 25.0
 IDLE_S = 5.0
 PROGRESS_EVERY_S = 1.0
 

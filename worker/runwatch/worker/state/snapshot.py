@@ -107,9 +107,8 @@ class SnapshotHeader(BaseModel):
     offset: int
     events: int  # events the run had seen when it was taken
     taken_at: datetime
-    ended_at: datetime | None = (
-        None  # set on the marker of an ended run (no body): kept until retention ends it
-    )
+    # set on the marker of an ended run (no body): kept until retention ends it
+    ended_at: datetime | None = None
     # set on the record of a run let go without its end: its body is the run's ledger (RunLedger), kept
     # until runs.ledger_retention_s ends it
     let_go_at: datetime | None = None
