@@ -201,7 +201,7 @@ def test_a_pause_holds_every_rank_until_its_resume_and_a_stop_ends_every_rank_at
 
 CHILD = textwrap.dedent("""
     import sys, threading, time
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {repo!r})
     from tests.producer.test_actions_unit import RecordingPublisher, action, deliver
     from runwatch.producer.actions.listener import ActionListener
 
@@ -215,7 +215,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_a_stop_arms_the_watchdog_on_receipt_for_a_rank_that_never_polls():
-    code = CHILD.format(tests=str(REPO / "tests" / "unit"), public_keys=PUBLIC_KEYS)
+    code = CHILD.format(repo=str(REPO), public_keys=PUBLIC_KEYS)
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
