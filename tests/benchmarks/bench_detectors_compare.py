@@ -17,11 +17,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run as a script or imported)
+from commit_tree import ROOT, commit_tree, rooms_path
+
 BENCH = Path("tests/benchmarks/bench_detectors.py")
 
 
@@ -55,19 +55,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--events", type=int, default=5000)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="runwatch-bench-") as tmp:
-        old = Path(tmp) / "old"
-        add = ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.rev]
-        subprocess.run(add, check=True)
-        try:
-            old_path = os.pathsep.join(str(old / room) for room in ROOMS)
-            runs: dict[str, list[dict]] = {args.rev: [], "checkout": []}
-            for i in range(args.rounds):
-                runs[args.rev].append(run_bench(old, args.events, old_path))
-                runs["checkout"].append(run_bench(ROOT, args.events, None))
-                print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+    with commit_tree(args.rev) as old:
+        old_path = rooms_path(old)
+        runs: dict[str, list[dict]] = {args.rev: [], "checkout": []}
+        for i in range(args.rounds):
+            runs[args.rev].append(run_bench(old, args.events, old_path))
+            runs["checkout"].append(run_bench(ROOT, args.events, None))
+            print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
     sides = {name: summary(r) for name, r in runs.items()}
     print(
         json.dumps(

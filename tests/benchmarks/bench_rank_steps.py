@@ -14,6 +14,7 @@ Faust, the broker and the detector process's pipe are not in it (bench_throughpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -21,13 +22,13 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run as a script or imported)
+from commit_tree import commit_tree, rooms_path
+
 WORLDS = ((64, 202), (1_024, 14), (4_096, 6), (16_384, 4))  # (ranks, steps): at least 40,000 rank-steps
 
 
@@ -116,26 +117,16 @@ def main() -> None:
         print(json.dumps(measure()))
         return
     sides: dict[str, list[dict[int, float]]] = {"now": []}
-    old_tree = None
-    if args.against:
-        old_tree = Path(tempfile.mkdtemp(prefix="runwatch-bench-")) / "old"
-        add = ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old_tree), args.against]
-        subprocess.run(add, check=True)
-        sides["against"] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        old_tree = stack.enter_context(commit_tree(args.against)) if args.against else None
+        if old_tree is not None:
+            sides["against"] = []
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for side in order:
-                path = None
-                if side == "against" and old_tree is not None:
-                    path = os.pathsep.join([*(str(old_tree / room) for room in ROOMS), str(old_tree)])
+                path = rooms_path(old_tree, old_tree) if side == "against" and old_tree is not None else None
                 sides[side].append(run_tree(path))
                 print(json.dumps({"round": r, side: sides[side][-1]}), file=sys.stderr, flush=True)
-    finally:
-        if old_tree is not None:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)], check=False
-            )
     result: dict = {"unit": "processor CPU ms per 1,000 rank-steps (median of rounds)"}
     for side, runs in sides.items():
         medians = {w: statistics.median(run[w] for run in runs) for w, _ in WORLDS}

@@ -18,11 +18,10 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run as a script or imported)
+from commit_tree import ROOT, commit_tree, rooms_path
 
 
 def run(tree: Path, bench: str, args: list[str], pythonpath: str) -> dict:
@@ -70,26 +69,17 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {
         name: {"throughput": [], "latency": []} for name in (args.rev, "checkout")
     }
-    with tempfile.TemporaryDirectory(prefix="runwatch-bench-") as tmp:
-        old = Path(tmp) / "old"
-        add = ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.rev]
-        subprocess.run(add, check=True)
-        try:
-            trees = {
-                args.rev: (old, os.pathsep.join(str(old / room) for room in ROOMS)),
-                "checkout": (ROOT, os.pathsep.join(str(ROOT / room) for room in ROOMS)),
-            }
-            for i in range(args.rounds):
-                order = list(trees) if i % 2 == 0 else list(reversed(trees))
-                for name in order:
-                    tree, path = trees[name]
-                    runs[name]["throughput"].append(run(tree, "bench_throughput.py", throughput_args, path))
-                for name in order:
-                    tree, path = trees[name]
-                    runs[name]["latency"].append(run(tree, "bench_latency.py", latency_args, path))
-                print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+    with commit_tree(args.rev) as old:
+        trees = {args.rev: (old, rooms_path(old)), "checkout": (ROOT, rooms_path(ROOT))}
+        for i in range(args.rounds):
+            order = list(trees) if i % 2 == 0 else list(reversed(trees))
+            for name in order:
+                tree, path = trees[name]
+                runs[name]["throughput"].append(run(tree, "bench_throughput.py", throughput_args, path))
+            for name in order:
+                tree, path = trees[name]
+                runs[name]["latency"].append(run(tree, "bench_latency.py", latency_args, path))
+            print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
     sides = {name: side(r["throughput"], r["latency"]) for name, r in runs.items()}
     new, base = sides["checkout"], sides[args.rev]
     print(

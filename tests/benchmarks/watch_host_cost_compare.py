@@ -23,14 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("contract", "producer", "detectors", "worker", "sinks", "cli", "local", "demo", "scenarios")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run as a script or imported)
+from commit_tree import ROOT, commit_tree, rooms_path
+
 HERE = Path(__file__).resolve().parent
 FIGURES = ("host_us", "calls_us", "clip_us", "background_cpu_us")
-
-
-def _pythonpath(tree: Path) -> str:
-    return os.pathsep.join(str(tree / room) for room in ROOMS)
 
 
 def run_measure(pythonpath: str, bootstrap: str, steps: int) -> dict:
@@ -91,22 +88,16 @@ def main() -> None:
     args = ap.parse_args()
     from runwatch.local.broker import EmbeddedBroker, ensure_topics
 
-    with tempfile.TemporaryDirectory(prefix="runwatch-bench-") as tmp:
-        old = Path(tmp) / "old"
-        add = ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.rev]
-        subprocess.run(add, check=True)
-        try:
-            old_path, new_path = _pythonpath(old), _pythonpath(ROOT)
-            identical, differences = same_events(old_path, new_path, Path(tmp))
-            runs: dict[str, list[dict]] = {args.rev: [], "checkout": []}
-            with EmbeddedBroker() as broker:
-                ensure_topics(broker.bootstrap)
-                for i in range(args.rounds):
-                    runs[args.rev].append(run_measure(old_path, broker.bootstrap, args.steps))
-                    runs["checkout"].append(run_measure(new_path, broker.bootstrap, args.steps))
-                    print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+    with commit_tree(args.rev) as old, tempfile.TemporaryDirectory(prefix="runwatch-events-") as tmp:
+        old_path, new_path = rooms_path(old), rooms_path(ROOT)
+        identical, differences = same_events(old_path, new_path, Path(tmp))
+        runs: dict[str, list[dict]] = {args.rev: [], "checkout": []}
+        with EmbeddedBroker() as broker:
+            ensure_topics(broker.bootstrap)
+            for i in range(args.rounds):
+                runs[args.rev].append(run_measure(old_path, broker.bootstrap, args.steps))
+                runs["checkout"].append(run_measure(new_path, broker.bootstrap, args.steps))
+                print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
     sides = {name: summary(r) for name, r in runs.items()}
     ratios = [
         new["host_us"] / old["host_us"] for old, new in zip(runs[args.rev], runs["checkout"], strict=True)
