@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import secrets
 import statistics
@@ -181,6 +182,8 @@ def main() -> None:
         "--consumer", nargs=4, metavar=("ROLE", "BOOTSTRAP", "ENDS", "OUT"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
+    # The worker's state is on, as in production: its snapshots need a secret (the children inherit it).
+    os.environ.setdefault("RUNWATCH_STATE_SECRET", secrets.token_hex(32))
     if args.consumer:
         consumer(*args.consumer)
         return
