@@ -30,7 +30,7 @@ from runwatch.worker.runwatch_app import RunwatchApp
 if TYPE_CHECKING:
     from faust.types import TP
 
-    from runwatch.worker.pipeline import Inflight
+    from runwatch.worker.pipeline_queues import Inflight
 
 log = logging.getLogger(__name__)
 

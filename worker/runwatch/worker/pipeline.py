@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from runwatch.contract import topics
 from runwatch.worker import transport
@@ -19,7 +19,6 @@ from runwatch.worker.detector_process import (
     DetectorProcessError,
     Outgoing,
     RawEvent,
-    Reply,
 )
 from runwatch.worker.log_guard import LogGuard
 
@@ -27,14 +26,7 @@ if TYPE_CHECKING:
     import faust
     from faust.types import RecordMetadata, StreamT
 
-    # What the pipeline's two queues hold, per request: the offsets of its events (None: the timer's),
-    # its reply to come (then its records' deliveries, whether it is a checkpoint and its findings' event
-    # times), the future it resolves.
-    Events: TypeAlias = list[transport.Settlement]
-    Inflight: TypeAlias = tuple[Events | None, Awaitable[Reply], asyncio.Future[bool] | None]
-    Delivered: TypeAlias = tuple[
-        Events | None, list[Awaitable[RecordMetadata]], bool, asyncio.Future[bool] | None, list[float]
-    ]
+    from runwatch.worker.pipeline_queues import Delivered, Inflight
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from runwatch.contract import topics
 from runwatch.detectors import RunMonitor
@@ -24,10 +24,17 @@ from runwatch.worker.state.snapshot import (
     encode_snapshot,
 )
 
-if TYPE_CHECKING:
-    from runwatch.worker.processor import RunState
-
 log = logging.getLogger(__name__)
+
+
+class SnapshotState(Protocol):
+    """What a run's snapshot pickles (processor.RunState): its monitor, and (its newest event time, when
+    that arrived). A protocol, so that this layer does not import the processor built on it."""
+
+    monitor: RunMonitor
+    last_seen: tuple[datetime, datetime] | None
+
+    def __init__(self, monitor: RunMonitor, last_seen: tuple[datetime, datetime] | None) -> None: ...
 
 
 class DurableState(RunOutputs):
@@ -35,7 +42,7 @@ class DurableState(RunOutputs):
 
     # The class a run's snapshot pickles: processor.RunState, set there (existing snapshots name it by its
     # module, which must stay runwatch.worker.processor: state/classes.py)
-    _state_type: ClassVar[type[RunState]]
+    _state_type: ClassVar[type[SnapshotState]]
 
     def keep_partitions(self, partitions: set[int], log_id: str | None = None) -> list[str]:
         """After a rebalance: drop the runs whose partition this worker no longer owns (their new
