@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import secrets
 import statistics
@@ -92,6 +93,26 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
     Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
 
 
+def step_event(rng: random.Random, i: int, runs: int, t0: datetime) -> StepEvent:
+    """The ``i``-th healthy step event of ``runs`` runs (round robin): 20 module norms, 8 categories,
+    memory and timing fields. Also bench_processor_compare.py's events."""
+    run, step = f"bench-{i % runs}", i // runs
+    return StepEvent(
+        run_id=run,
+        step=step,
+        ts=t0 + timedelta(seconds=0.2 * step),
+        loss=2.0 * math.exp(rng.gauss(0, 0.05)),
+        lr=[3e-4],
+        grad_norm=1.0 + rng.random() * 0.1,
+        module_grad_norms={f"layers.{k}": 0.1 + rng.random() * 0.01 for k in range(20)},
+        category_loss={f"c{k}": CategoryLoss(mean=2.0 + rng.gauss(0, 0.05), count=16) for k in range(8)},
+        step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)),
+        data_wait_s=0.01,
+        samples_per_s=640.0,
+        memory=MemoryStats(allocated=10**10, reserved=12 * 10**9, host_rss=8 * 2**30),
+    )
+
+
 def fill(bootstrap: str, n: int, runs: int) -> dict[int, int]:
     """Publish ``n`` step events over ``runs`` runs; returns the last offset per partition."""
     from kafka import KafkaProducer
@@ -108,21 +129,8 @@ def fill(bootstrap: str, n: int, runs: int) -> dict[int, int]:
     t0 = datetime.now(UTC) - timedelta(hours=1)  # (ts must lie near the record timestamp: now)
     futures = []
     for i in range(n):
-        run, step = f"bench-{i % runs}", i // runs
-        event = StepEvent(
-            run_id=run,
-            step=step,
-            ts=t0 + timedelta(seconds=0.2 * step),
-            loss=2.0 * math.exp(rng.gauss(0, 0.05)),
-            lr=[3e-4],
-            grad_norm=1.0 + rng.random() * 0.1,
-            module_grad_norms={f"layers.{k}": 0.1 + rng.random() * 0.01 for k in range(20)},
-            category_loss={f"c{k}": CategoryLoss(mean=2.0 + rng.gauss(0, 0.05), count=16) for k in range(8)},
-            step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)),
-            data_wait_s=0.01,
-            samples_per_s=640.0,
-            memory=MemoryStats(allocated=10**10, reserved=12 * 10**9, host_rss=8 * 2**30),
-        )
+        run = f"bench-{i % runs}"
+        event = step_event(rng, i, runs, t0)
         futures.append(producer.send(topics.TELEMETRY, key=run.encode(), value=event.to_json()))
     producer.flush(timeout=120)
     for f in futures:
@@ -174,6 +182,8 @@ def main() -> None:
         "--consumer", nargs=4, metavar=("ROLE", "BOOTSTRAP", "ENDS", "OUT"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
+    # The worker's state is on, as in production: its snapshots need a secret (the children inherit it).
+    os.environ.setdefault("RUNWATCH_STATE_SECRET", secrets.token_hex(32))
     if args.consumer:
         consumer(*args.consumer)
         return

@@ -29,6 +29,7 @@ from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.producer import RunWatch
 
 # (module, class or None, function names): what is timed, where it exists in the version on PYTHONPATH
+# (issue 41 moved some of the watcher's into modules of their own: an earlier version lacks those)
 TIMED = (
     (
         "runwatch.producer.instrument.watch",
@@ -36,6 +37,10 @@ TIMED = (
         "before_optimizer_step after_optimizer_step end_step _end_step _ship _publish _pack_norms _judge "
         "_optimizer_not_stepping _add_rates _take_off_step_time _current_lr",
     ),
+    ("runwatch.producer.instrument.pending_steps", "PendingSteps", "ship publish"),
+    ("runwatch.producer.instrument.update_guard", "UpdateGuard", "judge"),
+    ("runwatch.producer.instrument.optimizer_stepping", "OptimizerStepping", "not_stepping"),
+    ("runwatch.producer.instrument.off_step", "OffStepTime", "take"),
     ("runwatch.producer.instrument.gradstats", "ParamLayout", "grads per_tensor_norms module_sums scale_"),
     ("runwatch.producer.instrument.step_packing", "StepPacking", "pack unpack"),
     ("runwatch.producer.instrument.memory", "MemorySampler", "sample"),
@@ -65,7 +70,10 @@ def _wrap(owner: Any, name: str, label: str) -> None:
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     for module_name, class_name, names in TIMED:
-        owner = getattr(importlib.import_module(module_name), class_name)
+        try:
+            owner = getattr(importlib.import_module(module_name), class_name)
+        except ModuleNotFoundError:
+            continue
         for name in names.split():
             if hasattr(owner, name):
                 _wrap(owner, name, f"{class_name}.{name}")

@@ -12,7 +12,8 @@ from torch import nn
 
 from runwatch.contract.schema import StepEvent
 from runwatch.detectors.optimizer_swap import OptimizerSwapConfig, OptimizerSwapDetector
-from runwatch.producer.instrument.watch import NOT_STEPPING_STEPS, Watcher
+from runwatch.producer.instrument.optimizer_stepping import NOT_STEPPING_STEPS
+from runwatch.producer.instrument.watch import Watcher
 from tests.producer.test_instrumentation import RecordingPublisher, make
 
 MARK = "optimizer_not_stepping"

@@ -14,7 +14,7 @@ from runwatch.detectors.config import RunwatchConfig
 from runwatch.worker.processor import ProcessResult, TelemetryProcessor
 from runwatch.worker.state.run_states import StateOptions
 from runwatch.worker.state.snapshot import decode_body, decode_header
-from tests.worker.test_state_snapshots import SECRET, STATE_SECRET, T0, WALL, Store
+from tests.support.state_store import SECRET, STATE_SECRET, T0, WALL, Store
 
 CONFIRM = 8  # policy.confirm_steps: a checkpoint is confirmed good this many healthy steps after it
 

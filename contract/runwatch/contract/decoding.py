@@ -196,9 +196,16 @@ def decode_received(
     seconds the sender's clock is ahead when its record time is beyond the allowance (``clock_ahead``; else
     None): such an event is judged against its record time, and its ``ts`` moved back onto the reader's
     clock by that much."""
-    received = receive_time(timestamp_s, now, limits)
-    ahead = clock_ahead(timestamp_s, now, limits)
-    judged_at = record_time(timestamp_s) if ahead is not None else received
+    # receive_time and clock_ahead, from one reading of the record time
+    record = record_time(timestamp_s)
+    received, ahead = now, None
+    if record is not None:
+        record_ahead = (record - now).total_seconds()
+        if record_ahead <= limits.max_future_s:
+            received = record
+        elif record_ahead <= MAX_CLOCK_AHEAD_S:
+            ahead = record_ahead
+    judged_at = record if ahead is not None else received
     event = decode_event(raw, received_at=judged_at, limits=limits, key=key)
     if ahead is not None:
         event = event.model_copy(update={"ts": event.ts - timedelta(seconds=ahead)})

@@ -257,15 +257,15 @@ class CategoryDivergenceDetector(Detector):
             if cat.seen < warmup:
                 cat.learn(x)
                 continue
-            history = cat.history
-            deviation = x - history.median()
+            # x against the category's typical level, learnt at once unless the ratio may reach min_ratio
+            deviation = cat.history.learn_if_below(x, log_min_ratio)
             cat.last_ratio = exp(deviation)
             if deviation >= log_min_ratio:  # only then can the ratio reach min_ratio
                 scored = self._score(cat, x, deviation)
                 if scored is not None:
                     diverging.append((name, cat, x, pooled_mean, *scored))
                     continue
-            history.update(x)
+                cat.history.update(x)
             cat.seen += 1
             cat.streak, cat.onset_step = 0, None
 
@@ -422,13 +422,15 @@ class CategoryDivergenceDetector(Detector):
         which offsets the losses before the log (see the module doc)."""
         mean_loss = self._mean_loss(event)
         mean_ratio = None
-        typical_mean = self._mean_history.get(0.5)
+        history = self._mean_history
+        # (median() is get(0.5) of a window that is not empty, without the lookup of its plan)
+        typical_mean = history.median() if len(history) else None
         if mean_loss is not None:
             log_mean = math.log(mean_loss)
             if typical_mean is not None:
                 mean_ratio = math.exp(log_mean - typical_mean)
-            self._mean_history.update(log_mean)
-            typical_mean = self._mean_history.get(0.5)
+            history.update(log_mean)
+            typical_mean = history.median()
         floor = LOSS_FLOOR_FRACTION * math.exp(typical_mean) if typical_mean is not None else 0.0
         return mean_loss, mean_ratio, floor
 

@@ -51,32 +51,67 @@ class _Module:
 class FrozenModulesDetector(Detector):
     name = NAME
 
+    # The usual step, every known module with a positive finite norm, leaves each module's state as it
+    # was but for one more active step: while the steps stay so, they are counted once here
+    # (``_steady_steps``) and added to every module's ``active_steps`` when a step is not (``_settle``).
+    # ``_steady``: the module names, in order, of the step that began the count (None: no count).
+    # (Class defaults: a detector pickled before them has no count waiting.)
+    _steady: tuple[str, ...] | None = None
+    _steady_steps = 0
+
     def __init__(self, config: FrozenModulesConfig):
         self.config = config
         self._modules: dict[str, _Module] = {}
+
+    def __getstate__(self) -> dict[str, object]:
+        self._settle()  # (a snapshot holds every module's own count)
+        return self.__dict__
+
+    def _settle(self) -> None:
+        """Add the steady steps counted since ``_steady`` began to every module's ``active_steps``."""
+        if self._steady_steps:
+            for module in self._modules.values():
+                module.active_steps += self._steady_steps
+        self._steady, self._steady_steps = None, 0
 
     def update(self, event: TelemetryEvent, now: datetime) -> list[Finding]:
         if not isinstance(event, StepEvent) or not event.module_grad_norms:
             return []
         norms = event.module_grad_norms
-        if not any(math.isfinite(v) and v > 0 for v in norms.values()):
+        values = norms.values()
+        # Every norm finite and positive: a finite sum has no NaN or infinity among its terms (an overflow
+        # to infinity only sends the step the long way), and then min() compares numbers only.
+        if self._steady is not None and 0.0 < min(values) and sum(values) < math.inf:
+            if tuple(norms) == self._steady:
+                self._steady_steps += 1
+                return []
+        self._settle()
+        if not any(math.isfinite(v) and v > 0 for v in values):
             return []  # no module has a gradient: not one module's fault, and no evidence either way
         newly: list[tuple[str, _Module]] = []
+        steady = True  # every module trained this step (and no module is known but absent)
         for name, value in norms.items():
             module = self._modules.get(name)
             if module is None:
                 module = self._modules[name] = _Module()
             if not math.isfinite(value):
+                steady = False
                 continue  # the non-finite detector's
             if value > 0:
                 module.active_steps += 1
                 module.zero_streak, module.since, module.fired = 0, None, False
-            elif self._quiet(module, event.step):
-                newly.append((name, module))
-        for name, module in self._modules.items():  # modules that vanished from the event
-            if name not in norms and self._quiet(module, event.step):
-                newly.append((name, module))
+            else:
+                steady = False
+                if self._quiet(module, event.step):
+                    newly.append((name, module))
+        if len(self._modules) > len(norms):  # (every name of the event is among them by now)
+            steady = False
+            for name, module in self._modules.items():  # modules that vanished from the event
+                if name not in norms and self._quiet(module, event.step):
+                    newly.append((name, module))
         if not newly:
+            if steady:  # every module as a positive step leaves it: the next such steps are counted
+                self._steady = tuple(norms)
             return []
         for _, module in newly:
             module.fired = True

@@ -62,6 +62,28 @@ class RollingQuantiles:
         low = ordered[lo]
         return low + (ordered[hi] - low) * frac
 
+    def learn_if_below(self, x: float, limit: float) -> float:
+        """``x - median()`` of a window that is not empty, and ``update(x)`` when that is below ``limit``:
+        the usual step of a detector that learns only what does not stand out, in one call."""
+        ordered = self._ordered
+        n = len(ordered)
+        window = self.window_size
+        if n == window:
+            lo, hi, frac = self._median_plan
+        elif n:
+            lo, hi, frac = _plan(0.5, n, full=False)
+        else:
+            raise ValueError("the window is empty")
+        low = ordered[lo]
+        deviation = x - (low + (ordered[hi] - low) * frac)
+        if deviation < limit:
+            values = self._values
+            if n == window:  # (the sorted copy holds as many values as the arrival order)
+                del ordered[bisect_left(ordered, values.popleft())]
+            values.append(x)
+            insort(ordered, x)
+        return deviation
+
     def get(self, q: float) -> float | None:
         """The ``q`` quantile of the window (None while it is empty)."""
         ordered = self._ordered

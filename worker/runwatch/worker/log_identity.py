@@ -19,7 +19,7 @@ successor starting at that commit.
   moment is not taken for a new log.)
 
 The worker then reads the partition again from its beginning and forgets the old log's positions
-(app.py), its detector process forgets the runs' offsets (``TelemetryProcessor.log_recreated``), and no
+(log_guard.py), its detector process forgets the runs' offsets (``TelemetryProcessor.log_recreated``), and no
 commit of an old position reaches the new log (``commit_offsets_allowed``).
 """
 

@@ -7,21 +7,21 @@ again after half the wait left: see ``FETCH_MAX_WAIT_MS``) then delays every eve
 which is the floor on detection latency. This transport is the same in every other respect; the worker uses
 it through the ``runwatch://`` broker URL scheme.
 
-Its consumer also lets the worker (app.py, log_identity.py) refuse a commit of a position that belongs to
-a log the broker no longer has (``commit_guard``), and forget a recreated partition's old positions
-(``forget_positions``): Faust keeps them in private fields, and would otherwise drop every record of the
-new log below the offset it last read.
+Its consumer also lets the worker (log_guard.py, log_identity.py) refuse a commit of a position that
+belongs to a log the broker no longer has (``commit_guard``), and forget a recreated partition's old
+positions (``forget_positions``): Faust keeps them in private fields, and would otherwise drop every record
+of the new log below the offset it last read.
 
 And it hands each fetched batch of telemetry records to the worker's per-run budget (``run_budget``,
 run_budget.py) before Faust makes events of them: the records shed are never delivered, and their offsets
 are marked as a gap, which Faust commits as if they were acknowledged.
 
-The worker takes the telemetry records itself, as fetched (``take_telemetry`` on the app, app.py): Faust's
-per-event machinery (a message, an event, a channel, a stream and sensors per record) cost more than the
-detectors once did. The records taken keep Faust's bookkeeping: its read offsets and gaps as its own fetch
-loop keeps them, and their offsets join its acknowledged ones (``settle``) only once the worker has
-delivered their results, so Faust commits them as it commits acknowledged events; a revoke or a stop waits
-for what was taken to be settled (``wait_empty``, with the app's ``telemetry_settled``).
+The worker takes the telemetry records itself, as fetched (``take_telemetry`` on the app: the worker's
+``take``, pipeline.py): Faust's per-event machinery (a message, an event, a channel, a stream and sensors per
+record) cost more than the detectors once did. The records taken keep Faust's bookkeeping: its read offsets
+and gaps as its own fetch loop keeps them, and their offsets join its acknowledged ones (``settle``) only once
+the worker has delivered their results, so Faust commits them as it commits acknowledged events; a revoke or a
+stop waits for what was taken to be settled (``wait_empty``, with the app's ``telemetry_settled``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runwatch.contract.schema import CategoryLoss
 
@@ -199,3 +199,23 @@ def category_loss(
         by_category(w.double() * losses.double() * losses.double()),
         by_category(in_tail),
     )
+
+
+def per_category_metrics(
+    per_category: dict[str, Any] | CategoryLossBatch | None,
+) -> dict[str, dict[str, float]]:
+    """An eval event's ``per_category`` (a ``category_loss`` batch, or by category a ``CategoryLoss``, a dict
+    of metrics or a loss) as the wire's metrics by category (``Watcher.eval``)."""
+    if per_category is None:
+        return {}
+    if isinstance(per_category, CategoryLossBatch):
+        per_category = per_category.resolve()
+    out: dict[str, dict[str, float]] = {}
+    for name, value in per_category.items():
+        if isinstance(value, CategoryLoss):
+            out[name] = {"loss": value.mean, "count": float(value.count)}
+        elif isinstance(value, dict):
+            out[name] = {k: float(v) for k, v in value.items()}
+        else:
+            out[name] = {"loss": float(value)}
+    return out

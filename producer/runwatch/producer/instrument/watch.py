@@ -56,15 +56,12 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runwatch.contract.schema import CategoryLoss
-from runwatch.producer.instrument.activations import ActivationProbe, activation_stats
-from runwatch.producer.instrument.categories import CategoryLossBatch
-from runwatch.producer.instrument.ddp_timing import DDPSyncTimer, SyncRound, is_ddp
+from runwatch.producer.instrument.activations import ActivationProbe
+from runwatch.producer.instrument.categories import CategoryLossBatch, per_category_metrics
+from runwatch.producer.instrument.ddp_timing import is_ddp
 from runwatch.producer.instrument.fingerprint import DIGEST_VALUES, ReplicaFingerprint
 from runwatch.producer.instrument.gradstats import (
     GradNorms,
@@ -76,11 +73,22 @@ from runwatch.producer.instrument.gradstats import (
     grad_norms,
     host_grad_norms,
 )
-from runwatch.producer.instrument.guard import GuardOptions, SkipReason, StepGuard
+from runwatch.producer.instrument.guard import GuardOptions, SkipReason
 from runwatch.producer.instrument.heartbeat import DEFAULT_STACKS_AFTER_S, Heartbeat
-from runwatch.producer.instrument.memory import MemorySampler
+from runwatch.producer.instrument.off_step import OFF_STEP_PHASES, OffStepTime
+from runwatch.producer.instrument.optimizer_stepping import OptimizerStepping, backward_marker
+from runwatch.producer.instrument.pending_steps import PendingStep, PendingSteps
 from runwatch.producer.instrument.runtime import StepClock, mfu, peak_flops, transformer_flops_per_step
 from runwatch.producer.instrument.step_packing import StepPacking
+from runwatch.producer.instrument.update_guard import UpdateGuard
+from runwatch.producer.instrument.watch_options import (
+    check_options,
+    ddp_sync_timer,
+    gpu_source,
+    lr_list,
+    memory_source,
+    step_guard,
+)
 from runwatch.producer.publish.lr_hold import LRHold
 
 if TYPE_CHECKING:
@@ -90,35 +98,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Time in these phases is not part of any step: it is left out of the next step's step_time_s.
-OFF_STEP_PHASES = frozenset({"eval", "checkpoint", "idle"})
 # Memory is a slow signal: one sample per this many seconds serves the leak and fragmentation detectors
 # as well as one per step, for a fraction of the host time on a loop of 10 ms steps.
 MEMORY_INTERVAL_S = 0.1
-# CUDA: steps whose device-to-host copy may still be under way before end_step waits for the oldest.
-MAX_PENDING_COPIES = 4
-# Steps in a row with a backward but no step of the watched optimizer before step events say
-# ``instrumentation="optimizer_not_stepping"`` (issue 37): more than a GradScaler overflow skips (one
-# step, then the scale is lower), so that is not taken for an optimizer the loop replaced.
-NOT_STEPPING_STEPS = 3
-
-
-@dataclass
-class _PendingStep:
-    """A step whose device figures are on their way to the host."""
-
-    step: int
-    fields: dict[str, Any]
-    packing: StepPacking  # which figures the copy holds, by name
-    host: torch.Tensor | None = None  # filled by the copy
-    ready: Any = None  # a CUDA event when the copy is asynchronous
-    clipped: bool = False
-    # the gradient figures when they are host numbers already (not in the copy)
-    grad: HostGradNorms | None = None
-    categories: CategoryLossBatch | None = None
-    sync: SyncRound | None = None  # DDP: the step's sync marks, for compute_s
-    off_step: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of off-step stretches
-    activations: list[tuple[str, int]] = field(default_factory=list)  # modules in the copy, element counts
 
 
 class Watcher:
@@ -189,18 +171,18 @@ class Watcher:
         stacks_after_s: float | None = DEFAULT_STACKS_AFTER_S,
         gpu_health: bool | Any = True,
     ):
-        _check_options(clip, external_clip, update_every, shard)
+        check_options(clip, external_clip, update_every, shard)
         if activations_every < 1:
             raise ValueError(f"activations_every must be >= 1, got {activations_every}")
         self.rw = rw
         # Step events through rw.queue_step where rw has it (validated off the training thread), else rw.step
         queue_step = getattr(rw, "queue_step", None)
-        self._queue_step: Callable[[int, dict[str, Any]], Any] = queue_step or (
+        publish: Callable[[int, dict[str, Any]], Any] = queue_step or (
             lambda step, fields: rw.step(step, **fields)
         )
         self.model = model
         self.optimizer = optimizer
-        self.lr = _lr_list(lr)
+        self.lr = lr_list(lr)
         self.clip = clip
         self.external_clip = external_clip
         self.update_every = update_every
@@ -213,7 +195,6 @@ class Watcher:
         self._activations = ActivationProbe(model, activations_every) if activations else None
         if self._activations is not None:
             self._activations.arm_for(first_step)
-        self._cuda = self.layout.device.type == "cuda"
         # Replicas' parameter digests (fingerprint.py): a DDP model's ranks hold the same parameters;
         # ``replicas=True`` says so of another setup, False turns it off; a shard is not a replica.
         replicated = (is_ddp(model) if replicas is None else replicas) and not self.layout.sharded
@@ -223,83 +204,58 @@ class Watcher:
         self._peak = peak_flops(self.layout.device, override=peak_flops_per_s)
         self._grad: GradNorms | HostGradNorms | None = None
         self._update: UpdateNorms | None = None
-        self._pending: deque[_PendingStep] = deque()  # steps whose figures are on their way to the host
-        self._host_buffers = _HostBuffers()
         self._closed = False
         self.errors = 0  # failures inside runwatch's own calls, logged once, never raised
         self._lr: list[float] | None = None  # read before the step, as the step used it
         self._warned_no_clip = False
         self._data_wrapped = False
-        self._off_step_since: float | None = None  # start of the current eval/checkpoint/idle stretch
-        self._off_step_depth = 0
-        self._off_step_s = 0.0  # off-step time since the last end_step
-        self._off_spans: list[tuple[float, float]] = []  # the same stretches as (start, end), for compute_s
-        # The same time by phase (the outermost off-step phase of a stretch), published as off_step_s
-        self._off_phase: str = "idle"
-        self._off_by_phase: dict[str, float] = {}
         self._set_phase_name = "train"
         self._clock = clock or time.perf_counter
+        self._off_step = OffStepTime(self._clock)  # eval/checkpoint/idle time, left out of step_time_s
         # On the wall clock memory is sampled at most every MEMORY_INTERVAL_S (a fast loop's steps share
         # a sample); on a clock of the caller's (a simulated run) every step, as the run is replayed.
         self._memory_interval_s = MEMORY_INTERVAL_S if clock is None else 0.0
         self._memory_at = -math.inf
         heartbeat: Heartbeat | None = None
         if heartbeat_s:
-            gpu = _gpu_source(gpu_health, self.layout.device, simulated=clock is not None)
+            gpu = gpu_source(gpu_health, self.layout.device, simulated=clock is not None)
             heartbeat = (
                 Heartbeat(rw, heartbeat_s, clock=clock, stacks_after_s=stacks_after_s, gpu_health=gpu)
                 if clock
                 else Heartbeat(rw, heartbeat_s, stacks_after_s=stacks_after_s, gpu_health=gpu)
             )
         self.heartbeat = heartbeat  # never replaced: the step clock's callbacks below hold it
-        self.sync_timer = self._ddp_sync_timer(model) if sync_timing else None
+        self.sync_timer = ddp_sync_timer(model, self._clock, self.layout, heartbeat) if sync_timing else None
+        # The steps whose figures are on their way to the host, published once they arrive
+        self._steps = PendingSteps(
+            self.layout, publish, module_norms=module_norms, sync_timer=self.sync_timer
+        )
         self.clock = StepClock(
             self._clock,
             on_wait_begin=(lambda: heartbeat.push("dataload")) if heartbeat else None,
             on_wait_end=heartbeat.pop if heartbeat else None,
         )
-        self._memory = _memory_source(memory, self.layout.device)
-        self.guard = self._step_guard(guard)
+        self._memory = memory_source(memory, self.layout.device)
+        self.guard = step_guard(guard, self.layout)
         self._skip: SkipReason | None = None  # the guard's verdict on this step's update
         # The rollback LR scale held in each update (publish/lr_hold.py): created before the watcher's
         # own hooks, so that the LR the watcher reads in its pre-hook is the one the update uses.
         self._lr_hold = LRHold.of(optimizer) if optimizer is not None else None  # (None: no step hooks)
         self._lr_scale = 1.0
+        # The guard's verdict carried out: with an optimizer, a skip takes its gradients away.
+        self._update_guard = (
+            UpdateGuard(self.guard, self.layout.params if optimizer is not None else None, self._lr_hold)
+            if self.guard is not None
+            else None
+        )
         self._hook_handles: list[Any] = self._register_hooks(optimizer) if hooks else []
-        # Whether the watched optimizer stepped (its pre-hook ran) and a backward reached the model since
-        # the last end_step, and how many steps in a row it did not step although there was a backward.
-        self._stepped = False
-        self._backward = False
-        self._not_stepping = 0
+        # Whether the watched optimizer still steps: its pre-hook and a backward marker say (issue 37).
+        self._stepping = OptimizerStepping(self.layout.params, hooked=bool(self._hook_handles))
         if self._hook_handles:
-            self._hook_handles.extend(self._backward_marker())
+            self._hook_handles.extend(backward_marker(self.layout.params, self._stepping.mark_backward))
         if self.heartbeat and clock is None:
             self.heartbeat.start()
         self.clock.start()
-
-    def _step_guard(self, guard: bool | GuardOptions) -> StepGuard | None:
-        """The guard before each update (guard.py); none when turned off, or for a shard: its ranks
-        would judge different norms and skip different steps, and their weights would drift apart."""
-        if guard is False:
-            return None
-        if self.layout.sharded:
-            log.info(
-                "runwatch: the step guard is off for a sharded model (shard=): ranks see different norms"
-            )
-            return None
-        return StepGuard(guard if isinstance(guard, GuardOptions) else None)
-
-    def _ddp_sync_timer(self, model: torch.nn.Module) -> DDPSyncTimer | None:
-        """A timer of DDP's gradient sync, registered as ``model``'s comm hook; None unless ``model`` is
-        a ``DistributedDataParallel`` that took the hook. The heartbeat reports its ``in_sync``."""
-        if not is_ddp(model):
-            return None
-        timer = DDPSyncTimer(self._clock, self.layout.device)
-        if not timer.register(model):
-            return None
-        if self.heartbeat:
-            self.heartbeat.in_sync = timer.in_sync
-        return timer
 
     def _register_hooks(self, optimizer: torch.optim.Optimizer | None) -> list[Any]:
         """The optimizer's step hooks that call :meth:`before_optimizer_step` and
@@ -311,18 +267,6 @@ class Watcher:
             optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.after_optimizer_step()),
         ]
 
-    def _backward_marker(self) -> list[Any]:
-        """A hook on the first trainable parameter that notes a backward reached the model: a loop that
-        zeroes the gradients (``set_to_none``) before ``end_step`` leaves none to see there. One Python
-        call per backward; none where this torch lacks post-accumulate-grad hooks."""
-        for p in self.layout.params:
-            if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                return [p.register_post_accumulate_grad_hook(self._mark_backward)]  # type: ignore[no-untyped-call] # torch leaves it unannotated
-        return []
-
-    def _mark_backward(self, _param: Any) -> None:
-        self._backward = True
-
     # -- the three calls around a step ----------------------------------------------------
 
     def before_optimizer_step(self) -> None:
@@ -331,48 +275,19 @@ class Watcher:
             self._before_optimizer_step()
 
     def _before_optimizer_step(self) -> None:
-        self._stepped = True
+        self._stepping.stepped = True
         self._lr = self._current_lr()  # a scheduler may step before end_step
         if self._lr_hold is not None:
             self._lr_scale = self._lr_hold.scale
         clip = self.clip if self.clip is not None else self.external_clip
         norms = host_grad_norms if self.layout.on_host else grad_norms
         self._grad = norms(self.layout, clip, apply_clip=self.clip is not None)
-        if self.guard is not None and self._grad is not None:
-            self._skip = self._judge(self._grad)
+        if self._update_guard is not None and self._grad is not None:
+            self._skip = self._update_guard.judge(self._grad, self.step)
             if self._skip is not None:
                 return  # (nothing to measure of an update that does not happen)
         if self.update_every and self.step % self.update_every == 0:
             self._probe.arm()
-
-    def _judge(self, grad: GradNorms | HostGradNorms) -> SkipReason | None:
-        """The guard's verdict on this step's gradient (one small read from the device: the norm and the
-        count of non-finite tensors). A skip with an optimizer takes its gradients away, so that its
-        ``step()`` leaves every parameter and its state as they were."""
-        assert self.guard is not None
-        norm: float
-        nonfinite: float
-        if isinstance(grad, HostGradNorms):
-            norm, nonfinite = grad.total, grad.nonfinite
-        else:
-            norm, nonfinite = grad.figures[-1].item(), grad.nonfinite.item()  # (on CUDA the first one syncs)
-        reason = self.guard.judge(norm, nonfinite)
-        if reason is None:
-            return None
-        if self.optimizer is not None:
-            for p in self.layout.params:
-                p.grad = None
-        if self._lr_hold is not None:
-            self._lr_hold.unhealthy()
-        if self.guard.in_a_row == 1 or self.guard.in_a_row % 100 == 0:
-            log.warning(
-                "runwatch: step %d: update skipped (%s gradient%s; %d in a row)",
-                self.step,
-                "non-finite" if reason == "nonfinite" else "outlier",
-                "" if reason == "nonfinite" else f" norm {norm:.4g} > {self.guard.limit or 0:.4g}",
-                self.guard.in_a_row,
-            )
-        return reason
 
     def should_skip(self) -> bool:
         """Whether the guard skipped this step's update (after :meth:`before_optimizer_step`). With an
@@ -422,13 +337,12 @@ class Watcher:
 
         step_time, data_wait = self.clock.lap()
         sync = self.sync_timer.close_round() if self.sync_timer is not None else None
+        off_s, off_spans, off_by_phase = self._off_step.take(step_time is not None)
         if step_time is not None:
-            step_time -= self._take_off_step_time()
-        off_spans, self._off_spans = self._off_spans, []
-        off_by_phase, self._off_by_phase = self._off_by_phase, {}
+            step_time -= off_s
         lr, self._lr = self._lr, None
         if step_lr is not None:
-            lr = _lr_list(step_lr)
+            lr = lr_list(step_lr)
         fields: dict[str, Any] = {"lr": lr if lr is not None else self._current_lr()}
         skip, self._skip = self._skip, None
         if skip is not None:
@@ -448,11 +362,11 @@ class Watcher:
             fields["memory"] = memory
         if self.layout.sharded:
             fields["grad_sharded"] = True
-        if self._optimizer_not_stepping(step):
+        if self._stepping.not_stepping(step):
             fields["instrumentation"] = "optimizer_not_stepping"
 
         packing = StepPacking()
-        pending = _PendingStep(
+        pending = PendingStep(
             step=step, fields=fields, packing=packing, categories=category_loss, sync=sync, off_step=off_spans
         )
         if isinstance(loss, torch.Tensor):
@@ -473,35 +387,7 @@ class Watcher:
             values, pending.activations = taken
             packing.add("activations", values, 2 * len(pending.activations))
 
-        self._ship(pending)
-
-    def _optimizer_not_stepping(self, step: int) -> bool:
-        """Whether the optimizer given to ``rw.watch`` has not stepped for ``NOT_STEPPING_STEPS`` steps in a
-        row while the model had gradients: the loop most likely replaced it (a new optimizer has none of
-        the watcher's hooks, so gradient, weight and update figures are gone and the LR read is the old
-        one's). Warns once; the step events say so until the watched optimizer steps again. Only with the
-        watcher's own hooks (``hooks=False``: the caller or a framework drives the two calls)."""
-        stepped, backward = self._stepped, self._backward
-        self._stepped = self._backward = False
-        if not self._hook_handles:
-            return False
-        if stepped:
-            if self._not_stepping >= NOT_STEPPING_STEPS:
-                log.warning("runwatch: step %d: the watched optimizer steps again", step)
-            self._not_stepping = 0
-            return False
-        if not backward and not any(p.grad is not None for p in self.layout.params):
-            return self._not_stepping >= NOT_STEPPING_STEPS  # no backward this step: no new evidence
-        self._not_stepping += 1
-        if self._not_stepping == NOT_STEPPING_STEPS:
-            log.warning(
-                "runwatch: step %d: the optimizer given to rw.watch has not stepped for %d steps while the "
-                "model has gradients: a new optimizer? call rw.watch(model, new_optimizer) (step events "
-                "carry no gradient, weight or update figures, and the LR reported is the old optimizer's)",
-                step,
-                self._not_stepping,
-            )
-        return self._not_stepping >= NOT_STEPPING_STEPS
+        self._steps.ship(pending)
 
     def _add_rates(
         self, fields: dict[str, Any], step_time: float, samples: int | None, tokens: int | None
@@ -519,7 +405,7 @@ class Watcher:
         if utilisation is not None:
             fields["mfu"] = utilisation
 
-    def _pack_norms(self, pending: _PendingStep, packing: StepPacking) -> None:
+    def _pack_norms(self, pending: PendingStep, packing: StepPacking) -> None:
         """The step's gradient norms (read now if no hook measured them) and update norms, into the copy."""
         grad, self._grad = self._grad, None
         read_late = grad is None and self.optimizer is None
@@ -584,12 +470,12 @@ class Watcher:
             self.heartbeat.push(name)
         off_step = name in OFF_STEP_PHASES
         if off_step:
-            self._begin_off_step(name)
+            self._off_step.begin(name)
         try:
             yield
         finally:
             if off_step:
-                self._end_off_step()
+                self._off_step.end()
             if self.heartbeat:
                 self.heartbeat.pop()
 
@@ -602,9 +488,9 @@ class Watcher:
             self.heartbeat.enter(name)
         was_off, now_off = self._set_phase_name in OFF_STEP_PHASES, name in OFF_STEP_PHASES
         if now_off and not was_off:
-            self._begin_off_step(name)
+            self._off_step.begin(name)
         elif was_off and not now_off:
-            self._end_off_step()
+            self._off_step.end()
         self._set_phase_name = name
 
     def eval(
@@ -621,7 +507,7 @@ class Watcher:
             split=split,
             loss=loss,
             metrics=metrics or {},
-            per_category=_per_category_metrics(per_category),
+            per_category=per_category_metrics(per_category),
         )
 
     def close(self) -> None:
@@ -630,7 +516,7 @@ class Watcher:
             return
         self._closed = True
         with self._guard("close"):
-            self._flush_pending()
+            self._steps.flush()
         for handle in self._hook_handles:
             handle.remove()
         if self._activations is not None:
@@ -652,204 +538,3 @@ class Watcher:
                     exc,
                     exc_info=True,
                 )
-
-    def _begin_off_step(self, phase: str) -> None:
-        self._off_step_depth += 1
-        if self._off_step_depth == 1:
-            self._off_step_since = self._clock()
-            self._off_phase = phase
-
-    def _count_off(self, start: float, end: float) -> None:
-        self._off_step_s += end - start
-        self._off_spans.append((start, end))
-        self._off_by_phase[self._off_phase] = self._off_by_phase.get(self._off_phase, 0.0) + (end - start)
-
-    def _end_off_step(self) -> None:
-        self._off_step_depth = max(0, self._off_step_depth - 1)
-        if self._off_step_depth == 0 and self._off_step_since is not None:
-            self._count_off(self._off_step_since, self._clock())
-            self._off_step_since = None
-
-    def _take_off_step_time(self) -> float:
-        if self._off_step_since is not None:  # still inside one: count up to now, restart from now
-            now = self._clock()
-            self._count_off(self._off_step_since, now)
-            self._off_step_since = now
-        taken, self._off_step_s = self._off_step_s, 0.0
-        return taken
-
-    # -- the single device-to-host copy ---------------------------------------------------
-
-    def _ship(self, pending: _PendingStep) -> None:
-
-        packed = pending.packing.pack(self.layout.device)
-        if packed is not None:
-            if self._cuda:
-                # Asynchronous copy into pinned memory (reused), published once the copy is done: the
-                # GPU is never made to wait, and neither is the loop unless the GPU is far behind.
-                pending.host, pending.ready = self._host_buffers.take(packed.numel())
-                pending.host.copy_(packed, non_blocking=True)
-                pending.ready.record()
-            else:
-                pending.host = packed
-        self._pending.append(pending)
-        self._publish_done(keep=MAX_PENDING_COPIES if self._cuda else 0)
-
-    def _publish_done(self, keep: int) -> None:
-        """Publish, in step order, the pending steps whose copy has arrived, and the oldest beyond ``keep``
-        (waiting for those)."""
-        while self._pending:
-            head = self._pending[0]
-            if len(self._pending) <= keep and head.ready is not None and not head.ready.query():
-                return
-            self._pending.popleft()
-            self._publish(head)
-
-    def _flush_pending(self) -> None:
-        self._publish_done(keep=0)
-
-    def _publish(self, p: _PendingStep) -> None:
-        if p.ready is not None:
-            p.ready.synchronize()  # returns at once when the copy is done (the usual case)
-        values = p.host.tolist() if p.host is not None else []
-        if p.ready is not None:
-            self._host_buffers.give_back(p.host, p.ready)
-        figures = p.packing.unpack(values)
-        if p.grad is not None:
-            figures.update(
-                grad=p.grad.figures, clip_coef=[p.grad.clip_coef], nonfinite_grads=[p.grad.nonfinite]
-            )
-        fields = p.fields
-        if "loss" in figures:
-            fields["loss"] = figures["loss"][0]
-        clipped_norm = None
-        if "grad" in figures:
-            grad = figures["grad"]
-            total, coef = grad[-1], figures["clip_coef"][0]
-            fields["grad_norm"] = total
-            fields["nonfinite_grads"] = int(figures["nonfinite_grads"][0])
-            clipped_norm = total * coef
-            if p.clipped:
-                fields["grad_norm_clipped"] = clipped_norm
-                fields["clip_ratio"] = coef
-            if self.module_norms:
-                fields["module_grad_norms"] = dict(zip(self.layout.module_names, grad[:-1], strict=True))
-        if "update" in figures:
-            param, update = figures["update"]
-            fields["param_norm"] = param
-            fields["update_norm"] = update
-            if not self.layout.sharded:  # a shard's ratios are not the model's: the worker's join has those
-                if param > 0:
-                    fields["relative_update_norm"] = update / param
-                if clipped_norm is not None and clipped_norm > 0 and math.isfinite(clipped_norm):
-                    fields["effective_lr_ratio"] = update / clipped_norm
-        if "param_digest" in figures:
-            fields["param_digest"] = ReplicaFingerprint.digest(figures["param_digest"])
-        if "activations" in figures:
-            fields["module_activations"] = activation_stats(figures["activations"], p.activations)
-        if p.categories is not None:
-            fields["category_loss"] = p.categories.from_packed(figures["category_loss"])
-        if p.sync is not None and self.sync_timer is not None:
-            compute = self.sync_timer.compute_s(p.sync, p.off_step)
-            if compute is not None:
-                fields["compute_s"] = compute
-        self._queue_step(p.step, fields)
-
-
-class _HostBuffers:
-    """Pinned host buffers and their CUDA events, reused: pinning memory and creating events every step
-    costs more host time than the step's whole copy."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[tuple[Any, Any]]] = {}
-
-    def take(self, size: int) -> tuple[Any, Any]:
-        import torch
-
-        free = self._free.get(size)
-        if free:
-            return free.pop()
-        buffer = torch.empty(size, dtype=torch.float64, pin_memory=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call] # torch leaves cuda.Event unannotated
-        return buffer, event
-
-    def give_back(self, host: Any, ready: Any) -> None:
-        free = self._free.setdefault(host.numel(), [])
-        if len(free) <= MAX_PENDING_COPIES:
-            free.append((host, ready))
-
-
-def _check_options(
-    clip: float | None, external_clip: float | None, update_every: int, shard: ShardSpec | None
-) -> None:
-    """Raise ``ValueError`` for a combination of ``Watcher`` options that cannot work."""
-    if shard is not None and clip is not None:
-        raise ValueError(
-            "clip= cannot be used with shard=: clipping a sharded model needs the global gradient "
-            "norm across ranks. Clip with your framework (e.g. FSDP's model.clip_grad_norm_) "
-            "and pass external_clip= instead"
-        )
-    if clip is not None and external_clip is not None:
-        raise ValueError("give clip (runwatch clips) or external_clip (something else clips), not both")
-    for name, value in (("clip", clip), ("external_clip", external_clip)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
-    if update_every < 0:
-        raise ValueError(f"update_every must be >= 0 (0 turns update norms off), got {update_every}")
-
-
-def _memory_source(memory: bool | Any, device: torch.device) -> Any:
-    """``Watcher``'s ``memory`` option as the sampler it reads: True a :class:`MemorySampler` of
-    ``device``, False None, anything else (an object with ``sample()``) itself."""
-    if isinstance(memory, bool):
-        return MemorySampler(device) if memory else None
-    return memory
-
-
-def _gpu_source(gpu_health: bool | Any, device: torch.device, simulated: bool) -> Any:
-    """``Watcher``'s ``gpu_health`` option as the sampler the heartbeat calls: True a
-    :class:`~runwatch.producer.instrument.gpu_health.GpuHealthSampler` of a CUDA ``device`` (its index, else
-    the current device: what LOCAL_RANK's ``torch.cuda.set_device`` chose) on the wall clock, else None;
-    False None; anything else itself. Makes no NVML call (the sampler's first ``sample`` does, on the
-    heartbeat thread)."""
-    if not isinstance(gpu_health, bool):
-        return gpu_health
-    if not gpu_health or simulated or device.type != "cuda":
-        return None
-    from runwatch.producer.instrument.gpu_health import GpuHealthSampler, nvml_device_for
-
-    try:
-        import torch
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return GpuHealthSampler(nvml_device_for(index), cuda_device=index)
-    except Exception as exc:  # noqa: BLE001 - no GPU health is no reason to fail the watch
-        log.warning("runwatch: no GPU health for %s: %r", device, exc)
-        return None
-
-
-def _lr_list(lr: float | Sequence[float] | None) -> list[float] | None:
-    """An LR given by the caller, as the step event's per-param-group list."""
-    if lr is None:
-        return None
-    if isinstance(lr, Sequence):
-        return [float(x) for x in lr]
-    return [float(lr)]  # a number (or a 0-d tensor)
-
-
-def _per_category_metrics(
-    per_category: dict[str, Any] | CategoryLossBatch | None,
-) -> dict[str, dict[str, float]]:
-    if per_category is None:
-        return {}
-    if isinstance(per_category, CategoryLossBatch):
-        per_category = per_category.resolve()
-    out: dict[str, dict[str, float]] = {}
-    for name, value in per_category.items():
-        if isinstance(value, CategoryLoss):
-            out[name] = {"loss": value.mean, "count": float(value.count)}
-        elif isinstance(value, dict):
-            out[name] = {k: float(v) for k, v in value.items()}
-        else:
-            out[name] = {"loss": float(value)}
-    return out

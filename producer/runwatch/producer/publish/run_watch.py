@@ -40,9 +40,9 @@ from runwatch.contract.schema import (
 from runwatch.producer.publish.crash_capture import CrashCapture
 from runwatch.producer.publish.delivery import Delivery, PublisherStats
 from runwatch.producer.publish.events import RunEvents, declared_fields, unknown_field_error
+from runwatch.producer.publish.kafka_client import DEFAULT_LINGER_MS
 from runwatch.producer.publish.kafka_delivery import (
     DEFAULT_BATCH_INTERVAL_S,
-    DEFAULT_LINGER_MS,
     DEFAULT_SPOOL_MAX_BYTES,
     KafkaDelivery,
     default_spool_dir,
