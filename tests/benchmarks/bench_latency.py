@@ -7,6 +7,7 @@ non-finite detector finds it and the policy sends an (signed) alert, which the l
 
     .venv/bin/python tests/benchmarks/bench_latency.py [--runs 40]
     RUNWATCH_FETCH_MAX_WAIT_MS=1500 .venv/bin/python tests/benchmarks/bench_latency.py   # Faust's own wait
+    RUNWATCH_ACTIONS_FETCH_WAIT_MS=10 .venv/bin/python tests/benchmarks/bench_latency.py  # the listener's
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runwatch.contract.signing import ActionSigningKey
 from runwatch.local.broker import EmbeddedBroker, ensure_topics
 from runwatch.local.worker_process import WorkerProcess
 from runwatch.producer import ActionListener, RunWatch
+from runwatch.producer.actions.reader import FETCH_WAIT_MS as LISTENER_FETCH_WAIT_MS
 
 
 def one_run(bootstrap: str, public_keys: str, index: int, warmup_steps: int, timeout: float) -> float | None:
@@ -72,6 +74,8 @@ def main() -> None:
         finally:
             worker.stop()
     ordered = sorted(latencies)
+    # (read as worker/runwatch/worker/transport.py reads it: importing it would load Faust into this process)
+    active_wait_ms = max(1, int(os.environ.get("RUNWATCH_ACTIVE_FETCH_MAX_WAIT_MS", "5")))
 
     def pct(q: float) -> float | None:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 1) if ordered else None
@@ -83,6 +87,10 @@ def main() -> None:
                 "runs": args.runs,
                 "missed": missed,
                 "fetch_max_wait_ms": int(os.environ.get("RUNWATCH_FETCH_MAX_WAIT_MS", "50")),
+                # (the waits in effect on this path: the worker's while telemetry arrives, the listener's
+                # while its run publishes; docs/profiles/worker.md)
+                "active_fetch_max_wait_ms": active_wait_ms,
+                "listener_fetch_wait_ms": LISTENER_FETCH_WAIT_MS,
                 "p50_ms": pct(0.5),
                 "p99_ms": pct(0.99),
                 "max_ms": round(ordered[-1] * 1e3, 1) if ordered else None,

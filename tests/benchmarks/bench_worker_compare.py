@@ -7,6 +7,7 @@ throughput run also measures its own no-op Faust agent, so each side has its rat
 On a shared machine the ratios are the figures to compare. Not part of the test suite.
 
     .venv/bin/python tests/benchmarks/bench_worker_compare.py 2ffb10c [--rounds 2] [--events N] [--runs 30]
+    .venv/bin/python tests/benchmarks/bench_worker_compare.py 3613505 --latency-only --rounds 3
 """
 
 from __future__ import annotations
@@ -40,20 +41,25 @@ def run(tree: Path, bench: str, args: list[str], pythonpath: str) -> dict:
 
 
 def side(throughput: list[dict], latency: list[dict]) -> dict:
+    figures: dict = {
+        "latency_p50_ms": [r["p50_ms"] for r in latency],
+        "latency_p99_ms": [r["p99_ms"] for r in latency],
+        "median_latency_p50_ms": statistics.median(r["p50_ms"] for r in latency),
+        "median_latency_p99_ms": statistics.median(r["p99_ms"] for r in latency),
+    }
+    if not throughput:  # (--latency-only)
+        return figures
     return {
         "worker_events_per_s": [r["median_runwatch_worker_events_per_s"] for r in throughput],
         "noop_agent_events_per_s": [r["median_noop_agent_events_per_s"] for r in throughput],
         "ratio_worker_over_noop": [r["median_ratio_worker_over_noop"] for r in throughput],
-        "latency_p50_ms": [r["p50_ms"] for r in latency],
-        "latency_p99_ms": [r["p99_ms"] for r in latency],
+        **figures,
         "median_worker_events_per_s": statistics.median(
             r["median_runwatch_worker_events_per_s"] for r in throughput
         ),
         "median_ratio_worker_over_noop": statistics.median(
             r["median_ratio_worker_over_noop"] for r in throughput
         ),
-        "median_latency_p50_ms": statistics.median(r["p50_ms"] for r in latency),
-        "median_latency_p99_ms": statistics.median(r["p99_ms"] for r in latency),
     }
 
 
@@ -63,6 +69,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--events", type=int, default=40_000)
     ap.add_argument("--runs", type=int, default=30, help="bench_latency.py --runs")
+    ap.add_argument("--latency-only", action="store_true", help="bench_latency.py alone, no throughput runs")
     args = ap.parse_args()
     throughput_args = ["--events", str(args.events), "--rounds", "1"]
     latency_args = ["--runs", str(args.runs)]
@@ -73,7 +80,7 @@ def main() -> None:
         trees = {args.rev: (old, rooms_path(old)), "checkout": (ROOT, rooms_path(ROOT))}
         for i in range(args.rounds):
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
-            for name in order:
+            for name in order if not args.latency_only else ():
                 tree, path = trees[name]
                 runs[name]["throughput"].append(run(tree, "bench_throughput.py", throughput_args, path))
             for name in order:
@@ -90,8 +97,14 @@ def main() -> None:
                 "latency_runs": args.runs,
                 "rounds": args.rounds,
                 **sides,
-                "ratio_worker_events_per_s": round(
-                    new["median_worker_events_per_s"] / base["median_worker_events_per_s"], 3
+                **(
+                    {}
+                    if args.latency_only
+                    else {
+                        "ratio_worker_events_per_s": round(
+                            new["median_worker_events_per_s"] / base["median_worker_events_per_s"], 3
+                        )
+                    }
                 ),
                 "ratio_latency_p50": round(new["median_latency_p50_ms"] / base["median_latency_p50_ms"], 3),
                 "ratio_latency_p99": round(new["median_latency_p99_ms"] / base["median_latency_p99_ms"], 3),

@@ -64,15 +64,21 @@ def test_replies_come_back_in_order_with_the_records_the_processor_gives(detecto
     events = _nan_run() + [(b"not json", b"run-1", 0, 99, None)]
 
     async def run():
-        # Three requests in flight at once, answered in the order they were sent.
-        return await _gather(
+        # Three requests in flight at once, answered in the order they were sent; an events request's
+        # findings come ahead of its reply (the worker publishes them while the child snapshots the runs)
+        sent = [
             detectors.submit("events", events[:6]),
             detectors.submit("events", events[6:]),
             detectors.submit("tick"),
-        )
+        ]
+        found = [await asyncio.wait_for(detectors.findings(reply), timeout=60) for reply in sent]
+        return found, await _gather(*sent)
 
-    first, second, tick = asyncio.run(run())
-    assert first.records == []  # healthy steps and a checkpoint publish nothing
+    found, (first, second, tick) = asyncio.run(run())
+    assert found[0] == first.records == []  # healthy steps and a checkpoint publish nothing
+    assert second.records == []  # (its findings came first, and no snapshot is due: state is off here)
+    assert found[2] == []  # (a tick's findings come with its reply)
+    second.records = found[1]
     assert [r.topic for r in second.records] == [
         topics.ANOMALIES,
         topics.ACTIONS,
@@ -184,3 +190,39 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+class _EmptyStateTopic:
+    """A ``runwatch.state`` with nothing in it (durable state on, nothing to restore)."""
+
+    def read(self, partitions: set[int]) -> dict[str, bytes | None]:
+        return {}
+
+    def scan(self, topic: str, partitions: object, tail: int | None, timeout_s: float | None = None):
+        return iter(())
+
+
+def test_findings_are_handed_over_before_their_runs_are_snapshotted():
+    # A run that emits a finding is snapshotted in the same request (run_states.py); its anomalies and
+    # actions need not wait for the snapshot's pickling and signing: the worker publishes them meanwhile.
+    from runwatch.worker.state.run_states import StateOptions
+
+    processor = TelemetryProcessor(
+        RunwatchConfig.model_validate({"policy": {"confirm_steps": 6}}),
+        SECRET,
+        state_reader=_EmptyStateTopic(),  # type: ignore[arg-type]
+        state=StateOptions(),
+        state_secret=bytes(range(32)),
+    )
+    handed: list[tuple[list[str], int]] = []
+    snapshots_before = processor.counters.snapshots
+
+    def findings(records):
+        handed.append(([r.topic for r in records], processor.counters.snapshots))
+
+    reply = handle(processor, "events", _nan_run(), findings=findings)
+    assert handed == [
+        ([topics.ANOMALIES, topics.ACTIONS, topics.ANOMALIES, topics.ACTIONS], snapshots_before)
+    ]  # (handed over once, before any snapshot was taken)
+    assert reply.records and {r.topic for r in reply.records} == {topics.STATE}
+    assert processor.counters.snapshots > snapshots_before

@@ -134,11 +134,13 @@ class Pipeline(LogGuard):
         # In order: send a request's records, then hand them to the acknowledger, while the next runs.
         while True:
             batch, reply, done = await inflight.get()
+            # (a request's findings go out first, while the child snapshots their runs)
+            futures = await self.send(await self.detectors.findings(reply))
             try:
                 answer = await reply
             except DetectorProcessError as exc:
                 await self.fail(str(exc).splitlines()[0], exc)
-            futures = await self.send(answer.records)
+            futures += await self.send(answer.records)
             await delivered.put((batch, futures, answer.checkpoint, done, answer.finding_times))
 
     async def detect(self, stream: StreamT[Any]) -> None:

@@ -2,9 +2,9 @@
 log they came from.
 
 faust-streaming 0.15 builds the worker's consumer with ``fetch_max_wait_ms=1500`` and no
-setting to change it. A broker that holds a fetch until that wait runs out (Tansu does, when
-fewer than ``fetch_min_bytes`` are ready) then delays every event by up to 1.5 s, which is the
-floor on detection latency. This transport is the same in every other respect; the worker uses
+setting to change it. A broker that does not answer a fetch as soon as records arrive (Tansu looks
+again after half the wait left: see ``FETCH_MAX_WAIT_MS``) then delays every event by up to 0.75 s,
+which is the floor on detection latency. This transport is the same in every other respect; the worker uses
 it through the ``runwatch://`` broker URL scheme.
 
 Its consumer also lets the worker (log_guard.py, log_identity.py) refuse a commit of a position that
@@ -44,11 +44,13 @@ from runwatch.worker.run_budget import RunBudget
 
 log = logging.getLogger(__name__)
 
-# How long the broker may hold a fetch that finds nothing new. Tansu answers a fetch at the end of its wait
-# even when records arrive meanwhile, so the wait is what a quiet run's record waits for: short while
-# telemetry has been arriving lately (ACTIVE_FOR_S), longer when the worker is idle (fewer empty fetches).
+# How long the broker may hold a fetch that finds nothing new. Tansu does not answer when records arrive: it
+# looks again after half the wait left, then half the rest, ... (tansu-storage's FetchService, v0.6.0), so
+# a record that arrives during a wait of W ms is handed over up to W/2 later (W/6 on average; measured with
+# kafka-python: docs/profiles/worker.md). The wait is short while telemetry has been arriving lately
+# (ACTIVE_FOR_S), longer when the worker is idle (fewer empty fetches).
 FETCH_MAX_WAIT_MS = int(os.environ.get("RUNWATCH_FETCH_MAX_WAIT_MS", "50"))
-# (at least 1 ms: aiokafka fetching with no wait from Tansu stalled records for seconds)
+# (at least 1 ms: Tansu answers a fetch with no wait before it looks at all, with no records, ever)
 ACTIVE_FETCH_MAX_WAIT_MS = max(1, int(os.environ.get("RUNWATCH_ACTIVE_FETCH_MAX_WAIT_MS", "5")))
 ACTIVE_FOR_S = 10.0
 SCHEME = "runwatch"

@@ -212,8 +212,16 @@ class ActionListener:
 
     def _start_reader(self) -> None:
         bootstrap, topic, started_at, client_id = self._reader_args
+        stats = self.rw.delivery.stats
         self._reader = ActionReader(
-            bootstrap, topic, started_at, self._accept, client_id=client_id, key=self.rw.run_id.encode()
+            bootstrap,
+            topic,
+            started_at,
+            self._accept,
+            client_id=client_id,
+            key=self.rw.run_id.encode(),
+            # (the run publishing: an action may answer its events, so the reader's fetch wait stays short)
+            activity=lambda: stats.queued + stats.published,
         )
         self._reader.start()
 
