@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import secrets
@@ -29,8 +28,10 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from state_bench_events import step_event as healthy_step
+
 from runwatch.contract import topics
-from runwatch.contract.schema import CategoryLoss, MemoryStats, StepEvent
+from runwatch.contract.schema import StepEvent
 from runwatch.local.broker import EmbeddedBroker, ensure_topics, free_port
 
 
@@ -95,22 +96,8 @@ def consumer(role: str, bootstrap: str, ends_json: str, out: str) -> None:
 
 def step_event(rng: random.Random, i: int, runs: int, t0: datetime) -> StepEvent:
     """The ``i``-th healthy step event of ``runs`` runs (round robin): 20 module norms, 8 categories,
-    memory and timing fields. Also bench_processor_compare.py's events."""
-    run, step = f"bench-{i % runs}", i // runs
-    return StepEvent(
-        run_id=run,
-        step=step,
-        ts=t0 + timedelta(seconds=0.2 * step),
-        loss=2.0 * math.exp(rng.gauss(0, 0.05)),
-        lr=[3e-4],
-        grad_norm=1.0 + rng.random() * 0.1,
-        module_grad_norms={f"layers.{k}": 0.1 + rng.random() * 0.01 for k in range(20)},
-        category_loss={f"c{k}": CategoryLoss(mean=2.0 + rng.gauss(0, 0.05), count=16) for k in range(8)},
-        step_time_s=0.2 * math.exp(rng.gauss(0, 0.05)),
-        data_wait_s=0.01,
-        samples_per_s=640.0,
-        memory=MemoryStats(allocated=10**10, reserved=12 * 10**9, host_rss=8 * 2**30),
-    )
+    memory and timing fields, as bench_state.py's. Also bench_processor_compare.py's events."""
+    return healthy_step(f"bench-{i % runs}", i // runs, rng, t0)
 
 
 def fill(bootstrap: str, n: int, runs: int) -> dict[int, int]:

@@ -23,6 +23,7 @@ def log(message: str) -> None:
 
 
 def step_event(run: str, step: int, rng: random.Random, t0: datetime) -> StepEvent:
+    """A healthy step of ``run`` (bench_throughput.py's events too)."""
     return StepEvent(
         run_id=run,
         step=step,
