@@ -12,6 +12,9 @@ from datetime import UTC, datetime, timedelta
 
 from runwatch.contract import topics
 from runwatch.contract.schema import CategoryLoss, MemoryStats, StepEvent
+from runwatch.detectors import RunwatchConfig
+from runwatch.worker.processor import TelemetryProcessor
+from runwatch.worker.state.run_states import StateOptions
 
 SECRET = secrets.token_bytes(32)
 STATE_SECRET = secrets.token_bytes(32)  # the workers' state key (never the action secret)
@@ -59,3 +62,14 @@ class NoState:
 
     def read(self, partitions: set[int]) -> dict[str, bytes | None]:
         return {}
+
+
+def snapshotting_processor() -> TelemetryProcessor:
+    """A processor with state on, nothing stored and no timed snapshots: they are taken when asked."""
+    return TelemetryProcessor(
+        RunwatchConfig(),
+        SECRET,
+        state_reader=NoState(),
+        state=StateOptions(interval_s=1e9),
+        state_secret=STATE_SECRET,
+    )

@@ -9,7 +9,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 # (beside this file: bench_state.py, which imports this module, puts this folder on sys.path)
-from state_bench_events import PARTITIONS, SECRET, STATE_SECRET, NoState, log, step_event, stream
+from state_bench_events import (
+    PARTITIONS,
+    SECRET,
+    STATE_SECRET,
+    NoState,
+    log,
+    snapshotting_processor,
+    step_event,
+    stream,
+)
 
 from runwatch.detectors import RunwatchConfig
 from runwatch.worker.processor import TelemetryProcessor
@@ -60,13 +69,7 @@ def snapshot_size() -> dict:
     """One run's snapshot bytes and time to take, as it grows."""
     rng = random.Random(1)
     t0 = datetime.now(UTC) - timedelta(hours=2)
-    proc = TelemetryProcessor(
-        RunwatchConfig(),
-        SECRET,
-        state_reader=NoState(),
-        state=StateOptions(interval_s=1e9),
-        state_secret=STATE_SECRET,
-    )
+    proc = snapshotting_processor()
     proc.keep_partitions({0})
     out = {}
     for n in range(5000):
@@ -83,13 +86,7 @@ def snapshot_size() -> dict:
     from runwatch.contract.schema import RunStartEvent
 
     for world in (8, 32):  # a multi-rank run: per-rank detectors and the join grow with its ranks
-        proc = TelemetryProcessor(
-            RunwatchConfig(),
-            SECRET,
-            state_reader=NoState(),
-            state=StateOptions(interval_s=1e9),
-            state_secret=STATE_SECRET,
-        )
+        proc = snapshotting_processor()
         proc.keep_partitions({0})
         run = f"ranks-{world}"
         proc.process(RunStartEvent(run_id=run, world_size=world, ts=t0).to_json(), run.encode(), 0, 0)

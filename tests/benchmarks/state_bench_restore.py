@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 # (beside this file: bench_state.py, which imports this module, puts this folder on sys.path)
-from state_bench_events import PARTITIONS, SECRET, STATE_SECRET, NoState, log, stream
+from state_bench_events import PARTITIONS, SECRET, STATE_SECRET, log, snapshotting_processor, stream
 
 from runwatch.contract import topics
 from runwatch.contract.schema import Action, Anomaly
@@ -27,13 +27,7 @@ def restore(bootstrap: str, runs: int, steps: int = 200) -> dict:
 
     from runwatch.worker.state.reader import StateReader
 
-    builder = TelemetryProcessor(
-        RunwatchConfig(),
-        SECRET,
-        state_reader=NoState(),
-        state=StateOptions(interval_s=1e9),
-        state_secret=STATE_SECRET,
-    )
+    builder = snapshotting_processor()
     builder.keep_partitions(set(range(PARTITIONS)))
     for i, (value, key, partition) in enumerate(stream(runs, steps, seed=2)):
         builder.process(value, key, partition, i)
